@@ -1,0 +1,65 @@
+"""Sub-configs for MLA attention and its rotary embedding (frozen, validated by the model config)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding over the `dim` rope channels of each head.
+
+    kind "default" is plain RoPE; "yarn" is YaRN as DeepSeek uses it (NTK-by-parts frequency
+    blend between `beta_fast` and `beta_slow`, cos/sin scaled by mscale(mscale)/mscale(mscale_all_dim)).
+    """
+
+    dim: int
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    interleave: bool = True  # DeepSeek's rope channels are (x0, x1), (x2, x3), ... pairs
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    if factor <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention shapes. Legend: H hidden, N heads, C kv_lora_rank, R rope dim."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope: RopeConfig
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Per-token width of the latent cache: compressed kv (C) + shared rope key (R)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        # YaRN sharpens the softmax by mscale(mscale_all_dim)^2 (DeepSeek-V2/V3 reference).
+        if self.rope.kind == "yarn" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale = scale * m * m
+        return scale
