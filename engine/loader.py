@@ -1,0 +1,191 @@
+"""Read HF-format DeepSeek safetensors checkpoints and copy them into a model's parameters.
+
+Legend: E routed experts, Im moe_intermediate_size, H hidden. Names are HF tensor names
+(`model.layers.3.mlp.experts.7.gate_proj.weight`). FP8 checkpoints store a linear weight as
+float8_e4m3fn plus a sibling `<name>_scale_inv` [ceil(rows/br), ceil(cols/bc)]; the reader
+dequantises on `get` unless fp8 itself is asked for.
+
+The model decides what it wants: `load_weights` gets `targets` {name -> destination tensor} (a
+destination may be a view into a stacked parameter, e.g. w13[e, :Im] for expert e's gate_proj) and
+an `ignore` predicate for names it deliberately leaves out (other EP ranks' experts). Everything
+else in the checkpoint is an error, except multi-token-prediction layers, which are skipped.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from moe.fp8 import FP8_DTYPE, dequantize_fp8_block
+
+log = logging.getLogger("wideep.loader")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+_MAX_LISTED = 10
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match what the model expects; the message names the tensors."""
+
+
+def _listing(names: list[str]) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else ""
+    return ", ".join(names[:_MAX_LISTED]) + more
+
+
+class CheckpointReader:
+    """Lazy, memory-mapped view of `model.safetensors` or a sharded `model.safetensors.index.json`.
+
+    Files are opened on first use and tensors are read one at a time, so a 700 GB checkpoint never
+    has more than one tensor (plus its scale) materialised.
+    """
+
+    def __init__(self, model_dir: str):
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+        self.model_dir = model_dir
+        self._handles: dict[str, object] = {}
+        index, single = os.path.join(model_dir, INDEX_FILE), os.path.join(model_dir, SINGLE_FILE)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise CheckpointError(f"{index} has no 'weight_map'")
+            for shard in sorted(set(weight_map.values())):
+                if not os.path.isfile(os.path.join(model_dir, shard)):
+                    names = [n for n, s in weight_map.items() if s == shard]
+                    raise FileNotFoundError(f"{index} maps {len(names)} tensors (e.g. {names[0]!r}) to "
+                                            f"{shard!r}, which does not exist in {model_dir!r}")
+            self._file_of: dict[str, str] = dict(weight_map)
+        elif os.path.isfile(single):
+            self._file_of = {n: SINGLE_FILE for n in self._handle(SINGLE_FILE).keys()}
+        else:
+            raise FileNotFoundError(f"no safetensors checkpoint in {model_dir!r}: "
+                                    f"looked for {SINGLE_FILE} and {INDEX_FILE}")
+        self.names: frozenset[str] = frozenset(self._file_of)
+        self.block_size = self._config_block_size()
+
+    def _config_block_size(self) -> tuple[int, int]:
+        # The block is a property of the checkpoint, so take it from its config rather than assume 128.
+        path = os.path.join(self.model_dir, "config.json")
+        if os.path.isfile(path):
+            with open(path) as f:
+                block = (json.load(f).get("quantization_config") or {}).get("weight_block_size")
+            if block:
+                return int(block[0]), int(block[1])
+        return 128, 128
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles[file] = safe_open(os.path.join(self.model_dir, file), framework="pt")
+        return self._handles[file]
+
+    def file_of(self, name: str) -> str:
+        if name not in self._file_of:
+            raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.model_dir!r}")
+        return self._file_of[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.file_of(name)).get_slice(name).get_shape())
+
+    def get(self, name: str, dtype: torch.dtype, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor in `dtype`. An fp8 weight is dequantised with `<name>_scale_inv`; asking for
+        `dtype=float8_e4m3fn` returns the stored fp8 values untouched (load the scale separately)."""
+        t = self._handle(self.file_of(name)).get_tensor(name)
+        if t.dtype != FP8_DTYPE or dtype == FP8_DTYPE:
+            return t.to(dtype)
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self._file_of:
+            raise CheckpointError(f"{name!r} is float8_e4m3fn but the checkpoint has no {scale_name!r} "
+                                  f"to dequantise it with")
+        scale = self._handle(self._file_of[scale_name]).get_tensor(scale_name)
+        return dequantize_fp8_block(t, scale, block_size or self.block_size, dtype)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    loaded: int  # targets filled
+    bytes_loaded: int  # bytes written into the targets
+    skipped_mtp: int  # checkpoint tensors of multi-token-prediction layers, never read
+    ignored: int  # checkpoint tensors the caller's `ignore` predicate skipped, never read
+
+
+def expert_ignore(owned: Callable[[int, int], bool]) -> Callable[[str], bool]:
+    """ignore predicate for `load_weights`: True for `model.layers.{i}.mlp.experts.{e}.*` (incl. the
+    fp8 scales) when `owned(i, e)` is False. `e` is the logical expert id as the checkpoint names it."""
+
+    def ignore(name: str) -> bool:
+        m = _EXPERT.match(name)
+        return m is not None and not owned(int(m.group(1)), int(m.group(2)))
+
+    return ignore
+
+
+def _is_mtp(name: str, num_hidden_layers: int | None) -> bool:
+    m = _LAYER.match(name) if num_hidden_layers is not None else None
+    return m is not None and int(m.group(1)) >= num_hidden_layers
+
+
+def load_weights(reader: CheckpointReader, targets: dict[str, torch.Tensor], *,
+                 ignore: Callable[[str], bool] | None = None, num_hidden_layers: int | None = None,
+                 progress: bool = True, dtype: torch.dtype | None = None) -> LoadReport:
+    """Fill every `targets[name]` with checkpoint tensor `name` (`dest.copy_`), read as `dtype`
+    (default: the destination's dtype; fp8 is dequantised unless the destination is fp8).
+
+    Every name is checked before anything is read, so a mismatched checkpoint fails fast and leaves
+    the model untouched. Layers >= `num_hidden_layers` (DeepSeek-V3's MTP module) are skipped
+    unless targeted. Raises CheckpointError for missing, unexpected or wrongly shaped tensors.
+    """
+    ckpt = reader.names
+    missing = [n for n in targets if n not in ckpt]
+    if missing:
+        raise CheckpointError(f"{len(missing)} tensors the model needs are not in the checkpoint at "
+                              f"{reader.model_dir!r}: {_listing(missing)}")
+
+    def claimed(name: str) -> bool:  # an fp8 scale belongs to its weight
+        return name.endswith(SCALE_SUFFIX) and name[:-len(SCALE_SUFFIX)] in targets
+
+    mtp, ignored, unexpected = [], [], []
+    for name in ckpt:
+        if name in targets or claimed(name):
+            continue
+        if _is_mtp(name, num_hidden_layers):
+            mtp.append(name)
+        elif ignore is not None and (ignore(name) or (name.endswith(SCALE_SUFFIX)
+                                                      and ignore(name[:-len(SCALE_SUFFIX)]))):
+            ignored.append(name)
+        else:
+            unexpected.append(name)
+    if unexpected:
+        raise CheckpointError(f"{len(unexpected)} checkpoint tensors are not used by the model (pass an "
+                              f"`ignore` predicate to skip them on purpose): {_listing(unexpected)}")
+    wrong = [f"{n}: expected {tuple(d.shape)}, found {reader.shape(n)}"
+             for n, d in targets.items() if tuple(d.shape) != reader.shape(n)]
+    if wrong:
+        raise CheckpointError(f"{len(wrong)} tensors have the wrong shape: " + "; ".join(wrong[:_MAX_LISTED])
+                              + (f" ... and {len(wrong) - _MAX_LISTED} more" if len(wrong) > _MAX_LISTED else ""))
+    if mtp:
+        layers = sorted({int(_LAYER.match(n).group(1)) for n in mtp})
+        log.info("skipping %d tensors of multi-token-prediction layers %s (not served)", len(mtp), layers)
+
+    nbytes = 0
+    # Shard by shard, in name order: the page cache then streams each file front to back.
+    order = sorted(targets, key=lambda n: (reader.file_of(n), n))
+    with torch.no_grad():
+        for name in tqdm(order, desc="loading weights", unit="tensor", disable=not progress):
+            dest = targets[name]
+            dest.copy_(reader.get(name, dtype or dest.dtype))
+            nbytes += dest.numel() * dest.element_size()
+    return LoadReport(loaded=len(targets), bytes_loaded=nbytes, skipped_mtp=len(mtp), ignored=len(ignored))
