@@ -1,0 +1,52 @@
+"""Per-step attention metadata: an argument of every forward, never a global.
+
+Legend: T tokens in the step (all sequences flattened), B sequences, M max blocks per sequence.
+Sequence b contributes query_lens[b] consecutive tokens; after this step's writes it has
+ctx_lens[b] tokens in the cache, so its tokens sit at positions ctx_lens[b]-query_lens[b] ... ctx_lens[b]-1.
+A cache slot is block_id * block_size + offset in the layer's pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttnMeta:
+    positions: torch.Tensor     # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: where each token's latent is written
+    block_table: torch.Tensor   # [B, M] int64 block ids (padding entries point at block 0)
+    query_lens: list[int]       # [B] host ints
+    ctx_lens: list[int]         # [B] host ints
+    block_size: int
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def query_starts(self) -> list[int]:
+        starts, s = [], 0
+        for q in self.query_lens:
+            starts.append(s)
+            s += q
+        return starts
+
+    def context_slots(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots of the whole context of the given sequences, padded: ([len(seqs), Lmax] int64,
+        lens [len(seqs)] int64). Padding slots point at slot 0 (always finite memory)."""
+        key = ("ctx", tuple(seqs))
+        if key not in self._cache:
+            lens = [self.ctx_lens[b] for b in seqs]
+            lmax = max(lens) if lens else 0
+            pos = torch.arange(lmax, device=self.block_table.device)
+            bt = self.block_table[seqs]                                          # [S, M]
+            nblk = -(-lmax // self.block_size)
+            blocks = bt[:, :nblk].repeat_interleave(self.block_size, dim=1)[:, :lmax]  # [S, Lmax]
+            slots = blocks * self.block_size + (pos % self.block_size)
+            lens_t = torch.tensor(lens, dtype=torch.int64, device=slots.device)
+            slots = torch.where(pos[None, :] < lens_t[:, None], slots, torch.zeros_like(slots))
+            self._cache[key] = (slots, lens_t)
+        return self._cache[key]

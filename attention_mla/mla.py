@@ -1,0 +1,132 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache.
+
+Legend: T tokens, N heads, H hidden, C kv_lora_rank, R rope dim, dn qk_nope_head_dim, dv v_head_dim,
+L context length. Two mathematically equal forms, kept side by side:
+- naive (prefill): expand the cached latent through kv_b_proj into per-head K/V, then attention;
+  cheap when queries are many, since the expansion is shared by all of them.
+- absorbed (decode): fold kv_b_proj's K half into the query and its V half into the output, and
+  attend directly over the latent [L, C+R]; the per-head K/V of the context are never built.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MLAConfig
+from .meta import AttnMeta
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+
+MODES = ("auto", "naive", "absorbed")
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: MLAConfig, rope: RotaryEmbedding, device=None, dtype=None):
+        super().__init__()
+        self.cfg, self.rope = cfg, rope
+        self.mode = "auto"  # "auto": absorbed for sequences with one query token, naive otherwise
+        N, H, C, R = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        kw = dict(device=device, dtype=dtype)
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, N * cfg.qk_head_dim, bias=False, **kw)
+        else:
+            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, **kw)
+        self.kv_a_proj_with_mqa = nn.Linear(H, C + R, bias=cfg.attention_bias, **kw)
+        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, **kw)
+        self.kv_b_proj = nn.Linear(C, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **kw)
+        self.o_proj = nn.Linear(N * cfg.v_head_dim, H, bias=cfg.attention_bias, **kw)
+
+    # -- projections -------------------------------------------------------------------------
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, H] -> q_nope [T, N, dn], q_pe [T, N, R] (rotated), latent [T, C+R] (normed c, rotated k_pe)."""
+        cfg = self.cfg
+        T = x.shape[0]
+        if cfg.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, cfg.num_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_a_proj_with_mqa(x)
+        c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = self.rope.apply(q_pe, cos, sin)
+        k_pe = self.rope.apply(k_pe, cos, sin)
+        return q_nope, q_pe, torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> W_UK [N, dn, C], W_UV [N, dv, C] (views of kv_b_proj.weight)."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, :cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
+
+    # -- the two attention forms -------------------------------------------------------------
+    def attend_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+        """One sequence. q_nope [Tq, N, dn], q_pe [Tq, N, R]: its last Tq positions; ctx [L, C+R]
+        -> [Tq, N, dv]. Causal: query t sees keys 0 .. L-Tq+t."""
+        cfg = self.cfg
+        Tq, L = q_nope.shape[0], ctx.shape[0]
+        c, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = F.linear(c, self.kv_b_proj.weight).view(L, cfg.num_heads, -1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe[:, None, :].expand(L, cfg.num_heads, -1)), dim=-1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        mask = None
+        if Tq > 1 or L > Tq:
+            mask = torch.ones(Tq, L, dtype=torch.bool, device=q.device).tril(L - Tq)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask, scale=cfg.softmax_scale)
+        return out.transpose(0, 1)
+
+    def attend_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor,
+                        key_limit: torch.Tensor) -> torch.Tensor:
+        """Any tokens. q_nope [T, N, dn], q_pe [T, N, R], ctx [T, L, C+R] (each token's sequence
+        context, padded), key_limit [T]: token t sees keys j < key_limit[t] -> [T, N, dv]."""
+        w_uk, w_uv = self._kv_b()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [T, N, C]
+        q = torch.cat((q_lat, q_pe), dim=-1)                               # [T, N, C+R]
+        scores = torch.bmm(q, ctx.transpose(1, 2)).float() * self.cfg.softmax_scale  # [T, N, L]
+        keys = torch.arange(ctx.shape[1], device=ctx.device)
+        scores.masked_fill_((keys[None, :] >= key_limit[:, None])[:, None, :], float("-inf"))
+        p = scores.softmax(dim=-1).to(ctx.dtype)
+        out_lat = torch.bmm(p, ctx[..., :self.cfg.kv_lora_rank])          # [T, N, C]
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, N, dv]
+
+    # -- step ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H], kv_pool [S, C+R] (this layer), cos/sin [T, R/2] -> [T, H]."""
+        cfg = self.cfg
+        T = x.shape[0]
+        if T == 0:
+            return self.o_proj(x.new_zeros(0, cfg.num_heads * cfg.v_head_dim))
+        q_nope, q_pe, latent = self.project(x, cos, sin)
+        kv_pool.index_copy_(0, meta.slot_mapping, latent.to(kv_pool.dtype))
+        out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
+        starts = meta.query_starts
+        if self.mode == "absorbed":
+            absorbed = list(range(len(meta.query_lens)))
+        elif self.mode == "naive":
+            absorbed = []
+        else:
+            absorbed = [b for b, q in enumerate(meta.query_lens) if q == 1]
+        if absorbed:
+            slots, _ = meta.context_slots(absorbed)
+            rows = torch.cat([torch.arange(starts[b], starts[b] + meta.query_lens[b]) for b in absorbed])
+            rows = rows.to(x.device)
+            ctx = kv_pool[slots]                                                  # [S, L, C+R]
+            if len(absorbed) != len(rows):  # a sequence with several queries: one context copy per token
+                which = torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),
+                                                torch.tensor([meta.query_lens[b] for b in absorbed], device=x.device))
+                ctx = ctx[which]
+            out[rows] = self.attend_absorbed(q_nope[rows], q_pe[rows], ctx, meta.positions[rows] + 1)
+        absorbed_set = set(absorbed)
+        for b, (s, q) in enumerate(zip(starts, meta.query_lens)):
+            if b in absorbed_set or q == 0:
+                continue
+            slots, _ = meta.context_slots([b])
+            ctx = kv_pool[slots[0]]
+            out[s:s + q] = self.attend_naive(q_nope[s:s + q], q_pe[s:s + q], ctx)
+        return self.o_proj(out.view(T, -1))

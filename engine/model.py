@@ -1,0 +1,96 @@
+"""DeepSeek-V2/V3 decoder assembled from wideep's MLA and MoE modules.
+
+Legend: T tokens in the step (all sequences flattened), H hidden, V vocab.
+Parameter names follow the HF checkpoint, so `checkpoint_targets` is mostly the identity; routed
+experts are stacked per layer (w13 [El, 2I, H], w2 [El, H, I]) and the checkpoint's
+per-expert tensors are views into them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention_mla.meta import AttnMeta
+from attention_mla.mla import MLA
+from attention_mla.norm import RMSNorm
+from attention_mla.rope import RotaryEmbedding
+from moe.layer import MoELayer
+from moe.mlp import MLP
+
+from .config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = MLA(cfg.mla, rope, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.mlp = MoELayer(cfg.moe, **kw) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+    def forward(self, x, meta, kv_pool, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), meta, kv_pool, cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Inner(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, device=None, dtype=None):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, device, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
+        # Built on the meta device and materialised empty: the checkpoint fills every parameter,
+        # and random init of a 671B model would take longer than loading it.
+        with torch.device("meta"):
+            self.model = _Inner(cfg, self.rope, dtype=dtype)
+            self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
+                                                                            dtype=dtype)
+        self.to_empty(device=device)
+        for layer in self.model.layers:
+            if layer.is_moe:  # the router keeps fp32 whatever the model dtype, as the checkpoints do
+                layer.mlp.gate.float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """HF tensor name -> destination tensor (a view for stacked experts)."""
+        targets: dict[str, torch.Tensor] = {}
+        for name, p in self.named_parameters():
+            if ".mlp.experts.w" not in name:
+                targets[name] = p.data
+        I = self.cfg.moe.moe_intermediate_size if self.cfg.moe else 0
+        for i, layer in enumerate(self.model.layers):
+            if not layer.is_moe:
+                continue
+            ex = layer.mlp.experts
+            for e in range(ex.num_local):
+                pre = f"model.layers.{i}.mlp.experts.{e}."
+                targets[pre + "gate_proj.weight"] = ex.w13.data[e, :I]
+                targets[pre + "up_proj.weight"] = ex.w13.data[e, I:]
+                targets[pre + "down_proj.weight"] = ex.w2.data[e]
+        return targets
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, H]."""
+        x = self.model.embed_tokens(input_ids)
+        max_pos = max(meta.ctx_lens) - 1 if meta.ctx_lens else 0
+        cos, sin = self.rope.cos_sin(meta.positions, max_position=max_pos)
+        for layer, pool in zip(self.model.layers, kv_pools):
+            x = layer(x, meta, pool, cos, sin)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> logits [n, V] fp32."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ w.t()).float()

@@ -1,0 +1,54 @@
+"""Router: logical top-k expert ids and weights per token.
+
+Legend: T tokens, H hidden, E logical experts, k top-k, G groups (n_group).
+- greedy: top-k of the scores.
+- group_limited_greedy (DeepSeek-V2): keep the topk_group groups with the highest max score.
+- noaux_tc (DeepSeek-V3): groups ranked by the sum of their top-2 (score + e_score_correction_bias);
+  the bias steers *selection* only; weights come from the unbiased scores.
+Weights are renormalised over the k chosen when norm_topk_prob, then times routed_scaling_factor.
+Routing runs in fp32 whatever the model dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import MoEConfig
+
+
+class Gate(nn.Module):
+    def __init__(self, cfg: MoEConfig, device=None):
+        super().__init__()
+        self.cfg = cfg
+        E, H = cfg.n_routed_experts, cfg.hidden_size
+        self.weight = nn.Parameter(torch.empty(E, H, device=device, dtype=torch.float32))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(E, device=device, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> topk_ids [T, k] int64 (logical), topk_weights [T, k] fp32."""
+        cfg = self.cfg
+        logits = x.float() @ self.weight.t()                                   # [T, E]
+        scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+        choice = scores
+        if cfg.topk_method != "greedy" and cfg.n_group > 1:
+            T = x.shape[0]
+            if self.e_score_correction_bias is not None:
+                choice = scores + self.e_score_correction_bias
+            grouped = choice.view(T, cfg.n_group, -1)                          # [T, G, E/G]
+            if cfg.topk_method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1).values.sum(-1)         # [T, G]
+            else:
+                group_scores = grouped.amax(-1)
+            keep = group_scores.topk(cfg.topk_group, dim=-1).indices          # [T, topk_group]
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(T, -1)
+        elif self.e_score_correction_bias is not None:
+            choice = scores + self.e_score_correction_bias
+        topk_ids = choice.topk(cfg.top_k, dim=-1).indices                      # [T, k]
+        topk_weights = scores.gather(1, topk_ids)
+        if cfg.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+        return topk_ids, topk_weights * cfg.routed_scaling_factor

@@ -1,0 +1,17 @@
+"""SwiGLU MLP: dense layers and shared experts."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False, device=device, dtype=dtype)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False, device=device, dtype=dtype)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
