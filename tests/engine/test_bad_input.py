@@ -1,0 +1,110 @@
+"""Bad input raises a clear error naming the problem; the engine keeps working afterwards."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, ConfigError, SamplingParams
+from launch.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), arch="v3", seed=1)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(tiny, progress=False, max_model_len=128)
+
+
+def _copy(src: str, dst: str, edit_tensors=None, edit_config=None) -> str:
+    os.makedirs(dst, exist_ok=True)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    if edit_config:
+        edit_config(cfg)
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    t = load_file(os.path.join(src, "model.safetensors"))
+    if edit_tensors:
+        edit_tensors(t)
+    save_file(t, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def test_missing_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(tmp_path / "nope"))
+
+
+def test_llama_config_rejected(tiny, tmp_path):
+    d = _copy(tiny, str(tmp_path / "llama"), edit_config=lambda c: c.update(architectures=["LlamaForCausalLM"],
+                                                                           model_type="llama"))
+    with pytest.raises(ConfigError, match="LlamaForCausalLM"):
+        LLM(d)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("topk_method", "magic", "topk_method"),
+    ("scoring_func", "relu", "scoring_func"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("quantization_config", {"quant_method": "awq"}, "quant_method"),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}, "rope_type"),
+    ("n_group", 3, "n_group"),
+])
+def test_unsupported_config_values_name_the_field(tiny, tmp_path, field, value, match):
+    d = _copy(tiny, str(tmp_path / "bad"), edit_config=lambda c: c.update({field: value}))
+    with pytest.raises(ConfigError, match=match):
+        LLM(d)
+
+
+def test_missing_tensor_named(tiny, tmp_path):
+    d = _copy(tiny, str(tmp_path / "m"), edit_tensors=lambda t: t.pop("model.layers.2.self_attn.kv_b_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.self_attn\.kv_b_proj\.weight"):
+        LLM(d)
+
+
+def test_wrong_shape_named(tiny, tmp_path):
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    d = _copy(tiny, str(tmp_path / "s"), edit_tensors=lambda t: t.update({name: torch.zeros(5, 7)}))
+    with pytest.raises(ValueError, match=r"experts\.3\.down_proj.*\(64, 32\).*\(5, 7\)"):
+        LLM(d)
+
+
+def test_token_id_out_of_vocab(llm):
+    with pytest.raises(ValueError, match="token id 256 is out of range"):
+        llm.generate([[1, 2, 256]])
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[-1]])
+
+
+def test_empty_prompt(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+
+
+def test_max_tokens_beyond_context(llm):
+    with pytest.raises(ValueError, match=r"max_tokens \(100\) exceeds the context \(max_model_len=128\)"):
+        llm.generate([list(range(2, 40))], SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * 128])
+
+
+def test_bad_sampling_params():
+    for kw, match in [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                      ({"max_tokens": 0}, "max_tokens"), ({"logprobs": -2}, "logprobs")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+
+
+def test_bad_request_in_batch_accepts_nothing_and_engine_keeps_serving(llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=5)
+    good = llm.generate([[3, 4, 5]], sp)[0].outputs[0].token_ids
+    with pytest.raises(ValueError):
+        llm.generate([[3, 4, 5], [999]], sp)
+    assert not llm.scheduler.has_work()
+    assert llm.generate([[3, 4, 5]], sp)[0].outputs[0].token_ids == good
+    assert llm.scheduler.allocator.num_free == llm.scheduler.allocator.num_blocks

@@ -1,0 +1,61 @@
+"""Sampling: seeds reproduce, degenerate filters equal greedy, logprobs shape; MTP layers skipped."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine import LLM, SamplingParams
+from launch.tiny import make_tiny_checkpoint
+
+PROMPTS = [[5, 9, 77, 3], [100, 2]]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return LLM(make_tiny_checkpoint(str(tmp_path_factory.mktemp("t")), arch="v3", seed=2,
+                                    initializer_range=0.2), progress=False)
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_seed_reproduces_and_differs(llm):
+    sp = lambda seed: SamplingParams(temperature=1.0, max_tokens=12, seed=seed, ignore_eos=True)
+    a, b, c = (_tokens(llm.generate(PROMPTS, sp(s))) for s in (7, 7, 8))
+    assert a == b and a != c
+
+
+def test_degenerate_filters_equal_greedy(llm):
+    greedy = _tokens(llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+    for kw in ({"top_k": 1}, {"top_p": 1e-6}):
+        sp = SamplingParams(temperature=0.8, max_tokens=8, seed=3, ignore_eos=True, **kw)
+        assert _tokens(llm.generate(PROMPTS, sp)) == greedy
+
+
+def test_logprobs_contain_token_and_top_n(llm):
+    (o,) = llm.generate([PROMPTS[0]], SamplingParams(temperature=1.0, seed=1, max_tokens=6, logprobs=3,
+                                                     prompt_logprobs=2, ignore_eos=True))
+    c = o.outputs[0]
+    assert len(c.logprobs) == 6
+    for tok, lp in zip(c.token_ids, c.logprobs):
+        assert tok in lp and 3 <= len(lp) <= 4 and all(v <= 0 for v in lp.values())
+    assert abs(c.cumulative_logprob - sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))) < 1e-4
+    assert o.prompt_logprobs[0] is None
+    assert all(PROMPTS[0][j] in o.prompt_logprobs[j] for j in range(1, 4))
+
+
+def test_stop_token_finishes_with_stop(llm):
+    (o,) = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    first = o.outputs[0].token_ids[0]
+    (o,) = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first]))
+    assert o.outputs[0].token_ids == [first] and o.outputs[0].finish_reason == "stop"
+
+
+def test_mtp_layers_skipped_with_one_log_line(tmp_path, caplog):
+    d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=2, num_nextn_predict_layers=1)
+    with caplog.at_level(logging.INFO, logger="wideep.loader"):
+        llm = LLM(d, progress=False)
+    assert sum("MTP" in r.getMessage() or "multi-token" in r.getMessage() for r in caplog.records) == 1
+    assert llm.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids
