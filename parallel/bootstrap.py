@@ -1,0 +1,180 @@
+"""bootstrap(cfg) -> ParallelContext: the one place processes find each other.
+
+Three ways in, tried in this order:
+- env (torchrun, or anything that sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK and
+  LOCAL_WORLD_SIZE default to a single host). Multi-node: `torchrun --nnodes N --node-rank i
+  --master-addr HOST --master-port PORT --nproc-per-node G script.py`.
+- mpirun (MPICH's hydra sets PMI_RANK/PMI_SIZE, Open MPI sets OMPI_COMM_WORLD_RANK/SIZE): rank and
+  size from mpi4py's COMM_WORLD, local rank from a shared-memory split. Rank 0 opens the rendezvous
+  store on MASTER_PORT (or any free port) at MASTER_ADDR (or 127.0.0.1 when every rank is on its host,
+  else its hostname) and broadcasts the address. Multi-node: `mpirun -hostfile hosts -n N python
+  script.py`; set MASTER_ADDR (e.g. `-x MASTER_ADDR=node0` / `-genv MASTER_ADDR node0`) when the
+  hostname of rank 0 does not resolve from the other nodes.
+- neither: one process, ParallelContext.single() (no torch.distributed).
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from .agreement import check_agreement
+from .config import ParallelConfig
+from .context import ParallelContext
+from .watchdog import Watchdog
+
+STORE_PREFIX = "wideep/"
+
+
+@dataclass
+class _Launch:
+    kind: str                 # "torchrun" | "mpirun" | "single"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    addr: str = "127.0.0.1"
+    port: int = 0
+    agent_store: bool = False  # torchrun's agent hosts the store; ranks are all clients
+    mpi_comm: Any = None
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    v = env.get(name)
+    if v is None:
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set (RANK and WORLD_SIZE are; "
+                             f"a launcher must set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
+
+
+def _detect(env: Mapping[str, str]) -> _Launch:
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = _env_int(env, "RANK"), _env_int(env, "WORLD_SIZE")
+        if world == 1:
+            return _Launch("single")
+        if "MASTER_ADDR" not in env:
+            raise ValueError("environment variable MASTER_ADDR is not set (RANK and WORLD_SIZE are)")
+        return _Launch("torchrun", rank, world, _env_int(env, "LOCAL_RANK", rank),
+                       _env_int(env, "LOCAL_WORLD_SIZE", world), env["MASTER_ADDR"], _env_int(env, "MASTER_PORT"),
+                       agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
+    if any(k in env for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
+        try:
+            from mpi4py import MPI
+        except ImportError as e:
+            raise RuntimeError("started under mpirun (PMI_*/OMPI_* variables are set) but mpi4py is not "
+                               "installed: pip install mpi4py") from e
+        comm = MPI.COMM_WORLD
+        rank, world = comm.Get_rank(), comm.Get_size()
+        if world == 1:
+            return _Launch("single")
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        launch = _Launch("mpirun", rank, world, local.Get_rank(), local.Get_size(), mpi_comm=comm)
+        local.Free()
+        return launch
+    return _Launch("single")
+
+
+def _resolve_backend(backend: str) -> str:
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use 'gloo'")
+    return backend
+
+
+def _limit_cpu_threads(local_world_size: int) -> None:
+    # Ranks on one host share its cores. With more intra-op threads than cores per rank, MKL/OpenMP
+    # threads spin against each other and matmuls get hundreds of times slower.
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_rank = max(1, cpus // local_world_size)
+    if per_rank < torch.get_num_threads():
+        torch.set_num_threads(per_rank)
+
+
+def _open_store(launch: _Launch, env: Mapping[str, str], timeout: timedelta) -> dist.TCPStore:
+    if launch.kind == "mpirun":
+        comm = launch.mpi_comm
+        store, addr, port = None, None, None
+        if launch.rank == 0:
+            all_local = launch.local_world_size == launch.world_size
+            addr = env.get("MASTER_ADDR") or ("127.0.0.1" if all_local else socket.gethostname())
+            # Port 0: the store binds a free port itself, so there is no pick-then-bind race.
+            store = dist.TCPStore(addr, int(env.get("MASTER_PORT", 0)), launch.world_size, True,
+                                  timeout=timeout, wait_for_workers=False)
+            port = store.port
+        launch.addr, launch.port = comm.bcast((addr, port), root=0)
+        if store is not None:
+            return store
+        return dist.TCPStore(launch.addr, launch.port, launch.world_size, False, timeout=timeout)
+    is_master = launch.rank == 0 and not launch.agent_store
+    return dist.TCPStore(launch.addr, launch.port, launch.world_size, is_master, timeout=timeout,
+                         wait_for_workers=False)
+
+
+def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | None = None) -> ParallelContext:
+    """Join the other ranks (or not, for one process) and return this rank's context.
+
+    Validates cfg against the world size before any connection is made (same error on every rank),
+    starts the lost-rank watchdog, and checks that every rank got the same cfg.
+    """
+    cfg = cfg or ParallelConfig()
+    env = os.environ if env is None else env
+    launch = _detect(env)
+    cfg.validate(launch.world_size)
+    backend = _resolve_backend(cfg.backend)
+    device = torch.device(f"cuda:{launch.local_rank}") if backend == "nccl" else torch.device("cpu")
+    if launch.kind == "single":
+        return ParallelContext.single(device)
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+    else:
+        _limit_cpu_threads(launch.local_world_size)
+
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store = _open_store(launch, env, timeout)
+    Watchdog.announce(dist.PrefixStore(STORE_PREFIX, store), launch.rank)
+    dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                            timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
+    world = dist.group.WORLD
+    cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+
+    addr, port = launch.addr, launch.port
+
+    def watchdog_store():
+        # Its own connection with a short timeout: a dead store must fail the beat fast.
+        client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=max(2.0, 2 * cfg.heartbeat_s)))
+        return dist.PrefixStore(STORE_PREFIX, client)
+
+    watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, cfg.heartbeat_s, cfg.lost_after_s,
+                        store_host_rank=None if launch.agent_store else 0, store_addr=(addr, port)).start()
+    # Attention TP = 1: every rank is its own DP rank, and the one EP group is the world.
+    ctx = ParallelContext(
+        rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
+        local_world_size=launch.local_world_size, device=device, backend=backend,
+        dp_rank=launch.rank, dp_size=cfg.dp_size, ep_rank=launch.rank, ep_size=cfg.ep_size,
+        ep_group=world, cpu_group=cpu_group, store=store, timeout_s=cfg.timeout_s,
+        launcher=launch.kind, watchdog=watchdog)
+    check_agreement(ctx, json.dumps(cfg.to_dict(), sort_keys=True), "parallel config")
+    return ctx
+
+
+def shutdown(ctx: ParallelContext) -> None:
+    """Stop the watchdog (telling peers this rank left on purpose) and destroy the process group."""
+    if ctx.watchdog is not None:
+        ctx.watchdog.stop(done=True)
+        ctx.watchdog = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ctx.ep_group = ctx.cpu_group = ctx.store = None

@@ -1,0 +1,87 @@
+"""How the ranks are laid out: sizes, backends, timeouts. Pure data, validated once.
+
+Attention is data-parallel and tensor-parallel (dp_size * tp_size = world size); routed experts are
+expert-parallel over all ranks (ep_size = world size). Only tp_size = 1 is implemented, so today
+dp_size = ep_size = world size; the fields stay separate so attention TP can be added later.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "gloo", "nccl")
+DISPATCH_BACKENDS = ("auto", "torch", "allgather", "deepep")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    dp_size: int = 1
+    ep_size: int = 1
+    tp_size: int = 1
+    backend: str = "auto"              # process-group backend: gloo on CPU, nccl on CUDA
+    dispatch_backend: str = "auto"     # MoE all-to-all: auto = deepep when usable, else torch
+    num_redundant_experts: int = 0     # extra physical expert slots for EPLB replicas
+    timeout_s: float = 60.0            # collectives, rendezvous, and lost-rank detection bound
+    heartbeat_s: float = 1.0           # watchdog period
+    deepep_low_latency_max_tokens: int = 128  # decode batches up to this use DeepEP low-latency mode
+
+    def __post_init__(self):
+        for name in ("dp_size", "ep_size", "tp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.dispatch_backend not in DISPATCH_BACKENDS:
+            raise ValueError(f"dispatch_backend must be one of {DISPATCH_BACKENDS}, got {self.dispatch_backend!r}")
+        if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
+        if not self.timeout_s > 0 or not self.heartbeat_s > 0:
+            raise ValueError(f"timeout_s ({self.timeout_s}) and heartbeat_s ({self.heartbeat_s}) must be > 0")
+        # A lost rank must be noticed (lost_after_s) and acted on (one more beat) within timeout_s.
+        if self.lost_after_s + self.heartbeat_s > self.timeout_s:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s}) is too long for timeout_s ({self.timeout_s}): a lost rank is "
+                f"declared after {self.lost_after_s:g} s; need lost_after_s + heartbeat_s <= timeout_s")
+        if self.deepep_low_latency_max_tokens < 1:
+            raise ValueError(f"deepep_low_latency_max_tokens must be >= 1, got {self.deepep_low_latency_max_tokens}")
+
+    @property
+    def lost_after_s(self) -> float:
+        """Seconds without a heartbeat after which a peer is declared lost. Five beats absorb
+        scheduling hiccups on an overloaded host; never less than 5 s, never more than half the timeout."""
+        return min(max(5.0, 5 * self.heartbeat_s), self.timeout_s / 2)
+
+    def num_physical_experts(self, n_routed_experts: int) -> int:
+        return n_routed_experts + self.num_redundant_experts
+
+    def validate(self, world_size: int, n_routed_experts: int | None = None) -> None:
+        """Raise ValueError naming the numbers if this layout cannot run on world_size ranks
+        (and, when given, with n_routed_experts logical experts)."""
+        if self.tp_size != 1:
+            raise ValueError(f"attention tensor parallelism is not supported yet: tp_size ({self.tp_size}) must be 1")
+        if self.dp_size * self.tp_size != world_size:
+            if self.tp_size == 1:
+                raise ValueError(f"dp_size ({self.dp_size}) != world_size ({world_size})")
+            raise ValueError(f"dp_size ({self.dp_size}) * tp_size ({self.tp_size}) = "
+                             f"{self.dp_size * self.tp_size} != world_size ({world_size})")
+        if self.ep_size != world_size:
+            raise ValueError(f"ep_size ({self.ep_size}) != world_size ({world_size}): routed experts are "
+                             f"spread over every rank")
+        if n_routed_experts is not None:
+            p = self.num_physical_experts(n_routed_experts)
+            if p % self.ep_size:
+                raise ValueError(f"n_routed_experts + num_redundant_experts ({p}) is not divisible by "
+                                 f"ep_size ({self.ep_size})")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParallelConfig":
+        """From a run-config section; unknown keys are an error that names them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown parallel config keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
