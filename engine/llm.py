@@ -1,41 +1,29 @@
-"""Offline API shaped like vLLM's: `LLM(model, **options).generate(prompts, SamplingParams(...))`."""
+"""Offline API shaped like vLLM's: `LLM(model, **options).generate(prompts, SamplingParams(...))`.
+
+Under torchrun/mpirun (or with dp_size/ep_size > 1) every rank constructs the same LLM and calls
+`generate` with the same prompts (SPMD): requests are spread over the DP ranks, attention runs on
+the rank that owns the request, experts run where they live, and every rank gets all results back
+in input order.
+"""
 from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import asdict
 from typing import Sequence as Seq
 
 import torch
 
 from attention_mla.kv_cache import BlockAllocator, LatentKVPool
+from parallel.context import ParallelContext
 
+from .build import load_model, parse_dtype
 from .config import ModelConfig
-from .loader import CheckpointReader, load_weights
-from .model import DeepseekModel
 from .runner import ModelRunner
 from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported (supported: {sorted(DTYPES)})")
-    return DTYPES[dtype]
-
-
-def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               progress: bool = True) -> DeepseekModel:
-    cfg = ModelConfig.from_dir(model_dir)
-    model = DeepseekModel(cfg, device=device, dtype=dtype)
-    load_weights(CheckpointReader(model_dir), model.checkpoint_targets(),
-                 num_hidden_layers=cfg.num_hidden_layers, progress=progress)
-    return model.eval()
+from .spmd import StepSync, assign_requests, gather_outputs
 
 
 def _load_tokenizer(model_dir: str):
@@ -47,20 +35,46 @@ def _load_tokenizer(model_dir: str):
 
 
 class LLM:
-    """Single-process engine over one checkpoint directory.
-
-    Options: dtype, device, max_model_len (default max_position_embeddings), block_size,
+    """Options: dtype, device, max_model_len (default max_position_embeddings), block_size,
     kv_cache_blocks (default: enough for max_num_seqs sequences of max_model_len, capped by
-    kv_cache_memory bytes), max_num_seqs, max_num_batched_tokens, seed.
+    kv_cache_memory bytes), max_num_seqs, max_num_batched_tokens, seed; parallel: dp_size, ep_size,
+    dispatch_backend, parallel (a ParallelConfig or dict of its fields), ctx (an existing ParallelContext).
     """
 
-    def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str = "cpu", *,
+    def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None, *,
                  max_model_len: int | None = None, block_size: int = 64, kv_cache_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 seed: int = 0, progress: bool = True):
+                 seed: int = 0, progress: bool = True, dp_size: int | None = None, ep_size: int | None = None,
+                 dispatch_backend: str | None = None, parallel=None, ctx: ParallelContext | None = None):
+        from parallel import ParallelConfig, bootstrap, check_agreement, fingerprint, launch_world_size
+        cfg = ModelConfig.from_dir(model)
+        par = parallel.to_dict() if isinstance(parallel, ParallelConfig) else dict(parallel or {})
+        par.update({k: v for k, v in (("dp_size", dp_size), ("ep_size", ep_size),
+                                      ("dispatch_backend", dispatch_backend)) if v is not None})
+        if ctx is None:
+            world = launch_world_size()
+            # sizes not given follow the launcher, so one script or config serves 1 and N ranks
+            par.setdefault("dp_size", world)
+            par.setdefault("ep_size", world)
+            pcfg = ParallelConfig.from_dict(par)
+            n_experts = cfg.moe.n_routed_experts if cfg.moe else None
+            pcfg.validate(world, n_experts)  # before connecting: the same error on every rank
+            ctx = bootstrap(pcfg) if world > 1 else ParallelContext.single()
+        else:
+            par.setdefault("dp_size", ctx.dp_size)
+            par.setdefault("ep_size", ctx.ep_size)
+            pcfg = ParallelConfig.from_dict(par)
+        self.ctx, self.pcfg = ctx, pcfg
+        if not ctx.is_single:
+            options = dict(dtype=str(dtype), max_model_len=max_model_len, block_size=block_size,
+                           kv_cache_blocks=kv_cache_blocks, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, seed=seed)
+            check_agreement(ctx, fingerprint([asdict(cfg), pcfg.to_dict(), options]), "model config / engine options")
+        device = device or str(self.ctx.device)
         self.model_dir = model
-        self.model = load_model(model, parse_dtype(dtype), device, progress)
-        cfg = self.config = self.model.cfg
+        self.model = load_model(model, parse_dtype(dtype), device, progress and self.ctx.rank == 0, self.ctx,
+                                pcfg.dispatch_backend, cfg)
+        self.config = cfg
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) > max_position_embeddings "
@@ -73,9 +87,10 @@ class LLM:
         self.kv = LatentKVPool(cfg.num_hidden_layers, kv_cache_blocks, block_size, cfg.mla.latent_dim, dt, device)
         self.scheduler = Scheduler(BlockAllocator(kv_cache_blocks), block_size, max_num_seqs, max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv)
+        self.sync = StepSync(self.ctx)
         self.tokenizer = _load_tokenizer(model)
         self._ids = itertools.count()
-        self._generator = torch.Generator(device=device).manual_seed(seed)
+        self._generator = torch.Generator(device=device).manual_seed(seed + self.ctx.rank)
 
     # -- requests ----------------------------------------------------------------------------
     def _make_sequence(self, prompt: str | Seq[int], params: SamplingParams) -> Sequence:
@@ -118,7 +133,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """prompts: a string, a list of token ids, or a list of either. Returns outputs in input order."""
+        """prompts: a string, a list of token ids, or a list of either. Returns outputs in input order.
+        Collective when multi-rank: every rank passes the same prompts and gets every output."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -126,16 +142,41 @@ class LLM:
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        # validate everything before accepting anything
+        # Validate everything before accepting anything; every rank sees the same prompts, so a bad
+        # one raises the same error on every rank before any collective.
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, params)]
         for s in seqs:
-            self.scheduler.add(s)
-        while self.scheduler.has_work():
+            s.request_id = str(next(self._ids))
+        mine = assign_requests([s.num_tokens + s.max_tokens for s in seqs], self.ctx.dp_size)[self.ctx.dp_rank] \
+            if not self.ctx.is_single else list(range(len(seqs)))
+        for i in mine:
+            self.scheduler.add(seqs[i])
+        self._run_until_done()
+        local = {i: self._output(seqs[i]) for i in mine}
+        return gather_outputs(self.ctx, local, len(seqs))
+
+    def _run_until_done(self) -> None:
+        while self.sync.anyone_has_work(self.scheduler.has_work()):
             batch = self.scheduler.schedule()
-            if not batch.seqs:
+            if batch.seqs:
+                self.runner.execute(batch)
+            elif self.ctx.is_single:
                 raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
-            self.runner.execute(batch)
+            else:
+                self.runner.dummy_step()  # keep the MoE all-to-alls in lockstep
             for s in batch.seqs:
                 if s.finished:
                     self.scheduler.finish(s)
-        return [self._output(s) for s in seqs]
+
+    def stats(self) -> dict:
+        """Per-rank parameter bytes and dispatch counters."""
+        out = {"rank": self.ctx.rank, "param_bytes": self.model.param_bytes()}
+        d = getattr(self.model, "dispatcher", None)
+        if d is not None:
+            out["dispatch"] = d.stats.as_dict()
+        return out
+
+    def shutdown(self) -> None:
+        if not self.ctx.is_single:
+            from parallel import shutdown
+            shutdown(self.ctx)

@@ -14,21 +14,23 @@ from attention_mla.meta import AttnMeta
 from attention_mla.mla import MLA
 from attention_mla.norm import RMSNorm
 from attention_mla.rope import RotaryEmbedding
-from moe.layer import MoELayer
+from moe.layer import ExpertShard, MoELayer
 from moe.mlp import MLP
 
 from .config import ModelConfig
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: ExpertShard | None,
+                 dispatcher, device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.self_attn = MLA(cfg.mla, rope, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = MoELayer(cfg.moe, **kw) if self.is_moe else MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.mlp = (MoELayer(cfg.moe, shard, dispatcher, **kw) if self.is_moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, **kw))
 
     def forward(self, x, meta, kv_pool, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), meta, kv_pool, cos, sin)
@@ -36,22 +38,28 @@ class DecoderLayer(nn.Module):
 
 
 class _Inner(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, shard, dispatcher, device=None, dtype=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, device, dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, dispatcher, device, dtype)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """`shard` (this rank's experts) and `dispatcher` are given when expert-parallel; attention,
+    dense layers, shared experts, embeddings and lm_head are replicated on every rank."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 shard: ExpertShard | None = None, dispatcher=None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
+        self.shard = shard
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
         # Built on the meta device and materialised empty: the checkpoint fills every parameter,
         # and random init of a 671B model would take longer than loading it.
         with torch.device("meta"):
-            self.model = _Inner(cfg, self.rope, dtype=dtype)
+            self.model = _Inner(cfg, self.rope, shard, dispatcher, dtype=dtype)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                             dtype=dtype)
         self.to_empty(device=device)
@@ -74,12 +82,23 @@ class DeepseekModel(nn.Module):
             if not layer.is_moe:
                 continue
             ex = layer.mlp.experts
-            for e in range(ex.num_local):
+            for slot, e in enumerate(layer.mlp.local_phy2log):
                 pre = f"model.layers.{i}.mlp.experts.{e}."
-                targets[pre + "gate_proj.weight"] = ex.w13.data[e, :I]
-                targets[pre + "up_proj.weight"] = ex.w13.data[e, I:]
-                targets[pre + "down_proj.weight"] = ex.w2.data[e]
+                targets[pre + "gate_proj.weight"] = ex.w13.data[slot, :I]
+                targets[pre + "up_proj.weight"] = ex.w13.data[slot, I:]
+                targets[pre + "down_proj.weight"] = ex.w2.data[slot]
         return targets
+
+    def owns_expert(self, layer: int, expert: int) -> bool:
+        """Whether this rank loads logical `expert` of `layer` (the loader skips the others unread)."""
+        mlp = self.model.layers[layer].mlp if layer < len(self.model.layers) else None
+        return isinstance(mlp, MoELayer) and expert in mlp.local_phy2log
+
+    def param_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's parameters: total and routed experts."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        experts = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if ".mlp.experts." in n)
+        return {"total": total, "experts": experts}
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H]."""

@@ -40,6 +40,15 @@ class ModelRunner:
         return torch.tensor(ids, device=dev), meta
 
     @torch.inference_mode()
+    def dummy_step(self) -> None:
+        """A zero-token forward: this rank has no work but must still enter every MoE all-to-all."""
+        dev = self.device
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        meta = AttnMeta(positions=empty, slot_mapping=empty, block_table=torch.zeros(0, 1, dtype=torch.int64, device=dev),
+                        query_lens=[], ctx_lens=[], block_size=self.kv.block_size)
+        self.model(empty, meta, self.kv.pools)
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> None:
         """Run one step and advance every sequence in the batch (cache, outputs, finish state)."""
         if not batch.seqs:

@@ -14,6 +14,8 @@ from torch import nn
 
 
 class Experts(nn.Module):
+    PAD_LIMIT = 16  # max tokens per expert for the padded batched-GEMM path
+
     def __init__(self, num_local: int, hidden: int, intermediate: int, device=None, dtype=None):
         super().__init__()
         self.num_local, self.hidden, self.intermediate = num_local, hidden, intermediate
@@ -38,19 +40,36 @@ class Experts(nn.Module):
 
     def forward_grouped(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Sort (row, slot) pairs by expert once, run each expert on its contiguous segment,
-        scatter-add back: one gather, one pass over the experts that got tokens, one scatter."""
+        scatter-add back: one gather, one pass over the experts, one scatter.
+
+        Few pairs per expert (decode): the segments are padded into [El, max_count, H] and run as
+        two batched GEMMs, since then reading the expert weights is the cost and one bmm streams
+        them at memory speed where a per-expert loop pays a dispatch per expert. Many pairs
+        (prefill): a per-expert GEMM on each segment, no padding waste."""
         flat_ids = topk_ids.reshape(-1)                                        # [R*k]
         valid = (flat_ids >= 0).nonzero().squeeze(1)
         order = valid[flat_ids[valid].argsort(stable=True)]                    # pair index, by expert
-        counts = torch.bincount(flat_ids[order], minlength=self.num_local)
+        sorted_ids = flat_ids[order]
+        counts = torch.bincount(sorted_ids, minlength=self.num_local)
         rows = order // topk_ids.shape[1]
         xs = x[rows]                                                           # [M, H]
-        ys = torch.empty_like(xs)
-        start = 0
-        for e, n in enumerate(counts.tolist()):  # SYNC: segment bounds drive the per-expert GEMMs
-            if n:
-                ys[start:start + n] = self._expert(e, xs[start:start + n])
-                start += n
+        counts_host = counts.tolist()  # SYNC: segment bounds drive the GEMM shapes
+        max_count = max(counts_host) if counts_host else 0
+        if 0 < max_count <= self.PAD_LIMIT:
+            starts = torch.cumsum(counts, 0) - counts
+            within = torch.arange(len(order), device=x.device) - starts[sorted_ids]
+            padded = x.new_zeros(self.num_local, max_count, self.hidden)
+            padded[sorted_ids, within] = xs
+            gate, up = torch.bmm(padded, self.w13.transpose(1, 2)).chunk(2, dim=-1)
+            ys = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))[sorted_ids, within]   # [M, H]
+        else:
+            ys = torch.empty_like(xs)
+            start = 0
+            for e, n in enumerate(counts_host):
+                if n:
+                    gate, up = F.linear(xs[start:start + n], self.w13[e]).chunk(2, dim=-1)
+                    torch.mm(F.silu(gate) * up, self.w2[e].t(), out=ys[start:start + n])
+                    start += n
         ys *= topk_weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
 

@@ -37,14 +37,14 @@ class Gate(nn.Module):
             T = x.shape[0]
             if self.e_score_correction_bias is not None:
                 choice = scores + self.e_score_correction_bias
-            grouped = choice.view(T, cfg.n_group, -1)                          # [T, G, E/G]
+            grouped = choice.view(T, cfg.n_group, cfg.n_routed_experts // cfg.n_group)  # [T, G, E/G]
             if cfg.topk_method == "noaux_tc":
                 group_scores = grouped.topk(2, dim=-1).values.sum(-1)         # [T, G]
             else:
                 group_scores = grouped.amax(-1)
             keep = group_scores.topk(cfg.topk_group, dim=-1).indices          # [T, topk_group]
             group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(T, -1)
+            choice = grouped.masked_fill(~group_mask[..., None], float("-inf")).view(T, cfg.n_routed_experts)
         elif self.e_score_correction_bias is not None:
             choice = scores + self.e_score_correction_bias
         topk_ids = choice.topk(cfg.top_k, dim=-1).indices                      # [T, k]

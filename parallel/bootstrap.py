@@ -85,6 +85,16 @@ def _detect(env: Mapping[str, str]) -> _Launch:
     return _Launch("single")
 
 
+def launch_world_size(env: Mapping[str, str] | None = None) -> int:
+    """The world size a launcher announced in the environment (1 when started plainly), read before
+    bootstrap so that "auto" sizes can be resolved without connecting."""
+    env = os.environ if env is None else env
+    for key in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        if key in env:
+            return _env_int(env, key)
+    return 1
+
+
 def _resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"

@@ -63,9 +63,10 @@ class Watchdog:
     # -- lifecycle ---------------------------------------------------------------------------------
     @staticmethod
     def announce(store, rank: int) -> None:
-        """Write this rank's first beat. Call before a barrier (the process-group rendezvous), so that
-        every peer's key exists when the first check reads them all."""
+        """Write this rank's first beat and an empty loss report. Call before a barrier (the
+        process-group rendezvous), so that every peer's keys exist when the first check reads them."""
         store.set(f"hb/{rank}", "0")
+        store.set(f"lost_by/{rank}", "")
 
     def start(self) -> "Watchdog":
         self._store = self._store_factory()
@@ -108,6 +109,23 @@ class Watchdog:
                 return lost
             time.sleep(min(0.1, self.heartbeat_s))
 
+    def linger_for_peers(self) -> None:
+        """On the rank hosting the store: before exiting over a lost rank, wait (bounded) until every
+        surviving peer has reported the loss too, or has left. Exiting at once would take the store
+        down and leave the others unable to tell who was lost."""
+        if self.rank != self.store_host_rank or self._store is None:
+            return
+        deadline = time.monotonic() + self.lost_after_s + 2 * self.heartbeat_s
+        peers = [r for r in self._peers if r not in self.lost_ranks()]
+        try:
+            while peers and time.monotonic() < deadline:
+                reports = self._store.multi_get([f"lost_by/{r}" for r in peers])
+                beats = self._store.multi_get([f"hb/{r}" for r in peers])
+                peers = [r for r, rep, hb in zip(peers, reports, beats) if not rep and hb != DONE]
+                time.sleep(min(0.05, self.heartbeat_s))
+        except Exception:
+            pass
+
     def describe(self, ranks: list[int]) -> str:
         with self._lock:
             return "; ".join(f"rank {r}: no heartbeat for {self._lost.get(r, 0.0):.1f} s" for r in ranks)
@@ -134,6 +152,7 @@ class Watchdog:
                 self._store = self._store_factory()
             self._write_beat()
             values = self._store.multi_get([f"hb/{r}" for r in self._peers]) if self._peers else []
+            reports = self._store.multi_get([f"lost_by/{r}" for r in self._peers]) if self._peers else []
             self._store_down_since = None
         except Exception:
             if self._store_down_since is None:
@@ -153,6 +172,17 @@ class Watchdog:
                 self._last_seen[r] = (v, now)
             elif now - since > self.lost_after_s and r not in self._done:
                 lost[r] = now - since
+        # A peer that already declared someone lost: adopt its verdict, so every survivor names the
+        # same rank even when its own view of that rank's beat is a little younger.
+        for rep in reports:
+            for x in (int(v) for v in rep.decode().split(",") if v) if rep else ():
+                if x != self.rank and x not in self._done:
+                    lost.setdefault(x, now - self._last_seen.get(x, (None, now))[1])
+        if lost:
+            try:
+                self._store.set(f"lost_by/{self.rank}", ",".join(str(r) for r in sorted(lost)))
+            except Exception:
+                pass
         return lost
 
     def _run(self) -> None:
@@ -169,6 +199,7 @@ class Watchdog:
             # Give the main thread a moment to turn its failed collective into RankLostError, then go.
             print(f"{msg}; exiting (this is rank {self.rank})", file=sys.stderr, flush=True)
             self._stop.wait(min(2.0, self.heartbeat_s))
+            self.linger_for_peers()
             if not self._stop.is_set():
                 self._on_lost(msg)
             return
@@ -194,5 +225,6 @@ def guard_collective(ctx):
             raise
         lost = wd.wait_lost(wd.lost_after_s + 2 * wd.heartbeat_s)
         if lost:
+            wd.linger_for_peers()
             raise RankLostError(lost, wd.describe(lost)) from e
         raise

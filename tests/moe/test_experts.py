@@ -9,10 +9,13 @@ from moe.experts import Experts
 from moe.gate import Gate
 
 
+@pytest.mark.parametrize("pad_limit", [0, 16, 1000])  # per-expert GEMMs / auto / padded bmm
 @pytest.mark.parametrize("R,E,k", [(1, 4, 1), (37, 8, 3), (200, 16, 6), (5, 64, 6)])
-def test_grouped_equals_reference(R, E, k):
+@torch.no_grad()
+def test_grouped_equals_reference(R, E, k, pad_limit):
     torch.manual_seed(R + E)
     ex = Experts(E, 32, 24)
+    ex.PAD_LIMIT = pad_limit
     with torch.no_grad():
         ex.w13.normal_(0, 0.2)
         ex.w2.normal_(0, 0.2)

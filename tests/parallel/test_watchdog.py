@@ -61,6 +61,7 @@ def test_guard_collective_converts_only_when_a_rank_is_lost():
         def __init__(self, lost): self.lost = lost
         def wait_lost(self, timeout_s): return self.lost
         def describe(self, ranks): return "no heartbeat for 9.0 s"
+        def linger_for_peers(self): pass
     ctx = ParallelContext(world_size=3, watchdog=FakeWatchdog([2]))
     with pytest.raises(RankLostError, match=r"^rank 2 lost \(no heartbeat for 9.0 s\)") as e:
         with guard_collective(ctx):
@@ -73,3 +74,23 @@ def test_guard_collective_converts_only_when_a_rank_is_lost():
     with pytest.raises(ValueError):
         with guard_collective(ctx):
             raise ValueError("not a collective failure")
+
+
+def test_peer_verdict_is_adopted_and_store_host_lingers_until_reported():
+    """Rank 0 (store host) already declared rank 2 lost; rank 1, whose own view of rank 2 is
+    fresh, adopts the verdict at its next beat, and rank 0's linger returns once rank 1 reported."""
+    store = dist.HashStore()
+    for r in range(3):
+        Watchdog.announce(store, r)
+    store.set("lost_by/0", "2")
+    host = Watchdog(lambda: store, 0, 3, heartbeat_s=0.05, lost_after_s=30.0, on_lost=lambda m: None)
+    host._store, host._lost = store, {2: 31.0}  # as its own check would have left it
+    peer = Watchdog(lambda: store, 1, 3, heartbeat_s=0.05, lost_after_s=30.0, on_lost=lambda m: None).start()
+    try:
+        assert peer.wait_lost(2.0) == [2]            # long before its own 30 s threshold
+        assert store.get("lost_by/1") == b"2"
+        t = time.monotonic()
+        host.linger_for_peers()
+        assert time.monotonic() - t < 1.0
+    finally:
+        peer.stop(done=False)

@@ -1,0 +1,49 @@
+"""The DP side of wide EP: request assignment, the per-step lockstep sync, results back to every rank."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel.context import ParallelContext
+from parallel.watchdog import guard_collective
+
+
+def assign_requests(costs: list[int], dp_size: int) -> list[list[int]]:
+    """Greedy balance by tokens: request i (cost = prompt + max_tokens) goes to the DP rank with the
+    least cost so far (lowest rank on ties). -> request indices per DP rank, each in input order."""
+    load = [0] * dp_size
+    out: list[list[int]] = [[] for _ in range(dp_size)]
+    for i, c in enumerate(costs):
+        r = min(range(dp_size), key=lambda j: (load[j], j))
+        load[r] += c
+        out[r].append(i)
+    return out
+
+
+class StepSync:
+    """One small all-reduce per step: does any rank have work? Ranks without work then run a
+    zero-token dummy step so that every rank enters every MoE all-to-all."""
+
+    def __init__(self, ctx: ParallelContext):
+        self.ctx = ctx
+
+    def anyone_has_work(self, local: bool) -> bool:
+        if self.ctx.is_single:
+            return local
+        flag = torch.tensor([int(local)], dtype=torch.int64)
+        with guard_collective(self.ctx):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+        return bool(flag.item())  # SYNC: the step loop's exit condition
+
+
+def gather_outputs(ctx: ParallelContext, local: dict[int, object], n: int) -> list:
+    """Every rank's {input index: output} -> all outputs in input order, on every rank."""
+    if ctx.is_single:
+        return [local[i] for i in range(n)]
+    parts: list = [None] * ctx.world_size
+    with guard_collective(ctx):
+        dist.all_gather_object(parts, local, group=ctx.cpu_group)
+    merged = {}
+    for p in parts:
+        merged.update(p)
+    return [merged[i] for i in range(n)]

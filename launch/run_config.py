@@ -1,0 +1,79 @@
+"""Run-config files (TOML): model, parallel sizes, engine options, EPLB/DBO sections, what to run.
+
+The same file works single-process and under torchrun/mpirun: dp_size/ep_size default to
+"auto" (the launcher's world size). CLI flags override file values.
+
+    [model]    path, dtype, max_model_len
+    [parallel] dp_size, ep_size ("auto" | int), backend, dispatch_backend, num_redundant_experts, timeout_s, heartbeat_s
+    [engine]   block_size, kv_cache_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed
+    [eplb]     enabled (EPLB issue)
+    [dbo]      enabled (DBO issue)
+    [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SECTIONS: dict[str, set[str]] = {
+    "model": {"path", "dtype", "max_model_len"},
+    "parallel": {"dp_size", "ep_size", "tp_size", "backend", "dispatch_backend", "num_redundant_experts",
+                 "timeout_s", "heartbeat_s", "deepep_low_latency_max_tokens"},
+    "engine": {"block_size", "kv_cache_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "seed"},
+    "eplb": {"enabled"},
+    "dbo": {"enabled"},
+    "run": {"prompt_ids", "prompts", "max_tokens", "temperature", "top_p", "top_k", "seed"},
+}
+
+
+def validate(cfg: dict[str, Any], source: str = "run config") -> dict[str, Any]:
+    for section, body in cfg.items():
+        if section not in SECTIONS:
+            raise ValueError(f"{source}: unknown section [{section}] (known: {sorted(SECTIONS)})")
+        if not isinstance(body, dict):
+            raise ValueError(f"{source}: [{section}] must be a table")
+        unknown = sorted(set(body) - SECTIONS[section])
+        if unknown:
+            raise ValueError(f"{source}: unknown keys {unknown} in [{section}] (known: {sorted(SECTIONS[section])})")
+    for feature in ("eplb", "dbo"):
+        if cfg.get(feature, {}).get("enabled"):
+            raise ValueError(f"{source}: [{feature}] enabled = true is not implemented yet")
+    if "path" not in cfg.get("model", {}):
+        raise ValueError(f"{source}: [model] path is required")
+    return cfg
+
+
+def load(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            cfg = tomllib.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"run config {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"run config {path!r} is not valid TOML: {e}") from None
+    return validate(cfg, path)
+
+
+def override(cfg: dict[str, Any], **flags: Any) -> dict[str, Any]:
+    """flags named section__key (e.g. parallel__ep_size=4); None values are ignored."""
+    out = copy.deepcopy(cfg)
+    for name, value in flags.items():
+        if value is None:
+            continue
+        section, key = name.split("__", 1)
+        out.setdefault(section, {})[key] = value
+    return validate(out, "run config + flags")
+
+
+def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LLM(**kwargs) from a validated run config."""
+    m, e = cfg["model"], cfg.get("engine", {})
+    par = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
+    return dict(model=m["path"], dtype=m.get("dtype", "float32"), max_model_len=m.get("max_model_len"),
+                parallel=par, progress=False, **e)
