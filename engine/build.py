@@ -35,7 +35,6 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         shard = ExpertShard(num_physical, ctx.ep_rank, ctx.ep_size)
         dispatcher = make_dispatcher(ctx, num_physical, cfg.hidden_size, dispatch_backend, dtype=dtype)
     model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher)
-    model.dispatcher = dispatcher
     model.load_report = load_weights(CheckpointReader(model_dir), model.checkpoint_targets(),
                                      ignore=expert_ignore(model.owns_expert),
                                      num_hidden_layers=cfg.num_hidden_layers, progress=progress)

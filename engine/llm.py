@@ -147,8 +147,12 @@ class LLM:
         seqs = [self._make_sequence(p, sp) for p, sp in zip(prompts, params)]
         for s in seqs:
             s.request_id = str(next(self._ids))
-        mine = assign_requests([s.num_tokens + s.max_tokens for s in seqs], self.ctx.dp_size)[self.ctx.dp_rank] \
-            if not self.ctx.is_single else list(range(len(seqs)))
+        per_rank = assign_requests([s.num_tokens + s.max_tokens for s in seqs], self.ctx.dp_size)
+        self.last_assignment = [0] * len(seqs)  # DP rank of each request, for reports
+        for r, idx in enumerate(per_rank):
+            for i in idx:
+                self.last_assignment[i] = r
+        mine = per_rank[self.ctx.dp_rank]
         for i in mine:
             self.scheduler.add(seqs[i])
         self._run_until_done()
@@ -169,12 +173,16 @@ class LLM:
                     self.scheduler.finish(s)
 
     def stats(self) -> dict:
-        """Per-rank parameter bytes and dispatch counters."""
+        """This rank's parameter bytes and dispatch counters."""
         out = {"rank": self.ctx.rank, "param_bytes": self.model.param_bytes()}
         d = getattr(self.model, "dispatcher", None)
         if d is not None:
             out["dispatch"] = d.stats.as_dict()
         return out
+
+    def all_stats(self) -> list[dict]:
+        """Collective: every rank's stats(), in rank order, on every rank."""
+        return gather_outputs(self.ctx, {self.ctx.rank: self.stats()}, self.ctx.world_size)
 
     def shutdown(self) -> None:
         if not self.ctx.is_single:

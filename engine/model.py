@@ -54,7 +54,7 @@ class DeepseekModel(nn.Module):
                  shard: ExpertShard | None = None, dispatcher=None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        self.shard = shard
+        self.shard, self.dispatcher = shard, dispatcher
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
         # Built on the meta device and materialised empty: the checkpoint fills every parameter,
         # and random init of a 671B model would take longer than loading it.

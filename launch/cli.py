@@ -35,30 +35,87 @@ def cmd_generate(a) -> None:
                       "finish_reason": c.finish_reason}))
 
 
+DEMO_CONFIG = """
+[model]
+path = "{path}"
+dtype = "float32"
+
+[parallel]
+dispatch_backend = "torch"
+
+[run]
+prompt_ids = {prompts}
+max_tokens = {max_tokens}
+temperature = 0.0
+"""
+
+
 def cmd_demo(a) -> None:
-    import torch
+    """A tiny DeepSeek-V3 made in a temp dir, served by `a.ranks` local ranks (spawned here)."""
+    import random
 
-    from engine import LLM, SamplingParams
-
+    from .local import run_local_ranks
     from .tiny import make_tiny_checkpoint
-    torch.manual_seed(0)
+    rng = random.Random(0)
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=0)
-        llm = LLM(d, dtype="float32", progress=False)
-        prompts = [torch.randint(2, llm.config.vocab_size, (int(n),)).tolist()
-                   for n in torch.randint(8, 64, (a.batch,))]
-        sp = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp)
-        dt = time.perf_counter() - t0
+        prompts = [[rng.randrange(2, 256) for _ in range(rng.randrange(8, 64))] for _ in range(a.batch)]
+        path = f"{d}/demo.toml"
+        with open(path, "w") as f:
+            f.write(DEMO_CONFIG.format(path=d, prompts=json.dumps(prompts), max_tokens=a.max_tokens))
+        argv = ["run", "--config", path, "--summary-only"]
+        if a.ranks == 1:
+            main(argv)
+            return
+        print(f"wideep demo: {a.ranks} local ranks (gloo), DP attention + EP experts, tiny DeepSeek-V3", flush=True)
+        rc = run_local_ranks(argv, a.ranks, timeout_s=a.timeout)
+        if rc:
+            raise SystemExit(rc)
+
+
+def cmd_run(a) -> None:
+    """Generate the [run] prompts of a run config; SPMD under torchrun/mpirun (every rank runs this)."""
+    from engine import LLM, SamplingParams
+
+    from . import run_config
+    cfg = run_config.override(run_config.load(a.config), model__path=a.model, model__dtype=a.dtype,
+                              parallel__dp_size=a.dp_size, parallel__ep_size=a.ep_size,
+                              parallel__dispatch_backend=a.dispatch_backend, run__max_tokens=a.max_tokens)
+    r = cfg.get("run", {})
+    prompts = list(r.get("prompt_ids", [])) + list(r.get("prompts", []))
+    if not prompts:
+        raise ValueError(f"{a.config}: [run] has no prompt_ids or prompts")
+    llm = LLM(**run_config.llm_kwargs(cfg))
+    sp = SamplingParams(temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0), top_k=r.get("top_k", -1),
+                        max_tokens=r.get("max_tokens", 16), seed=r.get("seed"))
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up, every rank
+    if llm.model.dispatcher is not None:
+        llm.model.dispatcher.stats.reset()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t0
+    stats = llm.all_stats()
+    if llm.ctx.rank == 0:
+        if not a.summary_only:
+            for i, o in enumerate(outs):
+                c = o.outputs[0]
+                print(json.dumps({"index": i, "prompt_token_ids": o.prompt_token_ids, "token_ids": c.token_ids,
+                                  "text": c.text, "finish_reason": c.finish_reason}))
         n = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(f"tiny DeepSeek-V3 ({llm.config.num_hidden_layers} layers, {llm.config.moe.n_routed_experts} experts, "
-              f"top-{llm.config.moe.top_k}), batch {a.batch}: {n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s")
-        print(f"first output: {outs[0].outputs[0].token_ids[:16]}")
-        if llm.tokenizer is not None:
-            (o,) = llm.generate(["Hello, wide EP!"], SamplingParams(temperature=0.0, max_tokens=8))
-            print(f"text prompt {o.prompt!r} -> {o.outputs[0].text!r} (random weights: gibberish expected)")
+        per_rank = [0] * llm.ctx.dp_size
+        for i, o in enumerate(outs):
+            per_rank[llm.last_assignment[i]] += len(o.outputs[0].token_ids)
+        summary = {"ranks": llm.ctx.world_size, "dp_size": llm.ctx.dp_size, "ep_size": llm.ctx.ep_size,
+                   "requests": len(outs), "generated_tokens": n, "elapsed_s": round(dt, 3),
+                   "tok_s": round(n / dt, 1), "per_rank_tokens": per_rank,
+                   "expert_bytes_per_rank": [s["param_bytes"]["experts"] for s in stats],
+                   "dispatch_bytes_per_rank": [s.get("dispatch", {}).get("dispatch_bytes", 0) for s in stats],
+                   "dispatch_bytes_remote_per_rank": [s.get("dispatch", {}).get("dispatch_bytes_remote", 0)
+                                                      for s in stats]}
+        print(f"{n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s on {llm.ctx.world_size} rank(s); "
+              f"tokens per DP rank {per_rank}", flush=True)
+        print(json.dumps(summary), flush=True)
+    llm.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,14 +139,26 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--dtype", default="float32")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(fn=cmd_generate)
-    d = sub.add_parser("demo", help="generate on a tiny checkpoint made in a temp dir; prints tok/s")
+    d = sub.add_parser("demo", help="a tiny checkpoint made in a temp dir, served by 4 local ranks; prints tok/s")
+    d.add_argument("--ranks", type=int, default=4)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--timeout", type=float, default=600.0, help="hard limit for the ranks (s)")
     d.set_defaults(fn=cmd_demo)
+    r = sub.add_parser("run", help="generate the [run] prompts of a TOML run config (SPMD under torchrun/mpirun)")
+    r.add_argument("--config", required=True)
+    r.add_argument("--model")
+    r.add_argument("--dtype")
+    r.add_argument("--dp-size", type=int)
+    r.add_argument("--ep-size", type=int)
+    r.add_argument("--dispatch-backend", choices=["auto", "torch", "allgather", "deepep"])
+    r.add_argument("--max-tokens", type=int)
+    r.add_argument("--summary-only", action="store_true", help="print only the throughput summary")
+    r.set_defaults(fn=cmd_run)
     a = p.parse_args(argv)
     try:
         a.fn(a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"wideep: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -14,6 +14,8 @@ form (dispatch_start(...).wait()) so a second microbatch can compute while this 
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -44,6 +46,7 @@ class DispatchStats:
     combine_bytes: int = 0
     combine_bytes_remote: int = 0
     meta_bytes: int = 0              # counts, expert ids, weights
+    comm_s: float = 0.0              # wall time inside blocking dispatch()/combine() (start + wait)
 
     def reset(self) -> None:
         for f in fields(self):
@@ -84,11 +87,17 @@ class Dispatcher:
 
     def dispatch(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:
         """x [T,H], topk_ids [T,k] physical ids, topk_weights [T,k] -> Dispatched (see module doc)."""
-        return self.dispatch_start(x, topk_ids, topk_weights).wait()
+        t0 = time.perf_counter()
+        out = self.dispatch_start(x, topk_ids, topk_weights).wait()
+        self.stats.comm_s += time.perf_counter() - t0
+        return out
 
     def combine(self, y: Tensor, handle: Any) -> Tensor:
         """y [R,H] weighted per-row sums -> [T,H] on the rank the tokens came from."""
-        return self.combine_start(y, handle).wait()
+        t0 = time.perf_counter()
+        out = self.combine_start(y, handle).wait()
+        self.stats.comm_s += time.perf_counter() - t0
+        return out
 
     def dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Pending:
         raise NotImplementedError

@@ -1,0 +1,86 @@
+"""Run-config files: validation, CLI overrides, and one file serving 1 and 2 ranks identically."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import run_config
+from launch.local import run_local_ranks
+from launch.tiny import make_tiny_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CONFIG = """
+[model]
+path = "{path}"
+dtype = "float32"
+
+[parallel]
+dispatch_backend = "torch"
+timeout_s = 60
+
+[engine]
+block_size = 16
+
+[run]
+prompt_ids = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17]]
+max_tokens = 6
+"""
+
+
+def _write(tmp_path, text: str) -> str:
+    p = tmp_path / "x.toml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[model]\npath='x'\n[bogus]\na=1\n", r"unknown section \[bogus\]"),
+    ("[model]\npath='x'\n[parallel]\nep=4\n", r"unknown keys \['ep'\] in \[parallel\]"),
+    ("[parallel]\nep_size=2\n", r"\[model\] path is required"),
+    ("[model]\npath='x'\n[dbo]\nenabled=true\n", "not implemented yet"),
+    ("[model\npath='x'\n", "not valid TOML"),
+])
+def test_bad_run_configs(tmp_path, text, match):
+    with pytest.raises(ValueError, match=match):
+        run_config.load(_write(tmp_path, text))
+
+
+def test_flags_override_file(tmp_path):
+    cfg = run_config.load(_write(tmp_path, CONFIG.format(path="/m")))
+    cfg = run_config.override(cfg, parallel__ep_size=4, model__dtype=None)
+    kw = run_config.llm_kwargs(cfg)
+    assert kw["parallel"] == {"dispatch_backend": "torch", "timeout_s": 60, "ep_size": 4}
+    assert kw["dtype"] == "float32" and kw["block_size"] == 16
+
+
+def _outputs(stdout: str) -> list[list[int]]:
+    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"index"')]
+    return [r["token_ids"] for r in sorted(rows, key=lambda r: r["index"])]
+
+
+@pytest.mark.multirank
+def test_same_config_single_process_and_two_ranks(tmp_path, capfd):
+    d = make_tiny_checkpoint(str(tmp_path / "m"), arch="v3", seed=4)
+    path = _write(tmp_path, CONFIG.format(path=d))
+    env = dict(os.environ, PYTHONPATH=REPO)
+    single = subprocess.run([sys.executable, "-m", "launch", "run", "--config", path], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr
+    capfd.readouterr()
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        rc = run_local_ranks(["run", "--config", path], 2, timeout_s=300)
+    finally:
+        os.chdir(cwd)
+    multi = capfd.readouterr().out
+    assert rc == 0
+    assert _outputs(multi) == _outputs(single.stdout) and len(_outputs(multi)) == 3
+    summary = json.loads([line for line in multi.splitlines() if line.startswith('{"ranks"')][0])
+    assert summary["ranks"] == 2 and sum(summary["per_rank_tokens"]) == 18
+    assert summary["expert_bytes_per_rank"][0] == summary["expert_bytes_per_rank"][1] > 0
