@@ -1,10 +1,13 @@
-"""Paged latent KV cache: one pool per layer of fixed-size blocks, and a block allocator.
+"""Paged latent KV cache: one pool per layer of fixed-size blocks, and a reference-counted allocator.
 
 MLA caches the compressed latent, not per-head K/V: per token per layer C + R values
 (kv_lora_rank + qk_rope_head_dim; 576 for DeepSeek-V3).
-Legend: S slots = num_blocks * block_size, D = C + R.
+Legend: S slots = num_blocks * block_size, D = C + R. A token at position j of a sequence lives in
+slot block_table[j // block_size] * block_size + j % block_size.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -24,13 +27,20 @@ class LatentKVPool:
     def bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.pools)
 
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * block_size * latent_dim * torch.empty(0, dtype=dtype).element_size()
+
 
 class BlockAllocator:
-    """Free list of block ids. Never touches the device."""
+    """Free list + reference counts. A block is free when its count drops to 0 (the prefix cache
+    may still remember its contents until it is handed out again). The free list hands out the
+    least recently freed block first, so cached contents are evicted LRU. Never touches the device."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.refs = [0] * num_blocks
 
     @property
     def num_free(self) -> int:
@@ -39,8 +49,30 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"KV cache out of blocks: need {n}, {len(self._free)} free of {self.num_blocks}")
-        out = [self._free.pop() for _ in range(n)]
+        out = [self._free.popitem(last=False)[0] for _ in range(n)]
+        for b in out:
+            self.refs[b] = 1
         return out
 
+    def incref(self, block: int) -> None:
+        self.refs[block] += 1
+
+    def decref(self, block: int) -> bool:
+        """-> True when the block became free."""
+        if self.refs[block] <= 0:
+            raise RuntimeError(f"block {block} freed twice")
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            self._free[block] = None
+            return True
+        return False
+
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        # the tail of a sequence is evicted before its head: heads are the likelier shared prefixes
+        for b in reversed(blocks):
+            self.decref(b)
+
+    def take(self, block: int) -> None:
+        """Reclaim a specific free block (a prefix-cache hit on a block nobody holds)."""
+        del self._free[block]
+        self.refs[block] = 1

@@ -58,8 +58,8 @@ class ModelRunner:
         sample_rows, samplers = [], []
         start = 0
         for s, n in zip(batch.seqs, batch.num_tokens):
-            if s.params.prompt_logprobs is not None and s.prefilling:
-                self._prompt_logprobs(s, hidden[start:start + n], n)
+            if s.params.prompt_logprobs is not None:
+                self._prompt_logprobs(s, hidden[start:start + n])
             s.num_computed += n
             if s.num_computed == s.num_tokens:  # caught up: the last row predicts the next token
                 sample_rows.append(start + n - 1)
@@ -75,13 +75,16 @@ class ModelRunner:
         for s, t, lp, top in zip(samplers, tokens.tolist(), chosen, tops):  # SYNC: see above
             s.append(t, lp, top)
 
-    def _prompt_logprobs(self, s, hidden: torch.Tensor, n: int) -> None:
-        """Rows of a prefill chunk predict prompt tokens num_computed+1 .. num_computed+n."""
-        first = s.num_computed
-        targets = s.prompt_token_ids[first + 1:first + n + 1]
+    def _prompt_logprobs(self, s, hidden: torch.Tensor) -> None:
+        """Row i of this chunk (position num_computed + i) predicts token num_computed + i + 1; record
+        the prompt positions not recorded yet (a preempted sequence recomputes its rows)."""
         if s.prompt_logprobs is None:
             s.prompt_logprobs = [None]
-        if not targets:
+        first = len(s.prompt_logprobs)                     # next prompt position to record
+        lo = first - 1 - s.num_computed                    # its row in this chunk
+        hi = min(hidden.shape[0], len(s.prompt_token_ids) - 1 - s.num_computed)
+        if lo < 0 or hi <= lo:
             return
-        lp = self.model.logits(hidden[:len(targets)]).log_softmax(-1)
+        targets = s.prompt_token_ids[first:first + hi - lo]
+        lp = self.model.logits(hidden[lo:hi]).log_softmax(-1)
         s.prompt_logprobs.extend(topn_logprobs(lp, torch.tensor(targets, device=lp.device), s.params.prompt_logprobs))

@@ -20,8 +20,19 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    output_kind: str = "cumulative"  # "cumulative" | "delta" (streaming) | "final_only"
 
     def __post_init__(self) -> None:
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            raise ValueError(f"SamplingParams.output_kind must be cumulative, delta or final_only, "
+                             f"got {self.output_kind!r}")
+        for name in ("n", "top_k", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"SamplingParams.{name} must be an int, got {v!r}")
+        for name in ("temperature", "top_p"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
+                raise ValueError(f"SamplingParams.{name} must be a number, got {getattr(self, name)!r}")
         if self.n != 1:
             raise ValueError(f"SamplingParams.n={self.n}: only n=1 is supported")
         if self.temperature < 0:
@@ -61,3 +72,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    metrics: dict | None = None  # ttft_s, tpot_s, queue_s, finish_reason, token counts

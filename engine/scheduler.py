@@ -1,16 +1,19 @@
-"""Per-rank scheduler: which sequences run this step and how many tokens each. Never touches the device.
+"""Per-DP-rank scheduler: continuous batching with chunked prefill and preemption. Never touches the device.
 
-Admission reserves a sequence's worst-case blocks (prompt + max_tokens) up front, so a running
-sequence never runs out of cache; decodes go first, prefill chunks fill the rest of the token
-budget (chunked prefill).
+Each step: every running sequence that decodes gets one token, sequences (re)filling their prompt
+get chunks, then waiting sequences are admitted FCFS while the token budget
+(max_num_batched_tokens), the running cap (max_num_seqs) and free blocks allow. When a running
+sequence needs a block and none is free, the newest running sequence is preempted: its blocks are
+freed and it goes back to the front of the queue, to be recomputed from its prompt and the tokens
+it has already produced — nothing is lost and its output is unchanged.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
-from attention_mla.kv_cache import BlockAllocator
-
+from .block_manager import BlockManager
 from .sequence import Sequence
 
 
@@ -19,58 +22,85 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens computed this step per sequence
 
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
 
 class Scheduler:
-    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int, max_num_batched_tokens: int):
-        self.allocator, self.block_size = allocator, block_size
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must be >= 1")
+        self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-
-    def blocks_needed(self, seq: Sequence) -> int:
-        # the last sampled token is never fed back, so its latent is never cached
-        return -(-(len(seq.prompt_token_ids) + seq.max_tokens - 1) // self.block_size)
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        if self.blocks_needed(seq) > self.allocator.num_blocks:
-            raise ValueError(f"request {seq.request_id!r} needs {self.blocks_needed(seq)} KV blocks "
-                             f"(prompt {len(seq.prompt_token_ids)} + max_tokens {seq.max_tokens}), "
-                             f"the cache has {self.allocator.num_blocks}")
+        need = self.blocks.blocks_for(len(seq.prompt_token_ids) + seq.max_tokens - 1)
+        if need > self.blocks.allocator.num_blocks:
+            raise ValueError(f"request {seq.request_id!r} needs {need} KV blocks (prompt "
+                             f"{len(seq.prompt_token_ids)} + max_tokens {seq.max_tokens}), the cache has "
+                             f"{self.blocks.allocator.num_blocks}")
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_tokens_in_flight(self) -> int:
+        return sum(s.num_tokens + s.max_tokens - len(s.output_token_ids) for s in [*self.running, *self.waiting])
+
+    def _preempt_newest(self) -> Sequence:
+        """Free the newest running sequence's blocks and put it back at the front of the queue."""
+        victim = self.running.pop()
+        self.blocks.free(victim)
+        victim.preempt()
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        return victim
+
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        seqs, counts = [], []
-        for s in self.running:
-            if not s.prefilling and budget > 0:
-                seqs.append(s)
-                counts.append(1)
-                budget -= 1
-        for s in self.running:
-            if s.prefilling and budget > 0:
-                n = min(len(s.prompt_token_ids) - s.num_computed, budget)
-                seqs.append(s)
-                counts.append(n)
-                budget -= n
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
-               and self.blocks_needed(self.waiting[0]) <= self.allocator.num_free):
-            s = self.waiting.popleft()
-            s.block_ids = self.allocator.allocate(self.blocks_needed(s))
-            self.running.append(s)
-            n = min(len(s.prompt_token_ids), budget)
-            seqs.append(s)
-            counts.append(n)
+        plan: dict[int, int] = {}  # id(seq) -> tokens this step
+        # 1. running sequences, oldest first; make room by preempting the newest
+        for s in list(self.running):
+            if s not in self.running or budget == 0:
+                continue
+            n = min(s.num_pending, budget)
+            while not self.blocks.can_grow(s, n) and self._preempt_newest() is not s:
+                pass
+            if s not in self.running:
+                continue
+            self.blocks.grow(s, n)
+            plan[id(s)] = n
             budget -= n
-        return ScheduledBatch(seqs, counts)
+        # 2. admit waiting sequences FCFS (a preempted one is back at the front)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            s = self.waiting[0]
+            hit = self.blocks.match_prefix(s)
+            n = min(s.num_pending, budget)
+            if not self.blocks.can_grow(s, n):
+                self.blocks.free(s)  # hand prefix hits back while it waits
+                s.num_computed = 0
+                break
+            self.blocks.record_query(s.num_tokens, hit)
+            self.waiting.popleft()
+            self.blocks.grow(s, n)
+            if s.first_scheduled_time is None:
+                s.first_scheduled_time = time.monotonic()
+            self.running.append(s)
+            plan[id(s)] = n
+            budget -= n
+        seqs = [s for s in self.running if id(s) in plan]
+        return ScheduledBatch(seqs, [plan[id(s)] for s in seqs])
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence's blocks."""
         if seq in self.running:
             self.running.remove(seq)
-            self.allocator.free(seq.block_ids)
-            seq.block_ids = []
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.blocks.free(seq)

@@ -1,6 +1,7 @@
 """A request's host-side state. Never touches the device."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -19,11 +20,19 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0            # tokens whose latent is in the cache
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of its full computed blocks
     generator: torch.Generator | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
+    num_preemptions: int = 0
+    # metrics (time.monotonic() on the owning rank)
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_sent: int = 0                # output tokens already reported (delta outputs)
 
     @property
     def token_ids(self) -> list[int]:
@@ -34,14 +43,22 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache: 1 for a decode, more while (re)filling a prompt."""
+        return self.num_tokens - self.num_computed
+
+    @property
     def prefilling(self) -> bool:
-        return self.num_computed < len(self.prompt_token_ids)
+        return self.num_pending > 1 or not self.output_token_ids and self.num_pending > 0
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def append(self, token: int, logprob: float, top: dict[int, float] | None) -> None:
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
         self.output_token_ids.append(token)
         self.cumulative_logprob += logprob
         if top is not None:
@@ -51,3 +68,22 @@ class Sequence:
             self.finish_reason = "stop"
         elif len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = "length"
+        if self.finish_reason is not None:
+            self.finish_time = now
+
+    def preempt(self) -> None:
+        """Drop the cache; everything computed so far (prompt + outputs) is recomputed on re-admission."""
+        self.num_computed = 0
+        self.num_preemptions += 1
+
+    def metrics(self) -> dict:
+        """TTFT, TPOT, queue time (s), finish reason."""
+        n = len(self.output_token_ids)
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        tpot = None
+        if self.finish_time is not None and self.first_token_time is not None and n > 1:
+            tpot = (self.finish_time - self.first_token_time) / (n - 1)
+        queue = None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+        return {"ttft_s": ttft, "tpot_s": tpot, "queue_s": queue, "finish_reason": self.finish_reason,
+                "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n,
+                "preemptions": self.num_preemptions}

@@ -8,6 +8,11 @@ from parallel.context import ParallelContext
 from parallel.watchdog import guard_collective
 
 
+def least_loaded(load: list[int]) -> int:
+    """The DP rank with the fewest tokens in flight (lowest rank on ties)."""
+    return min(range(len(load)), key=lambda r: (load[r], r))
+
+
 def assign_requests(costs: list[int], dp_size: int) -> list[list[int]]:
     """Greedy balance by tokens: request i (cost = prompt + max_tokens) goes to the DP rank with the
     least cost so far (lowest rank on ties). -> request indices per DP rank, each in input order."""

@@ -105,6 +105,7 @@ def test_bad_request_in_batch_accepts_nothing_and_engine_keeps_serving(llm):
     good = llm.generate([[3, 4, 5]], sp)[0].outputs[0].token_ids
     with pytest.raises(ValueError):
         llm.generate([[3, 4, 5], [999]], sp)
-    assert not llm.scheduler.has_work()
+    assert not llm.engine.core.scheduler.has_work()
     assert llm.generate([[3, 4, 5]], sp)[0].outputs[0].token_ids == good
-    assert llm.scheduler.allocator.num_free == llm.scheduler.allocator.num_blocks
+    blocks = llm.engine.core.blocks.allocator
+    assert blocks.num_free == blocks.num_blocks

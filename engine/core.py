@@ -1,0 +1,153 @@
+"""One rank's engine parts: parallel context, model, paged latent cache, block manager, scheduler,
+runner, tokenizer; request validation and output building. Engine (engine.py) drives these."""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from typing import Sequence as Seq
+
+import torch
+
+from attention_mla.kv_cache import LatentKVPool
+from parallel.context import ParallelContext
+
+from .block_manager import BlockManager
+from .build import load_model, parse_dtype
+from .config import ModelConfig
+from .runner import ModelRunner
+from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .spmd import StepSync
+
+
+def _load_tokenizer(model_dir: str):
+    path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(path)
+
+
+def resolve_context(cfg: ModelConfig, parallel, dp_size, ep_size, dispatch_backend, ctx):
+    """-> (ParallelContext, ParallelConfig). Sizes not given follow the launcher's world size, so one
+    script or config file serves 1 and N ranks; they are validated before connecting."""
+    from parallel import ParallelConfig, bootstrap, launch_world_size
+    par = parallel.to_dict() if isinstance(parallel, ParallelConfig) else dict(parallel or {})
+    par.update({k: v for k, v in (("dp_size", dp_size), ("ep_size", ep_size),
+                                  ("dispatch_backend", dispatch_backend)) if v is not None})
+    if ctx is not None:
+        par.setdefault("dp_size", ctx.dp_size)
+        par.setdefault("ep_size", ctx.ep_size)
+        return ctx, ParallelConfig.from_dict(par)
+    world = launch_world_size()
+    par.setdefault("dp_size", world)
+    par.setdefault("ep_size", world)
+    pcfg = ParallelConfig.from_dict(par)
+    pcfg.validate(world, cfg.moe.n_routed_experts if cfg.moe else None)  # the same error on every rank
+    return (bootstrap(pcfg) if world > 1 else ParallelContext.single()), pcfg
+
+
+class EngineCore:
+    """Options: see Engine."""
+
+    def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None, *,
+                 max_model_len: int | None = None, block_size: int = 64, kv_cache_blocks: int | None = None,
+                 kv_cache_memory: int = 1 << 30, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
+                 enable_prefix_caching: bool = True, seed: int = 0, progress: bool = True,
+                 dp_size: int | None = None, ep_size: int | None = None, dispatch_backend: str | None = None,
+                 parallel=None, ctx: ParallelContext | None = None):
+        cfg = ModelConfig.from_dir(model)
+        self.ctx, self.pcfg = resolve_context(cfg, parallel, dp_size, ep_size, dispatch_backend, ctx)
+        if not self.ctx.is_single:
+            from parallel import check_agreement, fingerprint
+            options = dict(dtype=str(dtype), max_model_len=max_model_len, block_size=block_size,
+                           kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens, seed=seed,
+                           enable_prefix_caching=enable_prefix_caching)
+            check_agreement(self.ctx, fingerprint([asdict(cfg), self.pcfg.to_dict(), options]),
+                            "model config / engine options")
+        device = device or str(self.ctx.device)
+        self.model_dir, self.config = model, cfg
+        self.model = load_model(model, parse_dtype(dtype), device, progress and self.ctx.rank == 0, self.ctx,
+                                self.pcfg.dispatch_backend, cfg)
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) > max_position_embeddings "
+                             f"({cfg.max_position_embeddings})")
+        dt = self.model.dtype
+        if kv_cache_blocks is None:
+            per_block = LatentKVPool.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.mla.latent_dim, dt)
+            want = max_num_seqs * -(-self.max_model_len // block_size)
+            kv_cache_blocks = max(1, min(want, kv_cache_memory // per_block))
+        self.kv = LatentKVPool(cfg.num_hidden_layers, kv_cache_blocks, block_size, cfg.mla.latent_dim, dt, device)
+        self.blocks = BlockManager(kv_cache_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv)
+        self.sync = StepSync(self.ctx)
+        self.tokenizer = _load_tokenizer(model)
+        self._generator = torch.Generator(device=device).manual_seed(seed + self.ctx.rank)
+
+    # -- requests ----------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is a string but {self.model_dir!r} has no tokenizer.json; pass token ids")
+            return prompt, self.tokenizer.encode(prompt).ids
+        try:
+            return None, [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}") from None
+
+    def validate(self, ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model; -> its max_tokens (filled in when None)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        V = self.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, vocab_size={V})")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(f"prompt has {len(ids)} tokens; the context is max_model_len={self.max_model_len}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
+                             f"(max_model_len={self.max_model_len})")
+        need = self.blocks.blocks_for(len(ids) + max_tokens - 1)
+        if need > self.blocks.allocator.num_blocks:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks; "
+                             f"the cache has {self.blocks.allocator.num_blocks}")
+        return max_tokens
+
+    def make_sequence(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
+                      max_tokens: int) -> Sequence:
+        gen = None
+        if not params.greedy:
+            gen = (torch.Generator(device=self.model.device).manual_seed(params.seed)
+                   if params.seed is not None else self._generator)
+        return Sequence(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
+                        max_tokens=max_tokens, eos_token_ids=self.config.eos_token_ids, generator=gen,
+                        logprobs=[] if params.logprobs is not None else None)
+
+    def output(self, s: Sequence, delta: bool = False) -> RequestOutput:
+        """Cumulative (vLLM's default) or only the tokens not reported before (streaming)."""
+        start = s.num_sent if delta else 0
+        toks = list(s.output_token_ids[start:])
+        s.num_sent = len(s.output_token_ids)
+        text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
+        lps = s.logprobs[start:] if s.logprobs is not None else None
+        comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=s.cumulative_logprob,
+                                logprobs=lps, finish_reason=s.finish_reason)
+        return RequestOutput(request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
+                             prompt_logprobs=s.prompt_logprobs, outputs=[comp], finished=s.finished,
+                             metrics=s.metrics())
+
+    def stats(self) -> dict:
+        b = self.blocks
+        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
+                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
+                "preemptions": self.scheduler.num_preemptions}
