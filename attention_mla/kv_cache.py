@@ -76,3 +76,10 @@ class BlockAllocator:
         """Reclaim a specific free block (a prefix-cache hit on a block nobody holds)."""
         del self._free[block]
         self.refs[block] = 1
+
+
+def gather_reference(pool: torch.Tensor, block_ids: list[int], length: int, block_size: int) -> torch.Tensor:
+    """Readable reference: a sequence's first `length` latents, block by block. pool [S, D] -> [length, D].
+    (The step path gathers all sequences at once through AttnMeta.context_slots.)"""
+    rows = [pool[b * block_size:(b + 1) * block_size] for b in block_ids]
+    return torch.cat(rows)[:length] if rows else pool[:0]
