@@ -24,6 +24,8 @@ class ParallelConfig:
     timeout_s: float = 60.0            # collectives, rendezvous, and lost-rank detection bound
     heartbeat_s: float = 1.0           # watchdog period
     deepep_low_latency_max_tokens: int = 128  # decode batches up to this use DeepEP low-latency mode
+    simulated_latency_us: float = 0.0  # testing: each torch all-to-all takes >= this + bytes / simulated_gbps
+    simulated_gbps: float = 0.0        # 0 = no bandwidth term
 
     def __post_init__(self):
         for name in ("dp_size", "ep_size", "tp_size"):
@@ -43,6 +45,9 @@ class ParallelConfig:
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) is too long for timeout_s ({self.timeout_s}): a lost rank is "
                 f"declared after {self.lost_after_s:g} s; need lost_after_s + heartbeat_s <= timeout_s")
+        if self.simulated_latency_us < 0 or self.simulated_gbps < 0:
+            raise ValueError(f"simulated_latency_us ({self.simulated_latency_us}) and simulated_gbps "
+                             f"({self.simulated_gbps}) must be >= 0")
         if self.deepep_low_latency_max_tokens < 1:
             raise ValueError(f"deepep_low_latency_max_tokens must be >= 1, got {self.deepep_low_latency_max_tokens}")
 

@@ -131,12 +131,14 @@ class LocalDispatcher(Dispatcher):
 
 
 def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int, backend: str = "auto", *,
-                    dtype: torch.dtype | None = None, low_latency_max_tokens: int = 128) -> Dispatcher:
+                    dtype: torch.dtype | None = None, low_latency_max_tokens: int = 128,
+                    link=None, group=None, stream=None) -> Dispatcher:
     """Pick the dispatcher for this context.
 
     backend: "auto" (deepep when it imports, CUDA is up and dtype is bf16; else torch), "torch",
     "allgather" (the reference), "deepep" (error if unusable). One EP rank always gets
-    LocalDispatcher. dtype: the activations' dtype (DeepEP carries bf16 only).
+    LocalDispatcher. dtype: the activations' dtype (DeepEP carries bf16 only). link, group, stream:
+    torch backend only (simulated network, process group, communication thread; see comm_stream.py).
     """
     from .dispatch_deepep import deepep_unavailable_reason
 
@@ -158,4 +160,4 @@ def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int
         from .dispatch_allgather import AllGatherDispatcher
         return AllGatherDispatcher(ctx, num_physical_experts, hidden)
     from .dispatch_torch import TorchDispatcher
-    return TorchDispatcher(ctx, num_physical_experts, hidden)
+    return TorchDispatcher(ctx, num_physical_experts, hidden, group=group, stream=stream, link=link)

@@ -9,6 +9,11 @@ and the source only adds up at most ep partial sums per token.
 
 Per dispatch: one tiny all-to-all of row counts (the host must know them to size the receive
 buffers: one sync), then the hidden payload and the metadata as two async all-to-alls.
+
+With a CommStream (dual-batch overlap) the whole exchange, counts included, runs on the stream's
+thread over the stream's own process group, so the compute thread never blocks in dispatch_start or
+combine_start. A SimulatedLink adds latency + bytes / bandwidth to each all-to-all, counted from
+its start (see comm_stream.py).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .comm_stream import CommStream, FutureWork, SimulatedLink
 from .dispatch import Dispatched, Dispatcher, Pending
 from .watchdog import guard_collective
 
@@ -31,6 +37,17 @@ class _Handle:
 
 
 class TorchDispatcher(Dispatcher):
+    """group: the process group (default ctx.ep_group); stream: run exchanges off the compute thread;
+    link: a simulated network link (testing)."""
+
+    def __init__(self, ctx, num_physical_experts: int, hidden: int, *, group=None,
+                 stream: CommStream | None = None, link: SimulatedLink | None = None):
+        super().__init__(ctx, num_physical_experts, hidden)
+        self.group = group if group is not None else ctx.ep_group
+        self.stream, self.link = stream, link if link is not None and link.enabled else None
+
+    def _remote_bytes(self, splits: list[int], row_bytes: int) -> int:
+        return (sum(splits) - splits[self.ctx.ep_rank]) * row_bytes
 
     def dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Pending:
         """x [T,H], topk_ids [T,k] physical (-1 = none), topk_weights [T,k] -> Pending[Dispatched]."""
@@ -54,55 +71,101 @@ class TorchDispatcher(Dispatcher):
         meta = torch.cat([meta_ids, meta_w.view(torch.int32)], dim=1)              # [S, 2k]
         send_x = x[send_tok]                                                       # [S, H]
 
-        recv_counts = torch.empty_like(send_counts)
-        with guard_collective(ctx):
-            dist.all_to_all_single(recv_counts, send_counts, group=ctx.ep_group)
-        # SYNC: the split sizes of the payload all-to-all are host ints.
-        send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        R = sum(recv_splits)
-        recv_x = x.new_empty(R, self.hidden)
-        recv_meta = meta.new_empty(R, 2 * k)
-        with guard_collective(ctx):
-            works = [
-                dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=ctx.ep_group, async_op=True),
-                dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits, group=ctx.ep_group, async_op=True),
-            ]
-
         row_bytes = self.hidden * x.element_size()
-        st = self.stats
-        st.dispatch_calls += 1
-        st.dispatch_bytes += len(send_tok) * row_bytes
-        st.dispatch_bytes_remote += (len(send_tok) - send_splits[ctx.ep_rank]) * row_bytes
-        st.meta_bytes += meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size()
+        # SYNC: the split sizes of the payload all-to-all are host ints.
+        send_splits = send_counts.tolist()
+        if self.stream is not None:
+            def exchange() -> Dispatched:
+                recv_x, recv_meta, recv_splits = self._exchange(send_counts, send_splits, send_x, meta, row_bytes,
+                                                                blocking=True)[:3]
+                return self._dispatched(recv_x, recv_meta, k, _Handle(send_tok, send_splits, recv_splits, T))
+            fut = self.stream.submit(exchange)
+            self._count_dispatch(len(send_tok), send_splits, row_bytes, meta, send_counts)
+            return Pending(ctx, [FutureWork(fut)], fut.result)
+        recv_x, recv_meta, recv_splits, works, ready = self._exchange(send_counts, send_splits, send_x, meta,
+                                                                      row_bytes, blocking=False)
+        self._count_dispatch(len(send_tok), send_splits, row_bytes, meta, send_counts)
         handle = _Handle(send_tok, send_splits, recv_splits, T)
 
         def finish() -> Dispatched:
-            recv_ids = recv_meta[:, :k].long()
-            recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
-            return Dispatched(recv_x, recv_ids, recv_w, handle)
+            SimulatedLink.wait_until(ready)
+            return self._dispatched(recv_x, recv_meta, k, handle)
 
         return Pending(ctx, works, finish)
+
+    def _exchange(self, send_counts, send_splits, send_x, meta, row_bytes, blocking: bool):
+        """Counts, then payload + metadata. -> recv_x, recv_meta, recv_splits, works, ready_at."""
+        ctx, link = self.ctx, self.link
+        recv_counts = torch.empty_like(send_counts)
+        with guard_collective(ctx):
+            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        if link is not None:  # the count message crosses the link before the sizes are known
+            SimulatedLink.wait_until(link.ready_at(0))
+        recv_splits = recv_counts.tolist()  # SYNC: receive buffer sizes
+        R = sum(recv_splits)
+        recv_x = send_x.new_empty(R, self.hidden)
+        recv_meta = meta.new_empty(R, meta.shape[1])
+        ready = link.ready_at(self._remote_bytes(send_splits, row_bytes)) if link is not None else 0.0
+        with guard_collective(ctx):
+            works = [
+                dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=self.group,
+                                       async_op=not blocking),
+                dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits, group=self.group,
+                                       async_op=not blocking),
+            ]
+        if blocking:
+            SimulatedLink.wait_until(ready)
+        return recv_x, recv_meta, recv_splits, [] if blocking else works, ready
+
+    @staticmethod
+    def _dispatched(recv_x, recv_meta, k: int, handle) -> Dispatched:
+        recv_ids = recv_meta[:, :k].long()
+        recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
+        return Dispatched(recv_x, recv_ids, recv_w, handle)
+
+    def _count_dispatch(self, rows: int, send_splits, row_bytes: int, meta, send_counts) -> None:
+        st = self.stats
+        st.dispatch_calls += 1
+        st.dispatch_bytes += rows * row_bytes
+        st.dispatch_bytes_remote += self._remote_bytes(send_splits, row_bytes)
+        st.meta_bytes += meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size()
 
     def combine_start(self, y: Tensor, handle: _Handle) -> Pending:
         """y [R,H] (row order of the Dispatched) -> Pending[[T,H]] on the source rank."""
         R = sum(handle.recv_splits)
         if y.dim() != 2 or y.shape != (R, self.hidden):
             raise ValueError(f"combine expects y [{R}, {self.hidden}] (the dispatched rows), got {list(y.shape)}")
-        ctx = self.ctx
+        ctx, link = self.ctx, self.link
         back = y.new_empty(len(handle.send_tok), self.hidden)                      # [S, H]
-        with guard_collective(ctx):
-            work = dist.all_to_all_single(back, y.contiguous(), handle.send_splits, handle.recv_splits,
-                                          group=ctx.ep_group, async_op=True)
         row_bytes = self.hidden * y.element_size()
         st = self.stats
         st.combine_calls += 1
         st.combine_bytes += R * row_bytes
-        st.combine_bytes_remote += (R - handle.recv_splits[ctx.ep_rank]) * row_bytes
+        st.combine_bytes_remote += self._remote_bytes(handle.recv_splits, row_bytes)
+        y = y.contiguous()
 
-        def finish() -> Tensor:
+        def reduce() -> Tensor:
             # Sum the <= ep partial sums per token; low-precision activations accumulate in fp32.
             acc = torch.float32 if y.element_size() < 4 else y.dtype
             out = torch.zeros(handle.num_tokens, self.hidden, dtype=acc, device=y.device)
             return out.index_add_(0, handle.send_tok, back.to(acc)).to(y.dtype)
+
+        if self.stream is not None:
+            def exchange() -> Tensor:
+                ready = link.ready_at(self._remote_bytes(handle.recv_splits, row_bytes)) if link else 0.0
+                with guard_collective(ctx):
+                    dist.all_to_all_single(back, y, handle.send_splits, handle.recv_splits, group=self.group)
+                SimulatedLink.wait_until(ready)
+                return back
+            fut = self.stream.submit(exchange)
+            return Pending(ctx, [FutureWork(fut)], reduce)
+        ready = link.ready_at(self._remote_bytes(handle.recv_splits, row_bytes)) if link else 0.0
+        with guard_collective(ctx):
+            work = dist.all_to_all_single(back, y, handle.send_splits, handle.recv_splits,
+                                          group=self.group, async_op=True)
+
+        def finish() -> Tensor:
+            SimulatedLink.wait_until(ready)
+            return reduce()
 
         return Pending(ctx, [work], finish)
