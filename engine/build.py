@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from eplb.config import EplbConfig
+from eplb.placement import Placement
 from moe.layer import ExpertShard
 from parallel.context import ParallelContext
 
@@ -24,18 +26,36 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                progress: bool = True, ctx: ParallelContext | None = None, dispatch_backend: str = "auto",
-               cfg: ModelConfig | None = None) -> DeepseekModel:
+               cfg: ModelConfig | None = None, num_redundant_experts: int = 0,
+               eplb: EplbConfig | dict | None = None) -> DeepseekModel:
     """Single process when ctx is None or has ep_size 1; otherwise this rank's expert slice plus
-    everything replicated, with a dispatcher for the MoE all-to-all."""
+    everything replicated, with a dispatcher for the MoE all-to-all.
+
+    Routed experts occupy n_routed_experts + redundant physical slots per MoE layer (redundant:
+    eplb.num_redundant_experts or num_redundant_experts, i.e. ParallelConfig's), placed by
+    eplb.initial_placement (a file) or slot p -> expert p % n_routed_experts; each rank reads only
+    the experts its slots hold. EPLB's controller (eplb.EplbController) later moves them."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
-    shard, dispatcher = None, None
-    if ctx is not None and ctx.ep_size > 1 and cfg.moe is not None:
-        from parallel.dispatch import make_dispatcher
-        num_physical = cfg.moe.n_routed_experts
-        shard = ExpertShard(num_physical, ctx.ep_rank, ctx.ep_size)
-        dispatcher = make_dispatcher(ctx, num_physical, cfg.hidden_size, dispatch_backend, dtype=dtype)
+    eplb = EplbConfig.coerce(eplb)
+    shard, dispatcher, placement = None, None, None
+    ep_rank, ep_size = (ctx.ep_rank, ctx.ep_size) if ctx is not None else (0, 1)
+    if cfg.moe is not None:
+        E = cfg.moe.n_routed_experts
+        num_physical = E + eplb.validate(ep_size, E, num_redundant_experts)
+        num_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        placement = (Placement.load(eplb.initial_placement, num_moe, E, num_physical) if eplb.initial_placement
+                     else Placement.initial(num_moe, E, num_physical))
+        if ep_size > 1 or num_physical != E:
+            shard = ExpertShard(num_physical, ep_rank, ep_size)
+        if ep_size > 1:
+            from parallel.dispatch import make_dispatcher
+            dispatcher = make_dispatcher(ctx, num_physical, cfg.hidden_size, dispatch_backend, dtype=dtype)
     model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher)
+    if placement is not None:
+        placement.install(model.moe_layers(), ep_rank, ep_size)
+        model.placement = placement
     model.load_report = load_weights(CheckpointReader(model_dir), model.checkpoint_targets(),
                                      ignore=expert_ignore(model.owns_expert),
                                      num_hidden_layers=cfg.num_hidden_layers, progress=progress)
+    model.copy_local_replicas()
     return model.eval()

@@ -55,6 +55,7 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.shard, self.dispatcher = shard, dispatcher
+        self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
         # Built on the meta device and materialised empty: the checkpoint fills every parameter,
         # and random init of a 671B model would take longer than loading it.
@@ -84,10 +85,28 @@ class DeepseekModel(nn.Module):
             ex = layer.mlp.experts
             for slot, e in enumerate(layer.mlp.local_phy2log):
                 pre = f"model.layers.{i}.mlp.experts.{e}."
+                if pre + "down_proj.weight" in targets:
+                    continue  # a second local replica: copy_local_replicas() fills it after loading
                 targets[pre + "gate_proj.weight"] = ex.w13.data[slot, :I]
                 targets[pre + "up_proj.weight"] = ex.w13.data[slot, I:]
                 targets[pre + "down_proj.weight"] = ex.w2.data[slot]
         return targets
+
+    def moe_layers(self) -> list[MoELayer]:
+        """The MoE layers in order (EPLB's layer index l is the position in this list)."""
+        return [layer.mlp for layer in self.model.layers if layer.is_moe]
+
+    @torch.no_grad()
+    def copy_local_replicas(self) -> None:
+        """Slots holding an expert this rank already holds in an earlier slot (one EP rank with
+        redundant slots) get that slot's weights; checkpoint_targets loads only the first."""
+        for moe in self.moe_layers():
+            first: dict[int, int] = {}
+            for slot, e in enumerate(moe.local_phy2log):
+                if e in first:
+                    for p in moe.experts.parameters():
+                        p.data[slot] = p.data[first[e]]
+                first.setdefault(e, slot)
 
     def owns_expert(self, layer: int, expert: int) -> bool:
         """Whether this rank loads logical `expert` of `layer` (the loader skips the others unread)."""

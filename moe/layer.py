@@ -1,9 +1,11 @@
 """MoE layer: gate -> (dispatch) -> local experts -> (combine) -> + shared experts.
 
 Legend: T tokens on this rank, H hidden, k top-k, P physical experts (all ranks), El local experts.
-With no dispatcher every expert is local and logical ids are the local ids. With a dispatcher the
-gate's logical ids become physical ids (identity until EPLB adds a placement), the dispatcher moves
-each token once to every rank holding one of its experts, and brings the weighted sums back.
+The gate's logical ids become physical ids through `expert_map` (EPLB's placement, which may hold
+several replicas of a hot expert; None = identity). With no dispatcher every physical expert is
+local (physical id = local id). With a dispatcher, it moves each token once to every rank holding
+one of its experts, and brings the weighted sums back. `load_counts` ([P] int64, EPLB's recorder),
+when set, gets the step's physical ids added in place: no host sync.
 """
 from __future__ import annotations
 
@@ -48,14 +50,29 @@ class MoELayer(nn.Module):
                                    device=device, dtype=dtype) if cfg.n_shared_experts else None)
         # physical slot -> logical expert, for this rank's slots; contiguous identity until EPLB
         self.local_phy2log = list(range(self.shard.first, self.shard.first + self.shard.num_local))
+        self.expert_map = None    # callable: logical ids [T, k] -> physical ids [T, k]; None = identity
+        self.load_counts = None   # [P] int64 tokens per physical slot, added in place; None = off
+
+    def set_placement(self, local_phy2log: list[int], expert_map=None) -> None:
+        """Which logical expert each local slot holds ([El]) and the map the gate's ids go through.
+        The caller swaps the slots' weights at the same time (EPLB does both between steps)."""
+        if len(local_phy2log) != self.shard.num_local:
+            raise ValueError(f"{len(local_phy2log)} local slots given, this rank has {self.shard.num_local}")
+        self.local_phy2log = list(local_phy2log)
+        self.expert_map = expert_map
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         topk_ids, topk_weights = self.gate(x)                                  # [T, k] logical
+        if self.expert_map is not None:
+            topk_ids = self.expert_map(topk_ids)                               # [T, k] physical
+        if self.load_counts is not None:
+            flat = topk_ids.reshape(-1)
+            self.load_counts.index_add_(0, flat, torch.ones_like(flat))
         if self.dispatcher is None:
             out = self.experts(x, topk_ids, topk_weights)
         else:
-            d = self.dispatcher.dispatch(x, topk_ids, topk_weights)           # physical == logical for now
+            d = self.dispatcher.dispatch(x, topk_ids, topk_weights)           # physical ids
             out = self.dispatcher.combine(self.experts(d.x, d.topk_ids, d.topk_weights), d.handle)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
