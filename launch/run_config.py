@@ -6,13 +6,15 @@ The same file works single-process and under torchrun/mpirun: dp_size/ep_size de
     [model]    path, dtype, max_model_len
     [parallel] dp_size, ep_size ("auto" | int), backend, dispatch_backend, num_redundant_experts, timeout_s, heartbeat_s
     [engine]   block_size, kv_cache_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed
-    [eplb]     enabled (EPLB issue)
+    [eplb]     enabled, window_size, step_interval, num_redundant_experts, policy, initial_placement,
+               migration_aware, transfer_layers_per_step (eplb/config.py)
     [dbo]      enabled (DBO issue)
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from typing import Any
 
@@ -21,13 +23,15 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from eplb.config import EplbConfig
+
 SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "max_model_len"},
     "parallel": {"dp_size", "ep_size", "tp_size", "backend", "dispatch_backend", "num_redundant_experts",
                  "timeout_s", "heartbeat_s", "deepep_low_latency_max_tokens"},
     "engine": {"block_size", "kv_cache_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "seed",
                "enable_prefix_caching"},
-    "eplb": {"enabled"},
+    "eplb": {f.name for f in dataclasses.fields(EplbConfig)},
     "dbo": {"enabled"},
     "run": {"prompt_ids", "prompts", "max_tokens", "temperature", "top_p", "top_k", "seed"},
 }
@@ -42,7 +46,12 @@ def validate(cfg: dict[str, Any], source: str = "run config") -> dict[str, Any]:
         unknown = sorted(set(body) - SECTIONS[section])
         if unknown:
             raise ValueError(f"{source}: unknown keys {unknown} in [{section}] (known: {sorted(SECTIONS[section])})")
-    for feature in ("eplb", "dbo"):
+    if "eplb" in cfg:
+        try:
+            EplbConfig.from_dict(cfg["eplb"])
+        except ValueError as e:
+            raise ValueError(f"{source}: [eplb] {e}") from None
+    for feature in ("dbo",):
         if cfg.get(feature, {}).get("enabled"):
             raise ValueError(f"{source}: [{feature}] enabled = true is not implemented yet")
     if "path" not in cfg.get("model", {}):
@@ -76,5 +85,6 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     """LLM(**kwargs) from a validated run config."""
     m, e = cfg["model"], cfg.get("engine", {})
     par = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
+    eplb = {"eplb": dict(cfg["eplb"])} if cfg.get("eplb") else {}
     return dict(model=m["path"], dtype=m.get("dtype", "float32"), max_model_len=m.get("max_model_len"),
-                parallel=par, progress=False, **e)
+                parallel=par, progress=False, **eplb, **e)
