@@ -131,3 +131,13 @@ class ExpertMap:
         dev = topk_ids.device
         turn = torch.arange(T, device=dev)[:, None] + torch.arange(k, device=dev) + self.offset   # [T, k]
         return self.log2phy[topk_ids * M + turn % self.logcnt[topk_ids]]
+
+
+def rank_load(load: torch.Tensor, phy2log: torch.Tensor, ep_size: int) -> torch.Tensor:
+    """Expected load per EP rank: [L, ep] float64 from load [L, E] and phy2log [L, P], a logical
+    expert's load split evenly over its replicas (what the replica map does on average)."""
+    w = torch.as_tensor(load).to("cpu", torch.float64)
+    p = torch.as_tensor(phy2log).cpu()
+    L, P = p.shape
+    cnt = torch.zeros(L, w.shape[1], dtype=torch.float64).scatter_add_(1, p, torch.ones(L, P, dtype=torch.float64))
+    return (w.gather(1, p) / cnt.gather(1, p)).view(L, ep_size, P // ep_size).sum(-1)

@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--max-tokens", type=int)
     r.add_argument("--summary-only", action="store_true", help="print only the throughput summary")
     r.set_defaults(fn=cmd_run)
+    from .eplb_cli import add_parsers
+    add_parsers(sub)
     a = p.parse_args(argv)
     try:
         a.fn(a)
