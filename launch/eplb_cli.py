@@ -80,7 +80,7 @@ def draw_report(load: torch.Tensor, before, after, ep_size: int, out: str, title
     rb, ra = rank_load(load, before, ep_size), rank_load(load, after, ep_size)
     bb, ba = balancedness(load, torch.as_tensor(before), ep_size), balancedness(load, torch.as_tensor(after), ep_size)
     L, E = load.shape
-    fig, axes = plt.subplots(1, 3, figsize=(6 + E / 8 + ep_size / 2, 1.5 + 0.35 * L),
+    fig, axes = plt.subplots(1, 3, figsize=(7 + E / 8 + ep_size / 2, 2 + 0.35 * L),
                              gridspec_kw={"width_ratios": [max(E, 4), max(ep_size, 2), max(ep_size, 2)]})
     im = axes[0].imshow(load.numpy(), aspect="auto", cmap="viridis")
     axes[0].set(title="expert load (tokens)", xlabel="logical expert", ylabel="MoE layer")
@@ -88,7 +88,7 @@ def draw_report(load: torch.Tensor, before, after, ep_size: int, out: str, title
     vmax = float(max(rb.max(), ra.max()))
     for ax, rl, bal, name in ((axes[1], rb, bb, "before"), (axes[2], ra, ba, "after")):
         im = ax.imshow(rl.numpy(), aspect="auto", cmap="magma", vmin=0, vmax=vmax)
-        ax.set(title=f"per-rank load {name}\nbalancedness {float(bal.mean()):.3f}", xlabel="EP rank")
+        ax.set(title=f"rank load {name}\nbalanced {float(bal.mean()):.3f}", xlabel="EP rank")
         ax.set_yticks(range(L), [f"{b:.2f}" for b in bal.tolist()])
         ax.set_xticks(range(ep_size))
     fig.colorbar(im, ax=axes[2], fraction=0.08)

@@ -18,7 +18,7 @@ def skewed(tmp_path_factory):
     """Skewed checkpoint + the single-process, no-EPLB prompt logprobs and greedy tokens."""
     from engine import LLM
     d = make_skewed_checkpoint(str(tmp_path_factory.mktemp("eplb_rt")))
-    llm = LLM(d, progress=False)
+    llm = LLM(d, progress=False, enable_prefix_caching=False)
     return d, generate(llm)
 
 
@@ -103,5 +103,30 @@ def test_staged_rebalance_swaps_once_every_layer_is_staged(skewed):
         assert r["states"] == [(False, False, True), (True, False, True), (True, False, True),
                                (False, True, False), (False, False, False)]
         assert r["bad"] == [] and r["moved"] > 0
+        for lp, tokens in r["runs"]:
+            assert max_diff(lp, ref_lp) <= TOL and tokens == ref_tokens
+
+
+def _rank_engine_driven(model_dir: str) -> dict:
+    from engine import LLM
+    llm = LLM(model_dir, progress=False, dp_size=2, ep_size=2, dispatch_backend="torch", enable_prefix_caching=False,
+              eplb={"enabled": True, "num_redundant_experts": 2, "window_size": 16, "step_interval": 2},
+              parallel={"timeout_s": 60.0, "num_redundant_experts": 2})
+    runs = [generate(llm), generate(llm)]
+    metrics = llm.engine.core.eplb.metrics
+    bad = experts_match_checkpoint(llm.model, model_dir)
+    llm.shutdown()
+    return {"runs": runs, "metrics": metrics, "bad": bad}
+
+
+@pytest.mark.multirank
+def test_engine_rebalances_while_serving(skewed):
+    """The engine calls after_step every step: rebalances happen mid-generation, outputs unchanged."""
+    from tests.eplb.helpers import engine_takes_eplb
+    if not engine_takes_eplb():
+        pytest.skip("the engine does not take eplb= yet (EngineCore integration pending)")
+    d, (ref_lp, ref_tokens) = skewed
+    for r in spawn(_rank_engine_driven, 2, args=(d,), timeout_s=180):
+        assert r["metrics"]["rebalances"] >= 2 and r["bad"] == []
         for lp, tokens in r["runs"]:
             assert max_diff(lp, ref_lp) <= TOL and tokens == ref_tokens

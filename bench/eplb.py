@@ -1,0 +1,235 @@
+"""EPLB benchmark. (1) Planning on synthetic loads, 256 experts + 32 redundant slots at EP 8/32/144:
+plan time and balancedness vs a plain greedy baseline, slots/bytes a ±20% drift moves with the
+migration-aware plan vs a from-scratch one. (2) End to end on 4 local CPU ranks (gloo) with a
+skewed router: EPLB off vs on (after a rebalance), trials interleaved in one run; step time,
+(token, expert) pairs per EP rank per layer, bytes moved per rebalance (migration vs scratch).
+Last line: JSON with eplb_vs_off_step_time_ratio, bytes_moved_migration, bytes_moved_scratch,
+balancedness_before, balancedness_after (measured per-rank load, EPLB off / on).
+    python bench/eplb.py [--quick] [--png bench/eplb.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+V3_EXPERT_BYTES = 3 * 7168 * 2048 + 3 * 56 * 16 * 4   # fp8 weights + fp32 128x128 block scales
+
+
+def greedy_plan(w: torch.Tensor, P: int, G: int) -> torch.Tensor:
+    """Baseline: give each spare slot to the expert with the most load per replica, then place the
+    replicas heaviest first on the least-loaded GPU with room (and without that expert if possible)."""
+    L, E = w.shape
+    k, rows = P // G, []
+    for l in range(L):
+        cnt = torch.ones(E)
+        for _ in range(P - E):
+            cnt[int((w[l] / cnt).argmax())] += 1
+        reps = sorted(((float(w[l, e] / cnt[e]), e) for e in range(E) for _ in range(int(cnt[e]))), reverse=True)
+        load, items = [0.0] * G, [[] for _ in range(G)]
+        for x, e in reps:
+            room = [g for g in range(G) if len(items[g]) < k]
+            g = min([g for g in room if e not in items[g]] or room, key=load.__getitem__)
+            load[g] += x
+            items[g].append(e)
+        rows.append(sum(items, []))
+    return torch.tensor(rows)
+
+
+def planning(layers: int) -> dict:
+    from eplb import balancedness, rebalance_experts
+    from eplb.transfer import plan_moves
+    g = torch.Generator().manual_seed(0)
+    w = torch.exp(torch.randn(layers, 256, generator=g)) * 1000             # lognormal: hot head, cold tail
+    drift = w * (1 + 0.2 * (2 * torch.rand(w.shape, generator=g, dtype=w.dtype) - 1))
+    out = {}
+    for ep in (8, 32, 144):
+        nodes = max(1, ep // 8)
+        t = time.perf_counter()
+        p, _, _ = rebalance_experts(w, 288, 8, nodes, ep)
+        plan_s = time.perf_counter() - t
+        t = time.perf_counter()
+        base = greedy_plan(w, 288, ep)
+        greedy_s = time.perf_counter() - t
+        t = time.perf_counter()
+        sticky, _, _ = rebalance_experts(drift, 288, 8, nodes, ep, current_phy2log=p)
+        migrate_s = time.perf_counter() - t
+        fresh, _, _ = rebalance_experts(drift, 288, 8, nodes, ep)
+        flat, _, _ = rebalance_experts(w, 288, 1, 1, ep)                      # global policy
+        remote = {name: sum(m.remote for m in plan_moves(p, q, ep)) for name, q in (("migration", sticky),
+                                                                                  ("scratch", fresh))}
+        out[str(ep)] = {
+            "policy": "hierarchical" if 8 % nodes == 0 else "global", "plan_s": round(plan_s, 3),
+            "migration_plan_s": round(migrate_s, 3), "greedy_s": round(greedy_s, 3),
+            "balancedness": round(float(balancedness(w, p, ep).mean()), 4),
+            "balancedness_greedy": round(float(balancedness(w, base, ep).mean()), 4),
+            "balancedness_global_policy": round(float(balancedness(w, flat, ep).mean()), 4),
+            "drift_balancedness_migration": round(float(balancedness(drift, sticky, ep).mean()), 4),
+            "drift_balancedness_scratch": round(float(balancedness(drift, fresh, ep).mean()), 4),
+            "drift_slots_moved_migration": int((sticky != p).sum()), "drift_slots_moved_scratch": int((fresh != p).sum()),
+            "drift_v3_bytes_migration": remote["migration"] * V3_EXPERT_BYTES,
+            "drift_v3_bytes_scratch": remote["scratch"] * V3_EXPERT_BYTES}
+        print(f"planning ep {ep}: {out[str(ep)]}", file=sys.stderr, flush=True)
+    return {"layers": layers, "experts": 256, "physical": 288, "ep": out}
+
+
+# -- end to end -------------------------------------------------------------------------------------
+def _llm(model_dir: str, eplb_cfg, ctx=None):
+    """An LLM whose model carries EPLB's placement, plus its controller (build.load_model gets the
+    config: the engine does not take `eplb=` itself yet)."""
+    import engine.core as core
+    from engine import LLM
+    from eplb import EplbController
+    load = core.load_model
+    core.load_model = lambda *a, **k: load(*a, **dict(k, eplb=eplb_cfg))
+    try:
+        llm = LLM(model_dir, progress=False, ctx=ctx, dispatch_backend="torch", enable_prefix_caching=False,
+                  kv_cache_memory=64 << 20, parallel={"num_redundant_experts": eplb_cfg.num_redundant_experts})
+    finally:
+        core.load_model = load
+    return llm, EplbController(llm.model, llm.ctx, eplb_cfg)
+
+
+def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int) -> None:
+    from engine import SamplingParams
+    from eplb import EplbConfig, Placement, balancedness
+    from eplb.rebalancer import plan_placement
+    from eplb.transfer import expert_bytes, plan_moves
+    off, rec_off = _llm(model_dir, EplbConfig(enabled=True, step_interval=10**9))          # records only
+    on, rec_on = _llm(model_dir, EplbConfig(enabled=True, num_redundant_experts=redundant, step_interval=10**9),
+                      ctx=off.ctx)
+    g = torch.Generator().manual_seed(0)
+    V, ep = off.config.vocab_size, off.ctx.ep_size
+
+    def prompts():
+        return torch.randint(2, V, (batch, prompt), generator=g).tolist()
+
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    work = prompts()
+    for llm in (off, on):
+        llm.generate(work, sp)                                                    # warm-up + recorded load
+    first = rec_on.rebalance()
+    on.generate(prompts(), sp)                                                    # other prompts: drifted load
+    state, drift = rec_on.placement, rec_on.global_load()
+    L = state.num_layers
+    scratch = plan_placement(drift, state, ep, rec_on.num_groups, rec_on.num_nodes, migration_aware=False)
+    B = expert_bytes(list(rec_on.layers[0].experts.parameters()))
+    scratch_bytes = sum(m.remote for m in plan_moves(state.phy2log, scratch.phy2log, ep)) * B
+    second = rec_on.rebalance(drift)
+    for c in (rec_off, rec_on):
+        c.recorder.reset_rank_load()
+    times = {"off": [], "on": []}
+    moe_calls = {}
+    for t in range(trials):
+        for name in (("off", "on") if t % 2 == 0 else ("on", "off")):
+            llm = off if name == "off" else on
+            llm.model.dispatcher.stats.reset()
+            t0 = time.perf_counter()
+            llm.generate(work, sp)
+            times[name].append(time.perf_counter() - t0)
+            moe_calls[name] = llm.model.dispatcher.stats.dispatch_calls
+    loads = {"off": rec_off.rank_load(), "on": rec_on.rank_load()}              # collective
+    if off.ctx.rank == 0:
+        steps = {k: v // L for k, v in moe_calls.items()}                         # forwards per generate
+        med = {k: statistics.median(v) for k, v in times.items()}
+        bal = {k: (v.double().mean(-1) / v.double().max(-1).values) for k, v in loads.items()}
+        res = {"step_s_off": round(med["off"] / steps["off"], 4), "step_s_on": round(med["on"] / steps["on"], 4),
+               "steps_per_generate": steps, "generate_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
+               "eplb_vs_off_step_time_ratio": round((med["on"] / steps["on"]) / (med["off"] / steps["off"]), 3),
+               "max_pairs_per_rank_off": loads["off"].max(-1).values.tolist(),
+               "max_pairs_per_rank_on": loads["on"].max(-1).values.tolist(),
+               "pairs_per_rank_off": loads["off"].tolist(), "pairs_per_rank_on": loads["on"].tolist(),
+               "balancedness_before": round(float(bal["off"].mean()), 4),
+               "balancedness_after": round(float(bal["on"].mean()), 4),
+               "first_rebalance": {k: first[k] for k in ("slots_moved", "bytes_moved", "plan_s", "transfer_s",
+                                                         "swap_s", "balancedness_before_mean",
+                                                         "balancedness_after_mean")},
+               "bytes_moved_migration": second["bytes_moved"], "bytes_moved_scratch": scratch_bytes,
+               "slots_moved_migration": second["slots_moved"],
+               "slots_moved_scratch": int((scratch.phy2log != state.phy2log).sum()),
+               "drift_balancedness_migration": round(second["balancedness_after_mean"], 4),
+               "drift_balancedness_scratch": round(float(balancedness(drift, scratch.phy2log, ep).mean()), 4),
+               "expert_bytes": B, "load": drift.tolist(), "phy2log_initial": Placement.initial(
+                   L, state.num_experts, state.num_physical).phy2log.tolist(),
+               "phy2log_final": rec_on.placement.phy2log.tolist()}
+        print("RESULT " + json.dumps(res), flush=True)
+    on.shutdown()
+
+
+def skewed_checkpoint(out_dir: str, boost: float = 0.3) -> str:
+    """Tiny DeepSeek-V3 (32 experts, top-6, 4 groups; experts dominate the FLOPs) whose gate bias
+    sends most tokens to 4 experts of one group and 2 of the next, a different group per layer."""
+    from safetensors.torch import load_file, save_file
+
+    from launch.tiny import make_tiny_checkpoint
+    make_tiny_checkpoint(out_dir, arch="v3", seed=0, vocab_size=1024, hidden_size=256, intermediate_size=512,
+                         moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+                         qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
+                         n_group=4, topk_group=2, initializer_range=0.05)
+    path = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(path)
+    for name, t in tensors.items():
+        if name.endswith("e_score_correction_bias"):
+            base = 8 * (int(name.split(".")[2]) % 4)
+            t[[base, base + 1, base + 2, base + 3, (base + 8) % 32, (base + 9) % 32]] += boost
+    save_file(tensors, path, metadata={"format": "pt"})
+    return out_dir
+
+
+def end_to_end(quick: bool, ep: int) -> dict:
+    from launch.local import run_local_ranks
+    batch, prompt, trials = (8, 128, 3) if quick else (16, 128, 7)
+    redundant = ep  # one replica slot per rank: 32 + ep slots
+    with tempfile.TemporaryDirectory() as d:
+        skewed_checkpoint(d)
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", d, str(batch), str(prompt), str(trials),
+               str(redundant)]
+        rc, text = run_local_ranks([], ep, timeout_s=900, cmd=cmd, capture=True)
+    if rc:
+        raise SystemExit(f"end-to-end ranks failed with status {rc}")
+    res = json.loads([x for x in text.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    res["workload"] = {"ep": ep, "batch": batch, "prompt": prompt, "max_tokens": 2, "trials": trials,
+                       "experts": 32, "redundant": redundant, "topk": 6, "hidden": 256, "moe_intermediate": 512}
+    print(f"end to end ep {ep}: ratio {res['eplb_vs_off_step_time_ratio']}, max pairs per rank off "
+          f"{res['max_pairs_per_rank_off']} on {res['max_pairs_per_rank_on']}", file=sys.stderr, flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", nargs=5, metavar=("DIR", "BATCH", "PROMPT", "TRIALS", "REDUNDANT"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--png", default=None, help="write the per-rank load report here (needs matplotlib)")
+    a = ap.parse_args()
+    if a.worker:
+        d, *nums = a.worker
+        worker(d, *map(int, nums))
+        return
+    plan = planning(layers=16 if a.quick else 58)
+    e2e = end_to_end(a.quick, 4)
+    e2e_ep2 = end_to_end(a.quick, 2)  # 2 ranks on 2 cores: a rank's expert time is wall time
+    if a.png:
+        from launch.eplb_cli import draw_report
+        draw_report(torch.tensor(e2e["load"]), torch.tensor(e2e["phy2log_initial"]),
+                    torch.tensor(e2e["phy2log_final"]), 4, a.png, title="bench/eplb.py: ep 4, skewed router")
+    for r in (e2e, e2e_ep2):
+        for k in ("load", "phy2log_initial", "phy2log_final", "pairs_per_rank_off", "pairs_per_rank_on"):
+            r.pop(k)
+    keys = ("eplb_vs_off_step_time_ratio", "bytes_moved_migration", "bytes_moved_scratch", "balancedness_before",
+            "balancedness_after")
+    print(json.dumps({**{k: e2e[k] for k in keys}, "eplb_vs_off_step_time_ratio_ep2": e2e_ep2[keys[0]],
+                      "end_to_end": e2e, "end_to_end_ep2": e2e_ep2, "planning": plan, "cpus": os.cpu_count()}))
+
+
+if __name__ == "__main__":
+    main()
