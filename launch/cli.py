@@ -1,4 +1,4 @@
-"""`wideep …` (= `python -m launch …`): make-tiny, generate, demo."""
+"""`wideep …` (= `python -m launch …`): make-tiny, generate, demo, run, serve."""
 from __future__ import annotations
 
 import argparse
@@ -118,6 +118,21 @@ def cmd_run(a) -> None:
     llm.shutdown()
 
 
+def cmd_serve(a) -> None:
+    """OpenAI-compatible HTTP server on rank 0 (launch/server.py); SPMD under torchrun/mpirun."""
+    from . import run_config
+    try:
+        from . import server
+    except ImportError as e:
+        raise SystemExit(f"wideep serve needs aiohttp: pip install -e '.[serve]' ({e})") from None
+    cfg = run_config.override(run_config.load(a.config), model__path=a.model, model__dtype=a.dtype,
+                              parallel__dp_size=a.dp_size, parallel__ep_size=a.ep_size,
+                              server__host=a.host, server__port=a.port, server__model_name=a.model_name)
+    rc = server.serve(cfg)
+    if rc:
+        raise SystemExit(rc)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="wideep", description="wide expert-parallel DeepSeek serving runtime")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -155,6 +170,16 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--max-tokens", type=int)
     r.add_argument("--summary-only", action="store_true", help="print only the throughput summary")
     r.set_defaults(fn=cmd_run)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /health, /metrics) on rank 0")
+    s.add_argument("--config", required=True)
+    s.add_argument("--host", help="bind address (default 127.0.0.1: this host only)")
+    s.add_argument("--port", type=int, help="default 8000; 0 picks a free port (printed)")
+    s.add_argument("--model-name", help="the `model` clients pass (default: the checkpoint dir's name)")
+    s.add_argument("--model")
+    s.add_argument("--dtype")
+    s.add_argument("--dp-size", type=int)
+    s.add_argument("--ep-size", type=int)
+    s.set_defaults(fn=cmd_serve)
     from .eplb_cli import add_parsers
     add_parsers(sub)
     a = p.parse_args(argv)

@@ -10,6 +10,7 @@ The same file works single-process and under torchrun/mpirun: dp_size/ep_size de
                migration_aware, transfer_layers_per_step (eplb/config.py)
     [dbo]      enabled (DBO issue)
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
+    [server]   host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's name) for `wideep serve`
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ SECTIONS: dict[str, set[str]] = {
     "eplb": {f.name for f in dataclasses.fields(EplbConfig)},
     "dbo": {"enabled"},
     "run": {"prompt_ids", "prompts", "max_tokens", "temperature", "top_p", "top_k", "seed"},
+    "server": {"host", "port", "model_name"},
 }
 
 

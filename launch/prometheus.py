@@ -1,0 +1,74 @@
+"""AsyncEngine.metrics() -> Prometheus text exposition format (version 0.0.4), written by hand so the
+server needs no client library. Every family gets # HELP and # TYPE; counters end in _total;
+latencies are histograms (cumulative `le` buckets ending at +Inf, then _sum and _count)."""
+from __future__ import annotations
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# (metric name, key in metrics(), type, help)
+_SCALARS = [
+    ("wideep_requests_running", "running", "gauge", "Requests in the running batch, all DP ranks."),
+    ("wideep_requests_waiting", "waiting", "gauge", "Requests waiting to be scheduled, all DP ranks."),
+    ("wideep_requests_active", "active_requests", "gauge", "Requests accepted and not yet finished."),
+    ("wideep_kv_cache_blocks_used", "kv_blocks_used", "gauge", "Paged latent KV blocks in use."),
+    ("wideep_kv_cache_blocks_free", "kv_blocks_free", "gauge", "Paged latent KV blocks free (incl. evictable cached)."),
+    ("wideep_prefix_cache_hit_rate", "prefix_cache_hit_rate", "gauge",
+     "Prompt tokens found in the prefix cache / prompt tokens looked up, since start."),
+    ("wideep_generation_tokens_per_second", "tokens_per_s", "gauge", "Generated tokens/s over the last 10 s."),
+    ("wideep_generation_tokens_total", "generation_tokens_total", "counter", "Generated tokens."),
+    ("wideep_prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens of finished requests."),
+    ("wideep_preemptions_total", "preemptions", "counter", "Requests preempted (blocks freed, recomputed later)."),
+]
+_PER_RANK = [
+    ("wideep_rank_requests_running", "running", "Running requests on one DP rank."),
+    ("wideep_rank_kv_cache_blocks_used", "kv_blocks_used", "KV blocks in use on one DP rank."),
+]
+_HISTOGRAMS = [
+    ("wideep_time_to_first_token_seconds", "ttft_s", "Arrival to first token, finished requests."),
+    ("wideep_time_per_output_token_seconds", "tpot_s", "Mean time between output tokens after the first."),
+    ("wideep_request_queue_time_seconds", "queue_s", "Arrival to first scheduled."),
+    ("wideep_e2e_request_latency_seconds", "e2e_s", "Submit to final output, as the server saw it."),
+]
+
+
+def _num(v) -> str:
+    if v == float("inf"):
+        return "+Inf"
+    return repr(float(v)) if isinstance(v, float) else str(int(v))
+
+
+def render(m: dict) -> str:
+    lines: list[str] = []
+
+    def head(name: str, kind: str, help_: str) -> None:
+        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+
+    for name, key, kind, help_ in _SCALARS:
+        if key in m:
+            head(name, kind, help_)
+            lines.append(f"{name} {_num(m[key])}")
+    ranks = m.get("per_rank", [])
+    for name, key, help_ in _PER_RANK:
+        head(name, "gauge", help_)
+        lines.extend(f'{name}{{dp_rank="{r}"}} {_num(st[key])}' for r, st in enumerate(ranks))
+    head("wideep_requests_finished_total", "counter", "Finished requests by finish reason (length|stop|abort).")
+    for reason, n in sorted(m.get("requests_finished", {}).items()):
+        lines.append(f'wideep_requests_finished_total{{finish_reason="{reason}"}} {n}')
+    for name, key, help_ in _HISTOGRAMS:
+        h = m.get(key)
+        if h is None:
+            continue
+        head(name, "histogram", help_)
+        lines.extend(f'{name}_bucket{{le="{_num(le)}"}} {n}' for le, n in h["buckets"])
+        lines.extend([f"{name}_sum {_num(float(h['sum']))}", f"{name}_count {h['count']}"])
+    return "\n".join(lines) + "\n"
+
+
+def parse(text: str) -> dict[str, float]:
+    """The inverse for tests and scripts: {'name{labels}': value} of every sample line."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            out[key] = float(value)
+    return out

@@ -1,0 +1,165 @@
+"""`wideep serve --config x.toml`: an OpenAI-compatible HTTP server (aiohttp) on rank 0; every other
+rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engine.shutdown().
+
+    POST /v1/completions   OpenAI completions, stream true (SSE `data: {...}` chunks, `data: [DONE]`) | false
+    GET  /v1/models        the served model
+    GET  /health           200 while the engine serves, 503 once it has stopped
+    GET  /metrics          Prometheus text (launch/prometheus.py)
+
+Bad input is HTTP 400 (404 for an unknown model) with {"error": {"message": ...}} and the server goes
+on serving. A client that disconnects aborts its request (handler_cancellation, plus failed writes).
+SIGINT/SIGTERM: stop accepting, abort in-flight requests, engine.shutdown() (releases the workers).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+
+from . import prometheus
+from .openai_api import BadRequest, Completion, parse_completion
+
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
+def _error(status: int, message: str) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+class Server:
+    """The aiohttp handlers over one AsyncEngine. model_name is what clients pass as `model`."""
+
+    def __init__(self, aengine: AsyncEngine, model_name: str):
+        self.aengine, self.model_name = aengine, model_name
+        tok = aengine.engine.core.tokenizer
+        self.decode = (lambda t: tok.decode([t])) if tok is not None else None
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
+                        web.get("/health", self.health), web.get("/metrics", self.metrics)])
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.aengine.is_running:
+            return web.json_response({"status": "ok"})
+        return _error(503, "engine is not running")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                                              "owned_by": "wideep"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        try:
+            m = await self.aengine.metrics()
+        except EngineDeadError as e:
+            return _error(503, str(e))
+        return web.Response(body=prometheus.render(m).encode(), headers={"Content-Type": prometheus.CONTENT_TYPE})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except ValueError as e:  # JSONDecodeError, or a body that is not UTF-8
+            return _error(400, f"request body is not valid JSON: {e}")
+        try:
+            prompt, params, stream, include_usage = parse_completion(body, self.model_name)
+        except BadRequest as e:
+            return _error(e.status, str(e))
+        comp = Completion(self.model_name, self.decode)
+        gen = self.aengine.generate(prompt, params, request_id=comp.id)
+        try:
+            # The first output proves the engine accepted the request, so bad input (a prompt too long
+            # for the context, a token id outside the vocab) is still a 400, not a broken 200 stream.
+            try:
+                first = await gen.__anext__()
+            except ValueError as e:
+                return _error(400, str(e))
+            except EngineDeadError as e:
+                return _error(503, str(e))
+            if not stream:
+                out = first
+                async for out in gen:
+                    pass
+                return web.json_response(comp.response(out))
+            return await self._stream(request, comp, gen, first, include_usage)
+        finally:
+            await gen.aclose()  # not finished (disconnect, failed write): aborts the request
+
+    async def _stream(self, request, comp: Completion, gen, out, include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        n = 0
+        try:
+            while True:
+                n += len(out.outputs[0].token_ids)
+                await resp.write(_sse(comp.chunk(out)))
+                if out.finished:
+                    break
+                out = await gen.__anext__()
+        except EngineDeadError as e:  # the 200 is already sent: report in-band, then end the stream
+            await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": 503}}))
+        if include_usage:
+            await resp.write(_sse(comp.usage_chunk(len(out.prompt_token_ids), n)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: str | None = None) -> int:
+    """Rank 0: serve until SIGINT/SIGTERM or until the engine stops by itself. -> exit status."""
+    aengine = AsyncEngine(engine)
+    model_name = model_name or os.path.basename(os.path.normpath(engine.core.model_dir))
+    runner = web.AppRunner(Server(aengine, model_name).app(), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=5.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as e:
+        aengine.close()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e}") from None
+    addr = runner.addresses[0]
+    print(f"wideep serve: model {model_name!r} on http://{addr[0]}:{addr[1]} "
+          f"({engine.ctx.world_size} rank(s)); Ctrl-C stops", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    while not stop.is_set() and aengine.is_running:  # also leave when the engine thread died
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=1.0)
+        except asyncio.TimeoutError:
+            pass
+    died = not stop.is_set()
+    await site.stop()            # no new connections
+    await aengine.shutdown()     # in-flight requests end with finish_reason "abort"; workers released
+    await runner.cleanup()
+    err = aengine.error
+    print(f"wideep serve: stopped{f' ({err!r})' if err else ''}", file=sys.stderr if died else sys.stdout,
+          flush=True)
+    return 1 if died or err else 0
+
+
+def serve(cfg: dict) -> int:
+    """Every rank: build the Engine from the run config; rank 0 serves HTTP, the others follow it."""
+    from engine.engine import Engine
+
+    from . import run_config
+    engine = Engine(**run_config.llm_kwargs(cfg))
+    if not engine.is_front:
+        engine.run_worker_loop()
+        return 0
+    s = cfg.get("server", {})
+    return asyncio.run(serve_front(engine, s.get("host", DEFAULT_HOST), s.get("port", DEFAULT_PORT),
+                                   s.get("model_name")))
