@@ -56,12 +56,14 @@ class EngineCore:
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, seed: int = 0, progress: bool = True,
                  dp_size: int | None = None, ep_size: int | None = None, dispatch_backend: str | None = None,
-                 parallel=None, ctx: ParallelContext | None = None):
+                 parallel=None, ctx: ParallelContext | None = None, dbo=None):
+        from dbo.overlap import DboConfig
+        self.dbo = DboConfig.coerce(dbo)
         cfg = ModelConfig.from_dir(model)
         self.ctx, self.pcfg = resolve_context(cfg, parallel, dp_size, ep_size, dispatch_backend, ctx)
         if not self.ctx.is_single:
             from parallel import check_agreement, fingerprint
-            options = dict(dtype=str(dtype), max_model_len=max_model_len, block_size=block_size,
+            options = dict(dtype=str(dtype), max_model_len=max_model_len, block_size=block_size, dbo=asdict(self.dbo),
                            kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                            enable_prefix_caching=enable_prefix_caching)
@@ -83,7 +85,20 @@ class EngineCore:
         self.kv = LatentKVPool(cfg.num_hidden_layers, kv_cache_blocks, block_size, cfg.mla.latent_dim, dt, device)
         self.blocks = BlockManager(kv_cache_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv)
+        link = None
+        if self.pcfg.simulated_latency_us or self.pcfg.simulated_gbps:
+            from parallel.comm_stream import SimulatedLink
+            link = SimulatedLink(self.pcfg.simulated_latency_us, self.pcfg.simulated_gbps)
+            if hasattr(self.model.dispatcher, "link"):  # the torch dispatcher: the testing link applies
+                self.model.dispatcher.link = link
+        overlap, self.auto = None, None
+        if self.dbo.enabled and cfg.moe is not None:
+            from dbo.overlap import Overlap
+            overlap = Overlap(self.model, self.ctx, link)  # collective: every rank builds its groups
+            if self.dbo.enabled == "auto":
+                from dbo.auto import AutoSwitch
+                self.auto = AutoSwitch()
+        self.runner = ModelRunner(self.model, self.kv, overlap)
         self.sync = StepSync(self.ctx)
         self.tokenizer = _load_tokenizer(model)
         self._generator = torch.Generator(device=device).manual_seed(seed + self.ctx.rank)
@@ -144,6 +159,22 @@ class EngineCore:
         return RequestOutput(request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
                              prompt_logprobs=s.prompt_logprobs, outputs=[comp], finished=s.finished,
                              metrics=s.metrics())
+
+    def split_votes(self, num_tokens: list[int]) -> tuple[bool, bool]:
+        """DBO: (this rank may split its step, this rank votes to split). Only rank 0's vote counts."""
+        if self.runner.overlap is None:
+            return False, False
+        from dbo.split import can_split
+        ok = can_split(num_tokens, self.dbo.split) if num_tokens else True  # an idle rank never blocks a split
+        if self.auto is None:
+            return ok, True
+        decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
+        return ok, self.auto.decide(sum(num_tokens), decode)
+
+    def after_step(self, num_tokens: list[int], split: bool, seconds: float) -> None:
+        if self.auto is not None:
+            decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
+            self.auto.record(sum(num_tokens), decode, split, seconds)
 
     def stats(self) -> dict:
         b = self.blocks

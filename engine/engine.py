@@ -167,11 +167,15 @@ class Engine:
                 seq.finish_reason, seq.finish_time = "abort", time.monotonic()
                 outs.append(core.output(seq, delta=seq.params.output_kind == "delta"))
         generated = 0
-        if self.core.sync.anyone_has_work(sched.has_work()):
-            batch = sched.schedule()
-            if batch.seqs:
+        batch = sched.schedule() if sched.has_work() else None
+        tokens = batch.num_tokens if batch is not None else []
+        can_split, vote = core.split_votes(tokens)
+        any_work, split = core.sync.sync(batch is not None and bool(batch.seqs) or sched.has_work(), can_split, vote)
+        if any_work:
+            t0 = time.perf_counter()
+            if batch is not None and batch.seqs:
                 before = {id(s): len(s.output_token_ids) for s in batch.seqs}
-                core.runner.execute(batch)
+                core.runner.execute(batch, split=split)
                 for s in batch.seqs:
                     core.blocks.register_computed(s)
                     advanced = len(s.output_token_ids) > before[id(s)]
@@ -185,7 +189,8 @@ class Engine:
             elif self.ctx.is_single:
                 raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
             else:
-                core.runner.dummy_step()  # keep the MoE all-to-alls in lockstep
+                core.runner.dummy_step(split=split)  # keep the MoE all-to-alls in lockstep
+            core.after_step(tokens, split, time.perf_counter() - t0)
         return outs, dict(core.stats(), generated=generated)
 
     # -- collectives --------------------------------------------------------------------------------

@@ -15,46 +15,73 @@ from .scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekModel, kv: LatentKVPool):
-        self.model, self.kv = model, kv
+    """overlap: a dbo.overlap.Overlap when dual-batch overlap is on; execute(batch, split=True) then
+    runs the step as two microbatches whose all-to-alls hide behind each other's compute."""
+
+    def __init__(self, model: DeepseekModel, kv: LatentKVPool, overlap=None):
+        self.model, self.kv, self.overlap = model, kv, overlap
         self.device = model.device
 
-    def build_meta(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttnMeta]:
-        """-> input_ids [T], AttnMeta for the batch."""
+    def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
+                   ) -> tuple[torch.Tensor, AttnMeta]:
+        """-> input_ids [T], AttnMeta for the batch, or for `parts` of it ((b, lo, hi): tokens lo..hi-1
+        of sequence b's tokens this step)."""
+        if parts is None:
+            parts = [(b, 0, n) for b, n in enumerate(batch.num_tokens)]
         bs = self.kv.block_size
-        ids, pos, slots, ctx_lens = [], [], [], []
-        for s, n in zip(batch.seqs, batch.num_tokens):
-            start = s.num_computed
-            toks = s.token_ids[start:start + n]
-            ids.extend(toks)
-            p = range(start, start + n)
-            pos.extend(p)
-            slots.extend(s.block_ids[j // bs] * bs + j % bs for j in p)
-            ctx_lens.append(start + n)
-        max_blocks = max(len(s.block_ids) for s in batch.seqs)
-        table = [s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in batch.seqs]
+        ids, pos, slots, ctx_lens, qlens, tables = [], [], [], [], [], []
+        for b, lo, hi in parts:
+            s = batch.seqs[b]
+            start = s.num_computed + lo
+            end = s.num_computed + hi
+            ids.extend(s.token_ids[start:end])
+            pos.extend(range(start, end))
+            slots.extend(s.block_ids[j // bs] * bs + j % bs for j in range(start, end))
+            ctx_lens.append(end)
+            qlens.append(hi - lo)
+            tables.append(s.block_ids)
+        width = max((len(t) for t in tables), default=1)
+        table = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
-        meta = AttnMeta(positions=torch.tensor(pos, device=dev), slot_mapping=torch.tensor(slots, device=dev),
-                        block_table=torch.tensor(table, device=dev), query_lens=list(batch.num_tokens),
-                        ctx_lens=ctx_lens, block_size=bs)
-        return torch.tensor(ids, device=dev), meta
+        meta = AttnMeta(positions=torch.tensor(pos, dtype=torch.int64, device=dev),
+                        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                        block_table=torch.tensor(table, dtype=torch.int64, device=dev).view(len(table), width),
+                        query_lens=qlens, ctx_lens=ctx_lens, block_size=bs)
+        return torch.tensor(ids, dtype=torch.int64, device=dev), meta
 
     @torch.inference_mode()
-    def dummy_step(self) -> None:
-        """A zero-token forward: this rank has no work but must still enter every MoE all-to-all."""
-        dev = self.device
-        empty = torch.zeros(0, dtype=torch.int64, device=dev)
-        meta = AttnMeta(positions=empty, slot_mapping=empty, block_table=torch.zeros(0, 1, dtype=torch.int64, device=dev),
-                        query_lens=[], ctx_lens=[], block_size=self.kv.block_size)
-        self.model(empty, meta, self.kv.pools)
+    def dummy_step(self, split: bool = False) -> None:
+        """A zero-token forward: this rank has no work but must still enter every MoE all-to-all
+        (both microbatches' when the step is split)."""
+        empty = ScheduledBatch([], [])
+        if split:
+            self.overlap.forward([self.build_meta(empty, []), self.build_meta(empty, [])], self.kv.pools)
+        else:
+            self.model(*self.build_meta(empty, []), self.kv.pools)
+
+    def _forward_split(self, batch: ScheduledBatch) -> torch.Tensor:
+        from dbo.split import split
+        parts = split(batch.num_tokens)
+        hidden = self.overlap.forward([self.build_meta(batch, p) for p in parts], self.kv.pools)
+        # back to the batch's token order: sequence b's rows lo..hi-1 sit at offset[b] + lo
+        offset = [0]
+        for n in batch.num_tokens:
+            offset.append(offset[-1] + n)
+        rows = torch.tensor([offset[b] + j for p in parts for b, lo, hi in p for j in range(lo, hi)],
+                            device=self.device)
+        out = torch.empty(offset[-1], hidden[0].shape[1], dtype=hidden[0].dtype, device=self.device)
+        out[rows] = torch.cat(hidden)
+        return out
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> None:
+    def execute(self, batch: ScheduledBatch, split: bool = False) -> None:
         """Run one step and advance every sequence in the batch (cache, outputs, finish state)."""
         if not batch.seqs:
             return
-        input_ids, meta = self.build_meta(batch)
-        hidden = self.model(input_ids, meta, self.kv.pools)
+        if split:
+            hidden = self._forward_split(batch)
+        else:
+            hidden = self.model(*self.build_meta(batch), self.kv.pools)
         sample_rows, samplers = [], []
         start = 0
         for s, n in zip(batch.seqs, batch.num_tokens):

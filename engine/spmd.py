@@ -26,19 +26,27 @@ def assign_requests(costs: list[int], dp_size: int) -> list[list[int]]:
 
 
 class StepSync:
-    """One small all-reduce per step: does any rank have work? Ranks without work then run a
-    zero-token dummy step so that every rank enters every MoE all-to-all."""
+    """One small all-reduce per step: does any rank have work, may every rank split the step for
+    DBO, and rank 0's vote on splitting. Ranks without work then run a zero-token dummy step so that
+    every rank enters every MoE all-to-all (of both microbatches when split)."""
 
     def __init__(self, ctx: ParallelContext):
         self.ctx = ctx
 
     def anyone_has_work(self, local: bool) -> bool:
+        return self.sync(local)[0]
+
+    def sync(self, has_work: bool, can_split: bool = False, vote: bool = False) -> tuple[bool, bool]:
+        """-> (any rank has work, split this step). Split needs rank 0's vote and every rank's consent."""
         if self.ctx.is_single:
-            return local
-        flag = torch.tensor([int(local)], dtype=torch.int64)
+            return has_work, can_split and vote
+        # MAX of [has work, cannot split, vote (rank 0's only)]
+        flags = torch.tensor([int(has_work), int(not can_split), int(vote and self.ctx.rank == 0)],
+                             dtype=torch.int64)
         with guard_collective(self.ctx):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
-        return bool(flag.item())  # SYNC: the step loop's exit condition
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+        any_work, cannot, vote_0 = flags.tolist()  # SYNC: the step loop's control flow
+        return bool(any_work), bool(vote_0) and not cannot
 
 
 def gather_outputs(ctx: ParallelContext, local: dict[int, object], n: int) -> list:

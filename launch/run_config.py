@@ -24,16 +24,18 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from dbo.overlap import DboConfig
 from eplb.config import EplbConfig
 
 SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "max_model_len"},
     "parallel": {"dp_size", "ep_size", "tp_size", "backend", "dispatch_backend", "num_redundant_experts",
-                 "timeout_s", "heartbeat_s", "deepep_low_latency_max_tokens"},
+                 "timeout_s", "heartbeat_s", "deepep_low_latency_max_tokens", "simulated_latency_us",
+                 "simulated_gbps"},
     "engine": {"block_size", "kv_cache_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "seed",
                "enable_prefix_caching"},
     "eplb": {f.name for f in dataclasses.fields(EplbConfig)},
-    "dbo": {"enabled"},
+    "dbo": {f.name for f in dataclasses.fields(DboConfig)},
     "run": {"prompt_ids", "prompts", "max_tokens", "temperature", "top_p", "top_k", "seed"},
     "server": {"host", "port", "model_name"},
 }
@@ -53,9 +55,11 @@ def validate(cfg: dict[str, Any], source: str = "run config") -> dict[str, Any]:
             EplbConfig.from_dict(cfg["eplb"])
         except ValueError as e:
             raise ValueError(f"{source}: [eplb] {e}") from None
-    for feature in ("dbo",):
-        if cfg.get(feature, {}).get("enabled"):
-            raise ValueError(f"{source}: [{feature}] enabled = true is not implemented yet")
+    if "dbo" in cfg:
+        try:
+            DboConfig(**cfg["dbo"])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{source}: [dbo] {e}") from None
     if "path" not in cfg.get("model", {}):
         raise ValueError(f"{source}: [model] path is required")
     return cfg
@@ -88,5 +92,6 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     m, e = cfg["model"], cfg.get("engine", {})
     par = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
     eplb = {"eplb": dict(cfg["eplb"])} if cfg.get("eplb") else {}
+    dbo = {"dbo": dict(cfg["dbo"])} if cfg.get("dbo") else {}
     return dict(model=m["path"], dtype=m.get("dtype", "float32"), max_model_len=m.get("max_model_len"),
-                parallel=par, progress=False, **eplb, **e)
+                parallel=par, progress=False, **eplb, **dbo, **e)

@@ -61,14 +61,19 @@ class MoELayer(nn.Module):
         self.local_phy2log = list(local_phy2log)
         self.expert_map = expert_map
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> physical topk_ids [T, k], topk_weights [T, k] (recorded for EPLB when on)."""
         topk_ids, topk_weights = self.gate(x)                                  # [T, k] logical
         if self.expert_map is not None:
             topk_ids = self.expert_map(topk_ids)                               # [T, k] physical
         if self.load_counts is not None:
             flat = topk_ids.reshape(-1)
             self.load_counts.index_add_(0, flat, torch.ones_like(flat))
+        return topk_ids, topk_weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        topk_ids, topk_weights = self.route(x)
         if self.dispatcher is None:
             out = self.experts(x, topk_ids, topk_weights)
         else:

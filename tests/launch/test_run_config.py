@@ -42,7 +42,7 @@ def _write(tmp_path, text: str) -> str:
     ("[model]\npath='x'\n[bogus]\na=1\n", r"unknown section \[bogus\]"),
     ("[model]\npath='x'\n[parallel]\nep=4\n", r"unknown keys \['ep'\] in \[parallel\]"),
     ("[parallel]\nep_size=2\n", r"\[model\] path is required"),
-    ("[model]\npath='x'\n[dbo]\nenabled=true\n", "not implemented yet"),
+    ("[model]\npath='x'\n[dbo]\nenabled='sometimes'\n", r"\[dbo\] dbo.enabled must be"),
     ("[model\npath='x'\n", "not valid TOML"),
 ])
 def test_bad_run_configs(tmp_path, text, match):
