@@ -49,21 +49,25 @@ def resolve_context(cfg: ModelConfig, parallel, dp_size, ep_size, dispatch_backe
 
 
 class EngineCore:
-    """Options: see Engine."""
+    """Options: see Engine. eplb: an eplb.config.EplbConfig or dict ([eplb] keys); dbo: a
+    dbo.overlap.DboConfig, dict ([dbo] keys), True/False or "auto"."""
 
     def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None, *,
                  max_model_len: int | None = None, block_size: int = 64, kv_cache_blocks: int | None = None,
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, seed: int = 0, progress: bool = True,
                  dp_size: int | None = None, ep_size: int | None = None, dispatch_backend: str | None = None,
-                 parallel=None, ctx: ParallelContext | None = None, dbo=None):
+                 parallel=None, ctx: ParallelContext | None = None, dbo=None, eplb=None):
         from dbo.overlap import DboConfig
+        from eplb.config import EplbConfig
         self.dbo = DboConfig.coerce(dbo)
+        self.eplb_cfg = EplbConfig.coerce(eplb)
         cfg = ModelConfig.from_dir(model)
         self.ctx, self.pcfg = resolve_context(cfg, parallel, dp_size, ep_size, dispatch_backend, ctx)
         if not self.ctx.is_single:
             from parallel import check_agreement, fingerprint
             options = dict(dtype=str(dtype), max_model_len=max_model_len, block_size=block_size, dbo=asdict(self.dbo),
+                           eplb=self.eplb_cfg.to_dict(),
                            kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                            enable_prefix_caching=enable_prefix_caching)
@@ -72,7 +76,12 @@ class EngineCore:
         device = device or str(self.ctx.device)
         self.model_dir, self.config = model, cfg
         self.model = load_model(model, parse_dtype(dtype), device, progress and self.ctx.rank == 0, self.ctx,
-                                self.pcfg.dispatch_backend, cfg)
+                                self.pcfg.dispatch_backend, cfg, num_redundant_experts=self.pcfg.num_redundant_experts,
+                                eplb=self.eplb_cfg)
+        self.eplb = None
+        if self.eplb_cfg.enabled and cfg.moe is not None:
+            from eplb.controller import EplbController
+            self.eplb = EplbController(self.model, self.ctx, self.eplb_cfg)
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) > max_position_embeddings "
@@ -172,6 +181,10 @@ class EngineCore:
         return ok, self.auto.decide(sum(num_tokens), decode)
 
     def after_step(self, num_tokens: list[int], split: bool, seconds: float) -> None:
+        """Every rank, after every step that ran (dummy steps included): EPLB's step counter and
+        load window (a rebalance, when due, is collective), and the DBO auto switch's timings."""
+        if self.eplb is not None:
+            self.eplb.after_step(sum(num_tokens))
         if self.auto is not None:
             decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
             self.auto.record(sum(num_tokens), decode, split, seconds)

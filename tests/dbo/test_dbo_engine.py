@@ -59,3 +59,26 @@ def test_dbo_auto_equals_off(model_dir):
     for rank in spawn(_rank, 2, args=(model_dir, "auto"), timeout_s=300):
         for name, (off, on) in rank["res"].items():
             assert [t for t, _ in on] == [t for t, _ in off], name
+
+
+def _rank_eplb(model_dir: str) -> dict:
+    from engine import LLM
+    kw = dict(progress=False, block_size=8, max_num_batched_tokens=64)
+    off = LLM(model_dir, **kw)
+    on = LLM(model_dir, ctx=off.ctx, dbo={"enabled": True}, parallel={"num_redundant_experts": 2},
+             eplb={"enabled": True, "num_redundant_experts": 2, "window_size": 4, "step_interval": 3}, **kw)
+    res = {name: (_run(off, p, n), _run(on, p, n)) for name, (p, n) in WORKLOADS.items()}
+    rebalances = on.engine.core.eplb.metrics["rebalances"]
+    off.shutdown()
+    return {"res": res, "rebalances": rebalances}
+
+
+@pytest.mark.multirank
+def test_dbo_with_eplb_rebalancing_during_the_run(model_dir):
+    for rank in spawn(_rank_eplb, 2, args=(model_dir,), timeout_s=300):
+        assert rank["rebalances"] >= 2
+        for name, (off, on) in rank["res"].items():
+            for (tok_off, lp_off), (tok_on, lp_on) in zip(off, on):
+                assert tok_on == tok_off, name
+                if lp_off:
+                    assert (torch.tensor(lp_on) - torch.tensor(lp_off)).abs().max() <= 1e-5, name
