@@ -67,7 +67,7 @@ def _phase(core, phase: str, trials: int, auto=None) -> dict:
             core.scheduler.add(core.make_sequence(f"{rank}-{seq_id[0]}", None, ids, sp, max_tokens))
 
     if phase == "decode":
-        add(16, 16, 10_000)
+        add(16, 16, 400)
         while any(s.prefilling for s in core.scheduler.running) or core.scheduler.waiting:
             _step(core, False)
     modes = ["off", "on"] + (["auto"] if auto is not None else [])
