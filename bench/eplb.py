@@ -84,18 +84,15 @@ def planning(layers: int) -> dict:
 
 # -- end to end -------------------------------------------------------------------------------------
 def _llm(model_dir: str, eplb_cfg, ctx=None):
-    """An LLM whose model carries EPLB's placement, plus its controller (build.load_model gets the
-    config: the engine does not take `eplb=` itself yet)."""
-    import engine.core as core
+    """An LLM whose model carries EPLB's placement, plus a controller driven here (the engine gets
+    the config with enabled=False, so it does not rebalance on its own)."""
+    import dataclasses
+
     from engine import LLM
     from eplb import EplbController
-    load = core.load_model
-    core.load_model = lambda *a, **k: load(*a, **dict(k, eplb=eplb_cfg))
-    try:
-        llm = LLM(model_dir, progress=False, ctx=ctx, dispatch_backend="torch", enable_prefix_caching=False,
-                  kv_cache_memory=64 << 20, parallel={"num_redundant_experts": eplb_cfg.num_redundant_experts})
-    finally:
-        core.load_model = load
+    llm = LLM(model_dir, progress=False, ctx=ctx, dispatch_backend="torch", enable_prefix_caching=False,
+              kv_cache_memory=64 << 20, eplb=dataclasses.replace(eplb_cfg, enabled=False),
+              parallel={"num_redundant_experts": eplb_cfg.num_redundant_experts})
     return llm, EplbController(llm.model, llm.ctx, eplb_cfg)
 
 

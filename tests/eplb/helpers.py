@@ -34,39 +34,17 @@ def make_skewed_checkpoint(out_dir: str, seed: int = 5, boost: float = 0.3) -> s
     return out_dir
 
 
-def engine_takes_eplb() -> bool:
-    import inspect
-
-    from engine.core import EngineCore
-    return "eplb" in inspect.signature(EngineCore.__init__).parameters
-
-
 def build_llm(model_dir: str, eplb_cfg, **options):
-    """-> (LLM, EplbController) for this rank, the controller driven by the test (the engine gets
-    the config with enabled=False: placement and redundant slots, no controller of its own). Until
-    the engine takes `eplb=`, engine.build.load_model gets the config patched in."""
+    """-> (LLM, EplbController) for this rank, the controller driven by the test: the engine gets
+    the config with enabled=False (placement and redundant slots, no controller of its own)."""
     import dataclasses
 
-    import engine.core as core
     from engine import LLM
     from eplb import EplbController
     options.setdefault("enable_prefix_caching", False)
     # ParallelConfig checks (experts + redundant) % ep before connecting
     options["parallel"] = dict(options.get("parallel") or {}, num_redundant_experts=eplb_cfg.num_redundant_experts)
-    if engine_takes_eplb():
-        llm = LLM(model_dir, progress=False, eplb=dataclasses.replace(eplb_cfg, enabled=False), **options)
-        return llm, EplbController(llm.model, llm.ctx, eplb_cfg)
-    load = core.load_model
-
-    def load_with_eplb(*a, **k):
-        k.setdefault("eplb", eplb_cfg)
-        return load(*a, **k)
-
-    core.load_model = load_with_eplb
-    try:
-        llm = LLM(model_dir, progress=False, **options)
-    finally:
-        core.load_model = load
+    llm = LLM(model_dir, progress=False, eplb=dataclasses.replace(eplb_cfg, enabled=False), **options)
     return llm, EplbController(llm.model, llm.ctx, eplb_cfg)
 
 

@@ -122,9 +122,6 @@ def _rank_engine_driven(model_dir: str) -> dict:
 @pytest.mark.multirank
 def test_engine_rebalances_while_serving(skewed):
     """The engine calls after_step every step: rebalances happen mid-generation, outputs unchanged."""
-    from tests.eplb.helpers import engine_takes_eplb
-    if not engine_takes_eplb():
-        pytest.skip("the engine does not take eplb= yet (EngineCore integration pending)")
     d, (ref_lp, ref_tokens) = skewed
     for r in spawn(_rank_engine_driven, 2, args=(d,), timeout_s=180):
         assert r["metrics"]["rebalances"] >= 2 and r["bad"] == []
