@@ -135,6 +135,8 @@ def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int)
             times[name].append(time.perf_counter() - t0)
             moe_calls[name] = llm.model.dispatcher.stats.dispatch_calls
     loads = {"off": rec_off.rank_load(), "on": rec_on.rank_load()}              # collective
+    # the last generate of each: hidden bytes sent to other ranks, time in dispatch/combine (all ranks)
+    comm = {name: llm.all_stats() for name, llm in (("off", off), ("on", on))}   # collective
     if off.ctx.rank == 0:
         steps = {k: v // L for k, v in moe_calls.items()}                         # forwards per generate
         med = {k: statistics.median(v) for k, v in times.items()}
@@ -145,6 +147,9 @@ def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int)
                "max_pairs_per_rank_off": loads["off"].max(-1).values.tolist(),
                "max_pairs_per_rank_on": loads["on"].max(-1).values.tolist(),
                "pairs_per_rank_off": loads["off"].tolist(), "pairs_per_rank_on": loads["on"].tolist(),
+               "dispatch_bytes_remote": {k: sum(r["dispatch"]["dispatch_bytes_remote"] for r in v)
+                                         for k, v in comm.items()},
+               "comm_s_max_rank": {k: round(max(r["dispatch"]["comm_s"] for r in v), 3) for k, v in comm.items()},
                "balancedness_before": round(float(bal["off"].mean()), 4),
                "balancedness_after": round(float(bal["on"].mean()), 4),
                "first_rebalance": {k: first[k] for k in ("slots_moved", "bytes_moved", "plan_s", "transfer_s",
