@@ -29,7 +29,7 @@ def _load_tokenizer(model_dir: str):
     return Tokenizer.from_file(path)
 
 
-def resolve_context(cfg: ModelConfig, parallel, dp_size, ep_size, dispatch_backend, ctx):
+def resolve_context(cfg: ModelConfig, parallel, dp_size, ep_size, dispatch_backend, ctx, eplb_cfg=None):
     """-> (ParallelContext, ParallelConfig). Sizes not given follow the launcher's world size, so one
     script or config file serves 1 and N ranks; they are validated before connecting."""
     from parallel import ParallelConfig, bootstrap, launch_world_size
@@ -43,6 +43,8 @@ def resolve_context(cfg: ModelConfig, parallel, dp_size, ep_size, dispatch_backe
     world = launch_world_size()
     par.setdefault("dp_size", world)
     par.setdefault("ep_size", world)
+    if eplb_cfg is not None:  # EPLB's redundant slots count in the divisibility check before connecting
+        par["num_redundant_experts"] = eplb_cfg.redundant_with(par.get("num_redundant_experts", 0))
     pcfg = ParallelConfig.from_dict(par)
     pcfg.validate(world, cfg.moe.n_routed_experts if cfg.moe else None)  # the same error on every rank
     return (bootstrap(pcfg) if world > 1 else ParallelContext.single()), pcfg
@@ -63,7 +65,7 @@ class EngineCore:
         self.dbo = DboConfig.coerce(dbo)
         self.eplb_cfg = EplbConfig.coerce(eplb)
         cfg = ModelConfig.from_dir(model)
-        self.ctx, self.pcfg = resolve_context(cfg, parallel, dp_size, ep_size, dispatch_backend, ctx)
+        self.ctx, self.pcfg = resolve_context(cfg, parallel, dp_size, ep_size, dispatch_backend, ctx, self.eplb_cfg)
         if not self.ctx.is_single:
             from parallel import check_agreement, fingerprint
             options = dict(dtype=str(dtype), max_model_len=max_model_len, block_size=block_size, dbo=asdict(self.dbo),

@@ -57,12 +57,12 @@ def _generate_until_killed(model_dir: str, victim: int) -> None:
         steps = {"n": 0}
         execute = runner.ModelRunner.execute
 
-        def dying(self, batch):
+        def dying(self, batch, **kw):
             steps["n"] += 1
             if steps["n"] == 3:
                 print(f"victim killed at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            execute(self, batch)
+            execute(self, batch, **kw)
         runner.ModelRunner.execute = dying
     llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
     raise AssertionError("generation finished although a rank was killed")
