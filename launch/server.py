@@ -8,7 +8,8 @@ rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engin
 
 Bad input is HTTP 400 (404 for an unknown model) with {"error": {"message": ...}} and the server goes
 on serving. A client that disconnects aborts its request (handler_cancellation, plus failed writes).
-SIGINT/SIGTERM: stop accepting, abort in-flight requests, engine.shutdown() (releases the workers).
+SIGINT/SIGTERM to rank 0: stop accepting, abort in-flight requests, engine.shutdown() (releases the
+workers, which ignore these signals so that a launcher signalling every rank stops them cleanly).
 """
 from __future__ import annotations
 
@@ -158,6 +159,11 @@ def serve(cfg: dict) -> int:
     from . import run_config
     engine = Engine(**run_config.llm_kwargs(cfg))
     if not engine.is_front:
+        # torchrun and Ctrl-C signal every rank at once. A worker that died first would leave rank 0's
+        # graceful shutdown waiting for a lost rank; instead workers leave when rank 0 shuts down
+        # (or, if rank 0 dies, when the watchdog says so).
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         engine.run_worker_loop()
         return 0
     s = cfg.get("server", {})

@@ -3,7 +3,7 @@ subprocess (port 0, the bound port read from its first line), is stopped by its 
 must exit 0. Completions (stream and not) equal LLM.generate (greedy); concurrent requests; /metrics
 parses and moves; every bad input is a 400/404 with a message and the next request still works; a
 client that disconnects mid-stream aborts its request; 2 ranks (worker loop) serve the same tokens,
-survive idling past the collective timeout, and both exit 0 on SIGTERM."""
+survive idling past the collective timeout, and both exit 0 when SIGTERM reaches every rank."""
 from __future__ import annotations
 
 import http.client
@@ -77,10 +77,12 @@ class ServerProc:
             if rank == 0:
                 self.lines.put(line)
 
-    def stop(self, timeout_s: float = 60.0) -> list[int | None]:
-        """SIGTERM rank 0 (which releases the workers); anything still running after timeout_s is killed."""
-        if self.procs[0].poll() is None:
-            self.procs[0].send_signal(signal.SIGTERM)
+    def stop(self, timeout_s: float = 60.0, every_rank: bool = False) -> list[int | None]:
+        """SIGTERM rank 0 (which releases the workers), or every rank at once as torchrun does;
+        anything still running after timeout_s is killed."""
+        for p in self.procs if every_rank else self.procs[:1]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
         deadline, rcs = time.monotonic() + timeout_s, []
         for p in self.procs:
             try:
@@ -280,5 +282,6 @@ def test_two_ranks_worker_loop(tiny, reference, tmp_path):
         time.sleep(10)
         assert complete(s.base, PROMPTS[0], MAX_TOKENS[0], True)["token_ids"] == reference[0]
     finally:
-        rcs = s.stop()
+        rcs = s.stop(every_rank=True)
     assert rcs == [0, 0], s.output
+    assert "stopped\n" in s.output[0][-1]  # a clean stop, no lost rank
