@@ -35,6 +35,7 @@ class _New:
     ids: list[int]
     params: SamplingParams
     max_tokens: int
+    arrival: float  # time.time() when add_request accepted it: TTFT and queue time count from here
 
 
 @dataclass
@@ -85,7 +86,7 @@ class Engine:
         cost = len(ids) + max_tokens
         self._load[rank] += cost
         self._owner[request_id], self._cost[request_id] = rank, cost
-        self._new.append(_New(request_id, rank, text, ids, params, max_tokens))
+        self._new.append(_New(request_id, rank, text, ids, params, max_tokens, time.time()))
 
     def abort(self, request_id: str) -> None:
         if not self.is_front:
@@ -158,13 +159,14 @@ class Engine:
         for n in ctl.new:
             if n.dp_rank == self.ctx.dp_rank:
                 seq = core.make_sequence(n.request_id, n.text, n.ids, n.params, n.max_tokens)
+                seq.arrival_time = n.arrival
                 self._seqs[n.request_id] = seq
                 sched.add(seq)
         for rid in ctl.aborts:
             seq = self._seqs.pop(rid, None)
             if seq is not None:
                 sched.finish(seq)
-                seq.finish_reason, seq.finish_time = "abort", time.monotonic()
+                seq.finish_reason, seq.finish_time = "abort", time.time()
                 outs.append(core.output(seq, delta=seq.params.output_kind == "delta"))
         generated = 0
         batch = sched.schedule() if sched.has_work() else None

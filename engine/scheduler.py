@@ -90,7 +90,7 @@ class Scheduler:
             self.waiting.popleft()
             self.blocks.grow(s, n)
             if s.first_scheduled_time is None:
-                s.first_scheduled_time = time.monotonic()
+                s.first_scheduled_time = time.time()
             self.running.append(s)
             plan[id(s)] = n
             budget -= n

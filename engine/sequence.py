@@ -27,8 +27,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     num_preemptions: int = 0
-    # metrics (time.monotonic() on the owning rank)
-    arrival_time: float = field(default_factory=time.monotonic)
+    # metrics (wall clock: arrival is stamped by the front, the rest on the owning rank)
+    arrival_time: float = field(default_factory=time.time)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -56,7 +56,7 @@ class Sequence:
         return self.finish_reason is not None
 
     def append(self, token: int, logprob: float, top: dict[int, float] | None) -> None:
-        now = time.monotonic()
+        now = time.time()
         if self.first_token_time is None:
             self.first_token_time = now
         self.output_token_ids.append(token)
