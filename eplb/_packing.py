@@ -63,6 +63,9 @@ def pack_items(weight: torch.Tensor, keys: torch.Tensor, num_keys: int, num_pack
         seen = onehot.cumsum(1).gather(2, h.clamp(min=0)[..., None]).squeeze(-1)
         pack.scatter_(1, order, torch.where(valid & (seen <= cap), h, -1))
     load, count, owned = _state(weight, keys, num_keys, pack, num_packs)
+    # [X, keys, packs]: one key's row of packs is a contiguous lookup (owned[r, :, key] with the
+    # slice between two index tensors cost ~12 ms per item at 58 layers)
+    owned = owned.transpose(1, 2).contiguous()
     for t in range(n):
         item = order[:, t]
         todo = pack[rows, item] < 0
@@ -71,13 +74,13 @@ def pack_items(weight: torch.Tensor, keys: torch.Tensor, num_keys: int, num_pack
         r, item = rows[todo], item[todo]
         key, w = keys[r, item], weight[r, item]
         room = count[r] < cap
-        ok = room & (owned[r, :, key] == 0)
+        ok = room & (owned[r, key] == 0)
         ok = torch.where(ok.any(-1, keepdim=True), ok, room)  # clash unavoidable: allow it
         choice = torch.where(ok, load[r], _INF).argmin(-1)
         pack[r, item] = choice
         load[r, choice] += w
         count[r, choice] += 1
-        owned[r, choice, key] += 1
+        owned[r, key, choice] += 1
     return fix_duplicates(weight, keys, pack, num_packs)
 
 
