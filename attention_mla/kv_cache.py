@@ -23,10 +23,6 @@ class LatentKVPool:
         self.pools = [torch.zeros(num_blocks * block_size, latent_dim, dtype=dtype, device=device)
                       for _ in range(num_layers)]
 
-    @property
-    def bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.pools)
-
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype) -> int:
         return num_layers * block_size * latent_dim * torch.empty(0, dtype=dtype).element_size()

@@ -172,7 +172,7 @@ class Engine:
         batch = sched.schedule() if sched.has_work() else None
         tokens = batch.num_tokens if batch is not None else []
         can_split, vote = core.split_votes(tokens)
-        any_work, split = core.sync.sync(batch is not None and bool(batch.seqs) or sched.has_work(), can_split, vote)
+        any_work, split = core.sync.sync(sched.has_work(), can_split, vote)
         if any_work:
             t0 = time.perf_counter()
             if batch is not None and batch.seqs:

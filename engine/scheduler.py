@@ -22,10 +22,6 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]  # tokens computed this step per sequence
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -48,10 +44,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_tokens_in_flight(self) -> int:
-        return sum(s.num_tokens + s.max_tokens - len(s.output_token_ids) for s in [*self.running, *self.waiting])
 
     def _preempt_newest(self) -> Sequence:
         """Free the newest running sequence's blocks and put it back at the front of the queue."""

@@ -13,18 +13,6 @@ def least_loaded(load: list[int]) -> int:
     return min(range(len(load)), key=lambda r: (load[r], r))
 
 
-def assign_requests(costs: list[int], dp_size: int) -> list[list[int]]:
-    """Greedy balance by tokens: request i (cost = prompt + max_tokens) goes to the DP rank with the
-    least cost so far (lowest rank on ties). -> request indices per DP rank, each in input order."""
-    load = [0] * dp_size
-    out: list[list[int]] = [[] for _ in range(dp_size)]
-    for i, c in enumerate(costs):
-        r = min(range(dp_size), key=lambda j: (load[j], j))
-        load[r] += c
-        out[r].append(i)
-    return out
-
-
 class StepSync:
     """One small all-reduce per step: does any rank have work, may every rank split the step for
     DBO, and rank 0's vote on splitting. Ranks without work then run a zero-token dummy step so that
@@ -32,9 +20,6 @@ class StepSync:
 
     def __init__(self, ctx: ParallelContext):
         self.ctx = ctx
-
-    def anyone_has_work(self, local: bool) -> bool:
-        return self.sync(local)[0]
 
     def sync(self, has_work: bool, can_split: bool = False, vote: bool = False) -> tuple[bool, bool]:
         """-> (any rank has work, split this step). Split needs rank 0's vote and every rank's consent."""

@@ -21,6 +21,17 @@ import torch
 from eplb.algorithm import _invert
 
 
+def read_json(path: str, what: str):
+    """A JSON file, with errors that name `what` and the path."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} {path!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} {path!r} is not valid JSON: {e}") from None
+
+
 @dataclass(frozen=True)
 class Placement:
     phy2log: torch.Tensor   # [L, P] int64, CPU
@@ -54,13 +65,7 @@ class Placement:
     @classmethod
     def load(cls, path: str, num_layers: int, num_experts: int, num_physical: int) -> "Placement":
         """A placement file; its shape must be [num_layers, num_physical]."""
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"eplb.initial_placement {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"eplb.initial_placement {path!r} is not valid JSON: {e}") from None
+        data = read_json(path, "eplb.initial_placement")
         if not isinstance(data, dict) or "phy2log" not in data:
             raise ValueError(f"eplb.initial_placement {path!r} has no \"phy2log\" key")
         p = torch.tensor(data["phy2log"], dtype=torch.int64)

@@ -15,13 +15,8 @@ import torch
 
 
 def _read_stats(path: str) -> dict:
-    try:
-        with open(path) as f:
-            stats = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"load stats {path!r} do not exist") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"load stats {path!r} are not valid JSON: {e}") from None
+    from eplb.placement import read_json
+    stats = read_json(path, "load stats")
     if not isinstance(stats, dict) or "load" not in stats:
         raise ValueError(f"load stats {path!r} need a \"load\" key: [moe_layers][experts]")
     load = torch.tensor(stats["load"], dtype=torch.float64)
