@@ -5,11 +5,15 @@ it uses, so every rank issues that group's collectives in the same order (the CP
 CUDA communication stream). torch.distributed calls release the GIL, so the compute thread keeps
 running while a transfer is in flight.
 
-SimulatedLink: a testing tool. Each all-to-all through it takes at least latency + bytes / bandwidth
-of wall time, counted from when the transfer starts, as over a real inter-node link: the delay
-overlaps with whatever the caller computes before it waits (it is never a sleep on the compute
-thread while the transfer could be in flight). Enabled by ParallelConfig.simulated_latency_us /
-simulated_gbps; off (zero cost) by default.
+SimulatedLink: a testing tool. Each all-to-all through it is delivered latency + bytes / bandwidth
+after the collective's rendezvous (the moment the last rank posted its part: on a real link nothing
+can arrive before its sender sent it), as over a real inter-node link. The delay overlaps with
+whatever the caller computes before it waits (it is never a sleep on the compute thread while the
+transfer could be in flight), and a rank that waits for a late peer still pays the full latency
+after the peer arrives. The loopback exchange itself finishes at the rendezvous, so its completion
+time stands in for it. Enabled by ParallelConfig.simulated_latency_us / simulated_gbps; off (zero
+cost) by default. Meant for gloo on CPU (completion callbacks of CUDA collectives fire when the
+kernels are queued, not done).
 """
 from __future__ import annotations
 
@@ -34,8 +38,24 @@ class SimulatedLink:
         return self.latency_s + bw
 
     def ready_at(self, nbytes: int) -> float:
-        """perf_counter() time at which a transfer started now is delivered."""
+        """perf_counter() time at which a transfer whose rendezvous is now is delivered (call it
+        right after a blocking collective returned)."""
         return time.perf_counter() + self.transfer_s(nbytes)
+
+    def track(self, works: list, nbytes: int) -> Callable[[], None]:
+        """For async collectives: -> a function that, called after the works were waited, blocks
+        until transfer_s(nbytes) after the last of them completed (timestamped by completion
+        callbacks, so compute done between start and wait hides the delay)."""
+        done: list[float] = []
+        for w in works:
+            w.get_future().then(lambda _f: done.append(time.perf_counter()))
+        transfer = self.transfer_s(nbytes)
+
+        def deliver() -> None:
+            # the callbacks run when each work completes; a work without one yet finished just now
+            t = max(done) if len(done) == len(works) else time.perf_counter()
+            SimulatedLink.wait_until(t + transfer)
+        return deliver
 
     @staticmethod
     def wait_until(t: float) -> None:

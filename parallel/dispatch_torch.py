@@ -13,7 +13,7 @@ buffers: one sync), then the hidden payload and the metadata as two async all-to
 With a CommStream (dual-batch overlap) the whole exchange, counts included, runs on the stream's
 thread over the stream's own process group, so the compute thread never blocks in dispatch_start or
 combine_start. A SimulatedLink adds latency + bytes / bandwidth to each all-to-all, counted from
-its start (see comm_stream.py).
+the collective's rendezvous (see comm_stream.py).
 """
 from __future__ import annotations
 
@@ -82,19 +82,21 @@ class TorchDispatcher(Dispatcher):
             fut = self.stream.submit(exchange)
             self._count_dispatch(len(send_tok), send_splits, row_bytes, meta, send_counts)
             return Pending(ctx, [FutureWork(fut)], fut.result)
-        recv_x, recv_meta, recv_splits, works, ready = self._exchange(send_counts, send_splits, send_x, meta,
-                                                                      row_bytes, blocking=False)
+        recv_x, recv_meta, recv_splits, works, deliver = self._exchange(send_counts, send_splits, send_x, meta,
+                                                                        row_bytes, blocking=False)
         self._count_dispatch(len(send_tok), send_splits, row_bytes, meta, send_counts)
         handle = _Handle(send_tok, send_splits, recv_splits, T)
 
         def finish() -> Dispatched:
-            SimulatedLink.wait_until(ready)
+            if deliver is not None:
+                deliver()
             return self._dispatched(recv_x, recv_meta, k, handle)
 
         return Pending(ctx, works, finish)
 
     def _exchange(self, send_counts, send_splits, send_x, meta, row_bytes, blocking: bool):
-        """Counts, then payload + metadata. -> recv_x, recv_meta, recv_splits, works, ready_at."""
+        """Counts, then payload + metadata. -> recv_x, recv_meta, recv_splits, works, deliver (a
+        function to call after the works: waits out the simulated link; None without a link)."""
         ctx, link = self.ctx, self.link
         recv_counts = torch.empty_like(send_counts)
         with guard_collective(ctx):
@@ -105,7 +107,6 @@ class TorchDispatcher(Dispatcher):
         R = sum(recv_splits)
         recv_x = send_x.new_empty(R, self.hidden)
         recv_meta = meta.new_empty(R, meta.shape[1])
-        ready = link.ready_at(self._remote_bytes(send_splits, row_bytes)) if link is not None else 0.0
         with guard_collective(ctx):
             works = [
                 dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=self.group,
@@ -113,9 +114,12 @@ class TorchDispatcher(Dispatcher):
                 dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits, group=self.group,
                                        async_op=not blocking),
             ]
+        nbytes = self._remote_bytes(send_splits, row_bytes)
         if blocking:
-            SimulatedLink.wait_until(ready)
-        return recv_x, recv_meta, recv_splits, [] if blocking else works, ready
+            if link is not None:
+                SimulatedLink.wait_until(link.ready_at(nbytes))
+            return recv_x, recv_meta, recv_splits, [], None
+        return recv_x, recv_meta, recv_splits, works, link.track(works, nbytes) if link is not None else None
 
     @staticmethod
     def _dispatched(recv_x, recv_meta, k: int, handle) -> Dispatched:
@@ -141,7 +145,8 @@ class TorchDispatcher(Dispatcher):
         st = self.stats
         st.combine_calls += 1
         st.combine_bytes += R * row_bytes
-        st.combine_bytes_remote += self._remote_bytes(handle.recv_splits, row_bytes)
+        nbytes = self._remote_bytes(handle.recv_splits, row_bytes)
+        st.combine_bytes_remote += nbytes
         y = y.contiguous()
 
         def reduce() -> Tensor:
@@ -152,20 +157,21 @@ class TorchDispatcher(Dispatcher):
 
         if self.stream is not None:
             def exchange() -> Tensor:
-                ready = link.ready_at(self._remote_bytes(handle.recv_splits, row_bytes)) if link else 0.0
                 with guard_collective(ctx):
                     dist.all_to_all_single(back, y, handle.send_splits, handle.recv_splits, group=self.group)
-                SimulatedLink.wait_until(ready)
+                if link is not None:
+                    SimulatedLink.wait_until(link.ready_at(nbytes))
                 return back
             fut = self.stream.submit(exchange)
             return Pending(ctx, [FutureWork(fut)], reduce)
-        ready = link.ready_at(self._remote_bytes(handle.recv_splits, row_bytes)) if link else 0.0
         with guard_collective(ctx):
             work = dist.all_to_all_single(back, y, handle.send_splits, handle.recv_splits,
                                           group=self.group, async_op=True)
+        deliver = link.track([work], nbytes) if link is not None else None
 
         def finish() -> Tensor:
-            SimulatedLink.wait_until(ready)
+            if deliver is not None:
+                deliver()
             return reduce()
 
         return Pending(ctx, [work], finish)

@@ -1,6 +1,6 @@
 """Dispatch on a communication thread with a simulated link: same results as the plain torch
-dispatcher; the link's delay is paid in full by a blocking call and hidden behind compute done
-between start and wait."""
+dispatcher; the link's delay is paid in full by a blocking call, hidden behind compute done
+between start and wait, and counted from the rendezvous (a late peer does not hide it)."""
 from __future__ import annotations
 
 import time
@@ -12,6 +12,7 @@ from parallel.comm_stream import SimulatedLink
 from tests.parallel.spawn import spawn
 
 LAT_US = 40_000  # large, so that scheduling noise on 2 shared cores cannot hide or fake it
+LATE_S = 0.1
 
 
 def _fake_experts(d):
@@ -44,9 +45,22 @@ def _check() -> dict:
     time.sleep(0.15)                                  # "compute" while the transfer is in flight
     pend.wait()
     overlapped_s = time.perf_counter() - t0
+    # A late peer: rank 1 reaches combine LATE_S after rank 0. On a real link its rows leave when it
+    # sends them, so rank 0 waits LATE_S + the latency — through the thread and the async path.
+    async_linked = make_dispatcher(ctx, P, H, "torch", link=SimulatedLink(latency_us=LAT_US))
+    late = {}
+    for name, disp in (("stream", linked), ("async", async_linked)):
+        d3 = disp.dispatch(x, ids, w)
+        y = _fake_experts(d3)
+        dist.barrier()
+        if ctx.rank == 1:
+            time.sleep(LATE_S)
+        t0 = time.perf_counter()
+        late[name] = (torch.equal(disp.combine(y, d3.handle), ref), time.perf_counter() - t0)
     stream.close()
     shutdown(ctx)
-    return {"equal": torch.equal(got, ref), "blocking_s": blocking_s, "overlapped_s": overlapped_s}
+    return {"equal": torch.equal(got, ref), "blocking_s": blocking_s, "overlapped_s": overlapped_s,
+            "late": late, "rank": ctx.rank}
 
 
 @pytest.mark.multirank
@@ -56,6 +70,10 @@ def test_stream_with_simulated_link():
         assert r["blocking_s"] >= 3 * LAT_US * 1e-6
         # 2 link delays (80 ms) fit inside the 150 ms of compute: the wait adds little
         assert r["overlapped_s"] < 0.15 + 0.06, r
+        for name, (equal, seconds) in r["late"].items():
+            assert equal, name
+            if r["rank"] == 0:   # waited for the late peer, then for the link
+                assert seconds >= LATE_S + 0.9 * LAT_US * 1e-6, (name, seconds)
 
 
 def test_link_arithmetic():
