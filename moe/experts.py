@@ -4,7 +4,13 @@ Legend: R rows (tokens received by this rank), H hidden, I moe_intermediate_size
 El local experts, k top-k. Expert ids here are *local* (0 .. El-1); -1 marks a (row, k) slot
 whose expert lives on another rank (the dispatcher's convention, as DeepEP's).
 w13 [El, 2I, H]: gate_proj rows then up_proj rows; w2 [El, H, I].
-Both forwards return sum over the row's local slots of weight * expert(x): [R, H].
+Every forward returns sum over the row's local slots of weight * expert(x): [R, H].
+Forwards (`backend`): "reference" (for-loop), "grouped" (torch, sorted segments), "triton"
+(moe/triton_moe.py), "deepgemm" (moe/deepgemm.py, fp8 weights only).
+With `fp8_block` the weights stay float8_e4m3fn as the checkpoint stores them, with fp32 block
+scales w13_scale_inv [El, 2*ceil(I/br), ceil(H/bc)] (gate's rows, then up's) and
+w2_scale_inv [El, ceil(H/br), ceil(I/bc)]; the torch forwards dequantise per call (slow, for
+checking), the kernels apply the scales per tile.
 """
 from __future__ import annotations
 
@@ -12,29 +18,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8 import FP8_DTYPE, dequantize_experts_fp8
+
+BACKENDS = ("reference", "grouped", "triton", "deepgemm")
+
 
 class Experts(nn.Module):
     PAD_LIMIT = 16  # max tokens per expert for the padded batched-GEMM path
 
-    def __init__(self, num_local: int, hidden: int, intermediate: int, device=None, dtype=None):
+    def __init__(self, num_local: int, hidden: int, intermediate: int, device=None, dtype=None,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.num_local, self.hidden, self.intermediate = num_local, hidden, intermediate
-        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, device=device, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden, intermediate, device=device, dtype=dtype))
+        self.fp8_block = tuple(fp8_block) if fp8_block is not None else None
+        wdt = FP8_DTYPE if fp8_block is not None else dtype
+        kw = dict(requires_grad=fp8_block is None)  # fp8 tensors cannot require grad
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, device=device, dtype=wdt), **kw)
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, intermediate, device=device, dtype=wdt), **kw)
+        if fp8_block is not None:
+            br, bc = fp8_block
+            f32 = dict(device=device, dtype=torch.float32)
+            self.w13_scale_inv = nn.Parameter(torch.empty(num_local, 2 * -(-intermediate // br), -(-hidden // bc),
+                                                          **f32), requires_grad=False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(num_local, -(-hidden // br), -(-intermediate // bc), **f32),
+                                             requires_grad=False)
         self.backend = "grouped"
+        self.deepgemm = None  # moe.deepgemm.DeepGemmApi when backend == "deepgemm"
 
-    def _expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w2[e])
+    def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) in `dtype`: the parameters themselves, or a dequantised copy of fp8 ones."""
+        if self.fp8_block is None:
+            return self.w13, self.w2
+        return dequantize_experts_fp8(self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv,
+                                      self.fp8_block, dtype)
 
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """For-loop over experts and their (row, slot) hits; the readable baseline."""
+        w13, w2 = self.dense_weights(x.dtype)
         out = torch.zeros_like(x)
         for e in range(self.num_local):
             rows, slots = torch.where(topk_ids == e)
             if rows.numel() == 0:
                 continue
-            y = self._expert(e, x[rows]) * topk_weights[rows, slots, None].to(x.dtype)
+            gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[rows, slots, None].to(x.dtype)
             out.index_add_(0, rows, y)
         return out
 
@@ -46,6 +73,7 @@ class Experts(nn.Module):
         two batched GEMMs, since then reading the expert weights is the cost and one bmm streams
         them at memory speed where a per-expert loop pays a dispatch per expert. Many pairs
         (prefill): a per-expert GEMM on each segment, no padding waste."""
+        w13, w2 = self.dense_weights(x.dtype)
         flat_ids = topk_ids.reshape(-1)                                        # [R*k]
         valid = (flat_ids >= 0).nonzero().squeeze(1)
         order = valid[flat_ids[valid].argsort(stable=True)]                    # pair index, by expert
@@ -60,15 +88,15 @@ class Experts(nn.Module):
             within = torch.arange(len(order), device=x.device) - starts[sorted_ids]
             padded = x.new_zeros(self.num_local, max_count, self.hidden)
             padded[sorted_ids, within] = xs
-            gate, up = torch.bmm(padded, self.w13.transpose(1, 2)).chunk(2, dim=-1)
-            ys = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))[sorted_ids, within]   # [M, H]
+            gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
+            ys = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[sorted_ids, within]   # [M, H]
         else:
             ys = torch.empty_like(xs)
             start = 0
             for e, n in enumerate(counts_host):
                 if n:
-                    gate, up = F.linear(xs[start:start + n], self.w13[e]).chunk(2, dim=-1)
-                    torch.mm(F.silu(gate) * up, self.w2[e].t(), out=ys[start:start + n])
+                    gate, up = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
+                    torch.mm(F.silu(gate) * up, w2[e].t(), out=ys[start:start + n])
                     start += n
         ys *= topk_weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
@@ -78,4 +106,24 @@ class Experts(nn.Module):
             return torch.zeros_like(x)
         if self.backend == "reference":
             return self.forward_reference(x, topk_ids, topk_weights)
+        if self.backend == "triton":
+            return self.forward_triton(x, topk_ids, topk_weights)
+        if self.backend == "deepgemm":
+            return self.forward_deepgemm(x, topk_ids, topk_weights)
         return self.forward_grouped(x, topk_ids, topk_weights)
+
+    def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """Fused Triton kernels (moe/triton_moe.py); fp8 weights are dequantised per tile in-kernel."""
+        from .triton_moe import fused_moe
+        fp8 = self.fp8_block is not None
+        return fused_moe(x.contiguous(), self.w13, self.w2, topk_ids, topk_weights,
+                         w13_scale=self.w13_scale_inv if fp8 else None, w2_scale=self.w2_scale_inv if fp8 else None,
+                         quant_block=self.fp8_block or (128, 128))
+
+    def forward_deepgemm(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """DeepGEMM grouped FP8 GEMMs (moe/deepgemm.py): masked layout for decode, contiguous for prefill."""
+        from .deepgemm import experts_forward
+        if self.fp8_block is None or self.deepgemm is None:
+            raise RuntimeError("the deepgemm experts backend needs fp8 weights and a probed deep_gemm API")
+        return experts_forward(self.deepgemm, x, (self.w13, self.w13_scale_inv), (self.w2, self.w2_scale_inv),
+                               topk_ids, topk_weights)

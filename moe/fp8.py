@@ -3,7 +3,8 @@
 A weight W [rows, cols] is stored as q = float8_e4m3fn(W / s) with one fp32 `weight_scale_inv`
 s per (block_rows x block_cols) tile: scale_inv [ceil(rows/br), ceil(cols/bc)]. Edge tiles may be
 partial (DeepSeek-V3's kv_a_proj_with_mqa has 576 rows = 4.5 tiles of 128).
-On CPU FP8 is a storage format only: dequantise at load.
+On CPU FP8 is a storage format only: dequantise at load. On GPU (or any non-torch experts backend)
+routed experts stay fp8 and the kernels apply the scales per tile (quantize_experts_fp8 layout).
 """
 from __future__ import annotations
 
@@ -46,3 +47,44 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[
                          f"for a {rows}x{cols} weight in {br}x{bc} blocks")
     s = scale_inv.float().repeat_interleave(br, 0)[:rows].repeat_interleave(bc, 1)[:, :cols]
     return (q.float() * s).to(dtype)
+
+
+def quantize_experts_fp8(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int] = (128, 128)):
+    """Stacked expert weights -> the layout the fp8 kernels read, gate and up quantised separately
+    (as checkpoints store them): w13 [El, 2I, H] -> q [El, 2I, H], scale [El, 2*ceil(I/br), ceil(H/bc)];
+    w2 [El, H, I] -> q [El, H, I], scale [El, ceil(H/br), ceil(I/bc)]."""
+    I = w13.shape[1] // 2
+    q13, s13, q2, s2 = [], [], [], []
+    for e in range(w13.shape[0]):
+        (qg, sg), (qu, su) = quantize_fp8_block(w13[e, :I], block), quantize_fp8_block(w13[e, I:], block)
+        q13.append(torch.cat((qg, qu)))
+        s13.append(torch.cat((sg, su)))
+        q, s = quantize_fp8_block(w2[e], block)
+        q2.append(q)
+        s2.append(s)
+    return torch.stack(q13), torch.stack(s13), torch.stack(q2), torch.stack(s2)
+
+
+def dequantize_experts_fp8(q13: torch.Tensor, s13: torch.Tensor, q2: torch.Tensor, s2: torch.Tensor,
+                           block: tuple[int, int] = (128, 128), dtype: torch.dtype = torch.float32):
+    """Inverse of quantize_experts_fp8 (the reference the fp8 kernels are tested against)."""
+    I, half = q13.shape[1] // 2, s13.shape[1] // 2
+    w13 = torch.stack([torch.cat((dequantize_fp8_block(q[:I], s[:half], block, dtype),
+                                  dequantize_fp8_block(q[I:], s[half:], block, dtype))) for q, s in zip(q13, s13)])
+    w2 = torch.stack([dequantize_fp8_block(q, s, block, dtype) for q, s in zip(q2, s2)])
+    return w13, w2
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activation quantisation as DeepSeek-V3 does it (1 x group tiles): x [M, K] ->
+    q [M, K] float8_e4m3fn, scale [M, ceil(K/group)] fp32 with x ~= q * scale per group."""
+    if x.dim() != 2:
+        raise ValueError(f"per-token-group quantisation takes [M, K], got shape {tuple(x.shape)}")
+    M, K = x.shape
+    G = -(-K // group)
+    padded = x.new_zeros(M, G * group, dtype=torch.float32)
+    padded[:, :K] = x.float()
+    tiles = padded.view(M, G, group)
+    scale = tiles.abs().amax(-1).clamp(min=1e-10) / FP8_MAX                 # [M, G]
+    q = (tiles / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(M, G * group)[:, :K].contiguous(), scale
