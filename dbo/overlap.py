@@ -1,9 +1,15 @@
 """Dual-batch overlap at run time: two microbatch dispatchers and the model's operation list.
 
-Each microbatch gets its own torch dispatcher over its own process group with its own
-communication thread (parallel.comm_stream), so microbatch 0's all-to-all proceeds while this
-thread computes microbatch 1, and the order of collectives on each group is the same on every rank.
-Every rank builds the groups in the same order at start-up (dist.new_group is collective).
+Torch backend (gloo or NCCL): each microbatch gets its own torch dispatcher over its own process
+group with its own communication thread (parallel.comm_stream) — and on CUDA its own stream — so
+microbatch 0's all-to-all proceeds while this thread computes (or launches) microbatch 1, and the
+order of collectives on each group is the same on every rank. Every rank builds the groups in the
+same order at start-up (dist.new_group is collective).
+
+DeepEP backend: both microbatches share the model's DeepEP dispatcher. Its low-latency kernels are
+started with return_recv_hook=True, so dispatch_start/combine_start only issue the sends and the
+receive hook runs in wait(), after the other microbatch's compute (DeepEP keeps two low-latency
+buffers, enough for two microbatches in flight); normal mode overlaps on DeepEP's own stream.
 """
 from __future__ import annotations
 
@@ -46,17 +52,21 @@ class Overlap:
 
         from parallel.comm_stream import CommStream
         from parallel.dispatch import make_dispatcher
+        from parallel.dispatch_deepep import DeepEPDispatcher
         self.model = model
         self.streams = []
         self.dispatchers = []
+        self.ops = build_ops(model)
+        if isinstance(model.dispatcher, DeepEPDispatcher):
+            self.dispatchers = [model.dispatcher, model.dispatcher]
+            return
         num_physical = model.shard.num_physical if model.shard is not None else model.cfg.moe.n_routed_experts
         for _ in range(2):
             group = dist.new_group(backend=ctx.backend) if not ctx.is_single else None
-            stream = CommStream()
+            stream = CommStream(device=ctx.device)
             self.streams.append(stream)
             self.dispatchers.append(make_dispatcher(ctx, num_physical, model.cfg.hidden_size, "torch",
                                                     group=group, stream=stream, link=link))
-        self.ops = build_ops(model)
 
     def forward(self, micro: list[tuple[torch.Tensor, object]], pools: list[torch.Tensor]) -> list[torch.Tensor]:
         """micro: two (input_ids [Ti], AttnMeta) -> final-normed hidden states [Ti, H] each."""
@@ -65,7 +75,7 @@ class Overlap:
         return [s["x"] for s in run_overlapped(self.ops, states)]
 
     def comm_s(self) -> float:
-        return sum(d.stats.comm_s for d in self.dispatchers)
+        return sum(d.stats.comm_s for d in set(self.dispatchers))
 
     def close(self) -> None:
         for s in self.streams:

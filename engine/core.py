@@ -47,7 +47,9 @@ def resolve_context(cfg: ModelConfig, parallel, dp_size, ep_size, dispatch_backe
         par["num_redundant_experts"] = eplb_cfg.redundant_with(par.get("num_redundant_experts", 0))
     pcfg = ParallelConfig.from_dict(par)
     pcfg.validate(world, cfg.moe.n_routed_experts if cfg.moe else None)  # the same error on every rank
-    return (bootstrap(pcfg) if world > 1 else ParallelContext.single()), pcfg
+    if world > 1:
+        return bootstrap(pcfg), pcfg
+    return ParallelContext.single("cuda" if torch.cuda.is_available() else "cpu"), pcfg  # CUDA when present
 
 
 class EngineCore:
@@ -59,7 +61,8 @@ class EngineCore:
                  kv_cache_memory: int = 1 << 30, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
                  enable_prefix_caching: bool = True, seed: int = 0, progress: bool = True,
                  dp_size: int | None = None, ep_size: int | None = None, dispatch_backend: str | None = None,
-                 parallel=None, ctx: ParallelContext | None = None, dbo=None, eplb=None):
+                 parallel=None, ctx: ParallelContext | None = None, dbo=None, eplb=None,
+                 experts_backend: str = "auto", attention_backend: str = "auto"):
         from dbo.overlap import DboConfig
         from eplb.config import EplbConfig
         self.dbo = DboConfig.coerce(dbo)
@@ -72,14 +75,16 @@ class EngineCore:
                            eplb=self.eplb_cfg.to_dict(),
                            kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                           enable_prefix_caching=enable_prefix_caching)
+                           enable_prefix_caching=enable_prefix_caching, experts_backend=experts_backend,
+                           attention_backend=attention_backend)
             check_agreement(self.ctx, fingerprint([asdict(cfg), self.pcfg.to_dict(), options]),
                             "model config / engine options")
         device = device or str(self.ctx.device)
         self.model_dir, self.config = model, cfg
         self.model = load_model(model, parse_dtype(dtype), device, progress and self.ctx.rank == 0, self.ctx,
                                 self.pcfg.dispatch_backend, cfg, num_redundant_experts=self.pcfg.num_redundant_experts,
-                                eplb=self.eplb_cfg)
+                                eplb=self.eplb_cfg, experts_backend=experts_backend,
+                                attention_backend=attention_backend)
         self.eplb = None
         if self.eplb_cfg.enabled and cfg.moe is not None:
             from eplb.controller import EplbController
@@ -181,6 +186,13 @@ class EngineCore:
             return ok, True
         decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
         return ok, self.auto.decide(sum(num_tokens), decode)
+
+    def plan_dispatch(self, max_tokens_any_rank: int) -> None:
+        """Tell a dispatcher that picks its mode per step (DeepEP: low-latency for small steps) the
+        largest token count of any rank this step; the choice must be the same on every rank."""
+        plan = getattr(self.model.dispatcher, "plan", None)
+        if plan is not None:
+            plan(max_tokens_any_rank)
 
     def after_step(self, num_tokens: list[int], split: bool, seconds: float) -> None:
         """Every rank, after every step that ran (dummy steps included): EPLB's step counter and

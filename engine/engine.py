@@ -49,7 +49,8 @@ class _Control:
 class Engine:
     """Options (LLM takes the same): model (HF dir), dtype, device, max_model_len, block_size (64),
     kv_cache_blocks or kv_cache_memory (bytes), max_num_seqs, max_num_batched_tokens,
-    enable_prefix_caching, seed, dp_size, ep_size, dispatch_backend, parallel (dict), ctx."""
+    enable_prefix_caching, seed, dp_size, ep_size, dispatch_backend, parallel (dict), ctx,
+    experts_backend ("auto" | "torch" | "triton" | "deepgemm"), attention_backend ("auto" | "torch" | "triton")."""
 
     def __init__(self, model: str, **options):
         self.core = EngineCore(model, **options)
@@ -172,8 +173,9 @@ class Engine:
         batch = sched.schedule() if sched.has_work() else None
         tokens = batch.num_tokens if batch is not None else []
         can_split, vote = core.split_votes(tokens)
-        any_work, split = core.sync.sync(sched.has_work(), can_split, vote)
+        any_work, split = core.sync.sync(sched.has_work(), can_split, vote, sum(tokens))
         if any_work:
+            core.plan_dispatch(core.sync.max_tokens)
             t0 = time.perf_counter()
             if batch is not None and batch.seqs:
                 before = {id(s): len(s.output_token_ids) for s in batch.seqs}

@@ -20,17 +20,20 @@ class StepSync:
 
     def __init__(self, ctx: ParallelContext):
         self.ctx = ctx
+        self.max_tokens = 0   # after sync(): the largest token count of any rank this step
 
-    def sync(self, has_work: bool, can_split: bool = False, vote: bool = False) -> tuple[bool, bool]:
+    def sync(self, has_work: bool, can_split: bool = False, vote: bool = False,
+             num_tokens: int = 0) -> tuple[bool, bool]:
         """-> (any rank has work, split this step). Split needs rank 0's vote and every rank's consent."""
         if self.ctx.is_single:
+            self.max_tokens = num_tokens
             return has_work, can_split and vote
-        # MAX of [has work, cannot split, vote (rank 0's only)]
-        flags = torch.tensor([int(has_work), int(not can_split), int(vote and self.ctx.rank == 0)],
+        # MAX of [has work, cannot split, vote (rank 0's only), tokens]
+        flags = torch.tensor([int(has_work), int(not can_split), int(vote and self.ctx.rank == 0), num_tokens],
                              dtype=torch.int64)
         with guard_collective(self.ctx):
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
-        any_work, cannot, vote_0 = flags.tolist()  # SYNC: the step loop's control flow
+        any_work, cannot, vote_0, self.max_tokens = flags.tolist()  # SYNC: the step loop's control flow
         return bool(any_work), bool(vote_0) and not cannot
 
 

@@ -1,9 +1,12 @@
 """Communication off the compute thread, and a simulated network link for testing overlap.
 
 CommStream: one worker thread that runs submitted collectives in order, over a process group only
-it uses, so every rank issues that group's collectives in the same order (the CPU analogue of a
-CUDA communication stream). torch.distributed calls release the GIL, so the compute thread keeps
-running while a transfer is in flight.
+it uses, so every rank issues that group's collectives in the same order. torch.distributed calls
+release the GIL, so the compute thread keeps running while a transfer is in flight. On a CUDA
+device the thread also owns a CUDA stream: work submitted after the compute stream's current
+point (an event) runs on that stream, NCCL kernels included, and the compute stream waits for it
+(another event) only in wait(). The host syncs a dispatch needs (receive counts) block the
+communication thread, never the thread that launches the other microbatch's kernels.
 
 SimulatedLink: a testing tool. Each all-to-all through it is delivered latency + bytes / bandwidth
 after the collective's rendezvous (the moment the last rank posted its part: on a real link nothing
@@ -20,6 +23,8 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
+
+import torch
 
 
 class SimulatedLink:
@@ -65,23 +70,66 @@ class SimulatedLink:
 
 
 class CommStream:
-    """Runs fn() calls one at a time, in submission order, on its own thread."""
+    """Runs fn() calls one at a time, in submission order, on its own thread (and its own CUDA
+    stream when device is a CUDA device)."""
 
-    def __init__(self, name: str = "wideep-comm"):
+    def __init__(self, name: str = "wideep-comm", device: torch.device | str | None = None):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        device = torch.device(device) if device is not None else None
+        self.cuda_stream = torch.cuda.Stream(device) if device is not None and device.type == "cuda" else None
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        return self._pool.submit(fn)
+    def submit(self, fn: Callable[[], Any], keep: tuple = ()) -> "StreamWork":
+        """Run fn() after everything already queued here. keep: the caller's tensors fn reads; on
+        CUDA they are marked in use by the communication stream so the allocator cannot hand their
+        memory to the compute stream while a transfer still reads it."""
+        if self.cuda_stream is None:
+            return StreamWork(self._pool.submit(fn))
+        start = torch.cuda.Event()
+        start.record()                                   # the compute stream's current point
+        comm = self.cuda_stream
+        for t in keep:
+            t.record_stream(comm)
+
+        def run():
+            with torch.cuda.stream(comm):
+                comm.wait_event(start)
+                out = fn()
+                done = torch.cuda.Event()
+                done.record(comm)
+            return out, done
+        return StreamWork(self._pool.submit(run), cuda=True)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-class FutureWork:
-    """Adapts a Future to the .wait() of torch's Work handles (what Pending expects)."""
+class StreamWork:
+    """A submitted fn's result, with the .wait() of torch's Work handles (what Pending expects).
+    wait() blocks until fn has returned; on CUDA the caller's stream then waits for fn's kernels,
+    and the tensors it returns are marked in use by the caller's stream."""
 
-    def __init__(self, fut: Future):
-        self.fut = fut
+    def __init__(self, fut: Future, cuda: bool = False):
+        self.fut, self.cuda = fut, cuda
+        self._done, self._result = False, None
 
     def wait(self) -> Any:
-        return self.fut.result()
+        if not self._done:
+            out = self.fut.result()
+            if self.cuda:
+                out, done = out
+                stream = torch.cuda.current_stream()
+                stream.wait_event(done)
+                for t in _tensors(out):
+                    t.record_stream(stream)
+            self._result, self._done = out, True
+        return self._result
+
+
+def _tensors(obj) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if hasattr(obj, "__dataclass_fields__"):
+        return [t for name in obj.__dataclass_fields__ for t in _tensors(getattr(obj, name))]
+    return []

@@ -23,9 +23,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm_stream import CommStream, FutureWork, SimulatedLink
+from .comm_stream import CommStream, SimulatedLink
 from .dispatch import Dispatched, Dispatcher, Pending
 from .watchdog import guard_collective
+
+
+@dataclass
+class _Layout:
+    send_tok: Tensor          # [S] source token index of each sent row, grouped by destination rank
+    send_counts: Tensor       # [ep] rows for each rank
+    send_splits: list[int]    # the same, on the host
+    send_x: Tensor            # [S, H]
+    meta: Tensor              # [S, 2k] int32: local slot ids, then the weights' fp32 bits
+    num_tokens: int           # T
+    row_bytes: int
 
 
 @dataclass
@@ -52,7 +63,31 @@ class TorchDispatcher(Dispatcher):
     def dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Pending:
         """x [T,H], topk_ids [T,k] physical (-1 = none), topk_weights [T,k] -> Pending[Dispatched]."""
         self._check_inputs(x, topk_ids, topk_weights)
-        ctx, ep, per = self.ctx, self.ctx.ep_size, self.experts_per_rank
+        if self.stream is not None:
+            # Everything, the layout's host syncs included, runs on the communication thread.
+            work = self.stream.submit(lambda: self._dispatch_now(x, topk_ids, topk_weights),
+                                      keep=(x, topk_ids, topk_weights))
+            return Pending(self.ctx, [work], work.wait)
+        lay = self._layout(x, topk_ids, topk_weights)
+        recv_x, recv_meta, recv_splits, works, deliver = self._exchange(lay, blocking=False)
+        handle = _Handle(lay.send_tok, lay.send_splits, recv_splits, lay.num_tokens)
+        k = topk_ids.shape[1]
+
+        def finish() -> Dispatched:
+            if deliver is not None:
+                deliver()
+            return self._dispatched(recv_x, recv_meta, k, handle)
+
+        return Pending(self.ctx, works, finish)
+
+    def _dispatch_now(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Dispatched:
+        lay = self._layout(x, topk_ids, topk_weights)
+        recv_x, recv_meta, recv_splits = self._exchange(lay, blocking=True)[:3]
+        return self._dispatched(recv_x, recv_meta, topk_ids.shape[1],
+                                _Handle(lay.send_tok, lay.send_splits, recv_splits, lay.num_tokens))
+
+    def _layout(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Layout:
+        ep, per = self.ctx.ep_size, self.experts_per_rank
         T, k = topk_ids.shape
         ids = topk_ids.to(device=x.device, dtype=torch.long)
         valid = ids >= 0
@@ -60,6 +95,7 @@ class TorchDispatcher(Dispatcher):
         member = torch.zeros(T, ep + 1, dtype=torch.bool, device=x.device)
         member.scatter_(1, dest, torch.ones_like(dest, dtype=torch.bool))
         member = member[:, :ep]                                                    # [T, ep] token goes to rank
+        # SYNC (on CUDA): nonzero sizes its output on the host.
         dst_rank, send_tok = member.t().nonzero(as_tuple=True)                     # [S], by rank, then token
         send_counts = member.sum(0)                                                # [ep]
 
@@ -69,35 +105,21 @@ class TorchDispatcher(Dispatcher):
         meta_w = torch.where(here, topk_weights.to(x.device)[send_tok].float(), 0.0)
         # One int32 message for both: the weights travel as their fp32 bit patterns.
         meta = torch.cat([meta_ids, meta_w.view(torch.int32)], dim=1)              # [S, 2k]
-        send_x = x[send_tok]                                                       # [S, H]
-
-        row_bytes = self.hidden * x.element_size()
         # SYNC: the split sizes of the payload all-to-all are host ints.
-        send_splits = send_counts.tolist()
-        if self.stream is not None:
-            def exchange() -> Dispatched:
-                recv_x, recv_meta, recv_splits = self._exchange(send_counts, send_splits, send_x, meta, row_bytes,
-                                                                blocking=True)[:3]
-                return self._dispatched(recv_x, recv_meta, k, _Handle(send_tok, send_splits, recv_splits, T))
-            fut = self.stream.submit(exchange)
-            self._count_dispatch(len(send_tok), send_splits, row_bytes, meta, send_counts)
-            return Pending(ctx, [FutureWork(fut)], fut.result)
-        recv_x, recv_meta, recv_splits, works, deliver = self._exchange(send_counts, send_splits, send_x, meta,
-                                                                        row_bytes, blocking=False)
-        self._count_dispatch(len(send_tok), send_splits, row_bytes, meta, send_counts)
-        handle = _Handle(send_tok, send_splits, recv_splits, T)
+        lay = _Layout(send_tok, send_counts, send_counts.tolist(), x[send_tok], meta, T,
+                      self.hidden * x.element_size())
+        st = self.stats
+        st.dispatch_calls += 1
+        st.dispatch_bytes += len(send_tok) * lay.row_bytes
+        st.dispatch_bytes_remote += self._remote_bytes(lay.send_splits, lay.row_bytes)
+        st.meta_bytes += meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size()
+        return lay
 
-        def finish() -> Dispatched:
-            if deliver is not None:
-                deliver()
-            return self._dispatched(recv_x, recv_meta, k, handle)
-
-        return Pending(ctx, works, finish)
-
-    def _exchange(self, send_counts, send_splits, send_x, meta, row_bytes, blocking: bool):
+    def _exchange(self, lay: _Layout, blocking: bool):
         """Counts, then payload + metadata. -> recv_x, recv_meta, recv_splits, works, deliver (a
         function to call after the works: waits out the simulated link; None without a link)."""
         ctx, link = self.ctx, self.link
+        send_counts, send_splits, send_x, meta = lay.send_counts, lay.send_splits, lay.send_x, lay.meta
         recv_counts = torch.empty_like(send_counts)
         with guard_collective(ctx):
             dist.all_to_all_single(recv_counts, send_counts, group=self.group)
@@ -114,7 +136,7 @@ class TorchDispatcher(Dispatcher):
                 dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits, group=self.group,
                                        async_op=not blocking),
             ]
-        nbytes = self._remote_bytes(send_splits, row_bytes)
+        nbytes = self._remote_bytes(send_splits, lay.row_bytes)
         if blocking:
             if link is not None:
                 SimulatedLink.wait_until(link.ready_at(nbytes))
@@ -126,13 +148,6 @@ class TorchDispatcher(Dispatcher):
         recv_ids = recv_meta[:, :k].long()
         recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
         return Dispatched(recv_x, recv_ids, recv_w, handle)
-
-    def _count_dispatch(self, rows: int, send_splits, row_bytes: int, meta, send_counts) -> None:
-        st = self.stats
-        st.dispatch_calls += 1
-        st.dispatch_bytes += rows * row_bytes
-        st.dispatch_bytes_remote += self._remote_bytes(send_splits, row_bytes)
-        st.meta_bytes += meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size()
 
     def combine_start(self, y: Tensor, handle: _Handle) -> Pending:
         """y [R,H] (row order of the Dispatched) -> Pending[[T,H]] on the source rank."""
@@ -162,8 +177,7 @@ class TorchDispatcher(Dispatcher):
                 if link is not None:
                     SimulatedLink.wait_until(link.ready_at(nbytes))
                 return back
-            fut = self.stream.submit(exchange)
-            return Pending(ctx, [FutureWork(fut)], reduce)
+            return Pending(ctx, [self.stream.submit(exchange, keep=(y, back))], reduce)
         with guard_collective(ctx):
             work = dist.all_to_all_single(back, y, handle.send_splits, handle.recv_splits,
                                           group=self.group, async_op=True)
