@@ -34,6 +34,17 @@ class AttnMeta:
             s += q
         return starts
 
+    def seq_tables(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For the paged kernels: (block_table rows of `seqs` [len(seqs), M], ctx_lens [len(seqs)] int32
+        on the table's device, max ctx_len as a host int)."""
+        key = ("tables", tuple(seqs))
+        if key not in self._cache:
+            lens = [self.ctx_lens[b] for b in seqs]
+            table = self.block_table if list(seqs) == list(range(self.block_table.shape[0])) else self.block_table[seqs]
+            self._cache[key] = (table.contiguous(), torch.tensor(lens, dtype=torch.int32, device=table.device),
+                                max(lens, default=0))
+        return self._cache[key]
+
     def context_slots(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots of the whole context of the given sequences, padded: ([len(seqs), Lmax] int64,
         lens [len(seqs)] int64). Padding slots point at slot 0 (always finite memory)."""

@@ -6,6 +6,8 @@ L context length. Two mathematically equal forms, kept side by side:
   cheap when queries are many, since the expansion is shared by all of them.
 - absorbed (decode): fold kv_b_proj's K half into the query and its V half into the output, and
   attend directly over the latent [L, C+R]; the per-head K/V of the context are never built.
+`backend` "triton" runs the absorbed form of one-token (decode) sequences in the paged Triton kernel
+(attention_mla/triton_decode.py), which reads the cache through the block table instead of gathering it.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg, self.rope = cfg, rope
         self.mode = "auto"  # "auto": absorbed for sequences with one query token, naive otherwise
+        self.backend = "torch"  # "torch" | "triton" (decode sequences); resolved by the model builder
         N, H, C, R = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         kw = dict(device=device, dtype=dtype)
         if cfg.q_lora_rank is None:
@@ -94,6 +97,19 @@ class MLA(nn.Module):
         out_lat = torch.bmm(p, ctx[..., :self.cfg.kv_lora_rank])          # [T, N, C]
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, N, dv]
 
+    def attend_paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor, meta: AttnMeta,
+                     seqs: list[int]) -> torch.Tensor:
+        """Decode sequences `seqs` (one query each, in that order): q_nope [B, N, dn], q_pe [B, N, R]
+        -> [B, N, dv], attending over the paged cache in the Triton kernel."""
+        from .triton_decode import mla_decode
+        w_uk, w_uv = self._kv_b()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [B, N, C]
+        q = torch.cat((q_lat, q_pe), dim=-1).to(kv_pool.dtype)              # [B, N, C+R]
+        table, lens, max_len = meta.seq_tables(seqs)
+        out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, self.cfg.kv_lora_rank,
+                             self.cfg.softmax_scale, max_len).to(q_nope.dtype)  # [B, N, C]
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
     # -- step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -112,6 +128,11 @@ class MLA(nn.Module):
             absorbed = []
         else:
             absorbed = [b for b, q in enumerate(meta.query_lens) if q == 1]
+        paged = [b for b in absorbed if meta.query_lens[b] == 1] if self.backend == "triton" else []
+        if paged:
+            rows = torch.tensor([starts[b] for b in paged], device=x.device)
+            out[rows] = self.attend_paged(q_nope[rows], q_pe[rows], kv_pool, meta, paged)
+            absorbed = [b for b in absorbed if meta.query_lens[b] != 1]
         if absorbed:
             slots, _ = meta.context_slots(absorbed)
             rows = torch.cat([torch.arange(starts[b], starts[b] + meta.query_lens[b]) for b in absorbed])
@@ -122,7 +143,7 @@ class MLA(nn.Module):
                                                 torch.tensor([meta.query_lens[b] for b in absorbed], device=x.device))
                 ctx = ctx[which]
             out[rows] = self.attend_absorbed(q_nope[rows], q_pe[rows], ctx, meta.positions[rows] + 1)
-        absorbed_set = set(absorbed)
+        absorbed_set = set(absorbed) | set(paged)
         for b, (s, q) in enumerate(zip(starts, meta.query_lens)):
             if b in absorbed_set or q == 0:
                 continue

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import torch
 
+from attention_mla.paged_decode import resolve_attention_backend
 from eplb.config import EplbConfig
 from eplb.placement import Placement
+from moe.backend import ExpertsChoice, resolve_experts_backend
 from moe.layer import ExpertShard
 from parallel.context import ParallelContext
 
@@ -27,15 +29,25 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                progress: bool = True, ctx: ParallelContext | None = None, dispatch_backend: str = "auto",
                cfg: ModelConfig | None = None, num_redundant_experts: int = 0,
-               eplb: EplbConfig | dict | None = None) -> DeepseekModel:
+               eplb: EplbConfig | dict | None = None, experts_backend: str = "auto",
+               attention_backend: str = "auto") -> DeepseekModel:
     """Single process when ctx is None or has ep_size 1; otherwise this rank's expert slice plus
     everything replicated, with a dispatcher for the MoE all-to-all.
 
     Routed experts occupy n_routed_experts + redundant physical slots per MoE layer (redundant:
     eplb.num_redundant_experts or num_redundant_experts, i.e. ParallelConfig's), placed by
     eplb.initial_placement (a file) or slot p -> expert p % n_routed_experts; each rank reads only
-    the experts its slots hold. EPLB's controller (eplb.EplbController) later moves them."""
+    the experts its slots hold. EPLB's controller (eplb.EplbController) later moves them.
+
+    experts_backend / attention_backend: "auto" | "torch" | "triton" (| "deepgemm" for experts),
+    resolved here for `device` (moe/backend.py, attention_mla/paged_decode.py); model.backends
+    records what was chosen. A backend that keeps fp8 leaves the routed experts fp8 on the device."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
+    fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
+    experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
+                                       cfg.moe.moe_intermediate_size) if cfg.moe is not None
+               else ExpertsChoice("grouped", keep_fp8=False))
+    attention = resolve_attention_backend(attention_backend, device)
     eplb = EplbConfig.coerce(eplb)
     shard, dispatcher, placement = None, None, None
     ep_rank, ep_size = (ctx.ep_rank, ctx.ep_size) if ctx is not None else (0, 1)
@@ -50,7 +62,11 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         if ep_size > 1:
             from parallel.dispatch import make_dispatcher
             dispatcher = make_dispatcher(ctx, num_physical, cfg.hidden_size, dispatch_backend, dtype=dtype)
-    model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher)
+    model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
+                          experts_fp8_block=fp8_block if experts.keep_fp8 else None)
+    model.set_backends(experts, attention)
+    model.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
+                      "experts_fp8": experts.keep_fp8, "attention": attention}
     if placement is not None:
         placement.install(model.moe_layers(), ep_rank, ep_size)
         model.placement = placement

@@ -3,7 +3,8 @@
 Legend: T tokens in the step (all sequences flattened), H hidden, V vocab.
 Parameter names follow the HF checkpoint, so `checkpoint_targets` is mostly the identity; routed
 experts are stacked per layer (w13 [El, 2I, H], w2 [El, H, I]) and the checkpoint's
-per-expert tensors are views into them.
+per-expert tensors are views into them. With `experts_fp8_block` the routed experts keep the fp8
+checkpoint's values and block scales (`*_scale_inv` become targets too); everything else is dequantised.
 """
 from __future__ import annotations
 
@@ -22,14 +23,14 @@ from .config import ModelConfig
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: ExpertShard | None,
-                 dispatcher, device=None, dtype=None):
+                 dispatcher, device=None, dtype=None, experts_fp8_block=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.self_attn = MLA(cfg.mla, rope, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = (MoELayer(cfg.moe, shard, dispatcher, **kw) if self.is_moe
+        self.mlp = (MoELayer(cfg.moe, shard, dispatcher, fp8_block=experts_fp8_block, **kw) if self.is_moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, **kw))
 
     def forward(self, x, meta, kv_pool, cos, sin):
@@ -38,10 +39,11 @@ class DecoderLayer(nn.Module):
 
 
 class _Inner(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, shard, dispatcher, device=None, dtype=None):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, shard, dispatcher, device=None, dtype=None,
+                 experts_fp8_block=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, dispatcher, device, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, dispatcher, device, dtype, experts_fp8_block)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
 
@@ -51,16 +53,17 @@ class DeepseekModel(nn.Module):
     dense layers, shared experts, embeddings and lm_head are replicated on every rank."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 shard: ExpertShard | None = None, dispatcher=None):
+                 shard: ExpertShard | None = None, dispatcher=None, experts_fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.shard, self.dispatcher = shard, dispatcher
         self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
+        self.backends = {"experts": "torch", "experts_fp8": False, "attention": "torch"}  # set by load_model
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
         # Built on the meta device and materialised empty: the checkpoint fills every parameter,
         # and random init of a 671B model would take longer than loading it.
         with torch.device("meta"):
-            self.model = _Inner(cfg, self.rope, shard, dispatcher, dtype=dtype)
+            self.model = _Inner(cfg, self.rope, shard, dispatcher, dtype=dtype, experts_fp8_block=experts_fp8_block)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                             dtype=dtype)
         self.to_empty(device=device)
@@ -90,7 +93,20 @@ class DeepseekModel(nn.Module):
                 targets[pre + "gate_proj.weight"] = ex.w13.data[slot, :I]
                 targets[pre + "up_proj.weight"] = ex.w13.data[slot, I:]
                 targets[pre + "down_proj.weight"] = ex.w2.data[slot]
+                if ex.fp8_block is not None:  # gate's scale rows, then up's (moe/fp8.py layout)
+                    rows = -(-I // ex.fp8_block[0])
+                    targets[pre + "gate_proj.weight_scale_inv"] = ex.w13_scale_inv.data[slot, :rows]
+                    targets[pre + "up_proj.weight_scale_inv"] = ex.w13_scale_inv.data[slot, rows:]
+                    targets[pre + "down_proj.weight_scale_inv"] = ex.w2_scale_inv.data[slot]
         return targets
+
+    def set_backends(self, experts, attention: str) -> None:
+        """experts: a moe.backend.ExpertsChoice; attention: "torch" | "triton" (resolved names)."""
+        for layer in self.model.layers:
+            layer.self_attn.backend = attention
+            if layer.is_moe:
+                layer.mlp.experts.backend = experts.backend
+                layer.mlp.experts.deepgemm = experts.deepgemm
 
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in order (EPLB's layer index l is the position in this list)."""

@@ -3,7 +3,8 @@
 The same file works single-process and under torchrun/mpirun: dp_size/ep_size default to
 "auto" (the launcher's world size). CLI flags override file values.
 
-    [model]    path, dtype, max_model_len
+    [model]    path, dtype, max_model_len, experts_backend (auto|torch|triton|deepgemm),
+               attention_backend (auto|torch|triton)
     [parallel] dp_size, ep_size ("auto" | int), backend, dispatch_backend, num_redundant_experts, timeout_s, heartbeat_s
     [engine]   block_size, kv_cache_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed
     [eplb]     enabled, window_size, step_interval, num_redundant_experts, policy, initial_placement,
@@ -28,7 +29,7 @@ from dbo.overlap import DboConfig
 from eplb.config import EplbConfig
 
 SECTIONS: dict[str, set[str]] = {
-    "model": {"path", "dtype", "max_model_len"},
+    "model": {"path", "dtype", "max_model_len", "experts_backend", "attention_backend"},
     "parallel": {"dp_size", "ep_size", "tp_size", "backend", "dispatch_backend", "num_redundant_experts",
                  "timeout_s", "heartbeat_s", "deepep_low_latency_max_tokens", "simulated_latency_us",
                  "simulated_gbps"},
@@ -60,6 +61,12 @@ def validate(cfg: dict[str, Any], source: str = "run config") -> dict[str, Any]:
             DboConfig(**cfg["dbo"])
         except (ValueError, TypeError) as e:
             raise ValueError(f"{source}: [dbo] {e}") from None
+    from attention_mla.paged_decode import ATTENTION_BACKENDS
+    from moe.backend import EXPERTS_BACKENDS
+    for key, allowed in (("experts_backend", EXPERTS_BACKENDS), ("attention_backend", ATTENTION_BACKENDS)):
+        value = cfg.get("model", {}).get(key, "auto")
+        if value not in allowed:
+            raise ValueError(f"{source}: [model] {key} = {value!r} is not one of {allowed}")
     if "path" not in cfg.get("model", {}):
         raise ValueError(f"{source}: [model] path is required")
     return cfg
@@ -93,5 +100,6 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     par = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
     eplb = {"eplb": dict(cfg["eplb"])} if cfg.get("eplb") else {}
     dbo = {"dbo": dict(cfg["dbo"])} if cfg.get("dbo") else {}
+    backends = {k: m[k] for k in ("experts_backend", "attention_backend") if k in m}
     return dict(model=m["path"], dtype=m.get("dtype", "float32"), max_model_len=m.get("max_model_len"),
-                parallel=par, progress=False, **eplb, **dbo, **e)
+                parallel=par, progress=False, **backends, **eplb, **dbo, **e)

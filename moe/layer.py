@@ -38,14 +38,15 @@ class ExpertShard:
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, dispatcher=None, device=None, dtype=None):
+    def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, dispatcher=None, device=None, dtype=None,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ExpertShard(cfg.n_routed_experts)
         self.dispatcher = dispatcher
         self.gate = Gate(cfg, device=device)
         self.experts = Experts(self.shard.num_local, cfg.hidden_size, cfg.moe_intermediate_size,
-                               device=device, dtype=dtype)
+                               device=device, dtype=dtype, fp8_block=fp8_block)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                    device=device, dtype=dtype) if cfg.n_shared_experts else None)
         # physical slot -> logical expert, for this rank's slots; contiguous identity until EPLB

@@ -93,3 +93,29 @@ def test_all_slots_remote_gives_zeros(device):
     got = fused_moe(torch.randn(3, 32, device=device), ex.w13.data, ex.w2.data, ids, torch.rand(3, 2, device=device),
                     tiles=TILES, out=poisoned(3, 32, device=device))
     assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_launchers_reject_bad_inputs(device):
+    E, H, I = 4, 32, 16
+    ex = _experts(E, H, I, torch.float32, device)
+    w13, w2 = ex.w13.data, ex.w2.data
+    x = torch.randn(5, H, device=device)
+    ids, w = _routing(5, E, 2, device)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_moe(torch.randn(H, 5, device=device).t(), w13, w2, ids, w, tiles=TILES)
+    with pytest.raises(ValueError, match=r"w13 must be a contiguous \[El, 2I, H=32\]"):
+        fused_moe(x, w13[:, :, :16].contiguous(), w2, ids, w, tiles=TILES)
+    with pytest.raises(ValueError, match="activation dtype"):
+        fused_moe(x, w13.half(), w2, ids, w, tiles=TILES)
+    with pytest.raises(ValueError, match="no w13_scale"):
+        fused_moe(x, w13.to(torch.float8_e4m3fn), w2, ids, w, tiles=TILES)
+    with pytest.raises(ValueError, match=r"must both be \[R=5, k\]"):
+        fused_moe(x, w13, w2, ids[:4], w[:4], tiles=TILES)
+    with pytest.raises(ValueError, match="integer"):
+        fused_moe(x, w13, w2, ids.float(), w, tiles=TILES)
+    with pytest.raises(ValueError, match="dtype torch.int64 is not one of"):
+        fused_moe(x.long(), w13, w2, ids, w, tiles=TILES)
+    with pytest.raises(ValueError, match="out buffer must be"):
+        fused_moe(x, w13, w2, ids, w, tiles=TILES, out=torch.empty(5, H + 1, device=device))
+    with pytest.raises(ValueError, match="power of two"):
+        MoETiles(16, 24, 16)

@@ -1,0 +1,174 @@
+"""Triton paged MLA decode (absorbed form): split-K over the sequence, then a reduction.
+
+Legend: B sequences, N heads, C kv_lora_rank, R rope dim, D = C + R, S cache slots, M max blocks
+per sequence, K splits. Stage 1: program (b, head block, split) runs an online softmax over its
+slice of the sequence, reading latents through the block table, and writes its normalised partial
+output [BH, C] and log-sum-exp. Stage 2: program (b, head) merges the K partials by their LSE.
+All heads of a sequence share one latent stream, so a program takes BH heads at once (the QK^T
+and PV products are [BH, D] x [D, BN] GEMMs). Reference: attention_mla.paged_decode.paged_decode_reference.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    block_h: int = 16      # heads per program
+    block_n: int = 32      # latents per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+    min_split_tokens: int = 256  # split-K only when every split gets at least this many latents
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def choose_splits(batch: int, heads: int, max_len: int, tiles: DecodeTiles, num_sms: int = 132) -> int:
+    """Enough programs to fill the GPU twice over, never a split shorter than min_split_tokens."""
+    programs = batch * triton.cdiv(heads, tiles.block_h)
+    want = triton.cdiv(2 * num_sms, max(programs, 1))
+    return max(1, min(want, triton.cdiv(max_len, tiles.min_split_tokens), 64))
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # Triton 3.8's interpreter multiplies bf16 dot operands as raw integers
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PREC)
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
+                         N, C, R, block_size, qk_scale,
+                         stride_qb, stride_qh, stride_kv, stride_bt, stride_pb, stride_ph, stride_ps,
+                         stride_lb, stride_lh,
+                         BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
+                         PREC: tl.constexpr, UPCAST: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    L = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(L, BN), num_splits) * BN
+    start = split * per_split
+    end = tl.minimum(start + per_split, L)
+    heads = hb * BH + tl.arange(0, BH)
+    h_ok = heads < N
+    c = tl.arange(0, BC)
+    c_ok = c < C
+    r = tl.arange(0, BR)
+    r_ok = r < R
+    q_base = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_c = tl.load(q_base + c[None, :], mask=h_ok[:, None] & c_ok[None, :], other=0.0)          # [BH, BC]
+    q_r = tl.load(q_base + C + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)      # [BH, BR]
+    m = tl.full((BH,), float("-inf"), dtype=tl.float32)
+    l = tl.zeros((BH,), dtype=tl.float32)
+    acc = tl.zeros((BH, BC), dtype=tl.float32)
+    for j0 in range(start, end, BN):
+        j = j0 + tl.arange(0, BN)
+        j_ok = j < end
+        blk = tl.load(bt_ptr + b * stride_bt + j // block_size, mask=j_ok, other=0)
+        slot = (blk * block_size + j % block_size).to(tl.int64)
+        k_c = tl.load(kv_ptr + slot[:, None] * stride_kv + c[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
+        k_r = tl.load(kv_ptr + slot[:, None] * stride_kv + C + r[None, :], mask=j_ok[:, None] & r_ok[None, :],
+                      other=0.0)
+        s = _dot(q_c, tl.trans(k_c), tl.zeros((BH, BN), dtype=tl.float32), PREC, UPCAST)
+        s = _dot(q_r, tl.trans(k_r), s, PREC, UPCAST) * qk_scale
+        s = tl.where(j_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = _dot(p.to(k_c.dtype), k_c, acc * alpha[:, None], PREC, UPCAST)
+        m = m_new
+    has = l > 0
+    out = acc / tl.where(has, l, 1.0)[:, None]
+    lse = tl.where(has, m + tl.log2(tl.where(has, l, 1.0)), float("-inf"))
+    tl.store(part_ptr + b * stride_pb + heads[:, None] * stride_ph + split * stride_ps + c[None, :], out,
+             mask=h_ok[:, None] & c_ok[None, :])
+    tl.store(lse_ptr + b * stride_lb + heads * stride_lh + split, lse, mask=h_ok)
+
+
+@triton.jit
+def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, C, num_splits,
+                          stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+                          BC: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    c = tl.arange(0, BC)
+    c_ok = c < C
+    lse_base = lse_ptr + b * stride_lb + h * stride_lh
+    m = tl.load(lse_base)
+    for s in range(1, num_splits):
+        m = tl.maximum(m, tl.load(lse_base + s))
+    m = tl.where(m > float("-inf"), m, 0.0)  # every split empty: the weights below are all 0
+    total = tl.zeros((), dtype=tl.float32)
+    acc = tl.zeros((BC,), dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(lse_base + s)
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+        part = tl.load(part_ptr + b * stride_pb + h * stride_ph + s * stride_ps + c, mask=c_ok, other=0.0)
+        acc += tl.where(w > 0, part * w, 0.0)  # an empty split's partial is 0, never read as NaN
+        total += w
+    out = acc / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + c, out.to(out_ptr.dtype.element_ty), mask=c_ok)
+
+
+def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               block_size: int, kv_lora_rank: int, sm_scale: float, max_seq_len: int,
+               num_splits: int | None = None, tiles: DecodeTiles | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, N, D], kv_pool [S, D] (same dtype), block_table [B, M] int, seq_lens [B] int32 (>= 1)
+    -> [B, N, C] in q's dtype. max_seq_len: a host bound on seq_lens (sizes the split, no sync)."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(msg)
+    tiles = tiles or DecodeTiles()
+    need(q.dim() == 3 and q.stride(-1) == 1, f"q must be [B, N, D] with unit stride on D, got {tuple(q.shape)} "
+                                             f"strides {q.stride()}")
+    B, N, D = q.shape
+    C = kv_lora_rank
+    need(0 < C < D, f"kv_lora_rank ({C}) must be in (0, D={D})")
+    need(kv_pool.dim() == 2 and kv_pool.shape[1] == D and kv_pool.stride(1) == 1,
+         f"kv_pool must be [S, D={D}] with unit stride on D, got {tuple(kv_pool.shape)} strides {kv_pool.stride()}")
+    need(q.dtype == kv_pool.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16),
+         f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must share one of fp32/bf16/fp16")
+    need(block_table.dim() == 2 and block_table.shape[0] == B and not block_table.is_floating_point()
+         and block_table.stride(1) == 1, f"block_table must be an integer [B={B}, M] tensor with unit stride, "
+                                         f"got {tuple(block_table.shape)} {block_table.dtype}")
+    need(seq_lens.shape == (B,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+         f"seq_lens must be a contiguous int32 [B={B}] tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    need(block_table.shape[1] * block_size >= max_seq_len,
+         f"block_table holds {block_table.shape[1]} blocks of {block_size} < max_seq_len {max_seq_len}")
+    devices = {t.device for t in (q, kv_pool, block_table, seq_lens)}
+    need(len(devices) == 1, f"q, kv_pool, block_table, seq_lens are on different devices: {sorted(map(str, devices))}")
+    if out is None:
+        out = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
+    need(tuple(out.shape) == (B, N, C) and out.dtype == q.dtype and out.stride(-1) == 1,
+         f"out must be a ({B}, {N}, {C}) {q.dtype} tensor with unit stride on C, got {tuple(out.shape)} {out.dtype}")
+    if B == 0:
+        return out
+    K = num_splits or choose_splits(B, N, max_seq_len, tiles)
+    part = torch.empty(B, N, K, C, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, N, K, dtype=torch.float32, device=q.device)
+    BC, BR = triton.next_power_of_2(C), triton.next_power_of_2(D - C)
+    upcast = _interpreting() and q.dtype == torch.bfloat16
+    _decode_split_kernel[(B, triton.cdiv(N, tiles.block_h), K)](
+        q, kv_pool, block_table, seq_lens, part, lse, N, C, D - C, block_size, sm_scale * LOG2E,  # exp2 domain
+        q.stride(0), q.stride(1), kv_pool.stride(0), block_table.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        BH=tiles.block_h, BN=tiles.block_n, BC=BC, BR=BR,
+        PREC="ieee" if q.dtype == torch.float32 else None, UPCAST=upcast,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    _decode_reduce_kernel[(B, N)](part, lse, out, C, K, part.stride(0), part.stride(1), part.stride(2),
+                                  lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), BC=BC)
+    return out

@@ -1,0 +1,84 @@
+"""Which forward the routed experts use (`experts_backend`), decided once when the model is built.
+
+  torch     the torch grouped forward (Experts.forward_grouped); fp8 checkpoints dequantised at load
+  triton    the fused Triton kernels (moe/triton_moe.py); fp8 weights stay fp8 on the device
+  deepgemm  DeepGEMM's grouped FP8 GEMMs (moe/deepgemm.py): fp8 checkpoints, bf16, CUDA, dims % 128
+  auto      CPU: torch (interpreted Triton is far too slow to serve). CUDA: deepgemm for an fp8
+            checkpoint when deep_gemm imports and the shapes fit, else triton, else torch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+EXPERTS_BACKENDS = ("auto", "torch", "triton", "deepgemm")
+
+
+@dataclass(frozen=True)
+class ExpertsChoice:
+    backend: str            # Experts.backend: "grouped" | "triton" | "deepgemm"
+    keep_fp8: bool          # build the experts with fp8 weights + block scales
+    deepgemm: object = None  # moe.deepgemm.DeepGemmApi when backend == "deepgemm"
+
+
+def triton_unusable(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on `device`, or None when they can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed (pip install 'wideep[triton]')"
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (f"the device is {device}; Triton runs on CPU only under TRITON_INTERPRET=1 set before start "
+            f"(slow: for tests)")
+
+
+def deepgemm_unusable(device: torch.device, dtype: torch.dtype, fp8_block: tuple[int, int] | None,
+                      hidden: int, intermediate: int, api) -> str | None:
+    if fp8_block is None:
+        return "the checkpoint is not fp8 (DeepGEMM's grouped GEMMs take fp8 weights)"
+    if tuple(fp8_block) != (128, 128):
+        return f"weight_block_size is {list(fp8_block)}, DeepGEMM needs [128, 128]"
+    if hidden % 128 or intermediate % 128:
+        return f"hidden_size ({hidden}) and moe_intermediate_size ({intermediate}) must be multiples of 128"
+    if dtype != torch.bfloat16:
+        return f"the model dtype is {dtype}; DeepGEMM writes bf16"
+    if device.type != "cuda":
+        return f"the device is {device}, not CUDA"
+    if api is None:
+        return "deep_gemm does not import or has no grouped FP8 GEMM"
+    return None
+
+
+def resolve_experts_backend(name: str, device: torch.device | str, dtype: torch.dtype,
+                            fp8_block: tuple[int, int] | None, hidden: int, intermediate: int,
+                            deepgemm_api=None) -> ExpertsChoice:
+    """fp8_block: the checkpoint's weight_block_size when it is fp8, else None. deepgemm_api: a probed
+    API (tests pass fakes); by default deep_gemm is imported when it could be chosen."""
+    if name not in EXPERTS_BACKENDS:
+        raise ValueError(f"experts_backend {name!r} is not one of {EXPERTS_BACKENDS}")
+    dev = torch.device(device)
+    if name == "torch" or (name == "auto" and dev.type != "cuda"):
+        return ExpertsChoice("grouped", keep_fp8=False)
+    if name in ("auto", "deepgemm") and deepgemm_api is None and fp8_block is not None and dev.type == "cuda":
+        from .deepgemm import load
+        deepgemm_api = load()
+    why_not_dg = deepgemm_unusable(dev, dtype, fp8_block, hidden, intermediate, deepgemm_api)
+    if name == "deepgemm":
+        if why_not_dg is not None:
+            raise ValueError(f"experts_backend 'deepgemm' is not usable: {why_not_dg}")
+        return ExpertsChoice("deepgemm", keep_fp8=True, deepgemm=deepgemm_api)
+    why_not_triton = triton_unusable(dev)
+    if name == "triton" and why_not_triton is not None:
+        raise ValueError(f"experts_backend 'triton' is not usable: {why_not_triton}")
+    if name == "auto" and why_not_dg is None:
+        return ExpertsChoice("deepgemm", keep_fp8=True, deepgemm=deepgemm_api)
+    if why_not_triton is None:
+        keep = fp8_block is not None and fp8_block[1] % 16 == 0  # the kernel needs BK (>= 16) to divide it
+        if name == "triton" and fp8_block is not None and not keep:
+            raise ValueError(f"experts_backend 'triton' needs the fp8 block along K ({fp8_block[1]}) to be a "
+                             f"multiple of 16")
+        return ExpertsChoice("triton", keep_fp8=keep)
+    return ExpertsChoice("grouped", keep_fp8=False)
