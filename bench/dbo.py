@@ -6,8 +6,12 @@ per rank), steps alternate DBO off / on (interleaved, barrier-aligned, all ranks
   T_comm        time inside blocking dispatch/combine during the off steps (slowest rank),
   T_compute     T_off - T_comm,
   overlap_eff   (T_off - T_on) / min(T_comm, T_compute)   (1 = perfect hiding of the smaller one).
-At 0 us it also runs dbo = "auto" against off (ratio of step times). Note: 4 ranks share 2 cores
-here, so "compute" of one rank competes with the others' — the efficiency is a lower bound.
+At 0 us it also runs dbo = "auto" against off (ratio of step times, after the switch has explored
+both choices: its steady state). Note: 4 ranks share 2 cores here, so "compute" of one rank
+competes with the others' — the efficiency is a lower bound.
+split_compute_ratio: one MoE layer on the step's tokens as two halves vs at once (one process, no
+communication): what splitting costs in compute before any overlap; on this CPU small batches are
+bound by reading the expert weights, which each microbatch does again.
 Last line: {"overlap_efficiency": {"0": ..., "200": ..., "1000": ...}, "auto_vs_off_at_0us": ...}.
     python bench/dbo.py [--quick] [--png out.png]
 """
@@ -71,6 +75,18 @@ def _phase(core, phase: str, trials: int, auto=None) -> dict:
         while any(s.prefilling for s in core.scheduler.running) or core.scheduler.waiting:
             _step(core, False)
     modes = ["off", "on"] + (["auto"] if auto is not None else [])
+    if auto is not None:  # let the switch explore both choices first: the steady state is measured
+        n = 16 if phase == "decode" else 192
+        for _ in range(2 * auto.min_samples):
+            if phase == "prefill":
+                add(4, 48, 1)
+            flag = torch.tensor([int(auto.decide(n, phase == "decode"))])
+            dist.broadcast(flag, src=0, group=core.ctx.cpu_group)
+            dt, _ = _step(core, bool(flag.item()))
+            auto.record(n, phase == "decode", bool(flag.item()), dt)
+            if phase == "prefill":
+                for s in list(core.scheduler.running):
+                    core.scheduler.finish(s)
     for _ in range(trials):
         for mode in modes:
             if phase == "prefill":
@@ -129,6 +145,7 @@ def main() -> None:
     ap.add_argument("--worker", nargs=2, metavar=("DIR", "TRIALS"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--png", default=None)
+    ap.add_argument("--ep", type=int, default=4, help="ranks (dp = ep); the issue's setting is 4")
     a = ap.parse_args()
     if a.worker:
         worker(a.worker[0], int(a.worker[1]))
@@ -142,8 +159,9 @@ def main() -> None:
                              num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
                              qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
                              n_group=4, topk_group=2, initializer_range=0.05)
-        rc, text = run_local_ranks([], 4, timeout_s=900, capture=True,
+        rc, text = run_local_ranks([], a.ep, timeout_s=900, capture=True,
                                    cmd=[sys.executable, os.path.abspath(__file__), "--worker", d, str(trials)])
+        split_cost = _split_compute_ratio(d) if not rc else None
     if rc:
         raise SystemExit(f"bench ranks failed with status {rc}")
     res = json.loads([x for x in text.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
@@ -161,10 +179,35 @@ def main() -> None:
             print(f"{lat:>5} us {phase:>7}: {table[f'{lat}us/{phase}']}", file=sys.stderr)
         eff[str(lat)] = round(statistics.mean(per), 3)
     autos = [res[f"0/{p}"]["auto"] / res[f"0/{p}"]["off"] for p in ("decode", "prefill")]
+    print(f"split compute ratio (two halves / whole): {split_cost}", file=sys.stderr)
     if a.png:
         _plot(table, a.png)
     print(json.dumps({"overlap_efficiency": eff, "auto_vs_off_at_0us": round(statistics.mean(autos), 3),
-                      "detail": table}))
+                      "ep": a.ep, "split_compute_ratio": split_cost, "detail": table}))
+
+
+def _split_compute_ratio(model_dir: str, trials: int = 15) -> dict:
+    import torch
+
+    from engine.build import load_model
+    torch.set_num_threads(1)
+    model = load_model(model_dir, progress=False)
+    moe = next(l.mlp for l in model.model.layers if l.is_moe)
+    out = {}
+    with torch.inference_mode():
+        for phase, T in (("decode", 16), ("prefill", 192)):
+            x = torch.randn(T, model.cfg.hidden_size)
+            whole, halves = [], []
+            for _ in range(trials):  # interleaved
+                t0 = time.perf_counter()
+                moe(x)
+                whole.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                moe(x[: T // 2])
+                moe(x[T // 2:])
+                halves.append(time.perf_counter() - t0)
+            out[phase] = round(statistics.median(halves) / statistics.median(whole), 2)
+    return out
 
 
 def _plot(table: dict, path: str) -> None:
