@@ -73,6 +73,18 @@ def cmd_demo(a) -> None:
             raise SystemExit(rc)
 
 
+def _feature_flags(a) -> dict:
+    """--enable-dbo [auto] / --enable-eplb (vLLM's flag names) as run-config overrides."""
+    return {"dbo__enabled": {None: None, "true": True, "auto": "auto"}[a.enable_dbo],
+            "eplb__enabled": True if a.enable_eplb else None}
+
+
+def _add_feature_flags(p) -> None:
+    p.add_argument("--enable-dbo", nargs="?", const="true", choices=["true", "auto"],
+                   help="dual-batch overlap ([dbo] enabled); 'auto': split only where it measured faster")
+    p.add_argument("--enable-eplb", action="store_true", help="online expert load balancing ([eplb] enabled)")
+
+
 def cmd_run(a) -> None:
     """Generate the [run] prompts of a run config; SPMD under torchrun/mpirun (every rank runs this)."""
     from engine import LLM, SamplingParams
@@ -80,7 +92,8 @@ def cmd_run(a) -> None:
     from . import run_config
     cfg = run_config.override(run_config.load(a.config), model__path=a.model, model__dtype=a.dtype,
                               parallel__dp_size=a.dp_size, parallel__ep_size=a.ep_size,
-                              parallel__dispatch_backend=a.dispatch_backend, run__max_tokens=a.max_tokens)
+                              parallel__dispatch_backend=a.dispatch_backend, run__max_tokens=a.max_tokens,
+                              **_feature_flags(a))
     r = cfg.get("run", {})
     prompts = list(r.get("prompt_ids", [])) + list(r.get("prompts", []))
     if not prompts:
@@ -127,7 +140,8 @@ def cmd_serve(a) -> None:
         raise SystemExit(f"wideep serve needs aiohttp: pip install -e '.[serve]' ({e})") from None
     cfg = run_config.override(run_config.load(a.config), model__path=a.model, model__dtype=a.dtype,
                               parallel__dp_size=a.dp_size, parallel__ep_size=a.ep_size,
-                              server__host=a.host, server__port=a.port, server__model_name=a.model_name)
+                              server__host=a.host, server__port=a.port, server__model_name=a.model_name,
+                              **_feature_flags(a))
     rc = server.serve(cfg)
     if rc:
         raise SystemExit(rc)
@@ -169,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--dispatch-backend", choices=["auto", "torch", "allgather", "deepep"])
     r.add_argument("--max-tokens", type=int)
     r.add_argument("--summary-only", action="store_true", help="print only the throughput summary")
+    _add_feature_flags(r)
     r.set_defaults(fn=cmd_run)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /health, /metrics) on rank 0")
     s.add_argument("--config", required=True)
@@ -179,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--dtype")
     s.add_argument("--dp-size", type=int)
     s.add_argument("--ep-size", type=int)
+    _add_feature_flags(s)
     s.set_defaults(fn=cmd_serve)
     from .eplb_cli import add_parsers
     add_parsers(sub)

@@ -1,4 +1,5 @@
-"""Run-config files: validation, CLI overrides, and one file serving 1 and 2 ranks identically."""
+"""Run-config files: validation, CLI overrides, and one file serving 1 and 2 ranks (the latter with
+--enable-dbo) identically."""
 from __future__ import annotations
 
 import json
@@ -56,6 +57,23 @@ def test_flags_override_file(tmp_path):
     kw = run_config.llm_kwargs(cfg)
     assert kw["parallel"] == {"dispatch_backend": "torch", "timeout_s": 60, "ep_size": 4}
     assert kw["dtype"] == "float32" and kw["block_size"] == 16
+    cfg = run_config.override(cfg, dbo__enabled="auto", eplb__enabled=True)
+    kw = run_config.llm_kwargs(cfg)
+    assert kw["dbo"] == {"enabled": "auto"} and kw["eplb"] == {"enabled": True}
+
+
+def test_feature_flags_parse():
+    import argparse
+
+    from launch.cli import _add_feature_flags, _feature_flags
+    p = argparse.ArgumentParser()
+    _add_feature_flags(p)
+    assert _feature_flags(p.parse_args([])) == {"dbo__enabled": None, "eplb__enabled": None}
+    assert _feature_flags(p.parse_args(["--enable-dbo"]))["dbo__enabled"] is True
+    assert _feature_flags(p.parse_args(["--enable-dbo", "auto", "--enable-eplb"])) == {
+        "dbo__enabled": "auto", "eplb__enabled": True}
+    with pytest.raises(SystemExit):
+        p.parse_args(["--enable-dbo", "sometimes"])
 
 
 def _outputs(stdout: str) -> list[list[int]]:
@@ -75,7 +93,7 @@ def test_same_config_single_process_and_two_ranks(tmp_path, capfd):
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
-        rc = run_local_ranks(["run", "--config", path], 2, timeout_s=300)
+        rc = run_local_ranks(["run", "--config", path, "--enable-dbo"], 2, timeout_s=300)
     finally:
         os.chdir(cwd)
     multi = capfd.readouterr().out
