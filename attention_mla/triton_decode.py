@@ -53,8 +53,8 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
                          stride_lb, stride_lh,
                          BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
                          PREC: tl.constexpr, UPCAST: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
+    hb = tl.program_id(0)  # fastest-varying: a sequence's head blocks run together and share its latents in L2
+    b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     L = tl.load(lens_ptr + b)
@@ -162,7 +162,7 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     lse = torch.empty(B, N, K, dtype=torch.float32, device=q.device)
     BC, BR = triton.next_power_of_2(C), triton.next_power_of_2(D - C)
     upcast = _interpreting() and q.dtype == torch.bfloat16
-    _decode_split_kernel[(B, triton.cdiv(N, tiles.block_h), K)](
+    _decode_split_kernel[(triton.cdiv(N, tiles.block_h), B, K)](
         q, kv_pool, block_table, seq_lens, part, lse, N, C, D - C, block_size, sm_scale * LOG2E,  # exp2 domain
         q.stride(0), q.stride(1), kv_pool.stride(0), block_table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

@@ -126,13 +126,14 @@ def moe_gate_up(x: torch.Tensor, w13: torch.Tensor, align: Alignment, top_k: int
     Mmax = align.max_rows
     out = _out(out, (Mmax, I), x.dtype, x.device, "act")
     s = w13_scale if fp8 else w13  # a placeholder pointer when not fp8: never read
-    grid = (triton.cdiv(Mmax, tiles.block_m) * triton.cdiv(I, tiles.block_n),)
+    bn = max(16, tiles.block_n // 2)  # two accumulators (gate, up): half the width keeps registers in budget
+    grid = (triton.cdiv(Mmax, tiles.block_m) * triton.cdiv(I, bn),)
     _gate_up_kernel[grid](x, w13, s, out, align.sorted_pairs, align.block_expert, align.num_padded,
                           R * top_k, top_k, Mmax, I, H, -(-I // quant_block[0]),
                           x.stride(0), w13.stride(0), w13.stride(1),
                           s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, out.stride(0),
-                          FP8=fp8, QN=quant_block[0], QK=quant_block[1], PREC=_precision(x.dtype), UPCAST=_upcast(x.dtype),
-                          BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m,
+                          FP8=fp8, QN=quant_block[0], QK=quant_block[1], PREC=_precision(x.dtype),
+                          UPCAST=_upcast(x.dtype), BM=tiles.block_m, BN=bn, BK=tiles.block_k, GROUP_M=tiles.group_m,
                           num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
@@ -186,7 +187,8 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, align: Alignment, topk_weights
     El, H = w2.shape[0], w2.shape[1]
     fp8 = _check_weight(w2, w2_scale, act, (El, -(-H // quant_block[0]), -(-I // quant_block[1])), "w2")
     _check(topk_weights.dim() == 2 and topk_weights.is_contiguous() and topk_weights.dtype == torch.float32,
-           f"topk_weights must be a contiguous fp32 [R, k] tensor, got {tuple(topk_weights.shape)} {topk_weights.dtype}")
+           f"topk_weights must be a contiguous fp32 [R, k] tensor, got {tuple(topk_weights.shape)} "
+           f"{topk_weights.dtype}")
     if fp8:
         _check(quant_block[1] % tiles.block_k == 0, f"block_k ({tiles.block_k}) must divide the fp8 block "
                                                     f"along I ({quant_block[1]})")
@@ -197,7 +199,8 @@ def moe_down(act: torch.Tensor, w2: torch.Tensor, align: Alignment, topk_weights
     _down_kernel[grid](act, w2, s, out, topk_weights, align.sorted_pairs, align.block_expert, align.num_padded,
                        P, Mmax, H, I, act.stride(0), w2.stride(0), w2.stride(1),
                        s.stride(0) if fp8 else 0, s.stride(1) if fp8 else 0, out.stride(0),
-                       FP8=fp8, QN=quant_block[0], QK=quant_block[1], PREC=_precision(act.dtype), UPCAST=_upcast(act.dtype),
+                       FP8=fp8, QN=quant_block[0], QK=quant_block[1], PREC=_precision(act.dtype),
+                       UPCAST=_upcast(act.dtype),
                        BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP_M=tiles.group_m,
                        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out

@@ -15,15 +15,15 @@ from attention_mla.paged_decode import resolve_attention_backend  # noqa: E402
 PROMPTS = [[3, 17, 42, 99, 5, 150, 23], [5, 6]]
 
 
-def _run(model_dir: str, **backends):
-    llm = LLM(model_dir, dtype="float32", device="cpu", progress=False, block_size=4, kv_cache_blocks=16,
+def _run(model_dir: str, device: str, **backends):
+    llm = LLM(model_dir, dtype="float32", device=device, progress=False, block_size=4, kv_cache_blocks=16,
               max_num_seqs=2, **backends)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))
     return llm, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch):
+def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch, device):
     import attention_mla.triton_decode as td
     import moe.triton_moe as tm
     calls = {"moe": 0, "decode": 0}
@@ -37,9 +37,9 @@ def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch):
     monkeypatch.setattr(td, "mla_decode", counted("decode", td.mla_decode))
     d = make_tiny_checkpoint(str(tmp_path), "v3", fp8=fp8, num_hidden_layers=2, n_routed_experts=8, n_group=4,
                              topk_group=2, num_experts_per_tok=2, vocab_size=200)
-    ref_llm, ref = _run(d, experts_backend="torch", attention_backend="torch")
+    ref_llm, ref = _run(d, device, experts_backend="torch", attention_backend="torch")
     assert calls == {"moe": 0, "decode": 0}
-    llm, got = _run(d, experts_backend="triton", attention_backend="triton")
+    llm, got = _run(d, device, experts_backend="triton", attention_backend="triton")
     # prefill of both prompts + 3 decode steps: the 1 MoE layer ran the kernel every step, both attention
     # layers ran the paged decode kernel at every decode step
     assert calls["moe"] == 4 and calls["decode"] == 2 * 3
@@ -54,12 +54,13 @@ def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch):
             assert max(abs(a[t] - b[t]) for t in a) < 1e-4
 
 
-def test_resolution_rules():
+def test_resolution_rules(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # resolution only reads it; nothing is compiled here
     f32, bf16 = torch.float32, torch.bfloat16
     assert resolve_experts_backend("auto", "cpu", f32, None, 64, 32).backend == "grouped"
     assert resolve_experts_backend("auto", "cpu", bf16, (128, 128), 7168, 2048).keep_fp8 is False
     assert resolve_experts_backend("torch", "cpu", f32, (128, 128), 64, 32).keep_fp8 is False
-    tri = resolve_experts_backend("triton", "cpu", f32, (128, 128), 64, 32)   # TRITON_INTERPRET=1 here
+    tri = resolve_experts_backend("triton", "cpu", f32, (128, 128), 64, 32)
     assert (tri.backend, tri.keep_fp8) == ("triton", True)
     assert resolve_attention_backend("auto", "cpu") == "torch"
     assert resolve_attention_backend("triton", "cpu") == "triton"
