@@ -168,13 +168,27 @@ class EngineCore:
         start = s.num_sent if delta else 0
         toks = list(s.output_token_ids[start:])
         s.num_sent = len(s.output_token_ids)
-        text = self.tokenizer.decode(toks) if self.tokenizer is not None else ""
+        text = self._text(s, delta)
         lps = s.logprobs[start:] if s.logprobs is not None else None
         comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=s.cumulative_logprob,
                                 logprobs=lps, finish_reason=s.finish_reason)
         return RequestOutput(request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
                              prompt_logprobs=s.prompt_logprobs, outputs=[comp], finished=s.finished,
                              metrics=s.metrics())
+
+    def _text(self, s: Sequence, delta: bool) -> str:
+        """The output text (or, for delta outputs, what was not reported yet). A character whose
+        UTF-8 bytes span several tokens decodes to U+FFFD until its last token arrives: until the
+        request finishes, trailing U+FFFD is held back instead of streamed as garbage."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(s.output_token_ids)
+        if not s.finished:
+            text = text.rstrip("\ufffd")
+        if not delta:
+            return text
+        new, s.text_sent = text[s.text_sent:], len(text)
+        return new
 
     def split_votes(self, num_tokens: list[int]) -> tuple[bool, bool]:
         """DBO: (this rank may split its step, this rank votes to split). Only rank 0's vote counts."""

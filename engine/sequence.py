@@ -33,6 +33,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_sent: int = 0                # output tokens already reported (delta outputs)
+    text_sent: int = 0               # characters of output text already reported (delta outputs)
 
     @property
     def token_ids(self) -> list[int]:
