@@ -135,8 +135,8 @@ class MLA(nn.Module):
             absorbed = [b for b in absorbed if meta.query_lens[b] != 1]
         if absorbed:
             slots, _ = meta.context_slots(absorbed)
-            rows = torch.cat([torch.arange(starts[b], starts[b] + meta.query_lens[b]) for b in absorbed])
-            rows = rows.to(x.device)
+            rows = torch.tensor([r for b in absorbed for r in range(starts[b], starts[b] + meta.query_lens[b])],
+                                device=x.device)
             ctx = kv_pool[slots]                                                  # [S, L, C+R]
             if len(absorbed) != len(rows):  # a sequence with several queries: one context copy per token
                 which = torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),

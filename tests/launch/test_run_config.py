@@ -102,3 +102,14 @@ def test_same_config_single_process_and_two_ranks(tmp_path, capfd):
     summary = json.loads([line for line in multi.splitlines() if line.startswith('{"ranks"')][0])
     assert summary["ranks"] == 2 and sum(summary["per_rank_tokens"]) == 18
     assert summary["expert_bytes_per_rank"][0] == summary["expert_bytes_per_rank"][1] > 0
+
+
+def test_backend_keys_validated_and_passed_to_llm():
+    cfg = run_config.validate({"model": {"path": "m", "experts_backend": "triton", "attention_backend": "torch"}})
+    kw = run_config.llm_kwargs(cfg)
+    assert kw["experts_backend"] == "triton" and kw["attention_backend"] == "torch"
+    assert "experts_backend" not in run_config.llm_kwargs(run_config.validate({"model": {"path": "m"}}))
+    with pytest.raises(ValueError, match=r"\[model\] experts_backend = 'cutlass' is not one of"):
+        run_config.validate({"model": {"path": "m", "experts_backend": "cutlass"}})
+    with pytest.raises(ValueError, match=r"\[model\] attention_backend = 'flashmla' is not one of"):
+        run_config.validate({"model": {"path": "m", "attention_backend": "flashmla"}})
