@@ -7,7 +7,8 @@ per 128 x 128 block, bf16 out. Two API generations are found by name, never by v
   v1: m_grouped_gemm_fp8_fp8_bf16_nt_contiguous / ..._masked; lhs scales column-major, TMA-aligned
       (get_col_major_tma_aligned_tensor), alignment get_m_alignment_for_contiguous_layout()
   v2: m_grouped_fp8_gemm_nt_contiguous / m_grouped_fp8_gemm_nt_masked; takes row-major fp32
-      scales and lays them out itself, alignment get_mk_alignment_for_contiguous_layout()
+      scales and lays them out itself, alignment get_mk_alignment_for_contiguous_layout(), skips
+      rows whose m_index is -1 (so the worst-case-sized layout needs no host sync)
 Both take ((lhs, lhs_scale), (rhs, rhs_scale), out, m_indices) and
 ((lhs, lhs_scale), (rhs, rhs_scale), out, masked_m, expected_m).
 Reference: Experts.forward_reference on the dequantised weights (activation quantisation adds ~1e-2).
@@ -91,15 +92,20 @@ def experts_contiguous(api: DeepGemmApi, x: torch.Tensor, w13: tuple[torch.Tenso
     H = x.shape[1]
     align = align_by_expert(topk_ids, El, api.alignment)
     P, Mmax = R * k, align.max_rows
-    valid = align.sorted_pairs < P                                            # [Mmax]
-    src = (align.sorted_pairs.long() // k).clamp(max=max(R - 1, 0))
-    lhs = torch.where(valid[:, None], x[src], 0)                              # [Mmax, H]
     m_indices = align.block_expert.repeat_interleave(api.alignment)          # [Mmax] int32, -1 past the end
+    pairs = align.sorted_pairs
+    if api.generation == "v1":
+        # v2 skips m_index -1 rows; v1 would index rhs[-1], so its rows are cut to the used ones
+        Mmax = int(align.num_padded)  # SYNC: v1 takes the row count from the tensor shape
+        m_indices, pairs = m_indices[:Mmax], pairs[:Mmax]
+    valid = pairs < P                                                         # [Mmax]
+    src = (pairs.long() // k).clamp(max=max(R - 1, 0))
+    lhs = torch.where(valid[:, None], x[src], 0)                              # [Mmax, H]
     h = torch.empty(Mmax, I2, dtype=torch.bfloat16, device=x.device)
     api.contiguous(_quant(api, lhs), w13, h, m_indices)
     y = torch.empty(Mmax, H, dtype=torch.bfloat16, device=x.device)
     api.contiguous(_quant(api, _silu_mul(h)), w2, y, m_indices)
-    return _combine(y, valid, align.sorted_pairs.long(), topk_weights, R, k)
+    return _combine(y, valid, pairs.long(), topk_weights, R, k)
 
 
 def experts_masked(api: DeepGemmApi, x: torch.Tensor, w13: tuple[torch.Tensor, torch.Tensor],

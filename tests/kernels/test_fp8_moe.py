@@ -104,6 +104,8 @@ def _fake(generation: str, log: list):
     def contiguous(lhs, rhs, out, m_indices):
         _check_operands(lhs, rhs, out, generation == "v1")
         assert m_indices.dtype == torch.int32 and m_indices.shape[0] == lhs[0].shape[0] == out.shape[0]
+        if generation == "v1":
+            assert (m_indices >= 0).all(), "v1 has no padding rows past the segments"
         a, w = _deq_lhs(*lhs), _deq_rhs(*rhs)
         for m in torch.nonzero(m_indices >= 0).squeeze(1).tolist():
             out[m] = (a[m] @ w[m_indices[m]].t()).to(torch.bfloat16)
