@@ -24,7 +24,9 @@ MODES = ("auto", "naive", "absorbed")
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: MLAConfig, rope: RotaryEmbedding, device=None, dtype=None):
+    def __init__(self, cfg: MLAConfig, rope: RotaryEmbedding, device=None, dtype=None, linear=nn.Linear):
+        """linear: the projections' class (nn.Linear's signature; an fp8 one keeps fp8 checkpoints as
+        stored). kv_b_proj is always nn.Linear: both forms read its weight directly."""
         super().__init__()
         self.cfg, self.rope = cfg, rope
         self.mode = "auto"  # "auto": absorbed for sequences with one query token, naive otherwise
@@ -32,15 +34,15 @@ class MLA(nn.Module):
         N, H, C, R = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         kw = dict(device=device, dtype=dtype)
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(H, N * cfg.qk_head_dim, bias=False, **kw)
+            self.q_proj = linear(H, N * cfg.qk_head_dim, bias=False, **kw)
         else:
-            self.q_a_proj = nn.Linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
+            self.q_a_proj = linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, **kw)
-        self.kv_a_proj_with_mqa = nn.Linear(H, C + R, bias=cfg.attention_bias, **kw)
+            self.q_b_proj = linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, **kw)
+        self.kv_a_proj_with_mqa = linear(H, C + R, bias=cfg.attention_bias, **kw)
         self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, **kw)
         self.kv_b_proj = nn.Linear(C, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **kw)
-        self.o_proj = nn.Linear(N * cfg.v_head_dim, H, bias=cfg.attention_bias, **kw)
+        self.o_proj = linear(N * cfg.v_head_dim, H, bias=cfg.attention_bias, **kw)
 
     # -- projections -------------------------------------------------------------------------
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -41,7 +41,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
 
     experts_backend / attention_backend: "auto" | "torch" | "triton" (| "deepgemm" for experts),
     resolved here for `device` (moe/backend.py, attention_mla/paged_decode.py); model.backends
-    records what was chosen. A backend that keeps fp8 leaves the routed experts fp8 on the device."""
+    records what was chosen. With an fp8 checkpoint, a kernel experts backend (triton, deepgemm) keeps the
+    routed experts and the attention/MLP projections fp8 on the device (Triton W8A16 linears)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
@@ -63,10 +64,10 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
             from parallel.dispatch import make_dispatcher
             dispatcher = make_dispatcher(ctx, num_physical, cfg.hidden_size, dispatch_backend, dtype=dtype)
     model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
-                          experts_fp8_block=fp8_block if experts.keep_fp8 else None)
+                          fp8_block=fp8_block if experts.keep_fp8 else None)
     model.set_backends(experts, attention)
     model.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
-                      "experts_fp8": experts.keep_fp8, "attention": attention}
+                      "fp8_weights": experts.keep_fp8, "attention": attention}
     if placement is not None:
         placement.install(model.moe_layers(), ep_rank, ep_size)
         model.placement = placement

@@ -3,8 +3,9 @@
 Legend: T tokens in the step (all sequences flattened), H hidden, V vocab.
 Parameter names follow the HF checkpoint, so `checkpoint_targets` is mostly the identity; routed
 experts are stacked per layer (w13 [El, 2I, H], w2 [El, H, I]) and the checkpoint's
-per-expert tensors are views into them. With `experts_fp8_block` the routed experts keep the fp8
-checkpoint's values and block scales (`*_scale_inv` become targets too); everything else is dequantised.
+per-expert tensors are views into them. With `fp8_block` the routed experts and the attention/MLP
+projections keep the fp8 checkpoint's values and block scales (`*_scale_inv` become targets too);
+kv_b_proj, norms, router, embeddings and lm_head are dequantised / high precision as usual.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from attention_mla.meta import AttnMeta
 from attention_mla.mla import MLA
 from attention_mla.norm import RMSNorm
 from attention_mla.rope import RotaryEmbedding
+from moe.fp8_linear import Fp8Linear
 from moe.layer import ExpertShard, MoELayer
 from moe.mlp import MLP
 
@@ -23,15 +25,16 @@ from .config import ModelConfig
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: ExpertShard | None,
-                 dispatcher, device=None, dtype=None, experts_fp8_block=None):
+                 dispatcher, device=None, dtype=None, fp8_block=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
+        linear = Fp8Linear.factory(fp8_block) if fp8_block is not None else nn.Linear
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.self_attn = MLA(cfg.mla, rope, **kw)
+        self.self_attn = MLA(cfg.mla, rope, linear=linear, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = (MoELayer(cfg.moe, shard, dispatcher, fp8_block=experts_fp8_block, **kw) if self.is_moe
-                    else MLP(cfg.hidden_size, cfg.intermediate_size, **kw))
+        self.mlp = (MoELayer(cfg.moe, shard, dispatcher, fp8_block=fp8_block, linear=linear, **kw) if self.is_moe
+                    else MLP(cfg.hidden_size, cfg.intermediate_size, linear=linear, **kw))
 
     def forward(self, x, meta, kv_pool, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), meta, kv_pool, cos, sin)
@@ -40,10 +43,10 @@ class DecoderLayer(nn.Module):
 
 class _Inner(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, shard, dispatcher, device=None, dtype=None,
-                 experts_fp8_block=None):
+                 fp8_block=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, dispatcher, device, dtype, experts_fp8_block)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, dispatcher, device, dtype, fp8_block)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
 
@@ -53,17 +56,17 @@ class DeepseekModel(nn.Module):
     dense layers, shared experts, embeddings and lm_head are replicated on every rank."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 shard: ExpertShard | None = None, dispatcher=None, experts_fp8_block: tuple[int, int] | None = None):
+                 shard: ExpertShard | None = None, dispatcher=None, fp8_block: tuple[int, int] | None = None):
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
         self.shard, self.dispatcher = shard, dispatcher
         self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
-        self.backends = {"experts": "torch", "experts_fp8": False, "attention": "torch"}  # set by load_model
+        self.backends = {"experts": "torch", "fp8_weights": False, "attention": "torch"}  # set by load_model
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
         # Built on the meta device and materialised empty: the checkpoint fills every parameter,
         # and random init of a 671B model would take longer than loading it.
         with torch.device("meta"):
-            self.model = _Inner(cfg, self.rope, shard, dispatcher, dtype=dtype, experts_fp8_block=experts_fp8_block)
+            self.model = _Inner(cfg, self.rope, shard, dispatcher, dtype=dtype, fp8_block=fp8_block)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                             dtype=dtype)
         self.to_empty(device=device)

@@ -39,7 +39,8 @@ class ExpertShard:
 
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, dispatcher=None, device=None, dtype=None,
-                 fp8_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, linear=nn.Linear):
+        """fp8_block: routed experts keep fp8 weights in these blocks; linear: the shared experts' class."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ExpertShard(cfg.n_routed_experts)
@@ -48,7 +49,7 @@ class MoELayer(nn.Module):
         self.experts = Experts(self.shard.num_local, cfg.hidden_size, cfg.moe_intermediate_size,
                                device=device, dtype=dtype, fp8_block=fp8_block)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                   device=device, dtype=dtype) if cfg.n_shared_experts else None)
+                                   device=device, dtype=dtype, linear=linear) if cfg.n_shared_experts else None)
         # physical slot -> logical expert, for this rank's slots; contiguous identity until EPLB
         self.local_phy2log = list(range(self.shard.first, self.shard.first + self.shard.num_local))
         self.expert_map = None    # callable: logical ids [T, k] -> physical ids [T, k]; None = identity

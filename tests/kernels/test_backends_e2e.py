@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 from engine import LLM, SamplingParams  # noqa: E402
 from launch.tiny import make_tiny_checkpoint  # noqa: E402
 from moe.backend import resolve_experts_backend  # noqa: E402
+from moe.fp8_linear import Fp8Linear  # noqa: E402
 from attention_mla.paged_decode import resolve_attention_backend  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 99, 5, 150, 23], [5, 6]]
@@ -43,10 +44,15 @@ def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch, device):
     # prefill of both prompts + 3 decode steps: the 1 MoE layer ran the kernel every step, both attention
     # layers ran the paged decode kernel at every decode step
     assert calls["moe"] == 4 and calls["decode"] == 2 * 3
-    assert llm.model.backends == {"experts": "triton", "experts_fp8": fp8, "attention": "triton"}
-    assert ref_llm.model.backends["experts_fp8"] is False           # torch dequantises fp8 at load
+    assert llm.model.backends == {"experts": "triton", "fp8_weights": fp8, "attention": "triton"}
+    assert ref_llm.model.backends["fp8_weights"] is False           # torch dequantises fp8 at load
     experts = llm.model.moe_layers()[0].experts
     assert experts.w13.dtype == (torch.float8_e4m3fn if fp8 else torch.float32)
+    attn, dense = llm.model.model.layers[0].self_attn, llm.model.model.layers[0].mlp
+    assert isinstance(attn.q_a_proj, Fp8Linear) == fp8 and isinstance(dense.down_proj, Fp8Linear) == fp8
+    assert attn.kv_b_proj.weight.dtype == torch.float32          # read directly by both MLA forms
+    if fp8:
+        assert llm.model.param_bytes()["total"] < 0.5 * ref_llm.model.param_bytes()["total"]
     for (toks, lps), (rtoks, rlps) in zip(got, ref):
         assert toks == rtoks
         for a, b in zip(lps, rlps):
