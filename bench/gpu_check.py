@@ -190,19 +190,25 @@ def main(argv=None) -> dict:
         out["triton"] = triton.__version__
     except ImportError:
         raise SystemExit("gpu_check: triton is not installed (pip install 'wideep[triton]')")
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+
+    def save(complete: bool) -> None:  # after every section: a run cut short by its timeout keeps what it has
+        out["complete"], out["seconds"] = complete, time.time() - t0
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=2)
+
     out["ceilings"] = ceilings(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32, min_s)
     print(json.dumps(out["ceilings"]), flush=True)
-    out["moe"] = bench_moe(cfg, dev, out["ceilings"]["matmul_tflops"], min_s)
+    save(False)
     out["mla_decode"] = bench_mla(cfg, dev, out["ceilings"]["copy_gbps"], min_s)
+    save(False)
+    out["moe"] = bench_moe(cfg, dev, out["ceilings"]["matmul_tflops"], min_s)
     big_moe = [r for r in out["moe"] if r["tokens"] == max(cfg["tokens"])]
     big_mla = [r for r in out["mla_decode"] if r["batch"] == max(cfg["batches"]) and r["best"]]
     out["targets"] = {"fraction": cfg["target"],
                       "moe_large": {r["path"]: r["fraction_of_peak"] >= cfg["target"] for r in big_moe},
                       "mla_large": all(r["fraction_of_copy"] >= cfg["target"] for r in big_mla)}
-    out["seconds"] = time.time() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=2)
+    save(True)
     print(json.dumps({"targets": out["targets"], "seconds": out["seconds"], "out": a.out}), flush=True)
     return out
 

@@ -17,13 +17,14 @@ fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader || true
 start=$(date +%s)
 # the kernel tests on CUDA (the smoke run is the CPU interpreter's job), then the rest of the gpu tier
-timeout 150 python -m pytest tests/kernels -q -p no:cacheprovider --ignore=tests/kernels/test_gpu_check_smoke.py
+timeout 120 python -m pytest tests/kernels -q -p no:cacheprovider --ignore=tests/kernels/test_gpu_check_smoke.py
 kernels_rc=$?
-timeout 150 python -m pytest tests -m gpu -q -p no:cacheprovider --ignore=tests/kernels
+timeout 120 python -m pytest tests -m gpu -q -p no:cacheprovider --ignore=tests/kernels
 gpu_rc=$?
+[[ $gpu_rc == 5 ]] && gpu_rc=0   # pytest: no test selected
 tests_rc=$(( kernels_rc != 0 ? kernels_rc : gpu_rc ))
 echo "gpu tests: rc=$tests_rc in $(( $(date +%s) - start )) s"
-timeout 300 python bench/gpu_check.py --out "$OUT" --tests-rc "$tests_rc"
+timeout 240 python bench/gpu_check.py --out "$OUT" --tests-rc "$tests_rc"
 bench_rc=$?
 echo "gpu_check: tests rc=$tests_rc, bench rc=$bench_rc, total $(( $(date +%s) - start )) s, results in $OUT"
 exit $(( tests_rc != 0 || bench_rc != 0 ))
