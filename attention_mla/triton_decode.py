@@ -27,6 +27,15 @@ class DecodeTiles:
     num_stages: int = 2
     min_split_tokens: int = 256  # split-K only when every split gets at least this many latents
 
+    def __post_init__(self) -> None:
+        for name in ("block_h", "block_n"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"DecodeTiles.{name} must be a power of two >= 16 (tl.dot), got {v}")
+        if self.min_split_tokens < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"DecodeTiles: min_split_tokens ({self.min_split_tokens}), num_warps "
+                             f"({self.num_warps}) and num_stages ({self.num_stages}) must be >= 1")
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -153,8 +162,9 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     need(len(devices) == 1, f"q, kv_pool, block_table, seq_lens are on different devices: {sorted(map(str, devices))}")
     if out is None:
         out = torch.empty(B, N, C, dtype=q.dtype, device=q.device)
-    need(tuple(out.shape) == (B, N, C) and out.dtype == q.dtype and out.stride(-1) == 1,
-         f"out must be a ({B}, {N}, {C}) {q.dtype} tensor with unit stride on C, got {tuple(out.shape)} {out.dtype}")
+    need(tuple(out.shape) == (B, N, C) and out.dtype == q.dtype and out.stride(-1) == 1 and out.device == q.device,
+         f"out must be a ({B}, {N}, {C}) {q.dtype} tensor on {q.device} with unit stride on C, got "
+         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if B == 0:
         return out
     K = num_splits or choose_splits(B, N, max_seq_len, tiles)

@@ -80,4 +80,6 @@ def test_bad_inputs_raise(device):
     with pytest.raises(ValueError, match="blocks of 4 < max_seq_len"):
         mla_decode(q, pool, table, lens, 4, 32, 1.0, 50)
     with pytest.raises(ValueError, match=r"out must be"):
-        mla_decode(q, pool, table, lens, 4, 32, 1.0, 5, out=torch.empty(2, 16, 48))
+        mla_decode(q, pool, table, lens, 4, 32, 1.0, 5, out=torch.empty(2, 16, 48, device=device))
+    with pytest.raises(ValueError, match="power of two"):
+        DecodeTiles(block_h=24)
