@@ -65,8 +65,9 @@ class Overlap:
             group = dist.new_group(backend=ctx.backend) if not ctx.is_single else None
             stream = CommStream(device=ctx.device)
             self.streams.append(stream)
-            self.dispatchers.append(make_dispatcher(ctx, num_physical, model.cfg.hidden_size, "torch",
-                                                    group=group, stream=stream, link=link))
+            self.dispatchers.append(make_dispatcher(
+                ctx, num_physical, model.cfg.hidden_size, "torch", group=group, stream=stream, link=link,
+                torch_low_latency_max_tokens=getattr(model.dispatcher, "low_latency_max_tokens", 0)))
 
     def forward(self, micro: list[tuple[torch.Tensor, object]], pools: list[torch.Tensor]) -> list[torch.Tensor]:
         """micro: two (input_ids [Ti], AttnMeta) -> final-normed hidden states [Ti, H] each."""

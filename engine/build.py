@@ -30,7 +30,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                progress: bool = True, ctx: ParallelContext | None = None, dispatch_backend: str = "auto",
                cfg: ModelConfig | None = None, num_redundant_experts: int = 0,
                eplb: EplbConfig | dict | None = None, experts_backend: str = "auto",
-               attention_backend: str = "auto") -> DeepseekModel:
+               attention_backend: str = "auto", dispatch_options: dict | None = None) -> DeepseekModel:
     """Single process when ctx is None or has ep_size 1; otherwise this rank's expert slice plus
     everything replicated, with a dispatcher for the MoE all-to-all.
 
@@ -42,7 +42,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     experts_backend / attention_backend: "auto" | "torch" | "triton" (| "deepgemm" for experts),
     resolved here for `device` (moe/backend.py, attention_mla/paged_decode.py); model.backends
     records what was chosen. With an fp8 checkpoint, a kernel experts backend (triton, deepgemm) keeps the
-    routed experts and the attention/MLP projections fp8 on the device (Triton W8A16 linears)."""
+    routed experts and the attention/MLP projections fp8 on the device (Triton W8A16 linears).
+    dispatch_options: extra make_dispatcher keywords (low-latency thresholds)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
@@ -62,7 +63,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
             shard = ExpertShard(num_physical, ep_rank, ep_size)
         if ep_size > 1:
             from parallel.dispatch import make_dispatcher
-            dispatcher = make_dispatcher(ctx, num_physical, cfg.hidden_size, dispatch_backend, dtype=dtype)
+            dispatcher = make_dispatcher(ctx, num_physical, cfg.hidden_size, dispatch_backend, dtype=dtype,
+                                         **(dispatch_options or {}))
     model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
                           fp8_block=fp8_block if experts.keep_fp8 else None)
     model.set_backends(experts, attention)

@@ -84,7 +84,10 @@ class EngineCore:
         self.model = load_model(model, parse_dtype(dtype), device, progress and self.ctx.rank == 0, self.ctx,
                                 self.pcfg.dispatch_backend, cfg, num_redundant_experts=self.pcfg.num_redundant_experts,
                                 eplb=self.eplb_cfg, experts_backend=experts_backend,
-                                attention_backend=attention_backend)
+                                attention_backend=attention_backend,
+                                dispatch_options=dict(
+                                    low_latency_max_tokens=self.pcfg.deepep_low_latency_max_tokens,
+                                    torch_low_latency_max_tokens=self.pcfg.torch_low_latency_max_tokens))
         self.eplb = None
         if self.eplb_cfg.enabled and cfg.moe is not None:
             from eplb.controller import EplbController
@@ -201,12 +204,14 @@ class EngineCore:
         decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
         return ok, self.auto.decide(sum(num_tokens), decode)
 
-    def plan_dispatch(self, max_tokens_any_rank: int) -> None:
-        """Tell a dispatcher that picks its mode per step (DeepEP: low-latency for small steps) the
-        largest token count of any rank this step; the choice must be the same on every rank."""
-        plan = getattr(self.model.dispatcher, "plan", None)
-        if plan is not None:
-            plan(max_tokens_any_rank)
+    def plan_dispatch(self, max_tokens_any_rank: int | None) -> None:
+        """Tell the dispatchers that pick their mode per step (low-latency for small steps) the
+        largest token count of any rank this step (None after it); the same on every rank."""
+        overlap = self.runner.overlap.dispatchers if self.runner.overlap is not None else []
+        for d in {id(d): d for d in [self.model.dispatcher, *overlap]}.values():
+            plan = getattr(d, "plan", None)
+            if plan is not None:
+                plan(max_tokens_any_rank)
 
     def after_step(self, num_tokens: list[int], split: bool, seconds: float) -> None:
         """Every rank, after every step that ran (dummy steps included): EPLB's step counter and

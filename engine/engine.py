@@ -194,6 +194,7 @@ class Engine:
                 raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
             else:
                 core.runner.dummy_step(split=split)  # keep the MoE all-to-alls in lockstep
+            core.plan_dispatch(None)
             core.after_step(tokens, split, time.perf_counter() - t0)
         return outs, dict(core.stats(), generated=generated)
 

@@ -24,6 +24,8 @@ class ParallelConfig:
     timeout_s: float = 60.0            # collectives, rendezvous, and lost-rank detection bound
     heartbeat_s: float = 1.0           # watchdog period
     deepep_low_latency_max_tokens: int = 128  # decode batches up to this use DeepEP low-latency mode
+    torch_low_latency_max_tokens: int = 64    # steps up to this many tokens per rank: padded one-message
+                                              # torch all-to-all, no count exchange (0 = never)
     simulated_latency_us: float = 0.0  # testing: each torch all-to-all takes >= this + bytes / simulated_gbps
     simulated_gbps: float = 0.0        # 0 = no bandwidth term
 
@@ -50,6 +52,9 @@ class ParallelConfig:
                              f"({self.simulated_gbps}) must be >= 0")
         if self.deepep_low_latency_max_tokens < 1:
             raise ValueError(f"deepep_low_latency_max_tokens must be >= 1, got {self.deepep_low_latency_max_tokens}")
+        if not isinstance(self.torch_low_latency_max_tokens, int) or self.torch_low_latency_max_tokens < 0:
+            raise ValueError(f"torch_low_latency_max_tokens must be an integer >= 0, got "
+                             f"{self.torch_low_latency_max_tokens!r}")
 
     @property
     def lost_after_s(self) -> float:

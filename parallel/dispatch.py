@@ -46,6 +46,7 @@ class DispatchStats:
     combine_bytes: int = 0
     combine_bytes_remote: int = 0
     meta_bytes: int = 0              # counts, expert ids, weights
+    low_latency_calls: int = 0       # dispatches in a padded low-latency mode (torch, DeepEP)
     comm_s: float = 0.0              # wall time inside blocking dispatch()/combine() (start + wait)
 
     def reset(self) -> None:
@@ -132,12 +133,14 @@ class LocalDispatcher(Dispatcher):
 
 def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int, backend: str = "auto", *,
                     dtype: torch.dtype | None = None, low_latency_max_tokens: int = 128,
-                    link=None, group=None, stream=None) -> Dispatcher:
+                    torch_low_latency_max_tokens: int = 0, link=None, group=None, stream=None) -> Dispatcher:
     """Pick the dispatcher for this context.
 
     backend: "auto" (deepep when it imports, CUDA is up and dtype is bf16; else torch), "torch",
     "allgather" (the reference), "deepep" (error if unusable). One EP rank always gets
-    LocalDispatcher. dtype: the activations' dtype (DeepEP carries bf16 only). link, group, stream:
+    LocalDispatcher. dtype: the activations' dtype (DeepEP carries bf16 only). low_latency_max_tokens:
+    DeepEP's; torch_low_latency_max_tokens: steps planned with at most this many tokens per rank use
+    the torch dispatcher's padded one-message mode (0: never; see dispatch_torch.py). link, group, stream:
     torch backend only (simulated network, process group, communication thread; see comm_stream.py).
     """
     from .dispatch_deepep import deepep_unavailable_reason
@@ -160,4 +163,5 @@ def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int
         from .dispatch_allgather import AllGatherDispatcher
         return AllGatherDispatcher(ctx, num_physical_experts, hidden)
     from .dispatch_torch import TorchDispatcher
-    return TorchDispatcher(ctx, num_physical_experts, hidden, group=group, stream=stream, link=link)
+    return TorchDispatcher(ctx, num_physical_experts, hidden, group=group, stream=stream, link=link,
+                           low_latency_max_tokens=torch_low_latency_max_tokens)

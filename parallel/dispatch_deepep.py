@@ -120,6 +120,7 @@ class DeepEPDispatcher(Dispatcher):
             raise ValueError(f"low-latency dispatch of {T} tokens > low_latency_max_tokens "
                              f"({self.low_latency_max_tokens}); plan() the step or raise the limit")
         buf = self._ll_buffer()
+        self.stats.low_latency_calls += 1
         recv, recv_count, handle, _, hook = buf.low_latency_dispatch(
             x, ids, self.low_latency_max_tokens, self.num_physical_experts,
             use_fp8=False, async_finish=False, return_recv_hook=True)

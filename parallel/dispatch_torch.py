@@ -7,8 +7,16 @@ there carries the local ids of all its slots on that rank (-1 for the others), a
 experts produce one weighted sum per row. So combine also moves one row per (token, rank) pair,
 and the source only adds up at most ep partial sums per token.
 
-Per dispatch: one tiny all-to-all of row counts (the host must know them to size the receive
-buffers: one sync), then the hidden payload and the metadata as two async all-to-alls.
+Normal mode, per dispatch: one tiny all-to-all of row counts (the host must know them to size the
+receive buffers: one sync), then the hidden payload and the metadata as two async all-to-alls.
+
+Low-latency mode (small steps, decode), when plan(C) gave the step's largest token count C of any
+rank and C <= low_latency_max_tokens: every rank sends every rank a fixed [C, H + meta] block
+(token t in row t, rows of tokens not bound there all -1 / weight 0, metadata packed into the same
+message), so a dispatch is one all-to-all with no count exchange and no host sync, and a combine
+is one all-to-all back. It sends ep * C rows instead of one per (token, rank) pair: cheap when C is
+small, wasteful for wide EP with large steps — hence the threshold (0 turns it off). Every rank
+must plan the same C (the engine's step sync gives it); without a plan, normal mode.
 
 With a CommStream (dual-batch overlap) the whole exchange, counts included, runs on the stream's
 thread over the stream's own process group, so the compute thread never blocks in dispatch_start or
@@ -25,6 +33,7 @@ from torch import Tensor
 
 from .comm_stream import CommStream, SimulatedLink
 from .dispatch import Dispatched, Dispatcher, Pending
+from .dispatch_torch_ll import LLHandle, LowLatencyMixin
 from .watchdog import guard_collective
 
 
@@ -47,15 +56,23 @@ class _Handle:
     num_tokens: int           # T on this rank
 
 
-class TorchDispatcher(Dispatcher):
+class TorchDispatcher(LowLatencyMixin, Dispatcher):
     """group: the process group (default ctx.ep_group); stream: run exchanges off the compute thread;
     link: a simulated network link (testing)."""
 
     def __init__(self, ctx, num_physical_experts: int, hidden: int, *, group=None,
-                 stream: CommStream | None = None, link: SimulatedLink | None = None):
+                 stream: CommStream | None = None, link: SimulatedLink | None = None,
+                 low_latency_max_tokens: int = 0):
         super().__init__(ctx, num_physical_experts, hidden)
         self.group = group if group is not None else ctx.ep_group
         self.stream, self.link = stream, link if link is not None and link.enabled else None
+        self.low_latency_max_tokens = low_latency_max_tokens
+        self._capacity: int | None = None      # C of the planned low-latency step; None: normal mode
+
+    def plan(self, max_tokens_any_rank: int | None) -> None:
+        """The coming step's largest token count of any EP rank (None: no plan, normal mode)."""
+        m = max_tokens_any_rank
+        self._capacity = m if m is not None and 0 < m <= self.low_latency_max_tokens else None
 
     def _remote_bytes(self, splits: list[int], row_bytes: int) -> int:
         return (sum(splits) - splits[self.ctx.ep_rank]) * row_bytes
@@ -63,6 +80,8 @@ class TorchDispatcher(Dispatcher):
     def dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Pending:
         """x [T,H], topk_ids [T,k] physical (-1 = none), topk_weights [T,k] -> Pending[Dispatched]."""
         self._check_inputs(x, topk_ids, topk_weights)
+        if self._capacity is not None:
+            return self._ll_dispatch_start(x, topk_ids, topk_weights)
         if self.stream is not None:
             # Everything, the layout's host syncs included, runs on the communication thread.
             work = self.stream.submit(lambda: self._dispatch_now(x, topk_ids, topk_weights),
@@ -149,8 +168,10 @@ class TorchDispatcher(Dispatcher):
         recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
         return Dispatched(recv_x, recv_ids, recv_w, handle)
 
-    def combine_start(self, y: Tensor, handle: _Handle) -> Pending:
+    def combine_start(self, y: Tensor, handle) -> Pending:
         """y [R,H] (row order of the Dispatched) -> Pending[[T,H]] on the source rank."""
+        if isinstance(handle, LLHandle):
+            return self._ll_combine_start(y, handle)
         R = sum(handle.recv_splits)
         if y.dim() != 2 or y.shape != (R, self.hidden):
             raise ValueError(f"combine expects y [{R}, {self.hidden}] (the dispatched rows), got {list(y.shape)}")

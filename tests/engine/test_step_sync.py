@@ -40,5 +40,5 @@ def test_engine_plans_the_dispatcher_with_the_steps_max_tokens(tmp_path):
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=1)
     plans = spawn(_engine_plans, 2, args=(d,), timeout_s=120)
     assert plans[0] == plans[1]
-    assert plans[0][0] == 9          # the prefill step: the longer prompt, on rank 0
-    assert plans[0][1:] == [1, 1]    # decode steps: one token per rank
+    # each step is planned before it runs and unplanned (None) after it
+    assert plans[0] == [9, None, 1, None, 1, None]   # prefill: the longer prompt, on rank 0; 2 decodes

@@ -79,6 +79,7 @@ def test_wide_ep_matches_single_process_and_transformers(reference, ep, backends
         assert r["param_bytes"]["total"] - r["param_bytes"]["experts"] == single_bytes["total"] - single_bytes["experts"]
         st = r[("stats", "torch", "three")]
         assert st["dispatch_calls"] > 0 and st["dispatch_calls"] == st["combine_calls"]
+        assert st["low_latency_calls"] > 0   # small steps went through the padded low-latency mode
     # every rank entered every all-to-all, the idle one included
     calls = {r[("stats", "torch", "three")]["dispatch_calls"] for r in ranks}
     assert len(calls) == 1

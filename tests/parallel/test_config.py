@@ -33,6 +33,7 @@ def test_validate_counts_redundant_experts():
     (dict(ep_size=0), r"ep_size must be an integer >= 1, got 0"),
     (dict(num_redundant_experts=-1), "num_redundant_experts"),
     (dict(timeout_s=4.0, heartbeat_s=3.0), r"heartbeat_s \(3.0\) is too long for timeout_s \(4.0\)"),
+    (dict(torch_low_latency_max_tokens=-1), r"torch_low_latency_max_tokens must be an integer >= 0, got -1"),
 ])
 def test_field_checks(kw, msg):
     with pytest.raises(ValueError, match=msg):

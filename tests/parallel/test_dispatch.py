@@ -1,5 +1,6 @@
-"""Dispatch/combine on 2 and 4 gloo ranks: torch == allgather == one process, dedup byte counts,
-T = 0 ranks, start/wait halves, plus the start-up agreement check. One spawn per ep size: every
+"""Dispatch/combine on 2 and 4 gloo ranks: torch (normal and low-latency mode, inline and on a
+communication thread) == allgather == one process, dedup and padded byte counts, T = 0 ranks,
+start/wait halves, plus the start-up agreement check. One spawn per ep size: every
 check runs inside the ranks (an assertion there fails the test with that rank's traceback)."""
 from __future__ import annotations
 
@@ -57,6 +58,11 @@ def _battery(ep: int) -> dict:
     torch_d = make_dispatcher(ctx, P, H)
     assert type(torch_d).__name__ == "TorchDispatcher"  # auto on CPU
     ag_d = make_dispatcher(ctx, P, H, "allgather")
+    from parallel.comm_stream import CommStream
+    stream = CommStream()
+    ll_d = make_dispatcher(ctx, P, H, "torch", torch_low_latency_max_tokens=64)
+    ll_stream_d = make_dispatcher(ctx, P, H, "torch", torch_low_latency_max_tokens=64, stream=stream,
+                                  group=dist.new_group(backend="gloo"))
     cases = {2: [[7, 0], [0, 0], [33, 12]], 4: [[5, 0, 17, 3], [0, 0, 0, 0], [40, 1, 0, 9]]}[ep]
     report = {"cases": 0}
     for ci, Ts in enumerate(cases):
@@ -87,7 +93,30 @@ def _battery(ep: int) -> dict:
                     assert st.combine_bytes == expect_r * H * elt and st.meta_bytes > 0
                     assert st.dispatch_calls == st.combine_calls == 1
             torch.testing.assert_close(outs["torch"], outs["allgather"], **tol)
+            # Low-latency mode (planned capacity, one padded message each way), inline and on a thread.
+            for name, d in (("ll", ll_d), ("ll-stream", ll_stream_d)):
+                d.plan(max(Ts))
+                d.stats.reset()
+                got = d.dispatch(x, ids, w)
+                out = d.combine(fake_experts(got.x, got.topk_ids, got.topk_weights, rank * per), got.handle)
+                torch.testing.assert_close(out, outs["torch"], **tol, msg=lambda m: f"{name} {Ts} {dtype}: {m}")
+                C = max(Ts)
+                if C:
+                    assert got.x.shape == (ep * C, H)       # padded: C rows from every rank
+                    assert d.stats.dispatch_bytes == ep * C * H * x.element_size()
+                    assert d.stats.dispatch_bytes_remote == (ep - 1) * C * H * x.element_size()
+                d.plan(None)
             report["cases"] += 1
+
+    # A step planned too small fails on the rank that has more tokens (here: every rank), no hang.
+    x, ids, w = make_inputs(3, [6] * ep)[rank]
+    ll_d.plan(4)
+    try:
+        ll_d.dispatch(x, ids, w)
+        report["overflow"] = None
+    except ValueError as e:
+        report["overflow"] = str(e)
+    ll_d.plan(None)
 
     # Start/wait halves: two microbatches in flight at once, waited out of order == the blocking calls.
     x, ids, w = make_inputs(7, [20] * ep)[rank]
@@ -111,6 +140,7 @@ def _battery(ep: int) -> dict:
         report["mismatch"] = None
     except RuntimeError as e:
         report["mismatch"] = str(e)
+    stream.close()
     shutdown(ctx)
     return report
 
@@ -122,5 +152,6 @@ def test_dispatch_battery(ep):
     odd = [r for r in range(ep) if r % 2]
     for rep in reports:
         assert rep["cases"] == 6
+        assert "planned for at most 4 per rank" in rep["overflow"]
         assert rep["mismatch"] is not None, "a rank did not see the config mismatch"
         assert rep["mismatch"].startswith(f"config mismatch: ranks {odd} have a different model config than rank 0")
