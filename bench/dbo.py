@@ -28,6 +28,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 LATENCIES_US = (0, 200, 1000)
+PLAN = os.environ.get("WIDEEP_BENCH_PLAN", "1") == "1"   # 0: never the low-latency dispatch (A/B)
 
 
 def _barrier(core):
@@ -39,7 +40,12 @@ def _step(core, split: bool) -> tuple[float, float]:
     """One lockstep step on every rank -> (wall seconds, comm seconds of the blocking path)."""
     d = core.model.dispatcher
     comm0 = d.stats.comm_s
+    import torch
+    import torch.distributed as dist
     batch = core.scheduler.schedule()
+    n = torch.tensor([sum(batch.num_tokens)])
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=core.ctx.cpu_group)  # as the engine's step sync
+    core.plan_dispatch(int(n) if PLAN else None)
     _barrier(core)
     t0 = time.perf_counter()
     if batch.seqs:
@@ -47,6 +53,7 @@ def _step(core, split: bool) -> tuple[float, float]:
     else:
         core.runner.dummy_step(split=split)
     dt = time.perf_counter() - t0
+    core.plan_dispatch(None)
     for s in batch.seqs:
         if s.finished:
             core.scheduler.finish(s)
