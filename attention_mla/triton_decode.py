@@ -21,9 +21,9 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    block_h: int = 16      # heads per program
+    block_h: int = 64      # heads per program: 64 rows reach Hopper's wgmma; 128 heads read each latent twice
     block_n: int = 32      # latents per inner step
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
     min_split_tokens: int = 256  # split-K only when every split gets at least this many latents
 

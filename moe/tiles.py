@@ -3,6 +3,8 @@
 Few tokens per expert (decode) make the GEMM a stream over the expert weights: short row blocks
 (BM 16) so padding wastes little, wide K tiles. Many (prefill) make it compute-bound: 128-row blocks,
 deeper pipelines. fp8 weights need BK to divide the quantisation block (one scale per K tile).
+Every row compiles for sm_90 without register spills and pipelines its loads (checked ahead of time,
+without a GPU, by tests/kernels/test_sm90_compile.py); the choice between rows is untuned.
 Under the Triton interpreter (CPU) the tiles are the smallest tl.dot takes: every program is
 Python there, and small tiles keep the masks and the multi-block paths exercised on tiny shapes.
 """
@@ -32,7 +34,7 @@ _TABLE: list[tuple[float, MoETiles]] = [
     (16, MoETiles(16, 64, 128, group_m=1, num_warps=4, num_stages=4)),
     (64, MoETiles(32, 64, 128, group_m=4, num_warps=4, num_stages=4)),
     (256, MoETiles(64, 128, 64, group_m=8, num_warps=4, num_stages=4)),
-    (float("inf"), MoETiles(128, 128, 64, group_m=8, num_warps=8, num_stages=3)),
+    (float("inf"), MoETiles(128, 256, 64, group_m=8, num_warps=8, num_stages=3)),
 ]
 INTERPRET_TILES = MoETiles(16, 32, 32, group_m=2, num_warps=1, num_stages=1)
 
