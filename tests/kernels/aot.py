@@ -54,7 +54,8 @@ def compile_sm(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=num_warps, num_stages=num_stages))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
     try:
@@ -64,7 +65,7 @@ def compile_sm(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int
         os.unlink(f.name)
     ttgir = k.asm["ttgir"]
     return {"regs": int(re.search(r"REG:(\d+)", usage).group(1)),
-            "spill_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)) + int(re.search(r"LOCAL:(\d+)", usage).group(1)),
+            "spill_bytes": sum(int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("STACK", "LOCAL")),
             "smem": int(k.metadata.shared), "wgmma": "warp_group_dot" in ttgir,
             "async_copies": ttgir.count("async_copy_global_to_local")}
 

@@ -23,11 +23,13 @@ def test_gpu_check_smoke(tmp_path):
     assert res["smoke"] is True and res["device"] == "cpu"
     assert res["ceilings"]["matmul_tflops"] > 0 and res["ceilings"]["copy_gbps"] > 0
     paths = {(r["path"], r["tokens"]) for r in res["moe"]}
-    assert {("triton_bf16", 8), ("triton_bf16", 24), ("triton_fp8", 8), ("triton_fp8", 24)} <= paths
+    assert {("triton_bf16", 8), ("triton_bf16", 24), ("triton_fp8", 8), ("triton_fp8", 24),
+            ("triton_bf16_sweep", 24)} <= paths
     checked = [r for r in res["moe"] if "rel_err_vs_torch" in r]
     assert checked and all(r["rel_err_vs_torch"] < 0.05 for r in checked)
     assert all(r["tflops"] > 0 and 0 < r["fraction_of_peak"] for r in res["moe"])
     assert {r["batch"] for r in res["mla_decode"]} == {2, 3}
     assert all(r["rel_err_vs_torch"] < 0.02 and r["gbps"] > 0 for r in res["mla_decode"])
     assert sum(r["best"] for r in res["mla_decode"]) == 2
-    assert set(res["targets"]) == {"fraction", "moe_large", "mla_large"} and res["complete"] is True
+    assert set(res["targets"]) == {"fraction", "moe_large", "mla_large", "moe_large_best_sweep_fraction"}
+    assert res["complete"] is True
