@@ -24,7 +24,7 @@ from parallel.watchdog import guard_collective
 from .core import EngineCore
 from .sampling_params import RequestOutput, SamplingParams
 from .sequence import Sequence
-from .spmd import least_loaded
+from .spmd import Doorbell, least_loaded
 
 
 @dataclass
@@ -67,6 +67,7 @@ class Engine:
         self._tokens_log: deque[tuple[float, int]] = deque()
         self._generated = 0
         self._closed = False
+        self._bell = Doorbell(self.ctx)
 
     @property
     def is_front(self) -> bool:
@@ -202,6 +203,10 @@ class Engine:
     def _broadcast(self, ctl: _Control | None) -> _Control:
         if self.ctx.is_single:
             return ctl
+        if self.is_front:
+            self._bell.ring()
+        else:
+            self._bell.wait()   # however long the front stays idle
         box = [ctl]
         with guard_collective(self.ctx):
             dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
@@ -214,6 +219,8 @@ class Engine:
         out = [None] * self.ctx.world_size if self.is_front else None
         with guard_collective(self.ctx):
             dist.gather_object(item, out, dst=0, group=self.ctx.cpu_group)
+        if self.is_front:
+            self._bell.ack()
         return out
 
     # -- metrics ------------------------------------------------------------------------------------
