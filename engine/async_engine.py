@@ -91,15 +91,14 @@ class _Stream:
 
 
 class AsyncEngine:
-    """keepalive_s: with several ranks, step an idle engine this often so the workers, blocked in the
-    step broadcast, never hit the collective timeout (default timeout_s / 4; None when single)."""
+    """keepalive_s: step an idle engine this often (default None: never). Not needed to keep worker
+    ranks alive — they wait for the front on the engine's doorbell however long it idles — but
+    available for stacks that want periodic empty steps (e.g. fresh per-rank stats)."""
 
     def __init__(self, engine, keepalive_s: float | None = None):
         if not engine.is_front:
             raise RuntimeError(f"AsyncEngine runs on rank 0; rank {engine.ctx.rank} calls engine.run_worker_loop()")
         self.engine = engine
-        if keepalive_s is None and not engine.ctx.is_single:
-            keepalive_s = engine.ctx.timeout_s / 4
         self.keepalive_s = keepalive_s
         self.stats = RequestStats()
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()

@@ -268,8 +268,8 @@ def test_client_disconnect_mid_stream_aborts(server):
 
 @pytest.mark.multirank
 def test_two_ranks_worker_loop(tiny, reference, tmp_path):
-    # timeout_s=8 bounds the workers' wait for rank 0's step broadcast; idling 10 s checks the
-    # keepalive steps that stop an idle server from killing its workers.
+    # timeout_s=8 bounds every collective; idling 10 s checks that the workers wait for an idle
+    # front (on the engine's doorbell) instead of timing out.
     s = ServerProc(write_config(tiny, tmp_path, timeout_s=8), ranks=2)
     try:
         jobs = [(i, st) for i in range(len(PROMPTS)) for st in (False, True)]
