@@ -118,6 +118,7 @@ class EngineCore:
                 from dbo.auto import AutoSwitch
                 self.auto = AutoSwitch()
         self.runner = ModelRunner(self.model, self.kv, overlap)
+        self.split_steps = 0
         self.sync = StepSync(self.ctx)
         self.tokenizer = _load_tokenizer(model)
         self._generator = torch.Generator(device=device).manual_seed(seed + self.ctx.rank)
@@ -216,6 +217,7 @@ class EngineCore:
     def after_step(self, num_tokens: list[int], split: bool, seconds: float) -> None:
         """Every rank, after every step that ran (dummy steps included): EPLB's step counter and
         load window (a rebalance, when due, is collective), and the DBO auto switch's timings."""
+        self.split_steps += split
         if self.eplb is not None:
             self.eplb.after_step(sum(num_tokens))
         if self.auto is not None:
@@ -223,8 +225,20 @@ class EngineCore:
             self.auto.record(sum(num_tokens), decode, split, seconds)
 
     def stats(self) -> dict:
+        """This rank's scheduler and cache state, plus cumulative MoE all-to-all bytes (this rank's
+        sends, DBO's microbatch dispatchers included), DBO split steps and EPLB rebalances."""
         b = self.blocks
-        return {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
-                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
-                "preemptions": self.scheduler.num_preemptions}
+        out = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+               "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
+               "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
+               "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps}
+        overlap = self.runner.overlap.dispatchers if self.runner.overlap is not None else []
+        disp = {id(d): d for d in [self.model.dispatcher, *overlap] if d is not None}.values()
+        if disp:
+            out["dispatch_bytes_remote"] = sum(d.stats.dispatch_bytes_remote + d.stats.combine_bytes_remote
+                                               for d in disp)
+        if self.eplb is not None:
+            m = self.eplb.metrics
+            out["eplb_rebalances"] = m["rebalances"]
+            out["eplb_balancedness"] = m["last"]["balancedness_after_mean"] if m["last"] else None
+        return out

@@ -19,9 +19,15 @@ _SCALARS = [
     ("wideep_prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens of finished requests."),
     ("wideep_preemptions_total", "preemptions", "counter", "Requests preempted (blocks freed, recomputed later)."),
 ]
-_PER_RANK = [
-    ("wideep_rank_requests_running", "running", "Running requests on one DP rank."),
-    ("wideep_rank_kv_cache_blocks_used", "kv_blocks_used", "KV blocks in use on one DP rank."),
+_PER_RANK = [   # (name, key in a rank's stats, type, help); absent keys are skipped
+    ("wideep_rank_requests_running", "running", "gauge", "Running requests on one DP rank."),
+    ("wideep_rank_kv_cache_blocks_used", "kv_blocks_used", "gauge", "KV blocks in use on one DP rank."),
+    ("wideep_rank_moe_remote_bytes_total", "dispatch_bytes_remote", "counter",
+     "MoE dispatch + combine bytes one rank sent to other ranks."),
+    ("wideep_rank_dbo_split_steps_total", "dbo_split_steps", "counter", "Steps run as two DBO microbatches."),
+    ("wideep_rank_eplb_rebalances_total", "eplb_rebalances", "counter", "EPLB rebalances completed."),
+    ("wideep_rank_eplb_balancedness", "eplb_balancedness", "gauge",
+     "Mean per-layer load balancedness (mean/max per rank) the last EPLB plan reached on its window."),
 ]
 _HISTOGRAMS = [
     ("wideep_time_to_first_token_seconds", "ttft_s", "Arrival to first token, finished requests."),
@@ -48,9 +54,11 @@ def render(m: dict) -> str:
             head(name, kind, help_)
             lines.append(f"{name} {_num(m[key])}")
     ranks = m.get("per_rank", [])
-    for name, key, help_ in _PER_RANK:
-        head(name, "gauge", help_)
-        lines.extend(f'{name}{{dp_rank="{r}"}} {_num(st[key])}' for r, st in enumerate(ranks))
+    for name, key, kind, help_ in _PER_RANK:
+        samples = [(r, st[key]) for r, st in enumerate(ranks) if st.get(key) is not None]
+        if samples:
+            head(name, kind, help_)
+            lines.extend(f'{name}{{dp_rank="{r}"}} {_num(v)}' for r, v in samples)
     head("wideep_requests_finished_total", "counter", "Finished requests by finish reason (length|stop|abort).")
     for reason, n in sorted(m.get("requests_finished", {}).items()):
         lines.append(f'wideep_requests_finished_total{{finish_reason="{reason}"}} {n}')

@@ -69,14 +69,18 @@ def _rank_eplb(model_dir: str) -> dict:
              eplb={"enabled": True, "num_redundant_experts": 2, "window_size": 4, "step_interval": 3}, **kw)
     res = {name: (_run(off, p, n), _run(on, p, n)) for name, (p, n) in WORKLOADS.items()}
     rebalances = on.engine.core.eplb.metrics["rebalances"]
+    stats = on.engine.core.stats()
     off.shutdown()
-    return {"res": res, "rebalances": rebalances}
+    return {"res": res, "rebalances": rebalances, "stats": stats}
 
 
 @pytest.mark.multirank
 def test_dbo_with_eplb_rebalancing_during_the_run(model_dir):
     for rank in spawn(_rank_eplb, 2, args=(model_dir,), timeout_s=300):
         assert rank["rebalances"] >= 2
+        st = rank["stats"]   # what the engine reports per rank (metrics, Prometheus)
+        assert st["eplb_rebalances"] == rank["rebalances"] and 0 < st["eplb_balancedness"] <= 1
+        assert st["dbo_split_steps"] > 0 and st["dispatch_bytes_remote"] > 0
         for name, (off, on) in rank["res"].items():
             for (tok_off, lp_off), (tok_on, lp_on) in zip(off, on):
                 assert tok_on == tok_off, name

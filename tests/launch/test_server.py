@@ -279,9 +279,28 @@ def test_two_ranks_worker_loop(tiny, reference, tmp_path):
         m = metrics(s.base)
         assert sum(v for k, v in m.items() if k.startswith("wideep_rank_requests_running")) == 0
         assert len([k for k in m if k.startswith("wideep_rank_kv_cache_blocks_used")]) == 2
+        for r in (0, 1):   # both ranks sent MoE rows to the other
+            assert m[f'wideep_rank_moe_remote_bytes_total{{dp_rank="{r}"}}'] > 0
+            assert m[f'wideep_rank_dbo_split_steps_total{{dp_rank="{r}"}}'] == 0
         time.sleep(10)
         assert complete(s.base, PROMPTS[0], MAX_TOKENS[0], True)["token_ids"] == reference[0]
     finally:
         rcs = s.stop(every_rank=True)
     assert rcs == [0, 0], s.output
     assert "stopped\n" in s.output[0][-1]  # a clean stop, no lost rank
+
+
+def test_prometheus_per_rank_families():
+    from launch.prometheus import render
+    ranks = [{"running": 1, "kv_blocks_used": 3, "dispatch_bytes_remote": 4096, "dbo_split_steps": 7,
+              "eplb_rebalances": 2, "eplb_balancedness": 0.93},
+             {"running": 0, "kv_blocks_used": 0, "dispatch_bytes_remote": 1024, "dbo_split_steps": 7,
+              "eplb_rebalances": 2, "eplb_balancedness": None}]
+    text = render({"running": 1, "per_rank": ranks})
+    m = parse(text)
+    assert m['wideep_rank_moe_remote_bytes_total{dp_rank="1"}'] == 1024
+    assert m['wideep_rank_eplb_balancedness{dp_rank="0"}'] == 0.93
+    assert 'wideep_rank_eplb_balancedness{dp_rank="1"}' not in m     # no rebalance there yet
+    assert "# TYPE wideep_rank_eplb_rebalances_total counter" in text
+    assert "wideep_rank_dbo_split_steps_total" in text
+    assert "eplb" not in render({"per_rank": [{"running": 0, "kv_blocks_used": 0}]})   # EPLB off: no family
