@@ -32,4 +32,4 @@ def test_gpu_check_smoke(tmp_path):
     assert all(r["rel_err_vs_torch"] < 0.02 and r["gbps"] > 0 for r in res["mla_decode"])
     assert sum(r["best"] for r in res["mla_decode"]) == 2
     assert set(res["targets"]) == {"fraction", "moe_large", "mla_large", "moe_large_best_sweep_fraction"}
-    assert res["complete"] is True
+    assert res["complete"] is True and res["errors"] == []
