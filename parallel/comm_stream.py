@@ -20,6 +20,7 @@ kernels are queued, not done).
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -28,38 +29,53 @@ import torch
 
 
 class SimulatedLink:
+    """One rank's outgoing link. Its bandwidth is shared: transfers that overlap in time (two DBO
+    microbatches, say) queue for it, so splitting a step cannot invent bandwidth; the latency of
+    each transfer overlaps with the others' (pipelined)."""
+
     def __init__(self, latency_us: float = 0.0, gbps: float = 0.0):
         if latency_us < 0 or gbps < 0:
             raise ValueError(f"simulated link needs latency_us >= 0 and gbps >= 0, got {latency_us}, {gbps}")
         self.latency_s, self.gbps = latency_us * 1e-6, gbps
+        self._lock = threading.Lock()
+        self._free_at = 0.0    # perf_counter() time the link finishes what it has been given
 
     @property
     def enabled(self) -> bool:
         return self.latency_s > 0 or self.gbps > 0
 
     def transfer_s(self, nbytes: int) -> float:
-        """Seconds one transfer of nbytes (sent to other ranks) takes on this link."""
-        bw = nbytes * 8 / (self.gbps * 1e9) if self.gbps > 0 else 0.0
-        return self.latency_s + bw
+        """Seconds one transfer of nbytes (sent to other ranks) takes on an idle link."""
+        return self.latency_s + self._wire_s(nbytes)
+
+    def _wire_s(self, nbytes: int) -> float:
+        return nbytes * 8 / (self.gbps * 1e9) if self.gbps > 0 else 0.0
+
+    def deliver_at(self, t_rendezvous: float, nbytes: int) -> float:
+        """perf_counter() time at which a transfer whose rendezvous was at t_rendezvous arrives:
+        it gets the wire once earlier transfers are through, then pays the latency."""
+        with self._lock:
+            start = max(t_rendezvous, self._free_at)
+            self._free_at = start + self._wire_s(nbytes)
+            return self._free_at + self.latency_s
 
     def ready_at(self, nbytes: int) -> float:
-        """perf_counter() time at which a transfer whose rendezvous is now is delivered (call it
-        right after a blocking collective returned)."""
-        return time.perf_counter() + self.transfer_s(nbytes)
+        """Arrival of a transfer whose rendezvous is now (call it right after a blocking collective
+        returned)."""
+        return self.deliver_at(time.perf_counter(), nbytes)
 
     def track(self, works: list, nbytes: int) -> Callable[[], None]:
         """For async collectives: -> a function that, called after the works were waited, blocks
-        until transfer_s(nbytes) after the last of them completed (timestamped by completion
-        callbacks, so compute done between start and wait hides the delay)."""
+        until the transfer arrives, counted from when the last of them completed (timestamped by
+        completion callbacks, so compute done between start and wait hides the delay)."""
         done: list[float] = []
         for w in works:
             w.get_future().then(lambda _f: done.append(time.perf_counter()))
-        transfer = self.transfer_s(nbytes)
 
         def deliver() -> None:
             # the callbacks run when each work completes; a work without one yet finished just now
             t = max(done) if len(done) == len(works) else time.perf_counter()
-            SimulatedLink.wait_until(t + transfer)
+            SimulatedLink.wait_until(self.deliver_at(t, nbytes))
         return deliver
 
     @staticmethod

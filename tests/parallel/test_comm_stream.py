@@ -79,6 +79,13 @@ def test_stream_with_simulated_link():
 def test_link_arithmetic():
     link = SimulatedLink(latency_us=200, gbps=8)
     assert link.transfer_s(10**6) == pytest.approx(200e-6 + 1e-3)
+    # the bandwidth is shared: two transfers that meet at t=0 take the wire one after the other,
+    # their latencies overlap; one that starts after the wire is free waits for nobody
+    assert link.deliver_at(0.0, 10**6) == pytest.approx(1e-3 + 200e-6)
+    assert link.deliver_at(0.0, 10**6) == pytest.approx(2e-3 + 200e-6)
+    assert link.deliver_at(5.0, 10**6) == pytest.approx(5.0 + 1e-3 + 200e-6)
+    latency_only = SimulatedLink(latency_us=300)
+    assert latency_only.deliver_at(1.0, 10**9) == latency_only.deliver_at(1.0, 10**9) == pytest.approx(1.0003)
     assert not SimulatedLink().enabled
     with pytest.raises(ValueError):
         SimulatedLink(latency_us=-1)
