@@ -1,0 +1,192 @@
+"""KVTransfer: point-to-point moves of latent-KV rows between a prefill and a decode rank.
+
+Two methods, each the start half of a start/wait pair:
+    h = kv.send_start(dst, stream, tensor)     # dst: global rank; stream: a transfer's id
+    h = kv.recv_start(src, stream, out)        # fills `out` (preallocated, same shape and dtype)
+    h.done() -> bool (polls, never blocks)      h.wait() (blocks; raises RankLostError for a dead peer)
+Messages of one (src, dst, stream) arrive in the order they were sent; different streams are
+independent. A send completes only once the receiver has posted the matching receive: a decode rank
+that has no blocks yet (and so posts nothing) makes the sender's transfer wait — the back-pressure.
+
+Backends:
+- "torch" (TorchKVTransfer): torch.distributed isend/irecv over a dedicated process group, stream id
+  as the tag; gloo on CPU (the tested path). NCCL ignores tags, so over NCCL two transfers between
+  the same pair of ranks must not be in flight at once; that ordering is not enforced here (untested
+  on GPU, see the README).
+- "nixl" / "mooncake": the seam for RDMA/NVLink engines (NIXL, Mooncake Transfer Engine). They are
+  one-sided (register the pools, write remote memory), so an adapter would post a write in
+  send_start and poll a notification in done(); no adapter is written yet, and asking for one says
+  so, naming the package it would need.
+"""
+from __future__ import annotations
+
+import importlib.util
+import pickle
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from parallel.watchdog import guard_collective
+
+_NO_DEADLINE = timedelta(days=1)
+_OPTIONAL = {"nixl": "nixl", "mooncake": "mooncake.engine"}
+
+
+class Handle:
+    """One send or receive in flight. done() polls a flag that a waiter thread sets (gloo's p2p works
+    report completion only through a blocking wait(), so a thread per stream does that wait)."""
+
+    def __init__(self, ctx, work, keep: torch.Tensor):
+        self._ctx, self._work, self._keep = ctx, work, keep  # keep: the buffer lives until done
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+        self.finished_at: float | None = None
+
+    def _complete(self) -> None:  # the waiter thread
+        try:
+            # no deadline: a send may wait as long as its decode rank has no blocks (back-pressure);
+            # a dead peer fails the wait (gloo) or is named by the watchdog, which ends the process
+            self._work.wait(_NO_DEADLINE)
+        except BaseException as e:  # a dead peer: raised in the caller's thread by done()/wait()
+            self._error = e
+        self.finished_at = time.perf_counter()
+        self._work = None
+        self._event.set()
+
+    def done(self) -> bool:
+        if not self._event.is_set():
+            return False
+        if self._error is not None:
+            with guard_collective(self._ctx):
+                raise self._error
+        return True
+
+    def wait(self) -> None:
+        self._event.wait()
+        self.done()
+
+
+class _Waiters:
+    """One daemon thread per (peer, stream) with messages in flight, waiting for them in posting
+    order (the order they complete in); it exits when its stream has nothing left in flight."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[int, int], deque] = {}
+
+    def add(self, key: tuple[int, int], h: Handle) -> None:
+        with self._lock:
+            q = self._queues.get(key)
+            start = q is None
+            if start:
+                q = self._queues[key] = deque()
+            q.append(h)
+        if start:
+            threading.Thread(target=self._drain, args=(key,), daemon=True, name=f"kv-wait-{key}").start()
+
+    def _drain(self, key) -> None:
+        while True:
+            with self._lock:
+                q = self._queues[key]
+                if not q:
+                    del self._queues[key]
+                    return
+                h = q[0]
+            h._complete()
+            with self._lock:
+                q.popleft()
+
+
+@dataclass
+class TransferStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sends: int = 0
+    recvs: int = 0
+    per_peer_bytes: dict = field(default_factory=dict)  # peer global rank -> bytes sent + received
+
+
+class TorchKVTransfer:
+    """group: a process group over all ranks used only for these messages (its own connections, so
+    a send waiting for its receiver never holds up a pool's collectives); device tensors go over it.
+    cpu_group: the same ranks over gloo, for host tensors (headers); the same group on CPU."""
+
+    def __init__(self, ctx, group, cpu_group=None):
+        self.ctx, self.group = ctx, group
+        self.cpu_group = cpu_group if cpu_group is not None else group
+        self.stats = TransferStats()
+        self._waiters = _Waiters()
+
+    def _group(self, t: torch.Tensor):
+        return self.cpu_group if t.device.type == "cpu" else self.group
+
+    def _count(self, peer: int, n: int, sent: bool) -> None:
+        s = self.stats
+        if sent:
+            s.bytes_sent, s.sends = s.bytes_sent + n, s.sends + 1
+        else:
+            s.bytes_received, s.recvs = s.bytes_received + n, s.recvs + 1
+        s.per_peer_bytes[peer] = s.per_peer_bytes.get(peer, 0) + n
+
+    def send_start(self, dst: int, stream: int, tensor: torch.Tensor) -> Handle:
+        t = tensor.contiguous()
+        with guard_collective(self.ctx):
+            work = dist.isend(t, dst, group=self._group(t), tag=stream)
+        self._count(dst, t.numel() * t.element_size(), True)
+        h = Handle(self.ctx, work, t)
+        self._waiters.add((dst, stream), h)
+        return h
+
+    def recv_start(self, src: int, stream: int, out: torch.Tensor) -> Handle:
+        if not out.is_contiguous():
+            raise ValueError(f"recv_start needs a contiguous buffer, got strides {out.stride()}")
+        with guard_collective(self.ctx):
+            work = dist.irecv(out, src, group=self._group(out), tag=stream)
+        self._count(src, out.numel() * out.element_size(), False)
+        h = Handle(self.ctx, work, out)
+        self._waiters.add((src, stream), h)
+        return h
+
+
+def make_kv_transfer(backend: str, ctx, group, cpu_group=None) -> TorchKVTransfer:
+    if backend == "torch":
+        return TorchKVTransfer(ctx, group, cpu_group)
+    module = _OPTIONAL.get(backend)
+    if module is None:
+        raise ValueError(f"kv_transfer backend must be one of {['torch', *_OPTIONAL]}, got {backend!r}")
+    have = importlib.util.find_spec(module.split(".")[0]) is not None
+    raise RuntimeError(f"kv_transfer backend {backend!r}: no adapter is written yet (the package {module!r} is "
+                       f"{'installed' if have else 'not installed'}); use 'torch', or implement send_start/"
+                       f"recv_start over it (disagg/kv_transfer.py)")
+
+
+# -- small objects (headers, first tokens) over the same channel: a length, then the bytes ------------
+class ObjectRecv:
+    """Receive one pickled object in two messages; poll() -> the object once both have arrived."""
+
+    def __init__(self, kv: TorchKVTransfer, src: int, stream: int):
+        self._kv, self._src, self._stream = kv, src, stream
+        self._len = torch.zeros(1, dtype=torch.int64)
+        self._h = kv.recv_start(src, stream, self._len)
+        self._body: torch.Tensor | None = None
+
+    def poll(self):
+        if not self._h.done():
+            return None
+        if self._body is None:
+            self._body = torch.empty(int(self._len.item()), dtype=torch.uint8)  # SYNC: a host int anyway
+            self._h = self._kv.recv_start(self._src, self._stream, self._body)
+            if not self._h.done():
+                return None
+        return pickle.loads(self._body.numpy().tobytes())
+
+
+def send_object(kv: TorchKVTransfer, dst: int, stream: int, obj) -> list[Handle]:
+    body = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return [kv.send_start(dst, stream, torch.tensor([body.numel()], dtype=torch.int64)),
+            kv.send_start(dst, stream, body)]
