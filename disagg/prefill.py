@@ -54,7 +54,9 @@ class PrefillWorker:
 
     # -- control ----------------------------------------------------------------------------------
     def _read_mailbox(self) -> None:
-        for kind, body in self.box.poll(0):
+        with guard_collective(self.ctx):  # the store lives on rank 0: its loss is named, not a socket error
+            msgs = self.box.poll(0)
+        for kind, body in msgs:
             if kind == "new":
                 seq = self.core.make_sequence(body["request_id"], None, body["ids"], body["params"], 1)
                 seq.arrival_time = body["arrival"]
