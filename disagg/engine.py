@@ -21,6 +21,7 @@ from parallel.watchdog import guard_collective
 
 from .config import DisaggConfig
 from .decode import DecodeEngine
+from .kv_transfer import check_backend
 from .prefill import PrefillWorker
 from .roles import build_roles
 
@@ -53,6 +54,7 @@ def make_engine(model: str, disagg, parallel=None, **options):
                          f"world_size is {world}")
     experts = mcfg.moe.n_routed_experts + par.get("num_redundant_experts", 0) if mcfg.moe else None
     cfg.validate(world, experts)
+    check_backend(cfg.kv_transfer)
     ctx = bootstrap(ParallelConfig.from_dict(dict(par, dp_size=world, ep_size=world)))
     check_agreement(ctx, fingerprint([cfg.to_dict(), par, options]), "disagg config / engine options")
     roles = build_roles(ctx, cfg)

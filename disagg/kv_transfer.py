@@ -153,9 +153,10 @@ class TorchKVTransfer:
         return h
 
 
-def make_kv_transfer(backend: str, ctx, group, cpu_group=None) -> TorchKVTransfer:
+def check_backend(backend: str) -> None:
+    """Raise unless `backend` can be built here (called on every rank before connecting)."""
     if backend == "torch":
-        return TorchKVTransfer(ctx, group, cpu_group)
+        return
     module = _OPTIONAL.get(backend)
     if module is None:
         raise ValueError(f"kv_transfer backend must be one of {['torch', *_OPTIONAL]}, got {backend!r}")
@@ -163,6 +164,11 @@ def make_kv_transfer(backend: str, ctx, group, cpu_group=None) -> TorchKVTransfe
     raise RuntimeError(f"kv_transfer backend {backend!r}: no adapter is written yet (the package {module!r} is "
                        f"{'installed' if have else 'not installed'}); use 'torch', or implement send_start/"
                        f"recv_start over it (disagg/kv_transfer.py)")
+
+
+def make_kv_transfer(backend: str, ctx, group, cpu_group=None) -> TorchKVTransfer:
+    check_backend(backend)
+    return TorchKVTransfer(ctx, group, cpu_group)
 
 
 # -- small objects (headers, first tokens) over the same channel: a length, then the bytes ------------
