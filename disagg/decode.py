@@ -49,11 +49,7 @@ class DecodeEngine(Engine):
             raise ValueError(f"duplicate request id {request_id!r}")
         params = params if params is not None else SamplingParams()
         text, ids = self.core.tokenize(prompt)
-        max_tokens = self.core.validate(ids, params)  # the decode rank holds prompt + output
-        blocks, bs = self.prefill_blocks
-        if -(-len(ids) // bs) > blocks:
-            raise ValueError(f"prompt ({len(ids)} tokens) needs {-(-len(ids) // bs)} KV blocks on a prefill rank; "
-                             f"its cache has {blocks} (disagg.prefill.kv_cache_blocks)")
+        max_tokens = self.validate(ids, params)
         d, p = least_loaded(self._load), least_loaded(self._pload)
         cost = len(ids) + max_tokens
         self._load[d] += cost
@@ -66,6 +62,15 @@ class DecodeEngine(Engine):
         self.roles.mailbox.post(src, ("new", {"request_id": request_id, "ids": ids, "params": params,
                                               "tid": self._tid, "dst": dst, "arrival": now}))
         self._new.append(_Expect(request_id, d, text, ids, params, max_tokens, now, self._tid, src))
+
+    def validate(self, ids: list[int], params: SamplingParams) -> int:
+        """Check a request against both pools; -> its max_tokens."""
+        max_tokens = self.core.validate(ids, params)  # the decode rank holds prompt + output
+        blocks, bs = self.prefill_blocks
+        if -(-len(ids) // bs) > blocks:
+            raise ValueError(f"prompt ({len(ids)} tokens) needs {-(-len(ids) // bs)} KV blocks on a prefill rank; "
+                             f"its cache has {blocks} (disagg.prefill.kv_cache_blocks)")
+        return max_tokens
 
     def step(self) -> list[RequestOutput]:
         outs = super().step()

@@ -11,6 +11,8 @@ The same file works single-process and under torchrun/mpirun: dp_size/ep_size de
     [dbo]      enabled (DBO issue)
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
     [server]   host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's name) for `wideep serve`
+    [disagg]   kv_transfer, idle_sleep_s; [disagg.prefill] / [disagg.decode]: dp_size, ep_size, max_num_seqs,
+               max_num_batched_tokens, kv_cache_blocks (disagg/config.py). Present = prefill/decode pools.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ SECTIONS: dict[str, set[str]] = {
     "dbo": {f.name for f in dataclasses.fields(DboConfig)},
     "run": {"prompt_ids", "prompts", "max_tokens", "temperature", "top_p", "top_k", "seed"},
     "server": {"host", "port", "model_name"},
+    "disagg": {"prefill", "decode", "kv_transfer", "idle_sleep_s"},
 }
 
 
@@ -60,6 +63,12 @@ def validate(cfg: dict[str, Any], source: str = "run config") -> dict[str, Any]:
             DboConfig(**cfg["dbo"])
         except (ValueError, TypeError) as e:
             raise ValueError(f"{source}: [dbo] {e}") from None
+    if "disagg" in cfg:
+        from disagg.config import DisaggConfig
+        try:
+            DisaggConfig.from_dict(cfg["disagg"])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{source}: [disagg] {e}") from None
     if "path" not in cfg.get("model", {}):
         raise ValueError(f"{source}: [model] path is required")
     return cfg
@@ -93,5 +102,6 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     par = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
     eplb = {"eplb": dict(cfg["eplb"])} if cfg.get("eplb") else {}
     dbo = {"dbo": dict(cfg["dbo"])} if cfg.get("dbo") else {}
+    disagg = {"disagg": dict(cfg["disagg"])} if "disagg" in cfg else {}
     return dict(model=m["path"], dtype=m.get("dtype", "float32"), max_model_len=m.get("max_model_len"),
-                parallel=par, progress=False, **eplb, **dbo, **e)
+                parallel=par, progress=False, **eplb, **dbo, **disagg, **e)
