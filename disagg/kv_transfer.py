@@ -172,24 +172,13 @@ def make_kv_transfer(backend: str, ctx, group, cpu_group=None) -> TorchKVTransfe
 
 
 # -- small objects (headers, first tokens) over the same channel: a length, then the bytes ------------
-class ObjectRecv:
-    """Receive one pickled object in two messages; poll() -> the object once both have arrived."""
-
-    def __init__(self, kv: TorchKVTransfer, src: int, stream: int):
-        self._kv, self._src, self._stream = kv, src, stream
-        self._len = torch.zeros(1, dtype=torch.int64)
-        self._h = kv.recv_start(src, stream, self._len)
-        self._body: torch.Tensor | None = None
-
-    def poll(self):
-        if not self._h.done():
-            return None
-        if self._body is None:
-            self._body = torch.empty(int(self._len.item()), dtype=torch.uint8)  # SYNC: a host int anyway
-            self._h = self._kv.recv_start(self._src, self._stream, self._body)
-            if not self._h.done():
-                return None
-        return pickle.loads(self._body.numpy().tobytes())
+def recv_object(kv: TorchKVTransfer, src: int, stream: int):
+    """Blocking: the next pickled object of (src, stream)."""
+    n = torch.zeros(1, dtype=torch.int64)
+    kv.recv_start(src, stream, n).wait()
+    body = torch.empty(int(n.item()), dtype=torch.uint8)
+    kv.recv_start(src, stream, body).wait()
+    return pickle.loads(body.numpy().tobytes())
 
 
 def send_object(kv: TorchKVTransfer, dst: int, stream: int, obj) -> list[Handle]:

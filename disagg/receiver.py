@@ -1,15 +1,16 @@
 """Decode side of a KV transfer: wait for blocks, receive the prefill's latent KV into the paged
 cache, and hand back a Sequence that is ready to decode (its first token already sampled).
 
-Per transfer (see prefill.py for the message order) the states are
-    waiting for blocks -> header -> L layer payloads (into staging, then copied into the
-    sequence's blocks) -> header ... -> trailer -> done.
-Nothing is received before the blocks for the whole prompt are allocated: until then the prefill
+Per transfer (see prefill.py for the message order): wait for blocks, then a thread receives
+header -> L layer payloads (into staging) -> header ... -> trailer, and each step copies the
+chunks that have arrived into the sequence's blocks. Nothing is received before the blocks for the whole prompt are allocated: until then the prefill
 rank's sends wait (back-pressure). Transfers are accepted first come, first served.
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -17,7 +18,9 @@ import torch
 from engine.core import EngineCore
 from engine.sequence import Sequence
 
-from .kv_transfer import Handle, ObjectRecv, TorchKVTransfer
+from parallel.watchdog import guard_collective
+
+from .kv_transfer import TorchKVTransfer, recv_object
 
 
 @dataclass
@@ -35,16 +38,19 @@ class Incoming:
     tid: int
     src: int                                   # global prefill rank
     accepted: float | None = None              # time.time() when blocks were allocated
-    header: ObjectRecv | None = None
-    chunk: dict | None = None                  # the header being received: lo, hi, last
-    layers: list[Handle] = field(default_factory=list)
-    staging: list[torch.Tensor] = field(default_factory=list)
-    trailer: ObjectRecv | None = None
+    chunks: deque = field(default_factory=deque)   # (header, staging per layer) received, not yet in the cache
+    trailer: dict | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
     bytes: int = 0
     aborted: bool = False
 
 
 class KVReceiver:
+    """Each accepted transfer is received by its own thread, message after message as they arrive
+    (so the KV lands while the prefill rank is still computing later layers, whatever the decode
+    steps are doing); the step loop copies finished chunks into the cache and finishes transfers."""
+
     def __init__(self, core: EngineCore, kv: TorchKVTransfer, rank: int):
         self.core, self.kv, self.rank = core, kv, rank
         self.pending: dict[str, Incoming] = {}   # request id -> transfer, in arrival order
@@ -69,44 +75,39 @@ class KVReceiver:
             return False
         blocks.grow(inc.seq, n)
         inc.accepted = time.time()
-        inc.header = ObjectRecv(self.kv, inc.src, inc.tid)
+        threading.Thread(target=self._receive, args=(inc,), daemon=True, name=f"kv-recv-{inc.tid}").start()
         return True
 
-    def _advance(self, inc: Incoming) -> bool:
-        """Move one transfer as far as the arrived messages allow; -> True when the trailer is in."""
+    def _receive(self, inc: Incoming) -> None:
+        """The transfer's thread: header, L layers (all posted at once, landing as each is sent), ...,
+        trailer. Never touches the cache or the blocks."""
         pools = self.core.kv.pools
-        while True:
-            if inc.header is not None:
-                chunk = inc.header.poll()
-                if chunk is None:
-                    return False
-                inc.header, inc.chunk = None, chunk
+        try:
+            while True:
+                chunk = recv_object(self.kv, inc.src, inc.tid)
                 rows = chunk["hi"] - chunk["lo"]
-                inc.staging = [torch.empty(rows, p.shape[1], dtype=p.dtype, device=p.device) for p in pools]
-                inc.layers = [self.kv.recv_start(inc.src, inc.tid, buf) for buf in inc.staging]
-            elif inc.layers:
-                if not all(h.done() for h in inc.layers):
-                    return False
-                lo, hi = inc.chunk["lo"], inc.chunk["hi"]
-                bs = self.core.kv.block_size
-                slots = torch.tensor([inc.seq.block_ids[j // bs] * bs + j % bs for j in range(lo, hi)],
-                                     dtype=torch.int64, device=pools[0].device)
-                for pool, buf in zip(pools, inc.staging):
-                    pool.index_copy_(0, slots, buf)
-                    inc.bytes += buf.numel() * buf.element_size()
-                inc.layers, inc.staging = [], []
-                if inc.chunk["last"]:
-                    inc.trailer = ObjectRecv(self.kv, inc.src, inc.tid)
-                else:
-                    inc.header = ObjectRecv(self.kv, inc.src, inc.tid)
-            elif inc.trailer is not None:
-                t = inc.trailer.poll()
-                if t is None:
-                    return False
-                self._finish(inc, t)
-                return True
-            else:
-                return False
+                staging = [torch.empty(rows, p.shape[1], dtype=p.dtype, device=p.device) for p in pools]
+                for h in [self.kv.recv_start(inc.src, inc.tid, buf) for buf in staging]:
+                    h.wait()
+                inc.chunks.append((chunk, staging))
+                if chunk["last"]:
+                    break
+            inc.trailer = recv_object(self.kv, inc.src, inc.tid)
+        except BaseException as e:  # a dead peer: raised in the step loop
+            inc.error = e
+        inc.done.set()
+
+    def _store(self, inc: Incoming) -> None:
+        """Copy the chunks received so far into the sequence's blocks."""
+        pools, bs = self.core.kv.pools, self.core.kv.block_size
+        while inc.chunks:
+            chunk, staging = inc.chunks.popleft()
+            lo, hi = chunk["lo"], chunk["hi"]
+            slots = torch.tensor([inc.seq.block_ids[j // bs] * bs + j % bs for j in range(lo, hi)],
+                                 dtype=torch.int64, device=pools[0].device)
+            for pool, buf in zip(pools, staging):
+                pool.index_copy_(0, slots, buf)
+                inc.bytes += buf.numel() * buf.element_size()
 
     def _finish(self, inc: Incoming, t: dict) -> None:
         seq, now = inc.seq, time.time()
@@ -127,8 +128,8 @@ class KVReceiver:
             seq.finish_reason, seq.finish_time = "abort", now
 
     def progress(self, room: int) -> list[TransferredSequence]:
-        """Accept transfers in order while blocks and `room` (free running slots) allow, advance every
-        accepted one; -> the sequences whose transfer completed (finished ones included)."""
+        """Accept transfers in order while blocks and `room` (free running slots) allow, store what has
+        arrived; -> the sequences whose transfer completed (finished ones included)."""
         done, blocked = [], False
         room -= sum(1 for i in self.pending.values() if i.accepted is not None)
         for rid, inc in list(self.pending.items()):
@@ -138,7 +139,13 @@ class KVReceiver:
                 if blocked:
                     continue
                 room -= 1
-            if self._advance(inc):
+            finished = inc.done.is_set()
+            if inc.error is not None:
+                with guard_collective(self.kv.ctx):
+                    raise inc.error
+            self._store(inc)
+            if finished:
+                self._finish(inc, inc.trailer)
                 done.append(inc.seq)
                 del self.pending[rid]
         return done
