@@ -143,4 +143,8 @@ class DecodeEngine(Engine):
                                   "per_rank": [prefill.get(r) for r in self.roles.cfg.prefill_ranks]}}
         m["kv_transfer"] = {"requests": len(fin), "bytes": sum(f["kv_transfer_bytes"] for f in fin),
                             "seconds": sum(f["kv_transfer_s"] for f in fin)}
+        m.update(kv_transfer_bytes_total=sum(s.get("kv_bytes_received", 0) for s in st),
+                 kv_transfers_total=sum(s.get("kv_transfers_done", 0) for s in st),
+                 kv_transfers_waiting_for_blocks=m["pools"]["decode"]["kv_transfers_waiting_for_blocks"],
+                 prefill_prompt_tokens_in_flight=sum(self._pload))
         return m
