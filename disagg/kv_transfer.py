@@ -9,10 +9,11 @@ independent. A send completes only once the receiver has posted the matching rec
 that has no blocks yet (and so posts nothing) makes the sender's transfer wait — the back-pressure.
 
 Backends:
-- "torch" (TorchKVTransfer): torch.distributed isend/irecv over a dedicated process group, stream id
-  as the tag; gloo on CPU (the tested path). NCCL ignores tags, so over NCCL two transfers between
-  the same pair of ranks must not be in flight at once; that ordering is not enforced here (untested
-  on GPU, see the README).
+- "torch" (TorchKVTransfer): torch.distributed isend/irecv over a dedicated gloo process group,
+  stream id as the tag (the tested path). Device tensors are staged through host memory: NCCL
+  ignores tags and matches a pair's messages in posting order, which concurrent transfers between
+  the same two ranks (each received by its own thread) do not keep; a direct NCCL path would have to
+  order them per pair (not written; untested on GPU).
 - "nixl" / "mooncake": the seam for RDMA/NVLink engines (NIXL, Mooncake Transfer Engine). They are
   one-sided (register the pools, write remote memory), so an adapter would post a write in
   send_start and poll a notification in done(); no adapter is written yet, and asking for one says
@@ -41,8 +42,9 @@ class Handle:
     """One send or receive in flight. done() polls a flag that a waiter thread sets (gloo's p2p works
     report completion only through a blocking wait(), so a thread per stream does that wait)."""
 
-    def __init__(self, ctx, work, keep: torch.Tensor):
+    def __init__(self, ctx, work, keep: torch.Tensor, then=None):
         self._ctx, self._work, self._keep = ctx, work, keep  # keep: the buffer lives until done
+        self._then = then  # runs once the message is in (a received host copy -> the device)
         self._event = threading.Event()
         self._error: BaseException | None = None
         self.finished_at: float | None = None
@@ -52,6 +54,8 @@ class Handle:
             # no deadline: a send may wait as long as its decode rank has no blocks (back-pressure);
             # a dead peer fails the wait (gloo) or is named by the watchdog, which ends the process
             self._work.wait(_NO_DEADLINE)
+            if self._then is not None:
+                self._then()
         except BaseException as e:  # a dead peer: raised in the caller's thread by done()/wait()
             self._error = e
         self.finished_at = time.perf_counter()
@@ -112,18 +116,13 @@ class TransferStats:
 
 
 class TorchKVTransfer:
-    """group: a process group over all ranks used only for these messages (its own connections, so
-    a send waiting for its receiver never holds up a pool's collectives); device tensors go over it.
-    cpu_group: the same ranks over gloo, for host tensors (headers); the same group on CPU."""
+    """group: a gloo process group over all ranks used only for these messages (its own connections,
+    so a send waiting for its receiver never holds up a pool's collectives)."""
 
-    def __init__(self, ctx, group, cpu_group=None):
+    def __init__(self, ctx, group):
         self.ctx, self.group = ctx, group
-        self.cpu_group = cpu_group if cpu_group is not None else group
         self.stats = TransferStats()
         self._waiters = _Waiters()
-
-    def _group(self, t: torch.Tensor):
-        return self.cpu_group if t.device.type == "cpu" else self.group
 
     def _count(self, peer: int, n: int, sent: bool) -> None:
         s = self.stats
@@ -134,9 +133,9 @@ class TorchKVTransfer:
         s.per_peer_bytes[peer] = s.per_peer_bytes.get(peer, 0) + n
 
     def send_start(self, dst: int, stream: int, tensor: torch.Tensor) -> Handle:
-        t = tensor.contiguous()
+        t = tensor.contiguous() if tensor.device.type == "cpu" else tensor.to("cpu")  # a device: staged on the host
         with guard_collective(self.ctx):
-            work = dist.isend(t, dst, group=self._group(t), tag=stream)
+            work = dist.isend(t, dst, group=self.group, tag=stream)
         self._count(dst, t.numel() * t.element_size(), True)
         h = Handle(self.ctx, work, t)
         self._waiters.add((dst, stream), h)
@@ -145,10 +144,11 @@ class TorchKVTransfer:
     def recv_start(self, src: int, stream: int, out: torch.Tensor) -> Handle:
         if not out.is_contiguous():
             raise ValueError(f"recv_start needs a contiguous buffer, got strides {out.stride()}")
+        host = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=out.dtype)
         with guard_collective(self.ctx):
-            work = dist.irecv(out, src, group=self._group(out), tag=stream)
+            work = dist.irecv(host, src, group=self.group, tag=stream)
         self._count(src, out.numel() * out.element_size(), False)
-        h = Handle(self.ctx, work, out)
+        h = Handle(self.ctx, work, host, None if host is out else (lambda: out.copy_(host)))
         self._waiters.add((src, stream), h)
         return h
 
@@ -166,9 +166,9 @@ def check_backend(backend: str) -> None:
                        f"recv_start over it (disagg/kv_transfer.py)")
 
 
-def make_kv_transfer(backend: str, ctx, group, cpu_group=None) -> TorchKVTransfer:
+def make_kv_transfer(backend: str, ctx, group) -> TorchKVTransfer:
     check_backend(backend)
-    return TorchKVTransfer(ctx, group, cpu_group)
+    return TorchKVTransfer(ctx, group)
 
 
 # -- small objects (headers, first tokens) over the same channel: a length, then the bytes ------------
@@ -176,7 +176,7 @@ def recv_object(kv: TorchKVTransfer, src: int, stream: int):
     """Blocking: the next pickled object of (src, stream)."""
     n = torch.zeros(1, dtype=torch.int64)
     kv.recv_start(src, stream, n).wait()
-    body = torch.empty(int(n.item()), dtype=torch.uint8)
+    body = torch.empty(int(n.item()), dtype=torch.uint8)  # SYNC: a host tensor, its length sizes the next one
     kv.recv_start(src, stream, body).wait()
     return pickle.loads(body.numpy().tobytes())
 
