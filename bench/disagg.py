@@ -30,21 +30,22 @@ sys.path.insert(0, ROOT)
 MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
              qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
-             n_group=4, topk_group=2, initializer_range=0.05, max_position_embeddings=1024)
+             n_group=4, topk_group=2, initializer_range=0.05, max_position_embeddings=2048)
 BLOCK = 16
 
 
-def workload(quick: bool, seed: int) -> list[dict]:
+def workload(quick: bool, seed: int, n_long: int | None = None, long_len: tuple[int, int] = (896, 1024)) -> list[dict]:
     """Decoding requests arriving as a Poisson stream, and long prompts at regular intervals among them."""
     rng = random.Random(seed)
-    n_dec, n_long = (40, 6) if quick else (120, 18)
+    n_dec = 40 if quick else 120
+    n_long = n_long if n_long is not None else (12 if quick else 36)
     reqs, t = [], 0.0
     for _ in range(n_dec):
         reqs.append(dict(kind="decode", prompt=[rng.randrange(2, 2048) for _ in range(rng.randint(16, 48))],
                          max_tokens=rng.randint(48, 96), arrival=t))
         t += rng.expovariate(6.0)
     for i in range(n_long):
-        reqs.append(dict(kind="long", prompt=[rng.randrange(2, 2048) for _ in range(rng.randint(448, 512))],
+        reqs.append(dict(kind="long", prompt=[rng.randrange(2, 2048) for _ in range(rng.randint(*long_len))],
                          max_tokens=8, arrival=0.8 + i * t / n_long))
     return sorted(reqs, key=lambda r: r["arrival"])
 
@@ -97,9 +98,9 @@ def worker(mode: str, model_dir: str, a) -> None:
     if not eng.is_front:
         eng.run_worker_loop()
         return
-    warm = [r for r in workload(True, 99)[:6]] + [dict(kind="long", prompt=[5] * 480, max_tokens=4, arrival=0.0)]
+    warm = workload(True, 99)[:6] + [dict(kind="long", prompt=[5] * 960, max_tokens=4, arrival=0.0)]
     drive(eng, [dict(r, arrival=0.0) for r in warm], "warm")
-    rec = drive(eng, workload(a.quick, a.seed), "run")
+    rec = drive(eng, workload(a.quick, a.seed, a.long_prompts, tuple(int(x) for x in a.long_len.split(","))), "run")
     m = eng.metrics()
     fin = [f for f in m["finished_requests"] if f["request_id"].startswith("run-")]
     extra = {}
@@ -131,8 +132,10 @@ def summarize(rec: list[dict], slo: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="46 requests, one run per mode (~3 min here)")
+    ap.add_argument("--quick", action="store_true", help="52 requests, one run per mode (~3 min here)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long-prompts", type=int, help="long prompts among the decoding requests (12; 36 without --quick)")
+    ap.add_argument("--long-len", default="896,1024", help="long prompt lengths: uniform in [MIN,MAX]")
     ap.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens (prefill chunk) of every pool")
     ap.add_argument("--max-num-seqs", type=int, default=48)
     ap.add_argument("--kv-blocks", type=int, default=512, help="KV blocks of 16 tokens per rank")
@@ -152,9 +155,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=0, **MODEL)
         for mode in ("colocated", "disagg"):
-            argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--model", d, "--seed", str(a.seed),
+            argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--model", d, "--seed", str(a.seed), "--long-len", a.long_len,
                     "--chunk", str(a.chunk), "--max-num-seqs", str(a.max_num_seqs), "--kv-blocks", str(a.kv_blocks)]
-            rc, out = run_local_ranks([], 4, timeout_s=a.timeout, cmd=argv + (["--quick"] if a.quick else []),
+            argv += (["--quick"] if a.quick else []) + (["--long-prompts", str(a.long_prompts)] if a.long_prompts else [])
+            rc, out = run_local_ranks([], 4, timeout_s=a.timeout, cmd=argv,
                                       capture=True)
             line = [x for x in out.splitlines() if x.startswith("RESULT ")]
             if rc or not line:
@@ -182,7 +186,8 @@ def main() -> None:
                         "latent_vs_per_head": round(per_head_kv / (sum(per_token) / len(per_token)), 2),
                         "transfer_s_p50": round(pct(kv["kv_transfer_s"], 50), 4),
                         "transfer_s_p99": round(pct(kv["kv_transfer_s"], 99), 4)},
-        "workload": {"quick": a.quick, "chunk": a.chunk, "max_num_seqs": a.max_num_seqs, "ranks": 4,
+        "workload": {"quick": a.quick, "long_prompts": a.long_prompts or (12 if a.quick else 36),
+                     "long_len": a.long_len, "chunk": a.chunk, "max_num_seqs": a.max_num_seqs, "ranks": 4,
                      **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}),
         flush=True)
 
