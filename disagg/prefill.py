@@ -65,9 +65,9 @@ class PrefillWorker:
             else:
                 self._command = max(self._command, END if kind == "end" else SHUTDOWN)
 
-    def _sync(self, has_work: bool) -> tuple[bool, int]:
-        """Pool-wide: (any prefill rank has work, END/SHUTDOWN seen by any rank)."""
-        flags = torch.tensor([int(has_work), self._command], dtype=torch.int64)
+    def _sync(self, has_batch: bool) -> tuple[bool, int]:
+        """Pool-wide: (any prefill rank has a batch to run, END/SHUTDOWN seen by any rank)."""
+        flags = torch.tensor([int(has_batch), self._command], dtype=torch.int64)
         if self.roles.pool_ctx.world_size > 1:
             with guard_collective(self.ctx):
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.roles.pool_ctx.cpu_group)
@@ -92,7 +92,9 @@ class PrefillWorker:
             self._reap()
             sched = self.core.scheduler
             batch = sched.schedule() if sched.has_work() else None
-            any_work, command = self._sync(sched.has_work())
+            # a rank whose waiting prompts find no free blocks (its cache held by sends the decode
+            # pool has not taken yet) waits here instead of spinning through empty steps
+            any_work, command = self._sync(batch is not None and bool(batch.seqs))
             if any_work:
                 if batch is not None and batch.seqs:
                     self._step(batch)
