@@ -106,7 +106,7 @@ def worker(mode: str, model_dir: str, a) -> None:
     extra = {}
     if "kv_transfer" in m:
         extra = {"kv_transfer_bytes": [f["kv_transfer_bytes"] for f in fin],
-                 "kv_transfer_s": [f["kv_transfer_s"] for f in fin],
+                 "kv_transfer_s": [f["kv_transfer_s"] for f in fin], "kv_exposed_s": [f["kv_exposed_s"] for f in fin],
                  "prompt_tokens": [f["prompt_tokens"] for f in fin]}
     print("RESULT " + json.dumps({"records": rec, **extra}), flush=True)
     eng.shutdown()
@@ -185,7 +185,9 @@ def main() -> None:
                         "per_head_kv_bytes_per_token": per_head_kv,
                         "latent_vs_per_head": round(per_head_kv / (sum(per_token) / len(per_token)), 2),
                         "transfer_s_p50": round(pct(kv["kv_transfer_s"], 50), 4),
-                        "transfer_s_p99": round(pct(kv["kv_transfer_s"], 99), 4)},
+                        "transfer_s_p99": round(pct(kv["kv_transfer_s"], 99), 4),
+                        "exposed_s_p50": round(pct(kv["kv_exposed_s"], 50), 4),
+                        "exposed_s_p99": round(pct(kv["kv_exposed_s"], 99), 4)},
         "workload": {"quick": a.quick, "long_prompts": a.long_prompts or (12 if a.quick else 36),
                      "long_len": a.long_len, "chunk": a.chunk, "max_num_seqs": a.max_num_seqs, "ranks": 4,
                      **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}),

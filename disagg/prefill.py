@@ -166,7 +166,7 @@ class PrefillWorker:
                        "generator_state": gen, "prefill_start": s.first_scheduled_time, "first_send": job.first_send,
                        "bytes": job.bytes, "prefill_rank": self.roles.rank, "prefill_stats": stats,
                        "layer_done_s": [t - t0 for t in job.layer_done],
-                       "send_start_s": [t - t0 for t in job.send_start]}
+                       "send_start_s": [t - t0 for t in job.send_start], "prefill_done": time.time()}
             job.handles += send_object(self.kv, job.dst, job.tid, trailer)
 
     def shutdown(self) -> None:

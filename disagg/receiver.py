@@ -117,7 +117,10 @@ class KVReceiver:
         if t["generator_state"] is not None:
             seq.generator.set_state(t["generator_state"])
         seq.append(t["token"], t["logprob"], t["top"])   # stamps first_token_time: TTFT includes the transfer
+        # kv_transfer_s: first layer sent -> last message in (overlaps the prefill's later layers and
+        # chunks); kv_exposed_s: prefill done -> first token usable here (what the transfer adds to TTFT)
         seq.transfer = {"kv_transfer_bytes": inc.bytes, "kv_transfer_s": now - (t["first_send"] or now),
+                        "kv_exposed_s": now - t["prefill_done"],
                         "kv_wait_for_blocks_s": inc.accepted - seq.arrival_time, "prefill_rank": t["prefill_rank"],
                         "decode_rank": self.rank, "prefill_layer_done_s": t["layer_done_s"],
                         "kv_send_start_s": t["send_start_s"]}

@@ -92,6 +92,7 @@ def test_2p2d_equals_colocated_and_alone(model_dir):
         assert f["kv_transfer_bytes"] >= L * len(r["prompt"]) * D * 4
         exact += f["kv_transfer_bytes"] == L * len(r["prompt"]) * D * 4
         assert f["ttft_s"] >= f["kv_transfer_s"] > 0 and f["prefill_rank"] in (2, 3) and f["decode_rank"] in (0, 1)
+        assert 0 <= f["kv_exposed_s"] <= f["ttft_s"]
     assert exact > 0.8 * len(reqs)
     assert front["kv_transfer"]["bytes"] == sum(f["kv_transfer_bytes"] for f in by_id.values())
     assert {p["ranks"][0] for p in front["pools"].values()} == {0, 2}
