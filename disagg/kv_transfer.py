@@ -133,7 +133,8 @@ class TorchKVTransfer:
         s.per_peer_bytes[peer] = s.per_peer_bytes.get(peer, 0) + n
 
     def send_start(self, dst: int, stream: int, tensor: torch.Tensor) -> Handle:
-        t = tensor.contiguous() if tensor.device.type == "cpu" else tensor.to("cpu")  # a device: staged on the host
+        # SYNC: a device tensor is staged on the host (waits for the layer that wrote it; see the module doc)
+        t = tensor.contiguous() if tensor.device.type == "cpu" else tensor.to("cpu")
         with guard_collective(self.ctx):
             work = dist.isend(t, dst, group=self.group, tag=stream)
         self._count(dst, t.numel() * t.element_size(), True)
