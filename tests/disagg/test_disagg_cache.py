@@ -1,6 +1,7 @@
 """1 prefill + 1 decode rank: the latent KV a decode rank receives equals what it computes itself
 for the same prompt (chunked prefills and prefix-cache hits on the prefill rank included); bad
-requests get a clear error at the front, which keeps serving."""
+requests get a clear error at the front, which keeps serving; aborts before and after the transfer
+completes finish the request and free its blocks."""
 from __future__ import annotations
 
 import random
@@ -58,6 +59,20 @@ def _rank(model_dir: str) -> dict | str:
         errors.append(str(e))
     while eng.has_unfinished_requests():
         eng.step()
+    # aborts: one right away (its KV still on the way), one while it decodes
+    reasons = {}
+    eng.add_request("abort_early", list(range(2, 60)), greedy(50))
+    eng.add_request("abort_late", list(range(3, 40)), greedy(50))
+    eng.abort("abort_early")
+    steps = 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                reasons[o.request_id] = (o.outputs[0].finish_reason, len(o.outputs[0].token_ids))
+            elif o.request_id == "abort_late" and len(o.outputs[0].token_ids) >= 3:
+                eng.abort("abort_late")
+        steps += 1
+        assert steps < 2000
     # the decode rank computes each prompt itself, into a scratch cache, and compares
     diffs, scale = {}, {}
     for r in reqs + [dict(id="dup", prompt=[5])]:
@@ -71,7 +86,7 @@ def _rank(model_dir: str) -> dict | str:
         scale[r["id"]] = min(a.abs().max().item() for a in mine)
     hits = eng._rank_stats and eng.metrics()["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"]
     eng.shutdown()
-    return {"got": got, "errors": errors, "diffs": diffs, "scale": scale, "prefill_prefix_hits": hits,
+    return {"got": got, "errors": errors, "reasons": reasons, "diffs": diffs, "scale": scale, "prefill_prefix_hits": hits,
             "free": core.blocks.num_free, "total": core.blocks.allocator.num_blocks}
 
 
@@ -95,4 +110,6 @@ def test_received_kv_equals_local_compute_and_bad_requests_are_rejected(model_di
     assert "needs 25 KV blocks on a prefill rank; its cache has 20" in e[0]
     assert "prompt is empty" in e[1] and "prompt token id 4000 is out of range" in e[2]
     assert "duplicate request id 'dup'" in e[3]
+    assert front["reasons"]["abort_early"][0] == "abort" and front["reasons"]["abort_late"][0] == "abort"
+    assert 3 <= front["reasons"]["abort_late"][1] < 50
     assert front["free"] == front["total"]
