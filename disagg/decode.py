@@ -12,7 +12,6 @@ The prefill pool's load is counted in prompt tokens until the request's first to
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 
 from engine.engine import Engine, _Control, _New

@@ -3,8 +3,9 @@ cache, and hand back a Sequence that is ready to decode (its first token already
 
 Per transfer (see prefill.py for the message order): wait for blocks, then a thread receives
 header -> L layer payloads (into staging) -> header ... -> trailer, and each step copies the
-chunks that have arrived into the sequence's blocks. Nothing is received before the blocks for the whole prompt are allocated: until then the prefill
-rank's sends wait (back-pressure). Transfers are accepted first come, first served.
+chunks that have arrived into the sequence's blocks. Nothing is received before the blocks for the
+whole prompt are allocated: until then the prefill rank's sends wait (back-pressure). Transfers are
+accepted first come, first served; an abort of one still in flight takes effect when it completes.
 """
 from __future__ import annotations
 

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from launch.prometheus import parse
-from tests.launch.test_server import MAX_TOKENS, PROMPTS, ServerProc, complete, reference, request, tiny, write_config  # noqa: F401
+from tests.launch.test_server import (MAX_TOKENS, PROMPTS, ServerProc, complete, reference,  # noqa: F401
+                                     request, tiny, write_config)
 
 DISAGG = """
 [disagg.prefill]
