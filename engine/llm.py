@@ -21,12 +21,19 @@ from .sampling_params import RequestOutput, SamplingParams
 class LLM:
     """Options: see Engine (dtype, device, max_model_len, block_size, kv_cache_blocks, kv_cache_memory,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed, dp_size, ep_size,
-    dispatch_backend, parallel, ctx, experts_backend, attention_backend)."""
+    dispatch_backend, parallel, ctx, experts_backend, attention_backend); disagg (a disagg.DisaggConfig
+    or [disagg] dict) serves with separate prefill and decode pools, whose sizes and batch limits it holds."""
 
     def __init__(self, model: str, **options):
-        self.engine = Engine(model, **options)
+        self.disaggregated = options.get("disagg") is not None
+        if self.disaggregated:  # prefill/decode pools (disagg/): rank 0 is the front, in the decode pool
+            from disagg import make_engine
+            self.engine = make_engine(model, **options)
+        else:
+            self.engine = Engine(model, **options)
         core = self.engine.core
-        self.ctx, self.config, self.model, self.tokenizer = core.ctx, core.config, core.model, core.tokenizer
+        self.ctx = getattr(self.engine, "job_ctx", core.ctx)
+        self.config, self.model, self.tokenizer = core.config, core.model, core.tokenizer
         self.max_model_len = core.max_model_len
         self._batch = itertools.count()
         self.last_assignment: list[int] = []
@@ -45,7 +52,20 @@ class LLM:
         core, eng = self.engine.core, self.engine
         # Validate everything before accepting anything. Every rank sees the same prompts, so a bad one
         # raises the same error on every rank before any collective.
-        for p, sp in zip(prompts, params):
+        if self.disaggregated:  # only the front knows both pools' limits: it checks, everyone raises
+            error = None
+            if eng.is_front:
+                try:
+                    for p, sp in zip(prompts, params):
+                        eng.validate(core.tokenize(p)[1], sp)
+                except ValueError as e:
+                    error = str(e)
+            box = [error]
+            with guard_collective(self.ctx):
+                dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
+            if box[0] is not None:
+                raise ValueError(box[0])
+        for p, sp in ([] if self.disaggregated else zip(prompts, params)):
             core.validate(core.tokenize(p)[1], sp)
         batch = next(self._batch)
         ids = [f"llm-{batch}-{i}" for i in range(len(prompts))]

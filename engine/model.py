@@ -138,13 +138,17 @@ class DeepseekModel(nn.Module):
         experts = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if ".mlp.experts." in n)
         return {"total": total, "experts": experts}
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids [T] -> final-normed hidden states [T, H]."""
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor],
+                on_layer=None) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, H]. on_layer(i), when given, runs as soon as
+        layer i is done (its latents are in kv_pools[i]): disaggregation starts that layer's KV transfer."""
         x = self.model.embed_tokens(input_ids)
         max_pos = max(meta.ctx_lens) - 1 if meta.ctx_lens else 0
         cos, sin = self.rope.cos_sin(meta.positions, max_position=max_pos)
-        for layer, pool in zip(self.model.layers, kv_pools):
+        for i, (layer, pool) in enumerate(zip(self.model.layers, kv_pools)):
             x = layer(x, meta, pool, cos, sin)
+            if on_layer is not None:
+                on_layer(i)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -74,14 +74,15 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, split: bool = False) -> None:
-        """Run one step and advance every sequence in the batch (cache, outputs, finish state)."""
+    def execute(self, batch: ScheduledBatch, split: bool = False, on_layer=None) -> None:
+        """Run one step and advance every sequence in the batch (cache, outputs, finish state).
+        on_layer(i): called as each layer finishes (see DeepseekModel.forward; not with split)."""
         if not batch.seqs:
             return
         if split:
             hidden = self._forward_split(batch)
         else:
-            hidden = self.model(*self.build_meta(batch), self.kv.pools)
+            hidden = self.model(*self.build_meta(batch), self.kv.pools, on_layer=on_layer)
         sample_rows, samplers = [], []
         start = 0
         for s, n in zip(batch.seqs, batch.num_tokens):

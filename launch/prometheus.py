@@ -18,6 +18,13 @@ _SCALARS = [
     ("wideep_generation_tokens_total", "generation_tokens_total", "counter", "Generated tokens."),
     ("wideep_prompt_tokens_total", "prompt_tokens_total", "counter", "Prompt tokens of finished requests."),
     ("wideep_preemptions_total", "preemptions", "counter", "Requests preempted (blocks freed, recomputed later)."),
+    # prefill/decode disaggregation only (disagg/decode.py)
+    ("wideep_kv_transfer_bytes_total", "kv_transfer_bytes_total", "counter", "Latent KV bytes received by decode ranks."),
+    ("wideep_kv_transfers_total", "kv_transfers_total", "counter", "KV transfers completed (one per request)."),
+    ("wideep_kv_transfers_waiting_for_blocks", "kv_transfers_waiting_for_blocks", "gauge",
+     "Transfers waiting for free KV blocks on their decode rank (back-pressure)."),
+    ("wideep_prefill_prompt_tokens_in_flight", "prefill_prompt_tokens_in_flight", "gauge",
+     "Prompt tokens sent to the prefill pool whose first token is not back yet."),
 ]
 _PER_RANK = [   # (name, key in a rank's stats, type, help); absent keys are skipped
     ("wideep_rank_requests_running", "running", "gauge", "Running requests on one DP rank."),

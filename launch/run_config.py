@@ -5,13 +5,17 @@ The same file works single-process and under torchrun/mpirun: dp_size/ep_size de
 
     [model]    path, dtype, max_model_len, experts_backend (auto|torch|triton|deepgemm),
                attention_backend (auto|torch|triton)
-    [parallel] dp_size, ep_size ("auto" | int), backend, dispatch_backend, num_redundant_experts, timeout_s, heartbeat_s
+    [parallel] dp_size, ep_size ("auto" | int), backend, dispatch_backend, num_redundant_experts, timeout_s,
+               heartbeat_s, torch_low_latency_max_tokens, deepep_low_latency_max_tokens, simulated_latency_us,
+               simulated_gbps
     [engine]   block_size, kv_cache_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed
     [eplb]     enabled, window_size, step_interval, num_redundant_experts, policy, initial_placement,
                migration_aware, transfer_layers_per_step (eplb/config.py)
-    [dbo]      enabled (DBO issue)
+    [dbo]      enabled (true | false | "auto"), decode_token_threshold, prefill_token_threshold
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
     [server]   host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's name) for `wideep serve`
+    [disagg]   kv_transfer, idle_sleep_s; [disagg.prefill] / [disagg.decode]: dp_size, ep_size, max_num_seqs,
+               max_num_batched_tokens, kv_cache_blocks (disagg/config.py). Present = prefill/decode pools.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ SECTIONS: dict[str, set[str]] = {
     "dbo": {f.name for f in dataclasses.fields(DboConfig)},
     "run": {"prompt_ids", "prompts", "max_tokens", "temperature", "top_p", "top_k", "seed"},
     "server": {"host", "port", "model_name"},
+    "disagg": {"prefill", "decode", "kv_transfer", "idle_sleep_s"},
 }
 
 
@@ -67,6 +72,12 @@ def validate(cfg: dict[str, Any], source: str = "run config") -> dict[str, Any]:
         value = cfg.get("model", {}).get(key, "auto")
         if value not in allowed:
             raise ValueError(f"{source}: [model] {key} = {value!r} is not one of {allowed}")
+    if "disagg" in cfg:
+        from disagg.config import DisaggConfig
+        try:
+            DisaggConfig.from_dict(cfg["disagg"])
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{source}: [disagg] {e}") from None
     if "path" not in cfg.get("model", {}):
         raise ValueError(f"{source}: [model] path is required")
     return cfg
@@ -101,5 +112,6 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     eplb = {"eplb": dict(cfg["eplb"])} if cfg.get("eplb") else {}
     dbo = {"dbo": dict(cfg["dbo"])} if cfg.get("dbo") else {}
     backends = {k: m[k] for k in ("experts_backend", "attention_backend") if k in m}
+    disagg = {"disagg": dict(cfg["disagg"])} if "disagg" in cfg else {}
     return dict(model=m["path"], dtype=m.get("dtype", "float32"), max_model_len=m.get("max_model_len"),
-                parallel=par, progress=False, **backends, **eplb, **dbo, **e)
+                parallel=par, progress=False, **backends, **eplb, **dbo, **disagg, **e)

@@ -157,7 +157,12 @@ def serve(cfg: dict) -> int:
     from engine.engine import Engine
 
     from . import run_config
-    engine = Engine(**run_config.llm_kwargs(cfg))
+    kwargs = run_config.llm_kwargs(cfg)
+    if kwargs.get("disagg") is not None:  # prefill/decode pools: rank 0 (the front) is a decode rank
+        from disagg import make_engine
+        engine = make_engine(**kwargs)
+    else:
+        engine = Engine(**kwargs)
     if not engine.is_front:
         # torchrun and Ctrl-C signal every rank at once. A worker that died first would leave rank 0's
         # graceful shutdown waiting for a lost rank; instead workers leave when rank 0 shuts down

@@ -1,0 +1,78 @@
+"""make_engine: build this rank's part of a disaggregated job (every rank calls it, SPMD).
+
+    eng = make_engine(model_dir, disagg={"prefill": {"dp_size": 2, "ep_size": 2},
+                                         "decode": {"dp_size": 2, "ep_size": 2}}, block_size=16, ...)
+    if eng.is_front:            # global rank 0, a decode rank: Engine's API (add_request/step/abort/metrics)
+        ...; eng.shutdown()
+    else:
+        eng.run_worker_loop()   # decode ranks follow the front's steps; prefill ranks run their own loop
+
+Every check that can fail runs on every rank before anything connects (the same error everywhere):
+the pool sizes against the world size and the experts; options that are set per pool; then, once
+connected, that every rank got the same config, and that both pools cache latents in one dtype.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from engine.config import ModelConfig
+from parallel import ParallelConfig, bootstrap, check_agreement, fingerprint, launch_world_size
+from parallel.watchdog import guard_collective
+
+from .config import DisaggConfig
+from .decode import DecodeEngine
+from .kv_transfer import check_backend
+from .prefill import PrefillWorker
+from .roles import build_roles
+
+_PER_POOL = ("dp_size", "ep_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks")
+
+
+def _check_options(options: dict, par: dict) -> None:
+    for key in _PER_POOL:
+        if options.get(key) is not None or (key in ("dp_size", "ep_size") and par.get(key) not in (None, "auto")):
+            raise ValueError(f"{key} is set per pool when disaggregated: use [disagg.prefill] / [disagg.decode]")
+    if options.get("ctx") is not None:
+        raise ValueError("ctx cannot be passed when disaggregated: make_engine bootstraps the job and its pools")
+    for key in ("dbo", "eplb"):
+        v = options.get(key)
+        if v and (v is True or v == "auto" or (isinstance(v, dict) and v.get("enabled"))
+                  or getattr(v, "enabled", False)):
+            raise ValueError(f"{key} is not supported with prefill/decode disaggregation yet; disable [{key}]")
+
+
+def make_engine(model: str, disagg, parallel=None, **options):
+    """-> DecodeEngine (decode ranks; the front on rank 0) or PrefillWorker (prefill ranks)."""
+    cfg = DisaggConfig.coerce(disagg)
+    par = dict(parallel.to_dict() if isinstance(parallel, ParallelConfig) else (parallel or {}))
+    _check_options(options, par)
+    par = {k: v for k, v in par.items() if k not in ("dp_size", "ep_size")}
+    mcfg = ModelConfig.from_dir(model)
+    world = launch_world_size()
+    if world < 2:
+        raise ValueError(f"prefill/decode disaggregation needs at least 2 ranks (1 prefill + 1 decode); "
+                         f"world_size is {world}")
+    experts = mcfg.moe.n_routed_experts + par.get("num_redundant_experts", 0) if mcfg.moe else None
+    cfg.validate(world, experts)
+    check_backend(cfg.kv_transfer)
+    ctx = bootstrap(ParallelConfig.from_dict(dict(par, dp_size=world, ep_size=world)))
+    check_agreement(ctx, fingerprint([cfg.to_dict(), par, options]), "disagg config / engine options")
+    roles = build_roles(ctx, cfg)
+    pool_options = dict(options, parallel=par, **getattr(cfg, roles.role).engine_options())
+    eng = (DecodeEngine if roles.role == "decode" else PrefillWorker)(model, roles, **pool_options)
+    eng.job_ctx = ctx
+    # every rank's cache shape, to validate prompts at the front and check the pools agree
+    kv = eng.core.kv
+    mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
+            "dtype": str(kv.pools[0].dtype), "latent_dim": kv.latent_dim}
+    infos: list = [None] * ctx.world_size
+    with guard_collective(ctx):
+        dist.all_gather_object(infos, mine, group=ctx.cpu_group)
+    if len({(i["dtype"], i["latent_dim"]) for i in infos}) > 1:
+        raise RuntimeError("the pools cache latents differently: " + ", ".join(
+            f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']}" for r, i in enumerate(infos)))
+    if roles.role == "decode":
+        pre = [i for i in infos if i["role"] == "prefill"]
+        smallest = min(pre, key=lambda i: i["blocks"] * i["block_size"])
+        eng.prefill_blocks = (smallest["blocks"], smallest["block_size"])
+    return eng

@@ -1,0 +1,161 @@
+"""Decode side of a KV transfer: wait for blocks, receive the prefill's latent KV into the paged
+cache, and hand back a Sequence that is ready to decode (its first token already sampled).
+
+Per transfer (see prefill.py for the message order): wait for blocks, then a thread receives
+header -> L layer payloads (into staging) -> header ... -> trailer, and each step copies the
+chunks that have arrived into the sequence's blocks. Nothing is received before the blocks for the
+whole prompt are allocated: until then the prefill rank's sends wait (back-pressure). Transfers are
+accepted first come, first served; an abort of one still in flight takes effect when it completes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.core import EngineCore
+from engine.sequence import Sequence
+
+from parallel.watchdog import guard_collective
+
+from .kv_transfer import TorchKVTransfer, recv_object
+
+
+@dataclass
+class TransferredSequence(Sequence):
+    """A Sequence whose prompt was computed elsewhere; its metrics add the transfer's."""
+    transfer: dict = field(default_factory=dict)
+
+    def metrics(self) -> dict:
+        return {**super().metrics(), **self.transfer}
+
+
+@dataclass
+class Incoming:
+    seq: TransferredSequence
+    tid: int
+    src: int                                   # global prefill rank
+    accepted: float | None = None              # time.time() when blocks were allocated
+    chunks: deque = field(default_factory=deque)   # (header, staging per layer) received, not yet in the cache
+    trailer: dict | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    bytes: int = 0
+    aborted: bool = False
+
+
+class KVReceiver:
+    """Each accepted transfer is received by its own thread, message after message as they arrive
+    (so the KV lands while the prefill rank is still computing later layers, whatever the decode
+    steps are doing); the step loop copies finished chunks into the cache and finishes transfers."""
+
+    def __init__(self, core: EngineCore, kv: TorchKVTransfer, rank: int):
+        self.core, self.kv, self.rank = core, kv, rank
+        self.pending: dict[str, Incoming] = {}   # request id -> transfer, in arrival order
+        self.bytes_received = 0
+        self.transfers_done = 0
+        self.prefill_stats: dict[int, dict] = {}  # prefill global rank -> its stats when it last sent here
+
+    def expect(self, core_seq: Sequence, tid: int, src: int) -> None:
+        seq = TransferredSequence(**{k: getattr(core_seq, k) for k in Sequence.__dataclass_fields__})
+        self.pending[seq.request_id] = Incoming(seq, tid, src)
+
+    def abort(self, request_id: str) -> bool:
+        inc = self.pending.get(request_id)
+        if inc is not None:
+            inc.aborted = True  # finished when its transfer is (the prefill rank is sending regardless)
+        return inc is not None
+
+    def _accept(self, inc: Incoming, room: int) -> bool:
+        n = len(inc.seq.prompt_token_ids)
+        blocks = self.core.blocks
+        if room <= 0 or not blocks.can_grow(inc.seq, n):
+            return False
+        blocks.grow(inc.seq, n)
+        inc.accepted = time.time()
+        threading.Thread(target=self._receive, args=(inc,), daemon=True, name=f"kv-recv-{inc.tid}").start()
+        return True
+
+    def _receive(self, inc: Incoming) -> None:
+        """The transfer's thread: header, L layers (all posted at once, landing as each is sent), ...,
+        trailer. Never touches the cache or the blocks."""
+        pools = self.core.kv.pools
+        try:
+            while True:
+                chunk = recv_object(self.kv, inc.src, inc.tid)
+                rows = chunk["hi"] - chunk["lo"]
+                staging = [torch.empty(rows, p.shape[1], dtype=p.dtype, device=p.device) for p in pools]
+                for h in [self.kv.recv_start(inc.src, inc.tid, buf) for buf in staging]:
+                    h.wait()
+                inc.chunks.append((chunk, staging))
+                if chunk["last"]:
+                    break
+            inc.trailer = recv_object(self.kv, inc.src, inc.tid)
+        except BaseException as e:  # a dead peer: raised in the step loop
+            inc.error = e
+        inc.done.set()
+
+    def _store(self, inc: Incoming) -> None:
+        """Copy the chunks received so far into the sequence's blocks."""
+        pools, bs = self.core.kv.pools, self.core.kv.block_size
+        while inc.chunks:
+            chunk, staging = inc.chunks.popleft()
+            lo, hi = chunk["lo"], chunk["hi"]
+            slots = torch.tensor([inc.seq.block_ids[j // bs] * bs + j % bs for j in range(lo, hi)],
+                                 dtype=torch.int64, device=pools[0].device)
+            for pool, buf in zip(pools, staging):
+                pool.index_copy_(0, slots, buf)
+                inc.bytes += buf.numel() * buf.element_size()
+
+    def _finish(self, inc: Incoming, t: dict) -> None:
+        seq, now = inc.seq, time.time()
+        seq.num_computed = len(seq.prompt_token_ids)
+        seq.first_scheduled_time = t["prefill_start"]
+        seq.prompt_logprobs = t["prompt_logprobs"]
+        if t["generator_state"] is not None:
+            seq.generator.set_state(t["generator_state"])
+        seq.append(t["token"], t["logprob"], t["top"])   # stamps first_token_time: TTFT includes the transfer
+        # kv_transfer_s: first layer sent -> last message in (overlaps the prefill's later layers and
+        # chunks); kv_exposed_s: prefill done -> first token usable here (what the transfer adds to TTFT)
+        seq.transfer = {"kv_transfer_bytes": inc.bytes, "kv_transfer_s": now - (t["first_send"] or now),
+                        "kv_exposed_s": now - t["prefill_done"],
+                        "kv_wait_for_blocks_s": inc.accepted - seq.arrival_time, "prefill_rank": t["prefill_rank"],
+                        "decode_rank": self.rank, "prefill_layer_done_s": t["layer_done_s"],
+                        "kv_send_start_s": t["send_start_s"]}
+        self.prefill_stats[t["prefill_rank"]] = t["prefill_stats"]
+        self.bytes_received += inc.bytes
+        self.transfers_done += 1
+        if inc.aborted:
+            seq.finish_reason, seq.finish_time = "abort", now
+
+    def progress(self, room: int) -> list[TransferredSequence]:
+        """Accept transfers in order while blocks and `room` (free running slots) allow, store what has
+        arrived; -> the sequences whose transfer completed (finished ones included)."""
+        done, blocked = [], False
+        room -= sum(1 for i in self.pending.values() if i.accepted is not None)
+        for rid, inc in list(self.pending.items()):
+            if inc.accepted is None:
+                # first come, first served: once one waits, later ones wait behind it
+                blocked = blocked or not self._accept(inc, room)
+                if blocked:
+                    continue
+                room -= 1
+            finished = inc.done.is_set()
+            if inc.error is not None:
+                with guard_collective(self.kv.ctx):
+                    raise inc.error
+            self._store(inc)
+            if finished:
+                self._finish(inc, inc.trailer)
+                done.append(inc.seq)
+                del self.pending[rid]
+        return done
+
+    def stats(self) -> dict:
+        waiting = sum(1 for i in self.pending.values() if i.accepted is None)
+        return {"kv_transfers_waiting_for_blocks": waiting, "kv_transfers_in_flight": len(self.pending) - waiting,
+                "kv_bytes_received": self.bytes_received, "kv_transfers_done": self.transfers_done,
+                "prefill_stats": dict(self.prefill_stats)}

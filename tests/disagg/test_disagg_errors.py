@@ -1,0 +1,111 @@
+"""Disaggregation failure modes: a bad config is one clear error on every rank (before connecting
+where possible); a prefill or a decode rank killed mid-run makes every other rank exit non-zero,
+naming it, in time."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from disagg.config import DisaggConfig
+from tests.parallel.spawn import run
+
+TIMEOUT_S = 20.0
+
+
+def test_config_errors_show_the_numbers():
+    with pytest.raises(ValueError, match=r"disagg.decode.ep_size \(1\) != disagg.decode.dp_size \(2\)"):
+        DisaggConfig.from_dict({"decode": {"dp_size": 2, "ep_size": 1}})
+    with pytest.raises(ValueError, match=r"unknown disagg.prefill keys \['tp_size'\]"):
+        DisaggConfig.from_dict({"prefill": {"tp_size": 2}})
+    with pytest.raises(ValueError, match=r"unknown disagg config keys \['pools'\]"):
+        DisaggConfig.from_dict({"pools": 2})
+    with pytest.raises(ValueError, match="disagg.prefill.max_num_seqs must be an integer >= 1, got 0"):
+        DisaggConfig.from_dict({"prefill": {"max_num_seqs": 0}})
+    with pytest.raises(ValueError, match="kv_transfer must be one of"):
+        DisaggConfig.from_dict({"kv_transfer": "rdma"})
+    cfg = DisaggConfig.from_dict({"prefill": {"dp_size": 3, "ep_size": 3}})
+    with pytest.raises(ValueError, match=r"prefill.dp_size \(3\) \+ disagg.decode.dp_size \(1\) = 4 != world_size \(2\)"):
+        cfg.validate(2)
+    with pytest.raises(ValueError, match=r"n_routed_experts \(16\) is not divisible by disagg.prefill.ep_size \(3\)"):
+        cfg.validate(4, 16)
+    assert cfg.decode_ranks == [0] and cfg.prefill_ranks == [1, 2, 3] and cfg.role_of(0) == "decode"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from launch.tiny import make_tiny_checkpoint
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg_err")), arch="v3", seed=3)
+
+
+def _build(model_dir: str, disagg_by_rank: dict, options_by_rank: dict) -> str:
+    from disagg import make_engine
+    rank = int(os.environ["RANK"])
+    eng = make_engine(model_dir, disagg_by_rank.get(rank, disagg_by_rank["all"]), progress=False,
+                      parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5}, **options_by_rank.get(rank, {}))
+    eng.shutdown()
+    return "built"
+
+
+ONE_ONE = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 1, "ep_size": 1}}
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("nprocs, disagg, options, message", [
+    (3, {"all": ONE_ONE}, {}, "= 2 != world_size (3)"),
+    (4, {"all": {"prefill": {"dp_size": 3, "ep_size": 3}}}, {},
+     "n_routed_experts (16) is not divisible by disagg.prefill.ep_size (3)"),
+    (2, {"all": ONE_ONE, 1: dict(ONE_ONE, decode={"max_num_seqs": 7})}, {}, "config mismatch: ranks [1]"),
+    (2, {"all": dict(ONE_ONE, kv_transfer="nixl")}, {}, "kv_transfer backend 'nixl': no adapter is written yet"),
+    (2, {"all": ONE_ONE}, {"all": {"max_num_seqs": 4}}, "max_num_seqs is set per pool"),
+])
+def test_bad_config_fails_on_every_rank(tiny, nprocs, disagg, options, message):
+    options = {r: options.get(r, options.get("all", {})) for r in range(nprocs)}
+    outs = run(_build, nprocs, args=(tiny, disagg, options), timeout_s=90)
+    for o in outs:
+        assert o.returncode not in (0, None), (o.rank, o.stderr[-1500:])
+        assert message in (o.error or o.stderr), (o.rank, (o.error or o.stderr)[-1500:])
+
+
+def _serve_until_killed(model_dir: str, victim: int) -> None:
+    from disagg import make_engine
+    from engine import SamplingParams
+    import engine.runner as runner
+    pools = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 2, "ep_size": 2}}
+    eng = make_engine(model_dir, pools, progress=False, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
+    if eng.roles.rank == victim:
+        steps = {"n": 0}
+        execute = runner.ModelRunner.execute
+
+        def dying(self, batch, **kw):
+            steps["n"] += 1
+            if steps["n"] == 3:
+                print(f"victim killed at {time.time():.3f}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            execute(self, batch, **kw)
+        runner.ModelRunner.execute = dying
+    if not eng.is_front:
+        eng.run_worker_loop()
+    else:
+        for i in range(60):  # a stream of prompts: the prefill rank steps again and again
+            eng.add_request(f"r{i}", [5 + i, 6, 7] * 10, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+            for _ in range(4):
+                eng.step()
+        while eng.has_unfinished_requests():
+            eng.step()
+    raise AssertionError("serving finished although a rank was killed")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("victim", [1, 2], ids=["decode", "prefill"])
+def test_rank_killed_mid_serving_stops_everyone(tiny, victim):
+    outs = run(_serve_until_killed, 3, args=(tiny, victim), timeout_s=TIMEOUT_S + 60)
+    assert outs[victim].returncode == -signal.SIGKILL
+    for o in outs:
+        if o.rank == victim:
+            continue
+        assert o.returncode not in (0, None), o.stderr[-2000:]
+        assert f"rank {victim} lost" in o.stderr + (o.error or ""), o.stderr[-2000:]
+        assert o.elapsed_s - outs[victim].elapsed_s < TIMEOUT_S
