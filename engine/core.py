@@ -181,17 +181,24 @@ class EngineCore:
                              metrics=s.metrics())
 
     def _text(self, s: Sequence, delta: bool) -> str:
-        """The output text (or, for delta outputs, what was not reported yet). A character whose
-        UTF-8 bytes span several tokens decodes to U+FFFD until its last token arrives: until the
-        request finishes, trailing U+FFFD is held back instead of streamed as garbage."""
+        """The output text (or, for delta outputs, what was not reported yet), decoded incrementally:
+        only a window of the last few tokens is decoded per step, and the new text is the window's
+        text minus the text of its already-decoded part (so tokenizers that treat a sequence's start
+        specially still concatenate). A character whose UTF-8 bytes span several tokens decodes to
+        U+FFFD until its last token arrives: it is held back until then (or until the request
+        finishes)."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(s.output_token_ids)
-        if not s.finished:
-            text = text.rstrip("\ufffd")
+        ids = s.output_token_ids
+        if len(ids) > s.detok_read:
+            seen = self.tokenizer.decode(ids[s.detok_prefix:s.detok_read])
+            window = self.tokenizer.decode(ids[s.detok_prefix:])
+            if len(window) > len(seen) and (s.finished or not window.endswith("\ufffd")):
+                s.text += window[len(seen):]
+                s.detok_prefix, s.detok_read = s.detok_read, len(ids)
         if not delta:
-            return text
-        new, s.text_sent = text[s.text_sent:], len(text)
+            return s.text
+        new, s.text_sent = s.text[s.text_sent:], len(s.text)
         return new
 
     def split_votes(self, num_tokens: list[int]) -> tuple[bool, bool]:

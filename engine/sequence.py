@@ -34,6 +34,9 @@ class Sequence:
     finish_time: float | None = None
     num_sent: int = 0                # output tokens already reported (delta outputs)
     text_sent: int = 0               # characters of output text already reported (delta outputs)
+    text: str = ""                   # output text decoded so far (engine/core.py _text)
+    detok_prefix: int = 0            # incremental detokenization window: tokens [prefix, read) were
+    detok_read: int = 0              # decoded last time; text covers tokens < read
 
     @property
     def token_ids(self) -> list[int]:

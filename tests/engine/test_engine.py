@@ -153,11 +153,11 @@ def test_delta_outputs_concatenate_to_cumulative(model_dir):
 
 
 def test_streamed_text_never_splits_a_multibyte_character(model_dir):
-    """The tiny tokenizer has one token per UTF-8 byte, so 'é' and '€' span 2 and 3 tokens: streamed
+    """The tiny tokenizer has one token per UTF-8 byte, so 'é', '€', '你' and '🙂' span 2-4 tokens: streamed
     deltas must hold a partial character back, not send U+FFFD, and concatenate to the full text."""
     from engine.core import EngineCore
     core = EngineCore(model_dir, progress=False, block_size=16, kv_cache_blocks=8)
-    want = "héllo €!"
+    want = "héllo €! 你好 🙂 ok"
     ids = core.tokenizer.encode(want).ids
     assert len(ids) == len(want.encode())
     seqs = {kind: core.make_sequence(kind, None, [5], greedy(len(ids), output_kind=kind), len(ids))
