@@ -22,10 +22,14 @@ _POOL_KEYS = ("dp_size", "ep_size", "max_num_seqs", "max_num_batched_tokens", "k
 @dataclass(frozen=True)
 class PoolConfig:
     dp_size: int = 1
-    ep_size: int = 1
+    ep_size: int | None = None          # None: dp_size (experts over every rank of the pool)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_cache_blocks: int | None = None  # None: the engine's default sizing
+
+    def __post_init__(self):
+        if self.ep_size is None:
+            object.__setattr__(self, "ep_size", self.dp_size)
 
     def check(self, name: str) -> None:
         for key in ("dp_size", "ep_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -32,6 +32,8 @@ def test_config_errors_show_the_numbers():
     with pytest.raises(ValueError, match=r"n_routed_experts \(16\) is not divisible by disagg.prefill.ep_size \(3\)"):
         cfg.validate(4, 16)
     assert cfg.decode_ranks == [0] and cfg.prefill_ranks == [1, 2, 3] and cfg.role_of(0) == "decode"
+    # ep_size defaults to the pool's dp_size
+    assert DisaggConfig.from_dict({"prefill": {"dp_size": 2}, "decode": {"dp_size": 3}}).decode.ep_size == 3
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,8 @@ kv_cache_blocks = 6
 
 @pytest.mark.parametrize("text,match", [
     ("[disagg]\nprefil = 1\n", r"unknown keys \['prefil'\] in \[disagg\]"),
-    ("[disagg.decode]\ndp_size = 2\n", r"\[disagg\] disagg.decode.ep_size \(1\) != disagg.decode.dp_size \(2\)"),
+    ("[disagg.decode]\ndp_size = 2\nep_size = 1\n",
+     r"\[disagg\] disagg.decode.ep_size \(1\) != disagg.decode.dp_size \(2\)"),
     ("[disagg.prefill]\nkv_blocks = 2\n", r"unknown disagg.prefill keys \['kv_blocks'\]"),
 ])
 def test_bad_disagg_sections(tmp_path, text, match):
