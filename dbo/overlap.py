@@ -75,9 +75,6 @@ class Overlap:
                   for (ids, meta), d in zip(micro, self.dispatchers)]
         return [s["x"] for s in run_overlapped(self.ops, states)]
 
-    def comm_s(self) -> float:
-        return sum(d.stats.comm_s for d in set(self.dispatchers))
-
     def close(self) -> None:
         for s in self.streams:
             s.close()

@@ -41,18 +41,9 @@ class DecodeEngine(Engine):
     # -- front ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Validate against both pools, route, and post to the prefill rank. Errors change nothing."""
-        if not self.is_front:
-            raise RuntimeError(f"add_request is for rank 0 (the front); this is rank {self.ctx.rank}")
-        request_id = str(request_id)
-        if request_id in self._owner:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        params = params if params is not None else SamplingParams()
-        text, ids = self.core.tokenize(prompt)
-        max_tokens = self.validate(ids, params)
-        d, p = least_loaded(self._load), least_loaded(self._pload)
-        cost = len(ids) + max_tokens
-        self._load[d] += cost
-        self._owner[request_id], self._cost[request_id] = d, cost
+        request_id, text, ids, params, max_tokens = self._accept(request_id, prompt, params)
+        d = self._assign(request_id, len(ids) + max_tokens)
+        p = least_loaded(self._pload)
         self._pload[p] += len(ids)
         self._pcost[request_id] = (p, len(ids))
         self._tid += 1
@@ -64,7 +55,7 @@ class DecodeEngine(Engine):
 
     def validate(self, ids: list[int], params: SamplingParams) -> int:
         """Check a request against both pools; -> its max_tokens."""
-        max_tokens = self.core.validate(ids, params)  # the decode rank holds prompt + output
+        max_tokens = super().validate(ids, params)  # the decode rank holds prompt + output
         blocks, bs = self.prefill_blocks
         if -(-len(ids) // bs) > blocks:
             raise ValueError(f"prompt ({len(ids)} tokens) needs {-(-len(ids) // bs)} KV blocks on a prefill rank; "

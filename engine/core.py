@@ -212,11 +212,15 @@ class EngineCore:
         decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
         return ok, self.auto.decide(sum(num_tokens), decode)
 
+    def _dispatchers(self) -> list:
+        """The model's dispatcher and DBO's microbatch dispatchers, each once (DeepEP's is shared)."""
+        overlap = self.runner.overlap.dispatchers if self.runner.overlap is not None else []
+        return list({id(d): d for d in [self.model.dispatcher, *overlap] if d is not None}.values())
+
     def plan_dispatch(self, max_tokens_any_rank: int | None) -> None:
         """Tell the dispatchers that pick their mode per step (low-latency for small steps) the
         largest token count of any rank this step (None after it); the same on every rank."""
-        overlap = self.runner.overlap.dispatchers if self.runner.overlap is not None else []
-        for d in {id(d): d for d in [self.model.dispatcher, *overlap]}.values():
+        for d in self._dispatchers():
             plan = getattr(d, "plan", None)
             if plan is not None:
                 plan(max_tokens_any_rank)
@@ -239,8 +243,7 @@ class EngineCore:
                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
                "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps}
-        overlap = self.runner.overlap.dispatchers if self.runner.overlap is not None else []
-        disp = {id(d): d for d in [self.model.dispatcher, *overlap] if d is not None}.values()
+        disp = self._dispatchers()
         if disp:
             out["dispatch_bytes_remote"] = sum(d.stats.dispatch_bytes_remote + d.stats.combine_bytes_remote
                                                for d in disp)

@@ -76,6 +76,16 @@ class Engine:
     # -- front API (rank 0) -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Validate and queue a request; it joins the batch at the next step. Errors leave the engine as it was."""
+        request_id, text, ids, params, max_tokens = self._accept(request_id, prompt, params)
+        rank = self._assign(request_id, len(ids) + max_tokens)
+        self._new.append(_New(request_id, rank, text, ids, params, max_tokens, time.time()))
+
+    def validate(self, ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model and cache; -> its max_tokens."""
+        return self.core.validate(ids, params)
+
+    def _accept(self, request_id, prompt, params: SamplingParams | None) -> tuple:
+        """Front-side checks that change nothing. -> (request_id, text, ids, params, max_tokens)."""
         if not self.is_front:
             raise RuntimeError(f"add_request is for rank 0 (the front); this is rank {self.ctx.rank}")
         request_id = str(request_id)
@@ -83,12 +93,14 @@ class Engine:
             raise ValueError(f"duplicate request id {request_id!r}")
         params = params if params is not None else SamplingParams()
         text, ids = self.core.tokenize(prompt)
-        max_tokens = self.core.validate(ids, params)
+        return request_id, text, ids, params, self.validate(ids, params)
+
+    def _assign(self, request_id: str, cost: int) -> int:
+        """Book the request on the least-loaded DP rank (cost: its tokens in flight); -> that rank."""
         rank = least_loaded(self._load)
-        cost = len(ids) + max_tokens
         self._load[rank] += cost
         self._owner[request_id], self._cost[request_id] = rank, cost
-        self._new.append(_New(request_id, rank, text, ids, params, max_tokens, time.time()))
+        return rank
 
     def abort(self, request_id: str) -> None:
         if not self.is_front:
