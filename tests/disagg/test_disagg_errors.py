@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from disagg.config import DisaggConfig
+from tests.faults import sigkill_at_step
 from tests.parallel.spawn import run
 
 TIMEOUT_S = 20.0
@@ -74,20 +74,10 @@ def test_bad_config_fails_on_every_rank(tiny, nprocs, disagg, options, message):
 def _serve_until_killed(model_dir: str, victim: int) -> None:
     from disagg import make_engine
     from engine import SamplingParams
-    import engine.runner as runner
     pools = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 2, "ep_size": 2}}
     eng = make_engine(model_dir, pools, progress=False, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
     if eng.roles.rank == victim:
-        steps = {"n": 0}
-        execute = runner.ModelRunner.execute
-
-        def dying(self, batch, **kw):
-            steps["n"] += 1
-            if steps["n"] == 3:
-                print(f"victim killed at {time.time():.3f}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            execute(self, batch, **kw)
-        runner.ModelRunner.execute = dying
+        sigkill_at_step(3)
     if not eng.is_front:
         eng.run_worker_loop()
     else:

@@ -3,17 +3,12 @@ on 2 prefill + 2 decode local ranks prints the same tokens as one process with t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from launch import run_config
-from launch.local import run_local_ranks
 from launch.tiny import make_tiny_checkpoint
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.launch.runs import outputs, run_single_and_ranks
 
 BASE = """
 [model]
@@ -60,31 +55,15 @@ def test_bad_disagg_sections(tmp_path, text, match):
         run_config.load(str(p))
 
 
-def _outputs(stdout: str) -> list[list[int]]:
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"index"')]
-    return [r["token_ids"] for r in sorted(rows, key=lambda r: r["index"])]
-
-
 @pytest.mark.multirank
 def test_wideep_run_disaggregated_equals_single_process(tmp_path, capfd):
     d = make_tiny_checkpoint(str(tmp_path / "m"), arch="v3", seed=4)
     single_cfg, disagg_cfg = tmp_path / "single.toml", tmp_path / "disagg.toml"
     single_cfg.write_text(BASE.format(path=d))
     disagg_cfg.write_text(BASE.format(path=d) + DISAGG)
-    env = dict(os.environ, PYTHONPATH=REPO)
-    single = subprocess.run([sys.executable, "-m", "launch", "run", "--config", str(single_cfg)], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr
-    capfd.readouterr()
-    cwd = os.getcwd()
-    os.chdir(REPO)
-    try:
-        rc = run_local_ranks(["run", "--config", str(disagg_cfg)], 4, timeout_s=300)
-    finally:
-        os.chdir(cwd)
-    multi = capfd.readouterr().out
-    assert rc == 0
-    assert _outputs(multi) == _outputs(single.stdout) and len(_outputs(multi)) == 4
+    single, multi = run_single_and_ranks(["run", "--config", str(single_cfg)], ["run", "--config", str(disagg_cfg)],
+                                         4, capfd)
+    assert outputs(multi) == outputs(single) and len(outputs(multi)) == 4
     summary = json.loads([line for line in multi.splitlines() if line.startswith('{"ranks"')][0])
     # the front sits in the decode pool: every output token was produced on decode ranks 0 and 1
     assert summary["ranks"] == 4 and sum(summary["per_rank_tokens"][:2]) == 24 == sum(summary["per_rank_tokens"])

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
 from launch.tiny import make_tiny_checkpoint
+from tests.faults import sigkill_at_step
 from tests.parallel.spawn import run
 
 TIMEOUT_S = 20.0
@@ -50,20 +50,10 @@ def test_size_mismatch_and_config_mismatch_fail_on_every_rank(tiny):
 
 
 def _generate_until_killed(model_dir: str, victim: int) -> None:
-    import engine.runner as runner
     from engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
     if llm.ctx.rank == victim:
-        steps = {"n": 0}
-        execute = runner.ModelRunner.execute
-
-        def dying(self, batch, **kw):
-            steps["n"] += 1
-            if steps["n"] == 3:
-                print(f"victim killed at {time.time():.3f}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
-            execute(self, batch, **kw)
-        runner.ModelRunner.execute = dying
+        sigkill_at_step(3)
     llm.generate([[5, 6, 7]] * 4, SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True))
     raise AssertionError("generation finished although a rank was killed")
 

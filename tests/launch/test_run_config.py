@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from launch import run_config
-from launch.local import run_local_ranks
 from launch.tiny import make_tiny_checkpoint
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.launch.runs import outputs, run_single_and_ranks
 
 CONFIG = """
 [model]
@@ -76,29 +71,13 @@ def test_feature_flags_parse():
         p.parse_args(["--enable-dbo", "sometimes"])
 
 
-def _outputs(stdout: str) -> list[list[int]]:
-    rows = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"index"')]
-    return [r["token_ids"] for r in sorted(rows, key=lambda r: r["index"])]
-
-
 @pytest.mark.multirank
 def test_same_config_single_process_and_two_ranks(tmp_path, capfd):
     d = make_tiny_checkpoint(str(tmp_path / "m"), arch="v3", seed=4)
     path = _write(tmp_path, CONFIG.format(path=d))
-    env = dict(os.environ, PYTHONPATH=REPO)
-    single = subprocess.run([sys.executable, "-m", "launch", "run", "--config", path], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert single.returncode == 0, single.stderr
-    capfd.readouterr()
-    cwd = os.getcwd()
-    os.chdir(REPO)
-    try:
-        rc = run_local_ranks(["run", "--config", path, "--enable-dbo"], 2, timeout_s=300)
-    finally:
-        os.chdir(cwd)
-    multi = capfd.readouterr().out
-    assert rc == 0
-    assert _outputs(multi) == _outputs(single.stdout) and len(_outputs(multi)) == 3
+    single, multi = run_single_and_ranks(["run", "--config", path], ["run", "--config", path, "--enable-dbo"], 2,
+                                         capfd)
+    assert outputs(multi) == outputs(single) and len(outputs(multi)) == 3
     summary = json.loads([line for line in multi.splitlines() if line.startswith('{"ranks"')][0])
     assert summary["ranks"] == 2 and sum(summary["per_rank_tokens"]) == 18
     assert summary["expert_bytes_per_rank"][0] == summary["expert_bytes_per_rank"][1] > 0
