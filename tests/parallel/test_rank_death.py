@@ -39,6 +39,7 @@ def test_lost_rank_stops_everyone(victim, idle):
     outs = run(_loop_until_death, 3, args=(victim, idle), timeout_s=TIMEOUT_S + 40)
     died = outs[victim]
     assert died.returncode == 3, died.stderr
+    converted = 0
     for o in outs:
         if o.rank == victim:
             continue
@@ -48,8 +49,13 @@ def test_lost_rank_stops_everyone(victim, idle):
         assert after < TIMEOUT_S, f"rank {o.rank} took {after:.1f} s after the death (timeout {TIMEOUT_S} s)"
         if o.rank in idle:  # no collective to fail: the watchdog thread itself ended the process
             assert "wideep: rank" in o.stderr and o.returncode == 1
-        else:  # the failed collective became RankLostError
-            assert "RankLostError" in o.stderr, o.stderr[-2000:]
+        else:
+            # a collective that failed on the dead peer's socket became RankLostError; a rank blocked
+            # on a live peer that is itself stuck has no failing call, and its watchdog ends it
+            converted += "RankLostError" in o.stderr
+            assert "RankLostError" in o.stderr or f"wideep: rank {victim} lost" in o.stderr, o.stderr[-2000:]
+    if len(outs) - 1 - len(idle) > 0:
+        assert converted >= 1, "no surviving rank turned its failed collective into RankLostError"
 
 
 def _host_leaves_first() -> float:
