@@ -56,19 +56,23 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
-        plan: dict[int, int] = {}  # id(seq) -> tokens this step
-        # 1. running sequences, oldest first; make room by preempting the newest
-        for s in list(self.running):
-            if s not in self.running or budget == 0:
-                continue
+        seqs: list[Sequence] = []
+        num_tokens: list[int] = []
+        # 1. running sequences, oldest first; make room by preempting the newest (which leaves the
+        #    end of `running`, so index i stays valid and preempted sequences are never visited)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            s = self.running[i]
             n = min(s.num_pending, budget)
-            while not self.blocks.can_grow(s, n) and self._preempt_newest() is not s:
-                pass
-            if s not in self.running:
-                continue
-            self.blocks.grow(s, n)
-            plan[id(s)] = n
-            budget -= n
+            while not self.blocks.can_grow(s, n):
+                if self._preempt_newest() is s:
+                    break
+            else:
+                self.blocks.grow(s, n)
+                seqs.append(s)
+                num_tokens.append(n)
+                budget -= n
+            i += 1
         # 2. admit waiting sequences FCFS (a preempted one is back at the front)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
@@ -84,10 +88,10 @@ class Scheduler:
             if s.first_scheduled_time is None:
                 s.first_scheduled_time = time.time()
             self.running.append(s)
-            plan[id(s)] = n
+            seqs.append(s)
+            num_tokens.append(n)
             budget -= n
-        seqs = [s for s in self.running if id(s) in plan]
-        return ScheduledBatch(seqs, [plan[id(s)] for s in seqs])
+        return ScheduledBatch(seqs, num_tokens)
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence's blocks."""

@@ -9,8 +9,11 @@ import torch
 from .sampling_params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
+    """A request in flight. Compared and hashed by identity: two requests with equal fields are
+    still two requests (and a field-by-field __eq__ made membership tests quadratic in the batch)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -176,10 +176,12 @@ def fix_duplicates(weight: torch.Tensor, keys: torch.Tensor, pack: torch.Tensor,
     return pack
 
 
-def stabilize_slots(new: torch.Tensor, old: torch.Tensor, slots_per_gpu: int) -> torch.Tensor:
+def stabilize_slots(new: torch.Tensor, old: torch.Tensor, slots_per_gpu: int,
+                    rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorder the slots inside each GPU so that an expert that stays on a GPU keeps its slot.
 
-    new, old: [L, P] phy2log (logical ids). Only the order inside each GPU's slot range changes.
+    new, old: [L, P] phy2log (logical ids); rank: [L, P] the replica each slot of `new` holds,
+    moved along with it. Only the order inside each GPU's slot range changes. -> (new, rank).
     """
     L, P = new.shape
     nv = new.view(L, -1, slots_per_gpu)
@@ -192,4 +194,5 @@ def stabilize_slots(new: torch.Tensor, old: torch.Tensor, slots_per_gpu: int) ->
     free = taken.to(torch.uint8).argsort(dim=-1, stable=True)         # free positions first
     nth_unmatched = ((~matched).cumsum(-1) - 1).clamp(min=0)
     pos = torch.where(matched, eq.to(torch.uint8).argmax(-1), free.gather(-1, nth_unmatched))
-    return torch.empty_like(nv).scatter_(-1, pos, nv).view(L, P)
+    moved = torch.empty_like(nv).scatter_(-1, pos, nv).view(L, P)
+    return moved, torch.empty_like(nv).scatter_(-1, pos, rank.view_as(nv)).view(L, P)

@@ -50,17 +50,20 @@ def rebalance_experts(weight: torch.Tensor, num_replicas: int, num_groups: int, 
     current_phy2log: [L, P] today's placement; given, the plan moves few slots at a cost of at
         most max_balance_loss balancedness per layer versus the from-scratch plan.
     Returns CPU int64 tensors phy2log: [L, P], log2phy: [L, E, M] padded with -1 (each
-    expert's slots ascending), logcnt: [L, E].
+    expert's slots in replica order: its original first, then its replicas in the order they
+    were added, as DeepSeek's planner lists them), logcnt: [L, E].
+    When num_groups % num_nodes != 0 the global policy runs, and the expert groups play no part
+    (E need not be a multiple of num_groups then).
     """
     w = _check(weight, num_replicas, num_groups, num_nodes, num_gpus, current_phy2log)
     if num_groups % num_nodes != 0:  # global policy
         num_groups = num_nodes = 1
     shape = (num_replicas, num_groups, num_nodes, num_gpus)
-    phy2log = _place(w, *shape)
+    phy2log, phyrank = _place(w, *shape)
     if current_phy2log is not None:
         current = current_phy2log.detach().to("cpu", torch.int64).contiguous()
-        phy2log = _migrate(w, phy2log, current, shape, max_balance_loss)
-    log2phy, logcnt = _invert(phy2log, w.shape[1])
+        phy2log, phyrank = _migrate(w, phy2log, phyrank, current, shape, max_balance_loss)
+    log2phy, logcnt = _invert(phy2log, w.shape[1], phyrank)
     return phy2log, log2phy, logcnt
 
 
@@ -93,7 +96,7 @@ def _check(weight, P, num_groups, N, G, current) -> torch.Tensor:
         raise ValueError(f"num_gpus ({G}) must be a multiple of num_nodes ({N})")
     if P < E:
         raise ValueError(f"num_replicas ({P}) must be >= the number of logical experts ({E})")
-    if E % num_groups:
+    if E % num_groups and num_groups % N == 0:  # the hierarchical policy packs whole groups
         raise ValueError(f"experts ({E}) must be a multiple of num_groups ({num_groups})")
     w = weight.detach().to("cpu", torch.float64).contiguous()
     if not torch.isfinite(w).all() or (w < 0).any():
@@ -109,7 +112,8 @@ def _check(weight, P, num_groups, N, G, current) -> torch.Tensor:
 
 
 def _place(w, P, num_groups, N, G, current=None, node_target=None, gpu_target=None):
-    """phy2log: [L, P] for w: [L, E]. With `current` ([L, P]) Steps 1 and 3 prefer today's
+    """-> phy2log: [L, P] for w: [L, E], and phyrank: [L, P], which replica of its expert each
+    slot holds (0 = the original). With `current` ([L, P]) Steps 1 and 3 prefer today's
     node/GPU and then swap until the heaviest node/GPU is within node_target/gpu_target ([L])."""
     L, E = w.shape
     group_size, S, k = E // num_groups, P // N, P // G  # S: slots per node, k: slots per GPU
@@ -142,7 +146,10 @@ def _place(w, P, num_groups, N, G, current=None, node_target=None, gpu_target=No
     # Slots in GPU order, heaviest replica first inside a GPU.
     by_w = rep_w.argsort(dim=-1, descending=True, stable=True)
     slot2rep = by_w.gather(1, gpu.gather(1, by_w).argsort(dim=-1, stable=True))
-    return m2log.gather(1, rep2m.gather(1, slot2rep)).view(L, P)
+    # An expert's replicas are contiguous in rep2m, original first: the offset in its run is its rank.
+    rep_rank = torch.arange(S) - (cnt.cumsum(-1) - cnt).gather(1, rep2m)
+    return (m2log.gather(1, rep2m.gather(1, slot2rep)).view(L, P),
+            rep_rank.gather(1, slot2rep).view(L, P))
 
 
 def _current_node_of_group(current, group_size, num_groups, N, S) -> torch.Tensor:
@@ -188,22 +195,22 @@ def _current_gpu_of_replica(w, current, m2log, rep2m, cnt, N, k) -> torch.Tensor
     return table.gather(1, rep2m * M + rep_rank)
 
 
-def _migrate(w, fresh, current, shape, max_balance_loss) -> torch.Tensor:
+def _migrate(w, fresh, fresh_rank, current, shape, max_balance_loss):
     """Per layer, the sticky plan if it is within max_balance_loss of `fresh` and moves no more
-    slots than it; otherwise `fresh` (with slots stabilised). [L, P]."""
+    slots than it; otherwise `fresh` (with slots stabilised). -> phy2log [L, P], phyrank [L, P]."""
     P, num_groups, N, G = shape
     k = P // G
-    fresh = stabilize_slots(fresh, current, k)
+    fresh, fresh_rank = stabilize_slots(fresh, current, k, fresh_rank)
     gpu = _gpu_load(w, fresh, G)                                         # [L, G]
     node = gpu.view(len(gpu), N, -1).sum(-1)                             # [L, N]
     # Allowed max load = mean / (balancedness - loss); the node level gets half the loss.
     gpu_target = _max_for(gpu, max_balance_loss)
     node_target = _max_for(node, max_balance_loss / 2)
-    sticky = _place(w, P, num_groups, N, G, current, node_target, gpu_target)
-    sticky = stabilize_slots(sticky, current, k)
+    sticky, sticky_rank = _place(w, P, num_groups, N, G, current, node_target, gpu_target)
+    sticky, sticky_rank = stabilize_slots(sticky, current, k, sticky_rank)
     good = balancedness(w, sticky, G) >= balancedness(w, fresh, G) - max_balance_loss - 1e-12
     good &= moved_slots(current, sticky) <= moved_slots(current, fresh)
-    return torch.where(good[:, None], sticky, fresh)
+    return torch.where(good[:, None], sticky, fresh), torch.where(good[:, None], sticky_rank, fresh_rank)
 
 
 def _max_for(load: torch.Tensor, loss: float) -> torch.Tensor:
@@ -222,14 +229,17 @@ def _gpu_load(w, phy2log, G) -> torch.Tensor:
     return per_slot.view(L, G, -1).sum(-1)
 
 
-def _invert(phy2log, E):
-    """log2phy: [L, E, M] (-1 padded, slots ascending) and logcnt: [L, E] from phy2log [L, P]."""
+def _invert(phy2log, E, phyrank=None):
+    """log2phy: [L, E, M] (-1 padded) and logcnt: [L, E] from phy2log [L, P]. Each expert's slots
+    are listed by phyrank ([L, P], the replica each slot holds), or ascending without it."""
     L, P = phy2log.shape
     logcnt = torch.zeros(L, E, dtype=torch.int64).scatter_add_(1, phy2log, torch.ones_like(phy2log))
     M = int(logcnt.max())  # SYNC: planner output size, CPU
-    slots = (phy2log * P + torch.arange(P)).argsort(-1)   # grouped by expert, slots ascending
-    experts = phy2log.gather(1, slots)
-    rank = torch.arange(P) - (logcnt.cumsum(-1) - logcnt).gather(1, experts)
+    if phyrank is None:
+        slots = (phy2log * P + torch.arange(P)).argsort(-1)   # grouped by expert, slots ascending
+        experts = phy2log.gather(1, slots)
+        phyrank = torch.empty_like(phy2log).scatter_(
+            1, slots, torch.arange(P) - (logcnt.cumsum(-1) - logcnt).gather(1, experts))
     log2phy = torch.full((L, E * M), -1, dtype=torch.int64)
-    log2phy.scatter_(1, experts * M + rank, slots)
+    log2phy.scatter_(1, phy2log * M + phyrank, torch.arange(P).expand(L, -1))
     return log2phy.view(L, E, M), logcnt

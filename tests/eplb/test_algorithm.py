@@ -52,7 +52,7 @@ def _check_plan(weight, P, num_groups, num_nodes, num_gpus, plan):
             c = int(logcnt[l, e])
             assert (phy2log[l, log2phy[l, e, :c]] == e).all()
             assert (log2phy[l, e, c:] == -1).all()
-            assert (log2phy[l, e, :c].diff() > 0).all()
+            assert log2phy[l, e, :c].unique().numel() == c   # each slot once, in replica order
     # No GPU holds two replicas of one expert (avoidable here: every count <= GPUs per domain).
     k = P // num_gpus
     domain_gpus = num_gpus // num_nodes if num_groups % num_nodes == 0 else num_gpus
@@ -73,6 +73,40 @@ def test_readme_example_at_least_as_balanced_as_deepseek():
     theirs = balancedness(README_WEIGHT, README_PHY2LOG, 8)
     assert (ours >= theirs - 1e-12).all(), (ours, theirs)
     _check_plan(README_WEIGHT, 16, 4, 2, 8, rebalance_experts(README_WEIGHT, 16, 4, 2, 8))
+
+
+# DeepSeek's planner on README_WEIGHT (run once, its output recorded): each expert's slots in
+# replica order (the original, then replicas in the order they were added), not ascending.
+README_LOG2PHY = [[[12, -1], [15, 13], [11, -1], [6, -1], [7, 5], [0, 2], [1, -1], [3, -1], [4, -1], [9, -1],
+                   [8, 10], [14, -1]],
+                  [[13, -1], [15, 11], [8, -1], [14, -1], [9, -1], [10, 12], [2, 4], [0, -1], [6, 3], [7, -1],
+                   [1, -1], [5, -1]]]
+
+
+def test_readme_example_log2phy_in_replica_order_as_deepseek():
+    phy2log, log2phy, _ = rebalance_experts(README_WEIGHT, 16, 4, 2, 8)
+    assert torch.equal(phy2log, README_PHY2LOG)
+    assert log2phy.tolist() == README_LOG2PHY
+
+
+def test_replica_order_survives_migration_aware_planning():
+    """Rank r of an expert is the r-th replica the plan made; slots moved to keep experts in place
+    carry their rank along, so every expert still lists each of its slots exactly once."""
+    w = _skewed(4, 32, seed=3)
+    phy2log, _, _ = rebalance_experts(w, 48, 4, 2, 8)
+    plan = rebalance_experts(_drift(w, seed=4), 48, 4, 2, 8, current_phy2log=phy2log)
+    _check_plan(_drift(w, seed=4), 48, 4, 2, 8, plan)
+
+
+def test_groups_that_do_not_divide_the_experts_take_the_global_policy():
+    """DeepSeek's and vLLM's contract: num_groups % num_nodes != 0 selects the global policy, where
+    the group size plays no part, so 4 experts in 3 "groups" is a valid input."""
+    w = torch.tensor([[10, 20, 30, 40]])
+    plan = rebalance_experts(w, 8, 3, 2, 4)
+    _check_plan(w, 8, 3, 2, 4, plan)
+    phy2log, _, logcnt = plan
+    assert logcnt.tolist() == [[1, 2, 2, 3]]
+    assert torch.equal(phy2log, rebalance_experts(w, 8, 1, 1, 4)[0])  # exactly the global policy
 
 
 def test_docstring_example():
