@@ -30,14 +30,14 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MLA_TILES = ((64, 32, 8, 2), (64, 16, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 64, 4, 3))  # heads, latents,
-#             warps, stages; the first is DecodeTiles' default
+MLA_ALT_TILES = ((64, 32, 8, 2), (64, 16, 8, 2), (32, 32, 8, 2), (16, 32, 4, 2), (16, 64, 4, 3))  # heads, latents,
+#             warps, stages: alternatives run after DecodeTiles' default (64x32/8/2 spills under Triton 3.9)
 MOE_SWEEP = ((128, 128, 64, 8, 8, 4), (128, 128, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3), (128, 256, 64, 8, 8, 4))
 #             block_m/n/k, group_m, warps, stages: alternatives to the table's prefill row, at the largest size
-FULL = dict(mla_tiles=MLA_TILES, moe_sweep=MOE_SWEEP, matmul=(4096, 8192), copy_mib=2048,
+FULL = dict(mla_tiles=MLA_ALT_TILES, moe_sweep=MOE_SWEEP, matmul=(4096, 8192), copy_mib=2048,
             H=7168, I=2048, E=256, k=8, tokens=(512, 4096, 16384), fp8_tokens=(4096, 16384),
             heads=128, C=512, R=64, ctx=4096, batches=(64, 128), block=64, check_tokens=512, check_batch=8, target=0.6)
-SMOKE = dict(mla_tiles=MLA_TILES[:2], moe_sweep=((16, 32, 32, 2, 1, 1),), matmul=(64,), copy_mib=1,
+SMOKE = dict(mla_tiles=MLA_ALT_TILES[:1], moe_sweep=((16, 32, 32, 2, 1, 1),), matmul=(64,), copy_mib=1,
              H=64, I=32, E=8, k=2, tokens=(8, 24), fp8_tokens=(24,),
              heads=16, C=32, R=16, ctx=40, batches=(2, 3), block=16, check_tokens=8, check_batch=2, target=0.6)
 
@@ -147,12 +147,15 @@ def bench_moe(cfg, dev, peak, min_s) -> list[dict]:
 
 
 def bench_mla(cfg, dev, copy_gbps, min_s) -> list[dict]:
-    """Every entry of cfg["mla_tiles"] per batch (untuned kernel: the sweep shows which way to go); the
-    best of each batch is marked."""
+    """DecodeTiles' default, then every other entry of cfg["mla_tiles"], per batch (untuned kernel: the
+    sweep shows which way to go); the best of each batch is marked."""
     from attention_mla.paged_decode import paged_decode_reference
     from attention_mla.triton_decode import DecodeTiles, mla_decode
     N, C, R, L, bs = cfg["heads"], cfg["C"], cfg["R"], cfg["ctx"], cfg["block"]
     dt = torch.bfloat16
+    d = DecodeTiles()
+    default = (d.block_h, d.block_n, d.num_warps, d.num_stages)
+    sweep = [default] + [t for t in cfg["mla_tiles"] if tuple(t) != default]
     results = []
     for B in cfg["batches"]:
         nblk = -(-L // bs)
@@ -165,7 +168,7 @@ def bench_mla(cfg, dev, copy_gbps, min_s) -> list[dict]:
         ref = paged_decode_reference(q[:nb].float(), pool.float(), table[:nb], [L] * nb, bs, C, scale)
         nbytes = B * L * (C + R) * pool.element_size()
         rows = []
-        for bh, bn, warps, stages in cfg["mla_tiles"]:
+        for bh, bn, warps, stages in sweep:
             tiles = DecodeTiles(block_h=bh, block_n=bn, num_warps=warps, num_stages=stages)
             r = {"batch": B, "context": L, "heads": N, "tiles": [bh, bn, warps, stages], "best": False}
             try:

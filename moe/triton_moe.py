@@ -214,7 +214,11 @@ def _sum_kernel(y_ptr, ids_ptr, out_ptr, H, TOP_K: tl.constexpr, BH: tl.constexp
     acc = tl.zeros((BH,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         e = tl.load(ids_ptr + r * TOP_K + j)
-        acc += tl.load(y_ptr + (r * TOP_K + j) * H + h, mask=h_ok & (e >= 0), other=0.0).to(tl.float32)
+        # A branch, not `mask=h_ok & (e >= 0)`: the interpreter broadcasts a scalar comparison to int32 data,
+        # which Triton 3.9's interpreted load rejects as a mask; on the GPU the branch is uniform per program
+        # and skips the read of a slot that is not local.
+        if e >= 0:
+            acc += tl.load(y_ptr + (r * TOP_K + j) * H + h, mask=h_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + r * H + h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
 
 

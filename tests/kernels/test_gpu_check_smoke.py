@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -15,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_gpu_check_smoke(tmp_path):
     out = tmp_path / "smoke.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # the script runs `python`: make that this interpreter (a venv's, with its own Triton), not PATH's first
+    env = dict(os.environ, OMP_NUM_THREADS="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     proc = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--smoke", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -52,8 +52,8 @@ def test_fused_moe_bf16_real_tiles(T, fp8):
     assert torch.isfinite(got).all() and _rel(got, ref) < 2e-2
 
 
-@pytest.mark.parametrize("tiles", [(16, 32, 4, 2), (32, 32, 8, 2), (64, 16, 8, 2), (16, 64, 4, 3)])
-def test_mla_decode_deepseek_shapes(tiles):
+@pytest.mark.parametrize("tiles", [None, (16, 32, 4, 2), (32, 32, 8, 2), (64, 16, 8, 2), (16, 64, 4, 3)])
+def test_mla_decode_deepseek_shapes(tiles):  # None: DecodeTiles' production default
     from attention_mla.paged_decode import paged_decode_reference
     from attention_mla.triton_decode import DecodeTiles, mla_decode
     N, C, R, bs = 128, 512, 64, 64
@@ -68,7 +68,8 @@ def test_mla_decode_deepseek_shapes(tiles):
     table = torch.tensor(table, device="cuda", dtype=torch.int32)
     q = torch.randn(len(lens), N, C + R, device="cuda", dtype=torch.bfloat16)
     seq = torch.tensor(lens, device="cuda", dtype=torch.int32)
-    t = DecodeTiles(block_h=tiles[0], block_n=tiles[1], num_warps=tiles[2], num_stages=tiles[3])
+    t = DecodeTiles() if tiles is None else DecodeTiles(block_h=tiles[0], block_n=tiles[1], num_warps=tiles[2],
+                                                        num_stages=tiles[3])
     out = torch.full((len(lens), N, C), float("nan"), device="cuda", dtype=torch.bfloat16)
     got = mla_decode(q, pool, table, seq, bs, C, 192 ** -0.5, max(lens), tiles=t, out=out)
     ref = paged_decode_reference(q.float(), pool.float(), table, lens, bs, C, 192 ** -0.5)
