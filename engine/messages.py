@@ -1,0 +1,69 @@
+"""What the front and the ranks tell each other, asynchronously (engine/channel.py carries it).
+
+front -> a rank's inbox:   NewRequest, Abort, Wake, Command
+a rank -> the front:       Report (the step's Deltas, the rank's stats, wave notices)
+
+None of this is on the lockstep path: the only per-step collective among ranks is the step sync's
+fixed-size all-reduce (engine/spmd.py). Waves (see engine/rank_loop.py): ranks that all went idle
+block on their inboxes; the front wakes a domain (the ranks in lockstep) with Wake(n) when it has
+work for it again, and tags every request with the wave it believes is running.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling_params import SamplingParams
+
+END, SHUTDOWN = 1, 2   # Command kinds, also the step sync's command flag (larger wins)
+
+
+@dataclass
+class NewRequest:
+    request_id: str
+    ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival: float              # time.time() at the front
+    wave: int = 0               # the wave the front believed was running when it sent this
+    extra: dict[str, Any] = field(default_factory=dict)   # e.g. disaggregation's transfer id
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class Wake:
+    wave: int
+
+
+@dataclass
+class Command:
+    kind: int                   # END (leave the worker loop) | SHUTDOWN
+
+
+@dataclass
+class Delta:
+    """What one request did in one step (or since the rank last reported it)."""
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    cumulative_logprob: float
+    finish_reason: str | None = None
+    prompt_logprobs: list | None = None       # sent once, with the first token
+    queue_s: float | None = None              # on the rank: received -> first scheduled (first delta)
+    num_preemptions: int = 0
+    metrics: dict | None = None               # extra per-request figures (disaggregation)
+
+
+@dataclass
+class Report:
+    rank: int                                 # global rank
+    deltas: list[Delta] = field(default_factory=list)
+    stats: dict | None = None                 # the rank's scheduler/cache/dispatch stats, when sent
+    generated: int = 0                        # tokens produced in the steps this report covers
+    idle_wave: int | None = None              # the domain went idle; its next wave is this
+    start_wave: int | None = None             # a request came for a finished wave: start this one
+    error: str | None = None                  # the rank's loop failed (the text of the exception)

@@ -1,0 +1,118 @@
+"""The front's view of a request: what its DP rank reported so far, turned into RequestOutputs.
+
+Ranks send per-step deltas (new tokens, their logprobs, the finish reason); the front accumulates
+them here, detokenizes incrementally and builds vLLM-shaped RequestOutputs. Nothing here runs on a
+rank's critical path: a slow front delays only its own clients, never the lockstep.
+
+The front also holds everything needed to re-admit a request elsewhere (prompt, params, the
+tokens produced so far): a rank's loss need not lose what it had accepted.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .messages import Delta
+from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    dp_rank: int
+    arrival_time: float = field(default_factory=time.time)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    queue_s: float | None = None
+    num_preemptions: int = 0
+    extra_metrics: dict = field(default_factory=dict)   # e.g. disaggregation's transfer figures
+    num_sent: int = 0          # tokens already reported (delta outputs)
+    text: str = ""             # output text decoded so far
+    text_sent: int = 0         # characters already reported (delta outputs)
+    detok_prefix: int = 0      # incremental detokenization window: tokens [prefix, read) were decoded
+    detok_read: int = 0        # last time; text covers tokens < read
+
+    def __post_init__(self):
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def apply(self, d: Delta, now: float | None = None) -> bool:
+        """Add a rank's delta. -> whether the request advanced (new tokens or finished)."""
+        now = time.time() if now is None else now
+        if d.token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        self.token_ids += d.token_ids
+        if d.logprobs and self.logprobs is not None:
+            self.logprobs += d.logprobs
+        if d.prompt_logprobs is not None:
+            self.prompt_logprobs = d.prompt_logprobs
+        self.cumulative_logprob = d.cumulative_logprob
+        if d.queue_s is not None and self.queue_s is None:
+            self.queue_s = d.queue_s
+        self.num_preemptions = max(self.num_preemptions, d.num_preemptions)
+        if d.metrics:
+            self.extra_metrics.update(d.metrics)
+        if d.finish_reason is not None and self.finish_reason is None:
+            self.finish_reason, self.finish_time = d.finish_reason, now
+        return bool(d.token_ids) or d.finish_reason is not None
+
+    def abort(self) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.finish_time = "abort", time.time()
+
+    def metrics(self) -> dict:
+        """TTFT (arrival at the front -> first token back at the front), TPOT, queue time (s)."""
+        n = len(self.token_ids)
+        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        tpot = None
+        if self.finish_time is not None and self.first_token_time is not None and n > 1:
+            tpot = (self.finish_time - self.first_token_time) / (n - 1)
+        return {"ttft_s": ttft, "tpot_s": tpot, "queue_s": self.queue_s, "finish_reason": self.finish_reason,
+                "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n,
+                "preemptions": self.num_preemptions, **self.extra_metrics}
+
+    def output(self, tokenizer, delta: bool = False) -> RequestOutput:
+        """Cumulative (vLLM's default) or only what was not reported before (streaming)."""
+        start = self.num_sent if delta else 0
+        toks = list(self.token_ids[start:])
+        lps = self.logprobs[start:] if self.logprobs is not None else None
+        self.num_sent = len(self.token_ids)
+        text = self._text(tokenizer, delta)
+        comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=self.cumulative_logprob,
+                                logprobs=lps, finish_reason=self.finish_reason)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             prompt_logprobs=self.prompt_logprobs, outputs=[comp], finished=self.finished,
+                             metrics=self.metrics())
+
+    def _text(self, tokenizer, delta: bool) -> str:
+        """The output text (or, for delta outputs, what was not reported yet), decoded incrementally:
+        only a window of the last few tokens is decoded per call, and the new text is the window's
+        text minus the text of its already-decoded part (so tokenizers that treat a sequence's start
+        specially still concatenate). A character whose UTF-8 bytes span several tokens decodes to
+        U+FFFD until its last token arrives: it is held back until then (or until the request ends)."""
+        if tokenizer is None:
+            return ""
+        ids = self.token_ids
+        if len(ids) > self.detok_read:
+            seen = tokenizer.decode(ids[self.detok_prefix:self.detok_read])
+            window = tokenizer.decode(ids[self.detok_prefix:])
+            if len(window) > len(seen) and (self.finished or not window.endswith("\ufffd")):
+                self.text += window[len(seen):]
+                self.detok_prefix, self.detok_read = self.detok_read, len(ids)
+        if not delta:
+            return self.text
+        new, self.text_sent = self.text[self.text_sent:], len(self.text)
+        return new
