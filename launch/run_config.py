@@ -15,8 +15,9 @@ with a model given on the command line may leave out [model] path.
                migration_aware, transfer_layers_per_step (eplb/config.py)
     [dbo]      enabled (true | false | "auto"), decode_token_threshold, prefill_token_threshold
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
-    [server]   host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's name), api_key (clients
-               send `Authorization: Bearer KEY` to /v1/*; also WIDEEP_API_KEY), protect_metrics (false) for `wideep serve`
+    [server]   for `wideep serve`: host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's
+               name), api_key (clients send `Authorization: Bearer KEY` to /v1/*; also WIDEEP_API_KEY),
+               protect_metrics (false: /metrics open even with an api_key)
     [disagg]   kv_transfer, idle_sleep_s; [disagg.prefill] / [disagg.decode]: dp_size, ep_size, max_num_seqs,
                max_num_batched_tokens, kv_cache_blocks (disagg/config.py). Present = prefill/decode pools.
 """

@@ -184,6 +184,10 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     except OSError as e:
         aengine.close()
         raise RuntimeError(f"cannot listen on {host}:{port}: {e}") from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the line below: whoever reads it may signal at once
+        loop.add_signal_handler(sig, stop.set)
     addr = runner.addresses[0]
     # torchrun answers its own SIGINT (Ctrl-C) with a SignalException traceback and exit 1 even when
     # every rank stopped cleanly; a signal to rank 0 alone stops every rank and torchrun exits 0.
@@ -191,10 +195,6 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     print(f"wideep serve: model {model_name!r} on http://{addr[0]}:{addr[1]} "
           f"({engine.ctx.world_size} rank(s); rank 0 is pid {os.getpid()}); {how}"
           f"{'; API key required' if api_key else ''}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     while not stop.is_set() and aengine.is_running:  # also leave when the engine thread died
         try:
             await asyncio.wait_for(stop.wait(), timeout=1.0)
@@ -213,8 +213,16 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
 def serve(cfg: dict) -> int:
     """Every rank: build the Engine from the run config; rank 0 serves HTTP, the others follow it."""
     from engine.engine import Engine
+    from parallel import launch_rank
 
     from . import run_config
+    if launch_rank() != 0:
+        # torchrun and Ctrl-C signal every rank at once. A worker that died first would leave rank 0's
+        # graceful shutdown waiting for a lost rank; instead workers leave when rank 0 shuts down
+        # (or, if rank 0 dies, when the watchdog says so). Set before the model loads: rank 0 may
+        # serve, and be signalled, while a slower worker is still loading.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     kwargs = run_config.llm_kwargs(cfg)
     if kwargs.get("disagg") is not None:  # prefill/decode pools: rank 0 (the front) is a decode rank
         from disagg import make_engine
@@ -222,11 +230,6 @@ def serve(cfg: dict) -> int:
     else:
         engine = Engine(**kwargs)
     if not engine.is_front:
-        # torchrun and Ctrl-C signal every rank at once. A worker that died first would leave rank 0's
-        # graceful shutdown waiting for a lost rank; instead workers leave when rank 0 shuts down
-        # (or, if rank 0 dies, when the watchdog says so).
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
         engine.run_worker_loop()
         return 0
     s = cfg.get("server", {})
