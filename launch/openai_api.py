@@ -74,12 +74,13 @@ def _prompt(body: dict):
     raise BadRequest("'prompt' must be a string or a list of integer token ids")
 
 
-def parse_completion(body, served_model: str) -> tuple:
-    """body (decoded JSON) -> (prompt, SamplingParams, stream, include_usage); BadRequest on bad input."""
+def parse_completion(body, served_model: str, aliases: tuple[str, ...] = ()) -> tuple:
+    """body (decoded JSON) -> (prompt, SamplingParams, stream, include_usage); BadRequest on bad input.
+    `model` may be served_model or one of aliases (other names of the same model)."""
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
-    if model is not None and model != served_model:
+    if model is not None and model != served_model and model not in aliases:
         raise BadRequest(f"model {model!r} does not exist; this server serves {served_model!r}", status=404)
     prompt = _prompt(body)
     if _int(body, "n", 1) != 1 or _int(body, "best_of", 1) != 1:

@@ -59,12 +59,12 @@ def _sse(obj) -> bytes:
 
 
 class Server:
-    """The aiohttp handlers over one AsyncEngine. model_name is what clients pass as `model`;
-    api_key: required on /v1/* (and /metrics when protect_metrics) when set."""
+    """The aiohttp handlers over one AsyncEngine. model_name is what clients pass as `model` (aliases:
+    other names accepted for it); api_key: required on /v1/* (and /metrics when protect_metrics)."""
 
     def __init__(self, aengine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 protect_metrics: bool = False):
-        self.aengine, self.model_name = aengine, model_name
+                 protect_metrics: bool = False, aliases: tuple[str, ...] = ()):
+        self.aengine, self.model_name, self.aliases = aengine, model_name, aliases
         self._key = f"Bearer {api_key}".encode() if api_key else None
         self.protect_metrics = protect_metrics
         tok = aengine.engine.core.tokenizer
@@ -121,13 +121,17 @@ class Server:
         if not _content_type_ok(request):
             return _error(415, f"Content-Type {request.content_type!r} is not supported; send application/json")
         try:
-            body = json.loads(await request.read(), parse_constant=_no_json_constant)
-        except ValueError as e:  # JSONDecodeError, a body that is not UTF-8, NaN/Infinity, an int too long
+            text = (await request.read()).decode("utf-8")  # JSON is UTF-8 (json.loads(bytes) would guess UTF-16/32)
+        except UnicodeDecodeError as e:
+            return _error(400, f"request body is not valid JSON: not UTF-8 ({e})")
+        try:
+            body = json.loads(text, parse_constant=_no_json_constant)
+        except ValueError as e:  # JSONDecodeError, NaN/Infinity, an int too long to convert
             return _error(400, f"request body is not valid JSON: {e}")
         except RecursionError:
             return _error(400, "request body is not valid JSON: nested too deeply")
         try:
-            prompt, params, stream, include_usage = parse_completion(body, self.model_name)
+            prompt, params, stream, include_usage = parse_completion(body, self.model_name, self.aliases)
         except BadRequest as e:
             return _error(e.status, str(e))
         comp = Completion(self.model_name, self.decode)
@@ -174,8 +178,11 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
                       api_key: str | None = None, protect_metrics: bool = False, under_torchrun: bool = False) -> int:
     """Rank 0: serve until SIGINT/SIGTERM or until the engine stops by itself. -> exit status."""
     aengine = AsyncEngine(engine)
+    # Unnamed, the model is its directory's name, and the path as given is accepted too (what clients
+    # of `vllm serve PATH` send).
+    aliases = () if model_name else (engine.core.model_dir,)
     model_name = model_name or os.path.basename(os.path.normpath(engine.core.model_dir))
-    server = Server(aengine, model_name, api_key, protect_metrics)
+    server = Server(aengine, model_name, api_key, protect_metrics, aliases)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

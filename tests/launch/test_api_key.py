@@ -1,10 +1,12 @@
 """An API key protects /v1/*: `wideep serve MODEL_DIR` (no config file; the key from WIDEEP_API_KEY)
 answers 401 with a JSON error unless `Authorization: Bearer KEY` matches; /health and /metrics stay
-open; the official openai client with api_key= works. protect_metrics closes /metrics too."""
+open; the official openai client with api_key= works (passing the model path as vLLM clients do).
+protect_metrics closes /metrics too."""
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
@@ -30,7 +32,7 @@ def want(tiny):
 @pytest.fixture(scope="module")
 def server(tiny):
     s = ServerProc([tiny, "--port", "0", "--max-model-len", "128", "--kv-cache-blocks", "64",
-                    "--dispatch-backend", "torch", "--model-name", "tiny"], env={"WIDEEP_API_KEY": KEY})
+                    "--dispatch-backend", "torch"], env={"WIDEEP_API_KEY": KEY})
     yield s
     assert s.stop() == [0], s.output
 
@@ -39,7 +41,7 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": N, "temperature": 0.0}
+BODY = {"prompt": PROMPT, "max_tokens": N, "temperature": 0.0}
 
 
 @pytest.mark.parametrize("headers", [{}, bearer("wrong"), bearer(KEY[:-1]), bearer(KEY + "x"),
@@ -69,9 +71,14 @@ def test_non_ascii_authorization_header_is_401(server):
     conn.close()
 
 
-def test_with_the_key_serves_and_health_metrics_stay_open(server, want):
-    status, raw = request(server.base, "POST", "/v1/completions", BODY, headers=bearer(KEY))
-    assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want
+def test_with_the_key_serves_and_health_metrics_stay_open(server, tiny, want):
+    name = os.path.basename(tiny)   # no --model-name: the directory's name, and the path as given
+    for model in (None, name, tiny):
+        status, raw = request(server.base, "POST", "/v1/completions", dict(BODY, model=model), headers=bearer(KEY))
+        assert status == 200 and json.loads(raw)["choices"][0]["token_ids"] == want
+        assert json.loads(raw)["model"] == name
+    status, raw = request(server.base, "POST", "/v1/completions", dict(BODY, model=tiny + "x"), headers=bearer(KEY))
+    assert status == 404 and f"this server serves {name!r}" in json.loads(raw)["error"]["message"]
     assert request(server.base, "GET", "/v1/unknown", headers=bearer(KEY))[0] == 404
     assert request(server.base, "GET", "/health") == (200, b'{"status": "ok"}')
     status, raw = request(server.base, "GET", "/metrics")
@@ -79,23 +86,23 @@ def test_with_the_key_serves_and_health_metrics_stay_open(server, want):
     assert "API key required" in "".join(server.output[0])
 
 
-def test_openai_client(server, want):
+def test_openai_client(server, tiny, want):
     openai = pytest.importorskip("openai", reason="the openai client is not installed (pip install openai)")
     client = openai.OpenAI(base_url=f"http://{server.base}/v1", api_key=KEY, max_retries=0, timeout=60)
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0.0, logprobs=2)
+    r = client.completions.create(model=tiny, prompt=PROMPT, max_tokens=N, temperature=0.0, logprobs=2)
     c = r.choices[0]
     assert c.token_ids == want                        # wideep's extra field, kept by the client
     assert c.finish_reason in ("length", "stop") and r.usage.completion_tokens == len(want)
     assert len(c.logprobs.token_logprobs) == len(want) and all(len(t) >= 2 for t in c.logprobs.top_logprobs)
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=N, temperature=0.0,
+    chunks = list(client.completions.create(model=tiny, prompt=PROMPT, max_tokens=N, temperature=0.0,
                                             stream=True))
     assert [t for ch in chunks for t in ch.choices[0].token_ids] == want
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    assert [m.id for m in client.models.list()] == [os.path.basename(tiny)]
     bad = openai.OpenAI(base_url=f"http://{server.base}/v1", api_key="wrong", max_retries=0, timeout=60)
     with pytest.raises(openai.AuthenticationError, match="missing or invalid API key"):
-        bad.completions.create(model="tiny", prompt=PROMPT, max_tokens=2)
+        bad.completions.create(model=tiny, prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="more than max_logprobs=20"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=21)
+        client.completions.create(model=tiny, prompt=PROMPT, max_tokens=2, logprobs=21)
 
 
 def test_protect_metrics(tiny):

@@ -82,6 +82,7 @@ CASES = [
     ("truncated", b'{"prompt": [1, 2', JSON, "POST", None, 400, "not valid JSON"),
     ("not utf-8", b"\xff\xfe\x00\x81", JSON, "POST", None, 400, "not valid JSON"),
     ("utf-8 inside a string broken", b'{"prompt": "\xc3\x28"}', JSON, "POST", None, 400, "not valid JSON"),
+    ("utf-16 body", j(GOOD).decode().encode("utf-16"), JSON, "POST", None, 400, "not UTF-8"),
     ("json string", b'"hello"', JSON, "POST", None, 400, "must be a JSON object, got str"),
     ("json null", b"null", JSON, "POST", None, 400, "must be a JSON object, got NoneType"),
     ("json array", b"[1, 2]", JSON, "POST", None, 400, "must be a JSON object, got list"),
@@ -177,3 +178,40 @@ def test_flags_beat_the_file_and_nothing_was_left_behind(server):
     assert m["wideep_requests_running"] == 0 and m["wideep_requests_waiting"] == 0
     assert m["wideep_kv_cache_blocks_used"] == 0
     assert send(server.base, b"", None, "GET", "/health")[0] == 200
+
+
+def test_a_handler_bug_is_a_json_500_and_the_next_request_works(tiny, want, monkeypatch):
+    """In process (the same Server class): an exception that is not bad input is logged and answered
+    500 as JSON; the server goes on serving."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine.async_engine import AsyncEngine
+    from engine.engine import Engine
+    from launch import server as server_mod
+
+    real = server_mod.parse_completion
+    calls = []
+
+    def parse_once_broken(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("a bug")
+        return real(*args)
+
+    monkeypatch.setattr(server_mod, "parse_completion", parse_once_broken)
+
+    async def go():
+        aengine = AsyncEngine(Engine(tiny, progress=False, max_model_len=64, kv_cache_blocks=16))
+        try:
+            async with TestClient(TestServer(server_mod.Server(aengine, "fuzz").app(), host="127.0.0.1")) as c:
+                r = await c.post("/v1/completions", json=GOOD)
+                assert r.status == 500
+                assert (await r.json())["error"] == {"message": "internal server error (logged on the server)",
+                                                     "type": "server_error", "code": 500}
+                r = await c.post("/v1/completions", json=GOOD)
+                assert r.status == 200 and (await r.json())["choices"][0]["token_ids"] == want
+        finally:
+            await aengine.shutdown()
+    asyncio.run(go())
