@@ -45,6 +45,14 @@ def test_every_flag_is_a_run_config_key():
     assert len(flags) == len(set(flags))  # no flag twice in one command
 
 
+def test_engine_section_keys_are_engine_options():
+    """[engine] is passed to EngineCore as keywords: a key it does not take would fail only at serve time."""
+    import inspect
+
+    from engine.core import EngineCore
+    assert run_config.SECTIONS["engine"] <= set(inspect.signature(EngineCore.__init__).parameters)
+
+
 def test_serve_flags_without_config():
     a = _parse("serve", "/m", "--port", "0", "--dtype", "bfloat16", "--dp-size", "2", "--ep-size", "2",
                "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--max-model-len", "256",
