@@ -62,9 +62,12 @@ class EngineCore:
                  enable_prefix_caching: bool = True, seed: int = 0, progress: bool = True,
                  dp_size: int | None = None, ep_size: int | None = None, dispatch_backend: str | None = None,
                  parallel=None, ctx: ParallelContext | None = None, dbo=None, eplb=None,
-                 experts_backend: str = "auto", attention_backend: str = "auto"):
+                 experts_backend: str = "auto", attention_backend: str = "auto", max_logprobs: int = 20):
         from dbo.overlap import DboConfig
         from eplb.config import EplbConfig
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
+        self.max_logprobs = max_logprobs
         self.dbo = DboConfig.coerce(dbo)
         self.eplb_cfg = EplbConfig.coerce(eplb)
         cfg = ModelConfig.from_dir(model)
@@ -76,7 +79,7 @@ class EngineCore:
                            kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens, seed=seed,
                            enable_prefix_caching=enable_prefix_caching, experts_backend=experts_backend,
-                           attention_backend=attention_backend)
+                           attention_backend=attention_backend, max_logprobs=max_logprobs)
             check_agreement(self.ctx, fingerprint([asdict(cfg), self.pcfg.to_dict(), options]),
                             "model config / engine options")
         device = device or str(self.ctx.device)
@@ -141,6 +144,13 @@ class EngineCore:
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         V = self.config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(params, name)
+            if n is not None and n > self.max_logprobs:
+                raise ValueError(f"{name}={n} is more than max_logprobs={self.max_logprobs} (an engine option: "
+                                 f"max_logprobs=, [engine] max_logprobs, --max-logprobs)")
+            if n is not None and n > V:
+                raise ValueError(f"{name}={n} is more than the vocabulary (vocab_size={V})")
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, vocab_size={V})")

@@ -50,7 +50,8 @@ class Engine:
     """Options (LLM takes the same): model (HF dir), dtype, device, max_model_len, block_size (64),
     kv_cache_blocks or kv_cache_memory (bytes), max_num_seqs, max_num_batched_tokens,
     enable_prefix_caching, seed, dp_size, ep_size, dispatch_backend, parallel (dict), ctx,
-    experts_backend ("auto" | "torch" | "triton" | "deepgemm"), attention_backend ("auto" | "torch" | "triton")."""
+    experts_backend ("auto" | "torch" | "triton" | "deepgemm"), attention_backend ("auto" | "torch" | "triton"),
+    max_logprobs (20, as vLLM: the most logprobs / prompt_logprobs a request may ask for)."""
 
     def __init__(self, model: str, **options):
         self.core = EngineCore(model, **options)

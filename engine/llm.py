@@ -21,7 +21,7 @@ from .sampling_params import RequestOutput, SamplingParams
 class LLM:
     """Options: see Engine (dtype, device, max_model_len, block_size, kv_cache_blocks, kv_cache_memory,
     max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed, dp_size, ep_size,
-    dispatch_backend, parallel, ctx, experts_backend, attention_backend); disagg (a disagg.DisaggConfig
+    dispatch_backend, parallel, ctx, experts_backend, attention_backend, max_logprobs); disagg (a disagg.DisaggConfig
     or [disagg] dict) serves with separate prefill and decode pools, whose sizes and batch limits it holds."""
 
     def __init__(self, model: str, **options):

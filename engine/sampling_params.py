@@ -1,14 +1,23 @@
 """SamplingParams and request outputs, shaped like vLLM's."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by a
+# smaller one overflows them to inf, and softmax of inf is NaN.
+GREEDY_BELOW = 1e-5
+# torch.Generator.manual_seed accepts exactly this range; a seed outside it would fail inside a step.
+SEED_RANGE = (-(1 << 63), 1 << 64)
 
 
 @dataclass
 class SamplingParams:
-    """temperature 0 is greedy. top_k <= 0 (vLLM's -1) and top_p 1 disable those filters.
-    logprobs=N: for each generated token, its logprob plus the top-N; prompt_logprobs=N: the same
-    for every prompt position (None at position 0). Logprobs are of the raw model distribution."""
+    """temperature 0 (anything below 1e-5) is greedy. top_k -1 or 0 (both as in vLLM) and top_p 1
+    disable those filters; top_k 0 is stored as -1. logprobs=N: for each generated token, its logprob
+    plus the top-N; prompt_logprobs=N: the same for every prompt position (None at position 0).
+    Logprobs are of the raw model distribution. N is capped by the engine (max_logprobs, default
+    20, and the vocabulary) when the request is added. seed: in [-2**63, 2**64), torch's range."""
 
     n: int = 1
     temperature: float = 1.0
@@ -31,27 +40,38 @@ class SamplingParams:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"SamplingParams.{name} must be an int, got {v!r}")
         for name in ("temperature", "top_p"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), (int, float)):
-                raise ValueError(f"SamplingParams.{name} must be a number, got {getattr(self, name)!r}")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"SamplingParams.{name} must be a number, got {v!r}")
+            if not math.isfinite(v):
+                raise ValueError(f"SamplingParams.{name} must be finite, got {v}")
         if self.n != 1:
             raise ValueError(f"SamplingParams.n={self.n}: only n=1 is supported")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is None:
+        if self.top_k is None or self.top_k == 0:
             self.top_k = -1
+        if self.top_k < -1:
+            raise ValueError(f"SamplingParams.top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise ValueError(f"SamplingParams.seed must be in [-2**63, 2**64), got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and v < 0:
                 raise ValueError(f"SamplingParams.{name} must be >= 0, got {v}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        stop = self.stop_token_ids
+        if stop is not None and (not isinstance(stop, (list, tuple))
+                                 or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop)):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {stop!r}")
+        self.stop_token_ids = list(stop or [])
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass

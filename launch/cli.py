@@ -8,13 +8,6 @@ import tempfile
 import time
 
 
-def _ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise SystemExit(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
-
-
 def cmd_make_tiny(a) -> None:
     from .tiny import make_tiny_checkpoint
     path = make_tiny_checkpoint(a.out, arch=a.arch, fp8=a.fp8, seed=a.seed)
@@ -22,14 +15,15 @@ def cmd_make_tiny(a) -> None:
 
 
 def cmd_generate(a) -> None:
-    from engine import LLM, SamplingParams
+    from engine import LLM
+
+    from . import run_config
+    from .options import GENERATE, resolve
     if (a.prompt is None) == (a.prompt_ids is None):
         raise SystemExit("give exactly one of --prompt or --prompt-ids")
-    llm = LLM(a.model, dtype=a.dtype, progress=not a.quiet)
-    prompt = a.prompt if a.prompt is not None else _ids(a.prompt_ids)
-    sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
-                        seed=a.seed)
-    (out,) = llm.generate([prompt], sp)
+    cfg = resolve(a, GENERATE)
+    llm = LLM(**dict(run_config.llm_kwargs(cfg), progress=not a.quiet))
+    (out,) = llm.generate([a.prompt if a.prompt is not None else a.prompt_ids], run_config.sampling_params(cfg))
     c = out.outputs[0]
     print(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids, "text": c.text,
                       "finish_reason": c.finish_reason}))
@@ -73,34 +67,19 @@ def cmd_demo(a) -> None:
             raise SystemExit(rc)
 
 
-def _feature_flags(a) -> dict:
-    """--enable-dbo [auto] / --enable-eplb (vLLM's flag names) as run-config overrides."""
-    return {"dbo__enabled": {None: None, "true": True, "auto": "auto"}[a.enable_dbo],
-            "eplb__enabled": True if a.enable_eplb else None}
-
-
-def _add_feature_flags(p) -> None:
-    p.add_argument("--enable-dbo", nargs="?", const="true", choices=["true", "auto"],
-                   help="dual-batch overlap ([dbo] enabled); 'auto': split only where it measured faster")
-    p.add_argument("--enable-eplb", action="store_true", help="online expert load balancing ([eplb] enabled)")
-
-
 def cmd_run(a) -> None:
     """Generate the [run] prompts of a run config; SPMD under torchrun/mpirun (every rank runs this)."""
     from engine import LLM, SamplingParams
 
     from . import run_config
-    cfg = run_config.override(run_config.load(a.config), model__path=a.model, model__dtype=a.dtype,
-                              parallel__dp_size=a.dp_size, parallel__ep_size=a.ep_size,
-                              parallel__dispatch_backend=a.dispatch_backend, run__max_tokens=a.max_tokens,
-                              **_feature_flags(a))
+    from .options import RUN, resolve
+    cfg = resolve(a, RUN)
     r = cfg.get("run", {})
     prompts = list(r.get("prompt_ids", [])) + list(r.get("prompts", []))
     if not prompts:
-        raise ValueError(f"{a.config}: [run] has no prompt_ids or prompts")
+        raise ValueError("nothing to run: give --prompt-ids / --prompt, or [run] prompt_ids / prompts in --config")
     llm = LLM(**run_config.llm_kwargs(cfg))
-    sp = SamplingParams(temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0), top_k=r.get("top_k", -1),
-                        max_tokens=r.get("max_tokens", 16), seed=r.get("seed"))
+    sp = run_config.sampling_params(cfg)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up, every rank
     if llm.model.dispatcher is not None:
         llm.model.dispatcher.stats.reset()
@@ -133,21 +112,18 @@ def cmd_run(a) -> None:
 
 def cmd_serve(a) -> None:
     """OpenAI-compatible HTTP server on rank 0 (launch/server.py); SPMD under torchrun/mpirun."""
-    from . import run_config
+    from .options import SERVE, resolve
     try:
         from . import server
     except ImportError as e:
         raise SystemExit(f"wideep serve needs aiohttp: pip install -e '.[serve]' ({e})") from None
-    cfg = run_config.override(run_config.load(a.config), model__path=a.model, model__dtype=a.dtype,
-                              parallel__dp_size=a.dp_size, parallel__ep_size=a.ep_size,
-                              server__host=a.host, server__port=a.port, server__model_name=a.model_name,
-                              **_feature_flags(a))
-    rc = server.serve(cfg)
+    rc = server.serve(resolve(a, SERVE))
     if rc:
         raise SystemExit(rc)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    from .options import GENERATE, RUN, SERVE, add_options, token_ids
     p = argparse.ArgumentParser(prog="wideep", description="wide expert-parallel DeepSeek serving runtime")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("make-tiny", help="write a random-weight HF-format DeepSeek checkpoint")
@@ -156,16 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--fp8", action="store_true")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_make_tiny)
-    g = sub.add_parser("generate", help="generate from one prompt")
-    g.add_argument("--model", required=True)
-    g.add_argument("--prompt-ids")
-    g.add_argument("--prompt")
-    g.add_argument("--max-tokens", type=int, default=16)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="float32")
+    g = sub.add_parser("generate", help="generate from one prompt: wideep generate MODEL_DIR --prompt-ids 1,2,3")
+    add_options(g, GENERATE)
+    g.add_argument("--prompt-ids", type=token_ids, help="the prompt as comma-separated token ids")
+    g.add_argument("--prompt", help="the prompt as text (needs the checkpoint's tokenizer.json)")
     g.add_argument("--quiet", action="store_true")
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="a tiny checkpoint made in a temp dir, served by 4 local ranks; prints tok/s")
@@ -174,31 +144,22 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--max-tokens", type=int, default=32)
     d.add_argument("--timeout", type=float, default=600.0, help="hard limit for the ranks (s)")
     d.set_defaults(fn=cmd_demo)
-    r = sub.add_parser("run", help="generate the [run] prompts of a TOML run config (SPMD under torchrun/mpirun)")
-    r.add_argument("--config", required=True)
-    r.add_argument("--model")
-    r.add_argument("--dtype")
-    r.add_argument("--dp-size", type=int)
-    r.add_argument("--ep-size", type=int)
-    r.add_argument("--dispatch-backend", choices=["auto", "torch", "allgather", "deepep"])
-    r.add_argument("--max-tokens", type=int)
+    r = sub.add_parser("run", help="generate prompts and print tok/s: wideep run MODEL_DIR --prompt-ids 1,2,3 "
+                                   "or a TOML run config's [run] (SPMD under torchrun/mpirun)")
+    add_options(r, RUN)
     r.add_argument("--summary-only", action="store_true", help="print only the throughput summary")
-    _add_feature_flags(r)
     r.set_defaults(fn=cmd_run)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /health, /metrics) on rank 0")
-    s.add_argument("--config", required=True)
-    s.add_argument("--host", help="bind address (default 127.0.0.1: this host only)")
-    s.add_argument("--port", type=int, help="default 8000; 0 picks a free port (printed)")
-    s.add_argument("--model-name", help="the `model` clients pass (default: the checkpoint dir's name)")
-    s.add_argument("--model")
-    s.add_argument("--dtype")
-    s.add_argument("--dp-size", type=int)
-    s.add_argument("--ep-size", type=int)
-    _add_feature_flags(s)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /health, /metrics) on rank 0: "
+                                     "wideep serve MODEL_DIR [--config x.toml] [flags]")
+    add_options(s, SERVE)
     s.set_defaults(fn=cmd_serve)
     from .eplb_cli import add_parsers
     add_parsers(sub)
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
     try:
         a.fn(a)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

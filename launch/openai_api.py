@@ -1,10 +1,12 @@
 """OpenAI /v1/completions request parsing and response shapes (no HTTP here; launch/server.py serves it).
 
 Request fields: prompt (string, or a list of token ids; one prompt per request), max_tokens (16),
-temperature (1.0), top_p (1.0), top_k (-1), seed, logprobs (N), stream, stream_options.include_usage,
-model (must name the served model when given), and wideep/vLLM extensions stop_token_ids, ignore_eos.
-Unknown fields are ignored, as OpenAI clients send many; fields that would change the result but are
-not supported (n > 1, echo, stop strings, best_of) are rejected rather than silently ignored.
+temperature (1.0), top_p (1.0), top_k (-1 or 0: off), seed, logprobs (N <= the engine's max_logprobs),
+stream, stream_options.include_usage, model (must name the served model when given), and wideep/vLLM
+extensions stop_token_ids, ignore_eos.
+Unknown fields are ignored, as OpenAI clients send many (user, ...); fields that would change the
+result but are not supported (n > 1, best_of > 1, echo, stop strings, suffix, logit_bias,
+presence/frequency/repetition penalties, prompt_logprobs) are rejected rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -20,6 +22,11 @@ class BadRequest(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+# Fields that would change the result, accepted only at their no-op values.
+UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
+               "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "prompt_logprobs": (None,)}
 
 
 def _int(body: dict, name: str, default, lo: int | None = None):
@@ -42,6 +49,10 @@ def _num(body: dict, name: str, default: float) -> float:
     return float(v)
 
 
+def _token_ids(p: list) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+
 def _prompt(body: dict):
     if "prompt" not in body or body["prompt"] is None:
         raise BadRequest("'prompt' is required")
@@ -54,21 +65,22 @@ def _prompt(body: dict):
         raise BadRequest(f"'prompt' must be a string or a list of token ids, got {type(p).__name__}")
     if not p:
         raise BadRequest("'prompt' is empty")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    if _token_ids(p):
         return p
-    if len(p) == 1 and isinstance(p[0], (str, list)):
+    if len(p) == 1 and (isinstance(p[0], str) or (isinstance(p[0], list) and _token_ids(p[0]))):
         return _prompt({"prompt": p[0]})  # a batch of one, as some clients always send
-    if all(isinstance(t, (str, list)) for t in p):
+    if len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
         raise BadRequest(f"batched prompts ({len(p)}) are not supported; send one prompt per request")
     raise BadRequest("'prompt' must be a string or a list of integer token ids")
 
 
-def parse_completion(body, served_model: str) -> tuple:
-    """body (decoded JSON) -> (prompt, SamplingParams, stream, include_usage); BadRequest on bad input."""
+def parse_completion(body, served_model: str, aliases: tuple[str, ...] = ()) -> tuple:
+    """body (decoded JSON) -> (prompt, SamplingParams, stream, include_usage); BadRequest on bad input.
+    `model` may be served_model or one of aliases (other names of the same model)."""
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
-    if model is not None and model != served_model:
+    if model is not None and model != served_model and model not in aliases:
         raise BadRequest(f"model {model!r} does not exist; this server serves {served_model!r}", status=404)
     prompt = _prompt(body)
     if _int(body, "n", 1) != 1 or _int(body, "best_of", 1) != 1:
@@ -77,6 +89,9 @@ def parse_completion(body, served_model: str) -> tuple:
         raise BadRequest("'echo' is not supported")
     if body.get("stop"):
         raise BadRequest("stop strings are not supported; use 'stop_token_ids'")
+    for name, neutral in UNSUPPORTED.items():
+        if name in body and body[name] not in neutral:
+            raise BadRequest(f"'{name}' is not supported (got {body[name]!r}); leave it out")
     stop_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
         raise BadRequest(f"'stop_token_ids' must be a list of integers, got {stop_ids!r}")
@@ -86,6 +101,8 @@ def parse_completion(body, served_model: str) -> tuple:
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise BadRequest(f"'stream_options' must be an object, got {opts!r}")
+    if not isinstance(opts.get("include_usage", False), bool):
+        raise BadRequest(f"'stream_options.include_usage' must be true or false, got {opts['include_usage']!r}")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"'ignore_eos' must be true or false, got {ignore_eos!r}")

@@ -1,19 +1,23 @@
 """Run-config files (TOML): model, parallel sizes, engine options, EPLB/DBO sections, what to run.
 
 The same file works single-process and under torchrun/mpirun: dp_size/ep_size default to
-"auto" (the launcher's world size). CLI flags override file values.
+"auto" (the launcher's world size). CLI flags (launch/options.py) override file values; a file used
+with a model given on the command line may leave out [model] path.
 
     [model]    path, dtype, max_model_len, experts_backend (auto|torch|triton|deepgemm),
                attention_backend (auto|torch|triton)
     [parallel] dp_size, ep_size ("auto" | int), backend, dispatch_backend, num_redundant_experts, timeout_s,
                heartbeat_s, torch_low_latency_max_tokens, deepep_low_latency_max_tokens, simulated_latency_us,
                simulated_gbps
-    [engine]   block_size, kv_cache_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed
+    [engine]   block_size, kv_cache_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed,
+               enable_prefix_caching, max_logprobs (20)
     [eplb]     enabled, window_size, step_interval, num_redundant_experts, policy, initial_placement,
                migration_aware, transfer_layers_per_step (eplb/config.py)
     [dbo]      enabled (true | false | "auto"), decode_token_threshold, prefill_token_threshold
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
-    [server]   host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's name) for `wideep serve`
+    [server]   for `wideep serve`: host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's
+               name), api_key (clients send `Authorization: Bearer KEY` to /v1/*; also WIDEEP_API_KEY),
+               protect_metrics (false: /metrics open even with an api_key)
     [disagg]   kv_transfer, idle_sleep_s; [disagg.prefill] / [disagg.decode]: dp_size, ep_size, max_num_seqs,
                max_num_batched_tokens, kv_cache_blocks (disagg/config.py). Present = prefill/decode pools.
 """
@@ -38,16 +42,28 @@ SECTIONS: dict[str, set[str]] = {
                  "timeout_s", "heartbeat_s", "deepep_low_latency_max_tokens", "simulated_latency_us",
                  "simulated_gbps"},
     "engine": {"block_size", "kv_cache_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "seed",
-               "enable_prefix_caching"},
+               "enable_prefix_caching", "max_logprobs"},
     "eplb": {f.name for f in dataclasses.fields(EplbConfig)},
     "dbo": {f.name for f in dataclasses.fields(DboConfig)},
     "run": {"prompt_ids", "prompts", "max_tokens", "temperature", "top_p", "top_k", "seed"},
-    "server": {"host", "port", "model_name"},
+    "server": {"host", "port", "model_name", "api_key", "protect_metrics"},
     "disagg": {"prefill", "decode", "kv_transfer", "idle_sleep_s"},
 }
 
 
-def validate(cfg: dict[str, Any], source: str = "run config") -> dict[str, Any]:
+def _check_server(s: dict[str, Any], source: str) -> None:
+    for key in ("host", "model_name", "api_key"):
+        if key in s and (not isinstance(s[key], str) or not s[key]):
+            got = repr(s[key]) if key != "api_key" else f"a {type(s[key]).__name__}"  # never echo a secret
+            raise ValueError(f"{source}: [server] {key} must be a non-empty string, got {got}")
+    port = s.get("port", 0)
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"{source}: [server] port must be an int in [0, 65535], got {port!r}")
+    if not isinstance(s.get("protect_metrics", False), bool):
+        raise ValueError(f"{source}: [server] protect_metrics must be true or false, got {s['protect_metrics']!r}")
+
+
+def validate(cfg: dict[str, Any], source: str = "run config", require_model: bool = True) -> dict[str, Any]:
     for section, body in cfg.items():
         if section not in SECTIONS:
             raise ValueError(f"{source}: unknown section [{section}] (known: {sorted(SECTIONS)})")
@@ -78,12 +94,14 @@ def validate(cfg: dict[str, Any], source: str = "run config") -> dict[str, Any]:
             DisaggConfig.from_dict(cfg["disagg"])
         except (ValueError, TypeError) as e:
             raise ValueError(f"{source}: [disagg] {e}") from None
-    if "path" not in cfg.get("model", {}):
+    if "server" in cfg:
+        _check_server(cfg["server"], source)
+    if require_model and "path" not in cfg.get("model", {}):
         raise ValueError(f"{source}: [model] path is required")
     return cfg
 
 
-def load(path: str) -> dict[str, Any]:
+def load(path: str, require_model: bool = True) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             cfg = tomllib.load(f)
@@ -91,7 +109,7 @@ def load(path: str) -> dict[str, Any]:
         raise FileNotFoundError(f"run config {path!r} does not exist") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"run config {path!r} is not valid TOML: {e}") from None
-    return validate(cfg, path)
+    return validate(cfg, path, require_model)
 
 
 def override(cfg: dict[str, Any], **flags: Any) -> dict[str, Any]:
@@ -103,6 +121,14 @@ def override(cfg: dict[str, Any], **flags: Any) -> dict[str, Any]:
         section, key = name.split("__", 1)
         out.setdefault(section, {})[key] = value
     return validate(out, "run config + flags")
+
+
+def sampling_params(cfg: dict[str, Any]):
+    """SamplingParams from [run] (temperature 0, max_tokens 16 unless set)."""
+    from engine.sampling_params import SamplingParams
+    r = cfg.get("run", {})
+    return SamplingParams(temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0), top_k=r.get("top_k", -1),
+                          max_tokens=r.get("max_tokens", 16), seed=r.get("seed"))
 
 
 def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:

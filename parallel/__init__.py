@@ -4,7 +4,7 @@ ParallelConfig (sizes, backends, timeouts) -> bootstrap(cfg) -> ParallelContext,
 module that communicates; make_dispatcher(ctx, ...) moves MoE tokens over the EP group.
 """
 from .agreement import check_agreement, fingerprint
-from .bootstrap import bootstrap, launch_world_size, shutdown
+from .bootstrap import bootstrap, launch_rank, launch_world_size, shutdown
 from .config import ParallelConfig
 from .context import ParallelContext
 from .dispatch import Dispatched, Dispatcher, DispatchStats, LocalDispatcher, Pending, make_dispatcher

@@ -85,6 +85,16 @@ def _detect(env: Mapping[str, str]) -> _Launch:
     return _Launch("single")
 
 
+def launch_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process's rank as the launcher announced it (0 when started plainly), readable before
+    bootstrap (e.g. to set up signal handling before a long model load)."""
+    env = os.environ if env is None else env
+    for key in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if key in env:
+            return _env_int(env, key)
+    return 0
+
+
 def launch_world_size(env: Mapping[str, str] | None = None) -> int:
     """The world size a launcher announced in the environment (1 when started plainly), read before
     bootstrap so that "auto" sizes can be resolved without connecting."""

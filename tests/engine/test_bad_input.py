@@ -109,3 +109,61 @@ def test_bad_request_in_batch_accepts_nothing_and_engine_keeps_serving(llm):
     assert llm.generate([[3, 4, 5]], sp)[0].outputs[0].token_ids == good
     blocks = llm.engine.core.blocks.allocator
     assert blocks.num_free == blocks.num_blocks
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"top_k": -5}, r"top_k must be -1 or 0 \(disabled\) or >= 1, got -5"),
+    ({"top_k": 2.5}, "top_k must be an int"),
+    ({"temperature": float("nan")}, "temperature must be finite"),
+    ({"temperature": float("inf")}, "temperature must be finite"),
+    ({"top_p": float("nan")}, "top_p must be finite"),
+    ({"logprobs": -1}, "logprobs must be >= 0, got -1"),
+    ({"prompt_logprobs": "5"}, "prompt_logprobs must be an int"),
+    ({"logprobs": True}, "logprobs must be an int"),
+    ({"seed": 1 << 64}, r"seed must be in \[-2\*\*63, 2\*\*64\)"),
+    ({"seed": -(1 << 63) - 1}, r"seed must be in \[-2\*\*63, 2\*\*64\)"),
+    ({"stop_token_ids": "12"}, "stop_token_ids must be a list of ints"),
+    ({"stop_token_ids": [1, 2.0]}, "stop_token_ids must be a list of ints"),
+])
+def test_sampling_params_reject_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_sampling_params_edges_accepted():
+    assert SamplingParams(top_k=0).top_k == -1          # 0 disables top-k, as in vLLM
+    assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=1).top_k == 1
+    assert SamplingParams(seed=(1 << 64) - 1).seed == (1 << 64) - 1 and SamplingParams(seed=-(1 << 63)).seed
+    assert SamplingParams(temperature=1e-300).greedy and not SamplingParams(temperature=1e-5).greedy
+
+
+def test_hostile_sampling_params_run_or_are_refused_and_engine_keeps_serving(llm):
+    """Each of these once passed validation and then failed inside a step, leaving the engine broken."""
+    greedy = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids
+    for kw, match in [({"logprobs": 10 ** 6}, r"logprobs=1000000 is more than max_logprobs=20"),
+                      ({"prompt_logprobs": 21}, r"prompt_logprobs=21 is more than max_logprobs=20")]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([[3, 4, 5]], SamplingParams(max_tokens=4, **kw))
+    # a tiny temperature is greedy (dividing by it would overflow the logits); extreme seeds work
+    assert llm.generate([[3, 4, 5]], SamplingParams(temperature=1e-300, max_tokens=4))[0].outputs[0].token_ids == greedy
+    for seed in ((1 << 64) - 1, -(1 << 63)):
+        assert len(llm.generate([[3, 4, 5]], SamplingParams(seed=seed, max_tokens=4, ignore_eos=True))[0]
+                   .outputs[0].token_ids) == 4
+    (o,) = llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=2, logprobs=20, prompt_logprobs=20))
+    assert all(len(lp) >= 20 for lp in o.outputs[0].logprobs) and all(len(lp) >= 20 for lp in o.prompt_logprobs[1:])
+    assert llm.generate([[3, 4, 5]], SamplingParams(temperature=0.0, max_tokens=4))[0].outputs[0].token_ids == greedy
+
+
+def test_max_logprobs_option_and_vocab_cap(tiny):
+    with pytest.raises(ValueError, match="max_logprobs must be an int >= 0, got -1"):
+        LLM(tiny, max_logprobs=-1)
+    llm = LLM(tiny, progress=False, max_model_len=64, max_logprobs=1000)
+    V = llm.config.vocab_size
+    with pytest.raises(ValueError, match=rf"logprobs={V + 1} is more than the vocabulary \(vocab_size={V}\)"):
+        llm.generate([[3, 4]], SamplingParams(max_tokens=1, logprobs=V + 1))
+    (o,) = llm.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=1, logprobs=V))
+    assert len(o.outputs[0].logprobs[0]) == V
+    none = LLM(tiny, progress=False, max_model_len=64, max_logprobs=0)
+    with pytest.raises(ValueError, match="logprobs=1 is more than max_logprobs=0"):
+        none.generate([[3, 4]], SamplingParams(max_tokens=1, logprobs=1))
+    assert none.generate([[3, 4]], SamplingParams(max_tokens=1, logprobs=0))[0].outputs[0].logprobs[0]

@@ -57,20 +57,6 @@ def test_flags_override_file(tmp_path):
     assert kw["dbo"] == {"enabled": "auto"} and kw["eplb"] == {"enabled": True}
 
 
-def test_feature_flags_parse():
-    import argparse
-
-    from launch.cli import _add_feature_flags, _feature_flags
-    p = argparse.ArgumentParser()
-    _add_feature_flags(p)
-    assert _feature_flags(p.parse_args([])) == {"dbo__enabled": None, "eplb__enabled": None}
-    assert _feature_flags(p.parse_args(["--enable-dbo"]))["dbo__enabled"] is True
-    assert _feature_flags(p.parse_args(["--enable-dbo", "auto", "--enable-eplb"])) == {
-        "dbo__enabled": "auto", "eplb__enabled": True}
-    with pytest.raises(SystemExit):
-        p.parse_args(["--enable-dbo", "sometimes"])
-
-
 @pytest.mark.multirank
 def test_same_config_single_process_and_two_ranks(tmp_path, capfd):
     d = make_tiny_checkpoint(str(tmp_path / "m"), arch="v3", seed=4)

@@ -43,19 +43,24 @@ model_name = "tiny"
 
 
 class ServerProc:
-    """`python -m launch serve` on `ranks` local ranks (torchrun-style env, as launch/local.py sets it)."""
+    """`python -m launch serve <args>` (a config path: `--config` it) on `ranks` local ranks
+    (torchrun-style env, as launch/local.py sets it); env: extra environment variables."""
 
-    def __init__(self, config: str, ranks: int = 1, start_timeout_s: float = 120.0):
+    def __init__(self, args: str | list[str], ranks: int = 1, start_timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None):
+        args = ["--config", args] if isinstance(args, str) else args
         self.procs, self.lines = [], queue.Queue()
         master = str(free_port())
         for rank in range(ranks):
-            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                     "LOCAL_WORLD_SIZE", "MASTER_PORT")}
+            penv = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                      "LOCAL_WORLD_SIZE", "MASTER_PORT",
+                                                                      "WIDEEP_API_KEY")}
+            penv.update(env or {})
             if ranks > 1:
-                env.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=master, OMP_NUM_THREADS="1")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "launch", "serve", "--config", config],
-                                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                penv.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks),
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT=master, OMP_NUM_THREADS="1")
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "launch", "serve", *args],
+                                               env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         self.output: list[list[str]] = [[] for _ in range(ranks)]
         for rank, p in enumerate(self.procs):  # drain every pipe: a full pipe would block a rank
             threading.Thread(target=self._drain, args=(rank, p), daemon=True).start()
@@ -94,10 +99,11 @@ class ServerProc:
         return rcs
 
 
-def request(base: str, method: str, path: str, body=None, timeout_s: float = 60.0) -> tuple[int, bytes]:
+def request(base: str, method: str, path: str, body=None, timeout_s: float = 60.0,
+            headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection(base, timeout=timeout_s)
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
     r = conn.getresponse()
     out = (r.status, r.read())
     conn.close()

@@ -69,6 +69,16 @@ def test_bootstrap_errors_before_connecting():
                                          "MASTER_PORT": "1"})
 
 
+def test_launch_rank_and_world_size_from_env():
+    from parallel import launch_rank, launch_world_size
+    assert (launch_rank({}), launch_world_size({})) == (0, 1)
+    env = {"RANK": "3", "WORLD_SIZE": "4"}
+    assert (launch_rank(env), launch_world_size(env)) == (3, 4)
+    assert launch_rank({"PMI_RANK": "1"}) == 1 and launch_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2
+    with pytest.raises(ValueError, match="RANK='x' is not an integer"):
+        launch_rank({"RANK": "x"})
+
+
 def test_local_dispatcher_passes_ids_through():
     ctx = ParallelContext.single()
     d = make_dispatcher(ctx, 8, 4)

@@ -1,0 +1,129 @@
+"""The flags of `wideep serve` / `run` / `generate`: each one overrides one run-config key.
+
+One table (OPTIONS) gives both the argparse flags and the run-config overrides, so a new option is
+one line here plus its key in run_config.SECTIONS (a test checks that every key exists there).
+`wideep serve MODEL_DIR` takes the model positionally, as `vllm serve` does; `--model` is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SERVE, RUN, GENERATE = "serve", "run", "generate"
+ENGINE = (SERVE, RUN, GENERATE)  # what builds an engine: every command here
+
+
+def _dbo(value: str):
+    if value not in ("true", "auto"):
+        raise argparse.ArgumentTypeError(f"--enable-dbo takes nothing, 'true' or 'auto', got {value!r}")
+    return True if value == "true" else "auto"
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("is empty")
+    return ids
+
+
+@dataclass(frozen=True)
+class Option:
+    key: str                     # "section.key" in the run config
+    help: str
+    commands: tuple[str, ...] = ENGINE
+    flag: str = ""               # default: --key, "_" -> "-"
+    spec: dict[str, Any] = field(default_factory=dict)  # add_argument's type / action / choices ...
+
+    @property
+    def dest(self) -> str:       # run_config.override's name for the key
+        return self.key.replace(".", "__")
+
+    @property
+    def name(self) -> str:
+        return self.flag or "--" + self.key.split(".", 1)[1].replace("_", "-")
+
+
+INT, FLOAT = {"type": int}, {"type": float}
+OPTIONS: tuple[Option, ...] = (
+    Option("model.path", "the checkpoint directory (same as the positional MODEL_DIR)", flag="--model"),
+    Option("model.dtype", "float32 | bfloat16 | float16 (default float32)"),
+    Option("model.max_model_len", "context length (default: the model's max_position_embeddings)", spec=INT),
+    Option("model.experts_backend", "auto | torch | triton | deepgemm"),
+    Option("model.attention_backend", "auto | torch | triton"),
+    Option("parallel.dp_size", "data-parallel ranks (default: the launcher's world size)", spec=INT),
+    Option("parallel.ep_size", "expert-parallel ranks (default: the launcher's world size)", spec=INT),
+    Option("parallel.dispatch_backend", "MoE all-to-all backend",
+           spec={"choices": ["auto", "torch", "allgather", "deepep"]}),
+    Option("engine.block_size", "KV cache block size in tokens (default 64)", spec=INT),
+    Option("engine.kv_cache_blocks", "KV cache blocks per rank (default: sized from kv_cache_memory)", spec=INT),
+    Option("engine.max_num_seqs", "most sequences in one step per rank (default 256)", spec=INT),
+    Option("engine.max_num_batched_tokens", "most tokens in one step per rank (default 8192)", spec=INT),
+    Option("engine.enable_prefix_caching", "reuse cached KV blocks of shared prompt prefixes (default on)",
+           spec={"action": argparse.BooleanOptionalAction}),
+    Option("engine.max_logprobs", "the most logprobs / prompt_logprobs a request may ask for (default 20)",
+           spec=INT),
+    Option("engine.seed", "the engine's sampling seed (requests without their own seed)", commands=(SERVE,),
+           flag="--seed", spec=INT),
+    Option("eplb.enabled", "online expert load balancing ([eplb] enabled)", flag="--enable-eplb",
+           spec={"action": "store_const", "const": True}),
+    Option("dbo.enabled", "dual-batch overlap ([dbo] enabled); 'auto': split only where it measured faster",
+           flag="--enable-dbo", spec={"nargs": "?", "const": True, "type": _dbo}),
+    Option("server.host", "bind address (default 127.0.0.1: this host only)", commands=(SERVE,)),
+    Option("server.port", "default 8000; 0 picks a free port (printed)", commands=(SERVE,), spec=INT),
+    Option("server.model_name", "the `model` clients pass (default: the checkpoint dir's name)", commands=(SERVE,)),
+    Option("server.api_key", "clients must send `Authorization: Bearer KEY` to /v1/* (also WIDEEP_API_KEY)",
+           commands=(SERVE,)),
+    Option("server.protect_metrics", "/metrics needs the API key too", commands=(SERVE,),
+           spec={"action": "store_const", "const": True}),
+    Option("run.prompt_ids", "a prompt as comma-separated token ids (repeat for more prompts)", commands=(RUN,),
+           flag="--prompt-ids", spec={"action": "append", "type": token_ids}),
+    Option("run.prompts", "a text prompt (repeat for more prompts)", commands=(RUN,), flag="--prompt",
+           spec={"action": "append"}),
+    Option("run.max_tokens", "tokens to generate per prompt (default 16)", commands=(RUN, GENERATE), spec=INT),
+    Option("run.temperature", "0 is greedy (default 0)", commands=(RUN, GENERATE), spec=FLOAT),
+    Option("run.top_p", "default 1.0", commands=(RUN, GENERATE), spec=FLOAT),
+    Option("run.top_k", "-1 or 0: off (default)", commands=(RUN, GENERATE), spec=INT),
+    Option("run.seed", "the requests' sampling seed", commands=(RUN, GENERATE), flag="--seed", spec=INT),
+)
+
+
+def add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """The positional MODEL_DIR, --config, and every option of `command`; unset ones stay None."""
+    parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="the checkpoint directory")
+    parser.add_argument("--config", help="a TOML run config (launch/run_config.py); flags override its values")
+    for o in OPTIONS:
+        if command in o.commands:
+            takes_value = o.spec.get("action") in (None, "append")
+            meta = {"metavar": o.key.split(".", 1)[1].upper()} if takes_value and "choices" not in o.spec else {}
+            parser.add_argument(o.name, dest=o.dest, default=None, help=o.help, **meta, **o.spec)
+
+
+def overrides(args: argparse.Namespace, command: str) -> dict[str, Any]:
+    """-> {"section__key": value} for run_config.override (None: not given)."""
+    out = {o.dest: getattr(args, o.dest) for o in OPTIONS if command in o.commands}
+    if args.model_dir is not None:
+        if out["model__path"] not in (None, args.model_dir):
+            raise ValueError(f"two models given: MODEL_DIR {args.model_dir!r} and --model {out['model__path']!r}")
+        out["model__path"] = args.model_dir
+    return out
+
+
+def resolve(args: argparse.Namespace, command: str, env=os.environ) -> dict[str, Any]:
+    """The run config of `wideep <command> args`: --config (optional) with the flags over it. serve's
+    API key: --api-key, else WIDEEP_API_KEY, else [server] api_key (an env var set for the deployment
+    beats a file that may be shared)."""
+    from . import run_config
+    cfg = run_config.load(args.config, require_model=False) if args.config else {}
+    flags = overrides(args, command)
+    if command == SERVE and flags["server__api_key"] is None and "WIDEEP_API_KEY" in env:
+        if not env["WIDEEP_API_KEY"]:
+            raise ValueError("WIDEEP_API_KEY is set but empty; unset it or give a key")
+        flags["server__api_key"] = env["WIDEEP_API_KEY"]
+    if flags["model__path"] is None and "path" not in cfg.get("model", {}):
+        raise ValueError(f"no model: `wideep {command} MODEL_DIR` (or --model, or [model] path in --config)")
+    return run_config.override(cfg, **flags)
