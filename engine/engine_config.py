@@ -166,7 +166,7 @@ def _build(typ, body: dict, section: str):
     _unknown(section, body, {f.name for f in dataclasses.fields(typ)})
     try:
         return typ(**body)
-    except TypeError as e:  # a wrongly typed value the dataclass did not check itself
+    except (TypeError, ValueError) as e:  # TypeError: a wrongly typed value the dataclass did not check
         raise ValueError(f"[{section}] {e}") from None
 
 

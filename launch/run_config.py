@@ -33,37 +33,58 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from dbo.overlap import DboConfig
-from eplb.config import EplbConfig
-
-SECTIONS: dict[str, set[str]] = {
-    "model": {"path", "dtype", "max_model_len", "experts_backend", "attention_backend"},
-    "parallel": {"dp_size", "ep_size", "tp_size", "backend", "dispatch_backend", "num_redundant_experts",
-                 "timeout_s", "heartbeat_s", "deepep_low_latency_max_tokens", "simulated_latency_us",
-                 "simulated_gbps"},
-    "engine": {"block_size", "kv_cache_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "seed",
-               "enable_prefix_caching", "max_logprobs"},
-    "eplb": {f.name for f in dataclasses.fields(EplbConfig)},
-    "dbo": {f.name for f in dataclasses.fields(DboConfig)},
-    "run": {"prompt_ids", "prompts", "max_tokens", "temperature", "top_p", "top_k", "seed"},
-    "server": {"host", "port", "model_name", "api_key", "protect_metrics"},
-    "disagg": {"prefill", "decode", "kv_transfer", "idle_sleep_s"},
-}
+from dataclasses import dataclass
 
 
-def _check_server(s: dict[str, Any], source: str) -> None:
-    for key in ("host", "model_name", "api_key"):
-        if key in s and (not isinstance(s[key], str) or not s[key]):
-            got = repr(s[key]) if key != "api_key" else f"a {type(s[key]).__name__}"  # never echo a secret
-            raise ValueError(f"{source}: [server] {key} must be a non-empty string, got {got}")
-    port = s.get("port", 0)
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ValueError(f"{source}: [server] port must be an int in [0, 65535], got {port!r}")
-    if not isinstance(s.get("protect_metrics", False), bool):
-        raise ValueError(f"{source}: [server] protect_metrics must be true or false, got {s['protect_metrics']!r}")
+@dataclass(frozen=True)
+class ServerSection:
+    """[server], for `wideep serve`."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_name: str | None = None
+    api_key: str | None = None
+    protect_metrics: bool = False
+
+    def __post_init__(self):
+        for key in ("host", "model_name", "api_key"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v):
+                got = repr(v) if key != "api_key" else f"a {type(v).__name__}"  # never echo a secret
+                raise ValueError(f"[server] {key} must be a non-empty string, got {got}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"[server] port must be an int in [0, 65535], got {self.port!r}")
+        if not isinstance(self.protect_metrics, bool):
+            raise ValueError(f"[server] protect_metrics must be true or false, got {self.protect_metrics!r}")
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """[run], what `wideep run` generates."""
+    prompt_ids: tuple = ()
+    prompts: tuple = ()
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+
+
+def _sections() -> dict[str, set[str]]:
+    """Every section's keys, from the dataclasses that parse them (never a hand-kept list)."""
+    from disagg.config import DisaggConfig
+    from engine.engine_config import EngineConfig
+    out = EngineConfig.section_keys()
+    for name, cls in (("server", ServerSection), ("run", RunSection), ("disagg", DisaggConfig)):
+        out[name] = {f.name for f in dataclasses.fields(cls)}
+    return out
+
+
+SECTIONS: dict[str, set[str]] = _sections()
 
 
 def validate(cfg: dict[str, Any], source: str = "run config", require_model: bool = True) -> dict[str, Any]:
+    """Check every section and key, then parse each section with its own dataclass (the one strict
+    parser the engine uses too), so a value that would fail at start-up fails here, naming it."""
     for section, body in cfg.items():
         if section not in SECTIONS:
             raise ValueError(f"{source}: unknown section [{section}] (known: {sorted(SECTIONS)})")
@@ -72,32 +93,20 @@ def validate(cfg: dict[str, Any], source: str = "run config", require_model: boo
         unknown = sorted(set(body) - SECTIONS[section])
         if unknown:
             raise ValueError(f"{source}: unknown keys {unknown} in [{section}] (known: {sorted(SECTIONS[section])})")
-    if "eplb" in cfg:
-        try:
-            EplbConfig.from_dict(cfg["eplb"])
-        except ValueError as e:
-            raise ValueError(f"{source}: [eplb] {e}") from None
-    if "dbo" in cfg:
-        try:
-            DboConfig(**cfg["dbo"])
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{source}: [dbo] {e}") from None
-    from attention_mla.paged_decode import ATTENTION_BACKENDS
-    from moe.backend import EXPERTS_BACKENDS
-    for key, allowed in (("experts_backend", EXPERTS_BACKENDS), ("attention_backend", ATTENTION_BACKENDS)):
-        value = cfg.get("model", {}).get(key, "auto")
-        if value not in allowed:
-            raise ValueError(f"{source}: [model] {key} = {value!r} is not one of {allowed}")
-    if "disagg" in cfg:
-        from disagg.config import DisaggConfig
-        try:
-            DisaggConfig.from_dict(cfg["disagg"])
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{source}: [disagg] {e}") from None
-    if "server" in cfg:
-        _check_server(cfg["server"], source)
     if require_model and "path" not in cfg.get("model", {}):
         raise ValueError(f"{source}: [model] path is required")
+    from engine.engine_config import EngineConfig
+    sections = dict(cfg, model=dict(cfg.get("model", {})))
+    sections["model"].setdefault("path", "<given on the command line>")
+    try:
+        EngineConfig.from_sections(sections, world_size=1)
+        ServerSection(**cfg.get("server", {}))
+        RunSection(**cfg.get("run", {}))
+        if "disagg" in cfg:
+            from disagg.config import DisaggConfig
+            DisaggConfig.from_dict(cfg["disagg"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{source}: {e}") from None
     return cfg
 
 
@@ -132,12 +141,14 @@ def sampling_params(cfg: dict[str, Any]):
 
 
 def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """LLM(**kwargs) from a validated run config."""
-    m, e = cfg["model"], cfg.get("engine", {})
-    par = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
-    eplb = {"eplb": dict(cfg["eplb"])} if cfg.get("eplb") else {}
-    dbo = {"dbo": dict(cfg["dbo"])} if cfg.get("dbo") else {}
-    backends = {k: m[k] for k in ("experts_backend", "attention_backend") if k in m}
-    disagg = {"disagg": dict(cfg["disagg"])} if "disagg" in cfg else {}
-    return dict(model=m["path"], dtype=m.get("dtype", "float32"), max_model_len=m.get("max_model_len"),
-                parallel=par, progress=False, **backends, **eplb, **dbo, **disagg, **e)
+    """LLM(**kwargs) from a validated run config: [model] and [engine] keys are EngineConfig's
+    option names (path -> model); [parallel] / [eplb] / [dbo] / [disagg] go in as dicts."""
+    kw: dict[str, Any] = {"progress": False}
+    for section in ("model", "engine"):
+        for k, v in cfg.get(section, {}).items():
+            kw["model" if k == "path" else k] = v
+    kw["parallel"] = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
+    for section in ("eplb", "dbo", "disagg"):
+        if cfg.get(section) or (section == "disagg" and section in cfg):
+            kw[section] = dict(cfg[section])
+    return kw
