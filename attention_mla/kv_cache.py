@@ -23,6 +23,19 @@ class LatentKVPool:
         self.pools = [torch.zeros(num_blocks * block_size, latent_dim, dtype=dtype, device=device)
                       for _ in range(num_layers)]
 
+    @property
+    def device(self) -> torch.device:
+        return self.pools[0].device
+
+    def slot_list(self, block_ids: list[int], lo: int, hi: int) -> list[int]:
+        """Slots of positions lo .. hi-1 of a sequence with these blocks (the one home of the formula)."""
+        bs = self.block_size
+        return [block_ids[j // bs] * bs + j % bs for j in range(lo, hi)]
+
+    def slots(self, block_ids: list[int], lo: int, hi: int) -> torch.Tensor:
+        """slot_list as an int64 tensor [hi - lo] on the pools' device."""
+        return torch.tensor(self.slot_list(block_ids, lo, hi), dtype=torch.int64, device=self.device)
+
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype) -> int:
         return num_layers * block_size * latent_dim * torch.empty(0, dtype=dtype).element_size()

@@ -55,7 +55,7 @@ class DisaggConfig:
     prefill: PoolConfig = PoolConfig()
     decode: PoolConfig = PoolConfig()
     kv_transfer: str = "torch"       # "torch" (gloo / NCCL point-to-point); "nixl" | "mooncake": see kv_transfer.py
-    idle_sleep_s: float = 0.002      # a prefill pool with nothing to do polls its mailbox this often
+    idle_sleep_s: float = 0.002      # a pool whose ranks all wait on KV transfers (no tokens) pauses this long
 
     def __post_init__(self):
         self.prefill.check("prefill")

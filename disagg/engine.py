@@ -5,7 +5,7 @@
     if eng.is_front:            # global rank 0, a decode rank: Engine's API (add_request/step/abort/metrics)
         ...; eng.shutdown()
     else:
-        eng.run_worker_loop()   # decode ranks follow the front's steps; prefill ranks run their own loop
+        eng.run_worker_loop()   # every other rank: the engine's step loop, in its pool's lockstep
 
 Every check that can fail runs on every rank before anything connects (the same error everywhere):
 the pool sizes against the world size and the experts; options that are set per pool; then, once
@@ -20,9 +20,9 @@ from parallel import ParallelConfig, bootstrap, check_agreement, fingerprint, la
 from parallel.watchdog import guard_collective
 
 from .config import DisaggConfig
-from .decode import DecodeEngine
+from .decode import DecodeHooks, DisaggEngine
 from .kv_transfer import check_backend
-from .prefill import PrefillWorker
+from .prefill import PrefillHooks
 from .roles import build_roles
 
 _PER_POOL = ("dp_size", "ep_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks")
@@ -41,8 +41,9 @@ def _check_options(options: dict, par: dict) -> None:
             raise ValueError(f"{key} is not supported with prefill/decode disaggregation yet; disable [{key}]")
 
 
-def make_engine(model: str, disagg, parallel=None, **options):
-    """-> DecodeEngine (decode ranks; the front on rank 0) or PrefillWorker (prefill ranks)."""
+def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
+    """-> this rank's DisaggEngine: a decode rank (the front on global rank 0) or a prefill rank,
+    each the engine's own step loop with the role's hooks."""
     cfg = DisaggConfig.coerce(disagg)
     par = dict(parallel.to_dict() if isinstance(parallel, ParallelConfig) else (parallel or {}))
     _check_options(options, par)
@@ -59,8 +60,12 @@ def make_engine(model: str, disagg, parallel=None, **options):
     check_agreement(ctx, fingerprint([cfg.to_dict(), par, options]), "disagg config / engine options")
     roles = build_roles(ctx, cfg)
     pool_options = dict(options, parallel=par, **getattr(cfg, roles.role).engine_options())
-    eng = (DecodeEngine if roles.role == "decode" else PrefillWorker)(model, roles, **pool_options)
-    eng.job_ctx = ctx
+    hooks = (DecodeHooks if roles.role == "decode" else PrefillHooks)(roles.kv, roles.rank)
+    eng = DisaggEngine(model, roles, hooks, **pool_options)
+    if roles.role == "decode":
+        hooks.attach(eng.core)
+    else:
+        hooks.core = eng.core
     # every rank's cache shape, to validate prompts at the front and check the pools agree
     kv = eng.core.kv
     mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
@@ -71,8 +76,7 @@ def make_engine(model: str, disagg, parallel=None, **options):
     if len({(i["dtype"], i["latent_dim"]) for i in infos}) > 1:
         raise RuntimeError("the pools cache latents differently: " + ", ".join(
             f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']}" for r, i in enumerate(infos)))
-    if roles.role == "decode":
-        pre = [i for i in infos if i["role"] == "prefill"]
-        smallest = min(pre, key=lambda i: i["blocks"] * i["block_size"])
-        eng.prefill_blocks = (smallest["blocks"], smallest["block_size"])
+    pre = [i for i in infos if i["role"] == "prefill"]
+    smallest = min(pre, key=lambda i: i["blocks"] * i["block_size"])
+    eng.prefill_blocks = (smallest["blocks"], smallest["block_size"])
     return eng

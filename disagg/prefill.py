@@ -1,4 +1,5 @@
-"""A prefill-pool rank: computes prompts and streams their latent KV to decode ranks, layer by layer.
+"""A prefill-pool rank: the engine's step loop with hooks that stream each prompt's latent KV to
+its decode rank, layer by layer.
 
 Messages of one transfer (KVTransfer stream = the transfer id tid, prefill rank -> decode rank), in order:
     header {lo, hi, last}          before the chunk's forward: tokens lo..hi-1 follow
@@ -11,19 +12,16 @@ back-pressure, nothing dropped. Legend: L layers, D = kv_lora_rank + rope dim, T
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from engine.core import EngineCore
-from parallel.watchdog import guard_collective
+from engine.messages import Abort, NewRequest
+from engine.rank_loop import RankHooks
 
 from .kv_transfer import Handle, send_object
-from .roles import Roles
-
-END, SHUTDOWN = 1, 2
 
 
 @dataclass
@@ -38,83 +36,51 @@ class _Job:
     send_start: list[float] = field(default_factory=list)   # perf_counter, last chunk
 
 
-class PrefillWorker:
-    """Built on every prefill-pool rank; run_worker_loop() until the front ends or shuts down the job."""
+class PrefillHooks(RankHooks):
+    """Built on every prefill-pool rank and given to its Engine (the loop is the engine's own)."""
 
-    def __init__(self, model: str, roles: Roles, **options):
-        self.roles, self.kv, self.box = roles, roles.kv, roles.mailbox
-        self.core = EngineCore(model, ctx=roles.pool_ctx, **options)
-        self.ctx = roles.ctx
+    def __init__(self, kv, rank: int):
+        self.kv, self.rank = kv, rank              # KVTransfer; this rank's global rank
+        self.core = None                           # set by make_engine once the engine is built
         self._jobs: dict[str, _Job] = {}           # request id -> job (prefilling or sending)
         self._sending: dict[str, object] = {}      # request id -> finished Sequence whose sends are in flight
-        self._command = 0
+        self._chunks: list = []
         self.prefilled_tokens = 0
+        self._t0 = 0.0
 
-    is_front = False
+    # -- admission ----------------------------------------------------------------------------------
+    def handle(self, msg) -> bool:
+        if isinstance(msg, NewRequest):
+            # The prefill computes the prompt and samples the first token; the decode rank applies the
+            # stop checks. So the sequence here never finishes on its own: this hook releases it.
+            params = dataclasses.replace(msg.params, ignore_eos=True, stop_token_ids=[], max_tokens=None)
+            seq = self.core.make_sequence(dataclasses.replace(msg, params=params, max_tokens=1))
+            seq.max_tokens, seq.eos_token_ids = 1 << 62, ()
+            self._jobs[seq.request_id] = _Job(msg.extra["tid"], msg.extra["dst"])
+            self.core.scheduler.add(seq)
+            return True
+        if isinstance(msg, Abort):
+            return True   # the decode rank finishes an aborted request once its transfer is through
+        return False
 
-    # -- control ----------------------------------------------------------------------------------
-    def _read_mailbox(self) -> None:
-        with guard_collective(self.ctx):  # the store lives on rank 0: its loss is named, not a socket error
-            msgs = self.box.poll(0)
-        for kind, body in msgs:
-            if kind == "new":
-                seq = self.core.make_sequence(body["request_id"], None, body["ids"], body["params"], 1)
-                seq.arrival_time = body["arrival"]
-                self._jobs[seq.request_id] = _Job(body["tid"], body["dst"])
-                self.core.scheduler.add(seq)
-            else:
-                self._command = max(self._command, END if kind == "end" else SHUTDOWN)
+    # -- around each step ---------------------------------------------------------------------------
+    def before_schedule(self) -> list:
+        self._reap()
+        return []
 
-    def _sync(self, has_batch: bool) -> tuple[bool, int]:
-        """Pool-wide: (any prefill rank has a batch to run, END/SHUTDOWN seen by any rank)."""
-        flags = torch.tensor([int(has_batch), self._command], dtype=torch.int64)
-        if self.roles.pool_ctx.world_size > 1:
-            with guard_collective(self.ctx):
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.roles.pool_ctx.cpu_group)
-        any_work, command = flags.tolist()  # SYNC: the loop's control flow
-        return bool(any_work), command
+    def has_pending(self) -> bool:
+        return bool(self._sending)
 
-    def _reap(self, block: bool = False) -> None:
+    def _reap(self) -> None:
         """Free the blocks of finished prefills whose sends have all completed."""
         for rid, seq in list(self._sending.items()):
             job = self._jobs[rid]
-            if block:
-                for h in job.handles:
-                    h.wait()
             if all(h.done() for h in job.handles):
                 self.core.blocks.free(seq)
                 del self._sending[rid], self._jobs[rid]
 
-    def run_worker_loop(self) -> str:
-        idle = self.roles.cfg.idle_sleep_s
-        while True:
-            self._read_mailbox()
-            self._reap()
-            sched = self.core.scheduler
-            batch = sched.schedule() if sched.has_work() else None
-            # a rank whose waiting prompts find no free blocks (its cache held by sends the decode
-            # pool has not taken yet) waits here instead of spinning through empty steps
-            any_work, command = self._sync(batch is not None and bool(batch.seqs))
-            if any_work:
-                if batch is not None and batch.seqs:
-                    self._step(batch)
-                else:
-                    self.core.runner.dummy_step()  # keep the pool's MoE all-to-alls in lockstep
-            elif command:
-                self._reap(block=True)
-                self._command = 0
-                if command == SHUTDOWN:
-                    self.shutdown()
-                    return "shutdown"
-                return "end"
-            else:
-                time.sleep(idle)
-
-    # -- one prefill step -------------------------------------------------------------------------
     def _slots(self, seq, lo: int, hi: int) -> torch.Tensor:
-        bs = self.core.kv.block_size
-        return torch.tensor([seq.block_ids[j // bs] * bs + j % bs for j in range(lo, hi)], dtype=torch.int64,
-                            device=self.core.kv.pools[0].device)
+        return self.core.kv.slots(seq.block_ids, lo, hi)
 
     def _send_rows(self, job: _Job, slots: torch.Tensor, layer: int) -> None:
         rows = self.core.kv.pools[layer].index_select(0, slots)  # [T, D]: a copy, the blocks stay writable
@@ -123,10 +89,10 @@ class PrefillWorker:
         job.handles.append(self.kv.send_start(job.dst, job.tid, rows))
         job.bytes += rows.numel() * rows.element_size()
 
-    def _step(self, batch) -> None:
-        core = self.core
-        L = len(core.kv.pools)
-        chunks = []  # (job, slots of this step's tokens)
+    def on_layer(self, batch):
+        """Headers now (before the forward); each layer's rows the moment the layer is done."""
+        L = len(self.core.kv.pools)
+        chunks = []  # (job, slots of this step's tokens, last chunk)
         for s, n in zip(batch.seqs, batch.num_tokens):
             job, lo = self._jobs[s.request_id], s.num_computed
             if lo > job.sent_upto:  # a prefix-cache hit: rows never sent for this request go first, from the cache
@@ -140,6 +106,8 @@ class PrefillWorker:
             if last:
                 job.layer_done, job.send_start = [], []
             chunks.append((job, self._slots(s, lo, lo + n), last))
+        self._t0 = time.perf_counter()
+        self.prefilled_tokens += sum(batch.num_tokens)
 
         def on_layer(i: int) -> None:
             now = time.perf_counter()
@@ -148,27 +116,27 @@ class PrefillWorker:
                     job.layer_done.append(now)
                     job.send_start.append(time.perf_counter())
                 self._send_rows(job, slots, i)
+        return on_layer
 
-        t0 = time.perf_counter()
-        core.runner.execute(batch, on_layer=on_layer)
-        self.prefilled_tokens += sum(batch.num_tokens)
-        stats = core.stats()
-        for s in batch.seqs:
-            core.blocks.register_computed(s)
-            if not s.finished:
-                continue
+    def after_step(self, batch, advanced: list) -> list:
+        """Prefills that sampled their first token leave the scheduler (their blocks stay held until
+        the sends complete) and send the trailer. Nothing is reported to the front: the decode rank
+        reports the first token once the KV is there."""
+        t0 = self._t0
+        stats = self.core.stats()
+        for s in advanced:
             job = self._jobs[s.request_id]
-            core.scheduler.running.remove(s)  # its blocks stay held until the sends complete (_reap)
+            self.core.scheduler.release(s)
             self._sending[s.request_id] = s
             gen = s.generator.get_state() if s.generator is not None and s.params.seed is not None else None
             trailer = {"token": s.output_token_ids[0], "logprob": s.cumulative_logprob,
                        "top": s.logprobs[0] if s.logprobs else None, "prompt_logprobs": s.prompt_logprobs,
                        "generator_state": gen, "prefill_start": s.first_scheduled_time, "first_send": job.first_send,
-                       "bytes": job.bytes, "prefill_rank": self.roles.rank, "prefill_stats": stats,
+                       "bytes": job.bytes, "prefill_rank": self.rank, "prefill_stats": stats,
                        "layer_done_s": [t - t0 for t in job.layer_done],
                        "send_start_s": [t - t0 for t in job.send_start], "prefill_done": time.time()}
             job.handles += send_object(self.kv, job.dst, job.tid, trailer)
+        return []
 
-    def shutdown(self) -> None:
-        from parallel import shutdown
-        shutdown(self.ctx)
+    def stats(self) -> dict:
+        return {"role": "prefill", "prefilled_tokens": self.prefilled_tokens, "kv_sends_in_flight": len(self._sending)}

@@ -18,24 +18,14 @@ import torch
 
 from engine.core import EngineCore
 from engine.sequence import Sequence
-
 from parallel.watchdog import guard_collective
 
 from .kv_transfer import TorchKVTransfer, recv_object
 
 
 @dataclass
-class TransferredSequence(Sequence):
-    """A Sequence whose prompt was computed elsewhere; its metrics add the transfer's."""
-    transfer: dict = field(default_factory=dict)
-
-    def metrics(self) -> dict:
-        return {**super().metrics(), **self.transfer}
-
-
-@dataclass
 class Incoming:
-    seq: TransferredSequence
+    seq: Sequence
     tid: int
     src: int                                   # global prefill rank
     accepted: float | None = None              # time.time() when blocks were allocated
@@ -57,10 +47,9 @@ class KVReceiver:
         self.pending: dict[str, Incoming] = {}   # request id -> transfer, in arrival order
         self.bytes_received = 0
         self.transfers_done = 0
-        self.prefill_stats: dict[int, dict] = {}  # prefill global rank -> its stats when it last sent here
 
-    def expect(self, core_seq: Sequence, tid: int, src: int) -> None:
-        seq = TransferredSequence(**{k: getattr(core_seq, k) for k in Sequence.__dataclass_fields__})
+    def expect(self, seq: Sequence, tid: int, src: int) -> None:
+        """seq: made for this rank (its prompt is computed by the prefill rank src)."""
         self.pending[seq.request_id] = Incoming(seq, tid, src)
 
     def abort(self, request_id: str) -> bool:
@@ -100,12 +89,11 @@ class KVReceiver:
 
     def _store(self, inc: Incoming) -> None:
         """Copy the chunks received so far into the sequence's blocks."""
-        pools, bs = self.core.kv.pools, self.core.kv.block_size
+        kv = self.core.kv
         while inc.chunks:
             chunk, staging = inc.chunks.popleft()
-            lo, hi = chunk["lo"], chunk["hi"]
-            slots = torch.tensor([inc.seq.block_ids[j // bs] * bs + j % bs for j in range(lo, hi)],
-                                 dtype=torch.int64, device=pools[0].device)
+            slots = kv.slots(inc.seq.block_ids, chunk["lo"], chunk["hi"])
+            pools = kv.pools
             for pool, buf in zip(pools, staging):
                 pool.index_copy_(0, slots, buf)
                 inc.bytes += buf.numel() * buf.element_size()
@@ -120,18 +108,17 @@ class KVReceiver:
         seq.append(t["token"], t["logprob"], t["top"])   # stamps first_token_time: TTFT includes the transfer
         # kv_transfer_s: first layer sent -> last message in (overlaps the prefill's later layers and
         # chunks); kv_exposed_s: prefill done -> first token usable here (what the transfer adds to TTFT)
-        seq.transfer = {"kv_transfer_bytes": inc.bytes, "kv_transfer_s": now - (t["first_send"] or now),
+        seq.extra_metrics.update({"kv_transfer_bytes": inc.bytes, "kv_transfer_s": now - (t["first_send"] or now),
                         "kv_exposed_s": now - t["prefill_done"],
                         "kv_wait_for_blocks_s": inc.accepted - seq.arrival_time, "prefill_rank": t["prefill_rank"],
                         "decode_rank": self.rank, "prefill_layer_done_s": t["layer_done_s"],
-                        "kv_send_start_s": t["send_start_s"]}
-        self.prefill_stats[t["prefill_rank"]] = t["prefill_stats"]
+                        "kv_send_start_s": t["send_start_s"]})
         self.bytes_received += inc.bytes
         self.transfers_done += 1
         if inc.aborted:
-            seq.finish_reason, seq.finish_time = "abort", now
+            seq.abort()
 
-    def progress(self, room: int) -> list[TransferredSequence]:
+    def progress(self, room: int) -> list[Sequence]:
         """Accept transfers in order while blocks and `room` (free running slots) allow, store what has
         arrived; -> the sequences whose transfer completed (finished ones included)."""
         done, blocked = [], False
@@ -157,5 +144,4 @@ class KVReceiver:
     def stats(self) -> dict:
         waiting = sum(1 for i in self.pending.values() if i.accepted is None)
         return {"kv_transfers_waiting_for_blocks": waiting, "kv_transfers_in_flight": len(self.pending) - waiting,
-                "kv_bytes_received": self.bytes_received, "kv_transfers_done": self.transfers_done,
-                "prefill_stats": dict(self.prefill_stats)}
+                "kv_bytes_received": self.bytes_received, "kv_transfers_done": self.transfers_done}

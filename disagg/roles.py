@@ -18,7 +18,6 @@ from parallel.context import ParallelContext
 
 from .config import DisaggConfig
 from .kv_transfer import TorchKVTransfer, make_kv_transfer
-from .mailbox import Mailbox
 
 
 @dataclass
@@ -29,7 +28,6 @@ class Roles:
     ctx: ParallelContext         # the whole job
     pool_ctx: ParallelContext    # this pool only
     kv: TorchKVTransfer
-    mailbox: Mailbox
     cfg: DisaggConfig
 
     @property
@@ -52,5 +50,4 @@ def build_roles(ctx: ParallelContext, cfg: DisaggConfig) -> Roles:
     i = ranks.index(ctx.rank)
     pool = dataclasses.replace(ctx, rank=i, world_size=len(ranks), dp_rank=i, dp_size=len(ranks), ep_rank=i,
                                ep_size=len(ranks), ep_group=dev, cpu_group=cpu)
-    return Roles(role, ctx.rank, ranks, ctx, pool, make_kv_transfer(cfg.kv_transfer, ctx, kv_group),
-                 Mailbox(ctx.store, ctx.rank), cfg)
+    return Roles(role, ctx.rank, ranks, ctx, pool, make_kv_transfer(cfg.kv_transfer, ctx, kv_group), cfg)

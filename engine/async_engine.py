@@ -25,14 +25,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from .engine import EngineDeadError
 from .sampling_params import RequestOutput, SamplingParams
 
 # Latency buckets (s) for TTFT, TPOT, queue time and end-to-end latency: 1 ms .. 2 min.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (shutdown, or step() raised); no request can be served."""
 
 
 @dataclass
@@ -175,11 +172,11 @@ class AsyncEngine:
                 idle = not eng.has_unfinished_requests()
                 woke = self._handle_commands(block=idle)
                 if eng.has_unfinished_requests() or (idle and not woke and self.keepalive_s is not None):
-                    self._deliver(eng.step())
+                    self._deliver(eng.step(timeout_s=0.005))
             for rid in list(self._streams):
                 self._abort(rid, None)
             while eng.has_unfinished_requests():  # the step that reports the aborts
-                self._deliver(eng.step())
+                self._deliver(eng.step(timeout_s=0.005))
         except BaseException as e:  # step() failed (e.g. a rank was lost): fail every caller
             self._dead = e
         finally:

@@ -23,7 +23,13 @@ import socket
 from collections import deque
 from datetime import timedelta
 
-_CHANNELS = itertools.count()   # engines are built in the same order on every rank: same namespace
+_CHANNELS = itertools.count()
+
+
+def new_namespace() -> str:
+    """A name for one engine's channel: engines are built in the same order on every rank, so every
+    rank draws the same name for the same engine."""
+    return str(next(_CHANNELS))
 
 
 def _reachable_ip(store_host: str | None) -> str:
@@ -49,9 +55,9 @@ def _zmq():
 class _Endpoints:
     """Store keys of one engine's channel: inbox/<rank> and front."""
 
-    def __init__(self, ctx, name: str | None = None):
+    def __init__(self, ctx, name: str):
         self.store = ctx.store
-        self.prefix = f"wideep/chan/{name if name is not None else next(_CHANNELS)}/"
+        self.prefix = f"wideep/chan/{name}/"
         host = getattr(self.store, "host", None)
         self.ip = _reachable_ip(host)
         self.timeout = timedelta(seconds=ctx.timeout_s)
@@ -98,7 +104,7 @@ def _recv_all(zmq, sock, timeout_s: float | None) -> list:
 class FrontChannel:
     """ranks: the global ranks this front sends to (every rank of the job)."""
 
-    def __init__(self, ctx, ranks: list[int], name: str | None = None):
+    def __init__(self, ctx, ranks: list[int], name: str):
         zmq = self.zmq = _zmq()
         self.zctx = zmq.Context.instance()
         ep = _Endpoints(ctx, name)
@@ -129,7 +135,7 @@ class FrontChannel:
 
 
 class RankChannel:
-    def __init__(self, ctx, name: str | None = None):
+    def __init__(self, ctx, name: str):
         zmq = self.zmq = _zmq()
         self.zctx = zmq.Context.instance()
         ep = _Endpoints(ctx, name)
@@ -170,6 +176,9 @@ class _LocalEnd:
 
     def _put(self, msg) -> None:
         self._out.append(msg)
+
+    def has_messages(self) -> bool:
+        return bool(self._in)
 
     send = lambda self, rank, msg: self._put(msg)              # noqa: E731 (front end)
     broadcast = lambda self, ranks, msg: self._put(msg)        # noqa: E731 (front end)

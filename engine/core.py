@@ -1,7 +1,11 @@
-"""One rank's engine parts: parallel context, model, paged latent cache, block manager, scheduler,
-runner, tokenizer; request validation and output building. Engine (engine.py) drives these."""
+"""One rank's engine parts, built from one EngineConfig: parallel context, model, paged latent cache,
+block manager, scheduler, runner, step sync, EPLB and DBO; request validation and admission.
+
+The step loop (engine/rank_loop.py) drives these; the front (engine/front.py) validates with them.
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import asdict
 from typing import Sequence as Seq
@@ -14,8 +18,10 @@ from parallel.context import ParallelContext
 from .block_manager import BlockManager
 from .build import load_model, parse_dtype
 from .config import ModelConfig
+from .engine_config import EngineConfig
+from .messages import NewRequest
 from .runner import ModelRunner
-from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .spmd import StepSync
@@ -29,102 +35,88 @@ def _load_tokenizer(model_dir: str):
     return Tokenizer.from_file(path)
 
 
-def resolve_context(cfg: ModelConfig, parallel, dp_size, ep_size, dispatch_backend, ctx, eplb_cfg=None):
-    """-> (ParallelContext, ParallelConfig). Sizes not given follow the launcher's world size, so one
-    script or config file serves 1 and N ranks; they are validated before connecting."""
-    from parallel import ParallelConfig, bootstrap, launch_world_size
-    par = parallel.to_dict() if isinstance(parallel, ParallelConfig) else dict(parallel or {})
-    par.update({k: v for k, v in (("dp_size", dp_size), ("ep_size", ep_size),
-                                  ("dispatch_backend", dispatch_backend)) if v is not None})
-    if ctx is not None:
-        par.setdefault("dp_size", ctx.dp_size)
-        par.setdefault("ep_size", ctx.ep_size)
-        return ctx, ParallelConfig.from_dict(par)
+def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
+    """Validate the layout against the launcher's world size and the experts (the same error on every
+    rank, before connecting), then join the other ranks — or one process, CUDA when present."""
+    from parallel import bootstrap, launch_world_size
     world = launch_world_size()
-    par.setdefault("dp_size", world)
-    par.setdefault("ep_size", world)
-    if eplb_cfg is not None:  # EPLB's redundant slots count in the divisibility check before connecting
-        par["num_redundant_experts"] = eplb_cfg.redundant_with(par.get("num_redundant_experts", 0))
-    pcfg = ParallelConfig.from_dict(par)
-    pcfg.validate(world, cfg.moe.n_routed_experts if cfg.moe else None)  # the same error on every rank
+    pcfg = cfg.parallel
+    if cfg.eplb.num_redundant_experts or pcfg.num_redundant_experts:
+        pcfg = dataclasses.replace(pcfg, num_redundant_experts=cfg.eplb.redundant_with(pcfg.num_redundant_experts))
+    pcfg.validate(world, mcfg.moe.n_routed_experts if mcfg.moe else None)
     if world > 1:
-        return bootstrap(pcfg), pcfg
-    return ParallelContext.single("cuda" if torch.cuda.is_available() else "cpu"), pcfg  # CUDA when present
+        return bootstrap(pcfg)
+    return ParallelContext.single("cuda" if torch.cuda.is_available() else "cpu")
 
 
 class EngineCore:
-    """Options: see Engine. eplb: an eplb.config.EplbConfig or dict ([eplb] keys); dbo: a
-    dbo.overlap.DboConfig, dict ([dbo] keys), True/False or "auto"."""
-
-    def __init__(self, model: str, dtype: str | torch.dtype = "float32", device: str | None = None, *,
-                 max_model_len: int | None = None, block_size: int = 64, kv_cache_blocks: int | None = None,
-                 kv_cache_memory: int = 1 << 30, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 enable_prefix_caching: bool = True, seed: int = 0, progress: bool = True,
-                 dp_size: int | None = None, ep_size: int | None = None, dispatch_backend: str | None = None,
-                 parallel=None, ctx: ParallelContext | None = None, dbo=None, eplb=None,
-                 experts_backend: str = "auto", attention_backend: str = "auto", max_logprobs: int = 20):
-        from dbo.overlap import DboConfig
-        from eplb.config import EplbConfig
-        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be an int >= 0, got {max_logprobs!r}")
-        self.max_logprobs = max_logprobs
-        self.dbo = DboConfig.coerce(dbo)
-        self.eplb_cfg = EplbConfig.coerce(eplb)
-        cfg = ModelConfig.from_dir(model)
-        self.ctx, self.pcfg = resolve_context(cfg, parallel, dp_size, ep_size, dispatch_backend, ctx, self.eplb_cfg)
-        if not self.ctx.is_single:
+    def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True):
+        self.cfg = cfg
+        mcfg = self.config = ModelConfig.from_dir(cfg.model)
+        self.ctx = ctx = ctx if ctx is not None else connect(cfg, mcfg)
+        if not ctx.is_single:
             from parallel import check_agreement, fingerprint
-            options = dict(dtype=str(dtype), max_model_len=max_model_len, block_size=block_size, dbo=asdict(self.dbo),
-                           eplb=self.eplb_cfg.to_dict(),
-                           kv_cache_blocks=kv_cache_blocks, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_num_batched_tokens, seed=seed,
-                           enable_prefix_caching=enable_prefix_caching, experts_backend=experts_backend,
-                           attention_backend=attention_backend, max_logprobs=max_logprobs)
-            check_agreement(self.ctx, fingerprint([asdict(cfg), self.pcfg.to_dict(), options]),
-                            "model config / engine options")
-        device = device or str(self.ctx.device)
-        self.model_dir, self.config = model, cfg
-        self.model = load_model(model, parse_dtype(dtype), device, progress and self.ctx.rank == 0, self.ctx,
-                                self.pcfg.dispatch_backend, cfg, num_redundant_experts=self.pcfg.num_redundant_experts,
-                                eplb=self.eplb_cfg, experts_backend=experts_backend,
-                                attention_backend=attention_backend,
-                                dispatch_options=dict(
-                                    low_latency_max_tokens=self.pcfg.deepep_low_latency_max_tokens,
-                                    torch_low_latency_max_tokens=self.pcfg.torch_low_latency_max_tokens))
-        self.eplb = None
-        if self.eplb_cfg.enabled and cfg.moe is not None:
-            from eplb.controller import EplbController
-            self.eplb = EplbController(self.model, self.ctx, self.eplb_cfg)
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if self.max_model_len > cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len ({self.max_model_len}) > max_position_embeddings "
-                             f"({cfg.max_position_embeddings})")
-        dt = self.model.dtype
-        if kv_cache_blocks is None:
-            per_block = LatentKVPool.bytes_per_block(cfg.num_hidden_layers, block_size, cfg.mla.latent_dim, dt)
-            want = max_num_seqs * -(-self.max_model_len // block_size)
-            kv_cache_blocks = max(1, min(want, kv_cache_memory // per_block))
-        self.kv = LatentKVPool(cfg.num_hidden_layers, kv_cache_blocks, block_size, cfg.mla.latent_dim, dt, device)
-        self.blocks = BlockManager(kv_cache_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+            check_agreement(ctx, fingerprint([asdict(mcfg), cfg.to_dict()]), "model config / engine config")
+        self.model_dir = cfg.model
+        device = cfg.device or str(ctx.device)
+        pcfg = cfg.parallel
         link = None
-        if self.pcfg.simulated_latency_us or self.pcfg.simulated_gbps:
+        if pcfg.simulated_latency_us or pcfg.simulated_gbps:
             from parallel.comm_stream import SimulatedLink
-            link = SimulatedLink(self.pcfg.simulated_latency_us, self.pcfg.simulated_gbps)
-            if hasattr(self.model.dispatcher, "link"):  # the torch dispatcher: the testing link applies
-                self.model.dispatcher.link = link
+            link = SimulatedLink(pcfg.simulated_latency_us, pcfg.simulated_gbps)
+        self.model = load_model(cfg.model, parse_dtype(cfg.dtype), device, progress and ctx.rank == 0, ctx,
+                                pcfg.dispatch_backend, mcfg, num_redundant_experts=pcfg.num_redundant_experts,
+                                eplb=cfg.eplb, experts_backend=cfg.experts_backend,
+                                attention_backend=cfg.attention_backend,
+                                dispatch_options=dict(low_latency_max_tokens=pcfg.deepep_low_latency_max_tokens,
+                                                      torch_low_latency_max_tokens=pcfg.torch_low_latency_max_tokens,
+                                                      link=link))
+        self.eplb = None
+        if cfg.eplb.enabled and mcfg.moe is not None:
+            from eplb.controller import EplbController
+            self.eplb = EplbController(self.model, ctx, cfg.eplb)
+        self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) > max_position_embeddings "
+                             f"({mcfg.max_position_embeddings})")
+        self.kv = self._kv_cache(device)
+        self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         overlap, self.auto = None, None
-        if self.dbo.enabled and cfg.moe is not None:
+        if cfg.dbo.enabled and mcfg.moe is not None:
             from dbo.overlap import Overlap
-            overlap = Overlap(self.model, self.ctx, link)  # collective: every rank builds its groups
-            if self.dbo.enabled == "auto":
+            overlap = Overlap(self.model, ctx)  # collective: every rank builds its groups
+            if cfg.dbo.enabled == "auto":
                 from dbo.auto import AutoSwitch
                 self.auto = AutoSwitch()
         self.runner = ModelRunner(self.model, self.kv, overlap)
         self.split_steps = 0
-        self.sync = StepSync(self.ctx)
-        self.tokenizer = _load_tokenizer(model)
-        self._generator = torch.Generator(device=device).manual_seed(seed + self.ctx.rank)
+        d = self.model.dispatcher
+        self.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
+        self.tokenizer = _load_tokenizer(cfg.model)
+        self._generator = torch.Generator(device=device).manual_seed(cfg.seed + ctx.rank)
+
+    @classmethod
+    def from_options(cls, model: str, ctx: ParallelContext | None = None, progress: bool = True,
+                     **options) -> "EngineCore":
+        """EngineConfig.from_options; with a ctx, the sizes default to its own."""
+        if ctx is not None:
+            par = options.get("parallel")
+            par = dict(par.to_dict() if hasattr(par, "to_dict") else (par or {}))
+            par.setdefault("dp_size", ctx.dp_size)
+            par.setdefault("ep_size", ctx.ep_size)
+            options["parallel"] = par
+        world = ctx.world_size if ctx is not None else None
+        return cls(EngineConfig.from_options(model, world_size=world, **options), ctx, progress)
+
+    def _kv_cache(self, device) -> LatentKVPool:
+        cfg, mcfg, dt = self.cfg, self.config, self.model.dtype
+        blocks = cfg.kv_cache_blocks
+        if blocks is None:
+            per_block = LatentKVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, mcfg.mla.latent_dim, dt)
+            want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+            blocks = max(1, min(want, cfg.kv_cache_memory // per_block))
+        return LatentKVPool(mcfg.num_hidden_layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dt, device)
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -146,8 +138,8 @@ class EngineCore:
         V = self.config.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(params, name)
-            if n is not None and n > self.max_logprobs:
-                raise ValueError(f"{name}={n} is more than max_logprobs={self.max_logprobs} (an engine option: "
+            if n is not None and n > self.cfg.max_logprobs:
+                raise ValueError(f"{name}={n} is more than max_logprobs={self.cfg.max_logprobs} (an engine option: "
                                  f"max_logprobs=, [engine] max_logprobs, --max-logprobs)")
             if n is not None and n > V:
                 raise ValueError(f"{name}={n} is more than the vocabulary (vocab_size={V})")
@@ -167,73 +159,37 @@ class EngineCore:
                              f"the cache has {self.blocks.allocator.num_blocks}")
         return max_tokens
 
-    def make_sequence(self, request_id: str, text: str | None, ids: list[int], params: SamplingParams,
-                      max_tokens: int) -> Sequence:
+    def make_sequence(self, req: NewRequest) -> Sequence:
+        params = req.params
         gen = None
         if not params.greedy:
             gen = (torch.Generator(device=self.model.device).manual_seed(params.seed)
                    if params.seed is not None else self._generator)
-        return Sequence(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
-                        max_tokens=max_tokens, eos_token_ids=self.config.eos_token_ids, generator=gen,
-                        logprobs=[] if params.logprobs is not None else None)
+        return Sequence(request_id=req.request_id, prompt=None, prompt_token_ids=list(req.ids), params=params,
+                        max_tokens=req.max_tokens, eos_token_ids=self.config.eos_token_ids, generator=gen,
+                        logprobs=[] if params.logprobs is not None else None, arrival_time=req.arrival)
 
-    def output(self, s: Sequence, delta: bool = False) -> RequestOutput:
-        """Cumulative (vLLM's default) or only the tokens not reported before (streaming)."""
-        start = s.num_sent if delta else 0
-        toks = list(s.output_token_ids[start:])
-        s.num_sent = len(s.output_token_ids)
-        text = self._text(s, delta)
-        lps = s.logprobs[start:] if s.logprobs is not None else None
-        comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=s.cumulative_logprob,
-                                logprobs=lps, finish_reason=s.finish_reason)
-        return RequestOutput(request_id=s.request_id, prompt=s.prompt, prompt_token_ids=s.prompt_token_ids,
-                             prompt_logprobs=s.prompt_logprobs, outputs=[comp], finished=s.finished,
-                             metrics=s.metrics())
+    def add_request(self, req: NewRequest) -> Sequence:
+        seq = self.make_sequence(req)
+        self.scheduler.add(seq)
+        return seq
 
-    def _text(self, s: Sequence, delta: bool) -> str:
-        """The output text (or, for delta outputs, what was not reported yet), decoded incrementally:
-        only a window of the last few tokens is decoded per step, and the new text is the window's
-        text minus the text of its already-decoded part (so tokenizers that treat a sequence's start
-        specially still concatenate). A character whose UTF-8 bytes span several tokens decodes to
-        U+FFFD until its last token arrives: it is held back until then (or until the request
-        finishes)."""
-        if self.tokenizer is None:
-            return ""
-        ids = s.output_token_ids
-        if len(ids) > s.detok_read:
-            seen = self.tokenizer.decode(ids[s.detok_prefix:s.detok_read])
-            window = self.tokenizer.decode(ids[s.detok_prefix:])
-            if len(window) > len(seen) and (s.finished or not window.endswith("\ufffd")):
-                s.text += window[len(seen):]
-                s.detok_prefix, s.detok_read = s.detok_read, len(ids)
-        if not delta:
-            return s.text
-        new, s.text_sent = s.text[s.text_sent:], len(s.text)
-        return new
-
+    # -- around each step ----------------------------------------------------------------------------
     def split_votes(self, num_tokens: list[int]) -> tuple[bool, bool]:
         """DBO: (this rank may split its step, this rank votes to split). Only rank 0's vote counts."""
         if self.runner.overlap is None:
             return False, False
         from dbo.split import can_split
-        ok = can_split(num_tokens, self.dbo.split) if num_tokens else True  # an idle rank never blocks a split
+        ok = can_split(num_tokens, self.cfg.dbo.split) if num_tokens else True  # an idle rank never blocks a split
         if self.auto is None:
             return ok, True
         decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
         return ok, self.auto.decide(sum(num_tokens), decode)
 
-    def _dispatchers(self) -> list:
+    def dispatchers(self) -> list:
         """The model's dispatcher and DBO's microbatch dispatchers, each once (DeepEP's is shared)."""
         overlap = self.runner.overlap.dispatchers if self.runner.overlap is not None else []
         return list({id(d): d for d in [self.model.dispatcher, *overlap] if d is not None}.values())
-
-    def plan_dispatch(self, max_tokens_any_rank: int | None) -> None:
-        """Tell the dispatchers that pick their mode per step (low-latency for small steps) the
-        largest token count of any rank this step (None after it); the same on every rank."""
-        for d in self._dispatchers():
-            plan = getattr(d, "plan", None)
-            if plan is not None:
-                plan(max_tokens_any_rank)
 
     def after_step(self, num_tokens: list[int], split: bool, seconds: float) -> None:
         """Every rank, after every step that ran (dummy steps included): EPLB's step counter and
@@ -249,11 +205,12 @@ class EngineCore:
         """This rank's scheduler and cache state, plus cumulative MoE all-to-all bytes (this rank's
         sends, DBO's microbatch dispatchers included), DBO split steps and EPLB rebalances."""
         b = self.blocks
-        out = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+        out = {"dp_rank": self.ctx.dp_rank, "running": len(self.scheduler.running),
+               "waiting": len(self.scheduler.waiting),
                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
                "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps}
-        disp = self._dispatchers()
+        disp = self.dispatchers()
         if disp:
             out["dispatch_bytes_remote"] = sum(d.stats.dispatch_bytes_remote + d.stats.combine_bytes_remote
                                                for d in disp)

@@ -19,20 +19,17 @@ from .sampling_params import RequestOutput, SamplingParams
 
 
 class LLM:
-    """Options: see Engine (dtype, device, max_model_len, block_size, kv_cache_blocks, kv_cache_memory,
-    max_num_seqs, max_num_batched_tokens, enable_prefix_caching, seed, dp_size, ep_size,
-    dispatch_backend, parallel, ctx, experts_backend, attention_backend, max_logprobs); disagg (a disagg.DisaggConfig
-    or [disagg] dict) serves with separate prefill and decode pools, whose sizes and batch limits it holds."""
+    """Options: see Engine (engine/engine_config.py). engine: an already built engine with Engine's
+    front API (add_request / step / validate / end_worker_loop / run_worker_loop), used instead of
+    building one (wideep.LLM passes a disaggregated one)."""
 
-    def __init__(self, model: str, **options):
-        self.disaggregated = options.get("disagg") is not None
-        if self.disaggregated:  # prefill/decode pools (disagg/): rank 0 is the front, in the decode pool
-            from disagg import make_engine
-            self.engine = make_engine(model, **options)
-        else:
-            self.engine = Engine(model, **options)
+    def __init__(self, model: str, engine=None, **options):
+        if "disagg" in options:
+            raise ValueError("disagg= is served by wideep.LLM (from wideep import LLM): the engine package "
+                             "does not build prefill/decode pools")
+        self.engine = engine if engine is not None else Engine(model, **options)
         core = self.engine.core
-        self.ctx = getattr(self.engine, "job_ctx", core.ctx)
+        self.ctx = self.engine.job_ctx
         self.config, self.model, self.tokenizer = core.config, core.model, core.tokenizer
         self.max_model_len = core.max_model_len
         self._batch = itertools.count()
@@ -50,30 +47,29 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         core, eng = self.engine.core, self.engine
-        # Validate everything before accepting anything. Every rank sees the same prompts, so a bad one
-        # raises the same error on every rank before any collective.
-        if self.disaggregated:  # only the front knows both pools' limits: it checks, everyone raises
-            error = None
-            if eng.is_front:
-                try:
-                    for p, sp in zip(prompts, params):
-                        eng.validate(core.tokenize(p)[1], sp)
-                except ValueError as e:
-                    error = str(e)
+        # Validate everything before accepting anything: the front checks (it knows every pool's
+        # limits) and every rank raises its verdict, before any request is sent.
+        error = None
+        if eng.is_front:
+            try:
+                for p, sp in zip(prompts, params):
+                    eng.validate(core.tokenize(p)[1], sp)
+            except ValueError as e:
+                error = str(e)
+        if not self.ctx.is_single:
             box = [error]
             with guard_collective(self.ctx):
                 dist.broadcast_object_list(box, src=0, group=self.ctx.cpu_group)
-            if box[0] is not None:
-                raise ValueError(box[0])
-        for p, sp in ([] if self.disaggregated else zip(prompts, params)):
-            core.validate(core.tokenize(p)[1], sp)
+            error = box[0]
+        if error is not None:
+            raise ValueError(error)
         batch = next(self._batch)
         ids = [f"llm-{batch}-{i}" for i in range(len(prompts))]
         results: list[RequestOutput | None] = [None] * len(prompts)
         if eng.is_front:
             for rid, p, sp in zip(ids, prompts, params):
                 eng.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
-            self.last_assignment = [eng._owner[rid] for rid in ids]
+            self.last_assignment = [eng.front.requests[rid].dp_rank for rid in ids]
             index = {rid: i for i, rid in enumerate(ids)}
             while eng.has_unfinished_requests():
                 for out in eng.step():
@@ -103,6 +99,5 @@ class LLM:
         return gather_outputs(self.ctx, {self.ctx.rank: self.stats()}, self.ctx.world_size)
 
     def shutdown(self) -> None:
-        if not self.ctx.is_single:
-            from parallel import shutdown
-            shutdown(self.ctx)
+        """Collective: every rank closes its engine and leaves the process group."""
+        self.engine.close()

@@ -42,6 +42,7 @@ class Wake:
 @dataclass
 class Command:
     kind: int                   # END (leave the worker loop) | SHUTDOWN
+    seq: int                    # the front's count of commands: a rank obeys each number once
 
 
 @dataclass

@@ -138,7 +138,7 @@ class DeepseekModel(nn.Module):
         experts = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if ".mlp.experts." in n)
         return {"total": total, "experts": experts}
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor],
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor], plan=None,
                 on_layer=None) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H]. on_layer(i), when given, runs as soon as
         layer i is done (its latents are in kv_pools[i]): disaggregation starts that layer's KV transfer."""

@@ -9,14 +9,17 @@ import torch
 from attention_mla.kv_cache import LatentKVPool
 from attention_mla.meta import AttnMeta
 
+from parallel.step_plan import StepPlan
+
 from .model import DeepseekModel
 from .sampler import sample, topn_logprobs
-from .scheduler import ScheduledBatch
+from .scheduler import ScheduledBatch, StepResult
 
 
 class ModelRunner:
-    """overlap: a dbo.overlap.Overlap when dual-batch overlap is on; execute(batch, split=True) then
-    runs the step as two microbatches whose all-to-alls hide behind each other's compute."""
+    """overlap: a dbo.overlap.Overlap when dual-batch overlap is on; execute(batch, plan) with
+    plan.split then runs the step as two microbatches whose all-to-alls hide behind each other's
+    compute. The runner reads sequences and returns a StepResult; the scheduler applies it."""
 
     def __init__(self, model: DeepseekModel, kv: LatentKVPool, overlap=None):
         self.model, self.kv, self.overlap = model, kv, overlap
@@ -34,9 +37,9 @@ class ModelRunner:
             s = batch.seqs[b]
             start = s.num_computed + lo
             end = s.num_computed + hi
-            ids.extend(s.token_ids[start:end])
+            ids.extend(s.tokens(start, end))
             pos.extend(range(start, end))
-            slots.extend(s.block_ids[j // bs] * bs + j % bs for j in range(start, end))
+            slots.extend(self.kv.slot_list(s.block_ids, start, end))
             ctx_lens.append(end)
             qlens.append(hi - lo)
             tables.append(s.block_ids)
@@ -50,19 +53,19 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64, device=dev), meta
 
     @torch.inference_mode()
-    def dummy_step(self, split: bool = False) -> None:
+    def dummy_step(self, plan: StepPlan) -> None:
         """A zero-token forward: this rank has no work but must still enter every MoE all-to-all
         (both microbatches' when the step is split)."""
         empty = ScheduledBatch([], [])
-        if split:
-            self.overlap.forward([self.build_meta(empty, []), self.build_meta(empty, [])], self.kv.pools)
+        if plan.split:
+            self.overlap.forward([self.build_meta(empty, []), self.build_meta(empty, [])], self.kv.pools, plan)
         else:
-            self.model(*self.build_meta(empty, []), self.kv.pools)
+            self.model(*self.build_meta(empty, []), self.kv.pools, plan)
 
-    def _forward_split(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _forward_split(self, batch: ScheduledBatch, plan: StepPlan) -> torch.Tensor:
         from dbo.split import split
         parts = split(batch.num_tokens)
-        hidden = self.overlap.forward([self.build_meta(batch, p) for p in parts], self.kv.pools)
+        hidden = self.overlap.forward([self.build_meta(batch, p) for p in parts], self.kv.pools, plan)
         # back to the batch's token order: sequence b's rows lo..hi-1 sit at offset[b] + lo
         offset = [0]
         for n in batch.num_tokens:
@@ -74,45 +77,47 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, split: bool = False, on_layer=None) -> None:
-        """Run one step and advance every sequence in the batch (cache, outputs, finish state).
-        on_layer(i): called as each layer finishes (see DeepseekModel.forward; not with split)."""
-        if not batch.seqs:
-            return
-        if split:
-            hidden = self._forward_split(batch)
+    def execute(self, batch: ScheduledBatch, plan: StepPlan, on_layer=None) -> StepResult:
+        """Run one step as `plan` says (plan.split: two microbatches) -> what it computed for each
+        sequence: the sampled token of those that caught up with their tokens, prompt logprobs.
+        on_layer(i): called once layer i's latents are in the cache (not with split)."""
+        B = len(batch.seqs)
+        result = StepResult([None] * B, [None] * B, [None] * B, [None] * B)
+        if not B:
+            return result
+        if plan.split:
+            hidden = self._forward_split(batch, plan)
         else:
-            hidden = self.model(*self.build_meta(batch), self.kv.pools, on_layer=on_layer)
-        sample_rows, samplers = [], []
+            hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer)
+        rows, samplers = [], []
         start = 0
-        for s, n in zip(batch.seqs, batch.num_tokens):
+        for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if s.params.prompt_logprobs is not None:
-                self._prompt_logprobs(s, hidden[start:start + n])
-            s.num_computed += n
-            if s.num_computed == s.num_tokens:  # caught up: the last row predicts the next token
-                sample_rows.append(start + n - 1)
-                samplers.append(s)
+                result.prompt_logprobs[b] = self._prompt_logprobs(s, hidden[start:start + n])
+            if s.num_computed + n == s.num_tokens:  # caught up: the last row predicts the next token
+                rows.append(start + n - 1)
+                samplers.append(b)
             start += n
         if not samplers:
-            return
-        logits = self.model.logits(hidden[sample_rows])
-        tokens, logprobs = sample(logits, [s.params for s in samplers], [s.generator for s in samplers])
+            return result
+        seqs = [batch.seqs[b] for b in samplers]
+        logits = self.model.logits(hidden[rows])
+        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()  # SYNC: tokens go back to the host
-        tops = [topn_logprobs(logprobs[i:i + 1], tokens[i:i + 1], s.params.logprobs)[0]
-                if s.params.logprobs is not None else None for i, s in enumerate(samplers)]
-        for s, t, lp, top in zip(samplers, tokens.tolist(), chosen, tops):  # SYNC: see above
-            s.append(t, lp, top)
+        for i, (b, s, t, lp) in enumerate(zip(samplers, seqs, tokens.tolist(), chosen)):  # SYNC: see above
+            result.tokens[b], result.logprobs[b] = t, lp
+            if s.params.logprobs is not None:
+                result.top[b] = topn_logprobs(logprobs[i:i + 1], tokens[i:i + 1], s.params.logprobs)[0]
+        return result
 
-    def _prompt_logprobs(self, s, hidden: torch.Tensor) -> None:
-        """Row i of this chunk (position num_computed + i) predicts token num_computed + i + 1; record
-        the prompt positions not recorded yet (a preempted sequence recomputes its rows)."""
-        if s.prompt_logprobs is None:
-            s.prompt_logprobs = [None]
-        first = len(s.prompt_logprobs)                     # next prompt position to record
-        lo = first - 1 - s.num_computed                    # its row in this chunk
+    def _prompt_logprobs(self, s, hidden: torch.Tensor) -> list:
+        """Row i of this chunk (position num_computed + i) predicts token num_computed + i + 1; the
+        entries for prompt positions not recorded yet (a preempted sequence recomputes its rows)."""
+        first = len(s.prompt_logprobs) if s.prompt_logprobs is not None else 1   # next position to record
+        lo = first - 1 - s.num_computed                                          # its row in this chunk
         hi = min(hidden.shape[0], len(s.prompt_token_ids) - 1 - s.num_computed)
         if lo < 0 or hi <= lo:
-            return
+            return []
         targets = s.prompt_token_ids[first:first + hi - lo]
         lp = self.model.logits(hidden[lo:hi]).log_softmax(-1)
-        s.prompt_logprobs.extend(topn_logprobs(lp, torch.tensor(targets, device=lp.device), s.params.prompt_logprobs))
+        return topn_logprobs(lp, torch.tensor(targets, device=lp.device), s.params.prompt_logprobs)

@@ -6,6 +6,12 @@ get chunks, then waiting sequences are admitted FCFS while the token budget
 sequence needs a block and none is free, the newest running sequence is preempted: its blocks are
 freed and it goes back to the front of the queue, to be recomputed from its prompt and the tokens
 it has already produced — nothing is lost and its output is unchanged.
+
+A sequence's lifecycle lives here: add (waiting) -> schedule (running, blocks grown) -> apply the
+runner's StepResult (tokens computed, sampled token appended, full blocks hashed for the prefix
+cache, finished sequences freed) -> finish. adopt/release let other parts hand sequences in and
+out with their KV (disaggregation: a decode rank adopts a sequence whose KV arrived; a prefill rank
+releases one whose KV is still being sent).
 """
 from __future__ import annotations
 
@@ -23,6 +29,15 @@ class ScheduledBatch:
     num_tokens: list[int]  # tokens computed this step per sequence
 
 
+@dataclass
+class StepResult:
+    """What the runner computed for a ScheduledBatch (B sequences); it changes no sequence itself."""
+    tokens: list[int | None]                 # [B] sampled token; None: the sequence has not caught up
+    logprobs: list[float | None]             # [B] the sampled token's logprob
+    top: list[dict[int, float] | None]       # [B] top-N logprobs, for sequences that asked
+    prompt_logprobs: list[list | None]       # [B] prompt-logprob entries for positions not recorded yet
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -32,6 +47,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.by_id: dict[str, Sequence] = {}      # every sequence held here, waiting or running
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -41,6 +57,26 @@ class Scheduler:
                              f"{len(seq.prompt_token_ids)} + max_tokens {seq.max_tokens}), the cache has "
                              f"{self.blocks.allocator.num_blocks}")
         self.waiting.append(seq)
+        self.by_id[seq.request_id] = seq
+
+    def adopt(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in this rank's cache (its blocks held) joins the running batch."""
+        self.running.append(seq)
+        self.by_id[seq.request_id] = seq
+
+    def release(self, seq: Sequence) -> None:
+        """Take a running sequence out without freeing its blocks: the caller now owns them."""
+        self.running.remove(seq)
+        self.by_id.pop(seq.request_id, None)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a sequence held here as aborted (its blocks freed); None if it is not here."""
+        seq = self.by_id.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq)
+        seq.abort()
+        return seq
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -93,10 +129,31 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(seqs, num_tokens)
 
+    def apply(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
+        """Advance every sequence of the batch by what the runner computed (nano-vllm's postprocess):
+        tokens now in the cache, prompt logprobs, the sampled token (and its finish check); hash
+        the full blocks for the prefix cache; finished sequences leave and free their blocks.
+        -> the sequences that produced a token or finished."""
+        advanced = []
+        for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            s.num_computed += n
+            if result.prompt_logprobs[b]:
+                if s.prompt_logprobs is None:
+                    s.prompt_logprobs = [None]
+                s.prompt_logprobs.extend(result.prompt_logprobs[b])
+            if result.tokens[b] is not None:
+                s.append(result.tokens[b], result.logprobs[b], result.top[b])
+                advanced.append(s)
+            self.blocks.register_computed(s)
+            if s.finished:
+                self.finish(s)
+        return advanced
+
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence's blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        if self.by_id.pop(seq.request_id, None) is not None:
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
         self.blocks.free(seq)

@@ -1,4 +1,5 @@
-"""A request's host-side state. Never touches the device."""
+"""A request's state on the rank that serves it. Never touches the device. (The front keeps its own
+view, engine/outputs.py: text, what was reported to the client.)"""
 from __future__ import annotations
 
 import time
@@ -35,15 +36,21 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    num_sent: int = 0                # output tokens already reported (delta outputs)
-    text_sent: int = 0               # characters of output text already reported (delta outputs)
-    text: str = ""                   # output text decoded so far (engine/core.py _text)
-    detok_prefix: int = 0            # incremental detokenization window: tokens [prefix, read) were
-    detok_read: int = 0              # decoded last time; text covers tokens < read
+    num_reported: int = 0            # output tokens already reported to the front
+    extra_metrics: dict = field(default_factory=dict)   # per-request figures of other parts (disaggregation)
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list (a decode step asks for one token)."""
+        P = len(self.prompt_token_ids)
+        if start >= P:
+            return self.output_token_ids[start - P:end - P]
+        if end <= P:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - P]
 
     @property
     def num_tokens(self) -> int:
@@ -77,6 +84,10 @@ class Sequence:
             self.finish_reason = "length"
         if self.finish_reason is not None:
             self.finish_time = now
+
+    def abort(self) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.finish_time = "abort", time.time()
 
     def preempt(self) -> None:
         """Drop the cache; everything computed so far (prompt + outputs) is recomputed on re-admission."""

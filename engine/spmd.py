@@ -1,48 +1,61 @@
-"""The DP side of wide EP: request assignment, the per-step lockstep sync, results back to every
-rank, and the doorbell that lets worker ranks wait for the front indefinitely."""
+"""The lockstep: one small fixed-size all-reduce per step among the ranks of a domain, and the
+SPMD helper that gathers every rank's outputs for LLM.generate."""
 from __future__ import annotations
 
-import itertools
-from datetime import timedelta
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from parallel.context import ParallelContext
-from parallel.watchdog import RankLostError, guard_collective
+from parallel.step_plan import StepPlan
+from parallel.watchdog import guard_collective
 
 
-def least_loaded(load: list[int]) -> int:
-    """The DP rank with the fewest tokens in flight (lowest rank on ties)."""
-    return min(range(len(load)), key=lambda r: (load[r], r))
+@dataclass(frozen=True)
+class SyncResult:
+    any_work: bool       # some rank has work: every rank steps (a rank without tokens runs a dummy step)
+    plan: StepPlan       # the step's plan, the same on every rank
+    command: int = 0     # END / SHUTDOWN agreed this step (every rank leaves its loop), else 0
+    command_seq: int = 0
 
 
 class StepSync:
-    """One small all-reduce per step: does any rank have work, may every rank split the step for
-    DBO, and rank 0's vote on splitting. Ranks without work then run a zero-token dummy step so that
-    every rank enters every MoE all-to-all (of both microbatches when split)."""
+    """One all-reduce (MAX) of five int64s per step, whatever the world size and the batch: has work,
+    cannot split, rank 0's split vote, tokens this step, and a pending command (seq * 4 + kind). Ranks
+    without work then run a zero-token dummy step so that every rank enters every MoE all-to-all (of
+    both microbatches when split). low_latency_max_tokens: the dispatcher's (0 = no low-latency
+    mode), so every rank's plan picks the same dispatch mode. group: the domain's host-side group
+    (default ctx.cpu_group)."""
 
-    def __init__(self, ctx: ParallelContext):
-        self.ctx = ctx
-        self.max_tokens = 0   # after sync(): the largest token count of any rank this step
+    WIDTH = 5
 
-    def sync(self, has_work: bool, can_split: bool = False, vote: bool = False,
-             num_tokens: int = 0) -> tuple[bool, bool]:
-        """-> (any rank has work, split this step). Split needs rank 0's vote and every rank's consent."""
+    def __init__(self, ctx: ParallelContext, low_latency_max_tokens: int = 0, group=None):
+        self.ctx, self.low_latency_max_tokens = ctx, low_latency_max_tokens
+        self.group = group if group is not None else ctx.cpu_group
+        self.calls = 0
+        self.bytes = 0          # payload all-reduced so far (not the transport's own copies)
+
+    def sync(self, has_work: bool, can_split: bool = False, vote: bool = False, num_tokens: int = 0,
+             command: int = 0) -> SyncResult:
         if self.ctx.is_single:
-            self.max_tokens = num_tokens
-            return has_work, can_split and vote
-        # MAX of [has work, cannot split, vote (rank 0's only), tokens]
-        flags = torch.tensor([int(has_work), int(not can_split), int(vote and self.ctx.rank == 0), num_tokens],
-                             dtype=torch.int64)
-        with guard_collective(self.ctx):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
-        any_work, cannot, vote_0, self.max_tokens = flags.tolist()  # SYNC: the step loop's control flow
-        return bool(any_work), bool(vote_0) and not cannot
+            any_work, split, max_tokens, code = has_work, can_split and vote, num_tokens, command
+        else:
+            flags = torch.tensor([int(has_work), int(not can_split), int(vote and self.ctx.rank == 0), num_tokens,
+                                  command], dtype=torch.int64)
+            with guard_collective(self.ctx):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            self.calls += 1
+            self.bytes += flags.numel() * flags.element_size()
+            any_work, cannot, vote_0, max_tokens, code = flags.tolist()  # SYNC: the step loop's control flow
+            split = bool(vote_0) and not cannot
+        plan = StepPlan.make(max_tokens, split, self.low_latency_max_tokens) if any_work else StepPlan()
+        return SyncResult(bool(any_work), plan, code % 4, code // 4)
 
 
 def gather_outputs(ctx: ParallelContext, local: dict[int, object], n: int) -> list:
-    """Every rank's {input index: output} -> all outputs in input order, on every rank."""
+    """Every rank's {input index: output} -> all outputs in input order, on every rank (SPMD API
+    only: LLM.all_stats; never in a step)."""
     if ctx.is_single:
         return [local[i] for i in range(n)]
     parts: list = [None] * ctx.world_size
@@ -52,61 +65,3 @@ def gather_outputs(ctx: ParallelContext, local: dict[int, object], n: int) -> li
     for p in parts:
         merged.update(p)
     return [merged[i] for i in range(n)]
-
-
-class Doorbell:
-    """Worker ranks wait for rank 0's next control message on a store key, not inside the broadcast.
-
-    A collective gives up after timeout_s, but a serving front may stay idle for hours. So before
-    each control broadcast rank 0 sets key n ("ring"), and a worker first waits for key n in short
-    polls, checking for lost ranks between them ("wait"), then enters the broadcast, which no longer
-    waits long. Keys are namespaced per engine (engines are built in the same order on every rank)
-    and deleted in batches once every worker is known to be past them (ack() after a gather)."""
-
-    _engines = itertools.count()
-
-    def __init__(self, ctx: ParallelContext, poll_s: float = 1.0):
-        self.ctx, self.store, self.poll_s = ctx, ctx.store, poll_s
-        self.prefix = f"wideep/engine{next(Doorbell._engines)}/ctl/"
-        self.seq = 0
-        self._rung: list[str] = []
-
-    @property
-    def enabled(self) -> bool:
-        return self.store is not None and not self.ctx.is_single
-
-    def ring(self) -> None:
-        """Rank 0, right before a control broadcast."""
-        if not self.enabled:
-            return
-        key = f"{self.prefix}{self.seq}"
-        self.seq += 1
-        self.store.set(key, b"1")
-        self._rung.append(key)
-
-    def ack(self) -> None:
-        """Rank 0, after a gather: every worker has passed every key rung so far."""
-        if self.enabled and len(self._rung) >= 64:
-            for key in self._rung:
-                self.store.delete_key(key)
-            self._rung.clear()
-
-    def wait(self) -> None:
-        """Workers, before a control broadcast: block until rank 0 rang, however long that takes."""
-        if not self.enabled:
-            return
-        key = f"{self.prefix}{self.seq}"
-        self.seq += 1
-        while True:
-            try:
-                self.store.wait([key], timedelta(seconds=self.poll_s))
-                return
-            except Exception as e:
-                wd = self.ctx.watchdog
-                timed_out = "timeout" in str(e).lower() or "timed out" in str(e).lower()
-                # a store that went away: give the watchdog time to say whether rank 0 is gone
-                lost = wd.wait_lost(0 if timed_out else wd.lost_after_s + 2 * wd.heartbeat_s) if wd else []
-                if lost:
-                    raise RankLostError(lost, wd.describe(lost)) from e
-                if not timed_out:
-                    raise

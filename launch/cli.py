@@ -15,7 +15,7 @@ def cmd_make_tiny(a) -> None:
 
 
 def cmd_generate(a) -> None:
-    from engine import LLM
+    from wideep import LLM
 
     from . import run_config
     from .options import GENERATE, resolve
@@ -69,7 +69,7 @@ def cmd_demo(a) -> None:
 
 def cmd_run(a) -> None:
     """Generate the [run] prompts of a run config; SPMD under torchrun/mpirun (every rank runs this)."""
-    from engine import LLM, SamplingParams
+    from wideep import LLM, SamplingParams
 
     from . import run_config
     from .options import RUN, resolve

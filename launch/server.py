@@ -200,7 +200,7 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     # every rank stopped cleanly; a signal to rank 0 alone stops every rank and torchrun exits 0.
     how = f"kill -INT {os.getpid()} stops every rank" if under_torchrun else "Ctrl-C stops"
     print(f"wideep serve: model {model_name!r} on http://{addr[0]}:{addr[1]} "
-          f"({engine.ctx.world_size} rank(s); rank 0 is pid {os.getpid()}); {how}"
+          f"({engine.job_ctx.world_size} rank(s); rank 0 is pid {os.getpid()}); {how}"
           f"{'; API key required' if api_key else ''}", flush=True)
     while not stop.is_set() and aengine.is_running:  # also leave when the engine thread died
         try:

@@ -7,8 +7,9 @@ only re-exports what users build on, so their imports do not depend on that layo
 """
 from importlib.metadata import PackageNotFoundError, version
 
-from engine import (AsyncEngine, CompletionOutput, ConfigError, Engine, LLM, ModelConfig, RequestOutput,
-                    SamplingParams)
+from engine import AsyncEngine, CompletionOutput, ConfigError, Engine, ModelConfig, RequestOutput, SamplingParams
+
+from .llm import LLM
 
 try:
     __version__ = version("wideep")

@@ -191,7 +191,7 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.live)
 
-    def step(self):
+    def step(self, timeout_s=0.05):
         self.steps += 1
         if self.fail_after is not None and self.steps > self.fail_after:
             raise RuntimeError("rank 1 lost")

@@ -155,7 +155,7 @@ def test_hostile_sampling_params_run_or_are_refused_and_engine_keeps_serving(llm
 
 
 def test_max_logprobs_option_and_vocab_cap(tiny):
-    with pytest.raises(ValueError, match="max_logprobs must be an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="max_logprobs must be an integer >= 0, got -1"):
         LLM(tiny, max_logprobs=-1)
     llm = LLM(tiny, progress=False, max_model_len=64, max_logprobs=1000)
     V = llm.config.vocab_size

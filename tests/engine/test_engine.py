@@ -154,21 +154,25 @@ def test_delta_outputs_concatenate_to_cumulative(model_dir):
 
 def test_streamed_text_never_splits_a_multibyte_character(model_dir):
     """The tiny tokenizer has one token per UTF-8 byte, so 'é', '€', '你' and '🙂' span 2-4 tokens: streamed
-    deltas must hold a partial character back, not send U+FFFD, and concatenate to the full text."""
-    from engine.core import EngineCore
-    core = EngineCore(model_dir, progress=False, block_size=16, kv_cache_blocks=8)
+    deltas must hold a partial character back, not send U+FFFD, and concatenate to the full text. (The
+    front detokenizes: engine/outputs.py, fed the ranks' deltas one token at a time.)"""
+    import os
+
+    from tokenizers import Tokenizer
+
+    from engine.messages import Delta
+    from engine.outputs import RequestState
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     want = "héllo €! 你好 🙂 ok"
-    ids = core.tokenizer.encode(want).ids
+    ids = tok.encode(want).ids
     assert len(ids) == len(want.encode())
-    seqs = {kind: core.make_sequence(kind, None, [5], greedy(len(ids), output_kind=kind), len(ids))
-            for kind in ("delta", "cumulative")}
+    states = {kind: RequestState(kind, None, [5], greedy(len(ids), output_kind=kind), len(ids), 0)
+              for kind in ("delta", "cumulative")}
     deltas = []
     for i, t in enumerate(ids):
-        for kind, s in seqs.items():
-            s.append(t, 0.0, None)
-            if i == len(ids) - 1:
-                s.finish_reason = "length"
-            text = core.output(s, delta=kind == "delta").outputs[0].text
+        for kind, st in states.items():
+            st.apply(Delta(kind, [t], None, 0.0, "length" if i == len(ids) - 1 else None))
+            text = st.output(tok, delta=kind == "delta").outputs[0].text
             assert "\ufffd" not in text, (kind, i, text)
             if kind == "delta":
                 deltas.append(text)
@@ -177,8 +181,8 @@ def test_streamed_text_never_splits_a_multibyte_character(model_dir):
     assert "".join(deltas) == want and text == want
     assert deltas[1] == "" and deltas[2] == "é"          # 'é' waits for its second byte
     # a byte sequence that never completes is shown (as U+FFFD) once the request finishes
-    s = core.make_sequence("bad", None, [5], greedy(2, output_kind="delta"), 2)
-    s.append(ids[1], 0.0, None)
-    assert core.output(s, delta=True).outputs[0].text == ""
-    s.finish_reason = "length"
-    assert core.output(s, delta=True).outputs[0].text == "\ufffd"
+    st = RequestState("bad", None, [5], greedy(2, output_kind="delta"), 2, 0)
+    st.apply(Delta("bad", [ids[1]], None, 0.0))
+    assert st.output(tok, delta=True).outputs[0].text == ""
+    st.apply(Delta("bad", [], None, 0.0, "length"))
+    assert st.output(tok, delta=True).outputs[0].text == "\ufffd"

@@ -46,11 +46,13 @@ def test_every_flag_is_a_run_config_key():
 
 
 def test_engine_section_keys_are_engine_options():
-    """[engine] is passed to EngineCore as keywords: a key it does not take would fail only at serve time."""
+    """[engine] is passed to the engine as keywords: a key EngineConfig does not have would fail only at serve time."""
     import inspect
 
-    from engine.core import EngineCore
-    assert run_config.SECTIONS["engine"] <= set(inspect.signature(EngineCore.__init__).parameters)
+    import dataclasses
+
+    from engine.engine_config import EngineConfig
+    assert run_config.SECTIONS["engine"] <= {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def test_serve_flags_without_config():

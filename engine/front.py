@@ -1,0 +1,169 @@
+"""The front: where requests enter and outputs leave (global rank 0's process), off every rank's
+critical path.
+
+It validates and routes each request to a DP rank's inbox, keeps every request's state (prompt,
+params, tokens so far — engine/outputs.py), turns the ranks' Reports into RequestOutputs, and keeps
+each domain's wave going (engine/rank_loop.py): a domain is a set of ranks in lockstep — every rank
+when colocated, each pool when disaggregated. The ranks never wait for it: a front slowed by HTTP,
+JSON or detokenization only delays its own clients.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .messages import Abort, Command, NewRequest, Report, Wake
+from .outputs import RequestState
+from .sampling_params import RequestOutput
+
+
+def least_loaded(load: dict[int, int] | list[int]) -> int:
+    """The rank with the fewest tokens in flight (lowest rank on ties)."""
+    keys = load.keys() if isinstance(load, dict) else range(len(load))
+    return min(keys, key=lambda r: (load[r], r))
+
+
+@dataclass
+class Domain:
+    """Ranks in lockstep (they share a step sync), and the front's view of their wave."""
+    ranks: list[int]
+    wave: int = 0
+    running: bool = False          # the front woke wave `wave` (or believes it is running)
+    load: dict[int, int] = field(default_factory=dict)   # DP rank -> tokens in flight
+
+    def __post_init__(self):
+        self.load = {r: 0 for r in self.ranks}
+
+
+class Front:
+    """channel: the front's end (FrontChannel or the local pair's); domains: the lockstep groups;
+    tokenizer: for output text (None: no text)."""
+
+    def __init__(self, channel, domains: list[Domain], tokenizer=None, finished_kept: int = 10000):
+        self.channel, self.domains, self.tokenizer = channel, domains, tokenizer
+        self.domain_of = {r: d for d in domains for r in d.ranks}
+        self.requests: dict[str, RequestState] = {}
+        self.cost: dict[str, list[tuple[Domain, int, int, bool]]] = {}  # request -> [(domain, rank, tokens,
+        #                                                                        until its first token)]
+        self.rank_stats: dict[int, dict] = {}
+        self.finished: deque[dict] = deque(maxlen=finished_kept)
+        self.tokens_log: deque[tuple[float, int]] = deque()
+        self.generated = 0
+        self.commands = 0
+        self.errors: list[str] = []
+
+    # -- requests -----------------------------------------------------------------------------------
+    def assign(self, domain: Domain, request_id: str, cost: int, until_first_token: bool = False) -> int:
+        """Book the request on the domain's least-loaded rank, until it finishes (or, with
+        until_first_token, until its first token is back: a prefill's share). -> that rank."""
+        rank = least_loaded(domain.load)
+        domain.load[rank] += cost
+        self.cost.setdefault(request_id, []).append((domain, rank, cost, until_first_token))
+        return rank
+
+    def _release(self, request_id: str, first_token_only: bool) -> None:
+        kept = []
+        for booking in self.cost.pop(request_id, []):
+            domain, rank, cost, until_first = booking
+            if until_first or not first_token_only:
+                domain.load[rank] -= cost
+            else:
+                kept.append(booking)
+        if kept:
+            self.cost[request_id] = kept
+
+    def send(self, rank: int, msg) -> None:
+        """Send to a rank; wake its domain first when the front believes it idle."""
+        d = self.domain_of[rank]
+        if not d.running:
+            self.channel.broadcast(d.ranks, Wake(d.wave))
+            d.running = True
+        if isinstance(msg, NewRequest):
+            msg.wave = d.wave
+        self.channel.send(rank, msg)
+
+    def add(self, state: RequestState, msg: NewRequest) -> None:
+        self.requests[state.request_id] = state
+        self.send(state.dp_rank, msg)
+
+    def abort(self, request_id: str) -> None:
+        st = self.requests[request_id]
+        self.send(st.dp_rank, Abort(request_id))
+
+    def command(self, kind: int) -> None:
+        """END or SHUTDOWN to every rank; each domain leaves its loop in one step."""
+        self.commands += 1
+        for d in self.domains:
+            self.channel.broadcast(d.ranks, Command(kind, self.commands))
+            d.running = True
+
+    # -- reports ------------------------------------------------------------------------------------
+    def poll(self, timeout_s: float | None) -> list[RequestOutput]:
+        """Reports that arrived (waiting up to timeout_s for the first) -> RequestOutputs."""
+        return self.apply(self.channel.recv(timeout_s))
+
+    def apply(self, reports: list[Report]) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        now = time.time()
+        generated = 0
+        for rep in reports:
+            self._waves(rep)
+            if rep.stats is not None:
+                self.rank_stats[rep.rank] = rep.stats
+            if rep.error:
+                self.errors.append(f"rank {rep.rank}: {rep.error}")
+            generated += rep.generated
+            for d in rep.deltas:
+                st = self.requests.get(d.request_id)
+                if st is None:
+                    continue
+                had_token = bool(st.token_ids)
+                advanced = st.apply(d, now)
+                if st.token_ids and not had_token:
+                    self._release(st.request_id, first_token_only=True)
+                kind = st.params.output_kind
+                if (advanced and kind != "final_only") or st.finished:
+                    outs.append(st.output(self.tokenizer, delta=kind == "delta"))
+                if st.finished:
+                    self._finished(st)
+        self.generated += generated
+        self.tokens_log.append((time.monotonic(), generated))
+        return outs
+
+    def _finished(self, st: RequestState) -> None:
+        del self.requests[st.request_id]
+        self._release(st.request_id, first_token_only=False)
+        self.finished.append(dict(st.metrics(), request_id=st.request_id))
+
+    def _waves(self, rep: Report) -> None:
+        d = self.domain_of.get(rep.rank)
+        if d is None:
+            return
+        if rep.idle_wave is not None and rep.idle_wave > d.wave:
+            d.wave, d.running = rep.idle_wave, False
+        if rep.start_wave is not None and (rep.start_wave > d.wave or not d.running):
+            d.wave = max(d.wave, rep.start_wave)
+            self.channel.broadcast(d.ranks, Wake(d.wave))
+            d.running = True
+
+    # -- metrics ------------------------------------------------------------------------------------
+    def metrics(self, window_s: float = 10.0, waiting_extra: int = 0) -> dict:
+        """Engine-wide: running/waiting, KV blocks, prefix-cache hit rate, tokens/s over the last
+        window_s seconds, per-rank stats, and per-request TTFT/TPOT/queue time of finished requests."""
+        now = time.monotonic()
+        while self.tokens_log and now - self.tokens_log[0][0] > window_s:
+            self.tokens_log.popleft()
+        span = now - self.tokens_log[0][0] if len(self.tokens_log) > 1 else 0.0
+        recent = sum(n for _, n in list(self.tokens_log)[1:])
+        st = [self.rank_stats[r] for r in sorted(self.rank_stats)]
+        q = sum(s.get("prefix_queried_tokens", 0) for s in st)
+
+        def total(key):
+            return sum(s.get(key, 0) for s in st)
+        return {"running": total("running"), "waiting": total("waiting") + waiting_extra,
+                "kv_blocks_used": total("kv_blocks_used"), "kv_blocks_free": total("kv_blocks_free"),
+                "prefix_cache_hit_rate": total("prefix_hit_tokens") / q if q else 0.0,
+                "preemptions": total("preemptions"), "generation_tokens_total": self.generated,
+                "tokens_per_s": recent / span if span > 0 else 0.0,
+                "per_rank": st, "finished_requests": list(self.finished)}

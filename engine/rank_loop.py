@@ -1,0 +1,226 @@
+"""One rank's step loop: inbox -> schedule -> step sync -> forward -> apply -> report.
+
+Every rank runs its own loop (rank 0 on a thread beside the front). The only thing a step waits
+for is the step sync's fixed-size all-reduce and the model's own all-to-alls; requests arrive in the
+inbox and outputs leave as Reports without any rank waiting for another (engine/channel.py).
+
+Waves. When the sync says no rank of the domain (the ranks in lockstep) has work, every rank goes
+idle at the same step: wave += 1, and the loop blocks on its inbox instead of spinning through
+empty all-reduces. The front wakes the domain with Wake(n) before it sends work, and tags each
+request with the wave it believes is running. A rank that finds work in a wave that already ended
+(a request sent before the front learnt of the idle step) asks the front to start the next wave
+(Report.start_wave); a Wake that arrives while a rank is still finishing the previous wave is kept
+(woken_for) and honoured at the idle step. Commands (END, SHUTDOWN) also go through the sync, so
+every rank leaves in the same step; each carries a sequence number so a rank never acts twice on one.
+
+Hooks (RankHooks) are the seams for what runs around the steps; disaggregation's prefill and
+decode ranks are this loop with hooks, not copies of it.
+"""
+from __future__ import annotations
+
+import time
+
+from parallel.watchdog import RankLostError
+
+from .messages import END, SHUTDOWN, Abort, Command, Delta, NewRequest, Report, Wake
+
+
+class RankHooks:
+    """Seams around a rank's steps; every default does nothing."""
+
+    def handle(self, msg) -> bool:
+        """Any message, before the loop's own handling (a request or abort the hook takes over, or
+        a message the loop does not know). -> whether the hook handled it."""
+        return False
+
+    def before_schedule(self) -> list[Delta]:
+        """Before the scheduler runs (e.g. adopt sequences whose KV arrived). -> deltas to report."""
+        return []
+
+    def has_pending(self) -> bool:
+        """Work not in the scheduler yet (e.g. KV in flight): keeps the domain's wave running."""
+        return False
+
+    def on_layer(self, batch):
+        """-> a callback on_layer(i) for this batch's forward (called as layer i's KV is written), or None."""
+        return None
+
+    def after_step(self, batch, advanced: list) -> list:
+        """After the scheduler applied the step (e.g. release finished prefills, send their trailer).
+        -> the sequences whose progress to report to the front (default: those that advanced)."""
+        return advanced
+
+    def stats(self) -> dict:
+        return {}
+
+
+class RankLoop:
+    """core: this rank's EngineCore; channel: its inbox/report ends; rank: its global rank (in the
+    job: the front addresses it so); leader: reports the domain's idle steps (its first rank). stats_interval_s: the longest a busy rank goes without
+    reporting its stats; idle_sleep_s: the pause when every rank waits on something (no tokens)."""
+
+    def __init__(self, core, channel, rank: int, leader: bool, hooks: RankHooks | None = None,
+                 stats_interval_s: float = 0.5, idle_sleep_s: float = 0.002, poll_s: float = 1.0):
+        self.core, self.channel, self.rank, self.leader = core, channel, rank, leader
+        self.hooks = hooks or RankHooks()
+        self.stats_interval_s, self.idle_sleep_s, self.poll_s = stats_interval_s, idle_sleep_s, poll_s
+        self.ctx = core.ctx
+        self.wave, self.running, self.woken_for = 0, False, -1
+        self.command, self.command_seq, self.done_seq = 0, 0, 0     # pending command, its number, last obeyed
+        self._deltas: list[Delta] = []
+        self._start_wave: int | None = None
+        self._generated = 0
+        self._last_stats = 0.0
+        self.steps = 0
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> str:
+        """Until a command ends the loop: -> "end" | "shutdown"."""
+        while True:
+            blocking = not self.running
+            msgs = self.channel.recv(self.poll_s if blocking else 0)
+            if blocking and not msgs:
+                self._check_lost()
+                continue
+            for m in msgs:
+                self._handle(m)
+            if self.running:
+                done = self.step()
+                if done:
+                    return done
+
+    def pending(self) -> bool:
+        """One process: is there anything for run_once to do?"""
+        return self.channel.has_messages() or self.core.scheduler.has_work() or self.hooks.has_pending()
+
+    def run_once(self) -> None:
+        """One process (no lockstep, no waves): handle the inbox, then step if there is work."""
+        for m in self.channel.recv(0):
+            self._handle(m)
+        if self.core.scheduler.has_work() or self.hooks.has_pending():
+            self.step()
+        else:
+            self._report()
+
+    def step(self) -> str | None:
+        """One lockstep iteration (also what a single-process Engine.step runs). -> "end" /
+        "shutdown" when a command ended the loop this step, else None."""
+        core, sched = self.core, self.core.scheduler
+        self._deltas += self.hooks.before_schedule()
+        has_work = sched.has_work() or self.hooks.has_pending()
+        batch = sched.schedule() if sched.has_work() else None
+        tokens = batch.num_tokens if batch is not None else []
+        can_split, vote = core.split_votes(tokens)
+        sync = core.sync.sync(has_work, can_split, vote, sum(tokens), self._command_code())
+        if sync.command:
+            return self._obey(sync.command, sync.command_seq)
+        if not sync.any_work:
+            self._go_idle()
+            return None
+        plan = sync.plan
+        if plan.max_tokens == 0:   # everyone waits on something outside the scheduler (KV transfers)
+            time.sleep(self.idle_sleep_s)
+            self._report()
+            return None
+        t0 = time.perf_counter()
+        if batch is not None and batch.seqs:
+            result = core.runner.execute(batch, plan, on_layer=self.hooks.on_layer(batch))
+            advanced = sched.apply(batch, result)
+            self._deltas += [delta_of(s) for s in self.hooks.after_step(batch, advanced)]
+            self._generated += sum(r is not None for r in result.tokens)
+        elif self.ctx.is_single:
+            raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
+        else:
+            core.runner.dummy_step(plan)  # keep the MoE all-to-alls in lockstep
+        core.after_step(tokens, plan.split, time.perf_counter() - t0)
+        self.steps += 1
+        self._report()
+        return None
+
+    # -- messages -------------------------------------------------------------------------------------
+    def _handle(self, m) -> None:
+        if isinstance(m, NewRequest):
+            if not self.hooks.handle(m):
+                self.core.add_request(m)
+            if not self.running:
+                self.running = True
+                if m.wave < self.wave:   # sent for a wave that ended: the others are idle, get them woken
+                    self._start_wave = self.wave
+                    self._report(force=True)
+        elif isinstance(m, Abort):
+            if self.hooks.handle(m):
+                return
+            seq = self.core.scheduler.abort(m.request_id)
+            if seq is not None:
+                self._deltas.append(delta_of(seq))
+                self._report(force=not self.running)
+        elif isinstance(m, Wake):
+            self.woken_for = max(self.woken_for, m.wave)
+            if not self.running and m.wave >= self.wave:
+                self.running = True
+        elif isinstance(m, Command):
+            if m.seq > self.done_seq and m.seq > self.command_seq:
+                self.command, self.command_seq = m.kind, m.seq
+                self.running = True      # leave through the sync, in step with every other rank
+        elif not self.hooks.handle(m):
+            raise TypeError(f"rank {self.rank}: unknown control message {m!r}")
+
+    def _command_code(self) -> int:
+        return self.command_seq * 4 + self.command if self.command else 0
+
+    def _obey(self, code: int, seq: int) -> str:
+        kind = code
+        self.done_seq = max(self.done_seq, seq)
+        if self.command_seq <= self.done_seq:
+            self.command, self.command_seq = 0, 0
+        self.wave += 1                   # a command ends the wave too: every rank leaves here
+        self.running = False
+        self._report(force=True, idle=True)
+        return "shutdown" if kind == SHUTDOWN else "end"
+
+    def _go_idle(self) -> None:
+        self.wave += 1
+        self.running = False
+        if self.woken_for >= self.wave:      # the front already started the next wave
+            self.running = True
+        elif self.core.scheduler.has_work() or self.hooks.has_pending():
+            self.running = True              # work that arrived for the wave that just ended
+            self._start_wave = self.wave
+        self._report(force=True, idle=True)
+
+    # -- reports --------------------------------------------------------------------------------------
+    def _report(self, force: bool = False, idle: bool = False) -> None:
+        now = time.monotonic()
+        stale = now - self._last_stats >= self.stats_interval_s
+        if not (self._deltas or force or stale or self._start_wave is not None):
+            return
+        rep = Report(self.rank, self._deltas, generated=self._generated,
+                     start_wave=self._start_wave, idle_wave=self.wave if idle and self.leader else None)
+        if stale or force or self._deltas:
+            rep.stats = dict(self.core.stats(), **self.hooks.stats())
+            self._last_stats = now
+        self._deltas, self._generated, self._start_wave = [], 0, None
+        self.channel.report(rep)
+
+    def _check_lost(self) -> None:
+        """While blocked on the inbox: a lost rank (the front's included) ends the wait, named."""
+        lost = self.ctx.lost_ranks()
+        if lost:
+            wd = self.ctx.watchdog
+            raise RankLostError(lost, wd.describe(lost) if wd is not None else "")
+
+
+def delta_of(s) -> Delta:
+    """A sequence's progress since it was last reported (its first delta carries the prompt logprobs
+    and queue time)."""
+    n = s.num_reported
+    s.num_reported = len(s.output_token_ids)
+    first = n == 0 and bool(s.output_token_ids)
+    return Delta(s.request_id, s.output_token_ids[n:], s.logprobs[n:] if s.logprobs is not None else None,
+                 s.cumulative_logprob, s.finish_reason,
+                 prompt_logprobs=s.prompt_logprobs if first else None,
+                 queue_s=(s.first_scheduled_time - s.arrival_time) if first and s.first_scheduled_time else None,
+                 num_preemptions=s.num_preemptions, metrics=s.extra_metrics or None)
+
+
+__all__ = ["RankLoop", "RankHooks", "delta_of", "END", "SHUTDOWN"]
