@@ -52,7 +52,7 @@ class Overlap:
 
         from parallel.comm_stream import CommStream
         from parallel.dispatch import make_dispatcher
-        from parallel.dispatch_deepep import DeepEPDispatcher
+        from parallel.dispatch.deepep import DeepEPDispatcher
         self.model = model
         self.streams = []
         self.dispatchers = []

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm_stream import CommStream, SimulatedLink
-from .dispatch import Dispatched, Dispatcher, Pending
-from .dispatch_torch_ll import LLHandle, LowLatencyMixin
-from .watchdog import guard_collective
+from ..comm_stream import CommStream, SimulatedLink
+from .base import Dispatched, Dispatcher, Pending
+from .torch_low_latency import LLHandle, LowLatencyMixin
+from ..watchdog import guard_collective
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Low-latency mode of the torch dispatcher (see dispatch_torch.py): fixed [C, H + meta] blocks,
+"""Low-latency mode of the torch dispatcher (see torch_normal.py): fixed [C, H + meta] blocks,
 one all-to-all per dispatch and per combine, no count exchange, no host sync.
 
 Legend as in dispatch.py; C the planned capacity (largest T of any rank this step), M the metadata
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm_stream import SimulatedLink
-from .dispatch import Dispatched, Pending
-from .watchdog import guard_collective
+from ..comm_stream import SimulatedLink
+from .base import Dispatched, Pending
+from ..watchdog import guard_collective
 
 
 @dataclass

@@ -22,8 +22,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .context import ParallelContext
-from .watchdog import guard_collective
+from ..context import ParallelContext
+from ..watchdog import guard_collective
 
 
 @dataclass
@@ -112,56 +112,3 @@ class Dispatcher:
         if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
             raise ValueError(f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} "
                              f"must both be [T, k] with T = {x.shape[0]}")
-
-
-class LocalDispatcher(Dispatcher):
-    """One EP rank: every expert is local, physical id = local id, nothing moves."""
-
-    def dispatch_start(self, x, topk_ids, topk_weights) -> Pending:
-        self._check_inputs(x, topk_ids, topk_weights)
-        self.stats.dispatch_calls += 1
-        w = topk_weights.float().masked_fill(topk_ids < 0, 0.0)
-        d = Dispatched(x, topk_ids.long(), w, handle=x.shape[0])
-        return Pending(self.ctx, [], lambda: d)
-
-    def combine_start(self, y, handle) -> Pending:
-        if y.shape[0] != handle:
-            raise ValueError(f"combine got y with {y.shape[0]} rows, dispatch produced {handle}")
-        self.stats.combine_calls += 1
-        return Pending(self.ctx, [], lambda: y)
-
-
-def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int, backend: str = "auto", *,
-                    dtype: torch.dtype | None = None, low_latency_max_tokens: int = 128,
-                    torch_low_latency_max_tokens: int = 0, link=None, group=None, stream=None) -> Dispatcher:
-    """Pick the dispatcher for this context.
-
-    backend: "auto" (deepep when it imports, CUDA is up and dtype is bf16; else torch), "torch",
-    "allgather" (the reference), "deepep" (error if unusable). One EP rank always gets
-    LocalDispatcher. dtype: the activations' dtype (DeepEP carries bf16 only). low_latency_max_tokens:
-    DeepEP's; torch_low_latency_max_tokens: steps planned with at most this many tokens per rank use
-    the torch dispatcher's padded one-message mode (0: never; see dispatch_torch.py). link, group, stream:
-    torch backend only (simulated network, process group, communication thread; see comm_stream.py).
-    """
-    from .dispatch_deepep import deepep_unavailable_reason
-
-    if backend not in ("auto", "torch", "allgather", "deepep"):
-        raise ValueError(f"dispatch backend must be auto|torch|allgather|deepep, got {backend!r}")
-    if backend == "deepep":
-        reason = deepep_unavailable_reason(ctx)
-        if reason:
-            raise RuntimeError(f"dispatch backend 'deepep' needs the deep_ep package and CUDA: {reason}")
-    if ctx.is_single or ctx.ep_size == 1:
-        return LocalDispatcher(ctx, num_physical_experts, hidden)
-    if backend == "auto":
-        usable = deepep_unavailable_reason(ctx) is None and dtype == torch.bfloat16
-        backend = "deepep" if usable else "torch"
-    if backend == "deepep":
-        from .dispatch_deepep import DeepEPDispatcher
-        return DeepEPDispatcher(ctx, num_physical_experts, hidden, low_latency_max_tokens=low_latency_max_tokens)
-    if backend == "allgather":
-        from .dispatch_allgather import AllGatherDispatcher
-        return AllGatherDispatcher(ctx, num_physical_experts, hidden)
-    from .dispatch_torch import TorchDispatcher
-    return TorchDispatcher(ctx, num_physical_experts, hidden, group=group, stream=stream, link=link,
-                           low_latency_max_tokens=torch_low_latency_max_tokens)

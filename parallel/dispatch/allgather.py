@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .dispatch import Dispatched, Dispatcher, Pending
-from .watchdog import guard_collective
+from .base import Dispatched, Dispatcher, Pending
+from ..watchdog import guard_collective
 
 
 class AllGatherDispatcher(Dispatcher):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .dispatch import Dispatched, Dispatcher, Pending
+from .base import Dispatched, Dispatcher, Pending
 
 
 def deepep_unavailable_reason(ctx) -> str | None:

@@ -1,0 +1,7 @@
+"""MoE token dispatch/combine over the EP group: the interface (base.py), one backend per file,
+and make_dispatcher (factory.py), which picks one when the model is built."""
+from .base import Dispatched, Dispatcher, DispatchStats, Pending
+from .factory import make_dispatcher
+from .local import LocalDispatcher
+
+__all__ = ["Dispatched", "Dispatcher", "DispatchStats", "LocalDispatcher", "Pending", "make_dispatcher"]
