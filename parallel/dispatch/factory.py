@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import DISPATCH_BACKENDS
 from ..context import ParallelContext
 from .base import Dispatcher
 from .local import LocalDispatcher
@@ -17,13 +18,14 @@ def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int
     "allgather" (the reference), "deepep" (error if unusable). One EP rank always gets
     LocalDispatcher. dtype: the activations' dtype (DeepEP carries bf16 only). low_latency_max_tokens:
     DeepEP's; torch_low_latency_max_tokens: steps planned with at most this many tokens per rank use
-    the torch dispatcher's padded one-message mode (0: never; see dispatch_torch.py). link, group, stream:
-    torch backend only (simulated network, process group, communication thread; see comm_stream.py).
+    the torch dispatcher's padded one-message mode (0: never; see torch_normal.py). link, stream:
+    torch backend only (simulated network, communication thread; see comm_stream.py); group: the
+    process group of the torch and allgather backends (default ctx.ep_group).
     """
     from .deepep import deepep_unavailable_reason
 
-    if backend not in ("auto", "torch", "allgather", "deepep"):
-        raise ValueError(f"dispatch backend must be auto|torch|allgather|deepep, got {backend!r}")
+    if backend not in DISPATCH_BACKENDS:
+        raise ValueError(f"dispatch backend must be {'|'.join(DISPATCH_BACKENDS)}, got {backend!r}")
     if backend == "deepep":
         reason = deepep_unavailable_reason(ctx)
         if reason:
@@ -38,7 +40,7 @@ def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int
         return DeepEPDispatcher(ctx, num_physical_experts, hidden, low_latency_max_tokens=low_latency_max_tokens)
     if backend == "allgather":
         from .allgather import AllGatherDispatcher
-        return AllGatherDispatcher(ctx, num_physical_experts, hidden)
+        return AllGatherDispatcher(ctx, num_physical_experts, hidden, group=group)
     from .torch_normal import TorchDispatcher
     return TorchDispatcher(ctx, num_physical_experts, hidden, group=group, stream=stream, link=link,
                            low_latency_max_tokens=torch_low_latency_max_tokens)
