@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from engine.core import EngineCore
+from parallel.step_plan import StepPlan
 from parallel.watchdog import guard_collective
 
 from .kv_transfer import Handle, send_object
@@ -65,14 +66,15 @@ class PrefillWorker:
             else:
                 self._command = max(self._command, END if kind == "end" else SHUTDOWN)
 
-    def _sync(self, has_batch: bool) -> tuple[bool, int]:
-        """Pool-wide: (any prefill rank has a batch to run, END/SHUTDOWN seen by any rank)."""
-        flags = torch.tensor([int(has_batch), self._command], dtype=torch.int64)
+    def _sync(self, has_batch: bool, num_tokens: int) -> tuple[bool, int, StepPlan]:
+        """Pool-wide: (any prefill rank has a batch to run, END/SHUTDOWN seen by any rank, the step's
+        plan: normal-mode dispatch, never split)."""
+        flags = torch.tensor([int(has_batch), self._command, num_tokens], dtype=torch.int64)
         if self.roles.pool_ctx.world_size > 1:
             with guard_collective(self.ctx):
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.roles.pool_ctx.cpu_group)
-        any_work, command = flags.tolist()  # SYNC: the loop's control flow
-        return bool(any_work), command
+        any_work, command, max_tokens = flags.tolist()  # SYNC: the loop's control flow
+        return bool(any_work), command, StepPlan(max_tokens)
 
     def _reap(self, block: bool = False) -> None:
         """Free the blocks of finished prefills whose sends have all completed."""
@@ -94,12 +96,13 @@ class PrefillWorker:
             batch = sched.schedule() if sched.has_work() else None
             # a rank whose waiting prompts find no free blocks (its cache held by sends the decode
             # pool has not taken yet) waits here instead of spinning through empty steps
-            any_work, command = self._sync(batch is not None and bool(batch.seqs))
+            has_batch = batch is not None and bool(batch.seqs)
+            any_work, command, plan = self._sync(has_batch, sum(batch.num_tokens) if has_batch else 0)
             if any_work:
-                if batch is not None and batch.seqs:
-                    self._step(batch)
+                if has_batch:
+                    self._step(batch, plan)
                 else:
-                    self.core.runner.dummy_step()  # keep the pool's MoE all-to-alls in lockstep
+                    self.core.runner.dummy_step(plan)  # keep the pool's MoE all-to-alls in lockstep
             elif command:
                 self._reap(block=True)
                 self._command = 0
@@ -123,7 +126,7 @@ class PrefillWorker:
         job.handles.append(self.kv.send_start(job.dst, job.tid, rows))
         job.bytes += rows.numel() * rows.element_size()
 
-    def _step(self, batch) -> None:
+    def _step(self, batch, plan: StepPlan) -> None:
         core = self.core
         L = len(core.kv.pools)
         chunks = []  # (job, slots of this step's tokens)
@@ -150,7 +153,7 @@ class PrefillWorker:
                 self._send_rows(job, slots, i)
 
         t0 = time.perf_counter()
-        core.runner.execute(batch, on_layer=on_layer)
+        core.runner.execute(batch, plan, on_layer=on_layer)
         self.prefilled_tokens += sum(batch.num_tokens)
         stats = core.stats()
         for s in batch.seqs:

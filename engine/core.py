@@ -81,13 +81,17 @@ class EngineCore:
                             "model config / engine options")
         device = device or str(self.ctx.device)
         self.model_dir, self.config = model, cfg
+        link = None
+        if self.pcfg.simulated_latency_us or self.pcfg.simulated_gbps:
+            from parallel.comm_stream import SimulatedLink
+            link = SimulatedLink(self.pcfg.simulated_latency_us, self.pcfg.simulated_gbps)
         self.model = load_model(model, parse_dtype(dtype), device, progress and self.ctx.rank == 0, self.ctx,
                                 self.pcfg.dispatch_backend, cfg, num_redundant_experts=self.pcfg.num_redundant_experts,
                                 eplb=self.eplb_cfg, experts_backend=experts_backend,
                                 attention_backend=attention_backend,
                                 dispatch_options=dict(
                                     low_latency_max_tokens=self.pcfg.deepep_low_latency_max_tokens,
-                                    torch_low_latency_max_tokens=self.pcfg.torch_low_latency_max_tokens))
+                                    torch_low_latency_max_tokens=self.pcfg.torch_low_latency_max_tokens, link=link))
         self.eplb = None
         if self.eplb_cfg.enabled and cfg.moe is not None:
             from eplb.controller import EplbController
@@ -104,22 +108,17 @@ class EngineCore:
         self.kv = LatentKVPool(cfg.num_hidden_layers, kv_cache_blocks, block_size, cfg.mla.latent_dim, dt, device)
         self.blocks = BlockManager(kv_cache_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        link = None
-        if self.pcfg.simulated_latency_us or self.pcfg.simulated_gbps:
-            from parallel.comm_stream import SimulatedLink
-            link = SimulatedLink(self.pcfg.simulated_latency_us, self.pcfg.simulated_gbps)
-            if hasattr(self.model.dispatcher, "link"):  # the torch dispatcher: the testing link applies
-                self.model.dispatcher.link = link
         overlap, self.auto = None, None
         if self.dbo.enabled and cfg.moe is not None:
             from dbo.overlap import Overlap
-            overlap = Overlap(self.model, self.ctx, link)  # collective: every rank builds its groups
+            overlap = Overlap(self.model, self.ctx)  # collective: every rank builds its groups
             if self.dbo.enabled == "auto":
                 from dbo.auto import AutoSwitch
                 self.auto = AutoSwitch()
         self.runner = ModelRunner(self.model, self.kv, overlap)
         self.split_steps = 0
-        self.sync = StepSync(self.ctx)
+        d = self.model.dispatcher
+        self.sync = StepSync(self.ctx, d.low_latency_max_tokens if d is not None else 0)
         self.tokenizer = _load_tokenizer(model)
         self._generator = torch.Generator(device=device).manual_seed(seed + self.ctx.rank)
 
@@ -216,14 +215,6 @@ class EngineCore:
         """The model's dispatcher and DBO's microbatch dispatchers, each once (DeepEP's is shared)."""
         overlap = self.runner.overlap.dispatchers if self.runner.overlap is not None else []
         return list({id(d): d for d in [self.model.dispatcher, *overlap] if d is not None}.values())
-
-    def plan_dispatch(self, max_tokens_any_rank: int | None) -> None:
-        """Tell the dispatchers that pick their mode per step (low-latency for small steps) the
-        largest token count of any rank this step (None after it); the same on every rank."""
-        for d in self._dispatchers():
-            plan = getattr(d, "plan", None)
-            if plan is not None:
-                plan(max_tokens_any_rank)
 
     def after_step(self, num_tokens: list[int], split: bool, seconds: float) -> None:
         """Every rank, after every step that ran (dummy steps included): EPLB's step counter and

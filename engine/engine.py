@@ -186,13 +186,12 @@ class Engine:
         batch = sched.schedule() if sched.has_work() else None
         tokens = batch.num_tokens if batch is not None else []
         can_split, vote = core.split_votes(tokens)
-        any_work, split = core.sync.sync(sched.has_work(), can_split, vote, sum(tokens))
+        any_work, plan = core.sync.sync(sched.has_work(), can_split, vote, sum(tokens))
         if any_work:
-            core.plan_dispatch(core.sync.max_tokens)
             t0 = time.perf_counter()
             if batch is not None and batch.seqs:
                 before = {id(s): len(s.output_token_ids) for s in batch.seqs}
-                core.runner.execute(batch, split=split)
+                core.runner.execute(batch, plan)
                 for s in batch.seqs:
                     core.blocks.register_computed(s)
                     advanced = len(s.output_token_ids) > before[id(s)]
@@ -206,9 +205,8 @@ class Engine:
             elif self.ctx.is_single:
                 raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
             else:
-                core.runner.dummy_step(split=split)  # keep the MoE all-to-alls in lockstep
-            core.plan_dispatch(None)
-            core.after_step(tokens, split, time.perf_counter() - t0)
+                core.runner.dummy_step(plan)  # keep the MoE all-to-alls in lockstep
+            core.after_step(tokens, plan.split, time.perf_counter() - t0)
         return outs, dict(core.stats(), generated=generated)
 
     # -- collectives --------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 
 from attention_mla.kv_cache import LatentKVPool
 from attention_mla.meta import AttnMeta
+from parallel.step_plan import StepPlan
 
 from .model import DeepseekModel
 from .sampler import sample, topn_logprobs
@@ -15,8 +16,8 @@ from .scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    """overlap: a dbo.overlap.Overlap when dual-batch overlap is on; execute(batch, split=True) then
-    runs the step as two microbatches whose all-to-alls hide behind each other's compute."""
+    """overlap: a dbo.overlap.Overlap when dual-batch overlap is on; execute(batch, plan) with
+    plan.split then runs the step as two microbatches whose all-to-alls hide behind each other's compute."""
 
     def __init__(self, model: DeepseekModel, kv: LatentKVPool, overlap=None):
         self.model, self.kv, self.overlap = model, kv, overlap
@@ -50,19 +51,19 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64, device=dev), meta
 
     @torch.inference_mode()
-    def dummy_step(self, split: bool = False) -> None:
+    def dummy_step(self, plan: StepPlan) -> None:
         """A zero-token forward: this rank has no work but must still enter every MoE all-to-all
         (both microbatches' when the step is split)."""
         empty = ScheduledBatch([], [])
-        if split:
-            self.overlap.forward([self.build_meta(empty, []), self.build_meta(empty, [])], self.kv.pools)
+        if plan.split:
+            self.overlap.forward([self.build_meta(empty, []), self.build_meta(empty, [])], self.kv.pools, plan)
         else:
-            self.model(*self.build_meta(empty, []), self.kv.pools)
+            self.model(*self.build_meta(empty, []), self.kv.pools, plan)
 
-    def _forward_split(self, batch: ScheduledBatch) -> torch.Tensor:
+    def _forward_split(self, batch: ScheduledBatch, plan: StepPlan) -> torch.Tensor:
         from dbo.split import split
         parts = split(batch.num_tokens)
-        hidden = self.overlap.forward([self.build_meta(batch, p) for p in parts], self.kv.pools)
+        hidden = self.overlap.forward([self.build_meta(batch, p) for p in parts], self.kv.pools, plan)
         # back to the batch's token order: sequence b's rows lo..hi-1 sit at offset[b] + lo
         offset = [0]
         for n in batch.num_tokens:
@@ -74,15 +75,16 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, split: bool = False, on_layer=None) -> None:
-        """Run one step and advance every sequence in the batch (cache, outputs, finish state).
-        on_layer(i): called as each layer finishes (see DeepseekModel.forward; not with split)."""
+    def execute(self, batch: ScheduledBatch, plan: StepPlan, on_layer=None) -> None:
+        """Run one step as `plan` says (plan.split: two microbatches) and advance every sequence in
+        the batch (cache, outputs, finish state). on_layer(i): called once layer i's latents are in
+        the cache (see DeepseekModel.forward; not with split)."""
         if not batch.seqs:
             return
-        if split:
-            hidden = self._forward_split(batch)
+        if plan.split:
+            hidden = self._forward_split(batch, plan)
         else:
-            hidden = self.model(*self.build_meta(batch), self.kv.pools, on_layer=on_layer)
+            hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer)
         sample_rows, samplers = [], []
         start = 0
         for s, n in zip(batch.seqs, batch.num_tokens):

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.context import ParallelContext
+from parallel.step_plan import StepPlan
 from parallel.watchdog import RankLostError, guard_collective
 
 
@@ -19,26 +20,28 @@ def least_loaded(load: list[int]) -> int:
 
 class StepSync:
     """One small all-reduce per step: does any rank have work, may every rank split the step for
-    DBO, and rank 0's vote on splitting. Ranks without work then run a zero-token dummy step so that
-    every rank enters every MoE all-to-all (of both microbatches when split)."""
+    DBO, rank 0's vote on splitting, and the largest token count of any rank. Ranks without work then
+    run a zero-token dummy step so that every rank enters every MoE all-to-all (of both microbatches
+    when split). low_latency_max_tokens: the dispatcher's (Dispatcher.low_latency_max_tokens; 0 =
+    no low-latency mode), so every rank's plan picks the same dispatch mode."""
 
-    def __init__(self, ctx: ParallelContext):
-        self.ctx = ctx
-        self.max_tokens = 0   # after sync(): the largest token count of any rank this step
+    def __init__(self, ctx: ParallelContext, low_latency_max_tokens: int = 0):
+        self.ctx, self.low_latency_max_tokens = ctx, low_latency_max_tokens
 
     def sync(self, has_work: bool, can_split: bool = False, vote: bool = False,
-             num_tokens: int = 0) -> tuple[bool, bool]:
-        """-> (any rank has work, split this step). Split needs rank 0's vote and every rank's consent."""
+             num_tokens: int = 0) -> tuple[bool, StepPlan]:
+        """-> (any rank has work, the step's plan). Split needs rank 0's vote and every rank's consent."""
         if self.ctx.is_single:
-            self.max_tokens = num_tokens
-            return has_work, can_split and vote
-        # MAX of [has work, cannot split, vote (rank 0's only), tokens]
-        flags = torch.tensor([int(has_work), int(not can_split), int(vote and self.ctx.rank == 0), num_tokens],
-                             dtype=torch.int64)
-        with guard_collective(self.ctx):
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
-        any_work, cannot, vote_0, self.max_tokens = flags.tolist()  # SYNC: the step loop's control flow
-        return bool(any_work), bool(vote_0) and not cannot
+            any_work, split, max_tokens = has_work, can_split and vote, num_tokens
+        else:
+            # MAX of [has work, cannot split, vote (rank 0's only), tokens]: one fixed-size message
+            flags = torch.tensor([int(has_work), int(not can_split), int(vote and self.ctx.rank == 0), num_tokens],
+                                 dtype=torch.int64)
+            with guard_collective(self.ctx):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.ctx.cpu_group)
+            any_work, cannot, vote_0, max_tokens = flags.tolist()  # SYNC: the step loop's control flow
+            split = bool(vote_0) and not cannot
+        return bool(any_work), StepPlan.make(max_tokens, split, self.low_latency_max_tokens)
 
 
 def gather_outputs(ctx: ParallelContext, local: dict[int, object], n: int) -> list:

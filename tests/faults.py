@@ -12,10 +12,10 @@ def sigkill_at_step(n: int) -> None:
     execute = runner.ModelRunner.execute
     steps = {"n": 0}
 
-    def dying(self, batch, **kw):
+    def dying(self, batch, *args, **kw):
         steps["n"] += 1
         if steps["n"] == n:
             print(f"victim killed at {time.time():.3f}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        return execute(self, batch, **kw)
+        return execute(self, batch, *args, **kw)
     runner.ModelRunner.execute = dying

@@ -16,7 +16,7 @@ def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int
 
     backend: "auto" (deepep when it imports, CUDA is up and dtype is bf16; else torch), "torch",
     "allgather" (the reference), "deepep" (error if unusable). One EP rank always gets
-    LocalDispatcher. dtype: the activations' dtype (DeepEP carries bf16 only). low_latency_max_tokens:
+    LocalDispatcher, whatever the backend (serving on one rank goes through it too). dtype: the activations' dtype (DeepEP carries bf16 only). low_latency_max_tokens:
     DeepEP's; torch_low_latency_max_tokens: steps planned with at most this many tokens per rank use
     the torch dispatcher's padded one-message mode (0: never; see torch_normal.py). link, stream:
     torch backend only (simulated network, communication thread; see comm_stream.py); group: the
@@ -26,12 +26,12 @@ def make_dispatcher(ctx: ParallelContext, num_physical_experts: int, hidden: int
 
     if backend not in DISPATCH_BACKENDS:
         raise ValueError(f"dispatch backend must be {'|'.join(DISPATCH_BACKENDS)}, got {backend!r}")
+    if ctx.is_single or ctx.ep_size == 1:  # nothing moves, whichever backend was asked for
+        return LocalDispatcher(ctx, num_physical_experts, hidden)
     if backend == "deepep":
         reason = deepep_unavailable_reason(ctx)
         if reason:
             raise RuntimeError(f"dispatch backend 'deepep' needs the deep_ep package and CUDA: {reason}")
-    if ctx.is_single or ctx.ep_size == 1:
-        return LocalDispatcher(ctx, num_physical_experts, hidden)
     if backend == "auto":
         usable = deepep_unavailable_reason(ctx) is None and dtype == torch.bfloat16
         backend = "deepep" if usable else "torch"
