@@ -20,17 +20,22 @@ from .meta import AttnMeta
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
-MODES = ("auto", "naive", "absorbed")
+FORMS = ("auto", "naive", "absorbed")   # which form attends: auto = absorbed for one-query sequences
+BACKENDS = ("torch", "triton")
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg: MLAConfig, rope: RotaryEmbedding, device=None, dtype=None, linear=nn.Linear):
+    def __init__(self, cfg: MLAConfig, rope: RotaryEmbedding, device=None, dtype=None, linear=nn.Linear,
+                 backend: str = "torch", mode: str = "auto"):
         """linear: the projections' class (nn.Linear's signature; an fp8 one keeps fp8 checkpoints as
-        stored). kv_b_proj is always nn.Linear: both forms read its weight directly."""
+        stored). kv_b_proj is always nn.Linear: both forms read its weight directly. backend: "torch" |
+        "triton" (decode sequences; resolved by attention_mla/paged_decode.py). mode: one of FORMS
+        ("naive" / "absorbed" force one form, for checking them against each other)."""
+        if backend not in BACKENDS or mode not in FORMS:
+            raise ValueError(f"MLA backend must be one of {BACKENDS} and mode one of {FORMS}, got {backend!r}, {mode!r}")
         super().__init__()
         self.cfg, self.rope = cfg, rope
-        self.mode = "auto"  # "auto": absorbed for sequences with one query token, naive otherwise
-        self.backend = "torch"  # "torch" | "triton" (decode sequences); resolved by the model builder
+        self.backend, self.mode = backend, mode
         N, H, C, R = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         kw = dict(device=device, dtype=dtype)
         if cfg.q_lora_rank is None:

@@ -45,15 +45,15 @@ def _step(core, split: bool) -> tuple[float, float]:
     batch = core.scheduler.schedule()
     n = torch.tensor([sum(batch.num_tokens)])
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=core.ctx.cpu_group)  # as the engine's step sync
-    core.plan_dispatch(int(n) if PLAN else None)
+    from parallel import StepPlan
+    plan = StepPlan.make(int(n), split, d.low_latency_max_tokens if PLAN else 0)
     _barrier(core)
     t0 = time.perf_counter()
     if batch.seqs:
-        core.runner.execute(batch, split=split)
+        core.runner.execute(batch, plan)
     else:
-        core.runner.dummy_step(split=split)
+        core.runner.dummy_step(plan)
     dt = time.perf_counter() - t0
-    core.plan_dispatch(None)
     for s in batch.seqs:
         if s.finished:
             core.scheduler.finish(s)

@@ -1,15 +1,16 @@
-"""Dual-batch overlap at run time: two microbatch dispatchers and the model's operation list.
+"""Dual-batch overlap at run time: the two microbatches' dispatchers, run through the model's operations.
 
-Torch backend (gloo or NCCL): each microbatch gets its own torch dispatcher over its own process
-group with its own communication thread (parallel.comm_stream) — and on CUDA its own stream — so
-microbatch 0's all-to-all proceeds while this thread computes (or launches) microbatch 1, and the
-order of collectives on each group is the same on every rank. Every rank builds the groups in the
-same order at start-up (dist.new_group is collective).
+The model's operation list (engine/model.py `step_ops`, the same list a plain step runs) is run for
+two microbatches by dbo.schedule.run_overlapped, each on its own OpState with its own dispatcher:
 
-DeepEP backend: both microbatches share the model's DeepEP dispatcher. Its low-latency kernels are
-started with return_recv_hook=True, so dispatch_start/combine_start only issue the sends and the
-receive hook runs in wait(), after the other microbatch's compute (DeepEP keeps two low-latency
-buffers, enough for two microbatches in flight); normal mode overlaps on DeepEP's own stream.
+- dispatchers with microbatch_groups (torch, allgather): each microbatch gets a copy over its own
+  process group (dispatcher.for_microbatch), the torch one with its own communication thread
+  (parallel.comm_stream) — and on CUDA its own stream — so microbatch 0's all-to-all proceeds while
+  this thread computes (or launches) microbatch 1, and the order of collectives on each group is
+  the same on every rank. Every rank builds the groups in the same order at start-up
+  (dist.new_group is collective).
+- the others (DeepEP, the one-rank LocalDispatcher) carry both microbatches themselves: their
+  state is in the handles (see parallel/dispatch/deepep.py for how DeepEP overlaps).
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .model_ops import build_ops
+from parallel.step_plan import StepPlan
+
 from .schedule import run_overlapped
 from .split import SplitConfig
+from .state import Microbatch, OpState
 
 
 @dataclass(frozen=True)
@@ -47,33 +50,33 @@ class DboConfig:
 
 
 class Overlap:
-    def __init__(self, model, ctx, link=None):
+    """Built once per engine, on every rank in the same order (it may create process groups)."""
+
+    def __init__(self, model, ctx):
         import torch.distributed as dist
 
         from parallel.comm_stream import CommStream
-        from parallel.dispatch import make_dispatcher
-        from parallel.dispatch_deepep import DeepEPDispatcher
         self.model = model
-        self.streams = []
-        self.dispatchers = []
-        self.ops = build_ops(model)
-        if isinstance(model.dispatcher, DeepEPDispatcher):
-            self.dispatchers = [model.dispatcher, model.dispatcher]
+        self.streams: list[CommStream] = []
+        d = model.dispatcher
+        if not d.microbatch_groups:
+            self.dispatchers = [d, d]
             return
-        num_physical = model.shard.num_physical if model.shard is not None else model.cfg.moe.n_routed_experts
+        self.dispatchers = []
         for _ in range(2):
-            group = dist.new_group(backend=ctx.backend) if not ctx.is_single else None
-            stream = CommStream(device=ctx.device)
-            self.streams.append(stream)
-            self.dispatchers.append(make_dispatcher(
-                ctx, num_physical, model.cfg.hidden_size, "torch", group=group, stream=stream, link=link,
-                torch_low_latency_max_tokens=getattr(model.dispatcher, "low_latency_max_tokens", 0)))
+            group = dist.new_group(backend=ctx.backend)
+            stream = CommStream(device=ctx.device) if d.supports_comm_stream else None
+            if stream is not None:
+                self.streams.append(stream)
+            self.dispatchers.append(d.for_microbatch(group, stream))
 
-    def forward(self, micro: list[tuple[torch.Tensor, object]], pools: list[torch.Tensor]) -> list[torch.Tensor]:
-        """micro: two (input_ids [Ti], AttnMeta) -> final-normed hidden states [Ti, H] each."""
-        states = [{"ids": ids, "meta": meta, "pools": pools, "dispatcher": d}
-                  for (ids, meta), d in zip(micro, self.dispatchers)]
-        return [s["x"] for s in run_overlapped(self.ops, states)]
+    def forward(self, micro: list[tuple[torch.Tensor, object]], pools: list[torch.Tensor],
+                plan: StepPlan) -> list[torch.Tensor]:
+        """micro: two (input_ids [Ti], AttnMeta); plan: the step's (plan.split) -> final-normed hidden
+        states [Ti, H] each."""
+        states = [OpState(Microbatch(i, ids, meta, pools, plan, d))
+                  for i, ((ids, meta), d) in enumerate(zip(micro, self.dispatchers))]
+        return [s.result("hidden") for s in run_overlapped(self.model.step_ops, states)]
 
     def close(self) -> None:
         for s in self.streams:

@@ -1,9 +1,12 @@
-"""Overlap as data: a model step is a list of operations with YIELD markers, and an executor runs
-two microbatches through it so that one's communication is in flight while the other computes.
+"""Overlap as data: a model step is a list of operations with YIELD markers; a plain step runs the
+list in order, a split step runs two microbatches through it so that one's communication is in
+flight while the other computes. The list is the model's only forward (engine/model.py builds it
+from its layers' operations), so both kinds of step run the same code.
 
-An operation is a function of one microbatch's state (a dict it reads and writes). YIELD marks
-where a microbatch has started a transfer and has nothing to do until it lands; the executor then
-switches to the other microbatch. Microbatch 0 always runs first, so with a layer written as
+An operation is a function of one microbatch's state (state.py: an OpState that refuses
+overwrites and reports leftovers). YIELD marks where a microbatch has started a transfer and has
+nothing to do until it lands; the executor then switches to the other microbatch. Microbatch 0
+always runs first, so with a layer written as
 
     attn, gate, dispatch_start, YIELD, shared_experts, dispatch_wait + experts + combine_start, YIELD,
     combine_wait, (next layer) ...
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-Op = Callable[[dict], Any]
+Op = Callable[[Any], Any]
 
 
 class _Yield:
@@ -27,9 +30,11 @@ class _Yield:
 YIELD = _Yield()
 
 
-def run_overlapped(ops: list[Op | _Yield], states: list[dict]) -> list[dict]:
+def run_overlapped(ops: list[Op | _Yield], states: list) -> list:
     """Run `ops` on each state, switching between states at every YIELD (round-robin, state 0
     first). With one state it is a plain sequential run. -> the states."""
+    if len({id(s) for s in states}) != len(states):
+        raise ValueError("each microbatch needs its own state object; one was passed twice")
     pcs = [0] * len(states)
     live = list(range(len(states)))
     while live:
@@ -44,7 +49,7 @@ def run_overlapped(ops: list[Op | _Yield], states: list[dict]) -> list[dict]:
     return states
 
 
-def run_sequential(ops: list[Op | _Yield], state: dict) -> dict:
+def run_sequential(ops: list[Op | _Yield], state):
     for op in ops:
         if op is not YIELD:
             op(state)

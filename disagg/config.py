@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from parallel.expert_layout import ExpertLayout
+
 KV_TRANSFER_BACKENDS = ("torch", "nixl", "mooncake")
 _POOL_KEYS = ("dp_size", "ep_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks")
 
@@ -87,9 +89,8 @@ class DisaggConfig:
                              f"({self.decode.dp_size}) = {self.world_size} != world_size ({world_size})")
         if n_routed_experts is not None:
             for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
-                if n_routed_experts % pool.ep_size:
-                    raise ValueError(f"n_routed_experts ({n_routed_experts}) is not divisible by "
-                                     f"disagg.{name}.ep_size ({pool.ep_size})")
+                ExpertLayout.check(n_routed_experts, pool.ep_size, what="n_routed_experts",
+                                   ep_name=f"disagg.{name}.ep_size")
 
     @classmethod
     def from_dict(cls, d: dict) -> "DisaggConfig":

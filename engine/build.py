@@ -9,6 +9,7 @@ from eplb.placement import Placement
 from moe.backend import ExpertsChoice, resolve_experts_backend
 from moe.layer import ExpertShard
 from parallel.context import ParallelContext
+from parallel.dispatch import make_dispatcher
 
 from .config import ModelConfig
 from .loader import CheckpointReader, expert_ignore, load_weights
@@ -31,8 +32,9 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                cfg: ModelConfig | None = None, num_redundant_experts: int = 0,
                eplb: EplbConfig | dict | None = None, experts_backend: str = "auto",
                attention_backend: str = "auto", dispatch_options: dict | None = None) -> DeepseekModel:
-    """Single process when ctx is None or has ep_size 1; otherwise this rank's expert slice plus
-    everything replicated, with a dispatcher for the MoE all-to-all.
+    """Single process when ctx is None or has ep_size 1 (the MoE layers' dispatcher is then the
+    LocalDispatcher); otherwise this rank's expert slice plus everything replicated, with a
+    dispatcher for the MoE all-to-all.
 
     Routed experts occupy n_routed_experts + redundant physical slots per MoE layer (redundant:
     eplb.num_redundant_experts or num_redundant_experts, i.e. ParallelConfig's), placed by
@@ -40,10 +42,11 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     the experts its slots hold. EPLB's controller (eplb.EplbController) later moves them.
 
     experts_backend / attention_backend: "auto" | "torch" | "triton" (| "deepgemm" for experts),
-    resolved here for `device` (moe/backend.py, attention_mla/paged_decode.py); model.backends
-    records what was chosen. With an fp8 checkpoint, a kernel experts backend (triton, deepgemm) keeps the
-    routed experts and the attention/MLP projections fp8 on the device (Triton W8A16 linears).
-    dispatch_options: extra make_dispatcher keywords (low-latency thresholds)."""
+    resolved here for `device` (moe/backend.py, attention_mla/paged_decode.py) and given to the model's
+    constructor; model.backends records what was chosen. With an fp8 checkpoint, a kernel experts
+    backend (triton, deepgemm) keeps the routed experts and the attention/MLP projections fp8 on the
+    device (Triton W8A16 linears). dispatch_options: extra make_dispatcher keywords (low-latency
+    thresholds, the simulated link)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
@@ -61,15 +64,11 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                      else Placement.initial(num_moe, E, num_physical))
         if ep_size > 1 or num_physical != E:
             shard = ExpertShard(num_physical, ep_rank, ep_size)
-        if ep_size > 1:
-            from parallel.dispatch import make_dispatcher
-            dispatcher = make_dispatcher(ctx, num_physical, cfg.hidden_size, dispatch_backend, dtype=dtype,
-                                         **(dispatch_options or {}))
+        # one EP rank gets the LocalDispatcher: the MoE layers have one path whatever the EP size
+        dispatcher = make_dispatcher(ctx or ParallelContext.single(device), num_physical, cfg.hidden_size,
+                                     dispatch_backend, dtype=dtype, **(dispatch_options or {}))
     model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
-                          fp8_block=fp8_block if experts.keep_fp8 else None)
-    model.set_backends(experts, attention)
-    model.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
-                      "fp8_weights": experts.keep_fp8, "attention": attention}
+                          fp8_block=fp8_block if experts.keep_fp8 else None, experts=experts, attention=attention)
     if placement is not None:
         placement.install(model.moe_layers(), ep_rank, ep_size)
         model.placement = placement

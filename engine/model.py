@@ -16,63 +16,103 @@ from attention_mla.meta import AttnMeta
 from attention_mla.mla import MLA
 from attention_mla.norm import RMSNorm
 from attention_mla.rope import RotaryEmbedding
+from dbo.schedule import run_sequential
+from dbo.state import Microbatch, OpState
+from moe.backend import ExpertsChoice
 from moe.fp8_linear import Fp8Linear
 from moe.layer import ExpertShard, MoELayer
 from moe.mlp import MLP
+from parallel.step_plan import StepPlan
 
 from .config import ModelConfig
 
+CARRY = ("x", "rope")   # what one layer hands the next: hidden states [T, H], this step's (cos, sin)
+
 
 class DecoderLayer(nn.Module):
+    """norm -> MLA -> + residual -> norm -> dense MLP | MoE -> + residual, as operations on an OpState
+    (dbo/state.py) that holds "x" [T, H] and "rope" (cos, sin [T, R/2]) between layers."""
+
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: ExpertShard | None,
-                 dispatcher, device=None, dtype=None, fp8_block=None):
+                 experts: ExpertsChoice, attention: str, device=None, dtype=None, fp8_block=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         linear = Fp8Linear.factory(fp8_block) if fp8_block is not None else nn.Linear
+        self.index = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.self_attn = MLA(cfg.mla, rope, linear=linear, **kw)
+        self.self_attn = MLA(cfg.mla, rope, linear=linear, backend=attention, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.mlp = (MoELayer(cfg.moe, shard, dispatcher, fp8_block=fp8_block, linear=linear, **kw) if self.is_moe
+        self.mlp = (MoELayer(cfg.moe, shard, fp8_block=fp8_block, linear=linear, experts_backend=experts.backend,
+                             deepgemm=experts.deepgemm, **kw) if self.is_moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, linear=linear, **kw))
 
-    def forward(self, x, meta, kv_pool, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), meta, kv_pool, cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def ops(self) -> list:
+        """attention, kv_written (on_layer), the MLP's or MoE's operations (moe/layer.py), residual."""
+        mlp = self.mlp.ops() if self.is_moe else [self.op_dense_mlp]
+        return [self.op_attention, self.op_kv_written, *mlp, self.op_residual]
+
+    def op_attention(self, s: OpState) -> None:
+        mb, x = s.inputs, s.take("x")
+        cos, sin = s.peek("rope")
+        h = x + self.self_attn(self.input_layernorm(x), mb.meta, mb.kv_pools[self.index], cos, sin)
+        s.put(h=h, mlp_in=self.post_attention_layernorm(h))
+
+    def op_kv_written(self, s: OpState) -> None:
+        """This layer's latents are in kv_pools[index]: disaggregation may start sending them."""
+        if s.inputs.on_layer is not None:
+            s.inputs.on_layer(self.index)
+
+    def op_dense_mlp(self, s: OpState) -> None:
+        s.put(mlp_out=self.mlp(s.take("mlp_in")))
+
+    def op_residual(self, s: OpState) -> None:
+        s.put(x=s.take("h") + s.take("mlp_out"))
+        s.end_layer(self.index, CARRY)
 
 
 class _Inner(nn.Module):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, shard, dispatcher, device=None, dtype=None,
-                 fp8_block=None):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, shard, experts: ExpertsChoice, attention: str,
+                 device=None, dtype=None, fp8_block=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, dispatcher, device, dtype, fp8_block)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, experts, attention, device, dtype, fp8_block)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
 
 
 class DeepseekModel(nn.Module):
-    """`shard` (this rank's experts) and `dispatcher` are given when expert-parallel; attention,
-    dense layers, shared experts, embeddings and lm_head are replicated on every rank."""
+    """`shard` (this rank's experts) and `dispatcher` (parallel.dispatch; LocalDispatcher on one EP
+    rank) serve the MoE layers; attention, dense layers, shared experts, embeddings and lm_head are
+    replicated on every rank. `experts` and `attention` are the resolved backends (moe/backend.py,
+    attention_mla/paged_decode.py), given to the layers when they are built.
+
+    The forward is `step_ops` (dbo/schedule.py): embed, every layer's operations, final norm, on an
+    OpState per microbatch (dbo/state.py). forward() runs them in order; dbo.overlap.Overlap runs
+    two microbatches through the same list."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 shard: ExpertShard | None = None, dispatcher=None, fp8_block: tuple[int, int] | None = None):
+                 shard: ExpertShard | None = None, dispatcher=None, fp8_block: tuple[int, int] | None = None,
+                 experts: ExpertsChoice | None = None, attention: str = "torch"):
         super().__init__()
+        experts = experts or ExpertsChoice("grouped", keep_fp8=False)
         self.cfg, self.dtype = cfg, dtype
         self.shard, self.dispatcher = shard, dispatcher
         self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
-        self.backends = {"experts": "torch", "fp8_weights": False, "attention": "torch"}  # set by load_model
+        self.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
+                         "fp8_weights": fp8_block is not None, "attention": attention}
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
         # Built on the meta device and materialised empty: the checkpoint fills every parameter,
         # and random init of a 671B model would take longer than loading it.
         with torch.device("meta"):
-            self.model = _Inner(cfg, self.rope, shard, dispatcher, dtype=dtype, fp8_block=fp8_block)
+            self.model = _Inner(cfg, self.rope, shard, experts, attention, dtype=dtype, fp8_block=fp8_block)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                             dtype=dtype)
         self.to_empty(device=device)
         for layer in self.model.layers:
             if layer.is_moe:  # the router keeps fp32 whatever the model dtype, as the checkpoints do
                 layer.mlp.gate.float()
+        self.step_ops = [self.op_embed, *(op for layer in self.model.layers for op in layer.ops()), self.op_final_norm]
 
     @property
     def device(self) -> torch.device:
@@ -103,14 +143,6 @@ class DeepseekModel(nn.Module):
                     targets[pre + "down_proj.weight_scale_inv"] = ex.w2_scale_inv.data[slot]
         return targets
 
-    def set_backends(self, experts, attention: str) -> None:
-        """experts: a moe.backend.ExpertsChoice; attention: "torch" | "triton" (resolved names)."""
-        for layer in self.model.layers:
-            layer.self_attn.backend = attention
-            if layer.is_moe:
-                layer.mlp.experts.backend = experts.backend
-                layer.mlp.experts.deepgemm = experts.deepgemm
-
     def moe_layers(self) -> list[MoELayer]:
         """The MoE layers in order (EPLB's layer index l is the position in this list)."""
         return [layer.mlp for layer in self.model.layers if layer.is_moe]
@@ -138,18 +170,25 @@ class DeepseekModel(nn.Module):
         experts = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if ".mlp.experts." in n)
         return {"total": total, "experts": experts}
 
-    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor], plan=None,
+    # -- the operations at the ends of the list ---------------------------------------------------
+    def op_embed(self, s: OpState) -> None:
+        mb = s.inputs
+        max_pos = max(mb.meta.ctx_lens) - 1 if mb.meta.ctx_lens else 0
+        s.put(x=self.model.embed_tokens(mb.input_ids), rope=self.rope.cos_sin(mb.meta.positions, max_position=max_pos))
+
+    def op_final_norm(self, s: OpState) -> None:
+        """Leaves "hidden" [T, H], the final-normed hidden states (OpState.result)."""
+        s.take("rope")
+        s.put(hidden=self.model.norm(s.take("x")))
+
+    def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor], plan: StepPlan,
                 on_layer=None) -> torch.Tensor:
-        """input_ids [T] -> final-normed hidden states [T, H]. on_layer(i), when given, runs as soon as
-        layer i is done (its latents are in kv_pools[i]): disaggregation starts that layer's KV transfer."""
-        x = self.model.embed_tokens(input_ids)
-        max_pos = max(meta.ctx_lens) - 1 if meta.ctx_lens else 0
-        cos, sin = self.rope.cos_sin(meta.positions, max_position=max_pos)
-        for i, (layer, pool) in enumerate(zip(self.model.layers, kv_pools)):
-            x = layer(x, meta, pool, cos, sin)
-            if on_layer is not None:
-                on_layer(i)
-        return self.model.norm(x)
+        """input_ids [T] -> final-normed hidden states [T, H], `step_ops` in order. plan: the step's
+        (parallel.StepPlan, the same on every rank; the dispatcher takes its mode from it).
+        on_layer(i), when given, runs as soon as layer i's latents are in kv_pools[i] (right after
+        its attention): disaggregation starts that layer's KV transfer."""
+        s = OpState(Microbatch(0, input_ids, meta, kv_pools, plan, self.dispatcher, on_layer))
+        return run_sequential(self.step_ops, s).result("hidden")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] fp32."""

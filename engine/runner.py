@@ -8,7 +8,6 @@ import torch
 
 from attention_mla.kv_cache import LatentKVPool
 from attention_mla.meta import AttnMeta
-
 from parallel.step_plan import StepPlan
 
 from .model import DeepseekModel

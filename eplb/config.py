@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from parallel.expert_layout import ExpertLayout
+
 POLICIES = ("auto", "hierarchical", "global")
 
 
@@ -79,11 +81,11 @@ class EplbConfig:
         Raises ValueError with the numbers, the same on every rank (call before connecting)."""
         r = self.redundant_with(parallel_redundant)
         p = n_routed_experts + r
-        if p % ep_size:
-            raise ValueError(f"n_routed_experts ({n_routed_experts}) + num_redundant_experts ({r}) = {p} "
-                             f"physical expert slots are not divisible by ep_size ({ep_size}); "
-                             f"use a num_redundant_experts that makes it a multiple of {ep_size}")
-        if r and p // ep_size > n_routed_experts and ep_size > 1:
-            raise ValueError(f"{p // ep_size} slots per rank > {n_routed_experts} experts: a rank would hold "
+        ExpertLayout.check(p, ep_size, what="n_routed_experts + num_redundant_experts",
+                           count=f"{n_routed_experts} + {r} = {p}",
+                           hint=f"; use a num_redundant_experts that makes it a multiple of {ep_size}")
+        per_rank = ExpertLayout(p, ep_size).per_rank
+        if r and per_rank > n_routed_experts and ep_size > 1:
+            raise ValueError(f"{per_rank} slots per rank > {n_routed_experts} experts: a rank would hold "
                              f"two copies of one expert; num_redundant_experts ({r}) is too large")
         return r

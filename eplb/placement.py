@@ -2,7 +2,8 @@
 
 Legend: L MoE layers, E logical experts, P physical slots per layer (E + redundant), M most
 replicas of one expert, ep EP ranks, k = P / ep. Physical slots [r*k, (r+1)*k) live on EP rank r
-(the dispatcher's contiguous layout); a placement only says which logical expert each slot holds.
+(parallel.ExpertLayout, the dispatchers' layout); a placement only says which logical expert each
+slot holds.
 
     phy2log [L, P]    logical expert held by each physical slot
     log2phy [L, E, M] physical slots of each logical expert, ascending, -1 padded
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from eplb.algorithm import _invert
+from parallel.expert_layout import ExpertLayout
 
 
 def read_json(path: str, what: str):
@@ -99,8 +101,8 @@ class Placement:
 
     def local(self, layer: int, ep_rank: int, ep_size: int) -> list[int]:
         """Logical expert of each of EP rank ep_rank's slots in `layer`: [k]."""
-        k = self.num_physical // ep_size
-        return self.phy2log[layer, ep_rank * k:(ep_rank + 1) * k].tolist()
+        slots = ExpertLayout(self.num_physical, ep_size).slots(ep_rank)
+        return self.phy2log[layer, slots.start:slots.stop].tolist()
 
     def install(self, moe_layers, ep_rank: int, ep_size: int) -> None:
         """Point every MoE layer at this placement: its local slot list and its expert map (None,
@@ -145,4 +147,4 @@ def rank_load(load: torch.Tensor, phy2log: torch.Tensor, ep_size: int) -> torch.
     p = torch.as_tensor(phy2log).cpu()
     L, P = p.shape
     cnt = torch.zeros(L, w.shape[1], dtype=torch.float64).scatter_add_(1, p, torch.ones(L, P, dtype=torch.float64))
-    return (w.gather(1, p) / cnt.gather(1, p)).view(L, ep_size, P // ep_size).sum(-1)
+    return (w.gather(1, p) / cnt.gather(1, p)).view(L, ep_size, ExpertLayout(P, ep_size).per_rank).sum(-1)

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from parallel.expert_layout import ExpertLayout
+
 
 class LoadRecorder:
     def __init__(self, num_layers: int, num_physical: int, num_experts: int, window_size: int, ep_size: int,
                  device: torch.device | str = "cpu"):
-        if num_physical % ep_size:
-            raise ValueError(f"physical slots ({num_physical}) are not divisible by ep_size ({ep_size})")
+        self.layout = ExpertLayout(num_physical, ep_size)
         self.num_experts, self.ep_size = num_experts, ep_size
         self.counts = torch.zeros(num_layers, num_physical, dtype=torch.int64, device=device)
         self.window = torch.zeros(window_size, num_layers, num_experts, dtype=torch.int32, device=device)
@@ -44,7 +45,7 @@ class LoadRecorder:
             self.window[self._next] = logical.to(torch.int32)
             self._next = (self._next + 1) % self.window.shape[0]
             self.recorded_steps += 1
-            self.rank_load += self.counts.view(L, self.ep_size, P // self.ep_size).sum(-1)
+            self.rank_load += self.counts.view(L, self.ep_size, self.layout.per_rank).sum(-1)
         self.counts.zero_()
 
     def flush(self, phy2log: torch.Tensor) -> None:

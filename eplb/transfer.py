@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallel.expert_layout import ExpertLayout
 from parallel.watchdog import guard_collective
 
 
@@ -39,22 +40,20 @@ class Move:
 
 def plan_moves(old: torch.Tensor, new: torch.Tensor, ep_size: int) -> list[Move]:
     """old, new: phy2log [L, P]. Moves ordered by (layer, dst, expert); only changed slots."""
-    if old.shape != new.shape or old.shape[1] % ep_size:
-        raise ValueError(f"placements {list(old.shape)} and {list(new.shape)} must match, slots divisible "
-                         f"by ep_size ({ep_size})")
+    if old.shape != new.shape:
+        raise ValueError(f"placements {list(old.shape)} and {list(new.shape)} must have the same shape")
     L, P = old.shape
-    k = P // ep_size
+    layout = ExpertLayout(P, ep_size)
     old_l, new_l = old.tolist(), new.tolist()
     moves = []
     for l in range(L):
         holders: dict[int, list[tuple[int, int]]] = {}   # expert -> [(rank, local slot)], first slot per rank
         for p, e in enumerate(old_l[l]):
-            if not any(r == p // k for r, _ in holders.get(e, ())):
-                holders.setdefault(e, []).append((p // k, p % k))
+            if not any(r == layout.rank_of(p) for r, _ in holders.get(e, ())):
+                holders.setdefault(e, []).append((layout.rank_of(p), layout.local_of(p)))
         for dst in range(ep_size):
             wanted: dict[int, list[int]] = {}
-            for s in range(k):
-                p = dst * k + s
+            for s, p in enumerate(layout.slots(dst)):
                 if new_l[l][p] != old_l[l][p]:
                     wanted.setdefault(new_l[l][p], []).append(s)
             for e in sorted(wanted):

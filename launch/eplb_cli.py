@@ -13,6 +13,8 @@ import time
 
 import torch
 
+from parallel.expert_layout import ExpertLayout
+
 
 def _read_stats(path: str) -> dict:
     from eplb.placement import read_json
@@ -43,8 +45,7 @@ def plan(stats: dict, ep_size: int | None = None, num_redundant_experts: int | N
         P = E + num_redundant_experts
     else:
         P = current.num_physical if current is not None else E
-    if P % ep:
-        raise ValueError(f"experts ({E}) + redundant ({P - E}) = {P} slots are not divisible by ep_size ({ep})")
+    ExpertLayout.check(P, ep, what="experts + redundant slots", count=f"{E} + {P - E} = {P}")
     groups = num_groups or stats.get("num_groups") or 1
     nodes = num_nodes or stats.get("num_nodes") or 1
     if current is None or current.num_physical != P:   # no usable placement to migrate from

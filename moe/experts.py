@@ -27,7 +27,11 @@ class Experts(nn.Module):
     PAD_LIMIT = 16  # max tokens per expert for the padded batched-GEMM path
 
     def __init__(self, num_local: int, hidden: int, intermediate: int, device=None, dtype=None,
-                 fp8_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, backend: str = "grouped", deepgemm=None):
+        """backend: one of BACKENDS (moe/backend.py resolves the user's choice); deepgemm: the probed
+        moe.deepgemm.DeepGemmApi when backend is "deepgemm"."""
+        if backend not in BACKENDS:
+            raise ValueError(f"experts backend {backend!r} is not one of {BACKENDS}")
         super().__init__()
         self.num_local, self.hidden, self.intermediate = num_local, hidden, intermediate
         self.fp8_block = tuple(fp8_block) if fp8_block is not None else None
@@ -42,8 +46,7 @@ class Experts(nn.Module):
                                                           **f32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(num_local, -(-hidden // br), -(-intermediate // bc), **f32),
                                              requires_grad=False)
-        self.backend = "grouped"
-        self.deepgemm = None  # moe.deepgemm.DeepGemmApi when backend == "deepgemm"
+        self.backend, self.deepgemm = backend, deepgemm
 
     def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in `dtype`: the parameters themselves, or a dequantised copy of fp8 ones."""

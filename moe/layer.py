@@ -1,11 +1,20 @@
-"""MoE layer: gate -> (dispatch) -> local experts -> (combine) -> + shared experts.
+"""MoE layer: gate -> dispatch -> local experts -> combine, + shared experts, as overlap operations.
 
 Legend: T tokens on this rank, H hidden, k top-k, P physical experts (all ranks), El local experts.
 The gate's logical ids become physical ids through `expert_map` (EPLB's placement, which may hold
-several replicas of a hot expert; None = identity). With no dispatcher every physical expert is
-local (physical id = local id). With a dispatcher, it moves each token once to every rank holding
-one of its experts, and brings the weighted sums back. `load_counts` ([P] int64, EPLB's recorder),
-when set, gets the step's physical ids added in place: no host sync.
+several replicas of a hot expert; None = identity). The microbatch's dispatcher (parallel.dispatch;
+LocalDispatcher on one EP rank) moves each token once to every rank holding one of its experts and
+brings the weighted sums back. `load_counts` ([P] int64, EPLB's recorder), when set, gets the
+step's physical ids added in place: no host sync.
+
+The layer's forward is its operation list (ops(); dbo/schedule.py): the model runs it in order for
+a plain step and interleaved with another microbatch's for a DBO step. State names (dbo/state.py):
+
+    mlp_in [T, H]  ->  route: topk_ids, topk_weights [T, k] (physical)
+                   ->  dispatch_start: dispatching                         | YIELD
+    shared_experts: shared_out [T, H] | None  ->  dispatch_wait: dispatched
+                   ->  experts: expert_out [R, H], handle  ->  combine_start: combining   | YIELD
+    combine_wait   ->  mlp_out [T, H]
 """
 from __future__ import annotations
 
@@ -13,6 +22,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from dbo.schedule import YIELD, run_sequential
+from dbo.state import Microbatch, OpState
+from parallel.expert_layout import ExpertLayout
+from parallel.step_plan import StepPlan
 
 from .config import MoEConfig
 from .experts import Experts
@@ -28,30 +42,41 @@ class ExpertShard:
     ep_rank: int = 0
     ep_size: int = 1
 
+    def __post_init__(self):
+        if not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank ({self.ep_rank}) must be in [0, ep_size ({self.ep_size}))")
+        ExpertLayout.check(self.num_physical, self.ep_size)
+
+    @property
+    def layout(self) -> ExpertLayout:
+        return ExpertLayout(self.num_physical, self.ep_size)
+
     @property
     def num_local(self) -> int:
-        return self.num_physical // self.ep_size
+        return self.layout.per_rank
 
     @property
     def first(self) -> int:
-        return self.ep_rank * self.num_local
+        return self.layout.first(self.ep_rank)
 
 
 class MoELayer(nn.Module):
-    def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, dispatcher=None, device=None, dtype=None,
-                 fp8_block: tuple[int, int] | None = None, linear=nn.Linear):
-        """fp8_block: routed experts keep fp8 weights in these blocks; linear: the shared experts' class."""
+    def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, device=None, dtype=None,
+                 fp8_block: tuple[int, int] | None = None, linear=nn.Linear, experts_backend: str = "grouped",
+                 deepgemm=None):
+        """fp8_block: routed experts keep fp8 weights in these blocks; linear: the shared experts' class;
+        experts_backend, deepgemm: the routed experts' forward (moe/experts.py; resolved by moe/backend.py)."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ExpertShard(cfg.n_routed_experts)
-        self.dispatcher = dispatcher
         self.gate = Gate(cfg, device=device)
         self.experts = Experts(self.shard.num_local, cfg.hidden_size, cfg.moe_intermediate_size,
-                               device=device, dtype=dtype, fp8_block=fp8_block)
+                               device=device, dtype=dtype, fp8_block=fp8_block, backend=experts_backend,
+                               deepgemm=deepgemm)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                    device=device, dtype=dtype, linear=linear) if cfg.n_shared_experts else None)
         # physical slot -> logical expert, for this rank's slots; contiguous identity until EPLB
-        self.local_phy2log = list(range(self.shard.first, self.shard.first + self.shard.num_local))
+        self.local_phy2log = list(self.shard.layout.slots(self.shard.ep_rank))
         self.expert_map = None    # callable: logical ids [T, k] -> physical ids [T, k]; None = identity
         self.load_counts = None   # [P] int64 tokens per physical slot, added in place; None = off
 
@@ -73,14 +98,48 @@ class MoELayer(nn.Module):
             self.load_counts.index_add_(0, flat, torch.ones_like(flat))
         return topk_ids, topk_weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> [T, H]."""
-        topk_ids, topk_weights = self.route(x)
-        if self.dispatcher is None:
-            out = self.experts(x, topk_ids, topk_weights)
-        else:
-            d = self.dispatcher.dispatch(x, topk_ids, topk_weights)           # physical ids
-            out = self.dispatcher.combine(self.experts(d.x, d.topk_ids, d.topk_weights), d.handle)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+    # -- operations (see the module doc for the state names) ----------------------------------------
+    def ops(self) -> list:
+        return [self.op_route, self.op_dispatch_start, YIELD,
+                # shared experts first: they fill the time the dispatch may still need
+                self.op_shared_experts, self.op_dispatch_wait, self.op_experts, self.op_combine_start, YIELD,
+                self.op_combine_wait]
+
+    def op_route(self, s: OpState) -> None:
+        topk_ids, topk_weights = self.route(s.peek("mlp_in"))
+        s.put(topk_ids=topk_ids, topk_weights=topk_weights)
+
+    def op_dispatch_start(self, s: OpState) -> None:
+        mb = s.inputs
+        s.put(dispatching=mb.dispatcher.dispatch_start(s.peek("mlp_in"), s.take("topk_ids"), s.take("topk_weights"),
+                                                       mb.plan))
+
+    def op_shared_experts(self, s: OpState) -> None:
+        x = s.take("mlp_in")
+        s.put(shared_out=self.shared_experts(x) if self.shared_experts is not None else None)
+
+    def op_dispatch_wait(self, s: OpState) -> None:
+        s.put(dispatched=s.take("dispatching").wait())
+
+    def op_experts(self, s: OpState) -> None:
+        d = s.take("dispatched")                                               # local ids
+        s.put(expert_out=self.experts(d.x, d.topk_ids, d.topk_weights), handle=d.handle)
+
+    def op_combine_start(self, s: OpState) -> None:
+        s.put(combining=s.inputs.dispatcher.combine_start(s.take("expert_out"), s.take("handle")))
+
+    def op_combine_wait(self, s: OpState) -> None:
+        out, shared = s.take("combining").wait(), s.take("shared_out")
+        s.put(mlp_out=out if shared is None else out + shared)
+
+    def forward(self, x: torch.Tensor, dispatcher=None, plan: StepPlan = StepPlan()) -> torch.Tensor:
+        """x [T, H] -> [T, H]: ops() in order. dispatcher: the EP group's (default: this layer on its
+        own, every expert local, which needs a one-rank shard)."""
+        if dispatcher is None:
+            from parallel.context import ParallelContext
+            from parallel.dispatch import LocalDispatcher
+            if self.shard.ep_size != 1:
+                raise ValueError(f"an MoE layer with ep_size {self.shard.ep_size} needs its EP group's dispatcher")
+            dispatcher = LocalDispatcher(ParallelContext.single(x.device), self.shard.num_physical, self.cfg.hidden_size)
+        s = OpState(Microbatch(0, None, None, [], plan, dispatcher), mlp_in=x)
+        return run_sequential(self.ops(), s).result("mlp_out")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .expert_layout import ExpertLayout
+
 BACKENDS = ("auto", "gloo", "nccl")
 DISPATCH_BACKENDS = ("auto", "torch", "allgather", "deepep")
 
@@ -79,10 +81,8 @@ class ParallelConfig:
             raise ValueError(f"ep_size ({self.ep_size}) != world_size ({world_size}): routed experts are "
                              f"spread over every rank")
         if n_routed_experts is not None:
-            p = self.num_physical_experts(n_routed_experts)
-            if p % self.ep_size:
-                raise ValueError(f"n_routed_experts + num_redundant_experts ({p}) is not divisible by "
-                                 f"ep_size ({self.ep_size})")
+            ExpertLayout.check(self.num_physical_experts(n_routed_experts), self.ep_size,
+                               what="n_routed_experts + num_redundant_experts")
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelConfig":

@@ -1,5 +1,6 @@
 """DBO on and off give the same outputs (fp32, <= 1e-5) at ep 2 and 4, prefill- and decode-heavy,
-odd token counts, one rank idle; the overlapped path really ran (its dispatchers moved tokens)."""
+odd token counts, one rank idle; the overlapped path really ran (its dispatchers moved tokens);
+with the allgather backend DBO runs allgather microbatch dispatchers (never a silent switch)."""
 from __future__ import annotations
 
 import pytest
@@ -81,6 +82,30 @@ def test_dbo_with_eplb_rebalancing_during_the_run(model_dir):
         st = rank["stats"]   # what the engine reports per rank (metrics, Prometheus)
         assert st["eplb_rebalances"] == rank["rebalances"] and 0 < st["eplb_balancedness"] <= 1
         assert st["dbo_split_steps"] > 0 and st["dispatch_bytes_remote"] > 0
+        for name, (off, on) in rank["res"].items():
+            for (tok_off, lp_off), (tok_on, lp_on) in zip(off, on):
+                assert tok_on == tok_off, name
+                if lp_off:
+                    assert (torch.tensor(lp_on) - torch.tensor(lp_off)).abs().max() <= 1e-5, name
+
+
+def _rank_allgather(model_dir: str) -> dict:
+    from engine import LLM
+    kw = dict(progress=False, block_size=8, max_num_batched_tokens=64, parallel={"dispatch_backend": "allgather"})
+    off = LLM(model_dir, **kw)
+    on = LLM(model_dir, ctx=off.ctx, dbo={"enabled": True}, **kw)
+    res = {name: (_run(off, p, n), _run(on, p, n)) for name, (p, n) in WORKLOADS.items() if name != "idle"}
+    dispatchers = on.engine.core.runner.overlap.dispatchers
+    kinds = sorted({type(d).__name__ for d in [on.model.dispatcher, *dispatchers]})
+    moved = sum(d.stats.dispatch_calls for d in dispatchers)
+    off.shutdown()
+    return {"res": res, "kinds": kinds, "overlap_dispatches": moved}
+
+
+@pytest.mark.multirank
+def test_dbo_with_allgather_runs_allgather_and_equals_off(model_dir):
+    for rank in spawn(_rank_allgather, 2, args=(model_dir,), timeout_s=300):
+        assert rank["kinds"] == ["AllGatherDispatcher"] and rank["overlap_dispatches"] > 0
         for name, (off, on) in rank["res"].items():
             for (tok_off, lp_off), (tok_on, lp_on) in zip(off, on):
                 assert tok_on == tok_off, name

@@ -31,6 +31,7 @@ def _rank(model_dir: str) -> dict | str:
     from disagg import make_engine
     from engine.runner import ModelRunner
     from engine.scheduler import ScheduledBatch
+    from parallel import StepPlan
     eng = make_engine(model_dir, POOLS, progress=False, block_size=16, parallel={"timeout_s": 60.0})
     if not eng.is_front:
         return eng.run_worker_loop()
@@ -80,7 +81,7 @@ def _rank(model_dir: str) -> dict | str:
         kv = LatentKVPool(len(core.kv.pools), -(-n // bs), bs, core.kv.latent_dim, core.model.dtype)
         seq = core.make_sequence(r["id"], None, r["prompt"], greedy(1), 1)
         seq.block_ids = list(range(kv.num_blocks))
-        ModelRunner(core.model, kv).execute(ScheduledBatch([seq], [n]))
+        ModelRunner(core.model, kv).execute(ScheduledBatch([seq], [n]), StepPlan(n))  # alone: a 1-rank pool
         mine = [gather_reference(p, seq.block_ids, n, bs) for p in kv.pools]
         diffs[r["id"]] = max((a - b).abs().max().item() for a, b in zip(received[r["id"]], mine))
         scale[r["id"]] = min(a.abs().max().item() for a in mine)

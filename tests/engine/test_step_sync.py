@@ -1,6 +1,7 @@
-"""The per-step sync gives every rank the step's largest token count, and the engine hands it to a
-dispatcher that picks its mode per step (DeepEP: low-latency when the step is small) — the same
-value on every rank, or the ranks would enter different collectives."""
+"""The per-step sync returns one StepPlan, the same on every rank (the largest token count of any
+rank, the split decision, the dispatch mode from the dispatcher's low-latency limit), and the
+engine passes that plan down to every dispatch of the step — the ranks would otherwise enter
+different collectives. There is no dispatcher state to set or reset between steps."""
 from __future__ import annotations
 
 import pytest
@@ -8,37 +9,58 @@ import pytest
 from tests.parallel.spawn import spawn
 
 
-def _sync(n: int) -> int:
+def _sync(n: int) -> list:
     from engine.spmd import StepSync
     from parallel import ParallelConfig, bootstrap, shutdown
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2))
-    s = StepSync(ctx)
-    s.sync(True, num_tokens=n + 5 * ctx.rank)
+    s = StepSync(ctx, low_latency_max_tokens=8)
+    plans = [s.sync(True, num_tokens=n + 5 * ctx.rank),                       # max 8: low-latency
+             s.sync(ctx.rank == 1, num_tokens=n + 1 + 5 * ctx.rank),           # max 9: normal mode
+             s.sync(False, can_split=True, vote=True),                         # nobody has work
+             s.sync(True, can_split=True, vote=ctx.rank == 0, num_tokens=2)]   # rank 0's vote counts
     shutdown(ctx)
-    return s.max_tokens
+    return plans
 
 
-def _engine_plans(model_dir: str) -> list[int]:
+def _engine_plans(model_dir: str) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, block_size=8, max_num_batched_tokens=256)
-    planned: list[int] = []
-    llm.engine.core.model.dispatcher.plan = planned.append
+    core = llm.engine.core
+    steps, dispatched = [], []
+    execute, start = core.runner.execute, core.model.dispatcher.dispatch_start
+
+    def spy_execute(batch, plan, **kw):
+        steps.append(plan)
+        return execute(batch, plan, **kw)
+
+    def spy_start(x, ids, w, plan):
+        dispatched.append(plan)
+        return start(x, ids, w, plan)
+    core.runner.execute, core.model.dispatcher.dispatch_start = spy_execute, spy_start
     # 2 prompts: rank 0 gets the 9-token one, rank 1 the 4-token one (least-loaded assignment)
     llm.generate([list(range(2, 11)), [3, 4, 5, 6]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    moe_layers = len(core.model.moe_layers())
     llm.shutdown()
-    return planned
+    return {"steps": steps, "every_dispatch_got_its_step_plan":
+            all(p is steps[i // moe_layers] for i, p in enumerate(dispatched)) and len(dispatched) == 3 * moe_layers}
 
 
 @pytest.mark.multirank
-def test_sync_gives_every_rank_the_max_tokens():
-    assert spawn(_sync, 2, args=(3,), timeout_s=60) == [8, 8]
+def test_sync_gives_every_rank_the_same_plan():
+    from parallel import StepPlan
+    for plans in spawn(_sync, 2, args=(3,), timeout_s=60):
+        assert plans == [(True, StepPlan(8, False, True)), (True, StepPlan(9, False, False)),
+                         (False, StepPlan(0, True, False)), (True, StepPlan(2, True, True))]
 
 
 @pytest.mark.multirank
-def test_engine_plans_the_dispatcher_with_the_steps_max_tokens(tmp_path):
+def test_engine_passes_the_steps_plan_to_every_dispatch(tmp_path):
     from launch.tiny import make_tiny_checkpoint
+    from parallel import StepPlan
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=1)
-    plans = spawn(_engine_plans, 2, args=(d,), timeout_s=120)
-    assert plans[0] == plans[1]
-    # each step is planned before it runs and unplanned (None) after it
-    assert plans[0] == [9, None, 1, None, 1, None]   # prefill: the longer prompt, on rank 0; 2 decodes
+    ranks = spawn(_engine_plans, 2, args=(d,), timeout_s=120)
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+    # prefill (the longer prompt, on rank 0) then 2 decodes; the torch dispatcher's default limit
+    # (torch_low_latency_max_tokens = 64) makes all three low-latency
+    assert ranks[0]["steps"] == [StepPlan(9, False, True), StepPlan(1, False, True), StepPlan(1, False, True)]
+    assert all(r["every_dispatch_got_its_step_plan"] for r in ranks)

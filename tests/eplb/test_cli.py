@@ -50,7 +50,7 @@ def test_eplb_plan_bad_stats(tmp_path, capsys, content, match):
 def test_eplb_plan_ranks_must_divide_slots(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eplb-plan", "--load", _stats(tmp_path / "s.json"), "--ep-size", "3"])
-    assert "experts (16) + redundant (4) = 20 slots are not divisible by ep_size (3)" in capsys.readouterr().err
+    assert "experts + redundant slots (16 + 4 = 20) is not divisible by ep_size (3)" in capsys.readouterr().err
 
 
 def test_eplb_report_png(tmp_path, capsys):

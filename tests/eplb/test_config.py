@@ -22,10 +22,11 @@ def test_bad_values(kwargs, match):
 
 
 def test_slots_must_divide_over_ranks():
-    with pytest.raises(ValueError, match=r"n_routed_experts \(16\) \+ num_redundant_experts \(3\) = 19 physical "
-                                         r"expert slots are not divisible by ep_size \(4\)"):
+    with pytest.raises(ValueError, match=r"n_routed_experts \+ num_redundant_experts \(16 \+ 3 = 19\) is not "
+                                         r"divisible by ep_size \(4\); use a num_redundant_experts that makes it "
+                                         r"a multiple of 4"):
         EplbConfig(num_redundant_experts=3).validate(4, 16)
-    with pytest.raises(ValueError, match=r"n_routed_experts \(16\) \+ num_redundant_experts \(0\) = 16 .* ep_size \(3\)"):
+    with pytest.raises(ValueError, match=r"n_routed_experts \+ num_redundant_experts \(16 \+ 0 = 16\) .* ep_size \(3\)"):
         EplbConfig().validate(3, 16)
     with pytest.raises(ValueError, match=r"a rank would hold two copies of one expert"):
         EplbConfig(num_redundant_experts=20).validate(2, 16)

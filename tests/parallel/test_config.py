@@ -100,7 +100,8 @@ def test_local_dispatcher_passes_ids_through():
 def test_make_dispatcher_errors():
     ctx = ParallelContext.single()
     with pytest.raises(RuntimeError, match="dispatch backend 'deepep' needs the deep_ep package and CUDA: "):
-        make_dispatcher(ctx, 8, 4, "deepep")
+        make_dispatcher(ParallelContext(world_size=2, ep_size=2), 8, 4, "deepep")
+    assert isinstance(make_dispatcher(ctx, 8, 4, "deepep"), LocalDispatcher)  # one EP rank: nothing to move
     with pytest.raises(ValueError, match="dispatch backend must be"):
         make_dispatcher(ctx, 8, 4, "nccl")
     with pytest.raises(ValueError, match=r"num_physical_experts \(9\) is not divisible by ep_size \(2\)"):

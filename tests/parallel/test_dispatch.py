@@ -1,6 +1,7 @@
 """Dispatch/combine on 2 and 4 gloo ranks: torch (normal and low-latency mode, inline and on a
 communication thread) == allgather == one process, dedup and padded byte counts, T = 0 ranks,
-start/wait halves, plus the start-up agreement check. One spawn per ep size: every
+start/wait halves (also on DBO's per-microbatch copies), the mode taken from each call's StepPlan,
+plus the start-up agreement check. One spawn per ep size: every
 check runs inside the ranks (an assertion there fails the test with that rank's traceback)."""
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def unique_pairs(ids, per: int) -> torch.Tensor:
 def _battery(ep: int) -> dict:
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, bootstrap, check_agreement, make_dispatcher, shutdown
+    from parallel import ParallelConfig, StepPlan, bootstrap, check_agreement, make_dispatcher, shutdown
 
     ctx = bootstrap(ParallelConfig(dp_size=ep, ep_size=ep, timeout_s=30))
     rank, per = ctx.rank, P // ep
@@ -55,6 +56,7 @@ def _battery(ep: int) -> dict:
     assert ctx.launcher == "torchrun" and ctx.watchdog is not None and ctx.lost_ranks() == []
     assert torch.get_num_threads() == 1
 
+    from parallel.dispatch.handles import TorchHandle, TorchLowLatencyHandle
     torch_d = make_dispatcher(ctx, P, H)
     assert type(torch_d).__name__ == "TorchDispatcher"  # auto on CPU
     ag_d = make_dispatcher(ctx, P, H, "allgather")
@@ -95,9 +97,10 @@ def _battery(ep: int) -> dict:
             torch.testing.assert_close(outs["torch"], outs["allgather"], **tol)
             # Low-latency mode (planned capacity, one padded message each way), inline and on a thread.
             for name, d in (("ll", ll_d), ("ll-stream", ll_stream_d)):
-                d.plan(max(Ts))
+                plan = StepPlan.make(max(Ts), low_latency_max_tokens=d.low_latency_max_tokens)
+                assert plan.low_latency == (max(Ts) > 0)
                 d.stats.reset()
-                got = d.dispatch(x, ids, w)
+                got = d.dispatch(x, ids, w, plan)
                 out = d.combine(fake_experts(got.x, got.topk_ids, got.topk_weights, rank * per), got.handle)
                 torch.testing.assert_close(out, outs["torch"], **tol, msg=lambda m: f"{name} {Ts} {dtype}: {m}")
                 C = max(Ts)
@@ -105,18 +108,21 @@ def _battery(ep: int) -> dict:
                     assert got.x.shape == (ep * C, H)       # padded: C rows from every rank
                     assert d.stats.dispatch_bytes == ep * C * H * x.element_size()
                     assert d.stats.dispatch_bytes_remote == (ep - 1) * C * H * x.element_size()
-                d.plan(None)
+                    assert d.stats.low_latency_calls == 1 and isinstance(got.handle, TorchLowLatencyHandle)
             report["cases"] += 1
 
     # A step planned too small fails on the rank that has more tokens (here: every rank), no hang.
     x, ids, w = make_inputs(3, [6] * ep)[rank]
-    ll_d.plan(4)
     try:
-        ll_d.dispatch(x, ids, w)
+        ll_d.dispatch(x, ids, w, StepPlan.make(4, low_latency_max_tokens=64))
         report["overflow"] = None
     except ValueError as e:
         report["overflow"] = str(e)
-    ll_d.plan(None)
+    # The mode is the call's: a normal-mode plan right after runs normal mode (nothing to reset).
+    ll_d.stats.reset()
+    got = ll_d.dispatch(x, ids, w, StepPlan.make(6))
+    assert isinstance(got.handle, TorchHandle) and ll_d.stats.low_latency_calls == 0
+    ll_d.combine(fake_experts(got.x, got.topk_ids, got.topk_weights, rank * per), got.handle)
 
     # Start/wait halves: two microbatches in flight at once, waited out of order == the blocking calls.
     x, ids, w = make_inputs(7, [20] * ep)[rank]
@@ -129,6 +135,15 @@ def _battery(ep: int) -> dict:
         assert p0.wait() is g0  # wait is idempotent
         c0 = d.combine_start(fake_experts(g0.x, g0.topk_ids, g0.topk_weights, rank * per), g0.handle)
         c1 = d.combine_start(fake_experts(g1.x, g1.topk_ids, g1.topk_weights, rank * per), g1.handle)
+        torch.testing.assert_close(c1.wait(), blocking[1], atol=0, rtol=0)
+        torch.testing.assert_close(c0.wait(), blocking[0], atol=0, rtol=0)
+        # DBO's per-microbatch copies (each over its own process group), both in flight at once.
+        mbs = [d.for_microbatch(dist.new_group(backend="gloo"), None) for _ in halves]
+        assert [type(m) for m in mbs] == [type(d)] * 2 and mbs[0].group is not mbs[1].group
+        p0, p1 = mbs[0].dispatch_start(*halves[0]), mbs[1].dispatch_start(*halves[1])
+        g1, g0 = p1.wait(), p0.wait()
+        c0 = mbs[0].combine_start(fake_experts(g0.x, g0.topk_ids, g0.topk_weights, rank * per), g0.handle)
+        c1 = mbs[1].combine_start(fake_experts(g1.x, g1.topk_ids, g1.topk_weights, rank * per), g1.handle)
         torch.testing.assert_close(c1.wait(), blocking[1], atol=0, rtol=0)
         torch.testing.assert_close(c0.wait(), blocking[0], atol=0, rtol=0)
 

@@ -1,6 +1,6 @@
 """Dispatch/combine with torch.distributed all_to_all_single (gloo on CPU, NCCL on GPU).
 
-Legend as in dispatch.py; S rows this rank sends, one per unique (token, destination rank) pair.
+Legend as in base.py; S rows this rank sends, one per unique (token, destination rank) pair.
 
 A token whose k experts include several on one rank is sent to that rank once; its metadata row
 there carries the local ids of all its slots on that rank (-1 for the others), and the receiving
@@ -10,13 +10,11 @@ and the source only adds up at most ep partial sums per token.
 Normal mode, per dispatch: one tiny all-to-all of row counts (the host must know them to size the
 receive buffers: one sync), then the hidden payload and the metadata as two async all-to-alls.
 
-Low-latency mode (small steps, decode), when plan(C) gave the step's largest token count C of any
-rank and C <= low_latency_max_tokens: every rank sends every rank a fixed [C, H + meta] block
-(token t in row t, rows of tokens not bound there all -1 / weight 0, metadata packed into the same
-message), so a dispatch is one all-to-all with no count exchange and no host sync, and a combine
-is one all-to-all back. It sends ep * C rows instead of one per (token, rank) pair: cheap when C is
-small, wasteful for wide EP with large steps — hence the threshold (0 turns it off). Every rank
-must plan the same C (the engine's step sync gives it); without a plan, normal mode.
+Low-latency mode (torch_low_latency.py), when the call's StepPlan says so (the step's largest
+token count C of any rank is <= low_latency_max_tokens): every rank sends every rank a fixed
+[C, H + meta] block, one all-to-all with no count exchange and no host sync each way. It sends
+ep * C rows instead of one per (token, rank) pair: cheap when C is small, wasteful for wide EP with
+large steps, hence the threshold (0 turns the mode off).
 
 With a CommStream (dual-batch overlap) the whole exchange, counts included, runs on the stream's
 thread over the stream's own process group, so the compute thread never blocks in dispatch_start or
@@ -31,10 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .comm_stream import CommStream, SimulatedLink
-from .dispatch import Dispatched, Dispatcher, Pending
-from .dispatch_torch_ll import LLHandle, LowLatencyMixin
-from .watchdog import guard_collective
+from ..comm_stream import CommStream, SimulatedLink
+from ..step_plan import StepPlan
+from ..watchdog import guard_collective
+from .base import Dispatched, Dispatcher, Pending
+from .handles import TorchHandle, TorchLowLatencyHandle
+from .torch_low_latency import LowLatencyMixin
 
 
 @dataclass
@@ -48,17 +48,12 @@ class _Layout:
     row_bytes: int
 
 
-@dataclass
-class _Handle:
-    send_tok: Tensor          # [S] source token index of each sent row, grouped by destination rank
-    send_splits: list[int]    # [ep] rows sent to each rank
-    recv_splits: list[int]    # [ep] rows received from each rank
-    num_tokens: int           # T on this rank
-
-
 class TorchDispatcher(LowLatencyMixin, Dispatcher):
     """group: the process group (default ctx.ep_group); stream: run exchanges off the compute thread;
-    link: a simulated network link (testing)."""
+    link: a simulated network link (testing); low_latency_max_tokens: see the module doc."""
+
+    supports_comm_stream = True
+    microbatch_groups = True
 
     def __init__(self, ctx, num_physical_experts: int, hidden: int, *, group=None,
                  stream: CommStream | None = None, link: SimulatedLink | None = None,
@@ -67,21 +62,17 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
         self.group = group if group is not None else ctx.ep_group
         self.stream, self.link = stream, link if link is not None and link.enabled else None
         self.low_latency_max_tokens = low_latency_max_tokens
-        self._capacity: int | None = None      # C of the planned low-latency step; None: normal mode
 
-    def plan(self, max_tokens_any_rank: int | None) -> None:
-        """The coming step's largest token count of any EP rank (None: no plan, normal mode)."""
-        m = max_tokens_any_rank
-        self._capacity = m if m is not None and 0 < m <= self.low_latency_max_tokens else None
+    def for_microbatch(self, group, stream) -> "TorchDispatcher":
+        return TorchDispatcher(self.ctx, self.num_physical_experts, self.hidden, group=group, stream=stream,
+                               link=self.link, low_latency_max_tokens=self.low_latency_max_tokens)
 
     def _remote_bytes(self, splits: list[int], row_bytes: int) -> int:
         return (sum(splits) - splits[self.ctx.ep_rank]) * row_bytes
 
-    def dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Pending:
-        """x [T,H], topk_ids [T,k] physical (-1 = none), topk_weights [T,k] -> Pending[Dispatched]."""
-        self._check_inputs(x, topk_ids, topk_weights)
-        if self._capacity is not None:
-            return self._ll_dispatch_start(x, topk_ids, topk_weights)
+    def _dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, plan: StepPlan) -> Pending:
+        if plan.low_latency:
+            return self._ll_dispatch_start(x, topk_ids, topk_weights, plan.max_tokens)
         if self.stream is not None:
             # Everything, the layout's host syncs included, runs on the communication thread.
             work = self.stream.submit(lambda: self._dispatch_now(x, topk_ids, topk_weights),
@@ -89,7 +80,7 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
             return Pending(self.ctx, [work], work.wait)
         lay = self._layout(x, topk_ids, topk_weights)
         recv_x, recv_meta, recv_splits, works, deliver = self._exchange(lay, blocking=False)
-        handle = _Handle(lay.send_tok, lay.send_splits, recv_splits, lay.num_tokens)
+        handle = TorchHandle(lay.send_tok, lay.send_splits, recv_splits, lay.num_tokens)
         k = topk_ids.shape[1]
 
         def finish() -> Dispatched:
@@ -103,14 +94,14 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
         lay = self._layout(x, topk_ids, topk_weights)
         recv_x, recv_meta, recv_splits = self._exchange(lay, blocking=True)[:3]
         return self._dispatched(recv_x, recv_meta, topk_ids.shape[1],
-                                _Handle(lay.send_tok, lay.send_splits, recv_splits, lay.num_tokens))
+                                TorchHandle(lay.send_tok, lay.send_splits, recv_splits, lay.num_tokens))
 
     def _layout(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> _Layout:
-        ep, per = self.ctx.ep_size, self.experts_per_rank
+        ep, layout = self.ctx.ep_size, self.layout
         T, k = topk_ids.shape
         ids = topk_ids.to(device=x.device, dtype=torch.long)
         valid = ids >= 0
-        dest = torch.where(valid, ids // per, ep)                                  # [T, k]; ep = nowhere
+        dest = torch.where(valid, layout.rank_of(ids), ep)                         # [T, k]; ep = nowhere
         member = torch.zeros(T, ep + 1, dtype=torch.bool, device=x.device)
         member.scatter_(1, dest, torch.ones_like(dest, dtype=torch.bool))
         member = member[:, :ep]                                                    # [T, ep] token goes to rank
@@ -120,18 +111,15 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
 
         # Metadata row for (token, rank): the local ids of its slots on that rank, -1 elsewhere.
         here = dest[send_tok] == dst_rank[:, None]                                 # [S, k]
-        meta_ids = torch.where(here, ids[send_tok] % per, -1).to(torch.int32)
+        meta_ids = torch.where(here, layout.local_of(ids[send_tok]), -1).to(torch.int32)
         meta_w = torch.where(here, topk_weights.to(x.device)[send_tok].float(), 0.0)
         # One int32 message for both: the weights travel as their fp32 bit patterns.
         meta = torch.cat([meta_ids, meta_w.view(torch.int32)], dim=1)              # [S, 2k]
         # SYNC: the split sizes of the payload all-to-all are host ints.
         lay = _Layout(send_tok, send_counts, send_counts.tolist(), x[send_tok], meta, T,
                       self.hidden * x.element_size())
-        st = self.stats
-        st.dispatch_calls += 1
-        st.dispatch_bytes += len(send_tok) * lay.row_bytes
-        st.dispatch_bytes_remote += self._remote_bytes(lay.send_splits, lay.row_bytes)
-        st.meta_bytes += meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size()
+        self._count("dispatch", len(send_tok) * lay.row_bytes, self._remote_bytes(lay.send_splits, lay.row_bytes),
+                    meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size())
         return lay
 
     def _exchange(self, lay: _Layout, blocking: bool):
@@ -163,14 +151,14 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
         return recv_x, recv_meta, recv_splits, works, link.track(works, nbytes) if link is not None else None
 
     @staticmethod
-    def _dispatched(recv_x, recv_meta, k: int, handle) -> Dispatched:
+    def _dispatched(recv_x, recv_meta, k: int, handle: TorchHandle) -> Dispatched:
         recv_ids = recv_meta[:, :k].long()
         recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
         return Dispatched(recv_x, recv_ids, recv_w, handle)
 
-    def combine_start(self, y: Tensor, handle) -> Pending:
+    def _combine_start(self, y: Tensor, handle: TorchHandle | TorchLowLatencyHandle) -> Pending:
         """y [R,H] (row order of the Dispatched) -> Pending[[T,H]] on the source rank."""
-        if isinstance(handle, LLHandle):
+        if isinstance(handle, TorchLowLatencyHandle):
             return self._ll_combine_start(y, handle)
         R = sum(handle.recv_splits)
         if y.dim() != 2 or y.shape != (R, self.hidden):
@@ -178,11 +166,8 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
         ctx, link = self.ctx, self.link
         back = y.new_empty(len(handle.send_tok), self.hidden)                      # [S, H]
         row_bytes = self.hidden * y.element_size()
-        st = self.stats
-        st.combine_calls += 1
-        st.combine_bytes += R * row_bytes
         nbytes = self._remote_bytes(handle.recv_splits, row_bytes)
-        st.combine_bytes_remote += nbytes
+        self._count("combine", R * row_bytes, nbytes)
         y = y.contiguous()
 
         def reduce() -> Tensor:
