@@ -8,9 +8,10 @@ latent space ([B, N, C]); MLA applies W_UV and o_proj afterwards.
 """
 from __future__ import annotations
 
-import os
 
 import torch
+
+from parallel.device import triton_unusable
 
 from .kv_cache import gather_reference
 
@@ -45,15 +46,4 @@ def resolve_attention_backend(name: str, device: torch.device | str) -> str:
     return "triton"
 
 
-def triton_unusable(device: torch.device) -> str | None:
-    """Why Triton kernels cannot run on `device`, or None when they can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed (pip install 'wideep[triton]')"
-    if device.type == "cuda":
-        return None
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return (f"the device is {device}; Triton runs on CPU only under TRITON_INTERPRET=1 set before start "
-                f"(slow: for tests)")
-    return None
+

@@ -9,12 +9,13 @@ and PV products are [BH, D] x [D, BN] GEMMs). Reference: attention_mla.paged_dec
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from parallel.device import triton_interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -40,10 +41,6 @@ class DecodeTiles:
         if self.min_split_tokens < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"DecodeTiles: min_split_tokens ({self.min_split_tokens}), num_warps "
                              f"({self.num_warps}) and num_stages ({self.num_stages}) must be >= 1")
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def choose_splits(batch: int, heads: int, max_len: int, tiles: DecodeTiles, num_sms: int = 132) -> int:
@@ -176,7 +173,7 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     part = torch.empty(B, N, K, C, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, N, K, dtype=torch.float32, device=q.device)
     BC, BR = triton.next_power_of_2(C), triton.next_power_of_2(D - C)
-    upcast = _interpreting() and q.dtype == torch.bfloat16
+    upcast = triton_interpreting() and q.dtype == torch.bfloat16
     _decode_split_kernel[(triton.cdiv(N, tiles.block_h), B, K)](
         q, kv_pool, block_table, seq_lens, part, lse, N, C, D - C, block_size, sm_scale * LOG2E,  # exp2 domain
         q.stride(0), q.stride(1), kv_pool.stride(0), block_table.stride(0),

@@ -103,7 +103,3 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_ids)
         seq.block_ids, seq.block_hashes = [], []
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

@@ -9,6 +9,8 @@ kv_b_proj, norms, router, embeddings and lm_head are dequantised / high precisio
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -27,6 +29,33 @@ from parallel.step_plan import StepPlan
 from .config import ModelConfig
 
 CARRY = ("x", "rope")   # what one layer hands the next: hidden states [T, H], this step's (cos, sin)
+
+
+@contextmanager
+def _skip_init():
+    """nn.Module constructors' parameter initialisers do nothing (the loader overwrites every parameter)."""
+    names = ("uniform_", "normal_", "kaiming_uniform_", "kaiming_normal_", "trunc_normal_", "xavier_uniform_",
+             "xavier_normal_", "ones_", "zeros_", "constant_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
+def _materialize(module: nn.Module, device) -> None:
+    """Give every meta parameter and buffer uninitialised storage on `device` (Module.to_empty, but
+    through torch.empty with the shape: empty_like on meta imports sympy, ~0.7 s per process)."""
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                table[name] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 
 class DecoderLayer(nn.Module):
@@ -103,12 +132,13 @@ class DeepseekModel(nn.Module):
                          "fp8_weights": fp8_block is not None, "attention": attention}
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
         # Built on the meta device and materialised empty: the checkpoint fills every parameter,
-        # and random init of a 671B model would take longer than loading it.
-        with torch.device("meta"):
+        # and random init of a 671B model would take longer than loading it. Init is skipped even on
+        # meta: its first random op imports torch._dynamo (~2.5 s per process, every rank).
+        with torch.device("meta"), _skip_init():
             self.model = _Inner(cfg, self.rope, shard, experts, attention, dtype=dtype, fp8_block=fp8_block)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                             dtype=dtype)
-        self.to_empty(device=device)
+        _materialize(self, device)
         for layer in self.model.layers:
             if layer.is_moe:  # the router keeps fp32 whatever the model dtype, as the checkpoints do
                 layer.mlp.gate.float()

@@ -72,6 +72,7 @@ class RankLoop:
         self._generated = 0
         self._last_stats = 0.0
         self.steps = 0
+        self.on_step = None          # on_step(seconds): each step that ran, schedule to report (benchmarks)
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> str:
@@ -106,6 +107,7 @@ class RankLoop:
         """One lockstep iteration (also what a single-process Engine.step runs). -> "end" /
         "shutdown" when a command ended the loop this step, else None."""
         core, sched = self.core, self.core.scheduler
+        t_step = time.perf_counter()
         self._deltas += self.hooks.before_schedule()
         has_work = sched.has_work() or self.hooks.has_pending()
         batch = sched.schedule() if sched.has_work() else None
@@ -135,6 +137,8 @@ class RankLoop:
         core.after_step(tokens, plan.split, time.perf_counter() - t0)
         self.steps += 1
         self._report()
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - t_step)
         return None
 
     # -- messages -------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ class StepResult:
     logprobs: list[float | None]             # [B] the sampled token's logprob
     top: list[dict[int, float] | None]       # [B] top-N logprobs, for sequences that asked
     prompt_logprobs: list[list | None]       # [B] prompt-logprob entries for positions not recorded yet
+    #                                          (None: the sequence did not ask for them)
 
 
 class Scheduler:
@@ -137,7 +138,7 @@ class Scheduler:
         advanced = []
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             s.num_computed += n
-            if result.prompt_logprobs[b]:
+            if result.prompt_logprobs[b] is not None:   # asked for (position 0 has none)
                 if s.prompt_logprobs is None:
                     s.prompt_logprobs = [None]
                 s.prompt_logprobs.extend(result.prompt_logprobs[b])

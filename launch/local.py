@@ -11,10 +11,41 @@ import sys
 import time
 
 
+# Variables of an enclosing launcher that would make a child join the wrong world.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK",
+                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the rendezvous binds it moments later)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def rank_env(rank: int, nprocs: int, port: int, base: dict | None = None) -> dict:
+    """torchrun's variables for local rank `rank` of `nprocs`, over `base` (default: this process's
+    environment without an enclosing launcher's variables), one intra-op thread per rank when the
+    ranks outnumber the cores."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in LAUNCHER_VARS}
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return env
+
+
+def start_ranks(cmd: list[str], nprocs: int, base: dict | None = None, **popen) -> list[subprocess.Popen]:
+    """Start `cmd` as nprocs local ranks sharing one rendezvous port; popen: subprocess.Popen keywords
+    (a callable value is called with the rank, e.g. stdout=lambda r: files[r])."""
+    port = free_port()
+    procs = []
+    for rank in range(nprocs):
+        kw = {k: (v(rank) if callable(v) else v) for k, v in popen.items()}
+        procs.append(subprocess.Popen(cmd, env=rank_env(rank, nprocs, port, base), **kw))
+    return procs
 
 
 def run_local_ranks(argv: list[str], nprocs: int, timeout_s: float = 600.0, *, cmd: list[str] | None = None,
@@ -23,16 +54,8 @@ def run_local_ranks(argv: list[str], nprocs: int, timeout_s: float = 600.0, *, c
     (or is captured), the others' only when they fail. -> the worst exit status (non-zero if any rank
     failed or timed out), and rank 0's stdout when capture is set."""
     cmd = cmd or [sys.executable, "-m", "launch", *argv]
-    port = free_port()
-    threads = max(1, (os.cpu_count() or 1) // nprocs)
-    procs = []
-    for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS=str(threads))
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        out = None if rank == 0 and not capture else subprocess.PIPE
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=None if rank == 0 else out, text=True))
+    procs = start_ranks(cmd, nprocs, stdout=lambda r: None if r == 0 and not capture else subprocess.PIPE,
+                        stderr=lambda r: None if r == 0 else subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
     rank0_out = []
     if capture:  # drain rank 0's pipe while waiting, or a chatty rank 0 would block on a full pipe

@@ -8,10 +8,11 @@
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from parallel.device import triton_unusable
 
 EXPERTS_BACKENDS = ("auto", "torch", "triton", "deepgemm")
 
@@ -21,18 +22,6 @@ class ExpertsChoice:
     backend: str            # Experts.backend: "grouped" | "triton" | "deepgemm"
     keep_fp8: bool          # build the experts with fp8 weights + block scales
     deepgemm: object = None  # moe.deepgemm.DeepGemmApi when backend == "deepgemm"
-
-
-def triton_unusable(device: torch.device) -> str | None:
-    """Why Triton kernels cannot run on `device`, or None when they can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed (pip install 'wideep[triton]')"
-    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return (f"the device is {device}; Triton runs on CPU only under TRITON_INTERPRET=1 set before start "
-            f"(slow: for tests)")
 
 
 def deepgemm_unusable(device: torch.device, dtype: torch.dtype, fp8_block: tuple[int, int] | None,

@@ -13,16 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.device import triton_interpreting
+
 from .align import Alignment, align_by_expert
 from .fp8 import FP8_DTYPE
 from .tiles import MoETiles, pick_tiles
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -36,7 +33,7 @@ def _precision(dtype: torch.dtype):
 
 def _upcast(dtype: torch.dtype) -> bool:
     # Triton 3.8's interpreter multiplies bf16 tl.dot operands as raw 16-bit integers; fp32 is exact there
-    return _interpreting() and dtype == torch.bfloat16
+    return triton_interpreting() and dtype == torch.bfloat16
 
 
 @triton.jit
@@ -250,7 +247,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: to
     R, k = topk_ids.shape
     El = w13.shape[0]
     if tiles is None:
-        tiles = pick_tiles(R * k, El, interpret=_interpreting(),
+        tiles = pick_tiles(R * k, El, interpret=triton_interpreting(),
                            quant_k=quant_block[1] if w13.dtype == FP8_DTYPE else None,
                            fp32=x.dtype == torch.float32)
     ids = topk_ids.to(torch.int32).contiguous()

@@ -8,12 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.device import triton_interpreting
+
 from .fp8 import FP8_DTYPE, FP8_MAX
-
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -69,5 +66,5 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = 128, out_q: torch.Te
         _group_quant_kernel[(M, G)](x, out_q, out_scale, K, G, x.stride(0), out_q.stride(0),
                                     out_scale.stride(0), out_scale.stride(1),
                                     GROUP=group, BLOCK=triton.next_power_of_2(group), FMAX=FP8_MAX,
-                                    PREROUND=_interpreting())
+                                    PREROUND=triton_interpreting())
     return out_q, out_scale

@@ -66,7 +66,8 @@ def test_a_stray_value_in_the_models_operations_is_reported_at_the_layer_end(mod
     ops.insert(ops.index(layer.op_attention) + 1, lambda s: s.put(scratch=0))
     runner, kv = llm.engine.core.runner, llm.engine.core.kv
     from engine.scheduler import ScheduledBatch
-    seq = llm.engine.core.make_sequence("a", None, [3, 4, 5], SamplingParams(max_tokens=1), 1)
+    from engine.messages import NewRequest
+    seq = llm.engine.core.make_sequence(NewRequest("a", [3, 4, 5], SamplingParams(max_tokens=1), 1, 0.0))
     seq.block_ids = [0]
     ids, meta = runner.build_meta(ScheduledBatch([seq], [3]))
     s = OpState(Microbatch(0, ids, meta, kv.pools, StepPlan(3), model.dispatcher))

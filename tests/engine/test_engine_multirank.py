@@ -29,8 +29,9 @@ def _rank(model_dir: str) -> dict:
     idle_steps = {"n": 0}
 
     def check(e):
-        if len(e._rank_stats) > 1 and all(s["running"] == 0 and s["waiting"] == 0 for s in e._rank_stats[1:]) \
-                and e._rank_stats[0]["running"]:
+        st = e.front.rank_stats   # each rank's latest report (they arrive asynchronously)
+        if len(st) == e.ctx.world_size and st[0]["running"] \
+                and all(st[r]["running"] == 0 and st[r]["waiting"] == 0 for r in range(1, e.ctx.world_size)):
             idle_steps["n"] += 1
     got = drive(eng, requests(), check)
     m = eng.metrics()

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engine import LLM, SamplingParams
-from launch.local import free_port
+from launch.local import LAUNCHER_VARS, start_ranks
 from launch.prometheus import parse
 from launch.tiny import make_tiny_checkpoint
 
@@ -50,17 +50,14 @@ class ServerProc:
                  env: dict[str, str] | None = None):
         args = ["--config", args] if isinstance(args, str) else args
         self.procs, self.lines = [], queue.Queue()
-        master = str(free_port())
-        for rank in range(ranks):
-            penv = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                      "LOCAL_WORLD_SIZE", "MASTER_PORT",
-                                                                      "WIDEEP_API_KEY")}
-            penv.update(env or {})
-            if ranks > 1:
-                penv.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(ranks),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=master, OMP_NUM_THREADS="1")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "launch", "serve", *args],
-                                               env=penv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        penv = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS + ("WIDEEP_API_KEY",)}
+        penv.update(env or {})
+        cmd = [sys.executable, "-m", "launch", "serve", *args]
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if ranks > 1:
+            self.procs = start_ranks(cmd, ranks, dict(penv, OMP_NUM_THREADS="1"), **pipes)
+        else:
+            self.procs = [subprocess.Popen(cmd, env=penv, **pipes)]
         self.output: list[list[str]] = [[] for _ in range(ranks)]
         for rank, p in enumerate(self.procs):  # drain every pipe: a full pipe would block a rank
             threading.Thread(target=self._drain, args=(rank, p), daemon=True).start()

@@ -20,7 +20,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,12 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[2]
+from launch.local import LAUNCHER_VARS, free_port, start_ranks  # noqa: F401 (free_port: for tests)
 
-# Variables of an enclosing launcher that would make a child join the wrong world.
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                  "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "PMI_RANK", "PMI_SIZE", "PMIX_RANK",
-                  "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK")
+REPO = Path(__file__).resolve().parents[2]
 
 _CHILD = r"""
 import importlib, os, pickle, sys, traceback
@@ -88,14 +84,8 @@ class SpawnTimeout(AssertionError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _base_env(extra: dict | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -122,11 +112,13 @@ def run(fn: Callable, nprocs: int, args: tuple = (), kwargs: dict | None = None,
         base = _base_env(env)
         procs: list[tuple[subprocess.Popen, Path, Path]] = []
         if launcher == "env":
-            port = free_port()
-            for r in range(nprocs):
-                e = dict(base, RANK=str(r), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(nprocs),
-                         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                procs.append(_popen(child, e, tmp / f"out.{r}", tmp / f"err.{r}"))
+            files = [(open(tmp / f"out.{r}", "wb"), open(tmp / f"err.{r}", "wb")) for r in range(nprocs)]
+            started = start_ranks(child, nprocs, base, cwd=REPO, stdout=lambda r: files[r][0],
+                                  stderr=lambda r: files[r][1], stdin=subprocess.DEVNULL, start_new_session=True)
+            for r, (p, (fo, fe)) in enumerate(zip(started, files)):
+                fo.close()
+                fe.close()
+                procs.append((p, tmp / f"out.{r}", tmp / f"err.{r}"))
         elif launcher == "mpirun":
             mpirun = shutil.which("mpirun")
             if mpirun is None:
