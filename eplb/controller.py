@@ -40,8 +40,7 @@ class EplbController:
         if p.num_physical % self.ep_size:
             raise ValueError(f"physical slots ({p.num_physical}) are not divisible by ep_size ({self.ep_size})")
         self.num_groups = model.cfg.moe.n_group
-        lws = ctx.local_world_size or 1
-        self.num_nodes = self.ep_size // lws if self.ep_size % lws == 0 else 1
+        self.num_nodes = ctx.num_nodes  # the EP group is the world, laid out node-major (parallel/topology.py)
         if self.cfg.policy == "hierarchical" and self.num_groups % self.num_nodes:
             raise ValueError(f"eplb.policy = 'hierarchical' needs n_group ({self.num_groups}) divisible by the "
                              f"number of nodes ({self.num_nodes}); use 'auto' or 'global'")

@@ -23,6 +23,7 @@ class ParallelConfig:
     num_redundant_experts: int = 0     # extra physical expert slots for EPLB replicas
     timeout_s: float = 60.0            # collectives, rendezvous, and lost-rank detection bound
     heartbeat_s: float = 1.0           # watchdog period
+    ranks_per_node: int = 0            # 0 = from the launcher; > 0 simulates nodes of this many ranks
     deepep_low_latency_max_tokens: int = 128  # decode batches up to this use DeepEP low-latency mode
     torch_low_latency_max_tokens: int = 64    # steps up to this many tokens per rank: padded one-message
                                               # torch all-to-all, no count exchange (0 = never)
@@ -38,6 +39,8 @@ class ParallelConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dispatch_backend not in DISPATCH_BACKENDS:
             raise ValueError(f"dispatch_backend must be one of {DISPATCH_BACKENDS}, got {self.dispatch_backend!r}")
+        if not isinstance(self.ranks_per_node, int) or isinstance(self.ranks_per_node, bool) or self.ranks_per_node < 0:
+            raise ValueError(f"ranks_per_node must be an integer >= 0 (0 = from the launcher), got {self.ranks_per_node!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
         if not self.timeout_s > 0 or not self.heartbeat_s > 0:
@@ -75,6 +78,8 @@ class ParallelConfig:
                 raise ValueError(f"dp_size ({self.dp_size}) != world_size ({world_size})")
             raise ValueError(f"dp_size ({self.dp_size}) * tp_size ({self.tp_size}) = "
                              f"{self.dp_size * self.tp_size} != world_size ({world_size})")
+        if self.ranks_per_node and world_size % self.ranks_per_node:
+            raise ValueError(f"ranks_per_node ({self.ranks_per_node}) does not divide world_size ({world_size})")
         if self.ep_size != world_size:
             raise ValueError(f"ep_size ({self.ep_size}) != world_size ({world_size}): routed experts are "
                              f"spread over every rank")
