@@ -17,6 +17,7 @@ rank also gets its node's process group.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -163,7 +164,6 @@ def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | Non
         topo = topo.simulate(cfg.ranks_per_node)
     timeout = timedelta(seconds=cfg.timeout_s)
     store = _open_store(launch, env, timeout)
-    Watchdog.announce(dist.PrefixStore(STORE_PREFIX, store), launch.rank)
     dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
                             timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
     world = dist.group.WORLD
@@ -171,15 +171,19 @@ def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | Non
     node_group = new_node_group(topo, backend, timeout) or world
 
     addr, port = launch.addr, launch.port
+    # Keys of an earlier attempt stay in torchrun's agent store across restarts: never read them.
+    prefix = f"{STORE_PREFIX}{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
     def watchdog_store():
-        # Its own connection with a short timeout: a dead store must fail the beat fast.
-        client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=max(2.0, 2 * cfg.heartbeat_s)))
-        return dist.PrefixStore(STORE_PREFIX, client)
+        # Its own connection; a late reply is slowness, so the op timeout is the full timeout_s.
+        client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timeout)
+        return dist.PrefixStore(prefix, client)
 
-    watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, cfg.heartbeat_s, cfg.lost_after_s,
-                        store_host_rank=None if launch.agent_store else 0, store_addr=(addr, port)).start()
+    bind, advertise = _ring_address(addr, launch.topology.num_nodes > 1)
+    watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, heartbeat_s=cfg.heartbeat_s,
+                        timeout_s=cfg.timeout_s, lost_after_s=cfg.lost_after_s,
+                        store_host_rank=None if launch.agent_store else 0, store_addr=(addr, port),
+                        host=bind, advertise=advertise).start()
     # Attention TP = 1: every rank is its own DP rank, and the one EP group is the world.
     ctx = ParallelContext(
         rank=launch.rank, world_size=launch.world_size, local_rank=topo.local_rank,
@@ -189,6 +193,31 @@ def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | Non
         timeout_s=cfg.timeout_s, launcher=launch.kind, watchdog=watchdog)
     check_agreement(ctx, json.dumps(cfg.to_dict(), sort_keys=True), "parallel config")
     return ctx
+
+
+def _ring_address(store_addr: str, several_hosts: bool) -> tuple[str, str | None]:
+    """(address the watchdog listens on, address it publishes or None for the bound one): the
+    local address that routes to the store, which the other hosts can reach. A store address that
+    is loopback means one host; a host name that resolves to loopback here (Debian's 127.0.1.1)
+    while there are several hosts means: listen everywhere, publish the host name."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(store_addr, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)  # UDP: no packet is sent, the kernel only picks the route
+            local = s.getsockname()[0]
+    except OSError:
+        local = None
+    if local is None or (several_hosts and ipaddress.ip_address(local).is_loopback
+                         and not _is_loopback_literal(store_addr)):
+        return ("0.0.0.0", socket.getfqdn()) if several_hosts else ("127.0.0.1", None)
+    return local, None
+
+
+def _is_loopback_literal(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
 
 
 def shutdown(ctx: ParallelContext) -> None:

@@ -21,8 +21,8 @@ class ParallelConfig:
     backend: str = "auto"              # process-group backend: gloo on CPU, nccl on CUDA
     dispatch_backend: str = "auto"     # MoE all-to-all: auto = deepep when usable, else torch
     num_redundant_experts: int = 0     # extra physical expert slots for EPLB replicas
-    timeout_s: float = 60.0            # collectives, rendezvous, and lost-rank detection bound
-    heartbeat_s: float = 1.0           # watchdog period
+    timeout_s: float = 60.0            # collectives, rendezvous; a silent rank is lost after this long
+    heartbeat_s: float = 1.0           # watchdog beat period between ring neighbours
     ranks_per_node: int = 0            # 0 = from the launcher; > 0 simulates nodes of this many ranks
     deepep_low_latency_max_tokens: int = 128  # decode batches up to this use DeepEP low-latency mode
     torch_low_latency_max_tokens: int = 64    # steps up to this many tokens per rank: padded one-message
@@ -45,7 +45,8 @@ class ParallelConfig:
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
         if not self.timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError(f"timeout_s ({self.timeout_s}) and heartbeat_s ({self.heartbeat_s}) must be > 0")
-        # A lost rank must be noticed (lost_after_s) and acted on (one more beat) within timeout_s.
+        # A failure that surfaced in a collective must become a verdict (lost_after_s) and be acted on
+        # (one more beat) within timeout_s.
         if self.lost_after_s + self.heartbeat_s > self.timeout_s:
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) is too long for timeout_s ({self.timeout_s}): a lost rank is "
@@ -61,8 +62,11 @@ class ParallelConfig:
 
     @property
     def lost_after_s(self) -> float:
-        """Seconds without a heartbeat after which a peer is declared lost. Five beats absorb
-        scheduling hiccups on an overloaded host; never less than 5 s, never more than half the timeout."""
+        """How long a rank whose collective or store call failed waits for the watchdog's verdict.
+        A death is seen at once (closed connection) and a silent rank's timeout_s ran out before any
+        collective waiting on it timed out, so a few beats are plenty; never less than 5 s (an
+        overloaded host), never more than half the timeout. Not the silence threshold: that is
+        timeout_s, slowness gets all of it."""
         return min(max(5.0, 5 * self.heartbeat_s), self.timeout_s / 2)
 
     def num_physical_experts(self, n_routed_experts: int) -> int:

@@ -50,7 +50,7 @@ class ParallelContext:
         return self.local_world_size
 
     def lost_ranks(self) -> list[int]:
-        """Ranks whose heartbeat is stale right now ([0] too when the store rank 0 hosts is gone)."""
+        """Ranks declared lost so far ([0] too when the rendezvous store's host is gone)."""
         return [] if self.watchdog is None else self.watchdog.lost_ranks()
 
     def __repr__(self) -> str:  # groups and store print as opaque handles; keep the useful part
