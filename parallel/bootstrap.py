@@ -175,9 +175,8 @@ def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | Non
     prefix = f"{STORE_PREFIX}{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
     def watchdog_store():
-        # Its own connection; a late reply is slowness, so the op timeout is the full timeout_s.
-        client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timeout)
-        return dist.PrefixStore(prefix, client)
+        # The process's own client: no connection of its own, so no burst of W connects at start-up.
+        return dist.PrefixStore(prefix, store)
 
     bind, advertise = _ring_address(addr, launch.topology.num_nodes > 1)
     watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, heartbeat_s=cfg.heartbeat_s,

@@ -46,9 +46,10 @@ class RankLostError(RuntimeError):
 
 
 class CountingStore:
-    """A store client whose operations are counted, by kind, into `counts` (shared, thread-safe)."""
+    """A store client whose operations are counted into `counts` (shared, thread-safe): by kind, and
+    "keys" for the keys they touch (a multi_get of n keys is one operation and n keys)."""
 
-    OPS = ("set", "get", "add", "wait", "compare_set", "multi_get", "check", "delete_key")
+    OPS = ("set", "get", "add", "wait", "compare_set", "multi_get", "multi_set", "check", "delete_key")
 
     def __init__(self, store, counts: dict[str, int], lock: threading.Lock):
         self._store, self._counts, self._lock = store, counts, lock
@@ -59,8 +60,10 @@ class CountingStore:
             return fn
 
         def counted(*args, **kwargs):
+            keys = len(args[0]) if args and isinstance(args[0], (list, tuple)) else 1
             with self._lock:
                 self._counts[name] = self._counts.get(name, 0) + 1
+                self._counts["keys"] = self._counts.get("keys", 0) + keys
             return fn(*args, **kwargs)
         return counted
 
@@ -68,8 +71,10 @@ class CountingStore:
 class Watchdog:
     """Lost-rank detector for one rank.
 
-    store_factory() returns a fresh client of the rendezvous store (its own connection); store_addr
-    (host, port) is where that store listens. lost_after_s bounds how long a caller whose
+    store_factory() returns a client of the rendezvous store, called once, when the watchdog first
+    needs it (it may be the process's own client: store clients are thread-safe, and a new connection
+    per rank at start-up is a burst of W connects on one server); store_addr (host, port) is where
+    that store listens. lost_after_s bounds how long a caller whose
     collective or store call just failed waits for a verdict: a death shows at once, and a silent
     peer's timeout ran out before any collective waiting on it timed out. store_host_rank: the rank
     whose process serves the store, None when the launcher does.
@@ -90,8 +95,9 @@ class Watchdog:
         self._lock = threading.Lock()
         self._lost: dict[int, str] = {}             # rank -> reason, from any source
         self._log: list[dict] = []                  # verdict log entries read, in log order
-        self._reader = None                         # store client for reading the log (under _read_lock)
-        self._read_lock = threading.Lock()
+        self._store = None                          # CountingStore, made on first use
+        self._client_lock = threading.Lock()
+        self._read_lock = threading.Lock()          # one reader of the verdict log at a time
         self._lost_event = threading.Event()
         self._stop = threading.Event()
         self._acked = False
@@ -173,11 +179,12 @@ class Watchdog:
             return "; ".join(f"rank {r}: {self._lost.get(r, 'lost')}" for r in ranks)
 
     def stats(self) -> dict:
-        """Counters for benchmarks: store operations (total and by kind), beats, uptime."""
+        """Counters for benchmarks: store operations (total, by kind, keys touched), beats, uptime."""
         with self._ops_lock:
             ops = dict(self._ops)
+        keys = ops.pop("keys", 0)
         links = self._ring.links.values()
-        return dict(store_ops=sum(ops.values()), store_ops_by_kind=ops, beats_sent=self._ring.beats_sent,
+        return dict(store_ops=sum(ops.values()), store_keys=keys, store_ops_by_kind=ops, beats_sent=self._ring.beats_sent,
                     beats_received=sum(l.beats_received for l in links), ring_links=len(links),
                     uptime_s=time.monotonic() - self._started)
 
@@ -239,20 +246,19 @@ class Watchdog:
         """Adopt the log's entries not read yet: one check (+ one get per new entry)."""
         with self._read_lock:
             try:
-                if self._reader is None:
-                    if not self._store_up():
-                        return
-                    self._reader = self._client()
+                if self._store is None and not self._store_up():
+                    return
+                store = self._client()
                 while True:
                     key = f"verdict/{len(self._log) + 1}"
-                    if not self._reader.check([key]):
+                    if not store.check([key]):
                         return
-                    entry = json.loads(self._reader.get(key))
+                    entry = json.loads(store.get(key))
                     with self._lock:
                         self._log.append(entry)
                     self._adopt({int(r): why for r, why in entry["lost"].items()}, own=False)
             except Exception:
-                self._reader = None  # the store is gone or slow: the ring still carries verdicts
+                pass  # the store is gone or slow: the ring still carries verdicts
 
     def _react(self, new: dict[int, str]) -> None:
         ranks = sorted(new)
@@ -280,7 +286,10 @@ class Watchdog:
 
     # -- helpers -----------------------------------------------------------------------------------
     def _client(self) -> CountingStore:
-        return CountingStore(self._store_factory(), self._ops, self._ops_lock)
+        with self._client_lock:
+            if self._store is None:
+                self._store = CountingStore(self._store_factory(), self._ops, self._ops_lock)
+            return self._store
 
     def _store_up(self) -> bool:
         """A plain connect to the store's port: a store client's constructor would instead retry a

@@ -224,6 +224,7 @@ def test_stats_count_store_operations(store):
         time.sleep(10 * HB)
         s1 = wds[0].stats()
         assert s0["store_ops"] == 2 and s0["store_ops_by_kind"] == {"set": 1, "get": 1}   # rank 0 opens the link
+        assert s0["store_keys"] == 2
         assert wds[1].stats()["store_ops_by_kind"] == {"set": 1}
         assert s1["store_ops"] == s0["store_ops"] and s1["beats_sent"] >= s0["beats_sent"] + 5
     finally:
