@@ -88,3 +88,27 @@ def test_two_torchrun_launchers_on_one_host_are_two_nodes():
     assert _core(infos) == _expected(4, 2)
     assert [i["group_rank"] for i in infos] == ["0", "0", "1", "1"]
     assert all(i["launcher"] == "torchrun" and i["agent_store"] == "True" for i in infos)
+
+
+def _eplb_node_count(model_dir: str) -> dict:
+    """Hierarchical EPLB on 4 ranks laid out as 2 simulated nodes: it plans for 2 nodes."""
+    from eplb import EplbConfig
+    from tests.eplb.helpers import build_llm, generate
+
+    cfg = EplbConfig(enabled=True, num_redundant_experts=4, window_size=64, step_interval=10**9, policy="hierarchical")
+    llm, ctl = build_llm(model_dir, cfg, dp_size=4, ep_size=4, parallel={"timeout_s": 60.0, "ranks_per_node": 2})
+    generate(llm)
+    record = ctl.rebalance()                 # plans with the hierarchical policy over 2 nodes
+    out = dict(num_nodes=ctl.dump_stats(None)["num_nodes"], node=llm.ctx.node_rank, rebalanced=record is not None)
+    llm.shutdown()
+    return out
+
+
+@pytest.mark.multirank
+def test_hierarchical_eplb_takes_its_node_count_from_the_topology(tmp_path):
+    from tests.eplb.helpers import make_skewed_checkpoint
+
+    d = make_skewed_checkpoint(str(tmp_path))
+    outs = spawn(_eplb_node_count, 4, args=(d,), timeout_s=240)
+    assert [o["node"] for o in outs] == [0, 0, 1, 1]
+    assert all(o["num_nodes"] == 2 and o["rebalanced"] for o in outs), outs
