@@ -6,8 +6,8 @@ The same file works single-process and under torchrun/mpirun: dp_size/ep_size de
     [model]    path, dtype, max_model_len, experts_backend (auto|torch|triton|deepgemm),
                attention_backend (auto|torch|triton)
     [parallel] dp_size, ep_size ("auto" | int), backend, dispatch_backend, num_redundant_experts, timeout_s,
-               heartbeat_s, torch_low_latency_max_tokens, deepep_low_latency_max_tokens, simulated_latency_us,
-               simulated_gbps
+               heartbeat_s, ranks_per_node, torch_low_latency_max_tokens, deepep_low_latency_max_tokens,
+               simulated_latency_us, simulated_gbps (parallel/config.py)
     [engine]   block_size, kv_cache_blocks, kv_cache_memory, max_num_seqs, max_num_batched_tokens, seed
     [eplb]     enabled, window_size, step_interval, num_redundant_experts, policy, initial_placement,
                migration_aware, transfer_layers_per_step (eplb/config.py)
@@ -31,12 +31,11 @@ else:  # pragma: no cover
 
 from dbo.overlap import DboConfig
 from eplb.config import EplbConfig
+from parallel.config import ParallelConfig
 
 SECTIONS: dict[str, set[str]] = {
     "model": {"path", "dtype", "max_model_len", "experts_backend", "attention_backend"},
-    "parallel": {"dp_size", "ep_size", "tp_size", "backend", "dispatch_backend", "num_redundant_experts",
-                 "timeout_s", "heartbeat_s", "deepep_low_latency_max_tokens", "simulated_latency_us",
-                 "simulated_gbps"},
+    "parallel": {f.name for f in dataclasses.fields(ParallelConfig)},
     "engine": {"block_size", "kv_cache_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "seed",
                "enable_prefix_caching"},
     "eplb": {f.name for f in dataclasses.fields(EplbConfig)},
