@@ -137,14 +137,15 @@ class Ring:
         return f"{self.advertise} {self.listener.getsockname()[1]} {self.ident}"
 
     # -- connections -------------------------------------------------------------------------------
-    def set_successor(self, record: str) -> dict[int, str]:
-        """Connect to the successor whose record it published; {succ: reason} if it is dead."""
+    def set_successor(self, record: str) -> None:
+        """The successor's published record: the thread running poll() connects to it next."""
         if not self.opens:
-            return {}
+            return
         host, port, *ident = record.split(" ")
-        self._succ_addr = (host, int(port))
-        self.links[self.succ].ident = ident[0] if ident else ""
-        return self._try_connect(time.monotonic())
+        with self._lock:
+            self.links[self.succ].ident = ident[0] if ident else ""
+            self._succ_addr = (host, int(port))
+        self.wake()
 
     def _try_connect(self, now: float) -> dict[int, str]:
         link = self.links[self.succ]
@@ -255,6 +256,9 @@ class Ring:
                 out.store_closed = self._read_store()
             else:
                 self._read(key.data, now, out.dead, out.told)
+        succ = self.links[self.succ]
+        if self._succ_addr and succ.sock is None and succ.watched and now >= self._next_connect:
+            out.dead.update(self._try_connect(now))
         if now - self._last_beat >= self.heartbeat_s:
             self._last_beat = now
             self._beat(now, out.dead)
@@ -323,8 +327,6 @@ class Ring:
                 self.beats_sent += 1
             if not link.watched:
                 continue
-            if link.sock is None and link.rank == self.succ and self.opens and self._succ_addr and now >= self._next_connect:
-                dead.update(self._try_connect(now))
             silent = now - link.last_heard
             if silent > 2 * self.heartbeat_s and process_gone(link.ident, self.ident):
                 dead[link.rank] = (f"rank {self.rank} found its process (pid {link.ident.rsplit('/', 2)[1]}) gone "
@@ -343,6 +345,10 @@ class Ring:
                 pass
             link.sock.close()
             link.sock = None
+
+    def settled(self) -> bool:
+        """Every neighbour still watched is connected (and introduced): a goodbye reaches them all."""
+        return all(link.sock is not None for link in self.links.values() if link.watched)
 
     def stop_watching(self, rank: int) -> None:
         """A rank already judged lost: neither its silence nor its EOF is news any more."""

@@ -71,13 +71,13 @@ class CountingStore:
 class Watchdog:
     """Lost-rank detector for one rank.
 
-    store_factory() returns a client of the rendezvous store, called once, when the watchdog first
-    needs it (it may be the process's own client: store clients are thread-safe, and a new connection
-    per rank at start-up is a burst of W connects on one server); store_addr (host, port) is where
-    that store listens. lost_after_s bounds how long a caller whose
-    collective or store call just failed waits for a verdict: a death shows at once, and a silent
-    peer's timeout ran out before any collective waiting on it timed out. store_host_rank: the rank
-    whose process serves the store, None when the launcher does.
+    store_factory() returns a client of the rendezvous store; it is called once, on first need, and
+    may return the process's own client (store clients are thread-safe, and a connection of its own
+    per rank would be a burst of W connects on one server at start-up). store_addr (host, port) is
+    where that store listens; store_host_rank the rank whose process serves it, None when the
+    launcher does. lost_after_s bounds how long a caller whose collective or store call just failed
+    waits for a verdict: a death shows at once, and a silent peer's timeout_s ran out before any
+    collective waiting on it timed out.
     """
 
     def __init__(self, store_factory: Callable[[], Any], rank: int, world_size: int, *, heartbeat_s: float,
@@ -108,25 +108,20 @@ class Watchdog:
     def start(self) -> "Watchdog":
         """Publish this rank's ring address, connect to the successor (its address is waited for,
         up to timeout_s), start the thread. Every rank calls it once all are known to be up (after
-        the process-group rendezvous). Two store operations, three when this rank opens a link."""
+        the process-group rendezvous). One store operation, two when this rank opens a link."""
         store = self._client()
         store.set(f"ring/{self.rank}", self._ring.record)
-        dead = {}
+        if self.store_host_rank is None and self._store_addr is not None:
+            self._ring.watch_store(self._store_addr)
+        self._thread.start()  # beating the predecessor already: waiting on the successor is not silence
         if self._ring.opens:
             try:
-                record = store.get(f"ring/{self._ring.succ}").decode()   # waits for it, up to timeout_s
+                self._ring.set_successor(store.get(f"ring/{self._ring.succ}").decode())  # waits up to timeout_s
             except Exception as e:
                 if "timeout" not in str(e).lower():
                     raise
-                dead = {self._ring.succ: f"did not join the watchdog ring within {self.timeout_s:g} s, "
-                                         f"seen by rank {self.rank}"}
-            else:
-                dead = self._ring.set_successor(record)
-        if self.store_host_rank is None and self._store_addr is not None:
-            self._ring.watch_store(self._store_addr)
-        self._thread.start()
-        if dead:
-            self._adopt(dead, own=True)
+                self._adopt({self._ring.succ: f"did not join the watchdog ring within {self.timeout_s:g} s, "
+                                              f"seen by rank {self.rank}"}, own=True)
         return self
 
     def stop(self, done: bool = True) -> None:
@@ -137,6 +132,10 @@ class Watchdog:
         if self._stop.is_set():
             return
         if done:
+            # A neighbour not connected yet would find this rank gone without a goodbye: a loss.
+            deadline = time.monotonic() + self.lost_after_s
+            while not self._ring.settled() and self._thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
             self._ring.send_goodbye()
         self._stop.set()
         self._ring.wake()
@@ -165,13 +164,15 @@ class Watchdog:
             return list(self._log)
 
     def wait_lost(self, timeout_s: float) -> list[int]:
-        """Block until some rank is declared lost or timeout_s passes; [] if none. Reads the verdict
-        log once a beat meanwhile, so a verdict arrives in one hop even from far along the ring."""
+        """Block until some rank is declared lost or timeout_s passes; [] if none. Meanwhile the
+        verdict log is read once a beat (on a helper thread: a stalled store must not stretch the
+        wait), so a verdict arrives in one hop even from far along the ring."""
         deadline = time.monotonic() + timeout_s
         while not self._lost_event.wait(max(0.0, min(self.heartbeat_s, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 break
-            self._read_log()
+            if not self._read_lock.locked():
+                threading.Thread(target=self._read_log, daemon=True).start()
         return self.lost_ranks()
 
     def describe(self, ranks: list[int]) -> str:
@@ -184,9 +185,9 @@ class Watchdog:
             ops = dict(self._ops)
         keys = ops.pop("keys", 0)
         links = self._ring.links.values()
-        return dict(store_ops=sum(ops.values()), store_keys=keys, store_ops_by_kind=ops, beats_sent=self._ring.beats_sent,
-                    beats_received=sum(l.beats_received for l in links), ring_links=len(links),
-                    uptime_s=time.monotonic() - self._started)
+        return dict(store_ops=sum(ops.values()), store_keys=keys, store_ops_by_kind=ops,
+                    beats_sent=self._ring.beats_sent, beats_received=sum(l.beats_received for l in links),
+                    ring_links=len(links), uptime_s=time.monotonic() - self._started)
 
     def linger_for_peers(self) -> None:
         """On the rank hosting the store: before exiting over a loss, wait (bounded) until every
@@ -246,7 +247,7 @@ class Watchdog:
         """Adopt the log's entries not read yet: one check (+ one get per new entry)."""
         with self._read_lock:
             try:
-                if self._store is None and not self._store_up():
+                if not self._store_up():
                     return
                 store = self._client()
                 while True:
