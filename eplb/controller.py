@@ -38,8 +38,7 @@ class EplbController:
         p = model.placement
         self.ep_rank, self.ep_size = ctx.ep_rank, ctx.ep_size
         self.num_groups = model.cfg.moe.n_group
-        lws = ctx.local_world_size or 1
-        self.num_nodes = self.ep_size // lws if self.ep_size % lws == 0 else 1
+        self.num_nodes = ctx.num_nodes  # the EP group is the world, laid out node-major (parallel/topology.py)
         if self.cfg.policy == "hierarchical" and self.num_groups % self.num_nodes:
             raise ValueError(f"eplb.policy = 'hierarchical' needs n_group ({self.num_groups}) divisible by the "
                              f"number of nodes ({self.num_nodes}); use 'auto' or 'global'")

@@ -11,9 +11,13 @@ Three ways in, tried in this order:
   script.py`; set MASTER_ADDR (e.g. `-x MASTER_ADDR=node0` / `-genv MASTER_ADDR node0`) when the
   hostname of rank 0 does not resolve from the other nodes.
 - neither: one process, ParallelContext.single() (no torch.distributed).
+Nodes (parallel/topology.py): torchrun's LOCAL_WORLD_SIZE and GROUP_RANK, mpirun's hosts, or
+`[parallel] ranks_per_node` to simulate several nodes on one host; with more than one node every
+rank also gets its node's process group.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -27,6 +31,7 @@ import torch.distributed as dist
 from .agreement import check_agreement
 from .config import ParallelConfig
 from .context import ParallelContext
+from .topology import Topology, mpi_topology, new_node_group
 from .watchdog import Watchdog
 
 STORE_PREFIX = "wideep/"
@@ -37,8 +42,9 @@ class _Launch:
     kind: str                 # "torchrun" | "mpirun" | "single"
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
+    local_rank: int = 0        # among the processes on this host (device index, CPU threads)
     local_world_size: int = 1
+    topology: Topology | None = None
     addr: str = "127.0.0.1"
     port: int = 0
     agent_store: bool = False  # torchrun's agent hosts the store; ranks are all clients
@@ -65,8 +71,12 @@ def _detect(env: Mapping[str, str]) -> _Launch:
             return _Launch("single")
         if "MASTER_ADDR" not in env:
             raise ValueError("environment variable MASTER_ADDR is not set (RANK and WORLD_SIZE are)")
-        return _Launch("torchrun", rank, world, _env_int(env, "LOCAL_RANK", rank),
-                       _env_int(env, "LOCAL_WORLD_SIZE", world), env["MASTER_ADDR"], _env_int(env, "MASTER_PORT"),
+        local, local_world = _env_int(env, "LOCAL_RANK", rank), _env_int(env, "LOCAL_WORLD_SIZE", world)
+        node = _env_int(env, "GROUP_RANK") if "GROUP_RANK" in env else None
+        topo = Topology.from_launcher(rank, world, local, local_world, node,
+                                      source="the launcher (RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK)")
+        return _Launch("torchrun", rank, world, local, local_world, topo, env["MASTER_ADDR"],
+                       _env_int(env, "MASTER_PORT"),
                        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
     if any(k in env for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
         try:
@@ -78,10 +88,8 @@ def _detect(env: Mapping[str, str]) -> _Launch:
         rank, world = comm.Get_rank(), comm.Get_size()
         if world == 1:
             return _Launch("single")
-        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        launch = _Launch("mpirun", rank, world, local.Get_rank(), local.Get_size(), mpi_comm=comm)
-        local.Free()
-        return launch
+        topo = mpi_topology(comm, rank, world)
+        return _Launch("mpirun", rank, world, topo.local_rank, topo.ranks_per_node, topo, mpi_comm=comm)
     return _Launch("single")
 
 
@@ -161,33 +169,64 @@ def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | Non
     else:
         _limit_cpu_threads(launch.local_world_size)
 
+    topo = launch.topology
+    if cfg.ranks_per_node:
+        topo = topo.simulate(cfg.ranks_per_node)
     timeout = timedelta(seconds=cfg.timeout_s)
     store = _open_store(launch, env, timeout)
-    Watchdog.announce(dist.PrefixStore(STORE_PREFIX, store), launch.rank)
     dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
                             timeout=timeout, **({"device_id": device} if backend == "nccl" else {}))
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    node_group = new_node_group(topo, backend, timeout) or world
 
     addr, port = launch.addr, launch.port
+    # Keys of an earlier attempt stay in torchrun's agent store across restarts: never read them.
+    prefix = f"{STORE_PREFIX}{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
     def watchdog_store():
-        # Its own connection with a short timeout: a dead store must fail the beat fast.
-        client = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=max(2.0, 2 * cfg.heartbeat_s)))
-        return dist.PrefixStore(STORE_PREFIX, client)
+        # The process's own client: no connection of its own, so no burst of W connects at start-up.
+        return dist.PrefixStore(prefix, store)
 
-    watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, cfg.heartbeat_s, cfg.lost_after_s,
-                        store_host_rank=None if launch.agent_store else 0, store_addr=(addr, port)).start()
+    bind, advertise = _ring_address(addr, launch.topology.num_nodes > 1)
+    watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, heartbeat_s=cfg.heartbeat_s,
+                        timeout_s=cfg.timeout_s, lost_after_s=cfg.lost_after_s,
+                        store_host_rank=None if launch.agent_store else 0, store_addr=(addr, port),
+                        host=bind, advertise=advertise).start()
     # Attention TP = 1: every rank is its own DP rank, and the one EP group is the world.
     ctx = ParallelContext(
-        rank=launch.rank, world_size=launch.world_size, local_rank=launch.local_rank,
-        local_world_size=launch.local_world_size, device=device, backend=backend,
-        dp_rank=launch.rank, dp_size=cfg.dp_size, ep_rank=launch.rank, ep_size=cfg.ep_size,
-        ep_group=world, cpu_group=cpu_group, store=store, timeout_s=cfg.timeout_s,
-        launcher=launch.kind, watchdog=watchdog)
+        rank=launch.rank, world_size=launch.world_size, local_rank=topo.local_rank,
+        local_world_size=topo.ranks_per_node, node_rank=topo.node_rank, num_nodes=topo.num_nodes,
+        device=device, backend=backend, dp_rank=launch.rank, dp_size=cfg.dp_size, ep_rank=launch.rank,
+        ep_size=cfg.ep_size, ep_group=world, cpu_group=cpu_group, node_group=node_group, store=store,
+        timeout_s=cfg.timeout_s, launcher=launch.kind, watchdog=watchdog)
     check_agreement(ctx, json.dumps(cfg.to_dict(), sort_keys=True), "parallel config")
     return ctx
+
+
+def _ring_address(store_addr: str, several_hosts: bool) -> tuple[str, str | None]:
+    """(address the watchdog listens on, address it publishes or None for the bound one): the
+    local address that routes to the store, which the other hosts can reach. A store address that
+    is loopback means one host; a host name that resolves to loopback here (Debian's 127.0.1.1)
+    while there are several hosts means: listen everywhere, publish the host name."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(store_addr, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)  # UDP: no packet is sent, the kernel only picks the route
+            local = s.getsockname()[0]
+    except OSError:
+        local = None
+    if local is None or (several_hosts and ipaddress.ip_address(local).is_loopback
+                         and not _is_loopback_literal(store_addr)):
+        return ("0.0.0.0", socket.getfqdn()) if several_hosts else ("127.0.0.1", None)
+    return local, None
+
+
+def _is_loopback_literal(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
 
 
 def shutdown(ctx: ParallelContext) -> None:

@@ -23,8 +23,9 @@ class ParallelConfig:
     backend: str = "auto"              # process-group backend: gloo on CPU, nccl on CUDA
     dispatch_backend: str = "auto"     # MoE all-to-all: auto = deepep when usable, else torch
     num_redundant_experts: int = 0     # extra physical expert slots for EPLB replicas
-    timeout_s: float = 60.0            # collectives, rendezvous, and lost-rank detection bound
-    heartbeat_s: float = 1.0           # watchdog period
+    timeout_s: float = 60.0            # collectives, rendezvous; a silent rank is lost after this long
+    heartbeat_s: float = 1.0           # watchdog beat period between ring neighbours
+    ranks_per_node: int = 0            # 0 = from the launcher; > 0 simulates nodes of this many ranks
     deepep_low_latency_max_tokens: int = 128  # decode batches up to this use DeepEP low-latency mode
     torch_low_latency_max_tokens: int = 64    # steps up to this many tokens per rank: padded one-message
                                               # torch all-to-all, no count exchange (0 = never)
@@ -40,11 +41,14 @@ class ParallelConfig:
             raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.dispatch_backend not in DISPATCH_BACKENDS:
             raise ValueError(f"dispatch_backend must be one of {DISPATCH_BACKENDS}, got {self.dispatch_backend!r}")
+        if not isinstance(self.ranks_per_node, int) or isinstance(self.ranks_per_node, bool) or self.ranks_per_node < 0:
+            raise ValueError(f"ranks_per_node must be an integer >= 0 (0 = from the launcher), got {self.ranks_per_node!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
         if not self.timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError(f"timeout_s ({self.timeout_s}) and heartbeat_s ({self.heartbeat_s}) must be > 0")
-        # A lost rank must be noticed (lost_after_s) and acted on (one more beat) within timeout_s.
+        # A failure that surfaced in a collective must become a verdict (lost_after_s) and be acted on
+        # (one more beat) within timeout_s.
         if self.lost_after_s + self.heartbeat_s > self.timeout_s:
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) is too long for timeout_s ({self.timeout_s}): a lost rank is "
@@ -60,8 +64,11 @@ class ParallelConfig:
 
     @property
     def lost_after_s(self) -> float:
-        """Seconds without a heartbeat after which a peer is declared lost. Five beats absorb
-        scheduling hiccups on an overloaded host; never less than 5 s, never more than half the timeout."""
+        """How long a rank whose collective or store call failed waits for the watchdog's verdict.
+        A death is seen at once (closed connection) and a silent rank's timeout_s ran out before any
+        collective waiting on it timed out, so a few beats are plenty; never less than 5 s (an
+        overloaded host), never more than half the timeout. Not the silence threshold: that is
+        timeout_s, slowness gets all of it."""
         return min(max(5.0, 5 * self.heartbeat_s), self.timeout_s / 2)
 
     def num_physical_experts(self, n_routed_experts: int) -> int:
@@ -77,6 +84,8 @@ class ParallelConfig:
                 raise ValueError(f"dp_size ({self.dp_size}) != world_size ({world_size})")
             raise ValueError(f"dp_size ({self.dp_size}) * tp_size ({self.tp_size}) = "
                              f"{self.dp_size * self.tp_size} != world_size ({world_size})")
+        if self.ranks_per_node and world_size % self.ranks_per_node:
+            raise ValueError(f"ranks_per_node ({self.ranks_per_node}) does not divide world_size ({world_size})")
         if self.ep_size != world_size:
             raise ValueError(f"ep_size ({self.ep_size}) != world_size ({world_size}): routed experts are "
                              f"spread over every rank")

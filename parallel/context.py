@@ -18,8 +18,10 @@ if TYPE_CHECKING:
 class ParallelContext:
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0                # rank among the processes on this host
-    local_world_size: int = 1
+    local_rank: int = 0                # rank within its node (parallel/topology.py: node-major layout)
+    local_world_size: int = 1          # ranks per node
+    node_rank: int = 0
+    num_nodes: int = 1
     device: torch.device = torch.device("cpu")
     backend: str = "none"              # "gloo" | "nccl" | "none" (no torch.distributed)
     dp_rank: int = 0                   # attention data-parallel coordinates
@@ -28,6 +30,7 @@ class ParallelContext:
     ep_size: int = 1
     ep_group: Any = None               # ProcessGroup for dispatch/combine (device tensors)
     cpu_group: Any = None              # gloo ProcessGroup for host-side and object collectives
+    node_group: Any = None             # this rank's node (backend as ep_group); with one node, ep_group
     store: Any = None                  # the rendezvous TCPStore, or None
     timeout_s: float = 60.0
     launcher: str = "single"           # "torchrun" (or any RANK/WORLD_SIZE env) | "mpirun" | "single"
@@ -42,11 +45,15 @@ class ParallelContext:
     def single(cls, device: str | torch.device = "cpu") -> "ParallelContext":
         return cls(device=torch.device(device))
 
+    @property
+    def ranks_per_node(self) -> int:
+        return self.local_world_size
+
     def lost_ranks(self) -> list[int]:
-        """Ranks whose heartbeat is stale right now ([0] too when the store rank 0 hosts is gone)."""
+        """Ranks declared lost so far ([0] too when the rendezvous store's host is gone)."""
         return [] if self.watchdog is None else self.watchdog.lost_ranks()
 
     def __repr__(self) -> str:  # groups and store print as opaque handles; keep the useful part
-        return (f"ParallelContext(rank={self.rank}/{self.world_size}, local={self.local_rank}/"
-                f"{self.local_world_size}, device={self.device}, backend={self.backend}, "
+        return (f"ParallelContext(rank={self.rank}/{self.world_size}, node={self.node_rank}/{self.num_nodes}, "
+                f"local={self.local_rank}/{self.local_world_size}, device={self.device}, backend={self.backend}, "
                 f"dp={self.dp_rank}/{self.dp_size}, ep={self.ep_rank}/{self.ep_size}, launcher={self.launcher})")

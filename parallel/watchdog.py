@@ -1,18 +1,32 @@
-"""Lost-rank detection: a rank that dies makes every other rank exit non-zero, never hang.
+"""Lost-rank detection: a rank that dies is named by every survivor, which exits non-zero instead of
+hanging; a rank that is only slow is left alone for the full timeout.
 
-Each rank runs a daemon thread that, every heartbeat_s, writes a beat counter to the rendezvous
-TCPStore (key hb/<rank>) and reads everyone else's. A peer whose counter has not moved for
-lost_after_s (measured on this host's monotonic clock, so clocks need not agree across nodes) is
-lost; if the store itself stays unreachable that long, the process hosting it (rank 0, or the
-torchrun agent) is gone. Either way the thread prints `wideep: rank N lost ...; exiting` to stderr
-and exits the process with status 1 after a short grace period, during which guard_collective can
-raise RankLostError in the main thread so the traceback shows where the run stopped.
+Per rank, at any world size:
+- two ring links (parallel/ring.py): beats to the ring neighbours over plain TCP. A closed
+  connection, a refused connect or a vanished pid is evidence of death, acted on at once; silence
+  becomes a loss only after timeout_s.
+- every rank passes each loss it newly learns to its ring neighbours, so a verdict goes around the
+  ring both ways from the ranks that saw it, and a neighbour that exits over a loss is not blamed
+  for its EOF. One ring thread per rank does all of it: no store traffic in steady state.
+- a verdict log in the rendezvous store: keys verdict/1, verdict/2, ..., each JSON
+  {"by": rank, "lost": {rank: reason}}. A rank with evidence appends one entry (compare_set on the
+  first free index). The log is the order every rank agrees on; it is read on demand (a caller
+  whose collective failed reads it while waiting for a verdict: one hop, whatever the ring's
+  length), never polled.
+- the store's own process: with the store in rank 0, rank 0's ring neighbours see it die; with the
+  store in the torchrun agent, every rank holds an idle connection to it that closes if it dies.
 
-Why both: gloo raises within milliseconds when a peer's socket closes, but the error does not
-say which peer; NCCL does not raise at all, it waits. The heartbeat names the rank in both cases.
+No thread of the watchdog ever sits in a blocking call into torch: a daemon thread that returns
+from one while the interpreter is finalizing aborts the process.
+
+The reaction is on_lost(ranks, message); by default `wideep: rank N lost (...); exiting` on stderr
+and exit status 1 after a short grace, during which guard_collective turns the main thread's
+failed collective into RankLostError. A policy that keeps running (elastic EP) would act on
+verdicts() only, the agreed log, and re-form its groups without the lost ranks.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -21,7 +35,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable
 
-DONE = b"done"  # written by a rank that shuts down cleanly: its silence afterwards is not a loss
+from .ring import Ring
 
 
 class RankLostError(RuntimeError):
@@ -31,191 +45,277 @@ class RankLostError(RuntimeError):
         super().__init__(f"rank{'s' if len(ranks) > 1 else ''} {who} lost{f' ({detail})' if detail else ''}")
 
 
-class Watchdog:
-    """Heartbeat writer and checker for one rank.
+class CountingStore:
+    """A store client whose operations are counted into `counts` (shared, thread-safe): by kind, and
+    "keys" for the keys they touch (a multi_get of n keys is one operation and n keys)."""
 
-    store_factory() returns a fresh store client used only by this thread (its own connection, with a
-    short timeout, so a dead store fails fast instead of blocking the beat). store_addr (host, port),
-    when given, is probed with a plain TCP connect while the store is failing: every failed store
-    op logs a C++ stack trace, and a dead store would otherwise print one per beat.
+    OPS = ("set", "get", "add", "wait", "compare_set", "multi_get", "multi_set", "check", "delete_key")
+
+    def __init__(self, store, counts: dict[str, int], lock: threading.Lock):
+        self._store, self._counts, self._lock = store, counts, lock
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._store, name)
+        if name not in self.OPS:
+            return fn
+
+        def counted(*args, **kwargs):
+            keys = len(args[0]) if args and isinstance(args[0], (list, tuple)) else 1
+            with self._lock:
+                self._counts[name] = self._counts.get(name, 0) + 1
+                self._counts["keys"] = self._counts.get("keys", 0) + keys
+            return fn(*args, **kwargs)
+        return counted
+
+
+class Watchdog:
+    """Lost-rank detector for one rank.
+
+    store_factory() returns a client of the rendezvous store; it is called once, on first need, and
+    may return the process's own client (store clients are thread-safe, and a connection of its own
+    per rank would be a burst of W connects on one server at start-up). store_addr (host, port) is
+    where that store listens; store_host_rank the rank whose process serves it, None when the
+    launcher does. lost_after_s bounds how long a caller whose collective or store call just failed
+    waits for a verdict: a death shows at once, and a silent peer's timeout_s ran out before any
+    collective waiting on it timed out.
     """
 
-    def __init__(self, store_factory: Callable[[], Any], rank: int, world_size: int, heartbeat_s: float,
-                 lost_after_s: float, store_host_rank: int | None = 0,
-                 on_lost: Callable[[str], None] | None = None, store_addr: tuple[str, int] | None = None):
+    def __init__(self, store_factory: Callable[[], Any], rank: int, world_size: int, *, heartbeat_s: float,
+                 timeout_s: float, lost_after_s: float, store_host_rank: int | None = 0,
+                 on_lost: Callable[[list[int], str], None] | None = None,
+                 store_addr: tuple[str, int] | None = None, host: str = "127.0.0.1", advertise: str | None = None):
         self.rank, self.world_size = rank, world_size
-        self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
-        self.store_host_rank = store_host_rank      # None: the launcher hosts the store, not a rank
+        self.heartbeat_s, self.timeout_s, self.lost_after_s = heartbeat_s, timeout_s, lost_after_s
+        self.store_host_rank = store_host_rank
         self._store_factory, self._store_addr = store_factory, store_addr
-        self._on_lost = on_lost or _exit_process
-        self._peers = [r for r in range(world_size) if r != rank]
-        self._stop = threading.Event()
+        self._on_lost = on_lost or self._exit_on_loss
+        self._ops: dict[str, int] = {}
+        self._ops_lock = threading.Lock()
+        self._ring = Ring(rank, world_size, heartbeat_s, timeout_s, host, advertise)
         self._lock = threading.Lock()
-        self._beat = 0
-        now = time.monotonic()
-        self._last_seen = {r: (None, now) for r in self._peers}   # rank -> (value, when it last changed)
-        self._done: set[int] = set()
-        self._store_down_since: float | None = None
-        self._lost: dict[int, float] = {}                          # rank -> seconds without a beat
+        self._lost: dict[int, str] = {}             # rank -> reason, from any source
+        self._log: list[dict] = []                  # verdict log entries read, in log order
+        self._store = None                          # CountingStore, made on first use
+        self._client_lock = threading.Lock()
+        self._read_lock = threading.Lock()          # one reader of the verdict log at a time
+        self._lost_event = threading.Event()
+        self._stop = threading.Event()
+        self._acked = False
+        self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"wideep-watchdog-{rank}", daemon=True)
-        self._store = None
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    @staticmethod
-    def announce(store, rank: int) -> None:
-        """Write this rank's first beat and an empty loss report. Call before a barrier (the
-        process-group rendezvous), so that every peer's keys exist when the first check reads them."""
-        store.set(f"hb/{rank}", "0")
-        store.set(f"lost_by/{rank}", "")
-
     def start(self) -> "Watchdog":
-        self._store = self._store_factory()
-        self._write_beat()
-        self._thread.start()
+        """Publish this rank's ring address, connect to the successor (its address is waited for,
+        up to timeout_s), start the thread. Every rank calls it once all are known to be up (after
+        the process-group rendezvous). One store operation, two when this rank opens a link."""
+        store = self._client()
+        store.set(f"ring/{self.rank}", self._ring.record)
+        if self.store_host_rank is None and self._store_addr is not None:
+            self._ring.watch_store(self._store_addr)
+        self._thread.start()  # beating the predecessor already: waiting on the successor is not silence
+        if self._ring.opens:
+            try:
+                self._ring.set_successor(store.get(f"ring/{self._ring.succ}").decode())  # waits up to timeout_s
+            except Exception as e:
+                if "timeout" not in str(e).lower():
+                    raise
+                self._adopt({self._ring.succ: f"did not join the watchdog ring within {self.timeout_s:g} s, "
+                                              f"seen by rank {self.rank}"}, own=True)
         return self
 
     def stop(self, done: bool = True) -> None:
-        """Stop beating; with done=True tell the peers this rank left on purpose.
+        """Stop watching; with done=True tell the neighbours this rank leaves on purpose.
 
-        The rank hosting the store then waits (at most lost_after_s + 2 beats) for the peers to say
-        done too: its exit takes the store down, and a peer still finishing must have seen its
-        done marker by then, or it would report the host as lost."""
+        The rank hosting the store then waits (at most lost_after_s + 2 beats) for the others to
+        leave too: its exit takes the store down under any rank still using it."""
+        if self._stop.is_set():
+            return
+        if done:
+            # A neighbour not connected yet would find this rank gone without a goodbye: a loss.
+            deadline = time.monotonic() + self.lost_after_s
+            while not self._ring.settled() and self._thread.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self._ring.send_goodbye()
         self._stop.set()
+        self._ring.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.heartbeat_s + 5)
-        if not done or self._store is None:
+        if not done or self.store_host_rank is None or not self._store_up():
             return
         try:
-            self._store.set(f"hb/{self.rank}", DONE)
+            store = self._client()
             if self.rank == self.store_host_rank:
-                deadline = time.monotonic() + self.lost_after_s + 2 * self.heartbeat_s
-                keys = [f"hb/{r}" for r in self._peers if r not in self._lost]
-                while keys and time.monotonic() < deadline and any(v != DONE for v in self._store.multi_get(keys)):
-                    time.sleep(min(0.05, self.heartbeat_s))
-        except Exception:  # the store is gone already: nobody is left to tell
-            pass
+                self._wait_count(store, "left", self.world_size - 1 - len(self.lost_ranks()))
+            else:
+                store.add("left", 1)
+        except Exception:
+            pass  # the store went away meanwhile: nobody is left to tell
 
     # -- queries (any thread) ----------------------------------------------------------------------
     def lost_ranks(self) -> list[int]:
         with self._lock:
             return sorted(self._lost)
 
-    def wait_lost(self, timeout_s: float) -> list[int]:
-        """Poll until some rank is declared lost or timeout_s passes; [] if none."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            lost = self.lost_ranks()
-            if lost or time.monotonic() >= deadline or not self._thread.is_alive():
-                return lost
-            time.sleep(min(0.1, self.heartbeat_s))
+    def verdicts(self) -> list[dict]:
+        """The verdict log read to its end: the same sequence on every rank."""
+        self._read_log()
+        with self._lock:
+            return list(self._log)
 
-    def linger_for_peers(self) -> None:
-        """On the rank hosting the store: before exiting over a lost rank, wait (bounded) until every
-        surviving peer has reported the loss too, or has left. Exiting at once would take the store
-        down and leave the others unable to tell who was lost."""
-        if self.rank != self.store_host_rank or self._store is None:
-            return
-        deadline = time.monotonic() + self.lost_after_s + 2 * self.heartbeat_s
-        peers = [r for r in self._peers if r not in self.lost_ranks()]
-        try:
-            while peers and time.monotonic() < deadline:
-                reports = self._store.multi_get([f"lost_by/{r}" for r in peers])
-                beats = self._store.multi_get([f"hb/{r}" for r in peers])
-                peers = [r for r, rep, hb in zip(peers, reports, beats) if not rep and hb != DONE]
-                time.sleep(min(0.05, self.heartbeat_s))
-        except Exception:
-            pass
+    def wait_lost(self, timeout_s: float) -> list[int]:
+        """Block until some rank is declared lost or timeout_s passes; [] if none. Meanwhile the
+        verdict log is read once a beat (on a helper thread: a stalled store must not stretch the
+        wait), so a verdict arrives in one hop even from far along the ring."""
+        deadline = time.monotonic() + timeout_s
+        while not self._lost_event.wait(max(0.0, min(self.heartbeat_s, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                break
+            if not self._read_lock.locked():
+                threading.Thread(target=self._read_log, daemon=True).start()
+        return self.lost_ranks()
 
     def describe(self, ranks: list[int]) -> str:
         with self._lock:
-            return "; ".join(f"rank {r}: no heartbeat for {self._lost.get(r, 0.0):.1f} s" for r in ranks)
+            return "; ".join(f"rank {r}: {self._lost.get(r, 'lost')}" for r in ranks)
+
+    def stats(self) -> dict:
+        """Counters for benchmarks: store operations (total, by kind, keys touched), beats, uptime."""
+        with self._ops_lock:
+            ops = dict(self._ops)
+        keys = ops.pop("keys", 0)
+        links = self._ring.links.values()
+        return dict(store_ops=sum(ops.values()), store_keys=keys, store_ops_by_kind=ops,
+                    beats_sent=self._ring.beats_sent, beats_received=sum(l.beats_received for l in links),
+                    ring_links=len(links), uptime_s=time.monotonic() - self._started)
+
+    def linger_for_peers(self) -> None:
+        """On the rank hosting the store: before exiting over a loss, wait (bounded) until every
+        survivor acknowledged it, so the store outlives their reading of the log."""
+        if self.rank != self.store_host_rank:
+            return
+        try:
+            self._wait_count(self._client(), "acked", self.world_size - 1 - len(self.lost_ranks()))
+        except Exception:
+            pass
 
     # -- the thread --------------------------------------------------------------------------------
-    def _write_beat(self) -> None:
-        self._beat += 1
-        self._store.set(f"hb/{self.rank}", str(self._beat))
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                got = self._ring.poll(self._ring.next_beat_in())
+                if got.told:
+                    self._adopt(got.told, own=False)
+                if got.dead:
+                    self._adopt(got.dead, own=True)
+                if got.store_closed and not self._stop.is_set():
+                    # A launcher-hosted store is named as rank 0, on rank 0 too: every rank must react.
+                    self._adopt({0: "the rendezvous store hosted by the launcher closed its connection: the "
+                                    "launcher is gone"}, own=False, mine_too=True)
+        finally:
+            self._ring.flush(timeout_s=1.0)
+            self._ring.close()
 
-    def _store_back(self) -> bool:
+    # -- verdicts ----------------------------------------------------------------------------------
+    def _adopt(self, lost: dict[int, str], own: bool, mine_too: bool = False) -> None:
+        with self._lock:
+            new = {r: why for r, why in lost.items() if (mine_too or r != self.rank) and r not in self._lost}
+            if not new or self._stop.is_set():
+                return
+            self._ring.send_lost(new)   # first: a neighbour must never see this rank leave unexplained
+            self._lost.update(new)
+            for r in new:
+                self._ring.stop_watching(r)
+        self._lost_event.set()
+        if own:
+            threading.Thread(target=self._publish, args=(new,), daemon=True).start()
+        threading.Thread(target=self._react, args=(new,), daemon=True).start()
+
+    def _publish(self, new: dict[int, str]) -> None:
+        payload = json.dumps({"by": self.rank, "lost": {str(r): why for r, why in new.items()}}, sort_keys=True)
+        try:
+            if not self._store_up():
+                return        # the store is gone: the ring carries the verdict
+            store = self._client()
+            k = len(self._log) + 1
+            while store.compare_set(f"verdict/{k}", "", payload) != payload.encode():
+                k += 1
+        except Exception:
+            pass
+
+    def _read_log(self) -> None:
+        """Adopt the log's entries not read yet: one check (+ one get per new entry)."""
+        with self._read_lock:
+            try:
+                if not self._store_up():
+                    return
+                store = self._client()
+                while True:
+                    key = f"verdict/{len(self._log) + 1}"
+                    if not store.check([key]):
+                        return
+                    entry = json.loads(store.get(key))
+                    with self._lock:
+                        self._log.append(entry)
+                    self._adopt({int(r): why for r, why in entry["lost"].items()}, own=False)
+            except Exception:
+                pass  # the store is gone or slow: the ring still carries verdicts
+
+    def _react(self, new: dict[int, str]) -> None:
+        ranks = sorted(new)
+        msg = "; ".join(f"wideep: rank {r} lost ({new[r]})" for r in ranks)
+        host = self.store_host_rank
+        if not self._acked and host not in (None, self.rank) and host not in self._lost:
+            self._acked = True  # the host lingers for this; never wait on a store that may be gone
+            threading.Thread(target=self._ack, daemon=True).start()
+        self._on_lost(ranks, msg)
+
+    def _ack(self) -> None:
+        try:
+            if self._store_up():
+                self._client().add("acked", 1)
+        except Exception:
+            pass
+
+    def _exit_on_loss(self, ranks: list[int], msg: str) -> None:
+        print(f"{msg}; exiting (this is rank {self.rank})", file=sys.stderr, flush=True)
+        self._stop.wait(min(2.0, self.heartbeat_s))  # the main thread may raise RankLostError meanwhile
+        self.linger_for_peers()
+        if not self._stop.is_set():
+            sys.stderr.flush()
+            os._exit(1)  # a normal exit could block forever in a collective or a process-group destructor
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _client(self) -> CountingStore:
+        with self._client_lock:
+            if self._store is None:
+                self._store = CountingStore(self._store_factory(), self._ops, self._ops_lock)
+            return self._store
+
+    def _store_up(self) -> bool:
+        """A plain connect to the store's port: a store client's constructor would instead retry a
+        dead store for the whole timeout."""
         if self._store_addr is None:
             return True
         try:
-            socket.create_connection(self._store_addr, timeout=self.heartbeat_s).close()
+            socket.create_connection(self._store_addr, timeout=max(1.0, self.heartbeat_s)).close()
             return True
         except OSError:
             return False
 
-    def _check(self, now: float) -> dict[int, float]:
-        try:
-            if self._store_down_since is not None:
-                if not self._store_back():
-                    raise ConnectionError("store unreachable")
-                self._store = self._store_factory()
-            self._write_beat()
-            values = self._store.multi_get([f"hb/{r}" for r in self._peers]) if self._peers else []
-            reports = self._store.multi_get([f"lost_by/{r}" for r in self._peers]) if self._peers else []
-            self._store_down_since = None
-        except Exception:
-            if self._store_down_since is None:
-                self._store_down_since = now
-            down = now - self._store_down_since
-            if down <= self.lost_after_s or self.store_host_rank in self._done:
-                return {}  # a host that said done took its store with it on purpose
-            # The store lives in rank 0 (or the launcher agent); its rank is the one we name.
-            return {self.store_host_rank if self.store_host_rank is not None else 0: down}
-        lost = {}
-        for r, v in zip(self._peers, values):
-            if v == DONE:
-                self._done.add(r)
-                continue
-            old, since = self._last_seen[r]
-            if v != old:
-                self._last_seen[r] = (v, now)
-            elif now - since > self.lost_after_s and r not in self._done:
-                lost[r] = now - since
-        # A peer that already declared someone lost: adopt its verdict, so every survivor names the
-        # same rank even when its own view of that rank's beat is a little younger.
-        for rep in reports:
-            for x in (int(v) for v in rep.decode().split(",") if v) if rep else ():
-                if x != self.rank and x not in self._done:
-                    lost.setdefault(x, now - self._last_seen.get(x, (None, now))[1])
-        if lost:
-            try:
-                self._store.set(f"lost_by/{self.rank}", ",".join(str(r) for r in sorted(lost)))
-            except Exception:
-                pass
-        return lost
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            lost = self._check(time.monotonic())
-            if not lost or self._stop.is_set():
-                continue
-            with self._lock:
-                self._lost.update(lost)
-            msg = "; ".join(f"wideep: rank {r} lost (no heartbeat for {age:.1f} s)" for r, age in lost.items())
-            if self._store_down_since is not None:
-                host = "the launcher" if self.store_host_rank is None else f"rank {self.store_host_rank}"
-                msg += f" [the rendezvous store hosted by {host} is unreachable]"
-            # Give the main thread a moment to turn its failed collective into RankLostError, then go.
-            print(f"{msg}; exiting (this is rank {self.rank})", file=sys.stderr, flush=True)
-            self._stop.wait(min(2.0, self.heartbeat_s))
-            self.linger_for_peers()
-            if not self._stop.is_set():
-                self._on_lost(msg)
-            return
-
-
-def _exit_process(msg: str) -> None:
-    sys.stderr.flush()
-    os._exit(1)  # a normal exit could block forever in a collective or a process-group destructor
+    def _wait_count(self, store, key: str, want: int) -> None:
+        deadline = time.monotonic() + self.lost_after_s + 2 * self.heartbeat_s
+        while want > 0 and time.monotonic() < deadline and int(store.add(key, 0)) < want:
+            time.sleep(min(0.05, self.heartbeat_s))
 
 
 @contextmanager
 def guard_collective(ctx):
-    """Turn a collective's failure caused by a dead peer into RankLostError naming that peer.
+    """Turn a collective's failure caused by a lost peer into RankLostError naming that peer.
 
-    gloo raises as soon as a peer's socket closes, before the heartbeat is stale; wait up to the
-    loss threshold for the watchdog to say who it was. Other errors pass through unchanged.
+    gloo raises as soon as a peer's socket closes, and the watchdog sees the same close at once; a
+    collective that timed out waited on a peer whose silence has run out too. Wait up to
+    lost_after_s for the verdict; other errors pass through unchanged.
     """
     try:
         yield

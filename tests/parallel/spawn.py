@@ -8,10 +8,12 @@ it runs in a fresh interpreter with torchrun's variables set (RANK, WORLD_SIZE, 
 LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, MASTER_PORT=<free port>), GLOO_SOCKET_IFNAME=lo and one
 intra-op thread, and does its own bootstrap. spawn() returns each rank's (picklable) return value,
 or raises RanksFailed carrying every failed rank's traceback and stderr. launcher="mpirun" starts
-the ranks with `mpirun -n N` instead (no RANK variables; bootstrap goes through mpi4py).
+the ranks with `mpirun -n N` instead (no RANK variables; bootstrap goes through mpi4py);
+launcher="torchrun" with nnodes=K starts K torchrun launchers on this host, node i with
+`--nnodes K --node-rank i --nproc-per-node N/K` and one rendezvous endpoint (127.0.0.1), as on K nodes.
 
-On timeout every process started here is killed (by its pid / process group) and SpawnTimeout is
-raised with the output so far. run() gives the raw per-rank outcomes without raising on failures,
+On timeout every process started here is killed (by its pid / process group; ranks a launcher
+started, by the pid each rank wrote at start) and SpawnTimeout is raised with the output so far. run() gives the raw per-rank outcomes without raising on failures,
 for tests where ranks are expected to die.
 """
 from __future__ import annotations
@@ -35,6 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 _CHILD = r"""
 import importlib, os, pickle, sys, traceback
 rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or 0)
+with open(f"{sys.argv[2]}.pid.{rank}", "w") as f:
+    f.write(str(os.getpid()))
 try:
     import torch
     torch.set_num_threads(1)  # ranks share 2 cores: more threads make MKL hundreds of times slower
@@ -98,7 +102,7 @@ def _base_env(extra: dict | None) -> dict:
 
 
 def run(fn: Callable, nprocs: int, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float = 60.0,
-        env: dict | None = None, launcher: str = "env") -> list[RankOutcome]:
+        env: dict | None = None, launcher: str = "env", nnodes: int = 1) -> list[RankOutcome]:
     """Start nprocs ranks of fn(*args, **kwargs); wait for all to exit. Raises SpawnTimeout after
     killing them if they are not all done within timeout_s; otherwise returns every rank's outcome."""
     if fn.__module__ == "__main__" or "<locals>" in fn.__qualname__:
@@ -124,8 +128,19 @@ def run(fn: Callable, nprocs: int, args: tuple = (), kwargs: dict | None = None,
             if mpirun is None:
                 raise FileNotFoundError("mpirun is not on PATH (pip install mpich mpi4py)")
             procs.append(_popen([mpirun, "-n", str(nprocs)] + child, base, tmp / "out.all", tmp / "err.all"))
+        elif launcher == "torchrun":
+            if nprocs % nnodes:
+                raise ValueError(f"nnodes ({nnodes}) must divide nprocs ({nprocs})")
+            script = tmp / "child.py"
+            script.write_text(_CHILD)
+            port = free_port()
+            for node in range(nnodes):
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank",
+                       str(node), "--nproc-per-node", str(nprocs // nnodes), "--master-addr", "127.0.0.1",
+                       "--master-port", str(port), str(script), str(argfile), str(outprefix)]
+                procs.append(_popen(cmd, base, tmp / f"out.node{node}", tmp / f"err.node{node}"))
         else:
-            raise ValueError(f"launcher must be 'env' or 'mpirun', got {launcher!r}")
+            raise ValueError(f"launcher must be 'env', 'mpirun' or 'torchrun', got {launcher!r}")
 
         start = time.monotonic()
         exited: dict[int, float] = {}
@@ -137,19 +152,21 @@ def run(fn: Callable, nprocs: int, args: tuple = (), kwargs: dict | None = None,
                 for i, (p, _, _) in enumerate(procs):
                     if i not in exited:
                         _kill(p)
+                _kill_ranks(outprefix, nprocs)
                 outs = _collect(procs, outprefix, nprocs, exited, launcher)
                 raise SpawnTimeout(f"{nprocs} ranks of {fn.__qualname__} not done after {timeout_s} s; killed.\n"
                                    + _report(outs))
             time.sleep(0.05)
+        _kill_ranks(outprefix, nprocs)  # a launcher that exited may have left ranks behind
         return _collect(procs, outprefix, nprocs, exited, launcher)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def spawn(fn: Callable, nprocs: int, args: tuple = (), kwargs: dict | None = None, *, timeout_s: float = 60.0,
-          env: dict | None = None, launcher: str = "env") -> list[Any]:
+          env: dict | None = None, launcher: str = "env", nnodes: int = 1) -> list[Any]:
     """run(), then return the ranks' values in rank order, or raise RanksFailed naming each failure."""
-    outs = run(fn, nprocs, args, kwargs, timeout_s=timeout_s, env=env, launcher=launcher)
+    outs = run(fn, nprocs, args, kwargs, timeout_s=timeout_s, env=env, launcher=launcher, nnodes=nnodes)
     failed = [o for o in outs if not o.ok]
     if failed:
         raise RanksFailed(f"ranks {[o.rank for o in failed]} of {fn.__qualname__} failed:\n" + _report(failed))
@@ -172,11 +189,25 @@ def _kill(p: subprocess.Popen) -> None:
     p.wait()
 
 
+def _kill_ranks(outprefix: Path, nprocs: int) -> None:
+    """SIGKILL, by the pid it wrote, every rank process still alive (a launcher's ranks run in
+    sessions of their own, out of reach of a kill of the launcher's process group)."""
+    for r in range(nprocs):
+        try:
+            pid = int(Path(f"{outprefix}.pid.{r}").read_text())
+            # the pid may be reused once the rank is gone: only a process running our child script
+            if str(outprefix).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
+
+
 def _collect(procs, outprefix: Path, nprocs: int, exited: dict, launcher: str) -> list[RankOutcome]:
     texts = [(o.read_text(errors="replace"), e.read_text(errors="replace")) for _, o, e in procs]
     outs = []
+    per_launcher = nprocs // len(procs)
     for r in range(nprocs):
-        i = r if launcher == "env" else 0
+        i = r // per_launcher
         p = procs[i][0]
         o = RankOutcome(r, p.returncode if i in exited else None, stdout=texts[i][0], stderr=texts[i][1],
                         elapsed_s=exited.get(i, float("nan")))

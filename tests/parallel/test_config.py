@@ -106,3 +106,11 @@ def test_make_dispatcher_errors():
         make_dispatcher(ctx, 8, 4, "nccl")
     with pytest.raises(ValueError, match=r"num_physical_experts \(9\) is not divisible by ep_size \(2\)"):
         make_dispatcher(ParallelContext(world_size=2, ep_size=2), 9, 4, "torch")
+
+
+def test_every_parallel_key_is_a_run_config_key():
+    import dataclasses
+
+    from launch.run_config import validate
+    keys = {f.name: getattr(ParallelConfig(), f.name) for f in dataclasses.fields(ParallelConfig)}
+    assert validate({"model": {"path": "m"}, "parallel": keys})["parallel"]["ranks_per_node"] == 0

@@ -1,5 +1,5 @@
-"""`mpirun -n 2` (the mpich wheel's hydra, or Open MPI): bootstrap through mpi4py, then a dispatch
-round trip equal to the one-process result."""
+"""`mpirun -n 2` (the mpich wheel's hydra, or Open MPI): bootstrap through mpi4py (one host: one
+node), then a dispatch round trip equal to the one-process result."""
 from __future__ import annotations
 
 import shutil
@@ -21,7 +21,8 @@ def _mpi_rank() -> dict:
     got = d.dispatch(x, ids, w)
     out = d.combine(fake_experts(got.x, got.topk_ids, got.topk_weights, ctx.rank * (P // 2)), got.handle)
     torch.testing.assert_close(out, fake_experts(x, ids, w, 0), atol=1e-5, rtol=1e-5)
-    info = dict(rank=ctx.rank, world=ctx.world_size, local=(ctx.local_rank, ctx.local_world_size))
+    info = dict(rank=ctx.rank, world=ctx.world_size, local=(ctx.local_rank, ctx.local_world_size),
+                node=(ctx.node_rank, ctx.num_nodes))
     shutdown(ctx)
     return info
 
@@ -31,4 +32,4 @@ def _mpi_rank() -> dict:
 def test_mpirun_bootstrap_and_dispatch():
     pytest.importorskip("mpi4py")
     infos = spawn(_mpi_rank, 2, launcher="mpirun", timeout_s=90)
-    assert infos == [dict(rank=r, world=2, local=(r, 2)) for r in range(2)]
+    assert infos == [dict(rank=r, world=2, local=(r, 2), node=(0, 1)) for r in range(2)]  # one host: one node

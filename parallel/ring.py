@@ -1,0 +1,388 @@
+"""Heartbeat links between ring neighbours: how one rank tells a dead neighbour from a slow one.
+
+Rank r keeps one plain TCP connection to its successor (r+1) % W, which it opens, and one to its
+predecessor (r-1) % W, which it accepts: two sockets and two beats per heartbeat_s per rank at
+any world size, and no rendezvous-store traffic in steady state.
+
+Evidence of death, acted on at once:
+- the connection closes (EOF or reset) without a goodbye: the OS closes a process's sockets when
+  it dies, whatever killed it (SIGKILL, OOM killer, a segfault);
+- a connect to the neighbour's published port is refused: nothing listens there any more;
+- on the same host (same kernel and pid namespace), the neighbour's process is gone or a zombie:
+  covers a socket that outlives its process.
+Silence is slowness until it has lasted timeout_s: a rank stopped (SIGSTOP), starved of CPU or
+holding the GIL in a long call is not lost before that. Time this rank itself did not run (its
+own loop overslept) is not counted against its neighbours.
+
+Lines on a link: "h <rank> <world> <ident>" hello (opener first), "b" beat, "d" leaving on
+purpose, "l <json {rank: reason}>" these ranks are lost (every rank forwards what it newly learns,
+so a verdict also travels when the rendezvous store is gone).
+"""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+
+_LIVE: "weakref.WeakSet[Ring]" = weakref.WeakSet()
+
+
+def _close_inherited() -> None:
+    # A forked child (a dataloader or compile worker) would keep the ring sockets open after this
+    # process dies, and its neighbours would see no EOF; the child never speaks on them anyway.
+    for ring in list(_LIVE):
+        ring.close_fds_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_inherited)
+
+
+def process_ident() -> str:
+    """'<kernel boot id>/<pid namespace>/<pid>/<start time>': equal prefixes mean a pid seen here
+    names the same process there; the start time tells a reused pid apart. '' off Linux."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+        return f"{boot}/{ns}/{os.getpid()}/{_start_time(os.getpid())}"
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot), None if gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if rest[0] in ("Z", "X") else rest[19]
+
+
+def process_gone(ident: str, mine: str) -> bool:
+    """True only on evidence: the process ident names shares this host's pid space and is not
+    running (or its pid now belongs to another process)."""
+    if not ident or not mine or ident.rsplit("/", 2)[0] != mine.rsplit("/", 2)[0]:
+        return False
+    pid, start = ident.rsplit("/", 2)[1:]
+    return _start_time(int(pid)) != start
+
+
+@dataclass
+class Polled:
+    dead: dict[int, str] = field(default_factory=dict)   # neighbours with evidence or a timeout against them
+    told: dict[int, str] = field(default_factory=dict)   # losses a neighbour passed on
+    store_closed: bool = False                           # the store's process closed our connection
+
+
+@dataclass
+class Link:
+    rank: int
+    last_heard: float                 # monotonic time of the last line from it (or of our start)
+    sock: socket.socket | None = None
+    ident: str = ""
+    inbuf: bytes = b""
+    outbuf: bytearray = field(default_factory=bytearray)
+    watched: bool = True              # False once it said goodbye ("d") or was judged lost
+    eof_ok: bool = False              # its connection may close without blame: it said goodbye, or
+                                      # passed on a loss ("l") and exits over it (policy "exit")
+    beats_received: int = 0
+
+
+class Ring:
+    """One rank's links to its ring neighbours. poll() is called by one thread (the watchdog's);
+    send_lost/send_goodbye may be called from any thread."""
+
+    def __init__(self, rank: int, world_size: int, heartbeat_s: float, timeout_s: float, host: str = "127.0.0.1",
+                 advertise: str | None = None):
+        if world_size < 2:
+            raise ValueError(f"a ring needs at least 2 ranks, got world_size {world_size}")
+        self.rank, self.world_size, self.heartbeat_s, self.timeout_s = rank, world_size, heartbeat_s, timeout_s
+        self.ident = process_ident()
+        self.succ, self.pred = (rank + 1) % world_size, (rank - 1) % world_size
+        # With two ranks both neighbours are the same rank: one connection, opened by rank 0.
+        self.opens = not (world_size == 2 and rank == 1)
+        self.accepts = not (world_size == 2 and rank == 0)
+        now = time.monotonic()
+        self.links = {r: Link(r, now) for r in {self.succ, self.pred}}
+        self._succ_addr: tuple[str, int] | None = None
+        self._next_connect = 0.0
+        self._lock = threading.Lock()          # outbufs and sockets, shared with senders
+        self._sel = selectors.DefaultSelector()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.listener = socket.create_server((host, 0), family=family, backlog=8)
+        self.advertise = advertise or self.listener.getsockname()[0]
+        self.listener.setblocking(False)
+        self._sel.register(self.listener, selectors.EVENT_READ, "accept")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._hello_pending: dict[socket.socket, bytes] = {}
+        self._store_sock: socket.socket | None = None
+        self._last_beat = now
+        self.beats_sent = 0
+        self._closed = False
+        _LIVE.add(self)
+
+    @property
+    def record(self) -> str:
+        """What the neighbours need to reach and identify this rank ("host port ident")."""
+        return f"{self.advertise} {self.listener.getsockname()[1]} {self.ident}"
+
+    # -- connections -------------------------------------------------------------------------------
+    def set_successor(self, record: str) -> None:
+        """The successor's published record: the thread running poll() connects to it next."""
+        if not self.opens:
+            return
+        host, port, *ident = record.split(" ")
+        with self._lock:
+            self.links[self.succ].ident = ident[0] if ident else ""
+            self._succ_addr = (host, int(port))
+        self.wake()
+
+    def _try_connect(self, now: float) -> dict[int, str]:
+        link = self.links[self.succ]
+        self._next_connect = now + self.heartbeat_s
+        try:
+            sock = socket.create_connection(self._succ_addr, timeout=min(self.heartbeat_s, 2.0))
+        except ConnectionRefusedError:
+            return {self.succ: f"rank {self.rank} found its published port {self._succ_addr[1]} closed: "
+                               f"the process is gone"}
+        except OSError:  # unreachable or slow: silence, judged by the timeout
+            return {}
+        self._adopt_socket(link, sock, now)
+        self._send(link, f"h {self.rank} {self.world_size} {self.ident}\n".encode())
+        return {}
+
+    def _adopt_socket(self, link: Link, sock: socket.socket, now: float) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with self._lock:
+            link.sock, link.last_heard = sock, now
+        self._sel.register(sock, selectors.EVENT_READ, link)
+
+    def _accept(self, now: float) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        self._hello_pending[sock] = b""
+        self._sel.register(sock, selectors.EVENT_READ, "hello")
+
+    def _read_hello(self, sock: socket.socket, now: float, heard: dict) -> None:
+        try:
+            data = sock.recv(512)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        buf = self._hello_pending[sock] + data
+        if b"\n" not in buf and data and len(buf) < 512:
+            self._hello_pending[sock] = buf
+            return
+        del self._hello_pending[sock]
+        self._sel.unregister(sock)
+        line, _, rest = buf.partition(b"\n")
+        parts = line.decode(errors="replace").split(" ")
+        link = self.links[self.pred]
+        if (not self.accepts or len(parts) < 3 or parts[0] != "h" or parts[1] != str(self.pred)
+                or parts[2] != str(self.world_size) or link.sock is not None):
+            sock.close()  # not our predecessor (a stray or stale connection): ignore it
+            return
+        link.ident = parts[3] if len(parts) > 3 else ""
+        self._adopt_socket(link, sock, now)
+        if rest:
+            heard.update(self._receive(link, rest, now))
+
+    # -- sending -----------------------------------------------------------------------------------
+    def _send(self, link: Link, line: bytes) -> None:
+        with self._lock:
+            if link.sock is None:
+                return
+            link.outbuf += line
+            try:
+                sent = link.sock.send(link.outbuf)
+                del link.outbuf[:sent]
+            except BlockingIOError:
+                pass   # the peer is not reading (stopped): keep it, flush later
+            except OSError:
+                pass   # closed: poll() sees the EOF and judges it
+
+    def _send_all(self, line: bytes) -> None:
+        for link in self.links.values():
+            self._send(link, line)
+        self.wake()
+
+    def wake(self) -> None:
+        """Make a poll() in progress return now."""
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def send_lost(self, lost: dict[int, str]) -> None:
+        self._send_all(b"l " + json.dumps({str(r): why for r, why in lost.items()}).encode() + b"\n")
+
+    def send_goodbye(self) -> None:
+        self._send_all(b"d\n")
+
+    # -- the loop body -----------------------------------------------------------------------------
+    def poll(self, timeout: float) -> "Polled":
+        """Wait up to timeout for traffic, beat when due, and judge the neighbours."""
+        t0 = time.monotonic()
+        events = self._sel.select(timeout)
+        now = time.monotonic()
+        overslept = now - t0 - timeout
+        if overslept > self.heartbeat_s:  # we did not run: nobody's silence grew meanwhile
+            for link in self.links.values():
+                link.last_heard += overslept
+        out = Polled()
+        for key, _ in events:
+            if key.data == "accept":
+                self._accept(now)
+            elif key.data == "wake":
+                self._wake_r.recv(4096)
+            elif key.data == "hello":
+                self._read_hello(key.fileobj, now, out.told)
+            elif key.data == "store":
+                out.store_closed = self._read_store()
+            else:
+                self._read(key.data, now, out.dead, out.told)
+        succ = self.links[self.succ]
+        if self._succ_addr and succ.sock is None and succ.watched and now >= self._next_connect:
+            out.dead.update(self._try_connect(now))
+        if now - self._last_beat >= self.heartbeat_s:
+            self._last_beat = now
+            self._beat(now, out.dead)
+        return out
+
+    # -- the rendezvous store's process ------------------------------------------------------------
+    def watch_store(self, addr: tuple[str, int]) -> None:
+        """Hold an idle connection to the store's port: it closes when the process serving the
+        store dies (a launcher that is not one of the ranks)."""
+        sock = socket.create_connection(addr, timeout=10)
+        sock.setblocking(False)
+        self._store_sock = sock
+        self._sel.register(sock, selectors.EVENT_READ, "store")
+
+    def _read_store(self) -> bool:
+        try:
+            if self._store_sock.recv(4096):
+                return False      # the store never writes unasked; ignore anything it does
+        except BlockingIOError:
+            return False
+        except OSError:
+            pass
+        self._sel.unregister(self._store_sock)
+        self._store_sock.close()
+        self._store_sock = None
+        return True
+
+    def next_beat_in(self) -> float:
+        return max(0.0, self._last_beat + self.heartbeat_s - time.monotonic())
+
+    def _read(self, link: Link, now: float, dead: dict, heard: dict) -> None:
+        try:
+            data = link.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            heard.update(self._receive(link, data, now))
+            return
+        self._drop(link)
+        if link.watched and not link.eof_ok:
+            dead[link.rank] = (f"its connection to rank {self.rank} closed without a goodbye: "
+                               f"the process is gone")
+        link.watched = False
+
+    def _receive(self, link: Link, data: bytes, now: float) -> dict[int, str]:
+        link.last_heard = now
+        link.inbuf += data
+        *lines, link.inbuf = link.inbuf.split(b"\n")
+        heard = {}
+        for line in lines:
+            if line == b"b":
+                link.beats_received += 1
+            elif line == b"d":
+                link.watched, link.eof_ok = False, True
+            elif line.startswith(b"l "):
+                link.eof_ok = True
+                heard.update({int(r): why for r, why in json.loads(line[2:]).items()})
+        return heard
+
+    def _beat(self, now: float, dead: dict) -> None:
+        for link in self.links.values():
+            if link.sock is not None:
+                self._send(link, b"b\n")
+                self.beats_sent += 1
+            if not link.watched:
+                continue
+            silent = now - link.last_heard
+            if silent > 2 * self.heartbeat_s and process_gone(link.ident, self.ident):
+                dead[link.rank] = (f"rank {self.rank} found its process (pid {link.ident.rsplit('/', 2)[1]}) gone "
+                                   f"on their host")
+            elif silent > self.timeout_s:
+                dead[link.rank] = (f"no heartbeat for {silent:.1f} s (timeout {self.timeout_s:g} s), "
+                                   f"seen by rank {self.rank}")
+
+    def _drop(self, link: Link) -> None:
+        with self._lock:
+            if link.sock is None:
+                return
+            try:
+                self._sel.unregister(link.sock)
+            except (KeyError, ValueError):
+                pass
+            link.sock.close()
+            link.sock = None
+
+    def settled(self) -> bool:
+        """Every neighbour still watched is connected (and introduced): a goodbye reaches them all."""
+        return all(link.sock is not None for link in self.links.values() if link.watched)
+
+    def stop_watching(self, rank: int) -> None:
+        """A rank already judged lost: neither its silence nor its EOF is news any more."""
+        link = self.links.get(rank)
+        if link is not None:
+            link.watched, link.eof_ok = False, True
+
+    def flush(self, timeout_s: float) -> None:
+        """Best effort: push queued lines (a goodbye) out before closing."""
+        deadline = time.monotonic() + timeout_s
+        for link in self.links.values():
+            while link.outbuf and link.sock is not None and time.monotonic() < deadline:
+                self._send(link, b"")
+                time.sleep(0.005)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for link in self.links.values():
+            self._drop(link)
+        for sock in list(self._hello_pending) + [self._store_sock]:
+            if sock is not None:
+                sock.close()
+        self._hello_pending.clear()
+        self._sel.close()
+        for s in (self.listener, self._wake_r, self._wake_w):
+            s.close()
+        _LIVE.discard(self)
+
+    def close_fds_in_child(self) -> None:
+        for s in [l.sock for l in self.links.values()] + [self.listener, self._wake_r, self._wake_w, self._store_sock]:
+            if s is not None:
+                try:
+                    s.close()
+                except OSError:
+                    pass
