@@ -74,6 +74,16 @@ class DisaggEngine(Engine):
         self.prefill_blocks: tuple[int, int] | None = None   # (blocks, block_size) of the smallest prefill rank
         self._tid = 0
 
+    @property
+    def receiver(self) -> KVReceiver | None:
+        """This decode rank's KV receiver (None on prefill ranks)."""
+        return getattr(self.loop.hooks, "receiver", None)
+
+    @property
+    def prefills_in_flight(self) -> list[str]:
+        """Front: requests whose first token is not back yet (prefilling or in transfer)."""
+        return [rid for rid, st in self.front.requests.items() if not st.token_ids]
+
     # -- front --------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Validate against both pools, route, and send to both ranks. Errors change nothing."""

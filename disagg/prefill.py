@@ -51,11 +51,11 @@ class PrefillHooks(RankHooks):
     # -- admission ----------------------------------------------------------------------------------
     def handle(self, msg) -> bool:
         if isinstance(msg, NewRequest):
-            # The prefill computes the prompt and samples the first token; the decode rank applies the
-            # stop checks. So the sequence here never finishes on its own: this hook releases it.
-            params = dataclasses.replace(msg.params, ignore_eos=True, stop_token_ids=[], max_tokens=None)
-            seq = self.core.make_sequence(dataclasses.replace(msg, params=params, max_tokens=1))
-            seq.max_tokens, seq.eos_token_ids = 1 << 62, ()
+            # The prefill computes the prompt and samples the first token (max_tokens 1); it leaves
+            # the scheduler with its blocks held until the sends complete. The decode rank re-applies
+            # the first token's stop checks when it appends it.
+            seq = self.core.make_sequence(dataclasses.replace(msg, max_tokens=1))
+            seq.hold_blocks = True
             self._jobs[seq.request_id] = _Job(msg.extra["tid"], msg.extra["dst"])
             self.core.scheduler.add(seq)
             return True
@@ -119,14 +119,13 @@ class PrefillHooks(RankHooks):
         return on_layer
 
     def after_step(self, batch, advanced: list) -> list:
-        """Prefills that sampled their first token leave the scheduler (their blocks stay held until
-        the sends complete) and send the trailer. Nothing is reported to the front: the decode rank
-        reports the first token once the KV is there."""
+        """Prefills that sampled their first token have left the scheduler with their blocks held
+        (hold_blocks) until the sends complete; send the trailer. Nothing is reported to the front:
+        the decode rank reports the first token once the KV is there."""
         t0 = self._t0
         stats = self.core.stats()
         for s in advanced:
             job = self._jobs[s.request_id]
-            self.core.scheduler.release(s)
             self._sending[s.request_id] = s
             gen = s.generator.get_state() if s.generator is not None and s.params.seed is not None else None
             trailer = {"token": s.output_token_ids[0], "logprob": s.cumulative_logprob,

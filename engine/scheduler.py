@@ -133,7 +133,8 @@ class Scheduler:
     def apply(self, batch: ScheduledBatch, result: StepResult) -> list[Sequence]:
         """Advance every sequence of the batch by what the runner computed (nano-vllm's postprocess):
         tokens now in the cache, prompt logprobs, the sampled token (and its finish check); hash
-        the full blocks for the prefix cache; finished sequences leave and free their blocks.
+        the full blocks for the prefix cache; finished sequences leave and free their blocks (or,
+        with hold_blocks, leave with them held).
         -> the sequences that produced a token or finished."""
         advanced = []
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -147,7 +148,10 @@ class Scheduler:
                 advanced.append(s)
             self.blocks.register_computed(s)
             if s.finished:
-                self.finish(s)
+                if s.hold_blocks:
+                    self.release(s)
+                else:
+                    self.finish(s)
         return advanced
 
     def finish(self, seq: Sequence) -> None:

@@ -37,6 +37,8 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_reported: int = 0            # output tokens already reported to the front
+    hold_blocks: bool = False        # when it finishes, the scheduler releases it with its blocks held:
+    #                                  their owner frees them (a prefill whose KV is still being sent)
     extra_metrics: dict = field(default_factory=dict)   # per-request figures of other parts (disaggregation)
 
     @property

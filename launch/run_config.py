@@ -98,15 +98,17 @@ def validate(cfg: dict[str, Any], source: str = "run config", require_model: boo
     from engine.engine_config import EngineConfig
     sections = dict(cfg, model=dict(cfg.get("model", {})))
     sections["model"].setdefault("path", "<given on the command line>")
-    try:
-        EngineConfig.from_sections(sections, world_size=1)
-        ServerSection(**cfg.get("server", {}))
-        RunSection(**cfg.get("run", {}))
-        if "disagg" in cfg:
-            from disagg.config import DisaggConfig
-            DisaggConfig.from_dict(cfg["disagg"])
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{source}: {e}") from None
+    from disagg.config import DisaggConfig
+    parsers = [("", lambda: EngineConfig.from_sections(sections, world_size=1)),
+               ("[server] ", lambda: ServerSection(**cfg.get("server", {}))),
+               ("[run] ", lambda: RunSection(**cfg.get("run", {}))),
+               ("[disagg] ", lambda: DisaggConfig.from_dict(cfg["disagg"]) if "disagg" in cfg else None)]
+    for section, parse in parsers:
+        try:
+            parse()
+        except (ValueError, TypeError) as e:
+            msg = str(e)
+            raise ValueError(f"{source}: {'' if msg.startswith(section) else section}{msg}") from None
     return cfg
 
 

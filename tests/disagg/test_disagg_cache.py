@@ -29,6 +29,7 @@ def requests() -> list[dict]:
 def _rank(model_dir: str) -> dict | str:
     from attention_mla.kv_cache import LatentKVPool, gather_reference
     from disagg import make_engine
+    from engine.messages import NewRequest
     from engine.runner import ModelRunner
     from engine.scheduler import ScheduledBatch
     from parallel import StepPlan
@@ -79,13 +80,13 @@ def _rank(model_dir: str) -> dict | str:
     for r in reqs + [dict(id="dup", prompt=[5])]:
         n = len(r["prompt"])
         kv = LatentKVPool(len(core.kv.pools), -(-n // bs), bs, core.kv.latent_dim, core.model.dtype)
-        seq = core.make_sequence(r["id"], None, r["prompt"], greedy(1), 1)
+        seq = core.make_sequence(NewRequest(r["id"], r["prompt"], greedy(1), 1, 0.0))
         seq.block_ids = list(range(kv.num_blocks))
         ModelRunner(core.model, kv).execute(ScheduledBatch([seq], [n]), StepPlan(n))  # alone: a 1-rank pool
         mine = [gather_reference(p, seq.block_ids, n, bs) for p in kv.pools]
         diffs[r["id"]] = max((a - b).abs().max().item() for a, b in zip(received[r["id"]], mine))
         scale[r["id"]] = min(a.abs().max().item() for a in mine)
-    hits = eng._rank_stats and eng.metrics()["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"]
+    hits = eng.metrics()["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"]
     eng.shutdown()
     return {"got": got, "errors": errors, "reasons": reasons, "diffs": diffs, "scale": scale, "prefill_prefix_hits": hits,
             "free": core.blocks.num_free, "total": core.blocks.allocator.num_blocks}

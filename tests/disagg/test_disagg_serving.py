@@ -33,8 +33,9 @@ def _disagg_rank(model_dir: str) -> dict:
     seen = {"waiting_for_blocks": 0, "arrived_during_long": 0}
 
     def check(e):
-        seen["waiting_for_blocks"] += sum(s.get("kv_transfers_waiting_for_blocks", 0) for s in e._rank_stats)
-        if LONG in e._pcost and len(e._pcost) > 1:  # the long prefill is in flight alongside others
+        seen["waiting_for_blocks"] += sum(s.get("kv_transfers_waiting_for_blocks", 0) for s in e.front.rank_stats.values())
+        inflight = e.prefills_in_flight
+        if LONG in inflight and len(inflight) > 1:  # the long prefill is in flight alongside others
             seen["arrived_during_long"] += 1
     got = drive(eng, requests(), check)
     m = eng.metrics()
