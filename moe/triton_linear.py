@@ -10,9 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel.device import triton_interpreting
+
 from .fp8 import FP8_DTYPE
 from .tiles import MoETiles, pick_tiles
-from .triton_moe import ACT_DTYPES, _block_coords, _check, _dot, _interpreting, _out, _precision, _upcast
+from .triton_moe import ACT_DTYPES, _block_coords, _check, _dot, _out, _precision, _upcast
 
 
 @triton.jit
@@ -56,7 +58,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, b
            f"blocks, got {tuple(scale_inv.shape)} {scale_inv.dtype}")
     _check(len({x.device, weight.device, scale_inv.device}) == 1,
            f"x ({x.device}), weight ({weight.device}) and scale_inv ({scale_inv.device}) must share a device")
-    tiles = tiles or pick_tiles(M, 1, interpret=_interpreting(), quant_k=block[1], fp32=x.dtype == torch.float32)
+    tiles = tiles or pick_tiles(M, 1, interpret=triton_interpreting(), quant_k=block[1], fp32=x.dtype == torch.float32)
     _check(block[1] % tiles.block_k == 0, f"block_k ({tiles.block_k}) must divide the fp8 block along K ({block[1]})")
     out = _out(out, (M, N), x.dtype, x.device, "out")
     if M:
