@@ -6,9 +6,11 @@ redundant slots), start, 32 short requests, stop. Measured, mostly counted rathe
 - startup_s: launch -> every rank's engine ready (CPU work on shared cores: at best linear in N);
 - rss_mb: resident memory per rank, beside the parameter bytes it must hold (replicated + 1/ep experts);
 - control per step on a worker: synchronous collectives other than the model's own all-to-alls
-  (count and payload bytes) — the step sync's one fixed-size all-reduce;
+  (count and payload bytes) — the step sync's one fixed-size all-reduce, plus the two that end each
+  wave (the idle step, the END command), spread over the wave's steps;
 - store_ops_per_rank_s: rendezvous-store operations per rank per second while serving;
-- front_ms_per_step: the front's time handling reports per step; tok/s;
+- front_ms_per_step: the front's time turning reports into outputs, per step of the lockstep (its
+  waiting for reports excluded); tok/s;
 - slow_front_ratio: the workers' mean step time with the front slowed by 50 ms per step (a sleep
   after each Engine.step) over the same without.
 
@@ -84,6 +86,7 @@ def worker(model_dir: str, out_dir: str, requests: int, ranks_per_node: int) -> 
         counts["on"] = True
         t0 = time.time()
         front_s, front_steps, generated = 0.0, 0, 0
+        busy0 = eng.front.busy_s if eng.is_front else 0.0
         if eng.is_front:
             for i, p in enumerate(prompts):
                 eng.add_request(f"{phase}-{i}", p, sp)
@@ -107,7 +110,8 @@ def worker(model_dir: str, out_dir: str, requests: int, ranks_per_node: int) -> 
                       "sync_collectives_per_step": sum(v[0] for v in sync.values()) / steps,
                       "sync_bytes_per_step": sum(v[1] for v in sync.values()) / steps,
                       "sync_by_kind": sync, "store_ops": _store_ops(ctx) - store0,
-                      "front_ms_per_step": 1e3 * front_s / max(1, front_steps), "generated": generated}
+                      "front_ms_per_step": 1e3 * ((eng.front.busy_s - busy0) if eng.is_front else 0.0) / steps,
+                      "front_wait_ms_per_call": 1e3 * front_s / max(1, front_steps), "generated": generated}
     res["rss_mb"] = _rss_mb()
     with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
         json.dump(res, f)
@@ -160,6 +164,8 @@ def run(n: int, model_dir: str, requests: int, nodes: int, timeout_s: float) -> 
             "expert_param_mb": sum(r["param_bytes"]["experts"] for r in ranks) / n / 2**20,
             "control_collectives_per_step": max(w["fast"]["sync_collectives_per_step"] for w in workers),
             "control_bytes_per_step": max(w["fast"]["sync_bytes_per_step"] for w in workers),
+            "control_bytes_per_sync": max(w["fast"]["sync_bytes_per_step"] / max(w["fast"]["sync_collectives_per_step"], 1e-9)
+                                          for w in workers),
             "sync_by_kind": workers[-1]["fast"]["sync_by_kind"],
             "store_ops_per_rank_s": max(w["fast"]["store_ops"] / w["fast"]["seconds"] for w in workers),
             "front_ms_per_step": front["fast"]["front_ms_per_step"],
@@ -197,6 +203,7 @@ def main() -> None:
     summary = {"startup_s": per("startup_s"), "total_s": per("total_s"), "rss_mb": per("rss_mb"),
                "param_mb": per("param_mb"), "control_collectives_per_step": per("control_collectives_per_step", multi),
                "control_bytes_per_step": per("control_bytes_per_step", multi),
+               "control_bytes_per_sync": per("control_bytes_per_sync", multi),
                "store_ops_per_rank_s": per("store_ops_per_rank_s", multi), "front_ms_per_step": per("front_ms_per_step"),
                "tok_s": per("tok_s"), "slow_front_ratio_by_ranks": per("slow_front_ratio", multi),
                "slow_front_ratio": round(max((r["slow_front_ratio"] for r in multi.values()), default=float("nan")), 3),

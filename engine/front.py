@@ -52,6 +52,8 @@ class Front:
         self.generated = 0
         self.commands = 0
         self.errors: list[str] = []
+        self.busy_s = 0.0          # time spent turning reports into outputs (not waiting for them)
+        self.reports = 0
 
     # -- requests -----------------------------------------------------------------------------------
     def assign(self, domain: Domain, request_id: str, cost: int, until_first_token: bool = False) -> int:
@@ -104,6 +106,7 @@ class Front:
         return self.apply(self.channel.recv(timeout_s))
 
     def apply(self, reports: list[Report]) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         outs: list[RequestOutput] = []
         now = time.time()
         generated = 0
@@ -129,6 +132,8 @@ class Front:
                     self._finished(st)
         self.generated += generated
         self.tokens_log.append((time.monotonic(), generated))
+        self.reports += len(reports)
+        self.busy_s += time.perf_counter() - t0
         return outs
 
     def _finished(self, st: RequestState) -> None:
