@@ -64,13 +64,12 @@ class EngineCore:
         if pcfg.simulated_latency_us or pcfg.simulated_gbps:
             from parallel.comm_stream import SimulatedLink
             link = SimulatedLink(pcfg.simulated_latency_us, pcfg.simulated_gbps)
+        self.dispatch_options = dict(low_latency_max_tokens=pcfg.deepep_low_latency_max_tokens,
+                                     torch_low_latency_max_tokens=pcfg.torch_low_latency_max_tokens, link=link)
         self.model = load_model(cfg.model, parse_dtype(cfg.dtype), device, progress and ctx.rank == 0, ctx,
                                 pcfg.dispatch_backend, mcfg, num_redundant_experts=pcfg.num_redundant_experts,
                                 eplb=cfg.eplb, experts_backend=cfg.experts_backend,
-                                attention_backend=cfg.attention_backend,
-                                dispatch_options=dict(low_latency_max_tokens=pcfg.deepep_low_latency_max_tokens,
-                                                      torch_low_latency_max_tokens=pcfg.torch_low_latency_max_tokens,
-                                                      link=link))
+                                attention_backend=cfg.attention_backend, dispatch_options=self.dispatch_options)
         self.eplb = None
         if cfg.eplb.enabled and mcfg.moe is not None:
             from eplb.controller import EplbController
@@ -160,14 +159,27 @@ class EngineCore:
         return max_tokens
 
     def make_sequence(self, req: NewRequest) -> Sequence:
+        """A request's sequence on this rank. req.extra["resume"] (re-admitted after its rank was
+        lost): the tokens the front already had, their cumulative logprob and, for seeded sampling,
+        the generator's state after them — the sequence recomputes its KV and goes on from there."""
         params = req.params
         gen = None
         if not params.greedy:
             gen = (torch.Generator(device=self.model.device).manual_seed(params.seed)
                    if params.seed is not None else self._generator)
-        return Sequence(request_id=req.request_id, prompt=None, prompt_token_ids=list(req.ids), params=params,
-                        max_tokens=req.max_tokens, eos_token_ids=self.config.eos_token_ids, generator=gen,
-                        logprobs=[] if params.logprobs is not None else None, arrival_time=req.arrival)
+        seq = Sequence(request_id=req.request_id, prompt=None, prompt_token_ids=list(req.ids), params=params,
+                       max_tokens=req.max_tokens, eos_token_ids=self.config.eos_token_ids, generator=gen,
+                       logprobs=[] if params.logprobs is not None else None, arrival_time=req.arrival)
+        resume = req.extra.get("resume")
+        if resume:
+            done = list(resume["output_ids"])
+            seq.output_token_ids, seq.num_reported = done, len(done)
+            seq.cumulative_logprob = resume["cumulative_logprob"]
+            if seq.logprobs is not None:
+                seq.logprobs = [None] * len(done)   # the front has them; only later ones are reported
+            if resume.get("generator_state") is not None and gen is not None:
+                gen.set_state(torch.frombuffer(bytearray(resume["generator_state"]), dtype=torch.uint8))
+        return seq
 
     def add_request(self, req: NewRequest) -> Sequence:
         seq = self.make_sequence(req)
@@ -205,7 +217,7 @@ class EngineCore:
         """This rank's scheduler and cache state, plus cumulative MoE all-to-all bytes (this rank's
         sends, DBO's microbatch dispatchers included), DBO split steps and EPLB rebalances."""
         b = self.blocks
-        out = {"dp_rank": self.ctx.dp_rank, "running": len(self.scheduler.running),
+        out = {"dp_rank": self.ctx.origin_rank, "running": len(self.scheduler.running),
                "waiting": len(self.scheduler.waiting),
                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,

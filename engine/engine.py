@@ -43,8 +43,8 @@ class Engine:
         ctx is then this engine's own ranks (a pool), job_ctx the whole job (channels, the front on
         its rank 0), domains the job's lockstep groups in global ranks (default: one, every rank)."""
         self.core = EngineCore.from_options(model, ctx=ctx, progress=progress, **options)
-        self.ctx = self.core.ctx
-        job = self._job = job_ctx if job_ctx is not None else self.ctx
+        self._job_ctx = job_ctx          # None: the engine's own (core.ctx, which a loss may re-form)
+        job = self._job
         domains = domains or [Domain(list(range(job.world_size)))]
         if job.is_single:
             front_end, rank_end = local_pair()
@@ -60,8 +60,16 @@ class Engine:
         self._closed = False
 
     @property
+    def ctx(self):
+        return self.core.ctx
+
+    @property
+    def _job(self):
+        return self._job_ctx if self._job_ctx is not None else self.core.ctx
+
+    @property
     def is_front(self) -> bool:
-        return self._job.rank == 0
+        return self._job.origin_rank == 0
 
     @property
     def job_ctx(self):
@@ -180,7 +188,7 @@ class Engine:
         if self._closed:
             raise EngineDeadError("engine is shut down")
         self._raise_thread_error()
-        lost = self._job.lost_ranks()
+        lost = self._job.lost_ranks() if self._job.on_rank_loss != "continue" else []  # else: the loop re-forms
         if lost:
             wd = self.ctx.watchdog
             raise RankLostError(lost, wd.describe(lost) if wd is not None else "")

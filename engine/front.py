@@ -54,6 +54,9 @@ class Front:
         self.errors: list[str] = []
         self.busy_s = 0.0          # time spent turning reports into outputs (not waiting for them)
         self.reports = 0
+        self.lost: set[int] = set()       # ranks lost and survived (on_rank_loss = "continue")
+        self.recoveries: list[dict] = []  # one per re-forming: who was lost, how long it took
+        self.readmitted = 0
 
     # -- requests -----------------------------------------------------------------------------------
     def assign(self, domain: Domain, request_id: str, cost: int, until_first_token: bool = False) -> int:
@@ -111,6 +114,10 @@ class Front:
         now = time.time()
         generated = 0
         for rep in reports:
+            if rep.rank in self.lost:
+                continue   # sent before it died: its requests were re-admitted from what we had
+            if rep.recovered is not None:
+                self._recovered(rep.recovered)
             self._waves(rep)
             if rep.stats is not None:
                 self.rank_stats[rep.rank] = rep.stats
@@ -135,6 +142,45 @@ class Front:
         self.reports += len(reports)
         self.busy_s += time.perf_counter() - t0
         return outs
+
+    def _recovered(self, rec: dict) -> None:
+        """The ranks re-formed without rec["lost"] (every survivor reports it; act once per epoch):
+        take the lost ranks out of their domains and re-admit their requests on the survivors, from
+        the prompt, the tokens received so far and (seeded sampling) the generator state."""
+        seen = next((r for r in self.recoveries if r["epoch"] == rec["epoch"]), None)
+        if seen is not None:   # another survivor's figures for the same re-forming: add them up
+            seen["recovery_s"] = max(seen["recovery_s"], rec.get("recovery_s", 0.0))
+            for key in ("expert_bytes_peer", "expert_bytes_checkpoint"):
+                seen[key] = seen.get(key, 0) + rec.get(key, 0)
+            return
+        if any(r["epoch"] > rec["epoch"] for r in self.recoveries):
+            return
+        self.recoveries.append(dict(rec))
+        lost = set(rec["lost"]) - self.lost
+        self.lost |= lost
+        for d in self.domains:
+            d.ranks = [r for r in d.ranks if r not in lost]
+            for r in lost:
+                d.load.pop(r, None)
+            d.running = True   # the survivors step at once after re-forming
+        for r in lost:
+            self.domain_of.pop(r, None)
+            self.rank_stats.pop(r, None)
+        for rid, st in list(self.requests.items()):
+            if st.dp_rank in lost:
+                self._readmit(st)
+
+    def _readmit(self, st: RequestState) -> None:
+        bookings = self.cost.pop(st.request_id, [])
+        domain = next((b[0] for b in bookings if not b[3]), self.domains[0])
+        cost = len(st.prompt_token_ids) + st.max_tokens
+        st.dp_rank = self.assign(domain, st.request_id, cost)
+        st.readmitted += 1
+        self.readmitted += 1
+        resume = {"output_ids": list(st.token_ids), "cumulative_logprob": st.cumulative_logprob,
+                  "generator_state": st.generator_state}
+        self.send(st.dp_rank, NewRequest(st.request_id, list(st.prompt_token_ids), st.params, st.max_tokens,
+                                         st.arrival_time, extra={"resume": resume}))
 
     def _finished(self, st: RequestState) -> None:
         del self.requests[st.request_id]
@@ -171,4 +217,9 @@ class Front:
                 "prefix_cache_hit_rate": total("prefix_hit_tokens") / q if q else 0.0,
                 "preemptions": total("preemptions"), "generation_tokens_total": self.generated,
                 "tokens_per_s": recent / span if span > 0 else 0.0,
-                "per_rank": st, "finished_requests": list(self.finished)}
+                "per_rank": st, "finished_requests": list(self.finished),
+                "rank_losses": len(self.lost), "recoveries": list(self.recoveries),
+                "requests_readmitted": self.readmitted,
+                "recovery_s_last": self.recoveries[-1]["recovery_s"] if self.recoveries else 0.0,
+                "expert_bytes_refetched_peer": sum(r.get("expert_bytes_peer", 0) for r in self.recoveries),
+                "expert_bytes_refetched_checkpoint": sum(r.get("expert_bytes_checkpoint", 0) for r in self.recoveries)}

@@ -57,6 +57,8 @@ class Delta:
     queue_s: float | None = None              # on the rank: received -> first scheduled (first delta)
     num_preemptions: int = 0
     metrics: dict | None = None               # extra per-request figures (disaggregation)
+    generator_state: bytes | None = None      # seeded sampling: the generator after these tokens, so
+    #                                           the request can resume on another rank after a loss
 
 
 @dataclass
@@ -68,3 +70,4 @@ class Report:
     idle_wave: int | None = None              # the domain went idle; its next wave is this
     start_wave: int | None = None             # a request came for a finished wave: start this one
     error: str | None = None                  # the rank's loop failed (the text of the exception)
+    recovered: dict | None = None             # the ranks re-formed after a loss (engine/elastic.py)

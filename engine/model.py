@@ -46,6 +46,21 @@ def _skip_init():
             setattr(nn.init, n, f)
 
 
+def expert_targets(experts, layer: int, expert: int, slot: int) -> dict[str, torch.Tensor]:
+    """Checkpoint names of logical `expert` of decoder layer `layer` -> views into local `slot` of
+    `experts` (moe.experts.Experts): gate rows then up rows of w13, w2, and the fp8 block scales."""
+    I = experts.intermediate
+    pre = f"model.layers.{layer}.mlp.experts.{expert}."
+    out = {pre + "gate_proj.weight": experts.w13.data[slot, :I], pre + "up_proj.weight": experts.w13.data[slot, I:],
+           pre + "down_proj.weight": experts.w2.data[slot]}
+    if experts.fp8_block is not None:  # gate's scale rows, then up's (moe/fp8.py layout)
+        rows = -(-I // experts.fp8_block[0])
+        out |= {pre + "gate_proj.weight_scale_inv": experts.w13_scale_inv.data[slot, :rows],
+                pre + "up_proj.weight_scale_inv": experts.w13_scale_inv.data[slot, rows:],
+                pre + "down_proj.weight_scale_inv": experts.w2_scale_inv.data[slot]}
+    return out
+
+
 def _materialize(module: nn.Module, device) -> None:
     """Give every meta parameter and buffer uninitialised storage on `device` (Module.to_empty, but
     through torch.empty with the shape: empty_like on meta imports sympy, ~0.7 s per process)."""
@@ -154,23 +169,13 @@ class DeepseekModel(nn.Module):
         for name, p in self.named_parameters():
             if ".mlp.experts.w" not in name:
                 targets[name] = p.data
-        I = self.cfg.moe.moe_intermediate_size if self.cfg.moe else 0
         for i, layer in enumerate(self.model.layers):
             if not layer.is_moe:
                 continue
-            ex = layer.mlp.experts
             for slot, e in enumerate(layer.mlp.local_phy2log):
-                pre = f"model.layers.{i}.mlp.experts.{e}."
-                if pre + "down_proj.weight" in targets:
+                if f"model.layers.{i}.mlp.experts.{e}.down_proj.weight" in targets:
                     continue  # a second local replica: copy_local_replicas() fills it after loading
-                targets[pre + "gate_proj.weight"] = ex.w13.data[slot, :I]
-                targets[pre + "up_proj.weight"] = ex.w13.data[slot, I:]
-                targets[pre + "down_proj.weight"] = ex.w2.data[slot]
-                if ex.fp8_block is not None:  # gate's scale rows, then up's (moe/fp8.py layout)
-                    rows = -(-I // ex.fp8_block[0])
-                    targets[pre + "gate_proj.weight_scale_inv"] = ex.w13_scale_inv.data[slot, :rows]
-                    targets[pre + "up_proj.weight_scale_inv"] = ex.w13_scale_inv.data[slot, rows:]
-                    targets[pre + "down_proj.weight_scale_inv"] = ex.w2_scale_inv.data[slot]
+                targets.update(expert_targets(layer.mlp.experts, i, e, slot))
         return targets
 
     def moe_layers(self) -> list[MoELayer]:

@@ -35,6 +35,8 @@ class RequestState:
     queue_s: float | None = None
     num_preemptions: int = 0
     extra_metrics: dict = field(default_factory=dict)   # e.g. disaggregation's transfer figures
+    generator_state: bytes | None = None                # seeded sampling: after the last token received
+    readmitted: int = 0                                 # times re-admitted after its rank was lost
     num_sent: int = 0          # tokens already reported (delta outputs)
     text: str = ""             # output text decoded so far
     text_sent: int = 0         # characters already reported (delta outputs)
@@ -65,6 +67,8 @@ class RequestState:
         self.num_preemptions = max(self.num_preemptions, d.num_preemptions)
         if d.metrics:
             self.extra_metrics.update(d.metrics)
+        if d.generator_state is not None:
+            self.generator_state = d.generator_state
         if d.finish_reason is not None and self.finish_reason is None:
             self.finish_reason, self.finish_time = d.finish_reason, now
         return bool(d.token_ids) or d.finish_reason is not None
@@ -82,7 +86,7 @@ class RequestState:
             tpot = (self.finish_time - self.first_token_time) / (n - 1)
         return {"ttft_s": ttft, "tpot_s": tpot, "queue_s": self.queue_s, "finish_reason": self.finish_reason,
                 "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n,
-                "preemptions": self.num_preemptions, **self.extra_metrics}
+                "preemptions": self.num_preemptions, "readmitted": self.readmitted, **self.extra_metrics}
 
     def output(self, tokenizer, delta: bool = False) -> RequestOutput:
         """Cumulative (vLLM's default) or only what was not reported before (streaming)."""

@@ -64,7 +64,6 @@ class RankLoop:
         self.core, self.channel, self.rank, self.leader = core, channel, rank, leader
         self.hooks = hooks or RankHooks()
         self.stats_interval_s, self.idle_sleep_s, self.poll_s = stats_interval_s, idle_sleep_s, poll_s
-        self.ctx = core.ctx
         self.wave, self.running, self.woken_for = 0, False, -1
         self.command, self.command_seq, self.done_seq = 0, 0, 0     # pending command, its number, last obeyed
         self._deltas: list[Delta] = []
@@ -74,21 +73,42 @@ class RankLoop:
         self.steps = 0
         self.on_step = None          # on_step(seconds): each step that ran, schedule to report (benchmarks)
 
+    @property
+    def ctx(self):
+        return self.core.ctx   # re-formed after a loss (on_rank_loss = "continue")
+
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> str:
-        """Until a command ends the loop: -> "end" | "shutdown"."""
+        """Until a command ends the loop: -> "end" | "shutdown". With on_rank_loss = "continue" a
+        lost rank is survived: the ranks re-form and the loop goes on."""
         while True:
-            blocking = not self.running
-            msgs = self.channel.recv(self.poll_s if blocking else 0)
-            if blocking and not msgs:
-                self._check_lost()
-                continue
-            for m in msgs:
-                self._handle(m)
-            if self.running:
-                done = self.step()
+            lost = False
+            try:
+                done = self._iterate()
                 if done:
                     return done
+            except RankLostError:
+                if self.ctx.on_rank_loss != "continue":
+                    raise
+                lost = True   # recover outside the handler: the exception's frames hold the old groups
+            if lost:
+                self._recover()
+
+    def _iterate(self) -> str | None:
+        blocking = not self.running
+        msgs = self.channel.recv(self.poll_s if blocking else 0)
+        if blocking and not msgs:
+            self._check_lost()
+            return None
+        for m in msgs:
+            self._handle(m)
+        return self.step() if self.running else None
+
+    def _recover(self) -> None:
+        from .elastic import recover
+        stats = recover(self.core)
+        self.running = True   # one sync tells whether the survivors have work
+        self._report(force=True, recovered=stats)
 
     def pending(self) -> bool:
         """One process: is there anything for run_once to do?"""
@@ -108,6 +128,8 @@ class RankLoop:
         "shutdown" when a command ended the loop this step, else None."""
         core, sched = self.core, self.core.scheduler
         t_step = time.perf_counter()
+        if self.ctx.on_rank_loss == "continue":
+            self._check_lost()
         self._deltas += self.hooks.before_schedule()
         has_work = sched.has_work() or self.hooks.has_pending()
         batch = sched.schedule() if sched.has_work() else None
@@ -193,13 +215,13 @@ class RankLoop:
         self._report(force=True, idle=True)
 
     # -- reports --------------------------------------------------------------------------------------
-    def _report(self, force: bool = False, idle: bool = False) -> None:
+    def _report(self, force: bool = False, idle: bool = False, recovered: dict | None = None) -> None:
         now = time.monotonic()
         stale = now - self._last_stats >= self.stats_interval_s
         if not (self._deltas or force or stale or self._start_wave is not None):
             return
-        rep = Report(self.rank, self._deltas, generated=self._generated,
-                     start_wave=self._start_wave, idle_wave=self.wave if idle and self.leader else None)
+        rep = Report(self.rank, self._deltas, generated=self._generated, start_wave=self._start_wave,
+                     idle_wave=self.wave if idle and self.leader else None, recovered=recovered)
         if stale or force or self._deltas:
             rep.stats = dict(self.core.stats(), **self.hooks.stats())
             self._last_stats = now
@@ -220,11 +242,14 @@ def delta_of(s) -> Delta:
     n = s.num_reported
     s.num_reported = len(s.output_token_ids)
     first = n == 0 and bool(s.output_token_ids)
+    gen = None
+    if s.generator is not None and s.params.seed is not None and len(s.output_token_ids) > n:
+        gen = bytes(s.generator.get_state().numpy())   # SYNC: host state only (a CPU generator)
     return Delta(s.request_id, s.output_token_ids[n:], s.logprobs[n:] if s.logprobs is not None else None,
                  s.cumulative_logprob, s.finish_reason,
                  prompt_logprobs=s.prompt_logprobs if first else None,
                  queue_s=(s.first_scheduled_time - s.arrival_time) if first and s.first_scheduled_time else None,
-                 num_preemptions=s.num_preemptions, metrics=s.extra_metrics or None)
+                 num_preemptions=s.num_preemptions, metrics=s.extra_metrics or None, generator_state=gen)
 
 
 __all__ = ["RankLoop", "RankHooks", "delta_of", "END", "SHUTDOWN"]

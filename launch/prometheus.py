@@ -25,6 +25,15 @@ _SCALARS = [
      "Transfers waiting for free KV blocks on their decode rank (back-pressure)."),
     ("wideep_prefill_prompt_tokens_in_flight", "prefill_prompt_tokens_in_flight", "gauge",
      "Prompt tokens sent to the prefill pool whose first token is not back yet."),
+    # surviving lost ranks (on_rank_loss = "continue")
+    ("wideep_rank_losses_total", "rank_losses", "counter", "Ranks lost and survived (the ranks re-formed)."),
+    ("wideep_requests_readmitted_total", "requests_readmitted", "counter",
+     "Requests of lost ranks re-admitted on survivors."),
+    ("wideep_recovery_seconds_last", "recovery_s_last", "gauge", "Loss noticed -> serving again, last re-forming."),
+    ("wideep_expert_bytes_refetched_peer_total", "expert_bytes_refetched_peer", "counter",
+     "Expert weight bytes copied from surviving peers after losses."),
+    ("wideep_expert_bytes_refetched_checkpoint_total", "expert_bytes_refetched_checkpoint", "counter",
+     "Expert weight bytes read back from the checkpoint after losses."),
 ]
 _PER_RANK = [   # (name, key in a rank's stats, type, help); absent keys are skipped
     ("wideep_rank_requests_running", "running", "gauge", "Running requests on one DP rank."),

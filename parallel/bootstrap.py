@@ -21,6 +21,7 @@ import ipaddress
 import json
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
@@ -189,19 +190,30 @@ def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | Non
         return dist.PrefixStore(prefix, store)
 
     bind, advertise = _ring_address(addr, launch.topology.num_nodes > 1)
+    on_lost = _keep_running if cfg.on_rank_loss == "continue" else None
     watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, heartbeat_s=cfg.heartbeat_s,
                         timeout_s=cfg.timeout_s, lost_after_s=cfg.lost_after_s,
                         store_host_rank=None if launch.agent_store else 0, store_addr=(addr, port),
-                        host=bind, advertise=advertise).start()
+                        host=bind, advertise=advertise, on_lost=on_lost).start()
     # Attention TP = 1: every rank is its own DP rank, and the one EP group is the world.
     ctx = ParallelContext(
         rank=launch.rank, world_size=launch.world_size, local_rank=topo.local_rank,
         local_world_size=topo.ranks_per_node, node_rank=topo.node_rank, num_nodes=topo.num_nodes,
         device=device, backend=backend, dp_rank=launch.rank, dp_size=cfg.dp_size, ep_rank=launch.rank,
         ep_size=cfg.ep_size, ep_group=world, cpu_group=cpu_group, node_group=node_group, store=store,
-        timeout_s=cfg.timeout_s, launcher=launch.kind, watchdog=watchdog)
+        timeout_s=cfg.timeout_s, launcher=launch.kind, watchdog=watchdog, on_rank_loss=cfg.on_rank_loss)
     check_agreement(ctx, json.dumps(cfg.to_dict(), sort_keys=True), "parallel config")
     return ctx
+
+
+def _keep_running(ranks: list[int], msg: str) -> None:
+    """on_rank_loss = "continue": the survivors re-form (parallel/elastic.py) when their step loop
+    notices; only the front's loss ends the job (rank 0 holds the requests and the store)."""
+    if 0 in ranks:
+        print(f"{msg}; the front is lost: exiting", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(1)
+    print(f"{msg}; the survivors re-form (on_rank_loss = continue)", file=sys.stderr, flush=True)
 
 
 def _ring_address(store_addr: str, several_hosts: bool) -> tuple[str, str | None]:

@@ -26,6 +26,8 @@ class ParallelConfig:
     timeout_s: float = 60.0            # collectives, rendezvous; a silent rank is lost after this long
     heartbeat_s: float = 1.0           # watchdog beat period between ring neighbours
     ranks_per_node: int = 0            # 0 = from the launcher; > 0 simulates nodes of this many ranks
+    on_rank_loss: str = "exit"         # "exit": every survivor exits naming the lost rank; "continue":
+    #                                    the survivors re-form and serve on (parallel/elastic.py)
     deepep_low_latency_max_tokens: int = 128  # decode batches up to this use DeepEP low-latency mode
     torch_low_latency_max_tokens: int = 64    # steps up to this many tokens per rank: padded one-message
                                               # torch all-to-all, no count exchange (0 = never)
@@ -45,6 +47,8 @@ class ParallelConfig:
             raise ValueError(f"ranks_per_node must be an integer >= 0 (0 = from the launcher), got {self.ranks_per_node!r}")
         if not isinstance(self.num_redundant_experts, int) or self.num_redundant_experts < 0:
             raise ValueError(f"num_redundant_experts must be an integer >= 0, got {self.num_redundant_experts!r}")
+        if self.on_rank_loss not in ("exit", "continue"):
+            raise ValueError(f"on_rank_loss must be \"exit\" or \"continue\", got {self.on_rank_loss!r}")
         if not self.timeout_s > 0 or not self.heartbeat_s > 0:
             raise ValueError(f"timeout_s ({self.timeout_s}) and heartbeat_s ({self.heartbeat_s}) must be > 0")
         # A failure that surfaced in a collective must become a verdict (lost_after_s) and be acted on

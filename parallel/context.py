@@ -35,6 +35,17 @@ class ParallelContext:
     timeout_s: float = 60.0
     launcher: str = "single"           # "torchrun" (or any RANK/WORLD_SIZE env) | "mpirun" | "single"
     watchdog: "Watchdog | None" = None
+    # after a loss (parallel/elastic.py): the survivors' ranks at start-up, in rank order (None: the
+    # identity), how many times the ranks re-formed, and how long the last re-forming took
+    members: tuple[int, ...] | None = None
+    epoch: int = 0
+    recovery_s: float = 0.0
+    on_rank_loss: str = "exit"
+
+    @property
+    def origin_rank(self) -> int:
+        """This rank's rank at start-up (how the control channel addresses it, whatever re-forming did)."""
+        return self.members[self.rank] if self.members is not None else self.rank
 
     @property
     def is_single(self) -> bool:

@@ -88,7 +88,9 @@ class Watchdog:
         self.heartbeat_s, self.timeout_s, self.lost_after_s = heartbeat_s, timeout_s, lost_after_s
         self.store_host_rank = store_host_rank
         self._store_factory, self._store_addr = store_factory, store_addr
+        self.exits_on_loss = on_lost is None      # the default reaction: name the loss and exit
         self._on_lost = on_lost or self._exit_on_loss
+        self.host, self.advertise = host, advertise
         self._ops: dict[str, int] = {}
         self._ops_lock = threading.Lock()
         self._ring = Ring(rank, world_size, heartbeat_s, timeout_s, host, advertise)
@@ -124,11 +126,20 @@ class Watchdog:
                                               f"seen by rank {self.rank}"}, own=True)
         return self
 
-    def stop(self, done: bool = True) -> None:
+    @property
+    def on_lost(self):
+        return self._on_lost
+
+    @property
+    def store_addr(self):
+        return self._store_addr
+
+    def stop(self, done: bool = True, linger: bool = True) -> None:
         """Stop watching; with done=True tell the neighbours this rank leaves on purpose.
 
         The rank hosting the store then waits (at most lost_after_s + 2 beats) for the others to
-        leave too: its exit takes the store down under any rank still using it."""
+        leave too: its exit takes the store down under any rank still using it. linger=False: the
+        process goes on (the store with it), e.g. to re-form the ranks after a loss."""
         if self._stop.is_set():
             return
         if done:
@@ -141,7 +152,7 @@ class Watchdog:
         self._ring.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.heartbeat_s + 5)
-        if not done or self.store_host_rank is None or not self._store_up():
+        if not done or not linger or self.store_host_rank is None or not self._store_up():
             return
         try:
             store = self._client()
@@ -325,6 +336,7 @@ def guard_collective(ctx):
             raise
         lost = wd.wait_lost(wd.lost_after_s + 2 * wd.heartbeat_s)
         if lost:
-            wd.linger_for_peers()
+            if wd.exits_on_loss:
+                wd.linger_for_peers()
             raise RankLostError(lost, wd.describe(lost)) from e
         raise

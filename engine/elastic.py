@@ -1,0 +1,204 @@
+"""One rank's part of surviving a lost rank (`[parallel] on_rank_loss = "continue"`).
+
+    stats = recover(core)      # every survivor, from its step loop, outside any exception handler
+
+1. Drop every reference to the old process groups (dispatchers, DBO's groups, the step sync, EPLB),
+   then re-form the ranks over the survivors (parallel/elastic.py: agreement, new groups, renumbering).
+2. Re-plan the experts over the survivors (eplb/survivors.py: every logical expert keeps a replica,
+   what a survivor holds stays) and fill the new slots: a local copy, else a peer copy from a
+   surviving holder (point-to-point over the new group), else the checkpoint files, which every
+   rank can read. If an expert can be had from nowhere, every survivor raises the same error.
+3. Rebuild what depends on the layout: expert shards and weights, the placement and its replica
+   maps, the dispatcher (and DBO's microbatch dispatchers), the step sync, the EPLB controller.
+
+Requests on the survivors keep going where they were (their KV is untouched); the front re-admits
+the lost rank's requests (engine/front.py). The scheduler's state needs nothing: a step that failed
+mid-forward never reached Scheduler.apply, so it is simply scheduled again.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from eplb.placement import Placement
+from eplb.survivors import CHECKPOINT, LOCAL, PEER, plan_survivors
+from moe.experts import Experts
+from moe.layer import ExpertShard
+from parallel.dispatch import make_dispatcher
+from parallel.elastic import reform
+from parallel.watchdog import guard_collective
+
+from .loader import CheckpointReader, load_weights
+from .model import expert_targets
+
+
+class ExpertsUnavailable(RuntimeError):
+    """Some logical expert has no surviving replica and the checkpoint cannot supply it."""
+
+
+def recover(core) -> dict:
+    """Re-form the ranks and re-lay the experts over the survivors; -> figures for the metrics."""
+    t0 = time.monotonic()
+    old = core.ctx
+    old_ep, old_members = old.ep_size, list(old.members) if old.members is not None else list(range(old.world_size))
+    load = _window_load(core)
+    _release(core)
+    ctx = reform(old)
+    survivors_old = [old_members.index(m) for m in ctx.members]     # their old EP ranks, in new order
+    stats = {"lost": sorted(set(old_members) - set(ctx.members)), "members": list(ctx.members),
+             "epoch": ctx.epoch, "reform_s": ctx.recovery_s}
+    core.ctx = ctx
+    if core.model.placement is not None:
+        stats.update(_relayout(core, old_ep, survivors_old, load))
+    _rebuild(core)
+    stats["recovery_s"] = time.monotonic() - t0
+    return stats
+
+
+def _window_load(core) -> torch.Tensor | None:
+    """EPLB's recorded load per logical expert on this rank ([L, E]), or None (uniform). Local only:
+    the old group cannot be trusted for an all-reduce; the survivors sum theirs after re-forming."""
+    if core.eplb is None:
+        return None
+    rec = core.eplb.recorder
+    rec.flush(core.eplb._phy2log)
+    return rec.window_load().to(torch.float64)
+
+
+def _release(core) -> None:
+    """Nothing may keep the old groups alive (their connections close only when nobody refers to
+    them): the dispatchers, DBO's microbatch dispatchers, the step sync, EPLB's controller."""
+    core.model.dispatcher = None
+    if core.runner.overlap is not None:
+        core.runner.overlap.close()
+        core.runner.overlap = None
+    core.sync = None
+    if core.eplb is not None:
+        core.eplb.detach()
+        core.eplb = None
+
+
+def _relayout(core, old_ep: int, survivors_old: list[int], load: torch.Tensor | None) -> dict:
+    ctx, model = core.ctx, core.model
+    mcfg = core.config
+    if load is not None:   # the survivors' recorded windows, summed
+        with guard_collective(ctx):
+            dist.all_reduce(load, group=ctx.cpu_group)
+    plan = plan_survivors(model.placement.phy2log, old_ep, survivors_old, mcfg.moe.n_group, load)
+    P = ctx.ep_size * plan.slots_per_rank
+    moe_layers = model.moe_layers()
+    layer_index = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
+    new_experts = [_empty_like(m.experts, plan.slots_per_rank) for m in moe_layers]
+    k_new = plan.slots_per_rank
+    mine = range(ctx.ep_rank * k_new, (ctx.ep_rank + 1) * k_new)
+    peer_bytes = _copy_local_and_peers(ctx, plan, moe_layers, new_experts, k_new)
+    ckpt_targets = {}
+    for l, (moe, ex) in enumerate(zip(moe_layers, new_experts)):
+        for p in mine:
+            if plan.sources[l][p].kind == CHECKPOINT:
+                ckpt_targets.update(expert_targets(ex, layer_index[l], int(plan.phy2log[l, p]), p - mine.start))
+    ckpt_bytes = _load_from_checkpoint(core, ckpt_targets, plan)
+    for moe, ex in zip(moe_layers, new_experts):
+        moe.experts = ex
+        moe.shard = ExpertShard(P, ctx.ep_rank, ctx.ep_size)
+    model.shard = moe_layers[0].shard if moe_layers else None
+    placement = Placement.from_phy2log(plan.phy2log, mcfg.moe.n_routed_experts)
+    placement.install(moe_layers, ctx.ep_rank, ctx.ep_size)
+    model.placement = placement
+    return {"num_physical": P, "slots_per_rank": k_new, "expert_bytes_peer": peer_bytes,
+            "expert_bytes_checkpoint": ckpt_bytes, "experts_from_checkpoint": len(plan.missing())}
+
+
+def _empty_like(ex: Experts, num_local: int) -> Experts:
+    w = ex.w13
+    return Experts(num_local, ex.hidden, ex.intermediate, device=w.device,
+                   dtype=w.dtype if ex.fp8_block is None else None, fp8_block=ex.fp8_block,
+                   backend=ex.backend, deepgemm=ex.deepgemm).requires_grad_(False)
+
+
+def _copy_local_and_peers(ctx, plan, moe_layers, new_experts, k_new: int) -> int:
+    """Local copies, then one point-to-point exchange per layer: every (sender, receiver) pair's
+    experts packed as raw bytes, in an order both sides compute from the plan. -> bytes received."""
+    me, received = ctx.ep_rank, 0
+    for l, (moe, ex) in enumerate(zip(moe_layers, new_experts)):
+        old_params, new_params = list(moe.experts.parameters()), list(ex.parameters())
+        sends: dict[int, list[int]] = {}                       # receiver -> my old slots to send
+        recvs: dict[int, list[int]] = {}                       # sender -> my new local slots to fill
+        for p, src in enumerate(plan.sources[l]):
+            dst = p // k_new
+            if src.kind == LOCAL and dst == me:
+                for o, n in zip(old_params, new_params):
+                    n.data[p - me * k_new] = o.data[src.slot]
+            elif src.kind == PEER:
+                if src.rank == me:
+                    sends.setdefault(dst, []).append(src.slot)
+                if dst == me:
+                    recvs.setdefault(src.rank, []).append(p - me * k_new)
+        row = sum(t[0].numel() * t.element_size() for t in old_params)
+        ops, bufs = [], {}
+        for dst in sorted(sends):
+            idx = torch.tensor(sends[dst])
+            packed = torch.cat([t.data[idx].reshape(len(idx), -1).view(torch.uint8) for t in old_params], 1)
+            ops.append(dist.P2POp(dist.isend, packed.contiguous(), dst, group=ctx.ep_group))
+        for src in sorted(recvs):
+            bufs[src] = torch.empty(len(recvs[src]), row, dtype=torch.uint8, device=new_params[0].device)
+            ops.append(dist.P2POp(dist.irecv, bufs[src], src, group=ctx.ep_group))
+        if ops:
+            with guard_collective(ctx):
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+        for src, buf in bufs.items():
+            off = 0
+            for t in new_params:
+                n = t[0].numel() * t.element_size()
+                vals = buf[:, off:off + n].contiguous().view(t.dtype).view(len(recvs[src]), *t.shape[1:])
+                t.data[torch.tensor(recvs[src])] = vals
+                off += n
+            received += buf.numel()
+    return received
+
+
+def _load_from_checkpoint(core, targets: dict, plan) -> int:
+    """Experts no survivor holds, from the checkpoint files; the same error on every survivor when
+    some rank could not read them."""
+    ctx, error = core.ctx, ""
+    nbytes = 0
+    if targets:
+        try:
+            reader = CheckpointReader(core.model_dir)
+            nbytes = load_weights(reader, targets, ignore=lambda name: True,
+                                  num_hidden_layers=core.config.num_hidden_layers, progress=False).bytes_loaded
+        except Exception as e:  # a missing or unreadable checkpoint: reported below, on every rank
+            error = f"{type(e).__name__}: {e}"
+    flag = torch.tensor([int(bool(error))])
+    with guard_collective(ctx):
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+    if int(flag):
+        missing = plan.missing()
+        shown = ", ".join(f"layer {l} expert {e}" for l, e in missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ExpertsUnavailable(
+            f"{len(missing)} experts have no surviving replica ({shown}) and the checkpoint at "
+            f"{core.model_dir!r} could not supply them" + (f" on this rank: {error}" if error else
+                                                           " on another rank") + "; the job cannot continue")
+    return nbytes
+
+
+def _rebuild(core) -> None:
+    """The dispatcher, DBO's microbatch dispatchers, the step sync and EPLB over the new groups."""
+    from .spmd import StepSync
+    ctx, model, cfg = core.ctx, core.model, core.cfg
+    pcfg = cfg.parallel
+    num_physical = model.placement.num_physical if model.placement is not None else 0
+    if model.placement is not None:
+        model.dispatcher = make_dispatcher(ctx, num_physical, core.config.hidden_size, pcfg.dispatch_backend,
+                                           dtype=model.dtype, **core.dispatch_options)
+    if cfg.dbo.enabled and core.config.moe is not None:
+        from dbo.overlap import Overlap
+        core.runner.overlap = Overlap(model, ctx)
+    d = model.dispatcher
+    core.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
+    if cfg.eplb.enabled and core.config.moe is not None:
+        from eplb.controller import EplbController
+        core.eplb = EplbController(model, ctx, cfg.eplb)
