@@ -32,6 +32,9 @@ def _check_options(options: dict, par: dict) -> None:
     for key in _PER_POOL:
         if options.get(key) is not None or (key in ("dp_size", "ep_size") and par.get(key) not in (None, "auto")):
             raise ValueError(f"{key} is set per pool when disaggregated: use [disagg.prefill] / [disagg.decode]")
+    if par.get("on_rank_loss", "exit") != "exit":
+        raise ValueError("[parallel] on_rank_loss = \"continue\" is not supported with prefill/decode "
+                         "disaggregation yet (the pools would have to re-form and re-route transfers): use \"exit\"")
     if options.get("ctx") is not None:
         raise ValueError("ctx cannot be passed when disaggregated: make_engine bootstraps the job and its pools")
     for key in ("dbo", "eplb"):

@@ -45,8 +45,10 @@ def tiny(tmp_path_factory):
 def _build(model_dir: str, disagg_by_rank: dict, options_by_rank: dict) -> str:
     from disagg import make_engine
     rank = int(os.environ["RANK"])
+    options = dict(options_by_rank.get(rank, {}))
+    parallel = {"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5, **options.pop("parallel", {})}
     eng = make_engine(model_dir, disagg_by_rank.get(rank, disagg_by_rank["all"]), progress=False,
-                      parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5}, **options_by_rank.get(rank, {}))
+                      parallel=parallel, **options)
     eng.shutdown()
     return "built"
 
@@ -62,6 +64,8 @@ ONE_ONE = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 1, "ep
     (2, {"all": ONE_ONE, 1: dict(ONE_ONE, decode={"max_num_seqs": 7})}, {}, "config mismatch: ranks [1]"),
     (2, {"all": dict(ONE_ONE, kv_transfer="nixl")}, {}, "kv_transfer backend 'nixl': no adapter is written yet"),
     (2, {"all": ONE_ONE}, {"all": {"max_num_seqs": 4}}, "max_num_seqs is set per pool"),
+    (2, {"all": ONE_ONE}, {"all": {"parallel": {"on_rank_loss": "continue"}}},
+     'on_rank_loss = "continue" is not supported with prefill/decode disaggregation'),
 ])
 def test_bad_config_fails_on_every_rank(tiny, nprocs, disagg, options, message):
     options = {r: options.get(r, options.get("all", {})) for r in range(nprocs)}

@@ -108,3 +108,112 @@ def test_two_ranks_lost_one_after_the_other(setup):
     assert front["got"] == reference
     assert front["rank_losses"] == 2 and [r["members"] for r in front["recoveries"]] == [[0, 2, 3], [0, 2]]
     assert outs[2].value["free"] == outs[2].value["total"] and outs[2].value["world"] == 2
+
+
+def _serve_eplb(model_dir: str, victim: int, kill_step: int) -> dict:
+    """EPLB on, rebalancing every 6 steps with one layer staged per step: the victim dies while a
+    weight transfer is in flight; the survivors drop it and re-plan from the committed placement."""
+    import os
+
+    import eplb.rebalancer as rebalancer
+    from engine.engine import Engine
+    rank = int(os.environ["RANK"])
+    staged = {"n": 0}
+    stage = rebalancer.Rebalance.stage
+
+    def counting_stage(self, num_layers=None):
+        staged["n"] += 1
+        if rank == victim and staged["n"] == kill_step:
+            os.kill(os.getpid(), 9)        # in the middle of a rebalance: its first layer is staged
+        return stage(self, num_layers)
+    rebalancer.Rebalance.stage = counting_stage
+    eng = Engine(model_dir, progress=False, block_size=8, kv_cache_blocks=96, max_num_seqs=16,
+                 max_num_batched_tokens=96, parallel=PARALLEL,
+                 eplb={"enabled": True, "step_interval": 6, "window_size": 6, "transfer_layers_per_step": 1})
+    if not eng.is_front:
+        eng.run_worker_loop()
+        return {"staged": staged["n"]}
+    for r in requests(24):
+        eng.add_request(r["id"], r["prompt"], _params(r))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    m = eng.metrics()
+    eng.shutdown()
+    return {"got": done, "rank_losses": m["rank_losses"]}
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_loss_during_an_eplb_weight_transfer(setup):
+    d, _ = setup
+    ref = spawn(_serve_eplb, 4, args=(d, -1, 0), timeout_s=300)[0]["got"]
+    outs = run(_serve_eplb, 4, args=(d, 3, 2), timeout_s=400)
+    assert outs[3].returncode == -9, outs[3].stderr[-2000:]
+    for o in outs[:3]:
+        assert o.ok, o.stderr[-4000:]
+    assert outs[0].value["got"] == ref and outs[0].value["rank_losses"] == 1
+
+
+def _serve_without_checkpoint(model_dir: str) -> None:
+    """Rank 2 dies after the checkpoint files are gone: experts only it held can come from nowhere."""
+    import glob
+    import os
+
+    from engine.engine import Engine
+    rank = int(os.environ["RANK"])
+    eng = Engine(model_dir, progress=False, block_size=8, parallel=PARALLEL)
+    if rank == 2:
+        sigkill_at_step(4)
+    if rank == 0:
+        for f in glob.glob(os.path.join(model_dir, "*.safetensors")):
+            os.remove(f)
+    if not eng.is_front:
+        eng.run_worker_loop()
+        return
+    for r in requests(8):
+        eng.add_request(r["id"], r["prompt"], greedy(40))
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_an_expert_with_no_replica_and_no_checkpoint_is_a_clear_error(tmp_path):
+    from launch.tiny import make_tiny_checkpoint
+    d = make_tiny_checkpoint(str(tmp_path / "gone"), arch="v3", seed=5, initializer_range=0.3)
+    outs = run(_serve_without_checkpoint, 4, args=(d,), timeout_s=300)
+    assert outs[2].returncode == -9
+    for o in (outs[0], outs[1], outs[3]):
+        assert o.returncode not in (0, None), o.stderr[-3000:]
+        assert "have no surviving replica" in o.stderr and "could not supply them" in o.stderr, o.stderr[-3000:]
+
+
+def _front_dies(model_dir: str) -> None:
+    import os
+
+    from engine.engine import Engine
+    if int(os.environ["RANK"]) == 0:
+        sigkill_at_step(5)
+    eng = Engine(model_dir, progress=False, block_size=8, parallel=PARALLEL)
+    if not eng.is_front:
+        eng.run_worker_loop()
+        raise AssertionError("a worker went on without the front")
+    for r in requests(8):
+        eng.add_request(r["id"], r["prompt"], greedy(40))
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_the_fronts_loss_is_a_clear_exit_on_every_rank(setup):
+    d, _ = setup
+    outs = run(_front_dies, 4, args=(d,), timeout_s=300)
+    assert outs[0].returncode == -9
+    for o in outs[1:]:
+        assert o.returncode not in (0, None)
+        assert "rank 0 lost" in o.stderr and "the front is lost" in o.stderr, o.stderr[-3000:]
+        assert o.elapsed_s - outs[0].elapsed_s < TIMEOUT_S

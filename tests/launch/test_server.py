@@ -307,3 +307,32 @@ def test_prometheus_per_rank_families():
     assert "# TYPE wideep_rank_eplb_rebalances_total counter" in text
     assert "wideep_rank_dbo_split_steps_total" in text
     assert "eplb" not in render({"per_rank": [{"running": 0, "kv_blocks_used": 0}]})   # EPLB off: no family
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_a_streaming_completion_survives_a_worker_loss(tiny, tmp_path):
+    """4 ranks serving with on_rank_loss = "continue": streams running on every rank; rank 2 is killed
+    (SIGKILL, by its pid) mid-stream; every stream still ends with exactly the tokens of a run without
+    the loss — none duplicated, none missing — and /metrics counts the loss and the re-admissions."""
+    cfg = tmp_path / "elastic.toml"
+    cfg.write_text(CONFIG.format(path=tiny, timeout_s=30).replace(
+        "[parallel]\n", '[parallel]\non_rank_loss = "continue"\nnum_redundant_experts = 4\nheartbeat_s = 0.5\n'))
+    prompts = [[3 + i, 4, 5 + i] for i in range(8)]
+    want = [o.outputs[0].token_ids for o in LLM(tiny, progress=False, max_model_len=128, kv_cache_blocks=64).generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))]
+    s = ServerProc(str(cfg), ranks=4)
+    try:
+        with ThreadPoolExecutor(len(prompts) + 1) as ex:
+            futs = [ex.submit(complete, s.base, p, 60, True, ignore_eos=True) for p in prompts]
+            time.sleep(1.0)                       # the streams are under way
+            s.procs[2].kill()                     # by pid: rank 2 only
+            got = [f.result(timeout=240) for f in futs]
+        assert [g["token_ids"] for g in got] == want
+        assert all(g["finish_reason"] == "length" for g in got)
+        m = metrics(s.base)
+        assert m["wideep_rank_losses_total"] == 1 and m["wideep_requests_readmitted_total"] >= 1
+        assert complete(s.base, prompts[0], 60, True, ignore_eos=True)["token_ids"] == want[0]  # serving on
+    finally:
+        rcs = s.stop()
+    assert rcs[0] == 0 and rcs[1] == 0 and rcs[3] == 0, s.output
