@@ -27,7 +27,9 @@ import socket
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+
+from .process import process_gone, process_ident  # noqa: F401 (process_ident: the hello line's)
+from .ring_link import Link, Polled
 
 _LIVE: "weakref.WeakSet[Ring]" = weakref.WeakSet()
 
@@ -41,58 +43,6 @@ def _close_inherited() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_close_inherited)
-
-
-def process_ident() -> str:
-    """'<kernel boot id>/<pid namespace>/<pid>/<start time>': equal prefixes mean a pid seen here
-    names the same process there; the start time tells a reused pid apart. '' off Linux."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        ns = os.stat("/proc/self/ns/pid").st_ino
-        return f"{boot}/{ns}/{os.getpid()}/{_start_time(os.getpid())}"
-    except OSError:
-        return ""
-
-
-def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/<pid>/stat (clock ticks after boot), None if gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            rest = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if rest[0] in ("Z", "X") else rest[19]
-
-
-def process_gone(ident: str, mine: str) -> bool:
-    """True only on evidence: the process ident names shares this host's pid space and is not
-    running (or its pid now belongs to another process)."""
-    if not ident or not mine or ident.rsplit("/", 2)[0] != mine.rsplit("/", 2)[0]:
-        return False
-    pid, start = ident.rsplit("/", 2)[1:]
-    return _start_time(int(pid)) != start
-
-
-@dataclass
-class Polled:
-    dead: dict[int, str] = field(default_factory=dict)   # neighbours with evidence or a timeout against them
-    told: dict[int, str] = field(default_factory=dict)   # losses a neighbour passed on
-    store_closed: bool = False                           # the store's process closed our connection
-
-
-@dataclass
-class Link:
-    rank: int
-    last_heard: float                 # monotonic time of the last line from it (or of our start)
-    sock: socket.socket | None = None
-    ident: str = ""
-    inbuf: bytes = b""
-    outbuf: bytearray = field(default_factory=bytearray)
-    watched: bool = True              # False once it said goodbye ("d") or was judged lost
-    eof_ok: bool = False              # its connection may close without blame: it said goodbye, or
-                                      # passed on a loss ("l") and exits over it (policy "exit")
-    beats_received: int = 0
 
 
 class Ring:

@@ -233,7 +233,7 @@ def test_stats_count_store_operations(store):
 
 def test_guard_collective_converts_only_when_a_rank_is_lost():
     class FakeWatchdog:
-        heartbeat_s, lost_after_s = 0.01, 0.05
+        heartbeat_s, lost_after_s, exits_on_loss = 0.01, 0.05, True
         def __init__(self, lost): self.lost = lost
         def wait_lost(self, timeout_s): return self.lost
         def describe(self, ranks): return "rank 2: no heartbeat for 9.0 s"
