@@ -95,15 +95,3 @@ class Sequence:
         """Drop the cache; everything computed so far (prompt + outputs) is recomputed on re-admission."""
         self.num_computed = 0
         self.num_preemptions += 1
-
-    def metrics(self) -> dict:
-        """TTFT, TPOT, queue time (s), finish reason."""
-        n = len(self.output_token_ids)
-        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
-        tpot = None
-        if self.finish_time is not None and self.first_token_time is not None and n > 1:
-            tpot = (self.finish_time - self.first_token_time) / (n - 1)
-        queue = None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-        return {"ttft_s": ttft, "tpot_s": tpot, "queue_s": queue, "finish_reason": self.finish_reason,
-                "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n,
-                "preemptions": self.num_preemptions}
