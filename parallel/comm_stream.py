@@ -79,6 +79,7 @@ class SimulatedNetwork:
 
     def __init__(self, intra: SimulatedLink, inter: SimulatedLink | None = None):
         self.intra, self.inter = intra, inter if inter is not None else intra
+        self.delay_s = 0.0     # sum over transfers of (arrival - rendezvous): what the links added
 
     @classmethod
     def of(cls, link: "SimulatedLink | SimulatedNetwork | None") -> "SimulatedNetwork | None":
@@ -105,7 +106,9 @@ class SimulatedNetwork:
     def deliver_at(self, t_rendezvous: float, intra: int | None, inter: int | None) -> float:
         """Arrival of a transfer whose rendezvous was at t_rendezvous: each tier it uses delivers
         its bytes (queued behind that tier's earlier transfers); the slower tier decides."""
-        return max([t_rendezvous] + [link.deliver_at(t_rendezvous, n) for link, n in self._legs(intra, inter)])
+        arrival = max([t_rendezvous] + [link.deliver_at(t_rendezvous, n) for link, n in self._legs(intra, inter)])
+        self.delay_s += arrival - t_rendezvous
+        return arrival
 
     def ready_at(self, intra: int | None, inter: int | None) -> float:
         """Arrival of a transfer whose rendezvous is now (right after a blocking collective)."""

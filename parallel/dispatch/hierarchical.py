@@ -87,18 +87,21 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, Dispatcher):
                                       link=self.link, low_latency_max_tokens=self.low_latency_max_tokens)
 
     # -- the two tiers ------------------------------------------------------------------------------
-    def _stage(self, tier: str, recv: list[Tensor], send: list[Tensor], recv_splits, send_splits, nbytes: int,
-               blocking: bool):
-        """One stage's all-to-all inside `tier` ("inter": the peers, "intra": the node) -> (works,
-        deliver). With nobody else in the tier the rows only go to this rank: copied, no collective."""
+    def _stage(self, tier: str, send: list[Tensor], recv_splits: list[int], send_splits: list[int], nbytes: int,
+               blocking: bool) -> tuple[list[Tensor], list, Callable[[], None] | None]:
+        """One stage's all-to-all inside `tier` ("inter": the peers, "intra": the node): the send
+        tensors [rows, ...] -> (the received tensors, works, deliver). With nobody else in the tier
+        the rows only go to this rank: the send tensors are the received ones, no collective."""
         alone = self.nodes.num_nodes == 1 if tier == "inter" else self.nodes.ranks_per_node == 1
         if alone:
-            for r, s in zip(recv, send):
-                r.copy_(s)
-            return [], None
-        pairs = [(r, s, recv_splits, send_splits) for r, s in zip(recv, send)]
+            return send, [], None
+        R = sum(recv_splits)
+        recv = [t.new_empty((R, *t.shape[1:])) for t in send]
         intra, inter = (None, nbytes) if tier == "inter" else (nbytes, None)
-        return exchange(self.ctx, self.group, self.link, pairs, intra, inter, blocking)
+        works, deliver = exchange(self.ctx, self.group, self.link,
+                                  [(r, t, recv_splits, send_splits) for r, t in zip(recv, send)], intra, inter,
+                                  blocking)
+        return recv, works, deliver
 
     # -- dispatch -----------------------------------------------------------------------------------
     def _dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, plan: StepPlan) -> Pending:
@@ -146,13 +149,10 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, Dispatcher):
         here = node[send_tok] == dst_node[:, None]                                 # [S1, k]
         meta = pack_meta(torch.where(here, ids[send_tok], -1),
                          torch.where(here, topk_weights.to(dev)[send_tok].float(), 0.0))   # [S1, 2k]
-        send_x = x[send_tok]
-        R1 = sum(recv_splits)
-        recv_x, recv_meta = send_x.new_empty(R1, H), meta.new_empty(R1, 2 * k)
         row_bytes = H * x.element_size()
         inter = nodes.tier_bytes(send_splits, row_bytes)[1]
-        works, deliver = self._stage("inter", [recv_x, recv_meta], [send_x, meta], recv_splits, send_splits,
-                                     inter, blocking)
+        (recv_x, recv_meta), works, deliver = self._stage("inter", [x[send_tok], meta], recv_splits, send_splits,
+                                                          inter, blocking)
         return _Stage1(recv_x, recv_meta, send_tok, send_splits, recv_splits, fwd_recv_splits, T, row_bytes, inter,
                        counts.numel() * counts.element_size() + meta.numel() * 4, works, deliver)
 
@@ -176,12 +176,9 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, Dispatcher):
         here = dest[fwd_row] == dst_local[:, None]                                 # [S2, k]
         meta = pack_meta(torch.where(here, layout.local_of(ids[fwd_row]), -1),
                          torch.where(here, w[fwd_row], 0.0))                       # [S2, 2k] local slot ids
-        send_x = st.recv_x[fwd_row]
-        R2 = sum(st.fwd_recv_splits)
-        recv_x, recv_meta = send_x.new_empty(R2, H), meta.new_empty(R2, 2 * k)
         intra = nodes.tier_bytes(fwd_splits, st.row_bytes)[0]
-        self._stage("intra", [recv_x, recv_meta], [send_x, meta], st.fwd_recv_splits, fwd_splits, intra,
-                    blocking=True)
+        (recv_x, recv_meta), _, _ = self._stage("intra", [st.recv_x[fwd_row], meta], st.fwd_recv_splits, fwd_splits,
+                                                intra, blocking=True)
         self._count("dispatch", (len(st.send_tok) + len(fwd_row)) * st.row_bytes, intra, st.inter_bytes,
                     st.meta_bytes + meta.numel() * 4)
         handle = HierarchicalHandle(st.send_tok, st.send_splits, st.recv_splits, fwd_row, fwd_splits,
@@ -205,26 +202,24 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, Dispatcher):
         self._count("combine", (R2 + sum(h.recv_splits)) * row_bytes, intra, inter)
         # Low-precision activations are summed in fp32 at both levels; what crosses is y's dtype.
         acc = torch.float32 if y.element_size() < 4 else y.dtype
-        back2 = y.new_empty(len(h.fwd_row), self.hidden)                           # [S2, H]
 
-        def stage1_back() -> Tensor:
+        def stage1_back(back2: Tensor) -> Tensor:
+            """back2 [S2, H]: this rank's forwarded rows, come back with their partial sums."""
             part = torch.zeros(sum(h.recv_splits), self.hidden, dtype=acc, device=y.device)
             part = part.index_add_(0, h.fwd_row, back2.to(acc)).to(y.dtype)        # [R1, H]: the node's sums
-            back1 = y.new_empty(len(h.send_tok), self.hidden)                      # [S1, H]
-            self._stage("inter", [back1], [part], h.send_splits, h.recv_splits, inter, blocking=True)
+            (back1,), _, _ = self._stage("inter", [part], h.send_splits, h.recv_splits, inter, blocking=True)
             out = torch.zeros(h.num_tokens, self.hidden, dtype=acc, device=y.device)
-            return out.index_add_(0, h.send_tok, back1.to(acc)).to(y.dtype)
+            return out.index_add_(0, h.send_tok, back1.to(acc)).to(y.dtype)       # [T, H]
 
         if self.stream is not None:
             def run() -> Tensor:
-                self._stage("intra", [back2], [y], h.fwd_splits, h.fwd_recv_splits, intra, blocking=True)
-                return stage1_back()
-            work = self.stream.submit(run, keep=(y, back2))
+                return stage1_back(self._stage("intra", [y], h.fwd_splits, h.fwd_recv_splits, intra, True)[0][0])
+            work = self.stream.submit(run, keep=(y,))
             return Pending(self.ctx, [work], work.wait)
-        works, deliver = self._stage("intra", [back2], [y], h.fwd_splits, h.fwd_recv_splits, intra, blocking=False)
+        (back2,), works, deliver = self._stage("intra", [y], h.fwd_splits, h.fwd_recv_splits, intra, blocking=False)
 
         def finish() -> Tensor:
             if deliver is not None:
                 deliver()
-            return stage1_back()
+            return stage1_back(back2)
         return Pending(self.ctx, works, finish)

@@ -35,8 +35,8 @@ class HierarchicalLowLatencyMixin:
         nbytes = (N - 1) * C * send.shape[1] * send.element_size()
 
         def stage1(blocking: bool):
-            recv = torch.empty_like(send)
-            return (recv, *self._stage("inter", [recv], [send], splits, splits, nbytes, blocking))
+            (recv,), works, deliver = self._stage("inter", [send], splits, splits, nbytes, blocking)
+            return recv, works, deliver
 
         if self.stream is not None:
             work = self.stream.submit(lambda: self._hll_forward(stage1(True)[0], to_node, C, k), keep=(send,))
@@ -76,10 +76,9 @@ class HierarchicalLowLatencyMixin:
         here = dest[None] == torch.arange(L, device=x.device)[:, None, None]         # [L, N*C, k]
         meta = pack_meta(torch.where(here, layout.local_of(ids)[None], -1), torch.where(here, w[None], 0.0))
         send = with_meta(x.expand(L, N * C, H), meta).view(L * N * C, -1)            # [L*N*C, W]
-        out = torch.empty_like(send)
         splits = self._hll_splits("intra", N * C)
-        self._stage("intra", [out], [send], splits, splits, (L - 1) * N * C * send.shape[1] * send.element_size(),
-                    blocking=True)
+        (out,), _, _ = self._stage("intra", [send], splits, splits,
+                                   (L - 1) * N * C * send.shape[1] * send.element_size(), blocking=True)
         row_bytes = H * x.element_size()
         self._count("dispatch", (N * C + L * N * C) * row_bytes, (L - 1) * N * C * row_bytes, (N - 1) * C * row_bytes,
                     (N * C + L * N * C) * 2 * k * 4, low_latency=True)
@@ -94,28 +93,26 @@ class HierarchicalLowLatencyMixin:
         intra, inter = (L - 1) * N * C * row_bytes, (N - 1) * C * row_bytes
         self._count("combine", (L * N * C + N * C) * row_bytes, intra, inter)
         acc = torch.float32 if y.element_size() < 4 else y.dtype
-        back2 = torch.empty_like(y)
         splits2, splits1 = self._hll_splits("intra", N * C), self._hll_splits("inter", C)
 
-        def stage1_back() -> Tensor:
+        def stage1_back(back2: Tensor) -> Tensor:
+            """back2 [L*N*C, H]: the forwarded rows' partial sums, back from every rank of the node."""
             parts = back2.view(L, N * C, H).to(acc)
             part = torch.where(h.fwd_member.t()[:, :, None], parts, 0).sum(0).to(y.dtype)    # [N*C, H]
-            back1 = torch.empty_like(part)
-            self._stage("inter", [back1], [part], splits1, splits1, inter, blocking=True)
+            (back1,), _, _ = self._stage("inter", [part], splits1, splits1, inter, blocking=True)
             T = h.node_member.shape[0]
             parts = back1.view(N, C, H)[:, :T].to(acc)
             return torch.where(h.node_member.t()[:, :, None], parts, 0).sum(0).to(y.dtype)   # [T, H]
 
         if self.stream is not None:
             def run() -> Tensor:
-                self._stage("intra", [back2], [y], splits2, splits2, intra, blocking=True)
-                return stage1_back()
-            work = self.stream.submit(run, keep=(y, back2))
+                return stage1_back(self._stage("intra", [y], splits2, splits2, intra, blocking=True)[0][0])
+            work = self.stream.submit(run, keep=(y,))
             return Pending(self.ctx, [work], work.wait)
-        works, deliver = self._stage("intra", [back2], [y], splits2, splits2, intra, blocking=False)
+        (back2,), works, deliver = self._stage("intra", [y], splits2, splits2, intra, blocking=False)
 
         def finish() -> Tensor:
             if deliver is not None:
                 deliver()
-            return stage1_back()
+            return stage1_back(back2)
         return Pending(self.ctx, works, finish)

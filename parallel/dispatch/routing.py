@@ -28,8 +28,9 @@ class NodeHistogram:
     def add(self, topk_ids: Tensor) -> None:
         """topk_ids [T, k] physical (-1 = none)."""
         N = self.nodes.num_nodes
-        if self.counts is None:
-            self.counts = torch.zeros(N + 1, dtype=torch.int64, device=topk_ids.device)
+        if self.counts is None:   # a normal tensor even when the first dispatch runs in inference mode,
+            with torch.inference_mode(False):   # so that reset() and add() work in and out of it
+                self.counts = torch.zeros(N + 1, dtype=torch.int64, device=topk_ids.device)
         if topk_ids.shape[0] == 0:
             return
         ids = topk_ids.to(device=self.counts.device, dtype=torch.long)

@@ -46,6 +46,7 @@ def _rank(model_dir: str) -> dict:
         "2x2-eplb": (2, {"parallel": dict(par, num_redundant_experts=4),
                          "eplb": {"enabled": True, "num_redundant_experts": 4, "window_size": 4, "step_interval": 3}}),
         "4x1": (1, {}),
+        "4x1-dbo": (1, {"dbo": {"enabled": True}}),   # stage 2 is a local copy, on the DBO threads
         "1x4": (4, {"dispatch_backend": "hierarchical"}),
     }
     for name, (L, extra) in variants.items():
@@ -79,7 +80,7 @@ def test_two_level_engine_equals_flat(model_dir):
                     assert tok == tok_f, (name, prompts)
                     assert (torch.tensor(lp) - torch.tensor(lp_f)).abs().max() <= 1e-5, (name, prompts)
         st = r["stats"]
-        assert st["2x2-dbo"]["dbo_split_steps"] > 0 and st["2x2-eplb"]["rebalances"] >= 1
+        assert st["2x2-dbo"]["dbo_split_steps"] > 0 and st["4x1-dbo"]["dbo_split_steps"] > 0 and st["2x2-eplb"]["rebalances"] >= 1
         for name, s in st.items():      # both modes ran (only normal mode where it is off)
             assert s["calls"] > s["low_latency_calls"] > 0 or (name == "2x2-normal" and s["low_latency_calls"] == 0)
         for name in ("2x2", "4x1"):

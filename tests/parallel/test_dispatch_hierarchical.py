@@ -95,12 +95,13 @@ def _battery(ep: int, layouts: tuple[int, ...]) -> dict:
                 for name, d in (("hier", hier), ("hier-stream", hier_stream)):
                     d.stats.reset()
                     d.routing.reset()
-                    got = d.dispatch(x, ids, w)
+                    with torch.inference_mode(name == "hier-stream"):   # as the engine calls it
+                        got = d.dispatch(x, ids, w)
+                        out = d.combine(fake_experts(got.x, got.topk_ids, got.topk_weights, rank * per), got.handle)
                     assert isinstance(got.handle, HierarchicalHandle)
                     # the experts get one row per (token, rank) pair, as from the flat dispatcher
                     assert got.x.shape[0] == flat_rows and (got.topk_ids >= 0).any(1).all()
                     assert ((got.topk_ids < 0) <= (got.topk_weights == 0)).all()
-                    out = d.combine(fake_experts(got.x, got.topk_ids, got.topk_weights, rank * per), got.handle)
                     assert out.shape == (Ts[rank], H) and out.dtype == dtype
                     torch.testing.assert_close(out, ref, **tol, msg=lambda m: f"{name} L={L} {Ts} {dtype}: {m}")
                     st = d.stats
@@ -118,8 +119,9 @@ def _battery(ep: int, layouts: tuple[int, ...]) -> dict:
                 plan = StepPlan.make(max(Ts), low_latency_max_tokens=64)
                 for name, d in (("hier-ll", hier), ("hier-ll-stream", hier_stream)):
                     d.stats.reset()
-                    got = d.dispatch(x, ids, w, plan)
-                    out = d.combine(fake_experts(got.x, got.topk_ids, got.topk_weights, rank * per), got.handle)
+                    with torch.inference_mode(name == "hier-ll-stream"):
+                        got = d.dispatch(x, ids, w, plan)
+                        out = d.combine(fake_experts(got.x, got.topk_ids, got.topk_weights, rank * per), got.handle)
                     torch.testing.assert_close(out, ref, **tol, msg=lambda m: f"{name} L={L} {Ts} {dtype}: {m}")
                     C = max(Ts)
                     if C:

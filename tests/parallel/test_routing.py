@@ -52,6 +52,13 @@ def test_histogram_is_exact():
     assert h.tolist() == [1, 3, 2]
     h.reset()
     assert h.tolist() == [0, 0, 0]
+    # the engine dispatches in inference mode; stats are reset outside it
+    h2 = NodeHistogram(layout, nodes)
+    with torch.inference_mode():
+        h2.add(torch.tensor([[0, 15, -1, -1]]))
+    h2.reset()
+    h2.add(torch.tensor([[0, 1, 2, 3]]))
+    assert h2.tolist() == [0, 1, 0]
 
 
 @pytest.mark.parametrize("topk_method", ["noaux_tc", "group_limited_greedy"])
