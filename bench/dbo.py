@@ -6,7 +6,7 @@ steps: 4 fresh prompts x 256 tokens = 1024 tokens per rank per step. The link is
 communication ~ compute: first steps without a link measure the compute and the inter-node bytes
 of a step (slowest rank), then the inter-node tier gets 50 us + the bandwidth that makes a step's
 bytes take as long as its compute (bandwidth shared by the two microbatches: splitting cannot invent
-any). Also decode steps (16 running sequences per rank) for `auto`.
+any). Also decode steps (16 running sequences per rank; 5x the trials: short, noisy steps) for `auto`.
 (2) The old settings, kept as a second table: ep 4 (--ep) on 2 cores, latency-only links of 0, 200,
 1000 us; decode 16 sequences per rank, prefill 4 x 48-token prompts per rank.
 
@@ -15,10 +15,12 @@ Per setting and phase, steps alternate DBO off / on (/ auto), barrier-aligned, e
   T_comm        time inside blocking dispatch/combine during the off steps (slowest rank),
   T_compute     T_off - T_comm,
   overlap_eff   (T_off - T_on) / min(T_comm, T_compute)   (1 = the smaller one fully hidden),
-  auto          dbo = "auto" (rank 0's AutoSwitch decides, after exploring both): step time / off.
+  auto          dbo = "auto" (rank 0's AutoSwitch decides, after exploring both): step time / off,
+                beside off_vs_off (a second "off" mode, the same host steps as auto: the noise floor).
+Modes are shuffled per trial (the same order on every rank).
 split_compute_ratio: one process, no communication, the same model and step run as two microbatches
 vs at once (the compute the split adds before any overlap), at the table's step sizes.
-Last line: {"overlap_efficiency_prefill_two_tier": .., "auto_vs_off": .. (worst phase, setting 1),
+Last line: {"overlap_efficiency_prefill_two_tier": .., "auto_vs_off": .. (worst phase, setting 1, medians; lower quartiles in the detail),
 "split_compute_ratio_prefill_two_tier": .., "overlap_efficiency": {"0": .., "200": .., "1000": ..},
 "auto_vs_off_at_0us": .., ...}.
     python bench/dbo.py [--quick] [--png out.png] [--skip-old]
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -39,7 +42,8 @@ LATENCIES_US = (0, 200, 1000)
 PLAN = os.environ.get("WIDEEP_BENCH_PLAN", "1") == "1"   # 0: never the low-latency dispatch (A/B)
 # phase -> (sequences added per step, prompt tokens, max_tokens); decode: 16 running sequences
 WORKLOADS = {"old": {"decode": (16, 16, 400), "prefill": (4, 48, 1)},
-             "two_tier": {"decode": (16, 16, 400), "prefill": (4, 256, 1)}}
+             "two_tier": {"decode": (16, 16, 900), "prefill": (4, 256, 1)}}
+DECODE_TRIALS = 5   # x the prefill trials in the rank-per-core setting: decode steps are short and noisy
 
 
 def _barrier(core):
@@ -105,9 +109,13 @@ class _Work:
 
 
 def _auto_decide(core, auto, work) -> bool:
+    return _vote(core, auto.decide(work.tokens, work.phase == "decode"))
+
+
+def _vote(core, split: bool) -> bool:
     import torch
     import torch.distributed as dist
-    flag = torch.tensor([int(auto.decide(work.tokens, work.phase == "decode"))])
+    flag = torch.tensor([int(split)])
     dist.broadcast(flag, src=0, group=core.ctx.cpu_group)  # rank 0's vote, as in the engine
     return bool(flag.item())
 
@@ -118,7 +126,8 @@ def _phase(core, phase: str, shape, trials: int, auto=None) -> dict:
         work.add()
         while any(s.prefilling for s in core.scheduler.running) or core.scheduler.waiting:
             _step(core, False)
-    modes = ["off", "on"] + (["auto"] if auto is not None else [])
+    # "off2" is off again: the A/A ratio off2/off is this machine's noise floor beside auto/off
+    modes = ["off", "on"] + (["auto", "off2"] if auto is not None else [])
     if auto is not None:  # let the switch explore both choices first: the steady state is measured
         for _ in range(2 * auto.min_samples):
             work.before_step()
@@ -126,14 +135,19 @@ def _phase(core, phase: str, shape, trials: int, auto=None) -> dict:
             dt, _ = _step(core, split)
             auto.record(work.tokens, phase == "decode", split, dt)
             work.after_step()
-    times, comm = {m: [] for m in modes}, []
-    for _ in range(trials):
-        for mode in modes:
+    times, comm, auto_splits = {m: [] for m in modes}, [], []
+    for t in range(trials):
+        order = list(modes)
+        random.Random(t).shuffle(order)   # the same on every rank; no mode always follows another
+        for mode in order:
             work.before_step()
             split = _auto_decide(core, auto, work) if mode == "auto" else mode == "on"
+            if mode == "off2":   # the same host-side steps as an auto step that decided "off"
+                split = _vote(core, False)
             dt, c = _step(core, split)
             if mode == "auto":
                 auto.record(work.tokens, phase == "decode", split, dt)
+                auto_splits.append(split)
             times[mode].append(dt)
             if mode == "off":
                 comm.append(c)
@@ -141,7 +155,12 @@ def _phase(core, phase: str, shape, trials: int, auto=None) -> dict:
     for s in list(core.scheduler.running) + list(core.scheduler.waiting):
         core.scheduler.finish(s)
     out = {m: statistics.median(v) for m, v in times.items()}
+    # interference from other processes only ever slows a step: the lower quartile is a second,
+    # less disturbed estimate of the same ratios
+    out["p25"] = {m: statistics.quantiles(v, n=4)[0] for m, v in times.items()}
     out["comm"] = statistics.median(comm)
+    if auto_splits:
+        out["auto_split_fraction"] = sum(auto_splits) / len(auto_splits)
     return out
 
 
@@ -167,7 +186,7 @@ def worker(model_dir: str, setting: str, trials: int) -> None:
     from parallel.comm_stream import SimulatedLink, SimulatedNetwork
     torch.set_num_threads(1)
     par = {"ranks_per_node": 1} if setting == "two_tier" else {"dispatch_backend": "torch"}
-    core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=512,
+    core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=1200,
                                    max_num_batched_tokens=1024, enable_prefix_caching=False,
                                    dbo={"enabled": True}, parallel=par)
     res = {"dispatcher": type(core.model.dispatcher).__name__, "nodes": core.ctx.num_nodes}
@@ -189,7 +208,8 @@ def worker(model_dir: str, setting: str, trials: int) -> None:
                        "calibration_compute_ms": round(compute * 1e3, 2)}
         _set_link(core, SimulatedNetwork(SimulatedLink(), SimulatedLink(50.0, gbps)))
         for phase in ("prefill", "decode"):
-            r = _phase(core, phase, WORKLOADS[setting][phase], trials, AutoSwitch())
+            n = trials * (DECODE_TRIALS if phase == "decode" else 1)
+            r = _phase(core, phase, WORKLOADS[setting][phase], n, AutoSwitch())
             r["comm"] = _slowest(core, r["comm"])
             res[phase] = r
     else:
@@ -212,6 +232,11 @@ def _row(r: dict) -> dict:
            "overlap_efficiency": round(e, 3)}
     if "auto" in r:
         row["auto_vs_off"] = round(r["auto"] / r["off"], 3)
+        row["auto_split_fraction"] = round(r["auto_split_fraction"], 2)
+        row["off_vs_off"] = round(r["off2"] / r["off"], 3)
+        q = r["p25"]
+        row["lower_quartile"] = {"auto_vs_off": round(q["auto"] / q["off"], 3),
+                                 "off_vs_off": round(q["off2"] / q["off"], 3), "on_vs_off": round(q["on"] / q["off"], 3)}
     return row
 
 
@@ -284,7 +309,7 @@ def _split_compute_ratio(model_dir: str, workloads: dict, trials: int) -> dict:
     from engine.core import EngineCore
     from parallel import StepPlan
     torch.set_num_threads(1)
-    core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=512,
+    core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=1200,
                                    max_num_batched_tokens=1024, enable_prefix_caching=False, dbo={"enabled": True})
     out = {}
     for phase, shape in workloads.items():
