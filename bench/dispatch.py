@@ -17,7 +17,7 @@ Ranks share this host's cores, so the measured step time includes ranks waiting 
 links are slow enough (defaults below) to dominate it. Last line: JSON, worst case over the
 configurations: {"inter_node_bytes_vs_min": {"two_level": .., "flat": ..}, "outputs_equal": ..,
 "step_time_two_level_vs_flat": .., "detail": {...}}.
-    python bench/dispatch.py [--quick] [--sizes 8,16,32] [--nodes 2,4]
+    python bench/dispatch.py [--quick] [--sizes 8,16,32] [--nodes 2,4] [--slow 10]
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def _fake_experts(d, first: int, P: int):
     return d.x * (w * (1 + g)).sum(1, keepdim=True) + (w * g).sum(1, keepdim=True)
 
 
-def worker(nodes: int, T: int, H: int, trials: int, T_ll: int) -> None:
+def worker(nodes: int, T: int, H: int, trials: int, T_ll: int, slow: int = 1) -> None:
     import torch
     import torch.distributed as dist
 
@@ -66,9 +66,9 @@ def worker(nodes: int, T: int, H: int, trials: int, T_ll: int) -> None:
     with torch.no_grad():
         ids, w = gate(x)
 
-    def network():
-        return SimulatedNetwork(SimulatedLink(LINK["intra_us"], LINK["intra_gbps"]),
-                                SimulatedLink(LINK["inter_us"], LINK["inter_gbps"]))
+    def network():   # slow: both bandwidths divided by it
+        return SimulatedNetwork(SimulatedLink(LINK["intra_us"], LINK["intra_gbps"] / slow),
+                                SimulatedLink(LINK["inter_us"], LINK["inter_gbps"] / slow))
     disp = {name: make_dispatcher(ctx, E, H, backend, link=network(), torch_low_latency_max_tokens=T_ll)
             for name, backend in (("flat", "torch"), ("two_level", "hierarchical"))}
     per = E // world
@@ -143,12 +143,13 @@ def worker(nodes: int, T: int, H: int, trials: int, T_ll: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", nargs=5, type=int, metavar=("NODES", "T", "H", "TRIALS", "T_LL"))
+    ap.add_argument("--worker", nargs=6, type=int, metavar=("NODES", "T", "H", "TRIALS", "T_LL", "SLOW"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sizes", default="8,16,32")
     ap.add_argument("--nodes", default="2,4")
     ap.add_argument("--tokens", type=int, default=256, help="tokens per rank")
     ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--slow", type=int, default=1, help="divide both link bandwidths by this (link-bound runs)")
     a = ap.parse_args()
     if a.worker:
         worker(*a.worker)
@@ -161,7 +162,7 @@ def main() -> None:
             t0 = time.time()
             rc, text = run_local_ranks([], ranks, timeout_s=1200, capture=True,
                                        cmd=[sys.executable, os.path.abspath(__file__), "--worker", str(nodes),
-                                            str(a.tokens), str(a.hidden), str(trials), "16"])
+                                            str(a.tokens), str(a.hidden), str(trials), "16", str(a.slow)])
             if rc:
                 raise SystemExit(f"bench ranks ({ranks} ranks, {nodes} nodes) failed with status {rc}")
             r = json.loads([x for x in text.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
@@ -178,7 +179,8 @@ def main() -> None:
                                     "flat_best": min(r["inter_node_bytes_vs_min"]["flat"] for r in rs)},
         "outputs_equal": all(r["outputs_equal"] for r in rs),
         "step_time_two_level_vs_flat": max(round(r["step_ms"]["two_level"] / r["step_ms"]["flat"], 3) for r in rs),
-        "link": LINK, "detail": detail}))
+        "link": dict(LINK, intra_gbps=LINK["intra_gbps"] / a.slow, inter_gbps=LINK["inter_gbps"] / a.slow),
+        "detail": detail}))
 
 
 if __name__ == "__main__":

@@ -160,7 +160,7 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, Dispatcher):
         """Stage 2, on the rank that received the stage-1 rows (after their works were waited)."""
         if st.deliver is not None:
             st.deliver()
-        nodes, layout, ep, H = self.nodes, self.layout, self.ctx.ep_size, self.hidden
+        nodes, layout, ep = self.nodes, self.layout, self.ctx.ep_size
         L, first = nodes.ranks_per_node, nodes.node_ranks.start
         k = st.recv_meta.shape[1] // 2
         ids, w = unpack_meta(st.recv_meta, k)                                      # [R1, k] physical, this node
