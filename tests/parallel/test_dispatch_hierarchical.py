@@ -3,7 +3,7 @@ laid out as nodes: 2 nodes x 2 ranks (4 ranks; also 1 x 4 and 4 x 1 on the same 
 2 nodes x 4 ranks (8 ranks; also 4 x 2, 1 x 8). Normal and low-latency modes, inline and on a
 communication thread, DBO's per-microbatch copies, ranks with no tokens, -1 slots; exact per-tier
 byte counters (inter-node bytes = unique (token, other node) pairs x row bytes); the routing
-histogram. The other layouts reuse the ranks: a dispatcher reads its nodes from the context only,
+histogram; the simulated network's tiers per round. The other layouts reuse the ranks: a dispatcher reads its nodes from the context only,
 so a context with another ranks_per_node is that layout over the same process group."""
 from __future__ import annotations
 
@@ -150,6 +150,21 @@ def _battery(ep: int, layouts: tuple[int, ...]) -> dict:
             torch.testing.assert_close(c0.wait(), blocking[0], atol=1e-5, rtol=1e-5)
         for s in streams:
             s.close()
+        # The simulated network charges each round to the tiers it uses (latency only, so each delay
+        # is exactly its tier's): flat = counts, payload, combine on every tier the group spans;
+        # two-level = counts on both, stage 1 and its return inter-node, stage 2 and its return
+        # intra-node, a tier of one rank (a local copy) nothing.
+        from parallel.comm_stream import SimulatedLink, SimulatedNetwork
+        lat = {"intra": 0.001, "inter": 0.004}
+        both = max(lat["intra"] if L > 1 else 0, lat["inter"] if N > 1 else 0)
+        want_delay = {"torch": 3 * both,
+                      "hierarchical": both + 2 * (lat["inter"] if N > 1 else 0) + 2 * (lat["intra"] if L > 1 else 0)}
+        for backend, want in want_delay.items():
+            net = SimulatedNetwork(SimulatedLink(lat["intra"] * 1e6), SimulatedLink(lat["inter"] * 1e6))
+            d = make_dispatcher(ctx, P, H, backend, link=net)
+            g = d.dispatch(x, ids, w)
+            d.combine(fake_experts(g.x, g.topk_ids, g.topk_weights, rank * per), g.handle)
+            assert abs(net.delay_s - want) < 1e-6, (backend, L, net.delay_s, want)
         # A combine of the wrong rows fails on its own rank, before any collective.
         g = hier.dispatch(x, ids, w)
         try:
