@@ -1,13 +1,14 @@
 """The adaptive switch for dbo.enabled = "auto": split a step only where splitting measured faster.
 
-Steps are bucketed by phase (decode / prefill) and token count (powers of two). Per bucket it keeps
-the last `window` step times with and without the split; until both have `min_samples` it
-alternates (explore), then splits only when the split's median is below the unsplit median by more
-than `margin`, re-trying the other choice every `retry_every` steps of the bucket, and again at
-once while those retries beat the chosen median, so a change in load or network is noticed. Medians, not means: on a shared machine a step is only ever slowed by
-interference, and one slow sample must not flip the choice (a mean did, about one step in ten,
-where splitting costs 1.5x). The margin leans to the unsplit step when the two are within noise.
-Runs on rank 0; its vote is the step's decision.
+Steps are bucketed by phase (decode / prefill) and token count (powers of two). Per bucket: until
+both choices have `min_samples` step times it alternates (explore) and picks the one with the lower
+median, leaning to the unsplit step by `margin`. Then every `retry_every` steps it probes the
+other choice with fresh steps (its old samples are dropped: a decode step grows slower as its
+context grows, so old samples would flatter whichever choice ran long ago): the first probe step
+that does not beat the chosen choice's median ends the probe; `min_samples` probe steps whose
+median beats it switch. Medians, not means: on a shared machine a step is only ever slowed by
+interference, and one slow sample must not flip the choice (an average did, one step in ten where
+splitting costs 1.5x). Runs on rank 0; its vote is the step's decision.
 
     a = AutoSwitch(); split = a.decide(tokens, decode); ...run the step...; a.record(tokens, decode, split, seconds)
 """
@@ -31,32 +32,37 @@ class AutoSwitch:
 
     def _bucket_stats(self, num_tokens: int, decode: bool) -> dict:
         return self._stats.setdefault(self.bucket(num_tokens, decode),
-                                      {"n": 0, "best": None, "probe": False,
+                                      {"n": 0, "chosen": None, "probe": False,
                                        True: deque(maxlen=self.window), False: deque(maxlen=self.window)})
 
-    def _split_wins(self, split_s: float, off_s: float) -> bool:
-        return split_s < (1 - self.margin) * off_s
+    def _beats(self, split: bool, seconds: float, other_seconds: float) -> bool:
+        """Whether `split`'s time beats the other choice's, leaning to the unsplit step by the margin."""
+        if split:
+            return seconds < (1 - self.margin) * other_seconds
+        return not other_seconds < (1 - self.margin) * seconds
 
     def decide(self, num_tokens: int, decode: bool) -> bool:
         st = self._bucket_stats(num_tokens, decode)
         st["n"] += 1
-        for split in (False, True):
-            if len(st[split]) < self.min_samples:
-                return split
-        best = self._split_wins(statistics.median(st[True]), statistics.median(st[False]))
-        if st["best"] is not None and best != st["best"]:
-            st["probe"] = True   # a flip: check the old choice at once (its window may hold a burst of noise)
-        st["best"] = best
-        if st["probe"] or st["n"] % self.retry_every == 0:
-            return not best
-        return best
+        if st["chosen"] is None:
+            for split in (False, True):
+                if len(st[split]) < self.min_samples:
+                    return split
+            st["chosen"] = self._beats(True, statistics.median(st[True]), statistics.median(st[False]))
+        c = st["chosen"]
+        if not st["probe"] and st["n"] % self.retry_every == 0:
+            st["probe"] = True
+            st[not c].clear()
+        return not c if st["probe"] else c
 
     def record(self, num_tokens: int, decode: bool, split: bool, seconds: float) -> None:
         st = self._bucket_stats(num_tokens, decode)
-        best = st["best"]
-        if best is not None and split != best:
-            # A retry of the other choice. While its steps beat the chosen median, retry it again at
-            # once: a changed network flips the choice in a few steps, not a few retry periods.
-            chosen = statistics.median(st[best])
-            st["probe"] = self._split_wins(seconds, chosen) if split else not self._split_wins(chosen, seconds)
         st[split].append(seconds)
+        c = st["chosen"]
+        if c is None or split == c or not st["probe"]:
+            return
+        chosen_median = statistics.median(st[c])
+        if not self._beats(split, seconds, chosen_median):
+            st["probe"] = False                                   # the other choice is still worse
+        elif len(st[split]) >= self.min_samples and self._beats(split, statistics.median(st[split]), chosen_median):
+            st["chosen"], st["probe"] = split, False              # it kept winning: switch
