@@ -4,10 +4,15 @@ migration-aware plan vs a from-scratch one. (2) End to end on local CPU ranks (g
 router: EPLB off vs on (after a rebalance), trials interleaved in one run; step time, (token,
 expert) pairs per EP rank per layer, bytes moved per rebalance (migration vs scratch):
   - rank per core (the issue's setting): 2 ranks on the 2 cores, expert GEMMs dominating the step
-    (moe_intermediate_size 2048: a token's 6 routed experts are ~80% of its FLOPs), where a rank's
+    (moe_intermediate_size 4096: a token's 6 routed experts are ~85% of its FLOPs), where a rank's
     idle time is really idle and the busiest rank sets the pace;
   - the old settings, kept as a second table: 4 ranks (and 2) with moe_intermediate_size 512.
-Last line: JSON with step_time_ratio_rank_per_core (on / off, 2 ranks), eplb_vs_off_step_time_ratio
+Step time is wall time (the target's measure; medians and lower quartiles of interleaved trials),
+and, because other processes share these 2 cores, also the lockstep critical path of CPU time: per
+stretch between two all-to-all starts, the CPU seconds of the slowest rank, summed (the step time
+with a core per rank and an instant network; waiting costs no CPU time).
+Last line: JSON with step_time_ratio_rank_per_core (on / off, 2 ranks, wall),
+cpu_critical_path_ratio_rank_per_core, eplb_vs_off_step_time_ratio
 (4 ranks, 512), bytes_moved_migration, bytes_moved_scratch, balancedness_before, balancedness_after
 (measured per-rank load, EPLB off / on, 4 ranks).
     python bench/eplb.py [--quick] [--png bench/eplb.png] [--skip-old]
@@ -101,6 +106,37 @@ def _llm(model_dir: str, eplb_cfg, ctx=None):
     return llm, EplbController(llm.model, llm.ctx, eplb_cfg)
 
 
+class _CpuMarks:
+    """This process's CPU time at each all-to-all start of a dispatcher: the points where the ranks
+    meet in lockstep. Between two of them a rank computes (waiting for peers costs no CPU time: gloo
+    blocks), so the sum over segments of the slowest rank's CPU time is the step time the ranks would
+    take with a core each and an instant network, whatever else runs on this machine."""
+
+    def __init__(self, dispatcher):
+        self.marks: list[float] = []
+        for name in ("dispatch_start", "combine_start"):
+            setattr(dispatcher, name, self._marked(getattr(dispatcher, name)))
+
+    def _marked(self, start):
+        def call(*args, **kwargs):
+            self.marks.append(time.process_time())
+            return start(*args, **kwargs)
+        return call
+
+
+def _critical_path(ctx, marks: list[float]) -> float:
+    """Collective: marks from every rank (the same count: every rank enters every all-to-all) ->
+    sum over segments of the largest CPU seconds any rank spent in it."""
+    import torch.distributed as dist
+    seg = torch.tensor(marks, dtype=torch.float64).diff()
+    n = torch.tensor([len(seg), -len(seg)], dtype=torch.float64)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+    if n[0] != -n[1]:
+        raise RuntimeError(f"ranks saw different numbers of all-to-alls ({int(-n[1])} .. {int(n[0])})")
+    dist.all_reduce(seg, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+    return float(seg.sum())
+
+
 def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int) -> None:
     import torch.distributed as dist
 
@@ -132,15 +168,22 @@ def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int)
     for c in (rec_off, rec_on):
         c.recorder.reset_rank_load()
     times = {"off": [], "on": []}
-    cpu = {"off": [], "on": []}       # CPU seconds of the busiest rank: the step time with a core each
+    cpu = {"off": [], "on": []}       # CPU seconds of the busiest rank over the whole generate
+    path = {"off": [], "on": []}      # the lockstep critical path of CPU time (_CpuMarks)
+    marks = {"off": _CpuMarks(off.model.dispatcher), "on": _CpuMarks(on.model.dispatcher)}
     moe_calls = {}
     for t in range(trials):
         for name in (("off", "on") if t % 2 == 0 else ("on", "off")):
             llm = off if name == "off" else on
             llm.model.dispatcher.stats.reset()
+            m = marks[name].marks
+            m.clear()
             t0, c0 = time.perf_counter(), time.process_time()
+            m.append(c0)
             llm.generate(work, sp)
             times[name].append(time.perf_counter() - t0)
+            m.append(time.process_time())
+            path[name].append(_critical_path(llm.ctx, m))
             c = torch.tensor([time.process_time() - c0], dtype=torch.float64)
             dist.all_reduce(c, op=dist.ReduceOp.MAX, group=llm.ctx.cpu_group)
             cpu[name].append(float(c))
@@ -152,6 +195,7 @@ def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int)
         steps = {k: v // L for k, v in moe_calls.items()}                         # forwards per generate
         med = {k: statistics.median(v) for k, v in times.items()}
         med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+        med_path = {k: statistics.median(v) for k, v in path.items()}
         # interference from other processes only slows a generate: the lower quartile is a second estimate
         q25 = {k: statistics.quantiles(v, n=4)[0] for k, v in times.items()}
         bal = {k: (v.double().mean(-1) / v.double().max(-1).values) for k, v in loads.items()}
@@ -162,6 +206,8 @@ def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int)
                # generate sometimes runs one more, empty, lockstep step on either side: see steps_per_generate)
                "eplb_vs_off_step_time_ratio": round(med["on"] / med["off"], 3),
                "eplb_vs_off_step_time_ratio_lower_quartile": round(q25["on"] / q25["off"], 3),
+               "cpu_critical_path_s_per_generate": {k: round(v, 4) for k, v in med_path.items()},
+               "eplb_vs_off_cpu_critical_path_ratio": round(med_path["on"] / med_path["off"], 3),
                "busiest_rank_cpu_s_per_generate": {k: round(v, 4) for k, v in med_cpu.items()},
                "eplb_vs_off_busiest_rank_cpu_ratio": round(med_cpu["on"] / med_cpu["off"], 3),
                "max_pairs_per_rank_off": loads["off"].max(-1).values.tolist(),
@@ -235,14 +281,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--png", default=None, help="write the per-rank load report here (needs matplotlib)")
     ap.add_argument("--skip-old", action="store_true", help="only the rank-per-core setting (no planning table)")
+    ap.add_argument("--moe-intermediate", type=int, default=4096, help="of the rank-per-core setting's model")
     a = ap.parse_args()
     if a.worker:
         d, *nums = a.worker
         worker(d, *map(int, nums))
         return
-    per_core = end_to_end(a.quick, 2, moe_intermediate_size=2048, trials=11)
+    per_core = end_to_end(a.quick, 2, moe_intermediate_size=a.moe_intermediate, trials=11)
     out = {"step_time_ratio_rank_per_core": per_core["eplb_vs_off_step_time_ratio"],
            "step_time_ratio_rank_per_core_lower_quartile": per_core["eplb_vs_off_step_time_ratio_lower_quartile"],
+           "cpu_critical_path_ratio_rank_per_core": per_core["eplb_vs_off_cpu_critical_path_ratio"],
            "busiest_rank_cpu_ratio_rank_per_core": per_core["eplb_vs_off_busiest_rank_cpu_ratio"]}
     runs = {"rank_per_core": per_core}
     if not a.skip_old:
