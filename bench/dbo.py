@@ -1,25 +1,36 @@
-"""Dual-batch overlap at ep 4 on CPU/gloo with a simulated network (0, 200, 1000 us per all-to-all).
+"""Dual-batch overlap on CPU/gloo with a simulated network: the mechanism, then the old settings.
 
-Per latency and phase (decode: 16 running sequences per rank; prefill: 4 fresh 48-token prompts
-per rank), steps alternate DBO off / on (interleaved, barrier-aligned, all ranks in lockstep):
+(1) Rank per core (the issue's setting): 2 ranks as 2 simulated nodes x 1 (`ranks_per_node = 1`;
+dispatch `auto` = the two-level dispatcher, all MoE traffic on the inter-node tier), prefill-heavy
+steps: 4 fresh prompts x 256 tokens = 1024 tokens per rank per step. The link is calibrated so that
+communication ~ compute: first steps without a link measure the compute and the inter-node bytes
+of a step (slowest rank), then the inter-node tier gets 50 us + the bandwidth that makes a step's
+bytes take as long as its compute (bandwidth shared by the two microbatches: splitting cannot invent
+any). Also decode steps (16 running sequences per rank; 5x the trials: short, noisy steps) for `auto`.
+(2) The old settings, kept as a second table: ep 4 (--ep) on 2 cores, latency-only links of 0, 200,
+1000 us; decode 16 sequences per rank, prefill 4 x 48-token prompts per rank.
+
+Per setting and phase, steps alternate DBO off / on (/ auto), barrier-aligned, every rank in lockstep:
   T_off, T_on   median step time without / with the split,
   T_comm        time inside blocking dispatch/combine during the off steps (slowest rank),
   T_compute     T_off - T_comm,
-  overlap_eff   (T_off - T_on) / min(T_comm, T_compute)   (1 = perfect hiding of the smaller one).
-At 0 us it also runs dbo = "auto" against off (ratio of step times, after the switch has explored
-both choices: its steady state). Note: 4 ranks share 2 cores here, so "compute" of one rank
-competes with the others' — the efficiency is a lower bound.
-split_compute_ratio: one MoE layer on the step's tokens as two halves vs at once (one process, no
-communication): what splitting costs in compute before any overlap; on this CPU small batches are
-bound by reading the expert weights, which each microbatch does again.
-Last line: {"overlap_efficiency": {"0": ..., "200": ..., "1000": ...}, "auto_vs_off_at_0us": ...}.
-    python bench/dbo.py [--quick] [--png out.png]
+  overlap_eff   (T_off - T_on) / min(T_comm, T_compute)   (1 = the smaller one fully hidden),
+  auto          dbo = "auto" (rank 0's AutoSwitch decides, after exploring both): step time / off,
+                beside off_vs_off (a second "off" mode, the same host steps as auto: the noise floor).
+Modes are shuffled per trial (the same order on every rank).
+split_compute_ratio: one process, no communication, the same model and step run as two microbatches
+vs at once (the compute the split adds before any overlap), at the table's step sizes.
+Last line: {"overlap_efficiency_prefill_two_tier": .., "auto_vs_off": .. (worst phase, setting 1, medians; lower quartiles in the detail),
+"split_compute_ratio_prefill_two_tier": .., "overlap_efficiency": {"0": .., "200": .., "1000": ..},
+"auto_vs_off_at_0us": .., ...}.
+    python bench/dbo.py [--quick] [--png out.png] [--skip-old]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -29,6 +40,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 LATENCIES_US = (0, 200, 1000)
 PLAN = os.environ.get("WIDEEP_BENCH_PLAN", "1") == "1"   # 0: never the low-latency dispatch (A/B)
+# phase -> (sequences added per step, prompt tokens, max_tokens); decode: 16 running sequences
+WORKLOADS = {"old": {"decode": (16, 16, 400), "prefill": (4, 48, 1)},
+             "two_tier": {"decode": (16, 16, 900), "prefill": (4, 256, 1)}}
+DECODE_TRIALS = 5   # x the prefill trials in the rank-per-core setting: decode steps are short and noisy
 
 
 def _barrier(core):
@@ -36,188 +51,290 @@ def _barrier(core):
     dist.barrier(group=core.ctx.cpu_group)
 
 
+def _dispatchers(core) -> list:
+    return core.dispatchers()
+
+
 def _step(core, split: bool) -> tuple[float, float]:
     """One lockstep step on every rank -> (wall seconds, comm seconds of the blocking path)."""
-    d = core.model.dispatcher
-    comm0 = d.stats.comm_s
     import torch
     import torch.distributed as dist
+
+    from parallel import StepPlan
+    d = core.model.dispatcher
+    comm0 = d.stats.comm_s
     batch = core.scheduler.schedule()
     n = torch.tensor([sum(batch.num_tokens)])
     dist.all_reduce(n, op=dist.ReduceOp.MAX, group=core.ctx.cpu_group)  # as the engine's step sync
-    from parallel import StepPlan
     plan = StepPlan.make(int(n), split, d.low_latency_max_tokens if PLAN else 0)
     _barrier(core)
     t0 = time.perf_counter()
     if batch.seqs:
-        core.runner.execute(batch, plan)
+        core.scheduler.apply(batch, core.runner.execute(batch, plan))   # the runner never mutates sequences
     else:
         core.runner.dummy_step(plan)
-    dt = time.perf_counter() - t0
-    for s in batch.seqs:
-        if s.finished:
-            core.scheduler.finish(s)
-    return dt, d.stats.comm_s - comm0
+    return time.perf_counter() - t0, d.stats.comm_s - comm0
 
 
-def _phase(core, phase: str, trials: int, auto=None) -> dict:
-    import torch.distributed as dist
-    import torch
+class _Work:
+    """Adds this phase's requests; every rank the same shape of work."""
 
-    from engine.sampling_params import SamplingParams
-    rank = core.ctx.rank
-    times = {"off": [], "on": [], "auto": []}
-    comm = []
-    seq_id = [0]
+    def __init__(self, core, phase: str, shape: tuple[int, int, int]):
+        self.core, self.phase, self.shape, self.n = core, phase, shape, 0
 
-    def add(n, prompt_len, max_tokens):
-        for i in range(n):
-            seq_id[0] += 1
-            ids = [(7 * seq_id[0] + 13 * rank + j) % 250 + 2 for j in range(prompt_len)]
+    def add(self) -> None:
+        from engine.messages import NewRequest
+        from engine.sampling_params import SamplingParams
+        count, prompt_len, max_tokens = self.shape
+        rank = self.core.ctx.rank
+        for _ in range(count):
+            self.n += 1
+            ids = [(7 * self.n + 13 * rank + j) % 250 + 2 for j in range(prompt_len)]
             sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-            core.scheduler.add(core.make_sequence(f"{rank}-{seq_id[0]}", None, ids, sp, max_tokens))
+            self.core.add_request(NewRequest(f"{rank}-{self.phase}-{self.n}", ids, sp, max_tokens, time.time()))
 
+    def before_step(self) -> None:
+        if self.phase == "prefill":
+            self.add()
+
+    def after_step(self) -> None:
+        if self.phase == "prefill":   # the 1-token prompts finished in the step; free anything left
+            for s in list(self.core.scheduler.running):
+                self.core.scheduler.finish(s)
+
+    @property
+    def tokens(self) -> int:
+        count, prompt_len, _ = self.shape
+        return count if self.phase == "decode" else count * prompt_len
+
+
+def _auto_decide(core, auto, work) -> bool:
+    return _vote(core, auto.decide(work.tokens, work.phase == "decode"))
+
+
+def _vote(core, split: bool) -> bool:
+    import torch
+    import torch.distributed as dist
+    flag = torch.tensor([int(split)])
+    dist.broadcast(flag, src=0, group=core.ctx.cpu_group)  # rank 0's vote, as in the engine
+    return bool(flag.item())
+
+
+def _phase(core, phase: str, shape, trials: int, auto=None) -> dict:
+    work = _Work(core, phase, shape)
     if phase == "decode":
-        add(16, 16, 400)
+        work.add()
         while any(s.prefilling for s in core.scheduler.running) or core.scheduler.waiting:
             _step(core, False)
-    modes = ["off", "on"] + (["auto"] if auto is not None else [])
+    # "off2" is off again: the A/A ratio off2/off is this machine's noise floor beside auto/off
+    modes = ["off", "on"] + (["auto", "off2"] if auto is not None else [])
     if auto is not None:  # let the switch explore both choices first: the steady state is measured
-        n = 16 if phase == "decode" else 192
         for _ in range(2 * auto.min_samples):
-            if phase == "prefill":
-                add(4, 48, 1)
-            flag = torch.tensor([int(auto.decide(n, phase == "decode"))])
-            dist.broadcast(flag, src=0, group=core.ctx.cpu_group)
-            dt, _ = _step(core, bool(flag.item()))
-            auto.record(n, phase == "decode", bool(flag.item()), dt)
-            if phase == "prefill":
-                for s in list(core.scheduler.running):
-                    core.scheduler.finish(s)
-    for _ in range(trials):
-        for mode in modes:
-            if phase == "prefill":
-                add(4, 48, 1)
-            split = mode == "on"
-            if mode == "auto":
-                flag = torch.tensor([int(auto.decide(16 if phase == "decode" else 192, phase == "decode"))])
-                dist.broadcast(flag, src=0, group=core.ctx.cpu_group)  # rank 0's vote, as in the engine
-                split = bool(flag.item())
+            work.before_step()
+            split = _auto_decide(core, auto, work)
+            dt, _ = _step(core, split)
+            auto.record(work.tokens, phase == "decode", split, dt)
+            work.after_step()
+    times, comm, auto_splits = {m: [] for m in modes}, [], []
+    for t in range(trials):
+        order = list(modes)
+        random.Random(t).shuffle(order)   # the same on every rank; no mode always follows another
+        for mode in order:
+            work.before_step()
+            split = _auto_decide(core, auto, work) if mode == "auto" else mode == "on"
+            if mode == "off2":   # the same host-side steps as an auto step that decided "off"
+                split = _vote(core, False)
             dt, c = _step(core, split)
             if mode == "auto":
-                auto.record(16 if phase == "decode" else 192, phase == "decode", split, dt)
+                auto.record(work.tokens, phase == "decode", split, dt)
+                auto_splits.append(split)
             times[mode].append(dt)
             if mode == "off":
                 comm.append(c)
-            if phase == "prefill":  # the 1-token prompts finished in the step; free what is left
-                for s in list(core.scheduler.running):
-                    core.scheduler.finish(s)
-    out = {m: statistics.median(v) for m, v in times.items() if v}
+            work.after_step()
+    for s in list(core.scheduler.running) + list(core.scheduler.waiting):
+        core.scheduler.finish(s)
+    out = {m: statistics.median(v) for m, v in times.items()}
+    # interference from other processes only ever slows a step: the lower quartile is a second,
+    # less disturbed estimate of the same ratios
+    out["p25"] = {m: statistics.quantiles(v, n=4)[0] for m, v in times.items()}
     out["comm"] = statistics.median(comm)
+    if auto_splits:
+        out["auto_split_fraction"] = sum(auto_splits) / len(auto_splits)
     return out
 
 
-def worker(model_dir: str, trials: int) -> None:
+def _slowest(core, value: float) -> float:
     import torch
     import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=core.ctx.cpu_group)
+    return float(t)
+
+
+def _set_link(core, net) -> None:
+    for d in _dispatchers(core):
+        d.link = net
+
+
+def worker(model_dir: str, setting: str, trials: int) -> None:
+    import torch
 
     from dbo.auto import AutoSwitch
     from engine.core import EngineCore
-    from parallel.comm_stream import SimulatedLink
-    core = EngineCore(model_dir, progress=False, block_size=16, kv_cache_blocks=256, max_num_batched_tokens=512,
-                      enable_prefix_caching=False, dbo={"enabled": True}, parallel={"dispatch_backend": "torch"})
-    res = {}
-    for lat in LATENCIES_US:
-        link = SimulatedLink(latency_us=lat)
-        for d in [core.model.dispatcher, *core.runner.overlap.dispatchers]:
-            d.link = link if link.enabled else None
-        for phase in ("decode", "prefill"):
-            auto = AutoSwitch() if lat == 0 else None
-            r = _phase(core, phase, trials, auto)
-            # the slowest rank's comm time bounds what overlap can hide
-            t = torch.tensor([r["comm"]])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=core.ctx.cpu_group)
-            r["comm"] = float(t)
-            res[f"{lat}/{phase}"] = r
-            for s in list(core.scheduler.running) + list(core.scheduler.waiting):
-                core.scheduler.finish(s)
+    from parallel import shutdown
+    from parallel.comm_stream import SimulatedLink, SimulatedNetwork
+    torch.set_num_threads(1)
+    par = {"ranks_per_node": 1} if setting == "two_tier" else {"dispatch_backend": "torch"}
+    core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=1200,
+                                   max_num_batched_tokens=1024, enable_prefix_caching=False,
+                                   dbo={"enabled": True}, parallel=par)
+    res = {"dispatcher": type(core.model.dispatcher).__name__, "nodes": core.ctx.num_nodes}
+    if setting == "two_tier":
+        shape = WORKLOADS[setting]["prefill"]
+        # calibrate: compute and inter-node bytes of an unsplit prefill step, no link
+        _set_link(core, None)
+        cal = _phase(core, "prefill", shape, max(3, trials // 3))
+        d = core.model.dispatcher
+        b0 = d.stats.dispatch_bytes_inter + d.stats.combine_bytes_inter
+        work = _Work(core, "prefill", shape)
+        work.before_step()
+        _step(core, False)
+        work.after_step()
+        step_bytes = _slowest(core, d.stats.dispatch_bytes_inter + d.stats.combine_bytes_inter - b0)
+        compute = _slowest(core, cal["off"] - cal["comm"])
+        gbps = step_bytes * 8 / (compute * 1e9)
+        res["link"] = {"inter_us": 50.0, "inter_gbps": round(gbps, 4), "step_inter_bytes": int(step_bytes),
+                       "calibration_compute_ms": round(compute * 1e3, 2)}
+        _set_link(core, SimulatedNetwork(SimulatedLink(), SimulatedLink(50.0, gbps)))
+        for phase in ("prefill", "decode"):
+            n = trials * (DECODE_TRIALS if phase == "decode" else 1)
+            r = _phase(core, phase, WORKLOADS[setting][phase], n, AutoSwitch())
+            r["comm"] = _slowest(core, r["comm"])
+            res[phase] = r
+    else:
+        for lat in LATENCIES_US:
+            _set_link(core, SimulatedNetwork.of(SimulatedLink(latency_us=lat)))
+            for phase in ("decode", "prefill"):
+                r = _phase(core, phase, WORKLOADS[setting][phase], trials, AutoSwitch() if lat == 0 else None)
+                r["comm"] = _slowest(core, r["comm"])  # the slowest rank's comm time bounds what overlap can hide
+                res[f"{lat}/{phase}"] = r
     if core.ctx.rank == 0:
         print("RESULT " + json.dumps(res), flush=True)
-    from parallel import shutdown
     shutdown(core.ctx)
+
+
+def _row(r: dict) -> dict:
+    compute = max(r["off"] - r["comm"], 1e-9)
+    e = (r["off"] - r["on"]) / max(min(r["comm"], compute), 1e-9)
+    row = {"t_off_ms": round(r["off"] * 1e3, 2), "t_on_ms": round(r["on"] * 1e3, 2),
+           "t_comm_ms": round(r["comm"] * 1e3, 2), "t_compute_ms": round(compute * 1e3, 2),
+           "overlap_efficiency": round(e, 3)}
+    if "auto" in r:
+        row["auto_vs_off"] = round(r["auto"] / r["off"], 3)
+        row["auto_split_fraction"] = round(r["auto_split_fraction"], 2)
+        row["off_vs_off"] = round(r["off2"] / r["off"], 3)
+        q = r["p25"]
+        row["lower_quartile"] = {"auto_vs_off": round(q["auto"] / q["off"], 3),
+                                 "off_vs_off": round(q["off2"] / q["off"], 3), "on_vs_off": round(q["on"] / q["off"], 3)}
+    return row
+
+
+def _run(model_dir: str, setting: str, ranks: int, trials: int) -> dict:
+    from launch.local import run_local_ranks
+    rc, text = run_local_ranks([], ranks, timeout_s=1800, capture=True,
+                               cmd=[sys.executable, os.path.abspath(__file__), "--worker", model_dir, setting,
+                                    str(trials)])
+    if rc:
+        raise SystemExit(f"bench ranks ({setting}) failed with status {rc}")
+    return json.loads([x for x in text.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--worker", nargs=2, metavar=("DIR", "TRIALS"))
+    ap.add_argument("--worker", nargs=3, metavar=("DIR", "SETTING", "TRIALS"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--png", default=None)
-    ap.add_argument("--ep", type=int, default=4, help="ranks (dp = ep); the issue's setting is 4")
+    ap.add_argument("--ep", type=int, default=4, help="ranks of the old-settings table (dp = ep)")
+    ap.add_argument("--skip-old", action="store_true", help="only the rank-per-core setting")
     a = ap.parse_args()
     if a.worker:
-        worker(a.worker[0], int(a.worker[1]))
+        worker(a.worker[0], a.worker[1], int(a.worker[2]))
         return
-    from launch.local import run_local_ranks
     from launch.tiny import make_tiny_checkpoint
-    trials = 8 if a.quick else 25
+    trials = 8 if a.quick else 20
+    out = {}
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=0, vocab_size=256, hidden_size=256, intermediate_size=512,
                              moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32,
                              qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
-                             n_group=4, topk_group=2, initializer_range=0.05)
-        rc, text = run_local_ranks([], a.ep, timeout_s=900, capture=True,
-                                   cmd=[sys.executable, os.path.abspath(__file__), "--worker", d, str(trials)])
-        split_cost = _split_compute_ratio(d) if not rc else None
-    if rc:
-        raise SystemExit(f"bench ranks failed with status {rc}")
-    res = json.loads([x for x in text.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
-    eff, table = {}, {}
-    for lat in LATENCIES_US:
-        per = []
-        for phase in ("decode", "prefill"):
-            r = res[f"{lat}/{phase}"]
-            compute = max(r["off"] - r["comm"], 1e-9)
-            e = (r["off"] - r["on"]) / max(min(r["comm"], compute), 1e-9)
-            per.append(e)
-            table[f"{lat}us/{phase}"] = {"t_off_ms": round(r["off"] * 1e3, 2), "t_on_ms": round(r["on"] * 1e3, 2),
-                                         "t_comm_ms": round(r["comm"] * 1e3, 2),
-                                         "t_compute_ms": round(compute * 1e3, 2), "overlap_efficiency": round(e, 3)}
-            print(f"{lat:>5} us {phase:>7}: {table[f'{lat}us/{phase}']}", file=sys.stderr)
-        eff[str(lat)] = round(statistics.mean(per), 3)
-    autos = [res[f"0/{p}"]["auto"] / res[f"0/{p}"]["off"] for p in ("decode", "prefill")]
-    print(f"split compute ratio (two halves / whole): {split_cost}", file=sys.stderr)
-    if a.png:
-        _plot(table, a.png)
-    print(json.dumps({"overlap_efficiency": eff, "auto_vs_off_at_0us": round(statistics.mean(autos), 3),
-                      "ep": a.ep, "split_compute_ratio": split_cost, "detail": table}))
+                             n_group=4, topk_group=2, initializer_range=0.05, max_position_embeddings=1024)
+        two = _run(d, "two_tier", 2, trials)
+        split_two = _split_compute_ratio(d, WORKLOADS["two_tier"], trials)
+        table = {p: _row(two[p]) for p in ("prefill", "decode")}
+        for p, row in table.items():
+            row["split_compute_ratio"] = split_two[p]
+            print(f"2 ranks as 2 nodes x 1, {p}: {row}", file=sys.stderr, flush=True)
+        out.update({"overlap_efficiency_prefill_two_tier": table["prefill"]["overlap_efficiency"],
+                    "auto_vs_off": max(row["auto_vs_off"] for row in table.values()),
+                    "split_compute_ratio_prefill_two_tier": split_two["prefill"],
+                    "two_tier": {"dispatcher": two["dispatcher"], "nodes": two["nodes"], "link": two["link"],
+                                 **table}})
+        if not a.skip_old:
+            old = _run(d, "old", a.ep, trials)
+            split_old = _split_compute_ratio(d, WORKLOADS["old"], trials)
+            eff, rows = {}, {}
+            for lat in LATENCIES_US:
+                per = []
+                for phase in ("decode", "prefill"):
+                    rows[f"{lat}us/{phase}"] = _row(old[f"{lat}/{phase}"])
+                    per.append(rows[f"{lat}us/{phase}"]["overlap_efficiency"])
+                    print(f"old, ep {a.ep}, {lat:>5} us {phase:>7}: {rows[f'{lat}us/{phase}']}", file=sys.stderr)
+                eff[str(lat)] = round(statistics.mean(per), 3)
+            out.update({"overlap_efficiency": eff,
+                        "auto_vs_off_at_0us": round(statistics.mean(rows[f"0us/{p}"]["auto_vs_off"]
+                                                                     for p in ("decode", "prefill")), 3),
+                        "ep": a.ep, "split_compute_ratio": split_old, "detail": rows})
+            if a.png:
+                _plot(rows, a.png, a.ep)
+    print(json.dumps(out))
 
 
-def _split_compute_ratio(model_dir: str, trials: int = 15) -> dict:
+def _split_compute_ratio(model_dir: str, workloads: dict, trials: int) -> dict:
+    """One process (every expert local, no communication), DBO on: a step of the workload's size run
+    split vs whole, interleaved -> median ratio per phase."""
     import torch
 
-    from engine.build import load_model
+    from engine.core import EngineCore
+    from parallel import StepPlan
     torch.set_num_threads(1)
-    model = load_model(model_dir, progress=False)
-    moe = next(l.mlp for l in model.model.layers if l.is_moe)
+    core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=1200,
+                                   max_num_batched_tokens=1024, enable_prefix_caching=False, dbo={"enabled": True})
     out = {}
-    with torch.inference_mode():
-        for phase, T in (("decode", 16), ("prefill", 192)):
-            x = torch.randn(T, model.cfg.hidden_size)
-            whole, halves = [], []
-            for _ in range(trials):  # interleaved
+    for phase, shape in workloads.items():
+        work = _Work(core, phase, shape)
+        if phase == "decode":
+            work.add()
+            while any(s.prefilling for s in core.scheduler.running) or core.scheduler.waiting:
+                batch = core.scheduler.schedule()
+                core.scheduler.apply(batch, core.runner.execute(batch, StepPlan.make(sum(batch.num_tokens))))
+        times = {False: [], True: []}
+        for _ in range(trials):
+            for split in (False, True):
+                work.before_step()
+                batch = core.scheduler.schedule()
                 t0 = time.perf_counter()
-                moe(x)
-                whole.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
-                moe(x[: T // 2])
-                moe(x[T // 2:])
-                halves.append(time.perf_counter() - t0)
-            out[phase] = round(statistics.median(halves) / statistics.median(whole), 2)
+                core.scheduler.apply(batch, core.runner.execute(batch, StepPlan.make(sum(batch.num_tokens), split)))
+                times[split].append(time.perf_counter() - t0)
+                work.after_step()
+        for s in list(core.scheduler.running) + list(core.scheduler.waiting):
+            core.scheduler.finish(s)
+        out[phase] = round(statistics.median(times[True]) / statistics.median(times[False]), 3)
     return out
 
 
-def _plot(table: dict, path: str) -> None:
+def _plot(table: dict, path: str, ep: int) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -232,7 +349,7 @@ def _plot(table: dict, path: str) -> None:
     ax.bar([i + 0.2 for i in x], [table[k]["t_on_ms"] for k in keys], 0.4, label="DBO on")
     ax.set_xticks(list(x), keys, rotation=20)
     ax.set_ylabel("step time (ms)")
-    ax.set_title("wideep DBO, ep 4, CPU/gloo, simulated all-to-all latency")
+    ax.set_title(f"wideep DBO, ep {ep}, CPU/gloo, simulated all-to-all latency")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)

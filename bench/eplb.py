@@ -1,11 +1,21 @@
 """EPLB benchmark. (1) Planning on synthetic loads, 256 experts + 32 redundant slots at EP 8/32/144:
 plan time and balancedness vs a plain greedy baseline, slots/bytes a ±20% drift moves with the
-migration-aware plan vs a from-scratch one. (2) End to end on 4 local CPU ranks (gloo) with a
-skewed router: EPLB off vs on (after a rebalance), trials interleaved in one run; step time,
-(token, expert) pairs per EP rank per layer, bytes moved per rebalance (migration vs scratch).
-Last line: JSON with eplb_vs_off_step_time_ratio, bytes_moved_migration, bytes_moved_scratch,
-balancedness_before, balancedness_after (measured per-rank load, EPLB off / on).
-    python bench/eplb.py [--quick] [--png bench/eplb.png]
+migration-aware plan vs a from-scratch one. (2) End to end on local CPU ranks (gloo) with a skewed
+router: EPLB off vs on (after a rebalance), trials interleaved in one run; step time, (token,
+expert) pairs per EP rank per layer, bytes moved per rebalance (migration vs scratch):
+  - rank per core (the issue's setting): 2 ranks on the 2 cores, expert GEMMs dominating the step
+    (moe_intermediate_size 4096: a token's 6 routed experts are ~85% of its FLOPs), where a rank's
+    idle time is really idle and the busiest rank sets the pace;
+  - the old settings, kept as a second table: 4 ranks (and 2) with moe_intermediate_size 512.
+Step time is wall time (the target's measure; medians and lower quartiles of interleaved trials),
+and, because other processes share these 2 cores, also the lockstep critical path of CPU time: per
+stretch between two all-to-all starts, the CPU seconds of the slowest rank, summed (the step time
+with a core per rank and an instant network; waiting costs no CPU time).
+Last line: JSON with step_time_ratio_rank_per_core (on / off, 2 ranks, wall),
+cpu_critical_path_ratio_rank_per_core, eplb_vs_off_step_time_ratio
+(4 ranks, 512), bytes_moved_migration, bytes_moved_scratch, balancedness_before, balancedness_after
+(measured per-rank load, EPLB off / on, 4 ranks).
+    python bench/eplb.py [--quick] [--png bench/eplb.png] [--skip-old]
 """
 from __future__ import annotations
 
@@ -96,7 +106,40 @@ def _llm(model_dir: str, eplb_cfg, ctx=None):
     return llm, EplbController(llm.model, llm.ctx, eplb_cfg)
 
 
+class _CpuMarks:
+    """This process's CPU time at each all-to-all start of a dispatcher: the points where the ranks
+    meet in lockstep. Between two of them a rank computes (waiting for peers costs no CPU time: gloo
+    blocks), so the sum over segments of the slowest rank's CPU time is the step time the ranks would
+    take with a core each and an instant network, whatever else runs on this machine."""
+
+    def __init__(self, dispatcher):
+        self.marks: list[float] = []
+        for name in ("dispatch_start", "combine_start"):
+            setattr(dispatcher, name, self._marked(getattr(dispatcher, name)))
+
+    def _marked(self, start):
+        def call(*args, **kwargs):
+            self.marks.append(time.process_time())
+            return start(*args, **kwargs)
+        return call
+
+
+def _critical_path(ctx, marks: list[float]) -> float:
+    """Collective: marks from every rank (the same count: every rank enters every all-to-all) ->
+    sum over segments of the largest CPU seconds any rank spent in it."""
+    import torch.distributed as dist
+    seg = torch.tensor(marks, dtype=torch.float64).diff()
+    n = torch.tensor([len(seg), -len(seg)], dtype=torch.float64)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+    if n[0] != -n[1]:
+        raise RuntimeError(f"ranks saw different numbers of all-to-alls ({int(-n[1])} .. {int(n[0])})")
+    dist.all_reduce(seg, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
+    return float(seg.sum())
+
+
 def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int) -> None:
+    import torch.distributed as dist
+
     from engine import SamplingParams
     from eplb import EplbConfig, Placement, balancedness
     from eplb.rebalancer import plan_placement
@@ -125,14 +168,25 @@ def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int)
     for c in (rec_off, rec_on):
         c.recorder.reset_rank_load()
     times = {"off": [], "on": []}
+    cpu = {"off": [], "on": []}       # CPU seconds of the busiest rank over the whole generate
+    path = {"off": [], "on": []}      # the lockstep critical path of CPU time (_CpuMarks)
+    marks = {"off": _CpuMarks(off.model.dispatcher), "on": _CpuMarks(on.model.dispatcher)}
     moe_calls = {}
     for t in range(trials):
         for name in (("off", "on") if t % 2 == 0 else ("on", "off")):
             llm = off if name == "off" else on
             llm.model.dispatcher.stats.reset()
-            t0 = time.perf_counter()
+            m = marks[name].marks
+            m.clear()
+            t0, c0 = time.perf_counter(), time.process_time()
+            m.append(c0)
             llm.generate(work, sp)
             times[name].append(time.perf_counter() - t0)
+            m.append(time.process_time())
+            path[name].append(_critical_path(llm.ctx, m))
+            c = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+            dist.all_reduce(c, op=dist.ReduceOp.MAX, group=llm.ctx.cpu_group)
+            cpu[name].append(float(c))
             moe_calls[name] = llm.model.dispatcher.stats.dispatch_calls
     loads = {"off": rec_off.rank_load(), "on": rec_on.rank_load()}              # collective
     # the last generate of each: hidden bytes sent to other ranks, time in dispatch/combine (all ranks)
@@ -140,10 +194,22 @@ def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int)
     if off.ctx.rank == 0:
         steps = {k: v // L for k, v in moe_calls.items()}                         # forwards per generate
         med = {k: statistics.median(v) for k, v in times.items()}
+        med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
+        med_path = {k: statistics.median(v) for k, v in path.items()}
+        # interference from other processes only slows a generate: the lower quartile is a second estimate
+        q25 = {k: statistics.quantiles(v, n=4)[0] for k, v in times.items()}
         bal = {k: (v.double().mean(-1) / v.double().max(-1).values) for k, v in loads.items()}
-        res = {"step_s_off": round(med["off"] / steps["off"], 4), "step_s_on": round(med["on"] / steps["on"], 4),
+        work_steps = min(steps.values())                                          # steps with tokens
+        res = {"step_s_off": round(med["off"] / work_steps, 4), "step_s_on": round(med["on"] / work_steps, 4),
                "steps_per_generate": steps, "generate_s": {k: [round(x, 3) for x in v] for k, v in times.items()},
-               "eplb_vs_off_step_time_ratio": round((med["on"] / steps["on"]) / (med["off"] / steps["off"]), 3),
+               # the same prompts either way: the ratio of generate times is the ratio of step times (a
+               # generate sometimes runs one more, empty, lockstep step on either side: see steps_per_generate)
+               "eplb_vs_off_step_time_ratio": round(med["on"] / med["off"], 3),
+               "eplb_vs_off_step_time_ratio_lower_quartile": round(q25["on"] / q25["off"], 3),
+               "cpu_critical_path_s_per_generate": {k: round(v, 4) for k, v in med_path.items()},
+               "eplb_vs_off_cpu_critical_path_ratio": round(med_path["on"] / med_path["off"], 3),
+               "busiest_rank_cpu_s_per_generate": {k: round(v, 4) for k, v in med_cpu.items()},
+               "eplb_vs_off_busiest_rank_cpu_ratio": round(med_cpu["on"] / med_cpu["off"], 3),
                "max_pairs_per_rank_off": loads["off"].max(-1).values.tolist(),
                "max_pairs_per_rank_on": loads["on"].max(-1).values.tolist(),
                "pairs_per_rank_off": loads["off"].tolist(), "pairs_per_rank_on": loads["on"].tolist(),
@@ -167,14 +233,14 @@ def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int)
     on.shutdown()
 
 
-def skewed_checkpoint(out_dir: str, boost: float = 0.3) -> str:
+def skewed_checkpoint(out_dir: str, boost: float = 0.3, moe_intermediate_size: int = 512) -> str:
     """Tiny DeepSeek-V3 (32 experts, top-6, 4 groups; experts dominate the FLOPs) whose gate bias
     sends most tokens to 4 experts of one group and 2 of the next, a different group per layer."""
     from safetensors.torch import load_file, save_file
 
     from launch.tiny import make_tiny_checkpoint
     make_tiny_checkpoint(out_dir, arch="v3", seed=0, vocab_size=1024, hidden_size=256, intermediate_size=512,
-                         moe_intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                         moe_intermediate_size=moe_intermediate_size, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
                          qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
                          n_group=4, topk_group=2, initializer_range=0.05)
@@ -188,22 +254,24 @@ def skewed_checkpoint(out_dir: str, boost: float = 0.3) -> str:
     return out_dir
 
 
-def end_to_end(quick: bool, ep: int) -> dict:
+def end_to_end(quick: bool, ep: int, moe_intermediate_size: int = 512, batch: int = 16, trials: int = 7) -> dict:
     from launch.local import run_local_ranks
-    batch, prompt, trials = (8, 128, 3) if quick else (16, 128, 7)
+    batch, prompt, trials = (batch // 2, 128, 4) if quick else (batch, 128, trials)
     redundant = ep  # one replica slot per rank: 32 + ep slots
     with tempfile.TemporaryDirectory() as d:
-        skewed_checkpoint(d)
+        skewed_checkpoint(d, moe_intermediate_size=moe_intermediate_size)
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", d, str(batch), str(prompt), str(trials),
                str(redundant)]
-        rc, text = run_local_ranks([], ep, timeout_s=900, cmd=cmd, capture=True)
+        rc, text = run_local_ranks([], ep, timeout_s=1800, cmd=cmd, capture=True)
     if rc:
         raise SystemExit(f"end-to-end ranks failed with status {rc}")
     res = json.loads([x for x in text.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
     res["workload"] = {"ep": ep, "batch": batch, "prompt": prompt, "max_tokens": 2, "trials": trials,
-                       "experts": 32, "redundant": redundant, "topk": 6, "hidden": 256, "moe_intermediate": 512}
-    print(f"end to end ep {ep}: ratio {res['eplb_vs_off_step_time_ratio']}, max pairs per rank off "
-          f"{res['max_pairs_per_rank_off']} on {res['max_pairs_per_rank_on']}", file=sys.stderr, flush=True)
+                       "experts": 32, "redundant": redundant, "topk": 6, "hidden": 256,
+                       "moe_intermediate": moe_intermediate_size}
+    print(f"end to end ep {ep}, moe_intermediate {moe_intermediate_size}: ratio {res['eplb_vs_off_step_time_ratio']}, "
+          f"max pairs per rank off {res['max_pairs_per_rank_off']} on {res['max_pairs_per_rank_on']}",
+          file=sys.stderr, flush=True)
     return res
 
 
@@ -212,25 +280,37 @@ def main() -> None:
     ap.add_argument("--worker", nargs=5, metavar=("DIR", "BATCH", "PROMPT", "TRIALS", "REDUNDANT"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--png", default=None, help="write the per-rank load report here (needs matplotlib)")
+    ap.add_argument("--skip-old", action="store_true", help="only the rank-per-core setting (no planning table)")
+    ap.add_argument("--moe-intermediate", type=int, default=4096, help="of the rank-per-core setting's model")
     a = ap.parse_args()
     if a.worker:
         d, *nums = a.worker
         worker(d, *map(int, nums))
         return
-    plan = planning(layers=16 if a.quick else 58)
-    e2e = end_to_end(a.quick, 4)
-    e2e_ep2 = end_to_end(a.quick, 2)  # 2 ranks on 2 cores: a rank's expert time is wall time
-    if a.png:
-        from launch.eplb_cli import draw_report
-        draw_report(torch.tensor(e2e["load"]), torch.tensor(e2e["phy2log_initial"]),
-                    torch.tensor(e2e["phy2log_final"]), 4, a.png, title="bench/eplb.py: ep 4, skewed router")
-    for r in (e2e, e2e_ep2):
+    per_core = end_to_end(a.quick, 2, moe_intermediate_size=a.moe_intermediate, trials=11)
+    out = {"step_time_ratio_rank_per_core": per_core["eplb_vs_off_step_time_ratio"],
+           "step_time_ratio_rank_per_core_lower_quartile": per_core["eplb_vs_off_step_time_ratio_lower_quartile"],
+           "cpu_critical_path_ratio_rank_per_core": per_core["eplb_vs_off_cpu_critical_path_ratio"],
+           "busiest_rank_cpu_ratio_rank_per_core": per_core["eplb_vs_off_busiest_rank_cpu_ratio"]}
+    runs = {"rank_per_core": per_core}
+    if not a.skip_old:
+        plan = planning(layers=16 if a.quick else 58)
+        e2e = end_to_end(a.quick, 4)
+        e2e_ep2 = end_to_end(a.quick, 2)  # 2 ranks on 2 cores, moe_intermediate 512
+        if a.png:
+            from launch.eplb_cli import draw_report
+            draw_report(torch.tensor(e2e["load"]), torch.tensor(e2e["phy2log_initial"]),
+                        torch.tensor(e2e["phy2log_final"]), 4, a.png, title="bench/eplb.py: ep 4, skewed router")
+        keys = ("eplb_vs_off_step_time_ratio", "bytes_moved_migration", "bytes_moved_scratch", "balancedness_before",
+                "balancedness_after")
+        out.update({k: e2e[k] for k in keys})
+        out["eplb_vs_off_step_time_ratio_ep2"] = e2e_ep2[keys[0]]
+        out["planning"] = plan
+        runs.update(end_to_end=e2e, end_to_end_ep2=e2e_ep2)
+    for r in runs.values():
         for k in ("load", "phy2log_initial", "phy2log_final", "pairs_per_rank_off", "pairs_per_rank_on"):
             r.pop(k)
-    keys = ("eplb_vs_off_step_time_ratio", "bytes_moved_migration", "bytes_moved_scratch", "balancedness_before",
-            "balancedness_after")
-    print(json.dumps({**{k: e2e[k] for k in keys}, "eplb_vs_off_step_time_ratio_ep2": e2e_ep2[keys[0]],
-                      "end_to_end": e2e, "end_to_end_ep2": e2e_ep2, "planning": plan, "cpus": os.cpu_count()}))
+    print(json.dumps({**out, **runs, "cpus": os.cpu_count()}))
 
 
 if __name__ == "__main__":

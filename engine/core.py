@@ -60,12 +60,10 @@ class EngineCore:
         self.model_dir = cfg.model
         device = cfg.device or str(ctx.device)
         pcfg = cfg.parallel
-        link = None
-        if pcfg.simulated_latency_us or pcfg.simulated_gbps:
-            from parallel.comm_stream import SimulatedLink
-            link = SimulatedLink(pcfg.simulated_latency_us, pcfg.simulated_gbps)
+        from parallel.comm_stream import SimulatedNetwork
         self.dispatch_options = dict(low_latency_max_tokens=pcfg.deepep_low_latency_max_tokens,
-                                     torch_low_latency_max_tokens=pcfg.torch_low_latency_max_tokens, link=link)
+                                     torch_low_latency_max_tokens=pcfg.torch_low_latency_max_tokens,
+                                     link=SimulatedNetwork.from_config(pcfg))
         self.model = load_model(cfg.model, parse_dtype(cfg.dtype), device, progress and ctx.rank == 0, ctx,
                                 pcfg.dispatch_backend, mcfg, num_redundant_experts=pcfg.num_redundant_experts,
                                 eplb=cfg.eplb, experts_backend=cfg.experts_backend,
@@ -90,6 +88,7 @@ class EngineCore:
                 self.auto = AutoSwitch()
         self.runner = ModelRunner(self.model, self.kv, overlap)
         self.split_steps = 0
+        self._nodes_seen = self._nodes_step = None   # routing histograms: cumulative, and of the last step
         d = self.model.dispatcher
         self.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
         self.tokenizer = _load_tokenizer(cfg.model)
@@ -207,6 +206,11 @@ class EngineCore:
         """Every rank, after every step that ran (dummy steps included): EPLB's step counter and
         load window (a rebalance, when due, is collective), and the DBO auto switch's timings."""
         self.split_steps += split
+        from parallel.dispatch.routing import total_counts
+        seen = total_counts(self.dispatchers())   # on the device: no sync
+        if seen is not None:
+            self._nodes_step = seen - self._nodes_seen if self._nodes_seen is not None else seen
+            self._nodes_seen = seen
         if self.eplb is not None:
             self.eplb.after_step(sum(num_tokens))
         if self.auto is not None:
@@ -215,7 +219,10 @@ class EngineCore:
 
     def stats(self) -> dict:
         """This rank's scheduler and cache state, plus cumulative MoE all-to-all bytes (this rank's
-        sends, DBO's microbatch dispatchers included), DBO split steps and EPLB rebalances."""
+        sends, DBO's microbatch dispatchers included; dispatch_bytes_remote = _intra (to its node's
+        ranks) + _inter (to other nodes)), the routing histograms (moe_nodes_per_token[j]: (token,
+        MoE layer) dispatches that touched j nodes, since start and in the last step;
+        parallel/dispatch/routing.py), DBO split steps and EPLB rebalances."""
         b = self.blocks
         out = {"dp_rank": self.ctx.origin_rank, "running": len(self.scheduler.running),
                "waiting": len(self.scheduler.waiting),
@@ -224,8 +231,12 @@ class EngineCore:
                "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps}
         disp = self.dispatchers()
         if disp:
-            out["dispatch_bytes_remote"] = sum(d.stats.dispatch_bytes_remote + d.stats.combine_bytes_remote
-                                               for d in disp)
+            for key in ("remote", "intra", "inter"):
+                out[f"dispatch_bytes_{key}"] = sum(getattr(d.stats, f"dispatch_bytes_{key}")
+                                                   + getattr(d.stats, f"combine_bytes_{key}") for d in disp)
+            if self._nodes_seen is not None:   # SYNC: two small histograms, when stats are reported
+                out["moe_nodes_per_token"] = self._nodes_seen.tolist()
+                out["moe_nodes_per_token_step"] = self._nodes_step.tolist()
         if self.eplb is not None:
             m = self.eplb.metrics
             out["eplb_rebalances"] = m["rebalances"]

@@ -198,6 +198,7 @@ def _rebuild(core) -> None:
         from dbo.overlap import Overlap
         core.runner.overlap = Overlap(model, ctx)
     d = model.dispatcher
+    core._nodes_seen = core._nodes_step = None   # new dispatchers count afresh, over one node now
     core.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
     if cfg.eplb.enabled and core.config.moe is not None:
         from eplb.controller import EplbController

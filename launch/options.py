@@ -58,7 +58,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("parallel.dp_size", "data-parallel ranks (default: the launcher's world size)", spec=INT),
     Option("parallel.ep_size", "expert-parallel ranks (default: the launcher's world size)", spec=INT),
     Option("parallel.dispatch_backend", "MoE all-to-all backend",
-           spec={"choices": ["auto", "torch", "allgather", "deepep"]}),
+           spec={"choices": ["auto", "torch", "hierarchical", "allgather", "deepep"]}),   # = DISPATCH_BACKENDS
     Option("engine.block_size", "KV cache block size in tokens (default 64)", spec=INT),
     Option("engine.kv_cache_blocks", "KV cache blocks per rank (default: sized from kv_cache_memory)", spec=INT),
     Option("engine.max_num_seqs", "most sequences in one step per rank (default 256)", spec=INT),

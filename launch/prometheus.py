@@ -40,6 +40,13 @@ _PER_RANK = [   # (name, key in a rank's stats, type, help); absent keys are ski
     ("wideep_rank_kv_cache_blocks_used", "kv_blocks_used", "gauge", "KV blocks in use on one DP rank."),
     ("wideep_rank_moe_remote_bytes_total", "dispatch_bytes_remote", "counter",
      "MoE dispatch + combine bytes one rank sent to other ranks."),
+    ("wideep_rank_moe_intra_node_bytes_total", "dispatch_bytes_intra", "counter",
+     "MoE dispatch + combine bytes one rank sent to other ranks of its node."),
+    ("wideep_rank_moe_inter_node_bytes_total", "dispatch_bytes_inter", "counter",
+     "MoE dispatch + combine bytes one rank sent to ranks of other nodes."),
+    ("wideep_rank_moe_nodes_per_token_max_step", "moe_nodes_per_token_max_step", "gauge",
+     "Most nodes one token's experts were on, in the rank's last step (<= topk_group with "
+     "group-limited routing and expert groups on nodes)."),
     ("wideep_rank_dbo_split_steps_total", "dbo_split_steps", "counter", "Steps run as two DBO microbatches."),
     ("wideep_rank_eplb_rebalances_total", "eplb_rebalances", "counter", "EPLB rebalances completed."),
     ("wideep_rank_eplb_balancedness", "eplb_balancedness", "gauge",
@@ -61,6 +68,7 @@ def _num(v) -> str:
 
 def render(m: dict) -> str:
     lines: list[str] = []
+    ranks = [_with_step_max(st) for st in m.get("per_rank", [])]
 
     def head(name: str, kind: str, help_: str) -> None:
         lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
@@ -69,12 +77,23 @@ def render(m: dict) -> str:
         if key in m:
             head(name, kind, help_)
             lines.append(f"{name} {_num(m[key])}")
-    ranks = m.get("per_rank", [])
     for name, key, kind, help_ in _PER_RANK:
         samples = [(r, st[key]) for r, st in enumerate(ranks) if st.get(key) is not None]
         if samples:
             head(name, kind, help_)
             lines.extend(f'{name}{{dp_rank="{r}"}} {_num(v)}' for r, v in samples)
+    name = "wideep_rank_moe_nodes_per_token"
+    hists = [(r, st["moe_nodes_per_token"]) for r, st in enumerate(ranks) if st.get("moe_nodes_per_token")]
+    if hists:
+        head(name, "histogram", "Nodes holding a token's experts, per (token, MoE layer) dispatch, since start.")
+        for r, counts in hists:
+            cum = 0
+            for j, n in enumerate(counts):
+                cum += n
+                lines.append(f'{name}_bucket{{dp_rank="{r}",le="{j}"}} {cum}')
+            lines.append(f'{name}_bucket{{dp_rank="{r}",le="+Inf"}} {cum}')
+            lines.append(f'{name}_sum{{dp_rank="{r}"}} {sum(j * n for j, n in enumerate(counts))}')
+            lines.append(f'{name}_count{{dp_rank="{r}"}} {cum}')
     head("wideep_requests_finished_total", "counter", "Finished requests by finish reason (length|stop|abort).")
     for reason, n in sorted(m.get("requests_finished", {}).items()):
         lines.append(f'wideep_requests_finished_total{{finish_reason="{reason}"}} {n}')
@@ -86,6 +105,14 @@ def render(m: dict) -> str:
         lines.extend(f'{name}_bucket{{le="{_num(le)}"}} {n}' for le, n in h["buckets"])
         lines.extend([f"{name}_sum {_num(float(h['sum']))}", f"{name}_count {h['count']}"])
     return "\n".join(lines) + "\n"
+
+
+def _with_step_max(st: dict) -> dict:
+    """A rank's stats plus moe_nodes_per_token_max_step, from its last step's histogram."""
+    step = st.get("moe_nodes_per_token_step")
+    if not step:
+        return st
+    return dict(st, moe_nodes_per_token_max_step=max((j for j, n in enumerate(step) if n), default=0))
 
 
 def parse(text: str) -> dict[str, float]:

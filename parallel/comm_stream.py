@@ -14,9 +14,16 @@ can arrive before its sender sent it), as over a real inter-node link. The delay
 whatever the caller computes before it waits (it is never a sleep on the compute thread while the
 transfer could be in flight), and a rank that waits for a late peer still pays the full latency
 after the peer arrives. The loopback exchange itself finishes at the rendezvous, so its completion
-time stands in for it. Enabled by ParallelConfig.simulated_latency_us / simulated_gbps; off (zero
-cost) by default. Meant for gloo on CPU (completion callbacks of CUDA collectives fire when the
-kernels are queued, not done).
+time stands in for it. Meant for gloo on CPU (completion callbacks of CUDA collectives fire when
+the kernels are queued, not done).
+
+SimulatedNetwork: one rank's two tiers of links, to the ranks of its own node (intra, NVLink-like)
+and to other nodes (inter, RDMA-like), each a SimulatedLink with its own latency, bandwidth and
+queue. A transfer says how many bytes it puts on each tier it uses (None: it talks to no rank on
+that tier); it arrives when the slower tier has delivered (the tiers run in parallel, as NVLink and
+RDMA do). Built from `[parallel] simulated_latency_us` / `simulated_gbps` (the intra-node tier; with
+one node, every all-to-all) and `simulated_inter_node_latency_us` / `simulated_inter_node_gbps`
+(0 = as the intra-node tier); off (zero cost) by default.
 """
 from __future__ import annotations
 
@@ -59,12 +66,55 @@ class SimulatedLink:
             self._free_at = start + self._wire_s(nbytes)
             return self._free_at + self.latency_s
 
-    def ready_at(self, nbytes: int) -> float:
-        """Arrival of a transfer whose rendezvous is now (call it right after a blocking collective
-        returned)."""
-        return self.deliver_at(time.perf_counter(), nbytes)
+    @staticmethod
+    def wait_until(t: float) -> None:
+        left = t - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
 
-    def track(self, works: list, nbytes: int) -> Callable[[], None]:
+
+class SimulatedNetwork:
+    """intra: the link to the other ranks of this node; inter: to ranks of other nodes (None: the
+    same link object carries both tiers, sharing one bandwidth, as a plain SimulatedLink did)."""
+
+    def __init__(self, intra: SimulatedLink, inter: SimulatedLink | None = None):
+        self.intra, self.inter = intra, inter if inter is not None else intra
+        self.delay_s = 0.0     # sum over transfers of (arrival - rendezvous): what the links added
+
+    @classmethod
+    def of(cls, link: "SimulatedLink | SimulatedNetwork | None") -> "SimulatedNetwork | None":
+        """A network from a link (one tier for everything) or a network; None when off."""
+        net = cls(link) if isinstance(link, SimulatedLink) else link
+        return net if net is not None and net.enabled else None
+
+    @classmethod
+    def from_config(cls, pcfg) -> "SimulatedNetwork | None":
+        """From a ParallelConfig's simulated_* fields; None when every one is 0."""
+        intra = SimulatedLink(pcfg.simulated_latency_us, pcfg.simulated_gbps)
+        inter = SimulatedLink(pcfg.simulated_inter_node_latency_us or pcfg.simulated_latency_us,
+                              pcfg.simulated_inter_node_gbps or pcfg.simulated_gbps)
+        return cls.of(cls(intra, inter))
+
+    @property
+    def enabled(self) -> bool:
+        return self.intra.enabled or self.inter.enabled
+
+    def transfer_s(self, intra: int | None, inter: int | None) -> float:
+        """Seconds a transfer with these bytes per tier (None: tier unused) takes on idle links."""
+        return max([0.0] + [link.transfer_s(n) for link, n in self._legs(intra, inter)])
+
+    def deliver_at(self, t_rendezvous: float, intra: int | None, inter: int | None) -> float:
+        """Arrival of a transfer whose rendezvous was at t_rendezvous: each tier it uses delivers
+        its bytes (queued behind that tier's earlier transfers); the slower tier decides."""
+        arrival = max([t_rendezvous] + [link.deliver_at(t_rendezvous, n) for link, n in self._legs(intra, inter)])
+        self.delay_s += arrival - t_rendezvous
+        return arrival
+
+    def ready_at(self, intra: int | None, inter: int | None) -> float:
+        """Arrival of a transfer whose rendezvous is now (right after a blocking collective)."""
+        return self.deliver_at(time.perf_counter(), intra, inter)
+
+    def track(self, works: list, intra: int | None, inter: int | None) -> Callable[[], None]:
         """For async collectives: -> a function that, called after the works were waited, blocks
         until the transfer arrives, counted from when the last of them completed (timestamped by
         completion callbacks, so compute done between start and wait hides the delay)."""
@@ -75,14 +125,14 @@ class SimulatedLink:
         def deliver() -> None:
             # the callbacks run when each work completes; a work without one yet finished just now
             t = max(done) if len(done) == len(works) else time.perf_counter()
-            SimulatedLink.wait_until(self.deliver_at(t, nbytes))
+            SimulatedLink.wait_until(self.deliver_at(t, intra, inter))
         return deliver
 
-    @staticmethod
-    def wait_until(t: float) -> None:
-        left = t - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+    def _legs(self, intra: int | None, inter: int | None) -> list[tuple[SimulatedLink, int]]:
+        if self.inter is self.intra:   # one link for both tiers: one transfer of all the bytes
+            used = [n for n in (intra, inter) if n is not None]
+            return [(self.intra, sum(used))] if used else []
+        return [(link, n) for link, n in ((self.intra, intra), (self.inter, inter)) if n is not None]
 
 
 class CommStream:

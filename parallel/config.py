@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from .expert_layout import ExpertLayout
 
 BACKENDS = ("auto", "gloo", "nccl")
-DISPATCH_BACKENDS = ("auto", "torch", "allgather", "deepep")
+DISPATCH_BACKENDS = ("auto", "torch", "hierarchical", "allgather", "deepep")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class ParallelConfig:
     ep_size: int = 1
     tp_size: int = 1
     backend: str = "auto"              # process-group backend: gloo on CPU, nccl on CUDA
-    dispatch_backend: str = "auto"     # MoE all-to-all: auto = deepep when usable, else torch
+    dispatch_backend: str = "auto"     # MoE all-to-all: auto = deepep when usable, else hierarchical with
+                                       # more than one node, else torch
     num_redundant_experts: int = 0     # extra physical expert slots for EPLB replicas
     timeout_s: float = 60.0            # collectives, rendezvous; a silent rank is lost after this long
     heartbeat_s: float = 1.0           # watchdog beat period between ring neighbours
@@ -32,7 +33,9 @@ class ParallelConfig:
     torch_low_latency_max_tokens: int = 64    # steps up to this many tokens per rank: padded one-message
                                               # torch all-to-all, no count exchange (0 = never)
     simulated_latency_us: float = 0.0  # testing: each torch all-to-all takes >= this + bytes / simulated_gbps
-    simulated_gbps: float = 0.0        # 0 = no bandwidth term
+    simulated_gbps: float = 0.0        # 0 = no bandwidth term; these two: the intra-node tier (one node: all)
+    simulated_inter_node_latency_us: float = 0.0   # the inter-node tier's (0 = as the intra-node tier)
+    simulated_inter_node_gbps: float = 0.0
 
     def __post_init__(self):
         for name in ("dp_size", "ep_size", "tp_size"):
@@ -57,9 +60,13 @@ class ParallelConfig:
             raise ValueError(
                 f"heartbeat_s ({self.heartbeat_s}) is too long for timeout_s ({self.timeout_s}): a lost rank is "
                 f"declared after {self.lost_after_s:g} s; need lost_after_s + heartbeat_s <= timeout_s")
-        if self.simulated_latency_us < 0 or self.simulated_gbps < 0:
-            raise ValueError(f"simulated_latency_us ({self.simulated_latency_us}) and simulated_gbps "
-                             f"({self.simulated_gbps}) must be >= 0")
+        bad = {f: getattr(self, f) for f in ("simulated_latency_us", "simulated_gbps", "simulated_inter_node_latency_us",
+                                             "simulated_inter_node_gbps")
+               if not isinstance(getattr(self, f), (int, float)) or isinstance(getattr(self, f), bool)
+               or not getattr(self, f) >= 0}
+        if bad:
+            raise ValueError(f"simulated link settings must be numbers >= 0, got "
+                             + ", ".join(f"{k} = {v!r}" for k, v in bad.items()))
         if self.deepep_low_latency_max_tokens < 1:
             raise ValueError(f"deepep_low_latency_max_tokens must be >= 1, got {self.deepep_low_latency_max_tokens}")
         if not isinstance(self.torch_low_latency_max_tokens, int) or self.torch_low_latency_max_tokens < 0:

@@ -52,7 +52,8 @@ class AllGatherDispatcher(Dispatcher):
         with guard_collective(ctx):
             works = [dist.all_gather(out, t, group=group, async_op=True) for out, t in ((xs, xp), (idss, ids), (ws, w))]
         row_bytes = self.hidden * x.element_size()
-        self._count("dispatch", ep * M * row_bytes, (ep - 1) * M * row_bytes, ep * (8 + ids.numel() * 8 + w.numel() * 4))
+        self._count("dispatch", ep * M * row_bytes, *self.nodes.block_bytes(M * row_bytes),
+                    ep * (8 + ids.numel() * 8 + w.numel() * 4))
 
         def finish() -> Dispatched:
             all_ids = torch.cat(idss)                                          # [ep*M, k] physical
@@ -64,7 +65,8 @@ class AllGatherDispatcher(Dispatcher):
         return Pending(ctx, works, finish)
 
     def _combine_start(self, y: Tensor, handle: AllGatherHandle) -> Pending:
-        """y [ep*M, H] -> Pending[[T,H]]: all-reduce the partial sums, keep this rank's rows."""
+        """y [ep*M, H] -> Pending[[T,H]]: all-reduce the partial sums, keep this rank's rows (counted
+        as every other rank's block once, as the dispatch: what the all-reduce must bring in)."""
         M, T = handle.padded, handle.num_tokens
         ep = self.ctx.ep_size
         if y.shape != (ep * M, self.hidden):
@@ -74,6 +76,6 @@ class AllGatherDispatcher(Dispatcher):
         with guard_collective(self.ctx):
             work = dist.all_reduce(total, group=self.group, async_op=True)
         row_bytes = self.hidden * y.element_size()
-        self._count("combine", ep * M * row_bytes, ep * M * row_bytes)
+        self._count("combine", ep * M * row_bytes, *self.nodes.block_bytes(M * row_bytes))
         start = self.ctx.ep_rank * M
         return Pending(self.ctx, [work], lambda: total[start:start + T].to(y.dtype))

@@ -33,6 +33,8 @@ from ..context import ParallelContext
 from ..expert_layout import ExpertLayout
 from ..step_plan import StepPlan
 from ..watchdog import guard_collective
+from .nodes import NodeLayout
+from .routing import NodeHistogram
 
 NORMAL = StepPlan()  # a plan that asks for nothing: normal mode, one call at a time
 
@@ -49,7 +51,9 @@ class Dispatched:
 @dataclass
 class DispatchStats:
     """Counters since the last reset(). Bytes are what is put in send buffers: *_bytes includes the
-    rows a rank sends to itself, *_bytes_remote only those for other ranks."""
+    rows a rank sends to itself, *_bytes_remote only those for other ranks, = *_bytes_intra (ranks of
+    its node) + *_bytes_inter (ranks of other nodes; parallel/dispatch/nodes.py). A two-level
+    dispatch counts both of its stages (a row forwarded inside the node counts again)."""
     dispatch_calls: int = 0
     combine_calls: int = 0
     dispatch_bytes: int = 0          # hidden payload
@@ -57,6 +61,11 @@ class DispatchStats:
     combine_bytes: int = 0
     combine_bytes_remote: int = 0
     meta_bytes: int = 0              # counts, expert ids, weights
+    # the *_remote bytes by tier: to other ranks of this rank's node / to ranks of other nodes
+    dispatch_bytes_intra: int = 0
+    dispatch_bytes_inter: int = 0
+    combine_bytes_intra: int = 0
+    combine_bytes_inter: int = 0
     low_latency_calls: int = 0       # dispatches in a padded low-latency mode (torch, DeepEP)
     comm_s: float = 0.0              # wall time inside dispatch/combine: the starts and their waits
 
@@ -101,7 +110,9 @@ class Dispatcher:
     def __init__(self, ctx: ParallelContext, num_physical_experts: int, hidden: int):
         self.ctx, self.hidden = ctx, hidden
         self.layout = ExpertLayout(num_physical_experts, ctx.ep_size)
+        self.nodes = NodeLayout.of(ctx)
         self.stats = DispatchStats()
+        self.routing = NodeHistogram(self.layout, self.nodes)   # nodes touched per token (routing.py)
 
     @property
     def num_physical_experts(self) -> int:
@@ -118,6 +129,7 @@ class Dispatcher:
         self._check_inputs(x, topk_ids, topk_weights)
         if plan.low_latency:
             self._check_low_latency(x.shape[0], plan)
+        self.routing.add(topk_ids)
         return self._timed(lambda: self._dispatch_start(x, topk_ids, topk_weights, plan))
 
     def combine_start(self, y: Tensor, handle: Any) -> Pending:
@@ -154,20 +166,25 @@ class Dispatcher:
         self.stats.comm_s += time.perf_counter() - t0
         return pending
 
-    def _count(self, op: str, nbytes: int = 0, remote_bytes: int = 0, meta_bytes: int = 0,
+    def _count(self, op: str, nbytes: int = 0, intra_bytes: int = 0, inter_bytes: int = 0, meta_bytes: int = 0,
                low_latency: bool = False) -> None:
         """Record one dispatch or combine (op) that put nbytes of hidden rows in send buffers,
-        remote_bytes of them for other ranks, plus meta_bytes of counts/ids/weights."""
+        intra_bytes of them for other ranks of this node and inter_bytes for ranks of other nodes,
+        plus meta_bytes of counts/ids/weights."""
         st = self.stats
         if op == "dispatch":
             st.dispatch_calls += 1
             st.dispatch_bytes += nbytes
-            st.dispatch_bytes_remote += remote_bytes
+            st.dispatch_bytes_remote += intra_bytes + inter_bytes
+            st.dispatch_bytes_intra += intra_bytes
+            st.dispatch_bytes_inter += inter_bytes
             st.low_latency_calls += low_latency
         elif op == "combine":
             st.combine_calls += 1
             st.combine_bytes += nbytes
-            st.combine_bytes_remote += remote_bytes
+            st.combine_bytes_remote += intra_bytes + inter_bytes
+            st.combine_bytes_intra += intra_bytes
+            st.combine_bytes_inter += inter_bytes
         else:
             raise ValueError(f"op must be 'dispatch' or 'combine', got {op!r}")
         st.meta_bytes += meta_bytes

@@ -104,7 +104,7 @@ class DeepEPDispatcher(Dispatcher):
             num_tokens_per_expert=per_expert, async_finish=True)
         # SYNC: normal-mode dispatch already made the host wait for the receive counts.
         rows = per_rank.tolist()
-        self._count("dispatch", sum(rows) * row_bytes, (sum(rows) - rows[self.ctx.ep_rank]) * row_bytes)
+        self._count("dispatch", sum(rows) * row_bytes, *self.nodes.tier_bytes(rows, row_bytes))
         d = Dispatched(recv_x, recv_ids, recv_w, DeepEPHandle(handle))
         return Pending(self.ctx, [_Event(event)], lambda: d)
 

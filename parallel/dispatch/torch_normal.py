@@ -18,21 +18,22 @@ large steps, hence the threshold (0 turns the mode off).
 
 With a CommStream (dual-batch overlap) the whole exchange, counts included, runs on the stream's
 thread over the stream's own process group, so the compute thread never blocks in dispatch_start or
-combine_start. A SimulatedLink adds latency + bytes / bandwidth to each all-to-all, counted from
-the collective's rendezvous (see comm_stream.py).
+combine_start. A simulated network (comm_stream.py) adds latency + bytes / bandwidth to each
+all-to-all, counted from the collective's rendezvous, per tier: the bytes for other ranks of this
+node on the intra-node link, those for other nodes on the inter-node link (a token bound for three
+ranks of another node crosses it three times; the two-level dispatcher, hierarchical.py, once).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from ..comm_stream import CommStream, SimulatedLink
+from ..comm_stream import CommStream, SimulatedLink, SimulatedNetwork
 from ..step_plan import StepPlan
-from ..watchdog import guard_collective
 from .base import Dispatched, Dispatcher, Pending
+from .exchange import exchange, pack_meta, per_tier, tiers_used, unpack_meta
 from .handles import TorchHandle, TorchLowLatencyHandle
 from .torch_low_latency import LowLatencyMixin
 
@@ -50,25 +51,28 @@ class _Layout:
 
 class TorchDispatcher(LowLatencyMixin, Dispatcher):
     """group: the process group (default ctx.ep_group); stream: run exchanges off the compute thread;
-    link: a simulated network link (testing); low_latency_max_tokens: see the module doc."""
+    link: a simulated network, or one SimulatedLink for every tier (testing); low_latency_max_tokens:
+    see the module doc."""
 
     supports_comm_stream = True
     microbatch_groups = True
 
     def __init__(self, ctx, num_physical_experts: int, hidden: int, *, group=None,
-                 stream: CommStream | None = None, link: SimulatedLink | None = None,
+                 stream: CommStream | None = None, link: SimulatedLink | SimulatedNetwork | None = None,
                  low_latency_max_tokens: int = 0):
         super().__init__(ctx, num_physical_experts, hidden)
         self.group = group if group is not None else ctx.ep_group
-        self.stream, self.link = stream, link if link is not None and link.enabled else None
+        self.stream, self.link = stream, SimulatedNetwork.of(link)
         self.low_latency_max_tokens = low_latency_max_tokens
+        self.tiers = tiers_used(self.nodes)
 
     def for_microbatch(self, group, stream) -> "TorchDispatcher":
         return TorchDispatcher(self.ctx, self.num_physical_experts, self.hidden, group=group, stream=stream,
                                link=self.link, low_latency_max_tokens=self.low_latency_max_tokens)
 
-    def _remote_bytes(self, splits: list[int], row_bytes: int) -> int:
-        return (sum(splits) - splits[self.ctx.ep_rank]) * row_bytes
+    def _link_bytes(self, splits: list[int], row_bytes: int) -> tuple[int | None, int | None]:
+        """Rows sent to each rank -> the network's bytes per tier."""
+        return per_tier(self.tiers, *self.nodes.tier_bytes(splits, row_bytes))
 
     def _dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, plan: StepPlan) -> Pending:
         if plan.low_latency:
@@ -111,50 +115,35 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
 
         # Metadata row for (token, rank): the local ids of its slots on that rank, -1 elsewhere.
         here = dest[send_tok] == dst_rank[:, None]                                 # [S, k]
-        meta_ids = torch.where(here, layout.local_of(ids[send_tok]), -1).to(torch.int32)
-        meta_w = torch.where(here, topk_weights.to(x.device)[send_tok].float(), 0.0)
-        # One int32 message for both: the weights travel as their fp32 bit patterns.
-        meta = torch.cat([meta_ids, meta_w.view(torch.int32)], dim=1)              # [S, 2k]
+        meta = pack_meta(torch.where(here, layout.local_of(ids[send_tok]), -1),
+                         torch.where(here, topk_weights.to(x.device)[send_tok].float(), 0.0))   # [S, 2k]
         # SYNC: the split sizes of the payload all-to-all are host ints.
         lay = _Layout(send_tok, send_counts, send_counts.tolist(), x[send_tok], meta, T,
                       self.hidden * x.element_size())
-        self._count("dispatch", len(send_tok) * lay.row_bytes, self._remote_bytes(lay.send_splits, lay.row_bytes),
+        self._count("dispatch", len(send_tok) * lay.row_bytes, *self.nodes.tier_bytes(lay.send_splits, lay.row_bytes),
                     meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size())
         return lay
 
     def _exchange(self, lay: _Layout, blocking: bool):
         """Counts, then payload + metadata. -> recv_x, recv_meta, recv_splits, works, deliver (a
-        function to call after the works: waits out the simulated link; None without a link)."""
+        function to call after the works: waits out the simulated network; None without one)."""
         ctx, link = self.ctx, self.link
         send_counts, send_splits, send_x, meta = lay.send_counts, lay.send_splits, lay.send_x, lay.meta
         recv_counts = torch.empty_like(send_counts)
-        with guard_collective(ctx):
-            dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        if link is not None:  # the count message crosses the link before the sizes are known
-            SimulatedLink.wait_until(link.ready_at(0))
+        # the count message crosses the network before the sizes are known
+        exchange(ctx, self.group, link, [(recv_counts, send_counts, None, None)], *per_tier(self.tiers, 0, 0), True)
         recv_splits = recv_counts.tolist()  # SYNC: receive buffer sizes
         R = sum(recv_splits)
         recv_x = send_x.new_empty(R, self.hidden)
         recv_meta = meta.new_empty(R, meta.shape[1])
-        with guard_collective(ctx):
-            works = [
-                dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=self.group,
-                                       async_op=not blocking),
-                dist.all_to_all_single(recv_meta, meta, recv_splits, send_splits, group=self.group,
-                                       async_op=not blocking),
-            ]
-        nbytes = self._remote_bytes(send_splits, lay.row_bytes)
-        if blocking:
-            if link is not None:
-                SimulatedLink.wait_until(link.ready_at(nbytes))
-            return recv_x, recv_meta, recv_splits, [], None
-        return recv_x, recv_meta, recv_splits, works, link.track(works, nbytes) if link is not None else None
+        pairs = [(recv_x, send_x, recv_splits, send_splits), (recv_meta, meta, recv_splits, send_splits)]
+        works, deliver = exchange(ctx, self.group, link, pairs, *self._link_bytes(send_splits, lay.row_bytes),
+                                  blocking)
+        return recv_x, recv_meta, recv_splits, works, deliver
 
     @staticmethod
     def _dispatched(recv_x, recv_meta, k: int, handle: TorchHandle) -> Dispatched:
-        recv_ids = recv_meta[:, :k].long()
-        recv_w = recv_meta[:, k:].contiguous().view(torch.float32)
-        return Dispatched(recv_x, recv_ids, recv_w, handle)
+        return Dispatched(recv_x, *unpack_meta(recv_meta, k), handle)
 
     def _combine_start(self, y: Tensor, handle: TorchHandle | TorchLowLatencyHandle) -> Pending:
         """y [R,H] (row order of the Dispatched) -> Pending[[T,H]] on the source rank."""
@@ -163,12 +152,13 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
         R = sum(handle.recv_splits)
         if y.dim() != 2 or y.shape != (R, self.hidden):
             raise ValueError(f"combine expects y [{R}, {self.hidden}] (the dispatched rows), got {list(y.shape)}")
-        ctx, link = self.ctx, self.link
+        ctx = self.ctx
         back = y.new_empty(len(handle.send_tok), self.hidden)                      # [S, H]
         row_bytes = self.hidden * y.element_size()
-        nbytes = self._remote_bytes(handle.recv_splits, row_bytes)
-        self._count("combine", R * row_bytes, nbytes)
+        self._count("combine", R * row_bytes, *self.nodes.tier_bytes(handle.recv_splits, row_bytes))
+        tiers = self._link_bytes(handle.recv_splits, row_bytes)
         y = y.contiguous()
+        pairs = [(back, y, handle.send_splits, handle.recv_splits)]
 
         def reduce() -> Tensor:
             # Sum the <= ep partial sums per token; low-precision activations accumulate in fp32.
@@ -177,21 +167,15 @@ class TorchDispatcher(LowLatencyMixin, Dispatcher):
             return out.index_add_(0, handle.send_tok, back.to(acc)).to(y.dtype)
 
         if self.stream is not None:
-            def exchange() -> Tensor:
-                with guard_collective(ctx):
-                    dist.all_to_all_single(back, y, handle.send_splits, handle.recv_splits, group=self.group)
-                if link is not None:
-                    SimulatedLink.wait_until(link.ready_at(nbytes))
+            def run() -> Tensor:
+                exchange(ctx, self.group, self.link, pairs, *tiers, blocking=True)
                 return back
-            return Pending(ctx, [self.stream.submit(exchange, keep=(y, back))], reduce)
-        with guard_collective(ctx):
-            work = dist.all_to_all_single(back, y, handle.send_splits, handle.recv_splits,
-                                          group=self.group, async_op=True)
-        deliver = link.track([work], nbytes) if link is not None else None
+            return Pending(ctx, [self.stream.submit(run, keep=(y, back))], reduce)
+        works, deliver = exchange(ctx, self.group, self.link, pairs, *tiers, blocking=False)
 
         def finish() -> Tensor:
             if deliver is not None:
                 deliver()
             return reduce()
 
-        return Pending(ctx, [work], finish)
+        return Pending(ctx, works, finish)

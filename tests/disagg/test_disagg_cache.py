@@ -66,13 +66,17 @@ def _rank(model_dir: str) -> dict | str:
     eng.add_request("abort_early", list(range(2, 60)), greedy(50))
     eng.add_request("abort_late", list(range(3, 40)), greedy(50))
     eng.abort("abort_early")
-    steps = 0
+    steps, late_aborted = 0, False
     while eng.has_unfinished_requests():
-        for o in eng.step():
+        outs = eng.step()
+        finished = {o.request_id for o in outs if o.finished}
+        for o in outs:
             if o.finished:
                 reasons[o.request_id] = (o.outputs[0].finish_reason, len(o.outputs[0].token_ids))
-            elif o.request_id == "abort_late" and len(o.outputs[0].token_ids) >= 3:
-                eng.abort("abort_late")
+            elif (o.request_id == "abort_late" and not late_aborted and "abort_late" not in finished
+                  and len(o.outputs[0].token_ids) >= 3):
+                eng.abort("abort_late")   # once: a second abort of a finished request is an error
+                late_aborted = True
         steps += 1
         assert steps < 2000
     # the decode rank computes each prompt itself, into a scratch cache, and compares

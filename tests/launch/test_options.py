@@ -45,6 +45,13 @@ def test_every_flag_is_a_run_config_key():
     assert len(flags) == len(set(flags))  # no flag twice in one command
 
 
+def test_dispatch_backend_choices_are_the_configs():
+    """launch/options.py lists them literally (no torch import for `wideep --help`)."""
+    from parallel.config import DISPATCH_BACKENDS
+    [opt] = [o for o in OPTIONS if o.key == "parallel.dispatch_backend"]
+    assert opt.spec["choices"] == list(DISPATCH_BACKENDS)
+
+
 def test_engine_section_keys_are_engine_options():
     """[engine] is passed to the engine as keywords: a key EngineConfig does not have would fail only at serve time."""
     import inspect

@@ -307,6 +307,7 @@ def test_prometheus_per_rank_families():
     assert "# TYPE wideep_rank_eplb_rebalances_total counter" in text
     assert "wideep_rank_dbo_split_steps_total" in text
     assert "eplb" not in render({"per_rank": [{"running": 0, "kv_blocks_used": 0}]})   # EPLB off: no family
+    assert "nodes_per_token" not in text
 
 
 @pytest.mark.multirank
@@ -336,3 +337,22 @@ def test_a_streaming_completion_survives_a_worker_loss(tiny, tmp_path):
     finally:
         rcs = s.stop()
     assert rcs[0] == 0 and rcs[1] == 0 and rcs[3] == 0, s.output
+
+
+def test_prometheus_routing_histogram_and_tiers():
+    from launch.prometheus import render
+    ranks = [{"running": 0, "dispatch_bytes_intra": 300, "dispatch_bytes_inter": 200,
+              "moe_nodes_per_token": [1, 10, 5, 0, 0], "moe_nodes_per_token_step": [0, 3, 2, 0, 0]},
+             {"running": 0, "moe_nodes_per_token": [0, 0, 0, 0, 0], "moe_nodes_per_token_step": [0, 0, 0, 0, 0]}]
+    text = render({"per_rank": ranks})
+    m = parse(text)
+    name = "wideep_rank_moe_nodes_per_token"
+    assert f"# TYPE {name} histogram" in text
+    assert [m[f'{name}_bucket{{dp_rank="0",le="{j}"}}'] for j in range(5)] == [1, 11, 16, 16, 16]
+    assert m[f'{name}_bucket{{dp_rank="0",le="+Inf"}}'] == m[f'{name}_count{{dp_rank="0"}}'] == 16
+    assert m[f'{name}_sum{{dp_rank="0"}}'] == 10 + 2 * 5
+    assert m[f'{name}_count{{dp_rank="1"}}'] == 0
+    assert m['wideep_rank_moe_nodes_per_token_max_step{dp_rank="0"}'] == 2
+    assert m['wideep_rank_moe_nodes_per_token_max_step{dp_rank="1"}'] == 0
+    assert m['wideep_rank_moe_intra_node_bytes_total{dp_rank="0"}'] == 300
+    assert m['wideep_rank_moe_inter_node_bytes_total{dp_rank="0"}'] == 200

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from parallel.comm_stream import SimulatedLink
+from parallel.comm_stream import SimulatedLink, SimulatedNetwork
 from tests.parallel.spawn import spawn
 
 LAT_US = 40_000  # large, so that scheduling noise on 2 shared cores cannot hide or fake it
@@ -89,3 +89,29 @@ def test_link_arithmetic():
     assert not SimulatedLink().enabled
     with pytest.raises(ValueError):
         SimulatedLink(latency_us=-1)
+
+
+def test_two_tier_network():
+    from parallel import ParallelConfig
+    net = SimulatedNetwork(SimulatedLink(latency_us=10, gbps=80), SimulatedLink(latency_us=100, gbps=20))
+    # the tiers run in parallel: the slower decides; an unused tier (None) costs nothing, not even latency
+    assert net.transfer_s(10**6, 10**6) == pytest.approx(100e-6 + 4e-4)
+    assert net.transfer_s(10**6, None) == pytest.approx(10e-6 + 1e-4)
+    assert net.transfer_s(None, 0) == pytest.approx(100e-6)
+    assert net.deliver_at(2.0, None, None) == 2.0
+    # each tier queues its own transfers: the intra-node wire is free while the inter-node one is busy
+    assert net.deliver_at(0.0, None, 10**6) == pytest.approx(4e-4 + 100e-6)
+    assert net.deliver_at(0.0, 10**6, None) == pytest.approx(1e-4 + 10e-6)
+    assert net.deliver_at(0.0, None, 10**6) == pytest.approx(8e-4 + 100e-6)
+    # one link for both tiers (a plain SimulatedLink): one transfer of all the bytes, as before tiers
+    one = SimulatedNetwork.of(SimulatedLink(latency_us=50, gbps=8))
+    assert one.transfer_s(10**6, 10**6) == pytest.approx(50e-6 + 2e-3)
+    assert SimulatedNetwork.of(SimulatedLink()) is None and SimulatedNetwork.of(None) is None
+    # from [parallel]: the inter-node tier defaults to the intra-node one; off when all are 0
+    assert SimulatedNetwork.from_config(ParallelConfig()) is None
+    cfg = SimulatedNetwork.from_config(ParallelConfig(simulated_latency_us=5, simulated_gbps=400,
+                                                      simulated_inter_node_latency_us=20, simulated_inter_node_gbps=100))
+    assert (cfg.intra.latency_s, cfg.intra.gbps, cfg.inter.latency_s, cfg.inter.gbps) == pytest.approx(
+        (5e-6, 400, 20e-6, 100))
+    same = SimulatedNetwork.from_config(ParallelConfig(simulated_latency_us=7))
+    assert same.inter.latency_s == same.intra.latency_s == pytest.approx(7e-6) and same.inter.gbps == 0

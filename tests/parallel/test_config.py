@@ -34,6 +34,9 @@ def test_validate_counts_redundant_experts():
     (dict(num_redundant_experts=-1), "num_redundant_experts"),
     (dict(timeout_s=4.0, heartbeat_s=3.0), r"heartbeat_s \(3.0\) is too long for timeout_s \(4.0\)"),
     (dict(torch_low_latency_max_tokens=-1), r"torch_low_latency_max_tokens must be an integer >= 0, got -1"),
+    (dict(simulated_inter_node_gbps=-2.0), r"simulated link settings must be numbers >= 0, got "
+                                           r"simulated_inter_node_gbps = -2.0"),
+    (dict(simulated_latency_us="fast"), r"simulated_latency_us = 'fast'"),
 ])
 def test_field_checks(kw, msg):
     with pytest.raises(ValueError, match=msg):
