@@ -28,6 +28,7 @@ def requests() -> list[dict]:
 def _rank(model_dir: str) -> dict | str:
     from attention_mla.kv_cache import LatentKVPool, gather_reference
     from disagg import make_engine
+    from engine.messages import NewRequest
     from engine.runner import ModelRunner
     from engine.scheduler import ScheduledBatch
     from parallel import StepPlan
@@ -50,7 +51,7 @@ def _rank(model_dir: str) -> dict | str:
     for r in reqs:  # the decode rank computes each prompt itself, into a scratch cache, and compares
         n = len(r["prompt"])
         kv = LatentKVPool(L, -(-n // bs), bs, core.kv.latent_dim, core.model.dtype, index_dim=core.kv.index_dim)
-        seq = core.make_sequence(r["id"], None, r["prompt"], greedy(1), 1)
+        seq = core.make_sequence(NewRequest(r["id"], r["prompt"], greedy(1), 1, 0.0))
         seq.block_ids = list(range(kv.num_blocks))
         ModelRunner(core.model, kv).execute(ScheduledBatch([seq], [n]), StepPlan(n))
         mine = [gather_reference(p, seq.block_ids, n, bs) for i in range(L) for p in kv.layer_pools(i)]
