@@ -9,6 +9,9 @@ then each query attends to the top-k context tokens its indexer picks (indexer.p
   (MLA.attend_naive) — exact, and shared by all of a chunk's queries.
 A query that sees at most k tokens selects them all: its attention is plain causal MLA, and the
 indexer's queries and scores are not computed (a context within index_topk costs only the key write).
+backend "triton" runs one-query (decode) sequences in kernels that read the caches in place: the
+indexer's scores through the block table (triton_indexer.py), then the paged MLA decode kernel
+(triton_decode.py) over the selected slots only.
 """
 from __future__ import annotations
 
@@ -60,10 +63,34 @@ class SparseMLA(MLA):
             mask = selection_mask(idx, n, slots.shape[0])                             # [Tq, L]
         return self.attend_naive(q_nope, q_pe, kv_pool[slots], mask)
 
+    def attend_paged_sparse(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_idx: torch.Tensor | None,
+                            w: torch.Tensor | None, kv_pool: torch.Tensor, index_pool: torch.Tensor, meta: AttnMeta,
+                            seqs: list[int]) -> torch.Tensor:
+        """Decode sequences `seqs` (one query each, in that order) in the Triton kernels -> [B, N, dv]: the
+        indexer's scores read the keys through the block table (triton_indexer.py), the top-k runs in torch,
+        and the paged MLA decode kernel reads only the selected latents, given to it as one-slot blocks."""
+        from .triton_decode import mla_decode
+        from .triton_indexer import index_scores_paged
+        table, lens, max_len = meta.seq_tables(seqs)
+        bs = meta.block_size
+        if max_len > self.dsa.index_topk:
+            scores = index_scores_paged(q_idx.to(index_pool.dtype), w, index_pool, table, lens, bs,
+                                        self.indexer.scale, max_len)                  # [B, max_len]
+            idx, n = select_topk(scores, lens, self.dsa.index_topk)
+            table = (table.gather(1, idx // bs) * bs + idx % bs).to(torch.int32)   # [B, k] slots
+            lens, max_len, bs = n.to(torch.int32), idx.shape[1], 1
+        w_uk, w_uv = self._kv_b()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)               # [B, N, C]
+        q = torch.cat((q_lat, q_pe), dim=-1).to(kv_pool.dtype)                          # [B, N, C+R]
+        out_lat = mla_decode(q, kv_pool, table, lens, bs, self.cfg.kv_lora_rank, self.cfg.softmax_scale,
+                             max_len).to(q_nope.dtype)                                  # [B, N, C]
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, index_pool: torch.Tensor) -> torch.Tensor:
-        """x [T, H], kv_pool [S, C+R] and index_pool [S, Dk] (this layer's), cos/sin [T, R/2] -> [T, H]."""
-        cfg, topk = self.cfg, self.dsa.index_topk
+        """x [T, H], kv_pool [S, C+R] and index_pool [S, Dk] (this layer's), cos/sin [T, R/2] -> [T, H].
+        backend "triton": one-query sequences run attend_paged_sparse."""
+        cfg = self.cfg
         T = x.shape[0]
         if T == 0:
             return self.o_proj(x.new_zeros(0, cfg.num_heads * cfg.v_head_dim))
@@ -71,26 +98,33 @@ class SparseMLA(MLA):
         q_nope, q_pe, latent = self.project(x, cos, sin, q_lat)
         kv_pool.index_copy_(0, meta.slot_mapping, latent.to(kv_pool.dtype))
         index_pool.index_copy_(0, meta.slot_mapping, self.indexer.keys(x, cos, sin).to(index_pool.dtype))
-        q_idx, w = (self.indexer.queries(x, q_lat, cos, sin) if max(meta.ctx_lens) > topk else (None, None))
+        # the indexer's queries are needed only where some context exceeds index_topk
+        q_idx, w = (self.indexer.queries(x, q_lat, cos, sin) if max(meta.ctx_lens) > self.dsa.index_topk
+                    else (None, None))
+
+        def take(rows):  # this step's per-token tensors at `rows`
+            return [q_nope[rows], q_pe[rows]] + [None if t is None else t[rows] for t in (q_idx, w)]
+
         out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
         starts, qlens = meta.query_starts, meta.query_lens
         forced = {"naive": False, "absorbed": True}.get(self.mode)
         absorbed = [b for b, q in enumerate(qlens) if q and (forced if forced is not None else q == 1)]
+        paged = [b for b in absorbed if qlens[b] == 1] if self.backend == "triton" else []
+        if paged:
+            rows = torch.tensor([starts[b] for b in paged], device=x.device)
+            out[rows] = self.attend_paged_sparse(*take(rows), kv_pool, index_pool, meta, paged)
+            absorbed = [b for b in absorbed if qlens[b] != 1]
         if absorbed:
             rows = torch.tensor([r for b in absorbed for r in range(starts[b], starts[b] + qlens[b])], device=x.device)
             slots, _ = meta.context_slots(absorbed)                                   # [S, Lmax]
             if len(rows) != len(absorbed):  # a sequence with several queries: its context once per token
                 slots = slots[torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),
                                                       torch.tensor([qlens[b] for b in absorbed], device=x.device))]
-            pick = (lambda t: None) if q_idx is None else (lambda t: t[rows])
-            out[rows] = self.attend_sparse_absorbed(q_nope[rows], q_pe[rows], pick(q_idx), pick(w), kv_pool,
-                                                    index_pool, slots, meta.positions[rows] + 1)
-        for b in sorted(set(range(len(qlens))) - set(absorbed)):
-            s, q = starts[b], qlens[b]
-            if q == 0:
-                continue
-            slots, _ = meta.context_slots([b])
-            pick = (lambda t: None) if q_idx is None else (lambda t: t[s:s + q])
-            out[s:s + q] = self.attend_sparse_naive(q_nope[s:s + q], q_pe[s:s + q], pick(q_idx), pick(w), kv_pool,
-                                                    index_pool, slots[0], meta.positions[s:s + q])
+            out[rows] = self.attend_sparse_absorbed(*take(rows), kv_pool, index_pool, slots, meta.positions[rows] + 1)
+        done = set(absorbed) | set(paged)
+        for b, (s, q) in enumerate(zip(starts, qlens)):
+            if q and b not in done:
+                slots, _ = meta.context_slots([b])
+                out[s:s + q] = self.attend_sparse_naive(*take(slice(s, s + q)), kv_pool, index_pool, slots[0],
+                                                        meta.positions[s:s + q])
         return self.o_proj(out.view(T, -1))

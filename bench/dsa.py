@@ -1,0 +1,139 @@
+"""DeepSeek Sparse Attention vs dense MLA: the attention part of one decode step.
+
+B sequences, each at context L, one new token each, at a DeepSeek-V3.2-like head shape (hidden 7168,
+q_lora 1536, 512 + 64 latent, qk_nope 128, v 128, indexer 64 heads x 128, index_topk 2048; `--heads`
+MLA heads: 128 is V3.2's, which a wideep rank runs whole since attention is data-parallel; 16 is one
+TP-8 shard's). Both sides run wideep's torch decode paths over a paged cache (shuffled blocks):
+- dense: MLA.attend_absorbed over the whole latent context (what a V3 decode step reads);
+- dsa: the indexer's projections of the new token (wq_b, wk + LayerNorm, weights_proj, rope), its key
+  written into the indexer-key pool, then SparseMLA.attend_sparse_absorbed: all L index keys scored,
+  the top-k chosen, only those k latent rows read and attended.
+The projections both share (q/kv LoRA, W_UK/W_UV absorption sits inside both forms, o_proj) are left
+out; as in SparseMLA.forward, the indexer's queries are computed only when L > index_topk. Bytes read
+per decode token per layer, from the cache: dense L x (C+R); dsa L x Dk (index keys) + min(k, L) x (C+R)
+(selected latents); the indexer's weights (read once per step, shared by the batch) are reported apart.
+Trials of the two sides alternate; the median is kept. Times are the process's CPU time on `--threads`
+threads (default 1): on a shared machine other processes inflate wall time, not CPU time; wall times
+are reported too.
+
+    python bench/dsa.py [--contexts 1024,2048,4096,8192,16384] [--batch 4] [--heads 16] [--trials 7]
+
+Last line (JSON): {"dsa_vs_dense_attention_8k": ..., "contexts": [...], "dense_ms": [...], "dsa_ms": [...] (CPU),
+"dense_wall_ms": [...], "dsa_wall_ms": [...],
+"dsa_vs_dense": [...], "bytes_per_token": {"dense": [...], "dsa": [...]}, "indexer_weight_bytes": ..., ...}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from attention_mla.config import DSAConfig, MLAConfig, RopeConfig  # noqa: E402
+from attention_mla.rope import RotaryEmbedding  # noqa: E402
+from attention_mla.sparse_mla import SparseMLA  # noqa: E402
+
+SHAPE = dict(hidden=7168, q_lora=1536, kv_lora=512, rope=64, nope=128, v=128, index_heads=64, index_dim=128,
+             index_topk=2048, block_size=64)
+
+
+def build(heads: int, dtype: torch.dtype) -> SparseMLA:
+    s = SHAPE
+    rope = RopeConfig(dim=s["rope"], theta=10000.0)
+    cfg = MLAConfig(hidden_size=s["hidden"], num_heads=heads, q_lora_rank=s["q_lora"], kv_lora_rank=s["kv_lora"],
+                    qk_nope_head_dim=s["nope"], qk_rope_head_dim=s["rope"], v_head_dim=s["v"], rope=rope)
+    dsa = DSAConfig(index_n_heads=s["index_heads"], index_head_dim=s["index_dim"], index_topk=s["index_topk"],
+                    rope_dim=s["rope"], q_lora_rank=s["q_lora"])
+    m = SparseMLA(cfg, dsa, RotaryEmbedding(rope), dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        m.indexer.k_norm.weight.fill_(1.0)
+        m.indexer.k_norm.bias.zero_()
+    return m.eval()
+
+
+def measure(m: SparseMLA, B: int, L: int, trials: int, dtype: torch.dtype) -> dict:
+    s, g = SHAPE, torch.Generator().manual_seed(L)
+    D, bs = s["kv_lora"] + s["rope"], s["block_size"]
+    nblk = -(-L // bs)
+    blocks = torch.randperm(B * nblk, generator=g).view(B, nblk)                    # shuffled, paged
+    pos = torch.arange(L)
+    ctx_slots = (blocks[:, pos // bs] * bs + pos % bs)                               # [B, L]
+    kv_pool = torch.randn(B * nblk * bs, D, generator=g).to(dtype)
+    index_pool = torch.randn(B * nblk * bs, s["index_dim"], generator=g).to(dtype)
+    x = torch.randn(B, s["hidden"], generator=g).to(dtype)
+    q_lat = torch.randn(B, s["q_lora"], generator=g).to(dtype)
+    q_nope = torch.randn(B, m.cfg.num_heads, s["nope"], generator=g).to(dtype)
+    q_pe = torch.randn(B, m.cfg.num_heads, s["rope"], generator=g).to(dtype)
+    positions = torch.full((B,), L - 1)
+    cos, sin = m.rope.cos_sin(positions, max_position=L - 1)
+    limit, new = positions + 1, ctx_slots[:, -1]
+
+    def dense():
+        return m.attend_absorbed(q_nope, q_pe, kv_pool[ctx_slots], limit)
+
+    def dsa():
+        index_pool.index_copy_(0, new, m.indexer.keys(x, cos, sin).to(dtype))
+        q_idx, w = m.indexer.queries(x, q_lat, cos, sin) if L > s["index_topk"] else (None, None)
+        return m.attend_sparse_absorbed(q_nope, q_pe, q_idx, w, kv_pool, index_pool, ctx_slots, limit)
+
+    cpu, wall = {"dense": [], "dsa": []}, {"dense": [], "dsa": []}
+    with torch.inference_mode():
+        dense(), dsa()                                                               # warm-up
+        for _ in range(trials):
+            for name, fn in (("dense", dense), ("dsa", dsa)):
+                c0, t0 = time.process_time(), time.perf_counter()
+                fn()
+                cpu[name].append(time.process_time() - c0)
+                wall[name].append(time.perf_counter() - t0)
+    el = torch.empty(0, dtype=dtype).element_size()
+    k = min(s["index_topk"], L)
+    ms = {f"{n}_{kind}": statistics.median(d[n]) * 1e3 for kind, d in (("ms", cpu), ("wall_ms", wall))
+          for n in ("dense", "dsa")}
+    return dict(ms, dense_bytes=L * D * el, dsa_bytes=(L * s["index_dim"] + k * D) * el)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", default="1024,2048,4096,8192,16384")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    dtype = getattr(torch, a.dtype)
+    m = build(a.heads, dtype)
+    ctxs = [int(c) for c in a.contexts.split(",")]
+    rows = []
+    for L in ctxs:
+        r = measure(m, a.batch, L, a.trials, dtype)
+        rows.append(r)
+        print(f"L={L:6d}: dense {r['dense_ms']:8.2f} ms  dsa {r['dsa_ms']:8.2f} ms  ratio "
+              f"{r['dsa_ms'] / r['dense_ms']:.3f}  bytes/token dense {r['dense_bytes']} dsa {r['dsa_bytes']}",
+              file=sys.stderr, flush=True)
+    ix = m.indexer
+    out = {"shape": dict(SHAPE, heads=a.heads, batch=a.batch, dtype=a.dtype, threads=a.threads), "contexts": ctxs,
+           "dense_ms": [round(r["dense_ms"], 3) for r in rows], "dsa_ms": [round(r["dsa_ms"], 3) for r in rows],
+           "dense_wall_ms": [round(r["dense_wall_ms"], 3) for r in rows],
+           "dsa_wall_ms": [round(r["dsa_wall_ms"], 3) for r in rows],
+           "dsa_vs_dense": [round(r["dsa_ms"] / r["dense_ms"], 3) for r in rows],
+           "bytes_per_token": {"dense": [r["dense_bytes"] for r in rows], "dsa": [r["dsa_bytes"] for r in rows]},
+           "bytes_ratio": [round(r["dsa_bytes"] / r["dense_bytes"], 3) for r in rows],
+           "indexer_weight_bytes": sum(p.numel() * p.element_size() for p in ix.parameters())}
+    if 8192 in ctxs:
+        out["dsa_vs_dense_attention_8k"] = out["dsa_vs_dense"][ctxs.index(8192)]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
