@@ -87,10 +87,15 @@ class SparseMLA(MLA):
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, index_pool: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor, index_pool: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H], kv_pool [S, C+R] and index_pool [S, Dk] (this layer's), cos/sin [T, R/2] -> [T, H].
         backend "triton": one-query sequences run attend_paged_sparse."""
         cfg = self.cfg
+        Dk = self.dsa.index_head_dim
+        if index_pool is None or index_pool.shape != (kv_pool.shape[0], Dk):
+            raise ValueError(f"DSA attention needs this layer's indexer-key pool [{kv_pool.shape[0]}, {Dk}] beside "
+                             f"its latent pool (LatentKVPool(..., index_dim={Dk}).index_pools), got "
+                             f"{None if index_pool is None else tuple(index_pool.shape)}")
         T = x.shape[0]
         if T == 0:
             return self.o_proj(x.new_zeros(0, cfg.num_heads * cfg.v_head_dim))

@@ -147,3 +147,14 @@ def test_bad_dsa_configs_are_refused():
         DSAConfig(index_n_heads=8, index_head_dim=4, index_topk=8, rope_dim=8, q_lora_rank=16)
     with pytest.raises(ValueError, match="index_topk to be an int >= 1, got 0"):
         DSAConfig(index_n_heads=8, index_head_dim=16, index_topk=0, rope_dim=8, q_lora_rank=16)
+
+
+def test_missing_or_misshaped_index_pool_is_named():
+    sparse, _ = _pair(topk=4)
+    meta = _meta([3], 4)
+    kv, index = _pools()
+    args = (torch.randn(3, H), meta, kv, *sparse.rope.cos_sin(meta.positions))
+    with pytest.raises(ValueError, match=r"needs this layer's indexer-key pool \[256, 16\].*got None"):
+        sparse(*args)
+    with pytest.raises(ValueError, match=r"index_dim=16\).index_pools\), got \(256, 8\)"):
+        sparse(*args, index_pool=index[:, :8])
