@@ -63,3 +63,26 @@ class MLAConfig:
             m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale = scale * m * m
         return scale
+
+
+@dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (V3.2): a lightning indexer picks each query's top-`index_topk`
+    context tokens and MLA attends over those only. Legend: NI indexer heads, Dk indexer head dim,
+    R rope dim (the first R channels of the indexer's q and k are rotated, half-split), Q q_lora_rank.
+    The indexer caches one key [Dk] per token per layer, beside the latent [C+R]."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    rope_dim: int
+    q_lora_rank: int
+
+    def __post_init__(self) -> None:
+        for name in ("index_n_heads", "index_head_dim", "index_topk", "q_lora_rank"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DSA needs {name} to be an int >= 1, got {v!r}")
+        if self.index_head_dim < self.rope_dim:
+            raise ValueError(f"DSA rotates the first qk_rope_head_dim ({self.rope_dim}) channels of each indexer "
+                             f"head, so index_head_dim ({self.index_head_dim}) must be at least that")

@@ -13,15 +13,30 @@ import torch
 
 
 class LatentKVPool:
-    """pools[layer]: [S, D]. Zero-initialised so padded reads of never-written slots stay finite."""
+    """pools[layer]: [S, D]. Zero-initialised so padded reads of never-written slots stay finite.
+    index_dim > 0 (DeepSeek Sparse Attention) adds index_pools[layer]: [S, Dk], the indexer's key of
+    each token in the same slot as its latent (so one block table, prefix cache and transfer serve both);
+    index_pools is None otherwise."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", index_dim: int = 0):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size, self.latent_dim = num_blocks, block_size, latent_dim
-        self.pools = [torch.zeros(num_blocks * block_size, latent_dim, dtype=dtype, device=device)
-                      for _ in range(num_layers)]
+        self.index_dim = index_dim
+        S = num_blocks * block_size
+        self.pools = [torch.zeros(S, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.index_pools = ([torch.zeros(S, index_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+                            if index_dim else None)
+
+    def layer_pools(self, layer: int) -> list[torch.Tensor]:
+        """Everything cached per token for `layer`, slot for slot: [latent [S, D]] (+ [index keys [S, Dk]])."""
+        return [self.pools[layer]] + ([self.index_pools[layer]] if self.index_pools is not None else [])
+
+    def bytes_per_token(self) -> dict[str, int]:
+        """Cache bytes one token takes over all layers: the latent's and the indexer keys' (0 without DSA)."""
+        size, L = self.pools[0].element_size(), len(self.pools)
+        return {"latent": L * self.latent_dim * size, "index_keys": L * self.index_dim * size}
 
     @property
     def device(self) -> torch.device:
@@ -37,8 +52,9 @@ class LatentKVPool:
         return torch.tensor(self.slot_list(block_ids, lo, hi), dtype=torch.int64, device=self.device)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * block_size * latent_dim * torch.empty(0, dtype=dtype).element_size()
+    def bytes_per_block(num_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype,
+                        index_dim: int = 0) -> int:
+        return num_layers * block_size * (latent_dim + index_dim) * torch.empty(0, dtype=dtype).element_size()
 
 
 class BlockAllocator:

@@ -50,14 +50,19 @@ class MLA(nn.Module):
         self.o_proj = linear(N * cfg.v_head_dim, H, bias=cfg.attention_bias, **kw)
 
     # -- projections -------------------------------------------------------------------------
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [T, H] -> q_nope [T, N, dn], q_pe [T, N, R] (rotated), latent [T, C+R] (normed c, rotated k_pe)."""
+    def q_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the normed q-LoRA latent [T, Q] (DSA's indexer reads it too)."""
+        return self.q_a_layernorm(self.q_a_proj(x))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_lat: torch.Tensor | None = None):
+        """x [T, H] -> q_nope [T, N, dn], q_pe [T, N, R] (rotated), latent [T, C+R] (normed c, rotated k_pe).
+        q_lat: q_latent(x) when the caller has it already."""
         cfg = self.cfg
         T = x.shape[0]
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_latent(x) if q_lat is None else q_lat)
         q = q.view(T, cfg.num_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
@@ -73,9 +78,10 @@ class MLA(nn.Module):
         return w[:, :cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
     # -- the two attention forms -------------------------------------------------------------
-    def attend_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    def attend_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
         """One sequence. q_nope [Tq, N, dn], q_pe [Tq, N, R]: its last Tq positions; ctx [L, C+R]
-        -> [Tq, N, dv]. Causal: query t sees keys 0 .. L-Tq+t."""
+        -> [Tq, N, dv]. Causal: query t sees keys 0 .. L-Tq+t, or where mask [Tq, L] (bool) is True."""
         cfg = self.cfg
         Tq, L = q_nope.shape[0], ctx.shape[0]
         c, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -83,8 +89,7 @@ class MLA(nn.Module):
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, None, :].expand(L, cfg.num_heads, -1)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)
-        mask = None
-        if Tq > 1 or L > Tq:
+        if mask is None and (Tq > 1 or L > Tq):
             mask = torch.ones(Tq, L, dtype=torch.bool, device=q.device).tril(L - Tq)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              attn_mask=mask, scale=cfg.softmax_scale)

@@ -68,12 +68,14 @@ class RotaryEmbedding:
             self._grow(max_position + 1)
         return self._cos[positions], self._sin[positions]
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, ..., R]; cos/sin [T, R/2] -> rotated x, same layout and dtype."""
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool | None = None
+              ) -> torch.Tensor:
+        """x [T, ..., R]; cos/sin [T, R/2] -> rotated x, same layout and dtype. interleave: the channel
+        layout, default the config's (DSA's indexer rotates half-split channels whatever MLA uses)."""
         shape = [cos.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[1]]
         cos, sin = cos.view(shape), sin.view(shape)
         xf = x.float()
-        if self.cfg.interleave:
+        if self.cfg.interleave if interleave is None else interleave:
             x1, x2 = xf[..., 0::2], xf[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:

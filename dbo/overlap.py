@@ -71,10 +71,10 @@ class Overlap:
             self.dispatchers.append(d.for_microbatch(group, stream))
 
     def forward(self, micro: list[tuple[torch.Tensor, object]], pools: list[torch.Tensor],
-                plan: StepPlan) -> list[torch.Tensor]:
-        """micro: two (input_ids [Ti], AttnMeta); plan: the step's (plan.split) -> final-normed hidden
-        states [Ti, H] each."""
-        states = [OpState(Microbatch(i, ids, meta, pools, plan, d))
+                plan: StepPlan, index_pools: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """micro: two (input_ids [Ti], AttnMeta); plan: the step's (plan.split); index_pools: DSA's
+        indexer-key pools or None -> final-normed hidden states [Ti, H] each."""
+        states = [OpState(Microbatch(i, ids, meta, pools, plan, d, index_pools=index_pools))
                   for i, ((ids, meta), d) in enumerate(zip(micro, self.dispatchers))]
         return [s.result("hidden") for s in run_overlapped(self.model.step_ops, states)]
 

@@ -40,6 +40,7 @@ class Microbatch:
     plan: "StepPlan"                     # the step's plan, the same on every rank
     dispatcher: "Dispatcher | None"      # this microbatch's MoE dispatcher
     on_layer: Callable[[int], None] | None = None   # called once layer i's latents are in kv_pools[i]
+    index_pools: list | None = None      # DSA: per layer [S, Dk] indexer keys, slot for slot with kv_pools
 
 
 class OpState:

@@ -72,13 +72,14 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     # every rank's cache shape, to validate prompts at the front and check the pools agree
     kv = eng.core.kv
     mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
-            "dtype": str(kv.pools[0].dtype), "latent_dim": kv.latent_dim}
+            "dtype": str(kv.pools[0].dtype), "latent_dim": kv.latent_dim, "index_dim": kv.index_dim}
     infos: list = [None] * ctx.world_size
     with guard_collective(ctx):
         dist.all_gather_object(infos, mine, group=ctx.cpu_group)
-    if len({(i["dtype"], i["latent_dim"]) for i in infos}) > 1:
+    if len({(i["dtype"], i["latent_dim"], i["index_dim"]) for i in infos}) > 1:
         raise RuntimeError("the pools cache latents differently: " + ", ".join(
-            f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']}" for r, i in enumerate(infos)))
+            f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']} (+ {i['index_dim']} indexer key)"
+            for r, i in enumerate(infos)))
     pre = [i for i in infos if i["role"] == "prefill"]
     smallest = min(pre, key=lambda i: i["blocks"] * i["block_size"])
     eng.prefill_blocks = (smallest["blocks"], smallest["block_size"])

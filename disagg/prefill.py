@@ -4,6 +4,7 @@ its decode rank, layer by layer.
 Messages of one transfer (KVTransfer stream = the transfer id tid, prefill rank -> decode rank), in order:
     header {lo, hi, last}          before the chunk's forward: tokens lo..hi-1 follow
     L payloads [hi-lo, D]          layer i's latents, sent the moment layer i is done (Splitwise)
+                                   (DSA: each followed by layer i's indexer keys [hi-lo, Dk])
     ... more chunks (chunked prefill, or a cached prefix sent first from the prefix cache) ...
     trailer {token, logprob, ...}  after sampling: the first token and the prefill's timings
 A finished prefill keeps its blocks until every send has completed, so a decode rank that cannot
@@ -83,11 +84,12 @@ class PrefillHooks(RankHooks):
         return self.core.kv.slots(seq.block_ids, lo, hi)
 
     def _send_rows(self, job: _Job, slots: torch.Tensor, layer: int) -> None:
-        rows = self.core.kv.pools[layer].index_select(0, slots)  # [T, D]: a copy, the blocks stay writable
         if job.first_send is None:
             job.first_send = time.time()
-        job.handles.append(self.kv.send_start(job.dst, job.tid, rows))
-        job.bytes += rows.numel() * rows.element_size()
+        for pool in self.core.kv.layer_pools(layer):  # the latents, then DSA's indexer keys
+            rows = pool.index_select(0, slots)  # [T, D]: a copy, the blocks stay writable
+            job.handles.append(self.kv.send_start(job.dst, job.tid, rows))
+            job.bytes += rows.numel() * rows.element_size()
 
     def on_layer(self, batch):
         """Headers now (before the forward); each layer's rows the moment the layer is done."""

@@ -71,7 +71,8 @@ class KVReceiver:
     def _receive(self, inc: Incoming) -> None:
         """The transfer's thread: header, L layers (all posted at once, landing as each is sent), ...,
         trailer. Never touches the cache or the blocks."""
-        pools = self.core.kv.pools
+        kv = self.core.kv
+        pools = [p for i in range(len(kv.pools)) for p in kv.layer_pools(i)]  # in the order they are sent
         try:
             while True:
                 chunk = recv_object(self.kv, inc.src, inc.tid)
@@ -93,8 +94,8 @@ class KVReceiver:
         while inc.chunks:
             chunk, staging = inc.chunks.popleft()
             slots = kv.slots(inc.seq.block_ids, chunk["lo"], chunk["hi"])
-            pools = kv.pools
-            for pool, buf in zip(pools, staging):
+            pools = [p for i in range(len(kv.pools)) for p in kv.layer_pools(i)]
+            for pool, buf in zip(pools, staging, strict=True):
                 pool.index_copy_(0, slots, buf)
                 inc.bytes += buf.numel() * buf.element_size()
 

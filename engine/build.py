@@ -12,7 +12,7 @@ from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
 
 from .config import ModelConfig
-from .loader import CheckpointReader, expert_ignore, load_weights
+from .loader import CheckpointReader, expert_ignore, load_weights, text_model_rename
 from .model import DeepseekModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -72,7 +72,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     if placement is not None:
         placement.install(model.moe_layers(), ep_rank, ep_size)
         model.placement = placement
-    model.load_report = load_weights(CheckpointReader(model_dir), model.checkpoint_targets(),
+    reader = CheckpointReader(model_dir, rename=text_model_rename if cfg.wrapper is not None else None)
+    model.load_report = load_weights(reader, model.checkpoint_targets(),
                                      ignore=expert_ignore(model.owns_expert),
                                      num_hidden_layers=cfg.num_hidden_layers, progress=progress)
     model.copy_local_replicas()

@@ -109,12 +109,15 @@ class EngineCore:
 
     def _kv_cache(self, device) -> LatentKVPool:
         cfg, mcfg, dt = self.cfg, self.config, self.model.dtype
+        index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
         blocks = cfg.kv_cache_blocks
         if blocks is None:
-            per_block = LatentKVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, mcfg.mla.latent_dim, dt)
+            per_block = LatentKVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, mcfg.mla.latent_dim, dt,
+                                                     index_dim)
             want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
             blocks = max(1, min(want, cfg.kv_cache_memory // per_block))
-        return LatentKVPool(mcfg.num_hidden_layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dt, device)
+        return LatentKVPool(mcfg.num_hidden_layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dt, device,
+                            index_dim=index_dim)
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -228,7 +231,8 @@ class EngineCore:
                "waiting": len(self.scheduler.waiting),
                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
-               "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps}
+               "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps,
+               "kv_bytes_per_token": self.kv.bytes_per_token()}
         disp = self.dispatchers()
         if disp:
             for key in ("remote", "intra", "inter"):

@@ -9,6 +9,8 @@ The model decides what it wants: `load_weights` gets `targets` {name -> destinat
 destination may be a view into a stacked parameter, e.g. w13[e, :Im] for expert e's gate_proj) and
 an `ignore` predicate for names it deliberately leaves out (other EP ranks' experts). Everything
 else in the checkpoint is an error, except multi-token-prediction layers, which are skipped.
+A multimodal checkpoint (Kimi-K2.5) is read through `text_model_rename`: its language model's tensors
+under their text-model names, its vision tower and projector never read.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 _MAX_LISTED = 10
+OTHER_MODALITIES = ("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector.")
 
 
 class CheckpointError(ValueError):
@@ -45,14 +48,28 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:_MAX_LISTED]) + more
 
 
+def text_model_rename(name: str) -> str | None:
+    """A multimodal (Kimi-K2.5) checkpoint's tensor name -> its text model's (`model.*`, `lm_head.*`), or
+    None for the vision tower and projector. Text tensors may sit under `language_model.model.` (as
+    published) or `model.language_model.` (as transformers holds them); other names stay as they are."""
+    for prefix, to in (("language_model.model.", "model."), ("model.language_model.", "model."),
+                       ("language_model.lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    if name.startswith(OTHER_MODALITIES):
+        return None
+    return name
+
+
 class CheckpointReader:
     """Lazy, memory-mapped view of `model.safetensors` or a sharded `model.safetensors.index.json`.
 
     Files are opened on first use and tensors are read one at a time, so a 700 GB checkpoint never
-    has more than one tensor (plus its scale) materialised.
+    has more than one tensor (plus its scale) materialised. rename: stored name -> the name the model
+    asks for, or None for a tensor that is not the model's (counted in `other`, never read).
     """
 
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, rename: Callable[[str], str | None] | None = None):
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         self.model_dir = model_dir
@@ -74,6 +91,22 @@ class CheckpointReader:
         else:
             raise FileNotFoundError(f"no safetensors checkpoint in {model_dir!r}: "
                                     f"looked for {SINGLE_FILE} and {INDEX_FILE}")
+        self._stored: dict[str, str] = {}  # the model's name -> the stored one, where they differ
+        self.other: list[str] = []         # stored names of tensors that are not the model's
+        if rename is not None:
+            renamed: dict[str, str] = {}
+            for stored, file in self._file_of.items():
+                name = rename(stored)
+                if name is None:
+                    self.other.append(stored)
+                    continue
+                if name in renamed:
+                    raise CheckpointError(f"checkpoint tensors {self._stored.get(name, name)!r} and {stored!r} in "
+                                          f"{model_dir!r} are both the model's {name!r}")
+                renamed[name] = file
+                if name != stored:
+                    self._stored[name] = stored
+            self._file_of = renamed
         self.names: frozenset[str] = frozenset(self._file_of)
         self.block_size = self._config_block_size()
 
@@ -82,7 +115,10 @@ class CheckpointReader:
         path = os.path.join(self.model_dir, "config.json")
         if os.path.isfile(path):
             with open(path) as f:
-                block = (json.load(f).get("quantization_config") or {}).get("weight_block_size")
+                cfg = json.load(f)
+            # a multimodal config (Kimi-K2.5) may keep it in its text_config
+            quant = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+            block = (quant or {}).get("weight_block_size")
             if block:
                 return int(block[0]), int(block[1])
         return 128, 128
@@ -98,19 +134,19 @@ class CheckpointReader:
         return self._file_of[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.file_of(name)).get_slice(name).get_shape())
+        return tuple(self._handle(self.file_of(name)).get_slice(self._stored.get(name, name)).get_shape())
 
     def get(self, name: str, dtype: torch.dtype, block_size: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor in `dtype`. An fp8 weight is dequantised with `<name>_scale_inv`; asking for
         `dtype=float8_e4m3fn` returns the stored fp8 values untouched (load the scale separately)."""
-        t = self._handle(self.file_of(name)).get_tensor(name)
+        t = self._handle(self.file_of(name)).get_tensor(self._stored.get(name, name))
         if t.dtype != FP8_DTYPE or dtype == FP8_DTYPE:
             return t.to(dtype)
         scale_name = name + SCALE_SUFFIX
         if scale_name not in self._file_of:
             raise CheckpointError(f"{name!r} is float8_e4m3fn but the checkpoint has no {scale_name!r} "
                                   f"to dequantise it with")
-        scale = self._handle(self._file_of[scale_name]).get_tensor(scale_name)
+        scale = self._handle(self._file_of[scale_name]).get_tensor(self._stored.get(scale_name, scale_name))
         return dequantize_fp8_block(t, scale, block_size or self.block_size, dtype)
 
 
@@ -120,6 +156,7 @@ class LoadReport:
     bytes_loaded: int  # bytes written into the targets
     skipped_mtp: int  # checkpoint tensors of multi-token-prediction layers, never read
     ignored: int  # checkpoint tensors the caller's `ignore` predicate skipped, never read
+    other_modalities: int = 0  # a multimodal checkpoint's vision tower / projector tensors, never read
 
 
 def expert_ignore(owned: Callable[[int, int], bool]) -> Callable[[str], bool]:
@@ -188,4 +225,7 @@ def load_weights(reader: CheckpointReader, targets: dict[str, torch.Tensor], *,
             dest = targets[name]
             dest.copy_(reader.get(name, dtype or dest.dtype))
             nbytes += dest.numel() * dest.element_size()
-    return LoadReport(loaded=len(targets), bytes_loaded=nbytes, skipped_mtp=len(mtp), ignored=len(ignored))
+    if reader.other:
+        log.info("skipping %d tensors that are not the text model's (e.g. %s)", len(reader.other), reader.other[0])
+    return LoadReport(loaded=len(targets), bytes_loaded=nbytes, skipped_mtp=len(mtp), ignored=len(ignored),
+                      other_modalities=len(reader.other))

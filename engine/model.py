@@ -1,4 +1,5 @@
-"""DeepSeek-V2/V3 decoder assembled from wideep's MLA and MoE modules.
+"""DeepSeek-V2/V3/V3.2-class decoder (GLM-4.x-MoE-lite and Kimi-K2.5's text model too) assembled from
+wideep's MLA (SparseMLA for V3.2's DeepSeek Sparse Attention) and MoE modules.
 
 Legend: T tokens in the step (all sequences flattened), H hidden, V vocab.
 Parameter names follow the HF checkpoint, so `checkpoint_targets` is mostly the identity; routed
@@ -18,6 +19,7 @@ from attention_mla.meta import AttnMeta
 from attention_mla.mla import MLA
 from attention_mla.norm import RMSNorm
 from attention_mla.rope import RotaryEmbedding
+from attention_mla.sparse_mla import SparseMLA
 from dbo.schedule import run_sequential
 from dbo.state import Microbatch, OpState
 from moe.backend import ExpertsChoice
@@ -84,7 +86,8 @@ class DecoderLayer(nn.Module):
         linear = Fp8Linear.factory(fp8_block) if fp8_block is not None else nn.Linear
         self.index = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.self_attn = MLA(cfg.mla, rope, linear=linear, backend=attention, **kw)
+        self.self_attn = (MLA(cfg.mla, rope, linear=linear, backend=attention, **kw) if cfg.dsa is None
+                          else SparseMLA(cfg.mla, cfg.dsa, rope, linear=linear, backend=attention, **kw))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (MoELayer(cfg.moe, shard, fp8_block=fp8_block, linear=linear, experts_backend=experts.backend,
@@ -99,7 +102,9 @@ class DecoderLayer(nn.Module):
     def op_attention(self, s: OpState) -> None:
         mb, x = s.inputs, s.take("x")
         cos, sin = s.peek("rope")
-        h = x + self.self_attn(self.input_layernorm(x), mb.meta, mb.kv_pools[self.index], cos, sin)
+        # DSA layers also write and read their indexer keys (the same slots in index_pools)
+        extra = {} if mb.index_pools is None else {"index_pool": mb.index_pools[self.index]}
+        h = x + self.self_attn(self.input_layernorm(x), mb.meta, mb.kv_pools[self.index], cos, sin, **extra)
         s.put(h=h, mlp_in=self.post_attention_layernorm(h))
 
     def op_kv_written(self, s: OpState) -> None:
@@ -217,12 +222,13 @@ class DeepseekModel(nn.Module):
         s.put(hidden=self.model.norm(s.take("x")))
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor], plan: StepPlan,
-                on_layer=None) -> torch.Tensor:
+                on_layer=None, index_pools: list[torch.Tensor] | None = None) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H], `step_ops` in order. plan: the step's
         (parallel.StepPlan, the same on every rank; the dispatcher takes its mode from it).
         on_layer(i), when given, runs as soon as layer i's latents are in kv_pools[i] (right after
-        its attention): disaggregation starts that layer's KV transfer."""
-        s = OpState(Microbatch(0, input_ids, meta, kv_pools, plan, self.dispatcher, on_layer))
+        its attention): disaggregation starts that layer's KV transfer. index_pools: DSA's indexer-key
+        pools (LatentKVPool.index_pools), None for models without."""
+        s = OpState(Microbatch(0, input_ids, meta, kv_pools, plan, self.dispatcher, on_layer, index_pools))
         return run_sequential(self.step_ops, s).result("hidden")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

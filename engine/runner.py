@@ -57,14 +57,16 @@ class ModelRunner:
         (both microbatches' when the step is split)."""
         empty = ScheduledBatch([], [])
         if plan.split:
-            self.overlap.forward([self.build_meta(empty, []), self.build_meta(empty, [])], self.kv.pools, plan)
+            self.overlap.forward([self.build_meta(empty, []), self.build_meta(empty, [])], self.kv.pools, plan,
+                                 self.kv.index_pools)
         else:
-            self.model(*self.build_meta(empty, []), self.kv.pools, plan)
+            self.model(*self.build_meta(empty, []), self.kv.pools, plan, index_pools=self.kv.index_pools)
 
     def _forward_split(self, batch: ScheduledBatch, plan: StepPlan) -> torch.Tensor:
         from dbo.split import split
         parts = split(batch.num_tokens)
-        hidden = self.overlap.forward([self.build_meta(batch, p) for p in parts], self.kv.pools, plan)
+        hidden = self.overlap.forward([self.build_meta(batch, p) for p in parts], self.kv.pools, plan,
+                                      self.kv.index_pools)
         # back to the batch's token order: sequence b's rows lo..hi-1 sit at offset[b] + lo
         offset = [0]
         for n in batch.num_tokens:
@@ -87,7 +89,8 @@ class ModelRunner:
         if plan.split:
             hidden = self._forward_split(batch, plan)
         else:
-            hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer)
+            hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer,
+                                index_pools=self.kv.index_pools)
         rows, samplers = [], []
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):

@@ -8,10 +8,14 @@ import tempfile
 import time
 
 
+TINY_NAMES = {"v2": "DeepSeek-V2", "v3": "DeepSeek-V3", "v32": "DeepSeek-V3.2", "glm4_moe_lite": "GLM-4.x-MoE-lite",
+              "kimi_k25": "Kimi-K2.5"}
+
+
 def cmd_make_tiny(a) -> None:
     from .tiny import make_tiny_checkpoint
     path = make_tiny_checkpoint(a.out, arch=a.arch, fp8=a.fp8, seed=a.seed)
-    print(f"wrote a tiny DeepSeek-{a.arch.upper()}{' FP8' if a.fp8 else ''} checkpoint to {path}")
+    print(f"wrote a tiny {TINY_NAMES[a.arch]}{' FP8' if a.fp8 else ''} checkpoint to {path}")
 
 
 def cmd_generate(a) -> None:
@@ -128,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("make-tiny", help="write a random-weight HF-format DeepSeek checkpoint")
     t.add_argument("--out", required=True)
-    t.add_argument("--arch", choices=["v2", "v3"], default="v3")
+    t.add_argument("--arch", choices=list(TINY_NAMES), default="v3")
     t.add_argument("--fp8", action="store_true")
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_make_tiny)

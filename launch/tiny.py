@@ -1,9 +1,12 @@
-"""Random-weight DeepSeek-V2/V3 checkpoints in HF format, small enough for CPU tests and demos.
+"""Random-weight checkpoints in HF format, small enough for CPU tests and demos: DeepSeek-V2, V3, V3.2
+(with DSA's indexer), GLM-4.x-MoE-lite and Kimi-K2.5 (a V3 text model under a multimodal config, with a
+tiny vision tower and projector that wideep never reads).
 
-Written without transformers, tensor names and config fields as DeepSeek publishes them, so the
-same files load in wideep and in transformers' DeepseekV2/V3ForCausalLM (the reference).
+Written without transformers, tensor names and config fields as their makers publish them, so the
+same files load in wideep and in transformers' classes of the same names (the reference).
 Legend: V vocab, H hidden, I intermediate, Im moe_intermediate, E routed experts, N heads,
-dn/dr qk nope/rope head dims, dv v head dim, C kv_lora_rank, Q q_lora_rank.
+dn/dr qk nope/rope head dims, dv v head dim, C kv_lora_rank, Q q_lora_rank, NI/Dk indexer heads/head dim,
+Hv vision hidden.
 """
 from __future__ import annotations
 
@@ -38,20 +41,41 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "v2": dict(_COMMON, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
                q_lora_rank=None, n_shared_experts=2, topk_method="group_limited_greedy",
                scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0),
+    # index_topk 16: prompts of a few dozen tokens already attend sparsely
+    "v32": dict(_COMMON, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+                q_lora_rank=48, n_shared_experts=1, topk_method="noaux_tc", scoring_func="sigmoid",
+                norm_topk_prob=True, routed_scaling_factor=2.5, index_n_heads=16, index_head_dim=32, index_topk=16),
+    # as GLM-4.7-Flash writes it: no scoring_func, one group, plain RoPE (theta in rope_parameters), dv != dn
+    "glm4_moe_lite": dict({k: v for k, v in _COMMON.items() if k not in ("rope_theta", "rope_scaling")},
+                          architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", q_lora_rank=48,
+                          n_shared_experts=1, topk_method="noaux_tc", n_group=1, topk_group=1, norm_topk_prob=True,
+                          routed_scaling_factor=1.8, v_head_dim=24, rms_norm_eps=1e-5, partial_rotary_factor=1.0,
+                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
 }
+# Kimi-K2.5: the wrapper config; its text_config is the V3 one above as Moonshot writes it (model_type kimi_k2)
+KIMI_K25 = dict(architectures=["KimiK25ForConditionalGeneration"], model_type="kimi_k25", tie_word_embeddings=False,
+                vision_config=dict(model_type="kimi_k25_vision", patch_size=14, pos_emb_height=8, pos_emb_width=8,
+                                   pos_emb_time=4, num_attention_heads=2, num_hidden_layers=1, hidden_size=32,
+                                   intermediate_size=64, merge_kernel_size=[2, 2]),
+                projection_hidden_size=32, media_placeholder_token_id=255)
+ARCHS = (*DEFAULTS, "kimi_k25")
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
 
 def tiny_config(arch: str = "v3", **overrides: Any) -> dict[str, Any]:
-    """The config.json dict; `overrides` replace fields and must name existing ones."""
-    if arch not in DEFAULTS:
-        raise ValueError(f"arch {arch!r} is not one of {sorted(DEFAULTS)}")
-    config = dict(DEFAULTS[arch])
+    """The config.json dict; `overrides` replace fields (of the text model, for kimi_k25) and must name
+    existing ones."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch {arch!r} is not one of {sorted(ARCHS)}")
+    config = dict(DEFAULTS["v3" if arch == "kimi_k25" else arch])
     unknown = sorted(set(overrides) - set(config))
     if unknown:
         raise ValueError(f"unknown config fields {unknown}; known: {sorted(config)}")
     config.update(overrides)
+    if arch == "kimi_k25":
+        text = dict(config, model_type="kimi_k2")
+        return dict(KIMI_K25, text_config=text, bos_token_id=text["bos_token_id"], eos_token_id=text["eos_token_id"])
     return config
 
 
@@ -69,6 +93,11 @@ def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
     s |= {"self_attn.kv_a_proj_with_mqa.weight": (C + dr, H), "self_attn.kv_a_layernorm.weight": (C,),
           "self_attn.kv_b_proj.weight": (N * (c["qk_nope_head_dim"] + dv), C),
           "self_attn.o_proj.weight": (H, N * dv)}
+    if "index_topk" in c:  # DeepSeek Sparse Attention's lightning indexer
+        NI, Dk = c["index_n_heads"], c["index_head_dim"]
+        s |= {"self_attn.indexer.wq_b.weight": (NI * Dk, c["q_lora_rank"]), "self_attn.indexer.wk.weight": (Dk, H),
+              "self_attn.indexer.k_norm.weight": (Dk,), "self_attn.indexer.k_norm.bias": (Dk,),
+              "self_attn.indexer.weights_proj.weight": (NI, H)}
     moe = (c["n_routed_experts"] is not None and i >= c["first_k_dense_replace"]
            and i % c["moe_layer_freq"] == 0)
     if not moe:
@@ -76,7 +105,7 @@ def _layer_shapes(c: dict[str, Any], i: int) -> dict[str, tuple[int, ...]]:
         return s | {"mlp.gate_proj.weight": (I, H), "mlp.up_proj.weight": (I, H), "mlp.down_proj.weight": (H, I)}
     E, Im = c["n_routed_experts"], c["moe_intermediate_size"]
     s["mlp.gate.weight"] = (E, H)
-    if c["architectures"] == ["DeepseekV3ForCausalLM"]:
+    if c["topk_method"] == "noaux_tc":
         s["mlp.gate.e_score_correction_bias"] = (E,)
     for e in range(E):
         s |= {f"mlp.experts.{e}.gate_proj.weight": (Im, H), f"mlp.experts.{e}.up_proj.weight": (Im, H),
@@ -104,18 +133,46 @@ def checkpoint_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def vision_shapes(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Kimi-K2.5's vision tower and projector, named as transformers reads them (wideep never does)."""
+    v, H = c["vision_config"], c["text_config"]["hidden_size"]
+    Hv, Iv, p = v["hidden_size"], v["intermediate_size"], v["patch_size"]
+    Hm = Hv * v["merge_kernel_size"][0] * v["merge_kernel_size"][1]
+    enc = "vision_tower.encoder."
+    s = {enc + "patch_embed.proj.weight": (Hv, 3, p, p), enc + "patch_embed.proj.bias": (Hv,),
+         "vision_tower.patch_embed.pos_emb.weight": (v["pos_emb_height"], v["pos_emb_width"], Hv),
+         enc + "final_layernorm.weight": (Hv,), enc + "final_layernorm.bias": (Hv,),
+         "model.mm_projector.pre_norm.weight": (Hv,), "model.mm_projector.pre_norm.bias": (Hv,),
+         "mm_projector.proj.0.weight": (Hm, Hm), "mm_projector.proj.0.bias": (Hm,),
+         "mm_projector.proj.2.weight": (H, Hm), "mm_projector.proj.2.bias": (H,)}
+    for i in range(v["num_hidden_layers"]):
+        b = f"{enc}blocks.{i}."
+        s |= {b + "wqkv.weight": (3 * Hv, Hv), b + "wqkv.bias": (3 * Hv,), b + "wo.weight": (Hv, Hv), b + "wo.bias": (Hv,),
+              b + "mlp.fc0.weight": (Iv, Hv), b + "mlp.fc0.bias": (Iv,), b + "mlp.fc1.weight": (Hv, Iv),
+              b + "mlp.fc1.bias": (Hv,)} | {b + f"norm{j}.{w}": (Hv,) for j in (0, 1) for w in ("weight", "bias")}
+    return s
+
+
 def _is_quantised(name: str) -> bool:
     # As in DeepSeek-V3's FP8 release: the attention and MLP linears (q_a_proj ... kv_a_proj_with_mqa
-    # ... down_proj); router, embeddings, norms, lm_head and the MTP eh_proj stay in high precision.
+    # ... down_proj), and V3.2's indexer projections of q and k; router, embeddings, norms, lm_head,
+    # the indexer's head weights and the MTP eh_proj stay in high precision.
     module = name.rsplit(".", 2)[-2]
+    if ".indexer." in name:
+        return module in ("wq_b", "wk")
     return name.endswith(".weight") and "_proj" in module and (".self_attn." in name or ".mlp." in name)
 
 
 def _random_tensors(c: dict[str, Any], seed: int, fp8: bool) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    std = c["initializer_range"]
+    text = c.get("text_config", c)
+    std = text["initializer_range"]
     out: dict[str, torch.Tensor] = {}
-    for name, shape in checkpoint_shapes(c).items():
+    shapes = checkpoint_shapes(text)
+    if "text_config" in c:  # Kimi-K2.5 stores its language model under language_model.*
+        shapes = {("language_model." if n.startswith(("model.", "lm_head.")) else "") + n: s for n, s in shapes.items()}
+        shapes |= vision_shapes(c)
+    for name, shape in shapes.items():
         if name.endswith("e_score_correction_bias"):
             # Non-zero so a gate that forgets the bias picks different experts than the reference.
             t = torch.rand(shape, generator=g) * 0.1 - 0.05
@@ -197,10 +254,11 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed
     config = tiny_config(arch, **overrides)
     if fp8:
         config["quantization_config"] = dict(FP8_QUANT)
+    text = config.get("text_config", config)
     os.makedirs(out_dir, exist_ok=True)
     _write_safetensors(out_dir, _random_tensors(config, seed, fp8), shards)
     _write_json(out_dir, "config.json", config)
     _write_json(out_dir, "generation_config.json",
-                {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]})
-    _write_tokenizer(out_dir, config["vocab_size"], config["bos_token_id"], config["eos_token_id"])
+                {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"]})
+    _write_tokenizer(out_dir, text["vocab_size"], text["bos_token_id"], text["eos_token_id"])
     return out_dir

@@ -1,4 +1,5 @@
-"""transformers as the external oracle: tiny random DeepseekV2/V3 models, saved with save_pretrained."""
+"""transformers as the external oracle: tiny random DeepSeek-V2/V3/V3.2 and GLM-4.x-MoE-lite models, saved with
+save_pretrained; our own tiny checkpoints (launch/tiny.py) loaded into transformers' classes."""
 from __future__ import annotations
 
 import torch
@@ -19,16 +20,25 @@ V2_BASE = dict(vocab_size=200, hidden_size=64, intermediate_size=96, moe_interme
                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 
+# DSA: 16 indexer heads, so that a token's index score is almost never exactly 0 (relu of every head):
+# ties at the k-th place would be broken arbitrarily, differently by differently shaped top-k calls
+V32_BASE = dict(V3_BASE, index_topk=8, index_n_heads=16, index_head_dim=16)
+GLM_BASE = dict({k: v for k, v in V3_BASE.items() if k != "first_k_dense_replace"}, n_group=1, topk_group=1,
+                v_head_dim=24, rms_norm_eps=1e-5, routed_scaling_factor=1.8, mlp_layer_types=["dense"] + ["sparse"] * 3)
+BASES = {"v2": ("DeepseekV2", V2_BASE), "v3": ("DeepseekV3", V3_BASE), "v32": ("DeepseekV32", V32_BASE),
+         "glm4_moe_lite": ("Glm4MoeLite", GLM_BASE)}
+TINY_CLASSES = {"v2": "DeepseekV2ForCausalLM", "v3": "DeepseekV3ForCausalLM", "v32": "DeepseekV32ForCausalLM",
+                "glm4_moe_lite": "Glm4MoeLiteForCausalLM", "kimi_k25": "Kimi_K25ForConditionalGeneration"}
+
+
 def make_hf_model(arch: str, out_dir: str, seed: int = 0, bias_std: float = 0.0, **overrides):
     """Build, randomise and save a tiny HF model; returns it (float32, eval)."""
     import transformers
     torch.manual_seed(seed)
-    base = dict(V3_BASE if arch == "v3" else V2_BASE)
+    name, base = BASES[arch]
+    base = dict(base)
     base.update(overrides)
-    if arch == "v3":
-        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**base))
-    else:
-        model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**base))
+    model = getattr(transformers, name + "ForCausalLM")(getattr(transformers, name + "Config")(**base))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "layernorm" in name or name.endswith("norm.weight"):
@@ -40,6 +50,14 @@ def make_hf_model(arch: str, out_dir: str, seed: int = 0, bias_std: float = 0.0,
     model.eval().float()
     model.save_pretrained(out_dir)
     return model
+
+
+def load_tiny_in_hf(arch: str, model_dir: str):
+    """Our tiny checkpoint (launch/tiny.py) in transformers' class for `arch`, every tensor matched; float32, eval."""
+    import transformers
+    model, info = getattr(transformers, TINY_CLASSES[arch]).from_pretrained(model_dir, output_loading_info=True)
+    assert not any(info.values()), info
+    return model.eval().float()
 
 
 @torch.no_grad()

@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-KERNEL_MODULES = ("moe.triton_moe", "moe.triton_quant", "attention_mla.triton_decode")
+KERNEL_MODULES = ("moe.triton_moe", "moe.triton_quant", "attention_mla.triton_decode",
+                  "attention_mla.triton_indexer")
 
 if not torch.cuda.is_available():
     early = [m for m in KERNEL_MODULES if m in sys.modules]

@@ -1,0 +1,135 @@
+"""MLA with DeepSeek Sparse Attention (DeepSeek-V3.2) over the paged latent + indexer-key caches.
+
+Legend: T tokens, N heads, C kv_lora_rank, R rope dim, Dk indexer head dim, L context, k index_topk.
+Each step writes every token's latent [C+R] and indexer key [Dk] into the same slot of their pools;
+then each query attends to the top-k context tokens its indexer picks (indexer.py), in MLA's two forms:
+- absorbed (decode): gather the selected latent rows only ([k, C+R] per query, not [L, C+R]) and
+  attend over them in the latent space (MLA.attend_absorbed);
+- naive (prefill): expand the whole context once and attend through the selection mask
+  (MLA.attend_naive) — exact, and shared by all of a chunk's queries.
+A query that sees at most k tokens selects them all: its attention is plain causal MLA, and the
+indexer's queries and scores are not computed (a context within index_topk costs only the key write).
+backend "triton" runs one-query (decode) sequences in kernels that read the caches in place: the
+indexer's scores through the block table (triton_indexer.py), then the paged MLA decode kernel
+(triton_decode.py) over the selected slots only.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import DSAConfig, MLAConfig
+from .indexer import Indexer, select_topk, selection_mask
+from .meta import AttnMeta
+from .mla import MLA
+from .rope import RotaryEmbedding
+
+
+class SparseMLA(MLA):
+    """MLA plus `indexer` (checkpoint names `self_attn.indexer.*`). mode as MLA's: "auto" attends
+    one-query sequences absorbed and the others naive; "naive"/"absorbed" force one form (tests)."""
+
+    def __init__(self, cfg: MLAConfig, dsa: DSAConfig, rope: RotaryEmbedding, device=None, dtype=None,
+                 linear=nn.Linear, backend: str = "torch", mode: str = "auto"):
+        super().__init__(cfg, rope, device=device, dtype=dtype, linear=linear, backend=backend, mode=mode)
+        if cfg.q_lora_rank != dsa.q_lora_rank:
+            raise ValueError(f"DSA's indexer reads the q-LoRA latent: q_lora_rank {cfg.q_lora_rank} != "
+                             f"{dsa.q_lora_rank}")
+        self.dsa = dsa
+        self.indexer = Indexer(dsa, cfg.hidden_size, rope, device=device, dtype=dtype)
+
+    def attend_sparse_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_idx: torch.Tensor | None,
+                               w: torch.Tensor | None, kv_pool: torch.Tensor, index_pool: torch.Tensor,
+                               ctx_slots: torch.Tensor, key_limit: torch.Tensor) -> torch.Tensor:
+        """Any tokens, each over its own context. q_nope [T, N, dn], q_pe [T, N, R], q_idx [T, NI, Dk] and
+        w [T, NI] (the indexer's; None when no context exceeds k), ctx_slots [T, Lmax] (each token's
+        context slots, padded), key_limit [T] -> [T, N, dv], reading k latent rows per token."""
+        if ctx_slots.shape[1] <= self.dsa.index_topk:
+            chosen, n = ctx_slots, key_limit
+        else:
+            scores = self.indexer.scores(q_idx, w, index_pool[ctx_slots])            # [T, Lmax]
+            idx, n = select_topk(scores, key_limit, self.dsa.index_topk)
+            chosen = ctx_slots.gather(1, idx)                                         # [T, k]
+        return self.attend_absorbed(q_nope, q_pe, kv_pool[chosen], n)
+
+    def attend_sparse_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_idx: torch.Tensor | None,
+                            w: torch.Tensor | None, kv_pool: torch.Tensor, index_pool: torch.Tensor,
+                            slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One sequence's Tq queries at `positions` [Tq] over its context slots [L] -> [Tq, N, dv]."""
+        mask = None
+        if slots.shape[0] > self.dsa.index_topk:
+            scores = self.indexer.scores(q_idx, w, index_pool[slots][None])           # [Tq, L]
+            idx, n = select_topk(scores, positions + 1, self.dsa.index_topk)
+            mask = selection_mask(idx, n, slots.shape[0])                             # [Tq, L]
+        return self.attend_naive(q_nope, q_pe, kv_pool[slots], mask)
+
+    def attend_paged_sparse(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_idx: torch.Tensor | None,
+                            w: torch.Tensor | None, kv_pool: torch.Tensor, index_pool: torch.Tensor, meta: AttnMeta,
+                            seqs: list[int]) -> torch.Tensor:
+        """Decode sequences `seqs` (one query each, in that order) in the Triton kernels -> [B, N, dv]: the
+        indexer's scores read the keys through the block table (triton_indexer.py), the top-k runs in torch,
+        and the paged MLA decode kernel reads only the selected latents, given to it as one-slot blocks."""
+        from .triton_decode import mla_decode
+        from .triton_indexer import index_scores_paged
+        table, lens, max_len = meta.seq_tables(seqs)
+        bs = meta.block_size
+        if max_len > self.dsa.index_topk:
+            scores = index_scores_paged(q_idx.to(index_pool.dtype), w, index_pool, table, lens, bs,
+                                        self.indexer.scale, max_len)                  # [B, max_len]
+            idx, n = select_topk(scores, lens, self.dsa.index_topk)
+            table = (table.gather(1, idx // bs) * bs + idx % bs).to(torch.int32)   # [B, k] slots
+            lens, max_len, bs = n.to(torch.int32), idx.shape[1], 1
+        w_uk, w_uv = self._kv_b()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)               # [B, N, C]
+        q = torch.cat((q_lat, q_pe), dim=-1).to(kv_pool.dtype)                          # [B, N, C+R]
+        out_lat = mla_decode(q, kv_pool, table, lens, bs, self.cfg.kv_lora_rank, self.cfg.softmax_scale,
+                             max_len).to(q_nope.dtype)                                  # [B, N, C]
+        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, index_pool: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H], kv_pool [S, C+R] and index_pool [S, Dk] (this layer's), cos/sin [T, R/2] -> [T, H].
+        backend "triton": one-query sequences run attend_paged_sparse."""
+        cfg = self.cfg
+        Dk = self.dsa.index_head_dim
+        if index_pool is None or index_pool.shape != (kv_pool.shape[0], Dk):
+            raise ValueError(f"DSA attention needs this layer's indexer-key pool [{kv_pool.shape[0]}, {Dk}] beside "
+                             f"its latent pool (LatentKVPool(..., index_dim={Dk}).index_pools), got "
+                             f"{None if index_pool is None else tuple(index_pool.shape)}")
+        T = x.shape[0]
+        if T == 0:
+            return self.o_proj(x.new_zeros(0, cfg.num_heads * cfg.v_head_dim))
+        q_lat = self.q_latent(x)
+        q_nope, q_pe, latent = self.project(x, cos, sin, q_lat)
+        kv_pool.index_copy_(0, meta.slot_mapping, latent.to(kv_pool.dtype))
+        index_pool.index_copy_(0, meta.slot_mapping, self.indexer.keys(x, cos, sin).to(index_pool.dtype))
+        # the indexer's queries are needed only where some context exceeds index_topk
+        q_idx, w = (self.indexer.queries(x, q_lat, cos, sin) if max(meta.ctx_lens) > self.dsa.index_topk
+                    else (None, None))
+
+        def take(rows):  # this step's per-token tensors at `rows`
+            return [q_nope[rows], q_pe[rows]] + [None if t is None else t[rows] for t in (q_idx, w)]
+
+        out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
+        starts, qlens = meta.query_starts, meta.query_lens
+        forced = {"naive": False, "absorbed": True}.get(self.mode)
+        absorbed = [b for b, q in enumerate(qlens) if q and (forced if forced is not None else q == 1)]
+        paged = [b for b in absorbed if qlens[b] == 1] if self.backend == "triton" else []
+        if paged:
+            rows = torch.tensor([starts[b] for b in paged], device=x.device)
+            out[rows] = self.attend_paged_sparse(*take(rows), kv_pool, index_pool, meta, paged)
+            absorbed = [b for b in absorbed if qlens[b] != 1]
+        if absorbed:
+            rows = torch.tensor([r for b in absorbed for r in range(starts[b], starts[b] + qlens[b])], device=x.device)
+            slots, _ = meta.context_slots(absorbed)                                   # [S, Lmax]
+            if len(rows) != len(absorbed):  # a sequence with several queries: its context once per token
+                slots = slots[torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),
+                                                      torch.tensor([qlens[b] for b in absorbed], device=x.device))]
+            out[rows] = self.attend_sparse_absorbed(*take(rows), kv_pool, index_pool, slots, meta.positions[rows] + 1)
+        done = set(absorbed) | set(paged)
+        for b, (s, q) in enumerate(zip(starts, qlens)):
+            if q and b not in done:
+                slots, _ = meta.context_slots([b])
+                out[s:s + q] = self.attend_sparse_naive(*take(slice(s, s + q)), kv_pool, index_pool, slots[0],
+                                                        meta.positions[s:s + q])
+        return self.o_proj(out.view(T, -1))
