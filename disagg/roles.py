@@ -36,6 +36,22 @@ class Roles:
         return self.ranks[0]
 
 
+def pool_nodes(ranks: list[int], ranks_per_node: int, i: int) -> dict:
+    """A pool's own node layout (its ranks on the world's nodes; global rank r is on node r // L): the
+    pool's ranks node-major with the same count on each of its nodes -> those nodes; otherwise (a pool
+    spread unevenly) one flat node. -> ParallelContext fields for pool rank i.
+
+        pool_nodes([4, 5, 6, 7], 2, 3) == dict(local_rank=1, local_world_size=2, node_rank=1, num_nodes=2)
+        pool_nodes([1], 2, 0)          == dict(local_rank=0, local_world_size=1, node_rank=0, num_nodes=1)
+    """
+    nodes = [r // ranks_per_node for r in ranks]
+    distinct = sorted(set(nodes))
+    per = len(ranks) // len(distinct)
+    if nodes == sorted(nodes) and all(nodes.count(n) == per for n in distinct):
+        return dict(local_rank=i % per, local_world_size=per, node_rank=i // per, num_nodes=len(distinct))
+    return dict(local_rank=i, local_world_size=len(ranks), node_rank=0, num_nodes=1)
+
+
 def build_roles(ctx: ParallelContext, cfg: DisaggConfig) -> Roles:
     timeout = timedelta(seconds=ctx.timeout_s)
     gloo = ctx.backend == "gloo"
@@ -48,6 +64,8 @@ def build_roles(ctx: ParallelContext, cfg: DisaggConfig) -> Roles:
     role = cfg.role_of(ctx.rank)
     ranks, dev, cpu = groups[role]
     i = ranks.index(ctx.rank)
+    nodes = pool_nodes(ranks, ctx.ranks_per_node, i)
     pool = dataclasses.replace(ctx, rank=i, world_size=len(ranks), dp_rank=i, dp_size=len(ranks), ep_rank=i,
-                               ep_size=len(ranks), ep_group=dev, cpu_group=cpu)
+                               ep_size=len(ranks), ep_group=dev, cpu_group=cpu,
+                               node_group=dev if nodes["num_nodes"] == 1 else None, **nodes)
     return Roles(role, ctx.rank, ranks, ctx, pool, make_kv_transfer(cfg.kv_transfer, ctx, kv_group), cfg)
