@@ -30,7 +30,7 @@ class KVCacheConfig:
     persist_on_close: bool = True
     routing: str = "kv_aware"
     route_prefix_weight: float = 1.0
-    route_load_weight: float = 1.0
+    route_load_weight: float = 0.25
 
     def __post_init__(self):
         if isinstance(self.tiers, str) or not isinstance(self.tiers, (list, tuple)):
