@@ -5,7 +5,8 @@ DecodeHooks make the engine's step loop a decode rank: before each step it advan
 token, which is reported that step.
 
 DisaggEngine is the Engine confined to its pool, with the front routing across both pools:
-add_request picks the least-loaded prefill rank and decode rank, sends the prompt to the prefill
+add_request picks a prefill rank (KV-aware: the one holding the longest cached prefix of the prompt,
+weighed against load; else the least-loaded) and the least-loaded decode rank, sends the prompt to the prefill
 rank's inbox (it computes the prompt and streams the KV) and tells the decode rank which transfer to
 expect. The prefill rank's load is counted in prompt tokens until the request's first token is back.
 """
@@ -90,7 +91,7 @@ class DisaggEngine(Engine):
         request_id, text, ids, params, max_tokens = self._accept(request_id, prompt, params)
         decode, prefill = self.front.domains
         d = self.front.assign(decode, request_id, len(ids) + max_tokens)
-        p = self.front.assign(prefill, request_id, len(ids), until_first_token=True)
+        p = self.front.assign(prefill, request_id, len(ids), until_first_token=True, ids=ids)  # its cached prefix
         self._tid += 1
         st = RequestState(request_id, text, ids, params, max_tokens, d)
         req = NewRequest(request_id, ids, params, max_tokens, st.arrival_time)

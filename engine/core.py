@@ -13,6 +13,7 @@ from typing import Sequence as Seq
 import torch
 
 from attention_mla.kv_cache import LatentKVPool
+from kvstore.events import HeldLog
 from parallel.context import ParallelContext
 
 from .block_manager import BlockManager
@@ -77,7 +78,9 @@ class EngineCore:
             raise ValueError(f"max_model_len ({self.max_model_len}) > max_position_embeddings "
                              f"({mcfg.max_position_embeddings})")
         self.kv = self._kv_cache(device)
-        self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        log = HeldLog(enabled=cfg.enable_prefix_caching and cfg.kv_cache.routing == "kv_aware")
+        self.store = self._kv_store(log) if cfg.kv_cache.tiers else None
+        self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.store, log)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         overlap, self.auto = None, None
         if cfg.dbo.enabled and mcfg.moe is not None:
@@ -118,6 +121,31 @@ class EngineCore:
             blocks = max(1, min(want, cfg.kv_cache_memory // per_block))
         return LatentKVPool(mcfg.num_hidden_layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dt, device,
                             index_dim=index_dim)
+
+    def _kv_store(self, log: HeldLog):
+        """The tiers below the device cache ([kv_cache] tiers): every per-layer pool's block rows."""
+        from kvstore.identity import model_identity
+        from kvstore.store import TieredStore
+        cfg, pools = self.cfg, self.kv.pools
+        identity = None
+        if "disk" in cfg.kv_cache.tiers:
+            identity = model_identity(cfg.model, str(pools[0].dtype), cfg.block_size,
+                                      [(cfg.block_size, p.shape[1]) for p in pools])
+        return TieredStore(cfg.kv_cache, pools, cfg.block_size, identity, prefer=self.ctx.dp_rank, log=log)
+
+    def take_kv_events(self):
+        """-> kvstore.KVEvents: the blocks this rank started or stopped holding since it last said
+        (bounded per call), or None."""
+        return self.blocks.take_events()
+
+    def has_kv_events(self) -> bool:
+        return self.blocks.log.pending
+
+    def close(self) -> None:
+        """Release the KV tiers (persisting them to the disk tier first when configured)."""
+        if self.store is not None:
+            self.store.close(self.blocks.cached_blocks())
+            self.store = self.blocks.store = None
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -228,11 +256,16 @@ class EngineCore:
         parallel/dispatch/routing.py), DBO split steps and EPLB rebalances."""
         b = self.blocks
         out = {"dp_rank": self.ctx.origin_rank, "running": len(self.scheduler.running),
-               "waiting": len(self.scheduler.waiting),
+               "waiting": len(self.scheduler.waiting) + len(self.scheduler.loading),
                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
+               "prefill_tokens": self.scheduler.prefill_tokens, "kv_device_cached_blocks": b.num_cached,
+               "kv_device_cached_bytes": b.num_cached * sum(p[:b.block_size].nbytes for p in self.kv.pools),
+               **{f"kv_hit_blocks_{tier}": n for tier, n in b.hit_blocks.items()},
                "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps,
                "kv_bytes_per_token": self.kv.bytes_per_token()}
+        if self.store is not None:
+            out.update(self.store.stats())
         disp = self.dispatchers()
         if disp:
             for key in ("remote", "intra", "inter"):

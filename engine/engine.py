@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 
+from kvstore.router import PrefixRouter
 from parallel.watchdog import RankLostError
 
 from .channel import FrontChannel, RankChannel, local_pair, new_namespace
@@ -54,7 +55,9 @@ class Engine:
             front_end = FrontChannel(job, list(range(job.world_size)), name) if job.rank == 0 else None
         leader = any(d.ranks[0] == job.rank for d in domains)
         self.loop = RankLoop(self.core, rank_end, job.rank, leader, hooks=hooks)
-        self.front = Front(front_end, domains, self.core.tokenizer) if job.rank == 0 else None
+        router = PrefixRouter.from_config(self.core.cfg.kv_cache, self.core.cfg.block_size,
+                                          self.core.cfg.enable_prefix_caching)
+        self.front = Front(front_end, domains, self.core.tokenizer, router=router) if job.rank == 0 else None
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._closed = False
@@ -81,7 +84,7 @@ class Engine:
         """Validate and send a request to its DP rank. Errors leave the engine as it was."""
         request_id, text, ids, params, max_tokens = self._accept(request_id, prompt, params)
         domain = self.front.domains[0]
-        rank = self.front.assign(domain, request_id, len(ids) + max_tokens)
+        rank = self.front.assign(domain, request_id, len(ids) + max_tokens, ids=ids)
         st = RequestState(request_id, text, ids, params, max_tokens, rank)
         self._ensure_worker()
         self.front.add(st, NewRequest(request_id, ids, params, max_tokens, st.arrival_time))
@@ -144,6 +147,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.core.close()
         self.loop.channel.close()
         if self.front is not None:
             self.front.channel.close()

@@ -1,7 +1,7 @@
 """EngineConfig: every option of an engine, frozen and validated once, fingerprinted whole.
 
 One source for three readers: `Engine(model, **options)` / `LLM(...)` keywords, the run-config file
-(each field names its section: [model] or [engine]; [parallel], [dbo], [eplb] are the nested
+(each field names its section: [model] or [engine]; [parallel], [dbo], [eplb], [kv_cache] are the nested
 configs' own fields) and the cross-rank agreement check (every rank must hold an equal config).
 Keys are derived from the dataclass fields, never listed by hand.
 
@@ -15,6 +15,7 @@ from typing import Any
 
 from dbo.overlap import DboConfig
 from eplb.config import EplbConfig
+from kvstore.config import KVCacheConfig
 from parallel.config import ParallelConfig
 
 
@@ -42,6 +43,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"section": "parallel"})
     dbo: DboConfig = field(default_factory=DboConfig, metadata={"section": "dbo"})
     eplb: EplbConfig = field(default_factory=EplbConfig, metadata={"section": "eplb"})
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig, metadata={"section": "kv_cache"})
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -61,6 +63,9 @@ class EngineConfig:
         for name, allowed in (("experts_backend", EXPERTS_BACKENDS), ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.kv_cache.tiers and not self.enable_prefix_caching:
+            raise ValueError(f"kv_cache.tiers {list(self.kv_cache.tiers)} keep prefix-cache blocks: they need "
+                             f"enable_prefix_caching = true")
         from .build import DTYPES
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -81,7 +86,7 @@ class EngineConfig:
 
     @classmethod
     def from_sections(cls, sections: dict[str, dict], world_size: int | None = None) -> "EngineConfig":
-        """From run-config sections ([model], [engine], [parallel], [dbo], [eplb]); others ignored.
+        """From run-config sections ([model], [engine], [parallel], [dbo], [eplb], [kv_cache]); others ignored.
         Unknown keys are an error naming the section. dp_size / ep_size "auto" or absent: world_size
         (default: the launcher's)."""
         keys = cls.section_keys()
@@ -102,7 +107,8 @@ class EngineConfig:
     @classmethod
     def from_options(cls, model: str, world_size: int | None = None, **options) -> "EngineConfig":
         """From Engine/LLM keywords: the fields, plus dp_size / ep_size / dispatch_backend as
-        shortcuts into `parallel` (a ParallelConfig or dict), dbo as True/False/"auto" or a dict.
+        shortcuts into `parallel` (a ParallelConfig or dict), dbo as True/False/"auto" or a dict,
+        eplb / kv_cache as their config or a dict.
         dp_size / ep_size not given (or "auto"): world_size (default: the launcher's)."""
         options = dict(options)
         par = options.pop("parallel", None)
@@ -120,6 +126,8 @@ class EngineConfig:
             options["dbo"] = DboConfig.coerce(options["dbo"])
         if "eplb" in options:
             options["eplb"] = EplbConfig.coerce(options["eplb"])
+        if "kv_cache" in options:
+            options["kv_cache"] = KVCacheConfig.coerce(options["kv_cache"])
         if "dtype" in options and not isinstance(options["dtype"], str):  # a torch.dtype
             options["dtype"] = _dtype_name(options["dtype"])
         return cls(model=model, parallel=_build(ParallelConfig, _sizes(par, world_size), "parallel"), **options)
@@ -131,7 +139,7 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-_NESTED = {"parallel": ParallelConfig, "dbo": DboConfig, "eplb": EplbConfig}
+_NESTED = {"parallel": ParallelConfig, "dbo": DboConfig, "eplb": EplbConfig, "kv_cache": KVCacheConfig}
 
 
 def _sizes(par: dict, world_size: int | None) -> dict:

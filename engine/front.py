@@ -1,7 +1,8 @@
 """The front: where requests enter and outputs leave (global rank 0's process), off every rank's
 critical path.
 
-It validates and routes each request to a DP rank's inbox, keeps every request's state (prompt,
+It validates and routes each request to a DP rank's inbox (least-loaded, or KV-aware: the rank
+holding the prompt's prefix, weighed against load — kvstore/router.py), keeps every request's state (prompt,
 params, tokens so far — engine/outputs.py), turns the ranks' Reports into RequestOutputs, and keeps
 each domain's wave going (engine/rank_loop.py): a domain is a set of ranks in lockstep — every rank
 when colocated, each pool when disaggregated. The ranks never wait for it: a front slowed by HTTP,
@@ -10,8 +11,10 @@ JSON or detokenization only delays its own clients.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+
+from kvstore.metrics import tier_totals
 
 from .messages import Abort, Command, NewRequest, Report, Wake
 from .outputs import RequestState
@@ -40,8 +43,10 @@ class Front:
     """channel: the front's end (FrontChannel or the local pair's); domains: the lockstep groups;
     tokenizer: for output text (None: no text)."""
 
-    def __init__(self, channel, domains: list[Domain], tokenizer=None, finished_kept: int = 10000):
+    def __init__(self, channel, domains: list[Domain], tokenizer=None, finished_kept: int = 10000, router=None):
         self.channel, self.domains, self.tokenizer = channel, domains, tokenizer
+        self.router = router       # kvstore.PrefixRouter (KV-aware routing) or None (least-loaded)
+        self.routing = Counter()   # routing decisions by reason
         self.domain_of = {r: d for d in domains for r in d.ranks}
         self.requests: dict[str, RequestState] = {}
         self.cost: dict[str, list[tuple[Domain, int, int, bool]]] = {}  # request -> [(domain, rank, tokens,
@@ -59,10 +64,16 @@ class Front:
         self.readmitted = 0
 
     # -- requests -----------------------------------------------------------------------------------
-    def assign(self, domain: Domain, request_id: str, cost: int, until_first_token: bool = False) -> int:
-        """Book the request on the domain's least-loaded rank, until it finishes (or, with
-        until_first_token, until its first token is back: a prefill's share). -> that rank."""
-        rank = least_loaded(domain.load)
+    def assign(self, domain: Domain, request_id: str, cost: int, until_first_token: bool = False,
+               ids: list[int] | None = None) -> int:
+        """Book the request on a rank of the domain, until it finishes (or, with until_first_token,
+        until its first token is back: a prefill's share). -> that rank. With a router and the
+        prompt's ids: the rank whose cached prefix and load cost least; else the least-loaded."""
+        if self.router is not None and ids is not None:
+            rank, reason, _ = self.router.choose(domain.ranks, domain.load, ids)
+        else:
+            rank, reason = least_loaded(domain.load), "least_loaded"
+        self.routing[reason] += 1
         domain.load[rank] += cost
         self.cost.setdefault(request_id, []).append((domain, rank, cost, until_first_token))
         return rank
@@ -121,6 +132,8 @@ class Front:
             self._waves(rep)
             if rep.stats is not None:
                 self.rank_stats[rep.rank] = rep.stats
+            if rep.kv_events is not None and self.router is not None:
+                self.router.update(rep.rank, rep.kv_events)
             if rep.error:
                 self.errors.append(f"rank {rep.rank}: {rep.error}")
             generated += rep.generated
@@ -166,6 +179,8 @@ class Front:
         for r in lost:
             self.domain_of.pop(r, None)
             self.rank_stats.pop(r, None)
+            if self.router is not None:
+                self.router.forget_rank(r)   # its cached prefixes went with it
         for rid, st in list(self.requests.items()):
             if st.dp_rank in lost:
                 self._readmit(st)
@@ -222,4 +237,5 @@ class Front:
                 "requests_readmitted": self.readmitted,
                 "recovery_s_last": self.recoveries[-1]["recovery_s"] if self.recoveries else 0.0,
                 "expert_bytes_refetched_peer": sum(r.get("expert_bytes_peer", 0) for r in self.recoveries),
-                "expert_bytes_refetched_checkpoint": sum(r.get("expert_bytes_checkpoint", 0) for r in self.recoveries)}
+                "expert_bytes_refetched_checkpoint": sum(r.get("expert_bytes_checkpoint", 0) for r in self.recoveries),
+                "routing_decisions": dict(self.routing), **tier_totals(st)}

@@ -1,7 +1,7 @@
 """What the front and the ranks tell each other, asynchronously (engine/channel.py carries it).
 
 front -> a rank's inbox:   NewRequest, Abort, Wake, Command
-a rank -> the front:       Report (the step's Deltas, the rank's stats, wave notices)
+a rank -> the front:       Report (the step's Deltas, the rank's stats, wave notices, KV events)
 
 None of this is on the lockstep path: the only per-step collective among ranks is the step sync's
 fixed-size all-reduce (engine/spmd.py). Waves (see engine/rank_loop.py): ranks that all went idle
@@ -71,3 +71,4 @@ class Report:
     start_wave: int | None = None             # a request came for a finished wave: start this one
     error: str | None = None                  # the rank's loop failed (the text of the exception)
     recovered: dict | None = None             # the ranks re-formed after a loss (engine/elastic.py)
+    kv_events: Any = None                     # kvstore.KVEvents: blocks it started / stopped holding

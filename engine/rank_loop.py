@@ -218,10 +218,11 @@ class RankLoop:
     def _report(self, force: bool = False, idle: bool = False, recovered: dict | None = None) -> None:
         now = time.monotonic()
         stale = now - self._last_stats >= self.stats_interval_s
-        if not (self._deltas or force or stale or self._start_wave is not None):
+        if not (self._deltas or force or stale or self._start_wave is not None or self.core.has_kv_events()):
             return
         rep = Report(self.rank, self._deltas, generated=self._generated, start_wave=self._start_wave,
-                     idle_wave=self.wave if idle and self.leader else None, recovered=recovered)
+                     idle_wave=self.wave if idle and self.leader else None, recovered=recovered,
+                     kv_events=self.core.take_kv_events())
         if stale or force or self._deltas:
             rep.stats = dict(self.core.stats(), **self.hooks.stats())
             self._last_stats = now

@@ -7,6 +7,10 @@ sequence needs a block and none is free, the newest running sequence is preempte
 freed and it goes back to the front of the queue, to be recomputed from its prompt and the tokens
 it has already produced — nothing is lost and its output is unchanged.
 
+A sequence whose prefix continues in the disk tier (kvstore/) steps aside while those blocks are
+read (`loading`), letting the sequences behind it run, and rejoins the front of the queue when they
+are in host memory; with nothing else to run, the step waits for the reads instead.
+
 A sequence's lifecycle lives here: add (waiting) -> schedule (running, blocks grown) -> apply the
 runner's StepResult (tokens computed, sampled token appended, full blocks hashed for the prefix
 cache, finished sequences freed) -> finish. adopt/release let other parts hand sequences in and
@@ -39,6 +43,9 @@ class StepResult:
     #                                          (None: the sequence did not ask for them)
 
 
+READ_TIMEOUT_S = 30.0   # the longest a step waits for disk reads when it has nothing else to run
+
+
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -48,8 +55,10 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.by_id: dict[str, Sequence] = {}      # every sequence held here, waiting or running
+        self.loading: list[tuple[Sequence, list[int]]] = []   # waiting for these blocks to come up from disk
+        self.by_id: dict[str, Sequence] = {}      # every sequence held here, waiting, loading or running
         self.num_preemptions = 0
+        self.prefill_tokens = 0                   # prompt (or recomputed) tokens computed, all steps
 
     def add(self, seq: Sequence) -> None:
         need = self.blocks.blocks_for(len(seq.prompt_token_ids) + seq.max_tokens - 1)
@@ -80,7 +89,20 @@ class Scheduler:
         return seq
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    def _loaded(self) -> None:
+        """Sequences whose disk reads are done rejoin the front of the queue, in their order. With
+        nothing else to run, wait for the oldest one's reads (and let it go even if they are late)."""
+        if not (self.waiting or self.running):
+            s, hashes = self.loading[0]
+            self.blocks.wait_reads(hashes, READ_TIMEOUT_S)
+            late = {id(s)}
+        else:
+            late = set()
+        back = [s for s, hashes in self.loading if id(s) in late or not self.blocks.reading(hashes)]
+        self.loading = [(s, h) for s, h in self.loading if s not in back]
+        self.waiting.extendleft(reversed(back))
 
     def _preempt_newest(self) -> Sequence:
         """Free the newest running sequence's blocks and put it back at the front of the queue."""
@@ -92,6 +114,8 @@ class Scheduler:
         return victim
 
     def schedule(self) -> ScheduledBatch:
+        if self.loading:
+            self._loaded()
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_tokens: list[int] = []
@@ -113,13 +137,18 @@ class Scheduler:
         # 2. admit waiting sequences FCFS (a preempted one is back at the front)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
-            hit = self.blocks.match_prefix(s)
+            match = self.blocks.match_prefix(s)
+            if match.reading:   # more of its prefix is coming up from disk: the others go first meanwhile
+                self.blocks.free(s)
+                s.num_computed = 0
+                self.loading.append((self.waiting.popleft(), match.reading))
+                continue
             n = min(s.num_pending, budget)
             if not self.blocks.can_grow(s, n):
                 self.blocks.free(s)  # hand prefix hits back while it waits
                 s.num_computed = 0
                 break
-            self.blocks.record_query(s.num_tokens, hit)
+            self.blocks.record_query(s.num_tokens, match)
             self.waiting.popleft()
             self.blocks.grow(s, n)
             if s.first_scheduled_time is None:
@@ -138,6 +167,8 @@ class Scheduler:
         -> the sequences that produced a token or finished."""
         advanced = []
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if s.prefilling:
+                self.prefill_tokens += n
             s.num_computed += n
             if result.prompt_logprobs[b] is not None:   # asked for (position 0 has none)
                 if s.prompt_logprobs is None:
@@ -159,6 +190,8 @@ class Scheduler:
         if self.by_id.pop(seq.request_id, None) is not None:
             if seq in self.running:
                 self.running.remove(seq)
-            else:
+            elif seq in self.waiting:
                 self.waiting.remove(seq)
+            else:
+                self.loading = [(s, h) for s, h in self.loading if s is not seq]
         self.blocks.free(seq)

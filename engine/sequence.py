@@ -39,6 +39,7 @@ class Sequence:
     num_reported: int = 0            # output tokens already reported to the front
     hold_blocks: bool = False        # when it finishes, the scheduler releases it with its blocks held:
     #                                  their owner frees them (a prefill whose KV is still being sent)
+    kv_prefetched: bool = False      # its prefix's disk blocks were read once: it never waits for them twice
     extra_metrics: dict = field(default_factory=dict)   # per-request figures of other parts (disaggregation)
 
     @property

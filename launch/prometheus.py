@@ -34,6 +34,33 @@ _SCALARS = [
      "Expert weight bytes copied from surviving peers after losses."),
     ("wideep_expert_bytes_refetched_checkpoint_total", "expert_bytes_refetched_checkpoint", "counter",
      "Expert weight bytes read back from the checkpoint after losses."),
+    # the KV store (kvstore/metrics.py)
+    ("wideep_prefill_tokens_total", "prefill_tokens_total", "counter",
+     "Prompt tokens computed (not found in any KV tier), recomputation after preemption included."),
+    ("wideep_kv_spills_total", "kv_spills_total", "counter", "Blocks spilled from the device cache to the host tier."),
+    ("wideep_kv_spill_seconds_total", "kv_spill_seconds_total", "counter",
+     "Step-thread seconds spent spilling blocks to the host tier (enqueueing the copies, on CUDA)."),
+    ("wideep_kv_loads_total", "kv_loads_total", "counter", "Blocks loaded from the host tier into the device cache."),
+    ("wideep_kv_load_seconds_total", "kv_load_seconds_total", "counter",
+     "Step-thread seconds spent loading blocks from the host tier (enqueueing the copies, on CUDA)."),
+    ("wideep_kv_disk_reads_total", "kv_disk_reads_total", "counter", "Block files read from the disk tier."),
+    ("wideep_kv_disk_read_seconds_total", "kv_disk_read_seconds_total", "counter",
+     "Reader-thread seconds spent reading and checking block files."),
+    ("wideep_kv_disk_write_seconds_total", "kv_disk_write_seconds_total", "counter",
+     "Writer-thread seconds spent writing block files."),
+    ("wideep_kv_disk_misses_total", "kv_disk_misses_total", "counter",
+     "Block files that were missing, truncated, corrupt or another model's (recomputed instead)."),
+]
+# (name, figure of metrics()["kv_tiers"][tier], type, help): one sample per tier
+_TIER_FAMILIES = [
+    ("wideep_kv_tier_blocks", "blocks", "gauge", "KV blocks held per tier (device: cached blocks), all ranks."),
+    ("wideep_kv_tier_bytes", "bytes", "gauge", "KV bytes held per tier, all ranks."),
+    ("wideep_kv_tier_hit_blocks_total", "hit_blocks", "counter",
+     "Prompt-prefix blocks found per tier at admission, all ranks."),
+    ("wideep_kv_spill_bytes_total", "spill_bytes", "counter",
+     "Bytes spilled into a tier (host: from the device cache; disk: from the host tier)."),
+    ("wideep_kv_load_bytes_total", "load_bytes", "counter",
+     "Bytes loaded out of a tier (host: into the device cache; disk: into the host tier)."),
 ]
 _PER_RANK = [   # (name, key in a rank's stats, type, help); absent keys are skipped
     ("wideep_rank_requests_running", "running", "gauge", "Running requests on one DP rank."),
@@ -94,6 +121,17 @@ def render(m: dict) -> str:
             lines.append(f'{name}_bucket{{dp_rank="{r}",le="+Inf"}} {cum}')
             lines.append(f'{name}_sum{{dp_rank="{r}"}} {sum(j * n for j, n in enumerate(counts))}')
             lines.append(f'{name}_count{{dp_rank="{r}"}} {cum}')
+    tiers = m.get("kv_tiers", {})
+    for name, key, kind, help_ in _TIER_FAMILIES:
+        samples = [(t, f[key]) for t, f in tiers.items() if key in f]
+        if samples:
+            head(name, kind, help_)
+            lines.extend(f'{name}{{tier="{t}"}} {_num(v)}' for t, v in samples)
+    if m.get("routing_decisions"):
+        head("wideep_routing_decisions_total", "counter",
+             "Requests routed to a DP rank, by reason (least_loaded|prefix|load|no_prefix).")
+        lines.extend(f'wideep_routing_decisions_total{{reason="{r}"}} {n}'
+                     for r, n in sorted(m["routing_decisions"].items()))
     head("wideep_requests_finished_total", "counter", "Finished requests by finish reason (length|stop|abort).")
     for reason, n in sorted(m.get("requests_finished", {}).items()):
         lines.append(f'wideep_requests_finished_total{{finish_reason="{reason}"}} {n}')

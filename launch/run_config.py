@@ -15,6 +15,8 @@ with a model given on the command line may leave out [model] path.
     [eplb]     enabled, window_size, step_interval, num_redundant_experts, policy, initial_placement,
                migration_aware, transfer_layers_per_step (eplb/config.py)
     [dbo]      enabled (true | false | "auto"), decode_token_threshold, prefill_token_threshold
+    [kv_cache] tiers ([] | ["host"] | ["host", "disk"]), host_bytes, disk_bytes, disk_dir, persist_on_close,
+               routing ("kv_aware" | "least_loaded"), route_prefix_weight, route_load_weight (kvstore/config.py)
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
     [server]   for `wideep serve`: host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's
                name), api_key (clients send `Authorization: Bearer KEY` to /v1/*; also WIDEEP_API_KEY),
