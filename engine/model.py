@@ -18,6 +18,8 @@ from attention_mla.meta import AttnMeta
 from attention_mla.mla import MLA
 from attention_mla.norm import RMSNorm
 from attention_mla.rope import RotaryEmbedding
+from cpu.linear import Linear as CpuLinear
+from cpu.linear import small_linear
 from dbo.schedule import run_sequential
 from dbo.state import Microbatch, OpState
 from moe.backend import ExpertsChoice
@@ -66,7 +68,8 @@ class DecoderLayer(nn.Module):
                  experts: ExpertsChoice, attention: str, device=None, dtype=None, fp8_block=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        linear = Fp8Linear.factory(fp8_block) if fp8_block is not None else nn.Linear
+        linear = (Fp8Linear.factory(fp8_block) if fp8_block is not None
+                  else CpuLinear if experts.backend == "cpu" else nn.Linear)
         self.index = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.self_attn = MLA(cfg.mla, rope, linear=linear, backend=attention, **kw)
@@ -128,6 +131,7 @@ class DeepseekModel(nn.Module):
         self.cfg, self.dtype = cfg, dtype
         self.shard, self.dispatcher = shard, dispatcher
         self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
+        self.cpu_kernels = experts.backend == "cpu"  # also the projections and lm_head (cpu/linear.py)
         self.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
                          "fp8_weights": fp8_block is not None, "attention": attention}
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
@@ -223,4 +227,4 @@ class DeepseekModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] fp32."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ w.t()).float()
+        return (small_linear(hidden, w) if self.cpu_kernels else hidden @ w.t()).float()
