@@ -26,6 +26,9 @@ SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef int32_t i16 __attribute__((vector_size(64)));
@@ -67,19 +70,26 @@ static inline v16 reduce4(v16 a, v16 b, v16 c, v16 d) {
     return q + SHUF(q, q, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
 }
 
-/* part[j] (16 lanes whose sum is x[j] . wr over the first K16 features) for MB rows of x. From two
-   rows of x on, two accumulators per row halve the FMA dependency chains. With pf, the weight row
-   `pf` floats ahead is prefetched: when many rows of x make the FMAs the bottleneck, the memory
-   stream then keeps going underneath. */
+/* the first n (< 16) floats at p, zero-padded to 16 lanes (never reading past p + n) */
+static inline v16 ld_part(const float *p, int64_t n) {
+#ifdef __AVX512F__
+    return (v16)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+#else
+    v16 v = bc(0);
+    for (int64_t i = 0; i < n; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+/* part[j] (16 lanes whose sum is x[j] . wr) for MB rows of x. From two rows of x on, two accumulators
+   per row halve the FMA dependency chains. Features past the last multiple of 16: one zero-padded step. */
 #define ROW(MB)                                                                                    \
-static inline void row_##MB(const float *x, int64_t ldx, const float *wr, int64_t K16, v16 *part,  \
-                            int64_t pf) {                                                          \
+static inline void row_##MB(const float *x, int64_t ldx, const float *wr, int64_t K, v16 *part) {   \
     v16 a[MB], b[MB];                                                                              \
     for (int j = 0; j < MB; j++) a[j] = b[j] = bc(0);                                              \
-    int64_t k = 0;                                                                                 \
+    int64_t k = 0, K16 = K & ~(int64_t)15;                                                         \
     if (MB > 1)                                                                                    \
         for (; k + 32 <= K16; k += 32) {                                                           \
-            if (pf) { __builtin_prefetch(wr + k + pf); __builtin_prefetch(wr + k + pf + 16); }     \
             v16 w0 = ld(wr + k), w1 = ld(wr + k + 16);                                             \
             for (int j = 0; j < MB; j++) {                                                         \
                 a[j] += w0 * ld(x + j * ldx + k);                                                  \
@@ -90,25 +100,22 @@ static inline void row_##MB(const float *x, int64_t ldx, const float *wr, int64_
         v16 w0 = ld(wr + k);                                                                       \
         for (int j = 0; j < MB; j++) a[j] += w0 * ld(x + j * ldx + k);                             \
     }                                                                                              \
+    if (k < K) {                                                                                   \
+        v16 w0 = ld_part(wr + k, K - k);                                                           \
+        for (int j = 0; j < MB; j++) a[j] += w0 * ld_part(x + j * ldx + k, K - k);                 \
+    }                                                                                              \
     for (int j = 0; j < MB; j++) part[j] = a[j] + b[j];                                            \
 }
 ROW(1) ROW(2) ROW(4) ROW(8)
 
 /* the partial sums of all m rows of x (m <= MCHUNK) against one row of w, in blocks of 8, 4, 2, 1 */
 #define MCHUNK 32
-#define PF 4096
-static inline void row_all(const float *x, int64_t ldx, int64_t m, const float *wr, int64_t K16, v16 *part) {
-    int64_t j = 0, pf = 0;
-    for (; j + 8 <= m; j += 8, pf = 0) row_8(x + j * ldx, ldx, wr, K16, part + j, pf);
-    if (j + 4 <= m) { row_4(x + j * ldx, ldx, wr, K16, part + j, pf); j += 4; pf = 0; }
-    if (j + 2 <= m) { row_2(x + j * ldx, ldx, wr, K16, part + j, pf); j += 2; pf = 0; }
-    if (j < m) row_1(x + j * ldx, ldx, wr, K16, part + j, 0);
-}
-
-static inline float tail(const float *x, const float *w, int64_t k0, int64_t K) {
-    float t = 0;
-    for (int64_t k = k0; k < K; k++) t += x[k] * w[k];
-    return t;
+static inline void row_all(const float *x, int64_t ldx, int64_t m, const float *wr, int64_t K, v16 *part) {
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) row_8(x + j * ldx, ldx, wr, K, part + j);
+    if (j + 4 <= m) { row_4(x + j * ldx, ldx, wr, K, part + j); j += 4; }
+    if (j + 2 <= m) { row_2(x + j * ldx, ldx, wr, K, part + j); j += 2; }
+    if (j < m) row_1(x + j * ldx, ldx, wr, K, part + j);
 }
 
 /* Many rows of x (M >= 8): the FMAs are the bottleneck, and x no longer fits in L1 beside the weights.
@@ -116,15 +123,19 @@ static inline float tail(const float *x, const float *w, int64_t k0, int64_t K) 
    rows of w instead of once per row. */
 #define BLOCK4(MB)                                                                                 \
 static void block4_##MB(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y,        \
-                        int64_t ldy, int64_t K16, int pf) {                                        \
+                        int64_t ldy, int64_t K, int pf) {                                          \
     v16 acc[MB][4];                                                                                \
     for (int j = 0; j < MB; j++) for (int r = 0; r < 4; r++) acc[j][r] = bc(0);                    \
-    for (int64_t k = 0; k < K16; k += 16) {                                                        \
-        v16 w0 = ld(w + k), w1 = ld(w + ldw + k), w2 = ld(w + 2 * ldw + k), w3 = ld(w + 3 * ldw + k); \
+    for (int64_t k = 0; k < K; k += 16) {                                                          \
+        int64_t n = K - k < 16 ? K - k : 16;                                                       \
+        v16 w0, w1, w2, w3;                                                                        \
+        if (n == 16) { w0 = ld(w + k); w1 = ld(w + ldw + k); w2 = ld(w + 2 * ldw + k); w3 = ld(w + 3 * ldw + k); } \
+        else { w0 = ld_part(w + k, n); w1 = ld_part(w + ldw + k, n); w2 = ld_part(w + 2 * ldw + k, n);          \
+               w3 = ld_part(w + 3 * ldw + k, n); }                                                 \
         KEEP(w0); KEEP(w1); KEEP(w2); KEEP(w3);                                                    \
         if (pf) for (int r = 4; r < 8; r++) __builtin_prefetch(w + r * ldw + k, 0, 2);           \
         for (int j = 0; j < MB; j++) {                                                             \
-            v16 xv = ld(x + j * ldx + k);                                                          \
+            v16 xv = n == 16 ? ld(x + j * ldx + k) : ld_part(x + j * ldx + k, n);                  \
             KEEP(xv);                                                                              \
             acc[j][0] += w0 * xv; acc[j][1] += w1 * xv; acc[j][2] += w2 * xv; acc[j][3] += w3 * xv; \
         }                                                                                          \
@@ -139,26 +150,26 @@ BLOCK4(1) BLOCK4(2) BLOCK4(3) BLOCK4(4)
 /* y [M, N] (rows ldy apart) = x [M, K] @ w [N, K]^T. Few rows of x (M < 8, memory-bound): the rows of w
    are read once each, front to back (never two at once: two streams read slower than one), and all of
    a row's work (up to MCHUNK rows of x, in L1) is done while it is in L1; four rows' partial sums are
-   reduced together. Many rows: BLOCK4. Features past the last multiple of 16: scalar tail. */
+   reduced together. Many rows: BLOCK4. */
 static void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
                    int64_t M, int64_t N, int64_t K) {
     v16 part[4][MCHUNK];
-    int64_t K16 = K & ~(int64_t)15, n4 = N & ~(int64_t)3;
+    int64_t n4 = N & ~(int64_t)3;
     if (M >= 8) {
         for (int64_t n = 0; n < n4; n += 4)
             for (int64_t m = 0; m < M; m += 4) {
                 const float *xm = x + m * ldx, *wn = w + n * ldw;
                 float *ym = y + m * ldy + n;
                 switch (M - m < 4 ? M - m : 4) {
-                    case 1: block4_1(xm, ldx, wn, ldw, ym, ldy, K16, m == 0 && n + 8 <= N); break;
-                    case 2: block4_2(xm, ldx, wn, ldw, ym, ldy, K16, m == 0 && n + 8 <= N); break;
-                    case 3: block4_3(xm, ldx, wn, ldw, ym, ldy, K16, m == 0 && n + 8 <= N); break;
-                    default: block4_4(xm, ldx, wn, ldw, ym, ldy, K16, m == 0 && n + 8 <= N);
+                    case 1: block4_1(xm, ldx, wn, ldw, ym, ldy, K, m == 0 && n + 8 <= N); break;
+                    case 2: block4_2(xm, ldx, wn, ldw, ym, ldy, K, m == 0 && n + 8 <= N); break;
+                    case 3: block4_3(xm, ldx, wn, ldw, ym, ldy, K, m == 0 && n + 8 <= N); break;
+                    default: block4_4(xm, ldx, wn, ldw, ym, ldy, K, m == 0 && n + 8 <= N);
                 }
             }
     } else {
         for (int64_t n = 0; n < n4; n += 4) {
-            for (int r = 0; r < 4; r++) row_all(x, ldx, M, w + (n + r) * ldw, K16, part[r]);
+            for (int r = 0; r < 4; r++) row_all(x, ldx, M, w + (n + r) * ldw, K, part[r]);
             for (int64_t j = 0; j < M; j++) {
                 v16 s = reduce4(part[0][j], part[1][j], part[2][j], part[3][j]);
                 for (int r = 0; r < 4; r++) y[j * ldy + n + r] = s[4 * r];
@@ -168,16 +179,13 @@ static void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, flo
     for (int64_t n = n4; n < N; n++)
         for (int64_t m0 = 0; m0 < M; m0 += MCHUNK) {
             int64_t m = M - m0 < MCHUNK ? M - m0 : MCHUNK;
-            row_all(x + m0 * ldx, ldx, m, w + n * ldw, K16, part[0]);
+            row_all(x + m0 * ldx, ldx, m, w + n * ldw, K, part[0]);
             for (int64_t j = 0; j < m; j++) {
                 float t = 0;
                 for (int l = 0; l < 16; l++) t += part[0][j][l];
                 y[(m0 + j) * ldy + n] = t;
             }
         }
-    if (K16 < K)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < N; n++) y[m * ldy + n] += tail(x + m * ldx, w + n * ldw, K16, K);
 }
 
 void wd_bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const float *w, int64_t swb, int64_t ldw,
@@ -217,30 +225,33 @@ void wd_experts(const float *x, int64_t H, int64_t I, const float *w13, const fl
 
 /* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
    over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
-   p @ latent[:, :C]. scratch: Nh * max(lens) floats. */
+   p @ latent[:, :C]. scratch: Nh * (max(lens) + 1) floats. */
 void wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool,
                    const int64_t *table, int64_t max_blocks, const int64_t *lens, int64_t bs, float scale,
                    float *out, float *scratch) {
     int64_t C16 = C & ~(int64_t)15;
     for (int64_t b = 0; b < B; b++) {
         int64_t L = lens[b];
+        float *inv = scratch + Nh * L;
         const float *qb = q + b * Nh * D;
         float *ob = out + b * Nh * C, *sc = scratch;
         for (int64_t j0 = 0; j0 < L; j0 += bs) {
             const float *blk = pool + table[b * max_blocks + j0 / bs] * bs * D;
             linear(qb, D, blk, D, sc + j0, L, Nh, L - j0 < bs ? L - j0 : bs, D);
         }
-        for (int64_t n = 0; n < Nh; n++) {
+        for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
             float *s = sc + n * L, mx = -INFINITY, sum = 0;
-            for (int64_t j = 0; j < L; j++) { s[j] *= scale; mx = s[j] > mx ? s[j] : mx; }
+            for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+            v16 acc = bc(0);
             int64_t j = 0;
             for (; j + 16 <= L; j += 16) {
-                v16 e = vexp(ld(s + j) - bc(mx));
+                v16 e = vexp((ld(s + j) - bc(mx)) * bc(scale));
                 st(s + j, e);
-                for (int l = 0; l < 16; l++) sum += e[l];
+                acc += e;
             }
-            for (; j < L; j++) { s[j] = expf(s[j] - mx); sum += s[j]; }
-            for (j = 0; j < L; j++) s[j] /= sum;
+            for (int l = 0; l < 16; l++) sum += acc[l];
+            for (; j < L; j++) { s[j] = expf((s[j] - mx) * scale); sum += s[j]; }
+            inv[n] = 1.0f / sum;
         }
         memset(ob, 0, Nh * C * sizeof(float));
         for (int64_t j = 0; j < L; j++) {
@@ -252,6 +263,8 @@ void wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
                 for (int64_t c = C16; c < C; c++) o[c] += p * row[c];
             }
         }
+        for (int64_t n = 0; n < Nh; n++)
+            for (int64_t c = 0; c < C; c++) ob[n * C + c] *= inv[n];
     }
 }
 """
@@ -403,7 +416,7 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
         raise ValueError(f"mla_decode: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {block_table.shape[1]} "
                          f"blocks of {block_size}, block ids in [{blo}, {bhi}] must be in [0, {num_blocks})")
     q, block_table, seq_lens = q.contiguous(), block_table.contiguous(), seq_lens.contiguous()
-    scratch = torch.empty(Nh * max_len)
+    scratch = torch.empty(Nh * (max_len + 1))
     _lib_or_raise().wd_mla_decode(q.data_ptr(), B, Nh, D, kv_lora_rank, kv_pool.data_ptr(), block_table.data_ptr(),
                                   block_table.shape[1], seq_lens.data_ptr(), block_size, scale, out.data_ptr(),
                                   scratch.data_ptr())
