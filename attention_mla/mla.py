@@ -8,7 +8,7 @@ L context length. Two mathematically equal forms, kept side by side:
   attend directly over the latent [L, C+R]; the per-head K/V of the context are never built.
 `backend` "triton" runs the absorbed form of one-token (decode) sequences in the paged Triton kernel
 (attention_mla/triton_decode.py), which reads the cache through the block table instead of gathering it;
-"cpu" does the same in the C kernel (cpu/kernels.py mla_decode), with the query absorption and the
+"cpu" does the same in the C kernel (cpu/layers.py mla_decode), with the query absorption and the
 output projection as streamed per-head GEMMs over weights laid out once (attend_paged_cpu).
 """
 from __future__ import annotations
@@ -44,10 +44,10 @@ class MLA(nn.Module):
             self.q_proj = linear(H, N * cfg.qk_head_dim, bias=False, **kw)
         else:
             self.q_a_proj = linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, kernel=backend == "cpu", **kw)
             self.q_b_proj = linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, **kw)
         self.kv_a_proj_with_mqa = linear(H, C + R, bias=cfg.attention_bias, **kw)
-        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, **kw)
+        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, kernel=backend == "cpu", **kw)
         self.kv_b_proj = nn.Linear(C, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **kw)
         self.o_proj = linear(N * cfg.v_head_dim, H, bias=cfg.attention_bias, **kw)
         self._w_uk_t, self._w_uk_t_of = None, None   # attend_paged_cpu's W_UK^T and the weight it came from
@@ -65,8 +65,12 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
         c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = self.rope.apply(q_pe, cos, sin)
-        k_pe = self.rope.apply(k_pe, cos, sin)
+        if self.backend == "cpu" and x.dtype == torch.float32 and x.device.type == "cpu":
+            from cpu.layers import rope   # RotaryEmbedding.apply in one call
+            q_pe, k_pe = rope(q_pe, cos, sin, self.rope.cfg.interleave), rope(k_pe, cos, sin, self.rope.cfg.interleave)
+        else:
+            q_pe = self.rope.apply(q_pe, cos, sin)
+            k_pe = self.rope.apply(k_pe, cos, sin)
         return q_nope, q_pe, torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +141,8 @@ class MLA(nn.Module):
                          seqs: list[int]) -> torch.Tensor:
         """attend_paged in the C kernels: q_nope [B, N, dn], q_pe [B, N, R] -> [B, N, dv]. The absorbed
         query is written in place ([B, N, C+R], no concatenation), and every weight is read as stored."""
-        from cpu.kernels import bmm_nt, mla_decode
+        from cpu.gemm import bmm_nt
+        from cpu.layers import mla_decode
         cfg = self.cfg
         B, N, C = q_nope.shape[0], cfg.num_heads, cfg.kv_lora_rank
         q = q_nope.new_empty(B, N, C + cfg.qk_rope_head_dim)

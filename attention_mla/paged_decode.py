@@ -31,7 +31,7 @@ def paged_decode_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_table: 
 
 
 def resolve_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
-    """auto: triton on CUDA when triton imports; on CPU the C kernel (cpu/kernels.py mla_decode) for a
+    """auto: triton on CUDA when triton imports; on CPU the C kernel (cpu/layers.py mla_decode) for a
     float32 model when it builds; torch otherwise (interpreted Triton on CPU is far too slow to serve).
     triton on CPU needs TRITON_INTERPRET=1 set before start (tests)."""
     if name not in ATTENTION_BACKENDS:
@@ -40,7 +40,7 @@ def resolve_attention_backend(name: str, device: torch.device | str, dtype: torc
     if name == "torch":
         return "torch"
     if name == "cpu" or (name == "auto" and dev.type == "cpu"):
-        from cpu.kernels import unusable_for
+        from cpu.build import unusable_for
         why = unusable_for(dev, dtype)
         if name == "cpu" and why is not None:
             raise ValueError(f"attention_backend 'cpu' is not usable: {why}")

@@ -1,7 +1,8 @@
-"""Build a C source for this machine with the system compiler at first use; load it with ctypes.
+"""Build the CPU kernels' C (cpu/gemm.py, cpu/layers.py) for this machine with the system compiler at
+first use, load it with ctypes; say why they cannot run when they cannot.
 
-The CPU decode kernels (cpu/kernels.py) are plain C with GCC/Clang vector extensions, so no torch
-headers and no build step at install: `cc -O3 -march=native -shared` takes well under a second.
+The kernels are plain C with GCC/Clang vector extensions, so no torch headers and no build step at
+install: `cc -O3 -march=native -shared` takes about a second.
 The library is cached under $WIDEEP_CACHE_DIR (default ~/.cache/wideep), keyed by the source, the
 compiler, its flags and this CPU's feature flags (a cache shared by different machines never loads a
 library built for another CPU). Ranks that build at once each write their own file and rename it
@@ -16,6 +17,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+
+import torch
 
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
 
@@ -72,3 +75,43 @@ def build(name: str, source: str) -> ctypes.CDLL:
                 if os.path.exists(p):
                     os.remove(p)
     return ctypes.CDLL(lib)
+
+
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def unusable() -> str | None:
+    """Why the CPU kernels cannot run here (no compiler, a build error), or None once they are loaded."""
+    global _lib, _error
+    if _lib is None and _error is None:
+        from . import gemm, layers
+        try:
+            lib = build("wideep_cpu", gemm.SOURCE + layers.SOURCE)
+        except BuildError as e:
+            _error = str(e)
+            return _error
+        for module in (gemm, layers):
+            for name, (argtypes, restype) in module.SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = argtypes, restype
+        _lib = lib
+    return _error
+
+
+def unusable_for(device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why the kernels cannot serve a model of `dtype` on `device`, or None (builds them when they could)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"the device is {device}, not the CPU"
+    if dtype != torch.float32:
+        return f"the model dtype is {dtype}; the CPU kernels take float32"
+    return unusable()
+
+
+def library() -> ctypes.CDLL:
+    """The loaded kernels (built on first use); RuntimeError saying why when they cannot be."""
+    why = unusable()
+    if why is not None:
+        raise RuntimeError(f"the CPU kernels are not usable: {why}")
+    return _lib

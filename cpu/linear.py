@@ -1,4 +1,4 @@
-"""nn.Linear whose decode-sized calls run the streaming C kernel (cpu/kernels.py); bigger ones F.linear.
+"""nn.Linear whose decode-sized calls run the streaming C kernel (cpu/gemm.py); bigger ones F.linear.
 
 A decode step multiplies each weight by a handful of rows: then reading the weight is the cost, and
 the kernel reads it at close to memory speed where BLAS small-M GEMMs reach about a third of it.
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import gemm
 
 MAX_ROWS = 64
 
@@ -23,7 +23,7 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if (rows > MAX_ROWS or rows == 0 or x.dtype != torch.float32 or weight.dtype != torch.float32
             or x.device.type != "cpu" or weight.stride(-1) != 1):
         return F.linear(x, weight, bias)
-    y = kernels.linear(x.reshape(rows, K), weight)
+    y = gemm.linear(x.reshape(rows, K), weight)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0])

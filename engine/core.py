@@ -6,6 +6,7 @@ The step loop (engine/rank_loop.py) drives these; the front (engine/front.py) va
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 from dataclasses import asdict
 from typing import Sequence as Seq
@@ -95,6 +96,11 @@ class EngineCore:
         self.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
         self.tokenizer = _load_tokenizer(cfg.model)
         self._generator = torch.Generator(device=device).manual_seed(cfg.seed + ctx.rank)
+        # The start-up heap (torch, the model, the tokenizer: ~10^5 objects) lives as long as the engine:
+        # frozen, the cyclic GC's full collections stop walking it on every few steps of big batches
+        # (as vLLM does; bench/host_overhead.py).
+        gc.collect()
+        gc.freeze()
 
     @classmethod
     def from_options(cls, model: str, ctx: ParallelContext | None = None, progress: bool = True,

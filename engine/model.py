@@ -68,12 +68,13 @@ class DecoderLayer(nn.Module):
                  experts: ExpertsChoice, attention: str, device=None, dtype=None, fp8_block=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
+        cpu = experts.backend == "cpu"   # the C kernels for norms and projections too (cpu/)
         linear = (Fp8Linear.factory(fp8_block) if fp8_block is not None
-                  else CpuLinear if experts.backend == "cpu" else nn.Linear)
+                  else CpuLinear if cpu else nn.Linear)
         self.index = layer
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel=cpu, **kw)
         self.self_attn = MLA(cfg.mla, rope, linear=linear, backend=attention, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel=cpu, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (MoELayer(cfg.moe, shard, fp8_block=fp8_block, linear=linear, experts_backend=experts.backend,
                              deepgemm=experts.deepgemm, **kw) if self.is_moe
@@ -110,7 +111,8 @@ class _Inner(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, experts, attention, device, dtype, fp8_block)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype,
+                            kernel=experts.backend == "cpu")
 
 
 class DeepseekModel(nn.Module):

@@ -6,7 +6,7 @@ whose expert lives on another rank (the dispatcher's convention, as DeepEP's).
 w13 [El, 2I, H]: gate_proj rows then up_proj rows; w2 [El, H, I].
 Every forward returns sum over the row's local slots of weight * expert(x): [R, H].
 Forwards (`backend`): "reference" (for-loop), "grouped" (torch, sorted segments), "cpu" (the C kernel
-of cpu/kernels.py for decode-sized steps, grouped for bigger ones), "triton" (moe/triton_moe.py),
+of cpu/gemm.py up to a few hundred rows per expert, grouped beyond), "triton" (moe/triton_moe.py),
 "deepgemm" (moe/deepgemm.py, fp8 weights only).
 With `fp8_block` the weights stay float8_e4m3fn as the checkpoint stores them, with fp32 block
 scales w13_scale_inv [El, 2*ceil(I/br), ceil(H/bc)] (gate's rows, then up's) and
@@ -126,7 +126,7 @@ class Experts(nn.Module):
         beyond, forward_grouped."""
         if x.shape[0] * topk_ids.shape[1] > self.CPU_MAX_ROWS * self.num_local or self.fp8_block is not None:
             return self.forward_grouped(x, topk_ids, topk_weights)
-        from cpu.kernels import experts
+        from cpu.gemm import experts
         return experts(x, self.w13, self.w2, topk_ids, topk_weights)
 
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

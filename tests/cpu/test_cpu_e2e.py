@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu import kernels as K
+from cpu import gemm, layers
+from cpu.build import unusable
 from engine import LLM, SamplingParams
 from launch.tiny import make_tiny_checkpoint
 from moe.backend import resolve_experts_backend
 from attention_mla.paged_decode import resolve_attention_backend
 
-if K.unusable() is not None:
-    pytest.skip(f"CPU kernels unusable: {K.unusable()}", allow_module_level=True)
+if unusable() is not None:
+    pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
 
 PROMPTS = [[3, 17, 42, 99, 5, 150, 23], [5, 6], [7, 8, 9, 10]]
 
@@ -28,15 +29,15 @@ def _run(model_dir: str, **backends):
 def test_cpu_backends_match_torch(tmp_path, monkeypatch):
     calls = {"experts": 0, "mla_decode": 0, "linear": 0}
 
-    def counted(name):
-        fn = getattr(K, name)
+    def counted(module, name):
+        fn = getattr(module, name)
 
         def wrapper(*a, **kw):
             calls[name] += 1
             return fn(*a, **kw)
-        monkeypatch.setattr(K, name, wrapper)
-    for name in calls:
-        counted(name)
+        monkeypatch.setattr(module, name, wrapper)
+    for module, name in ((gemm, "experts"), (layers, "mla_decode"), (gemm, "linear")):
+        counted(module, name)
     d = make_tiny_checkpoint(str(tmp_path), "v3", num_hidden_layers=2, n_routed_experts=8, n_group=4, topk_group=2,
                              num_experts_per_tok=2, vocab_size=200)
     ref_llm, ref = _run(d, experts_backend="torch", attention_backend="torch")

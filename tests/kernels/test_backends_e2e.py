@@ -62,9 +62,9 @@ def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch, device):
 
 def test_resolution_rules(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # resolution only reads it; nothing is compiled here
-    from cpu.kernels import unusable
+    from cpu.build import unusable
     f32, bf16 = torch.float32, torch.bfloat16
-    cpu_kernels = unusable() is None     # CPU auto: the C kernels (cpu/kernels.py) when they build, never Triton
+    cpu_kernels = unusable() is None     # CPU auto: the C kernels (cpu/) when they build, never Triton
     assert resolve_experts_backend("auto", "cpu", f32, None, 64, 32).backend == ("cpu" if cpu_kernels else "grouped")
     assert resolve_experts_backend("auto", "cpu", bf16, (128, 128), 7168, 2048).keep_fp8 is False
     assert resolve_experts_backend("torch", "cpu", f32, (128, 128), 64, 32).keep_fp8 is False

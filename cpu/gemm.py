@@ -1,26 +1,26 @@
-"""C kernels for the CPU decode path, each launcher below the source it runs (built by cpu/build.py).
+"""Streamed small-batch GEMM and the fused routed experts, in C (built by cpu/build.py), each launcher
+below the source it runs.
 
-Why they exist: a decode step reads every weight it uses once for a handful of rows, so its speed is
-the speed at which weights stream from memory. On CPU, BLAS small-M GEMMs (MKL via F.linear / bmm)
-reach about a third of a plain read's bandwidth (`bench/decode_vs_hf.py` measures both), and
-reading two rows of a matrix at once is already slower than reading one after the other. These
-kernels read each weight row once, front to back, and do all the row's work while it is in L1.
+Why: a decode step multiplies every weight it uses by a handful of rows, so its speed is the speed at
+which the weights stream from memory. On CPU, BLAS small-M GEMMs (MKL via F.linear / bmm) reach about
+a third of a plain read's bandwidth (bench/decode_vs_hf.py measures both), and even reading two rows
+of a matrix at once is slower than reading one after the other. These kernels read each weight row
+once, front to back, doing all of the row's work while it is in L1.
 
-Legend: M rows of activations (tokens, pairs, heads), N output features, K input features,
-T tokens, H hidden, I moe_intermediate_size, El local experts, P (token, expert) pairs, S segments
-(experts with tokens), B sequences, Nh heads, D = C + R latent width, C kv_lora_rank.
-Every kernel takes float32 CPU tensors whose last dimension is contiguous; the launchers check.
-  linear(x [M, K], w [N, K]) -> [M, N]                      = F.linear(x, w)
-  bmm_nt(x [B, M, K], w [B, N, K]) -> [B, M, N]             = x @ w.transpose(1, 2)
-  experts(x, w13, w2, topk_ids, topk_weights) -> [T, H]      = Experts.forward_reference
-  mla_decode(q, kv_pool, block_table, seq_lens, ...) -> [B, Nh, C] = paged_decode_reference
-References: moe/experts.py (forward_reference), attention_mla/paged_decode.py; tests/cpu/.
+Legend: M rows of activations (tokens, pairs, heads), N output features, K input features, T tokens,
+H hidden, I moe_intermediate_size, El local experts, k top-k. Float32 CPU tensors, last dim contiguous.
+  linear(x [M, K], w [N, K]) -> [M, N]                    = F.linear(x, w)
+  bmm_nt(x [B, M, K], w [B, N, K]) -> [B, M, N]           = x @ w.transpose(1, 2)
+  experts(x, w13, w2, topk_ids, topk_weights) -> [T, H]   = Experts.forward_reference (moe/experts.py)
+Tests: tests/cpu/.
 """
 from __future__ import annotations
 
 import ctypes
 
 import torch
+
+from .build import library
 
 SOURCE = r"""
 #include <math.h>
@@ -193,17 +193,30 @@ void wd_bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const float 
     for (int64_t b = 0; b < B; b++) linear(x + b * sxb, ldx, w + b * swb, ldw, y + b * syb, ldy, M, N, K);
 }
 
-/* Routed experts over pairs sorted by expert: segment s holds pairs seg_start[s] .. seg_start[s+1]-1
-   of expert seg_expert[s]; pair p is token rows[p] with routing weight wts[p]. Per segment: gather
-   its tokens, h = x @ w13[e]^T, a = silu(gate) * up, y = a @ w2[e]^T, out[row] += weight * y.
-   scratch: max_seg * (2H + 3I) floats. */
-void wd_experts(const float *x, int64_t H, int64_t I, const float *w13, const float *w2,
-                const int64_t *seg_expert, const int64_t *seg_start, int64_t S,
-                const int64_t *rows, const float *wts, float *out, float *scratch) {
-    for (int64_t s = 0; s < S; s++) {
-        int64_t e = seg_expert[s], p0 = seg_start[s], np = seg_start[s + 1] - p0;
+
+/* Routed experts. ids [T, k] local expert ids (-1: on another rank), wts [T, k]. The (token, slot)
+   pairs are counting-sorted by expert (stable: the reference's order); per expert with tokens: gather
+   them, h = x @ w13[e]^T, a = silu(gate) * up, y = a @ w2[e]^T, out[token] += weight * y.
+   iscratch: 2 * (El + 1) + T * k ints; scratch: T * (2H + 3I) floats. Returns 0, or -1 - p for the
+   first pair p whose id is >= El (nothing is computed then). */
+int64_t wd_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const float *w13,
+                   const float *w2, const int64_t *ids, const float *wts, int64_t k, float *out,
+                   int64_t *iscratch, float *scratch) {
+    int64_t P = T * k, *start = iscratch, *fill = start + El + 1, *order = fill + El + 1;
+    memset(start, 0, (El + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++) {
+        if (ids[p] >= El) return -1 - p;
+        if (ids[p] >= 0) start[ids[p] + 1]++;
+    }
+    for (int64_t e = 0; e < El; e++) start[e + 1] += start[e];
+    memcpy(fill, start, El * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++)
+        if (ids[p] >= 0) order[fill[ids[p]]++] = p;
+    for (int64_t e = 0; e < El; e++) {
+        int64_t p0 = start[e], np = start[e + 1] - p0;
+        if (!np) continue;
         float *xs = scratch, *h = xs + np * H, *a = h + np * 2 * I, *y = a + np * I;
-        for (int64_t p = 0; p < np; p++) memcpy(xs + p * H, x + rows[p0 + p] * H, H * sizeof(float));
+        for (int64_t p = 0; p < np; p++) memcpy(xs + p * H, x + order[p0 + p] / k * H, H * sizeof(float));
         linear(xs, H, w13 + e * 2 * I * H, H, h, 2 * I, np, 2 * I, H);
         for (int64_t p = 0; p < np; p++) {
             const float *g = h + p * 2 * I, *u = g + I;
@@ -217,119 +230,41 @@ void wd_experts(const float *x, int64_t H, int64_t I, const float *w13, const fl
         }
         linear(a, I, w2 + e * H * I, I, y, H, np, H, I);
         for (int64_t p = 0; p < np; p++) {
-            float wt = wts[p0 + p], *o = out + rows[p0 + p] * H;
+            float wt = wts[order[p0 + p]], *o = out + order[p0 + p] / k * H;
             for (int64_t c = 0; c < H; c++) o[c] += wt * y[p * H + c];
         }
     }
+    return 0;
 }
 
-/* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
-   over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
-   p @ latent[:, :C]. scratch: Nh * (max(lens) + 1) floats. */
-void wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool,
-                   const int64_t *table, int64_t max_blocks, const int64_t *lens, int64_t bs, float scale,
-                   float *out, float *scratch) {
-    int64_t C16 = C & ~(int64_t)15;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t L = lens[b];
-        float *inv = scratch + Nh * L;
-        const float *qb = q + b * Nh * D;
-        float *ob = out + b * Nh * C, *sc = scratch;
-        for (int64_t j0 = 0; j0 < L; j0 += bs) {
-            const float *blk = pool + table[b * max_blocks + j0 / bs] * bs * D;
-            linear(qb, D, blk, D, sc + j0, L, Nh, L - j0 < bs ? L - j0 : bs, D);
-        }
-        for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
-            float *s = sc + n * L, mx = -INFINITY, sum = 0;
-            for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
-            v16 acc = bc(0);
-            int64_t j = 0;
-            for (; j + 16 <= L; j += 16) {
-                v16 e = vexp((ld(s + j) - bc(mx)) * bc(scale));
-                st(s + j, e);
-                acc += e;
-            }
-            for (int l = 0; l < 16; l++) sum += acc[l];
-            for (; j < L; j++) { s[j] = expf((s[j] - mx) * scale); sum += s[j]; }
-            inv[n] = 1.0f / sum;
-        }
-        memset(ob, 0, Nh * C * sizeof(float));
-        for (int64_t j = 0; j < L; j++) {
-            const float *row = pool + (table[b * max_blocks + j / bs] * bs + j % bs) * D;
-            for (int64_t n = 0; n < Nh; n++) {
-                float p = sc[n * L + j], *o = ob + n * C;
-                v16 pv = bc(p);
-                for (int64_t c = 0; c < C16; c += 16) st(o + c, ld(o + c) + pv * ld(row + c));
-                for (int64_t c = C16; c < C; c++) o[c] += p * row[c];
-            }
-        }
-        for (int64_t n = 0; n < Nh; n++)
-            for (int64_t c = 0; c < C; c++) ob[n * C + c] *= inv[n];
-    }
-}
 """
-
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
-
-
-def unusable() -> str | None:
-    """Why the CPU kernels cannot run here (no compiler, a build error), or None once they are loaded."""
-    global _lib, _error
-    if _lib is None and _error is None:
-        from .build import BuildError, build
-        try:
-            lib = build("wideep_cpu", SOURCE)
-        except BuildError as e:
-            _error = str(e)
-            return _error
-        P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        lib.wd_bmm_nt.argtypes = [I, P, I, I, P, I, I, P, I, I, I, I, I]
-        lib.wd_experts.argtypes = [P, I, I, P, P, P, P, I, P, P, P, P]
-        lib.wd_mla_decode.argtypes = [P, I, I, I, I, P, P, I, P, I, F, P, P]
-        for f in (lib.wd_bmm_nt, lib.wd_experts, lib.wd_mla_decode):
-            f.restype = None
-        _lib = lib
-    return _error
+P, I = ctypes.c_void_p, ctypes.c_int64
+SIGNATURES = {"wd_bmm_nt": ([I, P, I, I, P, I, I, P, I, I, I, I, I], None),
+              "wd_experts": ([P, I, I, I, I, P, P, P, P, I, P, P, P], I)}
 
 
-def unusable_for(device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Why these kernels cannot serve a model of `dtype` on `device`, or None (builds them when it could)."""
-    device = torch.device(device)
-    if device.type != "cpu":
-        return f"the device is {device}, not the CPU"
-    if dtype != torch.float32:
-        return f"the model dtype is {dtype}; the CPU kernels take float32"
-    return unusable()
-
-
-def _lib_or_raise() -> ctypes.CDLL:
-    why = unusable()
-    if why is not None:
-        raise RuntimeError(f"the CPU kernels are not usable: {why}")
-    return _lib
-
-
-def _check(name: str, t: torch.Tensor, dim: int) -> None:
+def check_float32(name: str, t: torch.Tensor, dim: int) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dim or (t.numel() and t.stride(-1) != 1):
         raise ValueError(f"{name} must be a float32 CPU tensor with {dim} dims and a contiguous last dim, got "
                          f"{t.dtype} {t.device.type} shape {tuple(t.shape)} strides {t.stride()}")
 
 
+
+
 def bmm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, M, K], w [B, N, K] (any batch and row strides) -> [B, M, N] = x @ w^T."""
-    _check("x", x, 3)
-    _check("w", w, 3)
+    check_float32("x", x, 3)
+    check_float32("w", w, 3)
     B, M, K = x.shape
     if w.shape[0] != B or w.shape[2] != K:
         raise ValueError(f"bmm_nt: x {tuple(x.shape)} and w {tuple(w.shape)} need the same batch and K")
     N = w.shape[1]
     out = torch.empty(B, M, N, dtype=x.dtype) if out is None else out
-    _check("out", out, 3)
+    check_float32("out", out, 3)
     if tuple(out.shape) != (B, M, N):
         raise ValueError(f"bmm_nt: out is {tuple(out.shape)}, expected {(B, M, N)}")
     if out.numel() and K:
-        _lib_or_raise().wd_bmm_nt(B, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(1),
+        library().wd_bmm_nt(B, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(1),
                                   out.data_ptr(), out.stride(0), out.stride(1), M, N, K)
     elif out.numel():
         out.zero_()
@@ -341,25 +276,26 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (M, K), (N, K2) = x.shape, w.shape
     if not (x.dtype == w.dtype == torch.float32 and K == K2 and x.stride(1) == 1 and w.stride(1) == 1
             and not x.is_cuda and not w.is_cuda):
-        _check("x", x, 2)
-        _check("w", w, 2)
+        check_float32("x", x, 2)
+        check_float32("w", w, 2)
         raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} need the same K")
     out = torch.empty(M, N)
     if M and N and K:
-        _lib_or_raise().wd_bmm_nt(1, x.data_ptr(), 0, x.stride(0), w.data_ptr(), 0, w.stride(0), out.data_ptr(), 0, N,
+        library().wd_bmm_nt(1, x.data_ptr(), 0, x.stride(0), w.data_ptr(), 0, w.stride(0), out.data_ptr(), 0, N,
                                   M, N, K)
     elif M and N:
         out.zero_()
     return out
 
 
+
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
     """x [T, H], w13 [El, 2I, H], w2 [El, H, I] (contiguous), topk_ids [T, k] local ids (-1: elsewhere),
     topk_weights [T, k] -> [T, H]: only the experts that have tokens are read. No host sync."""
-    _check("x", x, 2)
-    _check("w13", w13, 3)
-    _check("w2", w2, 3)
+    check_float32("x", x, 2)
+    check_float32("w13", w13, 3)
+    check_float32("w2", w2, 3)
     T, H = x.shape
     El, I2, H2 = w13.shape
     if H2 != H or tuple(w2.shape) != (El, H, I2 // 2) or not (w13.is_contiguous() and w2.is_contiguous()):
@@ -368,56 +304,18 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"experts: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T={T}, k]")
-    x = x.contiguous()
-    flat = topk_ids.reshape(-1)
-    valid = (flat >= 0).nonzero().squeeze(1)
-    order = valid[flat[valid].argsort(stable=True)]                            # pair index, by expert
-    counts = torch.bincount(flat[order], minlength=El)                         # [El]
-    if counts.shape[0] > El:   # an id past the last local expert: the kernel would read past the weights
-        raise ValueError(f"experts: topk_ids holds local ids up to {counts.shape[0] - 1}, there are {El} local experts")
-    seg_expert = counts.nonzero().squeeze(1)                                   # [S] experts with tokens
-    seg_start = torch.zeros(len(seg_expert) + 1, dtype=torch.int64)
-    torch.cumsum(counts[seg_expert], 0, out=seg_start[1:])
-    rows = (order // topk_ids.shape[1]).contiguous()
-    wts = topk_weights.reshape(-1)[order].float().contiguous()
+    if topk_ids.dtype != torch.int64:
+        raise ValueError(f"experts: topk_ids must be int64, got {topk_ids.dtype}")
+    x, ids, wts = x.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous()
+    I, k = I2 // 2, ids.shape[1]
     out = torch.zeros_like(x)
-    if len(seg_expert):
-        I = I2 // 2
-        scratch = torch.empty(T * (2 * H + 3 * I))   # a segment has at most T pairs (an expert once per token)
-        _lib_or_raise().wd_experts(x.data_ptr(), H, I, w13.data_ptr(), w2.data_ptr(), seg_expert.data_ptr(),
-                                   seg_start.data_ptr(), len(seg_expert), rows.data_ptr(), wts.data_ptr(),
-                                   out.data_ptr(), scratch.data_ptr())
+    if T and k:
+        iscratch, scratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64), torch.empty(T * (2 * H + 3 * I))
+        rc = library().wd_experts(x.data_ptr(), T, H, I, El, w13.data_ptr(), w2.data_ptr(), ids.data_ptr(),
+                                        wts.data_ptr(), k, out.data_ptr(), iscratch.data_ptr(), scratch.data_ptr())
+        if rc < 0:   # an id past the last local expert: the kernel would have read past the weights
+            raise ValueError(f"experts: topk_ids holds local id {int(ids.view(-1)[-1 - rc])}, there are {El} "
+                             f"local experts")
     return out
 
 
-def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               block_size: int, kv_lora_rank: int, scale: float, max_len: int) -> torch.Tensor:
-    """q [B, Nh, D] (absorbed: [q_nope W_UK, q_pe]), kv_pool [S, D], block_table [B, M] int64 block ids,
-    seq_lens [B] int64 (each in 1 .. max_len; max_len a host int) -> [B, Nh, C] (fp32 softmax)."""
-    _check("q", q, 3)
-    _check("kv_pool", kv_pool, 2)
-    B, Nh, D = q.shape
-    if kv_pool.shape[1] != D or not 0 < kv_lora_rank <= D or not kv_pool.is_contiguous():
-        raise ValueError(f"mla_decode: q {tuple(q.shape)}, kv_pool {tuple(kv_pool.shape)} (contiguous) and "
-                         f"kv_lora_rank {kv_lora_rank} do not fit")
-    if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or block_table.dim() != 2 \
-            or block_table.shape[0] != B or tuple(seq_lens.shape) != (B,):
-        raise ValueError(f"mla_decode: block_table [B={B}, M] and seq_lens [B] must be int64, got "
-                         f"{block_table.dtype} {tuple(block_table.shape)}, {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    out = torch.empty(B, Nh, kv_lora_rank)
-    if not B:
-        return out
-    # a bad length or block id would read outside the pool: checked (CPU tensors, one reduction each)
-    lo, hi = torch.aminmax(seq_lens)
-    blo, bhi = torch.aminmax(block_table)
-    lo, hi, blo, bhi = int(lo), int(hi), int(blo), int(bhi)   # SYNC: (CPU only) the bounds above
-    num_blocks = kv_pool.shape[0] // block_size
-    if lo < 1 or hi > max_len or -(-max_len // block_size) > block_table.shape[1] or blo < 0 or bhi >= num_blocks:
-        raise ValueError(f"mla_decode: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {block_table.shape[1]} "
-                         f"blocks of {block_size}, block ids in [{blo}, {bhi}] must be in [0, {num_blocks})")
-    q, block_table, seq_lens = q.contiguous(), block_table.contiguous(), seq_lens.contiguous()
-    scratch = torch.empty(Nh * (max_len + 1))
-    _lib_or_raise().wd_mla_decode(q.data_ptr(), B, Nh, D, kv_lora_rank, kv_pool.data_ptr(), block_table.data_ptr(),
-                                  block_table.shape[1], seq_lens.data_ptr(), block_size, scale, out.data_ptr(),
-                                  scratch.data_ptr())
-    return out
