@@ -149,7 +149,7 @@ class MLA(nn.Module):
         bmm_nt(q_nope.transpose(0, 1), self.w_uk_t(), out=q[:, :, :C].transpose(0, 1))       # [N, B, C]
         q[:, :, C:] = q_pe
         table, lens, max_len = meta.seq_tables(seqs)
-        out_lat = mla_decode(q, kv_pool, table, lens.long(), meta.block_size, C, cfg.softmax_scale, max_len)
+        out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, C, cfg.softmax_scale, max_len)
         out = q_nope.new_empty(B, N, cfg.v_head_dim)
         bmm_nt(out_lat.transpose(0, 1), self._kv_b()[1], out=out.transpose(0, 1))           # [N, B, dv]
         return out

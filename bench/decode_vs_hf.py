@@ -9,14 +9,21 @@ all; the best trial of each counts. `hf` is transformers with its default expert
 Roofline (issue #19). A decode step must read, at least: every dense weight (attention, dense MLP,
 shared experts, router, norms, lm_head), the routed experts the step's tokens chose (counted per
 layer from the router's ids), the embedding rows of its tokens and the latent KV of every sequence's
-context. The ceilings are measured here, per thread count: `read` = a 1 GiB float32 tensor's
-x.sum(), `copy` = y.copy_(x) (GB/s of bytes copied), best of 3. Decode steps are timed alone (whole
-Engine.step of steps whose every sequence decodes; the prefill step is reported apart), median over
-the run's decode steps, best trial; fraction = bytes per step / step time / read bandwidth.
+context. The ceilings are measured here, per thread count and trial, three times just before and
+three times just after the trial's generate: `read` = a 1 GiB float32 tensor's x.sum(), `copy` =
+y.copy_(x) (GB/s of bytes copied), and `read_huge` = the same read of a tensor in 2 MiB pages (as
+the engine puts its weights on CPU, cpu/huge_pages.py: the fairer ceiling for them; where huge pages
+are not available it equals `read`); the median counts (the best is reported too). Decode steps are
+timed alone (whole Engine.step of steps whose every sequence decodes; the prefill step is reported
+apart), median over the run's decode steps, best trial; fraction = bytes per step / step time / read
+bandwidth (`fraction`, the issue's definition; `fraction_huge` against read_huge). On a shared machine
+wall time swings with the load, so the fraction is also given in this thread's CPU time (steps and
+read alike, 1 thread): `fraction_cpu`.
 Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf_eager_tok_s,
 ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
-decode_roofline_fraction (1 thread), decode_roofline_fraction_2t, and a "roofline" block per
-thread count (read/copy GB/s, bytes per step split dense/experts/kv, step ms, prefill ms).
+decode_roofline_fraction (1 thread), decode_roofline_fraction_2t, decode_roofline_fraction_cpu_time,
+and a "roofline" block per thread count (read/copy GB/s, bytes per step split dense/experts/kv,
+step ms wall and CPU, prefill ms).
     python bench/decode_vs_hf.py [--quick] [--threads 1,2]
 """
 from __future__ import annotations
@@ -39,18 +46,26 @@ from launch.tiny import make_tiny_checkpoint  # noqa: E402
 GIB = 1 << 30
 
 
-def ceilings(x: torch.Tensor, y: torch.Tensor) -> dict:
-    """GB/s of a plain read (x.sum()) and of a copy (y.copy_(x), bytes copied), best of 3."""
-    read, copy = [], []
-    for _ in range(3):
-        t0 = time.perf_counter()
+def ceilings(x: torch.Tensor, y: torch.Tensor, xh: torch.Tensor, times: dict | None = None, n: int = 3) -> dict:
+    """Seconds of a plain read (x.sum(), wall and this thread's CPU time), of a copy (y.copy_(x)) and of
+    a read of xh (in huge pages), n of each, appended to `times` -> times."""
+    times = times or {"read": [], "read_cpu": [], "copy": [], "read_huge": []}
+    for _ in range(n):
+        t0, c0 = time.perf_counter(), time.thread_time()
         x.sum()
-        read.append(time.perf_counter() - t0)
+        times["read"].append(time.perf_counter() - t0)
+        times["read_cpu"].append(time.thread_time() - c0)
         t0 = time.perf_counter()
         y.copy_(x)
-        copy.append(time.perf_counter() - t0)
-    n = x.numel() * x.element_size()
-    return {"read_gbs": round(n / min(read) / 1e9, 2), "copy_gbs": round(n / min(copy) / 1e9, 2)}
+        times["copy"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        xh.sum()
+        times["read_huge"].append(time.perf_counter() - t0)
+    return times
+
+
+def gbs(nbytes: int, seconds: list[float]) -> dict:
+    return {"median": round(nbytes / statistics.median(seconds) / 1e9, 2), "best": round(nbytes / min(seconds) / 1e9, 2)}
 
 
 class DecodeMeter:
@@ -75,35 +90,46 @@ class DecodeMeter:
         self.steps: list[dict] = []
         self._batch = None
         runner, loop = core.runner, llm.engine.loop
-        execute = runner.execute
+        execute, step = runner.execute, loop.step
 
-        def timed_execute(batch, plan, on_layer=None):
+        def seen_execute(batch, plan, on_layer=None):
             self._batch = batch
             self.ids.clear()
             return execute(batch, plan, on_layer=on_layer)
-        runner.execute = timed_execute
-        loop.on_step = self._on_step
 
-    def _on_step(self, seconds: float) -> None:
+        def timed_step():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            done = step()
+            self._record(time.perf_counter() - t0, time.thread_time() - c0)
+            return done
+        runner.execute, loop.step = seen_execute, timed_step
+
+    def _record(self, seconds: float, cpu_seconds: float) -> None:
         b, self._batch = self._batch, None
         if b is None or not b.seqs:
             return
         decode = all(n == 1 for n in b.num_tokens)
         experts = sum(len(torch.unique(ids)) * per for ids, per in zip(self.ids, self.per_expert))
         kv = sum(s.num_computed for s in b.seqs) * self.latent * self.elem  # after apply: context incl. new
-        self.steps.append({"decode": decode, "s": seconds, "tokens": sum(b.num_tokens), "experts": experts,
+        self.steps.append({"decode": decode, "s": seconds, "cpu_s": cpu_seconds, "tokens": sum(b.num_tokens),
+                           "experts": experts,
                            "kv": kv, "dense": self.dense + sum(b.num_tokens) * self.hidden * self.elem})
 
-    def summary(self, read_gbs: float) -> dict:
+    def summary(self, times: dict, nbytes: int) -> dict:
         dec = [s for s in self.steps if s["decode"]]
         pre = [s for s in self.steps if not s["decode"]]
         ms = statistics.median(s["s"] for s in dec) * 1e3
+        cpu_ms = statistics.median(s["cpu_s"] for s in dec) * 1e3
         mb = {k: statistics.median(s[k] for s in dec) / 1e6 for k in ("dense", "experts", "kv")}
         total = sum(mb.values())
-        return {"decode_step_ms": round(ms, 2), "decode_steps": len(dec),
+        read, read_cpu, huge = (gbs(nbytes, times[k]) for k in ("read", "read_cpu", "read_huge"))
+        return {"read_gbs": read, "copy_gbs": gbs(nbytes, times["copy"]), "read_huge_gbs": huge, "read_cpu_gbs": read_cpu,
+                "decode_step_ms": round(ms, 2), "decode_step_cpu_ms": round(cpu_ms, 2), "decode_steps": len(dec),
                 "prefill_ms": round(sum(s["s"] for s in pre) * 1e3, 1),
                 "bytes_per_step_mb": {k: round(v, 1) for k, v in dict(mb, total=total).items()},
-                "decode_gbs": round(total / ms, 2), "fraction": round(total / ms / read_gbs, 3)}
+                "decode_gbs": round(total / ms, 2), "fraction": round(total / ms / read["median"], 3),
+                "fraction_huge": round(total / ms / huge["median"], 3),
+                "fraction_cpu": round(total / cpu_ms / read_cpu["median"], 3)}
 
 
 def main() -> None:
@@ -125,8 +151,10 @@ def main() -> None:
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    x = torch.rand(GIB // 4)
+    from cpu.huge_pages import collapse
+    x, xh = torch.rand(GIB // 4), torch.rand(GIB // 4)
     y = torch.empty_like(x)
+    huge_ceiling = collapse([xh])
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=0, vocab_size=4096, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
                              moe_intermediate_size=a.hidden // 2, num_hidden_layers=a.layers, first_k_dense_replace=1,
@@ -165,9 +193,9 @@ def main() -> None:
             torch.set_num_threads(n_threads)
             best = None
             for _ in range(a.trials):
-                ceil = ceilings(x, y)
+                times = ceilings(x, y, xh)
                 t, ours = run_wideep()
-                summ = dict(ceil, **meter.summary(ceil["read_gbs"]))
+                summ = meter.summary(ceilings(x, y, xh, times), x.numel() * x.element_size())
                 if best is None or summ["decode_step_ms"] < best["decode_step_ms"]:
                     best = summ
                 if n_threads != threads[0]:
@@ -193,6 +221,10 @@ def main() -> None:
            "ratio_decode": round(min(hf_steps) / first["decode_step_ms"], 2),
            "decode_step_ms": first["decode_step_ms"], "decode_roofline_fraction": first["fraction"],
            "decode_roofline_fraction_2t": second["fraction"] if second else None,
+           "decode_roofline_fraction_cpu_time": first["fraction_cpu"],
+           "decode_roofline_fraction_vs_huge_pages": first["fraction_huge"],
+           "huge_pages": {"weights_mb": round(llm.model.huge_page_bytes / 1e6, 1),
+                          "ceiling_mb": round(huge_ceiling / 1e6, 1)},
            "roofline": {f"{t}t": r for t, r in roof.items()}, "backends": llm.model.backends,
            "torch": torch.__version__, "threads": threads}
     print(json.dumps(res))

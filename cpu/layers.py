@@ -63,7 +63,7 @@ void wd_rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int6
    p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. Returns 0, or -1 (nothing computed) when a
    length is outside 1 .. max_len or a block id it needs is outside the pool. */
 int64_t wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool,
-                      int64_t num_blocks, const int64_t *table, int64_t max_blocks, const int64_t *lens,
+                      int64_t num_blocks, const int64_t *table, int64_t max_blocks, const int32_t *lens,
                       int64_t max_len, int64_t bs, float scale, float *out, float *scratch) {
     int64_t C16 = C & ~(int64_t)15;
     for (int64_t b = 0; b < B; b++) {      /* nothing outside the pool or the scratch is ever read */
@@ -155,16 +155,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                block_size: int, kv_lora_rank: int, scale: float, max_len: int) -> torch.Tensor:
     """q [B, Nh, D] (absorbed: [q_nope W_UK, q_pe]), kv_pool [S, D], block_table [B, M] int64 block ids,
-    seq_lens [B] int64 (each in 1 .. max_len; max_len a host int) -> [B, Nh, C] (fp32 softmax)."""
+    seq_lens [B] int32 (each in 1 .. max_len; max_len a host int; AttnMeta.seq_tables gives all three)
+    -> [B, Nh, C] (fp32 softmax)."""
     check_float32("q", q, 3)
     check_float32("kv_pool", kv_pool, 2)
     B, Nh, D = q.shape
     if kv_pool.shape[1] != D or not 0 < kv_lora_rank <= D or not kv_pool.is_contiguous():
         raise ValueError(f"mla_decode: q {tuple(q.shape)}, kv_pool {tuple(kv_pool.shape)} (contiguous) and "
                          f"kv_lora_rank {kv_lora_rank} do not fit")
-    if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int64 or block_table.dim() != 2 \
+    if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int32 or block_table.dim() != 2 \
             or block_table.shape[0] != B or tuple(seq_lens.shape) != (B,):
-        raise ValueError(f"mla_decode: block_table [B={B}, M] and seq_lens [B] must be int64, got "
+        raise ValueError(f"mla_decode: block_table [B={B}, M] int64 and seq_lens [B] int32, got "
                          f"{block_table.dtype} {tuple(block_table.shape)}, {seq_lens.dtype} {tuple(seq_lens.shape)}")
     q, block_table, seq_lens = q.contiguous(), block_table.contiguous(), seq_lens.contiguous()
     out = torch.empty(B, Nh, kv_lora_rank)

@@ -76,4 +76,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                                      ignore=expert_ignore(model.owns_expert),
                                      num_hidden_layers=cfg.num_hidden_layers, progress=progress)
     model.copy_local_replicas()
+    if model.cpu_kernels:   # the CPU decode streams the weights: 2 MiB pages stream faster (cpu/huge_pages.py)
+        from cpu.huge_pages import collapse_module
+        model.huge_page_bytes = collapse_module(model)
     return model.eval()

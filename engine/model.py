@@ -134,6 +134,7 @@ class DeepseekModel(nn.Module):
         self.shard, self.dispatcher = shard, dispatcher
         self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
         self.cpu_kernels = experts.backend == "cpu"  # also the projections and lm_head (cpu/linear.py)
+        self.huge_page_bytes = 0                     # weights in 2 MiB pages (cpu/huge_pages.py; build.py)
         self.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
                          "fp8_weights": fp8_block is not None, "attention": attention}
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)

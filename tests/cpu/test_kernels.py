@@ -84,7 +84,7 @@ def test_mla_decode_equals_reference(lens, block_size, heads, D, C):
     table = torch.randperm(nblocks)[:B * M].view(B, M)
     q = torch.randn(B, heads, D)
     ref = paged_decode_reference(q, pool, table, lens, block_size, C, 0.17)
-    got = layers.mla_decode(q, pool, table, torch.tensor(lens), block_size, C, 0.17, max(lens))
+    got = layers.mla_decode(q, pool, table, torch.tensor(lens, dtype=torch.int32), block_size, C, 0.17, max(lens))
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
 
 
@@ -143,17 +143,17 @@ def test_bad_inputs_raise():
         gemm.experts(x, w13, w2, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
     pool, q, table = torch.randn(32, 8), torch.randn(2, 2, 8), torch.tensor([[0, 1], [2, 3]])
     with pytest.raises(ValueError, match=r"seq_lens in \[0, 3\] \(max_len 3\)"):
-        layers.mla_decode(q, pool, table, torch.tensor([0, 3]), 4, 6, 1.0, 3)
+        layers.mla_decode(q, pool, table, torch.tensor([0, 3], dtype=torch.int32), 4, 6, 1.0, 3)
     with pytest.raises(ValueError, match=r"seq_lens in \[3, 4\] \(max_len 3\)"):
-        layers.mla_decode(q, pool, table, torch.tensor([4, 3]), 4, 6, 1.0, 3)
+        layers.mla_decode(q, pool, table, torch.tensor([4, 3], dtype=torch.int32), 4, 6, 1.0, 3)
     with pytest.raises(ValueError, match="need 1 .. 2 blocks of 4"):
-        layers.mla_decode(q, pool, table, torch.tensor([9, 3]), 4, 6, 1.0, 9)
+        layers.mla_decode(q, pool, table, torch.tensor([9, 3], dtype=torch.int32), 4, 6, 1.0, 9)
     with pytest.raises(ValueError, match=r"must be in \[0, 8\)"):
-        layers.mla_decode(q, pool, torch.tensor([[0, 1], [2, 8]]), torch.tensor([5, 5]), 4, 6, 1.0, 5)
+        layers.mla_decode(q, pool, torch.tensor([[0, 1], [2, 8]]), torch.tensor([5, 5], dtype=torch.int32), 4, 6, 1.0, 5)
     with pytest.raises(ValueError, match=r"weight \[N=8\]"):
         layers.rmsnorm(x, torch.ones(7), 1e-6)
-    with pytest.raises(ValueError, match="must be int64"):
-        layers.mla_decode(q, pool, table.int(), torch.tensor([1, 3]), 4, 6, 1.0, 3)
+    with pytest.raises(ValueError, match="int64 and seq_lens"):
+        layers.mla_decode(q, pool, table.int(), torch.tensor([1, 3], dtype=torch.int32), 4, 6, 1.0, 3)
 
 
 def test_missing_compiler_is_explained(monkeypatch):
