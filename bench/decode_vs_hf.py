@@ -19,6 +19,8 @@ apart), median over the run's decode steps, best trial; fraction = bytes per ste
 bandwidth (`fraction`, the issue's definition; `fraction_huge` against read_huge). On a shared machine
 wall time swings with the load, so the fraction is also given in this thread's CPU time (steps and
 read alike, 1 thread): `fraction_cpu`.
+The same engine on the torch backends (experts_backend / attention_backend "torch", the reference
+paths) runs beside it: "torch_backends" has its prefill and decode step ms.
 Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf_eager_tok_s,
 ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
 decode_roofline_fraction (1 thread), decode_roofline_fraction_2t, decode_roofline_fraction_cpu_time,
@@ -65,7 +67,8 @@ def ceilings(x: torch.Tensor, y: torch.Tensor, xh: torch.Tensor, times: dict | N
 
 
 def gbs(nbytes: int, seconds: list[float]) -> dict:
-    return {"median": round(nbytes / statistics.median(seconds) / 1e9, 2), "best": round(nbytes / min(seconds) / 1e9, 2)}
+    return {"median": round(nbytes / statistics.median(seconds) / 1e9, 2),
+            "best": round(nbytes / min(seconds) / 1e9, 2)}
 
 
 class DecodeMeter:
@@ -115,17 +118,22 @@ class DecodeMeter:
                            "experts": experts,
                            "kv": kv, "dense": self.dense + sum(b.num_tokens) * self.hidden * self.elem})
 
+    def step_ms(self) -> tuple[float, float]:
+        """(prefill ms: all steps with a prompt, decode step ms: median)"""
+        return (round(sum(s["s"] for s in self.steps if not s["decode"]) * 1e3, 1),
+                round(statistics.median(s["s"] for s in self.steps if s["decode"]) * 1e3, 2))
+
     def summary(self, times: dict, nbytes: int) -> dict:
         dec = [s for s in self.steps if s["decode"]]
-        pre = [s for s in self.steps if not s["decode"]]
         ms = statistics.median(s["s"] for s in dec) * 1e3
         cpu_ms = statistics.median(s["cpu_s"] for s in dec) * 1e3
         mb = {k: statistics.median(s[k] for s in dec) / 1e6 for k in ("dense", "experts", "kv")}
         total = sum(mb.values())
         read, read_cpu, huge = (gbs(nbytes, times[k]) for k in ("read", "read_cpu", "read_huge"))
-        return {"read_gbs": read, "copy_gbs": gbs(nbytes, times["copy"]), "read_huge_gbs": huge, "read_cpu_gbs": read_cpu,
+        return {"read_gbs": read, "copy_gbs": gbs(nbytes, times["copy"]), "read_huge_gbs": huge,
+                "read_cpu_gbs": read_cpu,
                 "decode_step_ms": round(ms, 2), "decode_step_cpu_ms": round(cpu_ms, 2), "decode_steps": len(dec),
-                "prefill_ms": round(sum(s["s"] for s in pre) * 1e3, 1),
+                "prefill_ms": self.step_ms()[0],
                 "bytes_per_step_mb": {k: round(v, 1) for k, v in dict(mb, total=total).items()},
                 "decode_gbs": round(total / ms, 2), "fraction": round(total / ms / read["median"], 3),
                 "fraction_huge": round(total / ms / huge["median"], 3),
@@ -164,6 +172,9 @@ def main() -> None:
                              initializer_range=0.05)
         llm = LLM(d, dtype="float32", progress=False)
         meter = DecodeMeter(llm)
+        # the same engine on the torch backends (the reference paths): prefill must not be slower
+        ref = LLM(d, dtype="float32", progress=False, experts_backend="torch", attention_backend="torch")
+        ref_meter = DecodeMeter(ref)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         hf_eager = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager").eval()
         hf_forward_s: list[float] = []
@@ -172,10 +183,10 @@ def main() -> None:
         prompts = torch.randint(2, 4096, (a.batch, a.prompt))
         sp = SamplingParams(temperature=0.0, max_tokens=a.new, ignore_eos=True)
 
-        def run_wideep() -> tuple[float, list[list[int]]]:
-            meter.steps.clear()
+        def run_wideep(engine=llm, m=meter) -> tuple[float, list[list[int]]]:
+            m.steps.clear()
             t0 = time.perf_counter()
-            outs = llm.generate(prompts.tolist(), sp)
+            outs = engine.generate(prompts.tolist(), sp)
             return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
 
         @torch.inference_mode()
@@ -188,7 +199,7 @@ def main() -> None:
         llm.generate(prompts[:2, :8].tolist(), SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
         hf.generate(prompts[:2, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
         roof: dict[int, dict] = {}
-        tw, th, te, hf_steps = [], [], [], []
+        tw, th, te, hf_steps, torch_ms = [], [], [], [], []
         for n_threads in threads:
             torch.set_num_threads(n_threads)
             best = None
@@ -201,6 +212,8 @@ def main() -> None:
                 if n_threads != threads[0]:
                     continue
                 tw.append(t)
+                _, ref_ours = run_wideep(ref, ref_meter)
+                torch_ms.append(ref_meter.step_ms())
                 hf_forward_s.clear()
                 t, theirs = run_hf()
                 th.append(t)
@@ -219,6 +232,8 @@ def main() -> None:
            "ratio_eager": round(min(te) / min(tw), 2), "greedy_sequences_equal": agree,
            "hf_decode_step_ms": round(min(hf_steps), 2),
            "ratio_decode": round(min(hf_steps) / first["decode_step_ms"], 2),
+           "torch_backends": {"prefill_ms": min(p for p, _ in torch_ms), "decode_step_ms": min(d for _, d in torch_ms),
+                              "greedy_sequences_equal": sum(p == q for p, q in zip(ours, ref_ours)) / len(ours)},
            "decode_step_ms": first["decode_step_ms"], "decode_roofline_fraction": first["fraction"],
            "decode_roofline_fraction_2t": second["fraction"] if second else None,
            "decode_roofline_fraction_cpu_time": first["fraction_cpu"],

@@ -149,7 +149,8 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="need 1 .. 2 blocks of 4"):
         layers.mla_decode(q, pool, table, torch.tensor([9, 3], dtype=torch.int32), 4, 6, 1.0, 9)
     with pytest.raises(ValueError, match=r"must be in \[0, 8\)"):
-        layers.mla_decode(q, pool, torch.tensor([[0, 1], [2, 8]]), torch.tensor([5, 5], dtype=torch.int32), 4, 6, 1.0, 5)
+        layers.mla_decode(q, pool, torch.tensor([[0, 1], [2, 8]]), torch.tensor([5, 5], dtype=torch.int32), 4, 6, 1.0,
+                          5)
     with pytest.raises(ValueError, match=r"weight \[N=8\]"):
         layers.rmsnorm(x, torch.ones(7), 1e-6)
     with pytest.raises(ValueError, match="int64 and seq_lens"):
