@@ -7,7 +7,9 @@ L context length. Two mathematically equal forms, kept side by side:
 - absorbed (decode): fold kv_b_proj's K half into the query and its V half into the output, and
   attend directly over the latent [L, C+R]; the per-head K/V of the context are never built.
 `backend` "triton" runs the absorbed form of one-token (decode) sequences in the paged Triton kernel
-(attention_mla/triton_decode.py), which reads the cache through the block table instead of gathering it.
+(attention_mla/triton_decode.py), which reads the cache through the block table instead of gathering it;
+"cpu" does the same in the C kernel (cpu/layers.py mla_decode), with the query absorption and the
+output projection as streamed per-head GEMMs over weights laid out once (attend_paged_cpu).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 FORMS = ("auto", "naive", "absorbed")   # which form attends: auto = absorbed for one-query sequences
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "cpu", "triton")
 
 
 class MLA(nn.Module):
@@ -29,7 +31,7 @@ class MLA(nn.Module):
                  backend: str = "torch", mode: str = "auto"):
         """linear: the projections' class (nn.Linear's signature; an fp8 one keeps fp8 checkpoints as
         stored). kv_b_proj is always nn.Linear: both forms read its weight directly. backend: "torch" |
-        "triton" (decode sequences; resolved by attention_mla/paged_decode.py). mode: one of FORMS
+        "cpu" | "triton" (decode sequences; resolved by attention_mla/paged_decode.py). mode: one of FORMS
         ("naive" / "absorbed" force one form, for checking them against each other)."""
         if backend not in BACKENDS or mode not in FORMS:
             raise ValueError(f"MLA backend must be one of {BACKENDS} and mode one of {FORMS}, got {backend!r}, {mode!r}")
@@ -42,12 +44,13 @@ class MLA(nn.Module):
             self.q_proj = linear(H, N * cfg.qk_head_dim, bias=False, **kw)
         else:
             self.q_a_proj = linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, kernel=backend == "cpu", **kw)
             self.q_b_proj = linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, **kw)
         self.kv_a_proj_with_mqa = linear(H, C + R, bias=cfg.attention_bias, **kw)
-        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, **kw)
+        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, kernel=backend == "cpu", **kw)
         self.kv_b_proj = nn.Linear(C, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **kw)
         self.o_proj = linear(N * cfg.v_head_dim, H, bias=cfg.attention_bias, **kw)
+        self._w_uk_t, self._w_uk_t_of = None, None   # attend_paged_cpu's W_UK^T and the weight it came from
 
     # -- projections -------------------------------------------------------------------------
     def q_latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,8 +70,12 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
         c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = self.rope.apply(q_pe, cos, sin)
-        k_pe = self.rope.apply(k_pe, cos, sin)
+        if self.backend == "cpu" and x.dtype == torch.float32 and x.device.type == "cpu":
+            from cpu.layers import rope   # RotaryEmbedding.apply in one call
+            q_pe, k_pe = rope(q_pe, cos, sin, self.rope.cfg.interleave), rope(k_pe, cos, sin, self.rope.cfg.interleave)
+        else:
+            q_pe = self.rope.apply(q_pe, cos, sin)
+            k_pe = self.rope.apply(k_pe, cos, sin)
         return q_nope, q_pe, torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,6 +120,8 @@ class MLA(nn.Module):
                      seqs: list[int]) -> torch.Tensor:
         """Decode sequences `seqs` (one query each, in that order): q_nope [B, N, dn], q_pe [B, N, R]
         -> [B, N, dv], attending over the paged cache in the Triton kernel."""
+        if self.backend == "cpu":
+            return self.attend_paged_cpu(q_nope, q_pe, kv_pool, meta, seqs)
         from .triton_decode import mla_decode
         w_uk, w_uv = self._kv_b()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [B, N, C]
@@ -121,6 +130,34 @@ class MLA(nn.Module):
         out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, self.cfg.kv_lora_rank,
                              self.cfg.softmax_scale, max_len).to(q_nope.dtype)  # [B, N, C]
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    # -- CPU decode (backend "cpu") -----------------------------------------------------------
+    def w_uk_t(self) -> torch.Tensor:
+        """W_UK^T [N, C, dn], contiguous: the layout the streamed GEMM wants for absorbing q_nope. Made
+        once from kv_b_proj.weight (again only if that weight is replaced or written to)."""
+        w = self.kv_b_proj.weight
+        of = (w.data_ptr(), w._version)
+        if self._w_uk_t_of != of:
+            self._w_uk_t = self._kv_b()[0].transpose(1, 2).contiguous()
+            self._w_uk_t_of = of
+        return self._w_uk_t
+
+    def attend_paged_cpu(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor, meta: AttnMeta,
+                         seqs: list[int]) -> torch.Tensor:
+        """attend_paged in the C kernels: q_nope [B, N, dn], q_pe [B, N, R] -> [B, N, dv]. The absorbed
+        query is written in place ([B, N, C+R], no concatenation), and every weight is read as stored."""
+        from cpu.gemm import bmm_nt
+        from cpu.layers import mla_decode
+        cfg = self.cfg
+        B, N, C = q_nope.shape[0], cfg.num_heads, cfg.kv_lora_rank
+        q = q_nope.new_empty(B, N, C + cfg.qk_rope_head_dim)
+        bmm_nt(q_nope.transpose(0, 1), self.w_uk_t(), out=q[:, :, :C].transpose(0, 1))       # [N, B, C]
+        q[:, :, C:] = q_pe
+        table, lens, max_len = meta.seq_tables(seqs)
+        out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, C, cfg.softmax_scale, max_len)
+        out = q_nope.new_empty(B, N, cfg.v_head_dim)
+        bmm_nt(out_lat.transpose(0, 1), self._kv_b()[1], out=out.transpose(0, 1))           # [N, B, dv]
+        return out
 
     # -- step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor,
@@ -140,8 +177,11 @@ class MLA(nn.Module):
             absorbed = []
         else:
             absorbed = [b for b, q in enumerate(meta.query_lens) if q == 1]
-        paged = [b for b in absorbed if meta.query_lens[b] == 1] if self.backend == "triton" else []
-        if paged:
+        paged = [b for b in absorbed if meta.query_lens[b] == 1] if self.backend != "torch" else []
+        if len(paged) == T:   # every token decodes: no gather, no scatter
+            out = self.attend_paged(q_nope, q_pe, kv_pool, meta, paged)
+            absorbed = []
+        elif paged:
             rows = torch.tensor([starts[b] for b in paged], device=x.device)
             out[rows] = self.attend_paged(q_nope[rows], q_pe[rows], kv_pool, meta, paged)
             absorbed = [b for b in absorbed if meta.query_lens[b] != 1]
@@ -162,4 +202,4 @@ class MLA(nn.Module):
             slots, _ = meta.context_slots([b])
             ctx = kv_pool[slots[0]]
             out[s:s + q] = self.attend_naive(q_nope[s:s + q], q_pe[s:s + q], ctx)
-        return self.o_proj(out.view(T, -1))
+        return self.o_proj(out.reshape(T, -1))

@@ -15,7 +15,7 @@ from parallel.device import triton_unusable
 
 from .kv_cache import gather_reference
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 def paged_decode_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor,
@@ -30,14 +30,21 @@ def paged_decode_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_table: 
     return out
 
 
-def resolve_attention_backend(name: str, device: torch.device | str) -> str:
-    """auto: triton on CUDA when triton imports, torch otherwise (interpreted Triton on CPU is far too
-    slow to serve). triton on CPU needs TRITON_INTERPRET=1 set before start (tests)."""
+def resolve_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
+    """auto: triton on CUDA when triton imports; on CPU the C kernel (cpu/layers.py mla_decode) for a
+    float32 model when it builds; torch otherwise (interpreted Triton on CPU is far too slow to serve).
+    triton on CPU needs TRITON_INTERPRET=1 set before start (tests)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend {name!r} is not one of {ATTENTION_BACKENDS}")
     dev = torch.device(device)
     if name == "torch":
         return "torch"
+    if name == "cpu" or (name == "auto" and dev.type == "cpu"):
+        from cpu.build import unusable_for
+        why = unusable_for(dev, dtype)
+        if name == "cpu" and why is not None:
+            raise ValueError(f"attention_backend 'cpu' is not usable: {why}")
+        return "cpu" if why is None else "torch"
     reason = triton_unusable(dev)
     if name == "auto":
         return "triton" if reason is None and dev.type == "cuda" else "torch"

@@ -1,17 +1,39 @@
-"""wideep vs transformers `generate` on the same random DeepSeek-V3 checkpoint, greedy, float32, CPU.
+"""wideep vs transformers `generate` on the same random DeepSeek-V3 checkpoint, greedy, float32, CPU;
+and wideep's decode steps against the memory roofline measured in the same run.
 
 Default shape (issue #2): hidden 512, 8 layers, 64 experts top-6, batch 16, prompt 128, 64 new tokens.
 Both engines run in this process, interleaved (wideep, hf, hf-eager, wideep, ...) so machine noise hits
 all; the best trial of each counts. `hf` is transformers with its default experts implementation
 (grouped_mm in transformers 5), `hf_eager` with the per-expert loop older releases used.
-Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf_eager_tok_s, ratio_eager.
-    python bench/decode_vs_hf.py [--quick]
+
+Roofline (issue #19). A decode step must read, at least: every dense weight (attention, dense MLP,
+shared experts, router, norms, lm_head), the routed experts the step's tokens chose (counted per
+layer from the router's ids), the embedding rows of its tokens and the latent KV of every sequence's
+context. The ceilings are measured here, per thread count and trial, three times just before and
+three times just after the trial's generate: `read` = a 1 GiB float32 tensor's x.sum(), `copy` =
+y.copy_(x) (GB/s of bytes copied), and `read_huge` = the same read of a tensor in 2 MiB pages (as
+the engine puts its weights on CPU, cpu/huge_pages.py: the fairer ceiling for them; where huge pages
+are not available it equals `read`); the median counts (the best is reported too). Decode steps are
+timed alone (whole Engine.step of steps whose every sequence decodes; the prefill step is reported
+apart), median over the run's decode steps, best trial; fraction = bytes per step / step time / read
+bandwidth (`fraction`, the issue's definition; `fraction_huge` against read_huge). On a shared machine
+wall time swings with the load, so the fraction is also given in this thread's CPU time (steps and
+read alike, 1 thread): `fraction_cpu`.
+The same engine on the torch backends (experts_backend / attention_backend "torch", the reference
+paths) runs beside it: "torch_backends" has its prefill and decode step ms.
+Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf_eager_tok_s,
+ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
+decode_roofline_fraction (1 thread), decode_roofline_fraction_2t, decode_roofline_fraction_cpu_time,
+and a "roofline" block per thread count (read/copy GB/s, bytes per step split dense/experts/kv,
+step ms wall and CPU, prefill ms).
+    python bench/decode_vs_hf.py [--quick] [--threads 1,2]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -22,6 +44,100 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from engine import LLM, SamplingParams  # noqa: E402
 from launch.tiny import make_tiny_checkpoint  # noqa: E402
+
+GIB = 1 << 30
+
+
+def ceilings(x: torch.Tensor, y: torch.Tensor, xh: torch.Tensor, times: dict | None = None, n: int = 3) -> dict:
+    """Seconds of a plain read (x.sum(), wall and this thread's CPU time), of a copy (y.copy_(x)) and of
+    a read of xh (in huge pages), n of each, appended to `times` -> times."""
+    times = times or {"read": [], "read_cpu": [], "copy": [], "read_huge": []}
+    for _ in range(n):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        x.sum()
+        times["read"].append(time.perf_counter() - t0)
+        times["read_cpu"].append(time.thread_time() - c0)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        times["copy"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        xh.sum()
+        times["read_huge"].append(time.perf_counter() - t0)
+    return times
+
+
+def gbs(nbytes: int, seconds: list[float]) -> dict:
+    return {"median": round(nbytes / statistics.median(seconds) / 1e9, 2),
+            "best": round(nbytes / min(seconds) / 1e9, 2)}
+
+
+class DecodeMeter:
+    """Times every Engine.step of `llm` and counts the bytes each decode step must read."""
+
+    def __init__(self, llm: LLM):
+        model, core = llm.model, llm.engine.core
+        self.elem = model.dtype.itemsize
+        experts = {n for n, _ in model.named_parameters() if ".mlp.experts." in n}
+        embed = model.model.embed_tokens.weight
+        self.dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                         if n not in experts and p is not embed)
+        if model.lm_head is None:   # tied: lm_head reads the whole table
+            self.dense += embed.numel() * embed.element_size()
+        self.hidden = model.cfg.hidden_size
+        self.latent = model.cfg.mla.latent_dim * model.cfg.num_hidden_layers
+        self.per_expert = [sum(p[0].numel() * p.element_size() for p in (m.experts.w13, m.experts.w2))
+                           for m in model.moe_layers()]
+        self.ids: list[torch.Tensor] = []
+        for m in model.moe_layers():
+            m.gate.register_forward_hook(lambda mod, inp, out: self.ids.append(out[0]))
+        self.steps: list[dict] = []
+        self._batch = None
+        runner, loop = core.runner, llm.engine.loop
+        execute, step = runner.execute, loop.step
+
+        def seen_execute(batch, plan, on_layer=None):
+            self._batch = batch
+            self.ids.clear()
+            return execute(batch, plan, on_layer=on_layer)
+
+        def timed_step():
+            t0, c0 = time.perf_counter(), time.thread_time()
+            done = step()
+            self._record(time.perf_counter() - t0, time.thread_time() - c0)
+            return done
+        runner.execute, loop.step = seen_execute, timed_step
+
+    def _record(self, seconds: float, cpu_seconds: float) -> None:
+        b, self._batch = self._batch, None
+        if b is None or not b.seqs:
+            return
+        decode = all(n == 1 for n in b.num_tokens)
+        experts = sum(len(torch.unique(ids)) * per for ids, per in zip(self.ids, self.per_expert))
+        kv = sum(s.num_computed for s in b.seqs) * self.latent * self.elem  # after apply: context incl. new
+        self.steps.append({"decode": decode, "s": seconds, "cpu_s": cpu_seconds, "tokens": sum(b.num_tokens),
+                           "experts": experts,
+                           "kv": kv, "dense": self.dense + sum(b.num_tokens) * self.hidden * self.elem})
+
+    def step_ms(self) -> tuple[float, float]:
+        """(prefill ms: all steps with a prompt, decode step ms: median)"""
+        return (round(sum(s["s"] for s in self.steps if not s["decode"]) * 1e3, 1),
+                round(statistics.median(s["s"] for s in self.steps if s["decode"]) * 1e3, 2))
+
+    def summary(self, times: dict, nbytes: int) -> dict:
+        dec = [s for s in self.steps if s["decode"]]
+        ms = statistics.median(s["s"] for s in dec) * 1e3
+        cpu_ms = statistics.median(s["cpu_s"] for s in dec) * 1e3
+        mb = {k: statistics.median(s[k] for s in dec) / 1e6 for k in ("dense", "experts", "kv")}
+        total = sum(mb.values())
+        read, read_cpu, huge = (gbs(nbytes, times[k]) for k in ("read", "read_cpu", "read_huge"))
+        return {"read_gbs": read, "copy_gbs": gbs(nbytes, times["copy"]), "read_huge_gbs": huge,
+                "read_cpu_gbs": read_cpu,
+                "decode_step_ms": round(ms, 2), "decode_step_cpu_ms": round(cpu_ms, 2), "decode_steps": len(dec),
+                "prefill_ms": self.step_ms()[0],
+                "bytes_per_step_mb": {k: round(v, 1) for k, v in dict(mb, total=total).items()},
+                "decode_gbs": round(total / ms, 2), "fraction": round(total / ms / read["median"], 3),
+                "fraction_huge": round(total / ms / huge["median"], 3),
+                "fraction_cpu": round(total / cpu_ms / read_cpu["median"], 3)}
 
 
 def main() -> None:
@@ -34,13 +150,19 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--trials", type=int, default=2)
+    ap.add_argument("--threads", default="1,2", help="thread counts for the roofline (the first runs hf too)")
     ap.add_argument("--quick", action="store_true", help="smaller shape for a smoke run")
     a = ap.parse_args()
     if a.quick:
         a.hidden, a.layers, a.batch, a.prompt, a.new, a.trials = 256, 4, 8, 64, 16, 1
+    threads = [int(t) for t in a.threads.split(",")]
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
+    from cpu.huge_pages import collapse
+    x, xh = torch.rand(GIB // 4), torch.rand(GIB // 4)
+    y = torch.empty_like(x)
+    huge_ceiling = collapse([xh])
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=0, vocab_size=4096, hidden_size=a.hidden, intermediate_size=4 * a.hidden,
                              moe_intermediate_size=a.hidden // 2, num_hidden_layers=a.layers, first_k_dense_replace=1,
@@ -49,43 +171,77 @@ def main() -> None:
                              num_experts_per_tok=a.topk, n_group=8, topk_group=4, max_position_embeddings=1024,
                              initializer_range=0.05)
         llm = LLM(d, dtype="float32", progress=False)
+        meter = DecodeMeter(llm)
+        # the same engine on the torch backends (the reference paths): prefill must not be slower
+        ref = LLM(d, dtype="float32", progress=False, experts_backend="torch", attention_backend="torch")
+        ref_meter = DecodeMeter(ref)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         hf_eager = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager").eval()
+        hf_forward_s: list[float] = []
+        hf.register_forward_pre_hook(lambda *_: hf_forward_s.append(-time.perf_counter()))
+        hf.register_forward_hook(lambda *_: hf_forward_s.append(hf_forward_s.pop() + time.perf_counter()))
         prompts = torch.randint(2, 4096, (a.batch, a.prompt))
         sp = SamplingParams(temperature=0.0, max_tokens=a.new, ignore_eos=True)
 
-        def run_wideep() -> tuple[float, list[list[int]]]:
+        def run_wideep(engine=llm, m=meter) -> tuple[float, list[list[int]]]:
+            m.steps.clear()
             t0 = time.perf_counter()
-            outs = llm.generate(prompts.tolist(), sp)
+            outs = engine.generate(prompts.tolist(), sp)
             return time.perf_counter() - t0, [o.outputs[0].token_ids for o in outs]
 
         @torch.inference_mode()
         def run_hf(model=hf) -> tuple[float, list[list[int]]]:
             t0 = time.perf_counter()
             out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=a.new,
-                              min_new_tokens=a.new, do_sample=False, pad_token_id=0)
+                                 min_new_tokens=a.new, do_sample=False, pad_token_id=0)
             return time.perf_counter() - t0, out[:, a.prompt:].tolist()
 
         llm.generate(prompts[:2, :8].tolist(), SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-        run_hf_small = hf.generate(prompts[:2, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
-        del run_hf_small
-        tw, th, te = [], [], []
-        for _ in range(a.trials):
-            t, ours = run_wideep()
-            tw.append(t)
-            t, theirs = run_hf()
-            th.append(t)
-            t, _ = run_hf(hf_eager)
-            te.append(t)
-        agree = sum(x == y for x, y in zip(ours, theirs)) / len(ours)
+        hf.generate(prompts[:2, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        roof: dict[int, dict] = {}
+        tw, th, te, hf_steps, torch_ms = [], [], [], [], []
+        for n_threads in threads:
+            torch.set_num_threads(n_threads)
+            best = None
+            for _ in range(a.trials):
+                times = ceilings(x, y, xh)
+                t, ours = run_wideep()
+                summ = meter.summary(ceilings(x, y, xh, times), x.numel() * x.element_size())
+                if best is None or summ["decode_step_ms"] < best["decode_step_ms"]:
+                    best = summ
+                if n_threads != threads[0]:
+                    continue
+                tw.append(t)
+                _, ref_ours = run_wideep(ref, ref_meter)
+                torch_ms.append(ref_meter.step_ms())
+                hf_forward_s.clear()
+                t, theirs = run_hf()
+                th.append(t)
+                hf_steps.append(statistics.median(hf_forward_s[1:]) * 1e3)   # [0] is the prefill
+                t, _ = run_hf(hf_eager)
+                te.append(t)
+            roof[n_threads] = best
+        agree = sum(p == q for p, q in zip(ours, theirs)) / len(ours)
     n = a.batch * a.new
+    first, second = roof[threads[0]], roof[threads[1]] if len(threads) > 1 else None
     res = {"shape": {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "topk": a.topk,
                      "batch": a.batch, "prompt": a.prompt, "new_tokens": a.new},
            "wideep_s": round(min(tw), 3), "hf_s": round(min(th), 3),
            "wideep_tok_s": round(n / min(tw), 1), "hf_tok_s": round(n / min(th), 1),
            "ratio": round(min(th) / min(tw), 2), "hf_eager_tok_s": round(n / min(te), 1),
            "ratio_eager": round(min(te) / min(tw), 2), "greedy_sequences_equal": agree,
-           "torch": torch.__version__, "threads": torch.get_num_threads()}
+           "hf_decode_step_ms": round(min(hf_steps), 2),
+           "ratio_decode": round(min(hf_steps) / first["decode_step_ms"], 2),
+           "torch_backends": {"prefill_ms": min(p for p, _ in torch_ms), "decode_step_ms": min(d for _, d in torch_ms),
+                              "greedy_sequences_equal": sum(p == q for p, q in zip(ours, ref_ours)) / len(ours)},
+           "decode_step_ms": first["decode_step_ms"], "decode_roofline_fraction": first["fraction"],
+           "decode_roofline_fraction_2t": second["fraction"] if second else None,
+           "decode_roofline_fraction_cpu_time": first["fraction_cpu"],
+           "decode_roofline_fraction_vs_huge_pages": first["fraction_huge"],
+           "huge_pages": {"weights_mb": round(llm.model.huge_page_bytes / 1e6, 1),
+                          "ceiling_mb": round(huge_ceiling / 1e6, 1)},
+           "roofline": {f"{t}t": r for t, r in roof.items()}, "backends": llm.model.backends,
+           "torch": torch.__version__, "threads": threads}
     print(json.dumps(res))
 
 

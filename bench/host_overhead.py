@@ -3,12 +3,13 @@
 A 1-layer, hidden-64 DeepSeek-V3 (one MoE layer, 16 experts) decodes B sequences at once, so a step
 costs almost nothing on the device and its time is scheduling, step metadata, sampling and output
 objects. Reports the median wall time of an `Engine.step()` of B decodes (prefill steps excluded)
-at each batch size, and the profile's top functions with --profile.
+at each batch size (and the thread's CPU time, steadier than wall time on a shared machine), and the
+profile's top functions with --profile.
 
     python bench/host_overhead.py [--batches 64,256,1024] [--steps 20] [--profile]
 
-Last line (JSON): {"host_ms_per_step": {"64": ..., "256": ..., "1024": ...}, "per_seq_us": {...},
-"ratio_1024_vs_256": ...}
+Last line (JSON): {"host_ms_per_step": {"64": ..., "256": ..., "1024": ...}, "cpu_ms_per_step": {...},
+"per_seq_us": {...}, "ratio_1024_vs_256": ...}
 """
 from __future__ import annotations
 
@@ -32,18 +33,20 @@ def measure(model_dir: str, batch: int, steps: int, profile: bool) -> dict:
     sp = SamplingParams(max_tokens=steps + 8, ignore_eos=True, output_kind="delta")
     for i in range(batch):
         eng.add_request(str(i), [2 + i % 200, 3, 4, 5], sp)
+    eng.step()  # the requests reach the scheduler and their prompts (4 tokens each) prefill; not timed
     while any(s.prefilling for s in eng.core.scheduler.running) or eng.core.scheduler.waiting:
-        eng.step()  # the prompts (4 tokens each); not timed
-    times = []
+        eng.step()
+    times, cpu = [], []
     prof = None
     if profile:
         import cProfile
         prof = cProfile.Profile()
         prof.enable()
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         outs = eng.step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         assert len(outs) == batch, (len(outs), batch)
     if prof is not None:
         prof.disable()
@@ -54,7 +57,7 @@ def measure(model_dir: str, batch: int, steps: int, profile: bool) -> dict:
         print(s.getvalue(), file=sys.stderr)
     eng.shutdown()
     ms = statistics.median(times) * 1e3
-    return {"ms": ms, "per_seq_us": ms * 1e3 / batch}
+    return {"ms": ms, "per_seq_us": ms * 1e3 / batch, "cpu_ms": statistics.median(cpu) * 1e3}
 
 
 def main() -> None:
@@ -73,6 +76,7 @@ def main() -> None:
             print(f"batch {b}: {res[b]['ms']:.2f} ms per decode step ({res[b]['per_seq_us']:.1f} us per sequence)",
                   flush=True)
     out = {"host_ms_per_step": {str(b): round(r["ms"], 3) for b, r in res.items()},
+           "cpu_ms_per_step": {str(b): round(r["cpu_ms"], 3) for b, r in res.items()},
            "per_seq_us": {str(b): round(r["per_seq_us"], 2) for b, r in res.items()}}
     if 256 in res and 1024 in res:
         out["ratio_1024_vs_256"] = round(res[1024]["ms"] / res[256]["ms"], 2)

@@ -131,12 +131,16 @@ class BlockManager:
         for tier in self.hit_blocks:
             self.hit_blocks[tier] += getattr(match, tier)
 
+    def missing(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Blocks the sequence lacks for num_new_tokens more tokens (<= 0: none)."""
+        return self.blocks_for(seq.num_computed + num_new_tokens) - len(seq.block_ids)
+
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_for(seq.num_computed + num_new_tokens) - len(seq.block_ids) <= self.num_free
+        return self.missing(seq, num_new_tokens) <= self.num_free
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Blocks for positions up to num_computed + num_new_tokens - 1 (caller checked can_grow)."""
-        need = self.blocks_for(seq.num_computed + num_new_tokens) - len(seq.block_ids)
+        need = self.missing(seq, num_new_tokens)
         for b in self.allocator.allocate(need) if need > 0 else []:
             self._forget(b)  # handed out again: its old contents go to a lower tier, or are gone
             seq.block_ids.append(b)

@@ -41,7 +41,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     eplb.initial_placement (a file) or slot p -> expert p % n_routed_experts; each rank reads only
     the experts its slots hold. EPLB's controller (eplb.EplbController) later moves them.
 
-    experts_backend / attention_backend: "auto" | "torch" | "triton" (| "deepgemm" for experts),
+    experts_backend / attention_backend: "auto" | "torch" | "cpu" | "triton" (| "deepgemm" for experts),
     resolved here for `device` (moe/backend.py, attention_mla/paged_decode.py) and given to the model's
     constructor; model.backends records what was chosen. With an fp8 checkpoint, a kernel experts
     backend (triton, deepgemm) keeps the routed experts and the attention/MLP projections fp8 on the
@@ -52,7 +52,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
                                        cfg.moe.moe_intermediate_size) if cfg.moe is not None
                else ExpertsChoice("grouped", keep_fp8=False))
-    attention = resolve_attention_backend(attention_backend, device)
+    attention = resolve_attention_backend(attention_backend, device, dtype)
     eplb = EplbConfig.coerce(eplb)
     shard, dispatcher, placement = None, None, None
     ep_rank, ep_size = (ctx.ep_rank, ctx.ep_size) if ctx is not None else (0, 1)
@@ -77,4 +77,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                                      ignore=expert_ignore(model.owns_expert),
                                      num_hidden_layers=cfg.num_hidden_layers, progress=progress)
     model.copy_local_replicas()
+    if model.cpu_kernels:   # the CPU decode streams the weights: 2 MiB pages stream faster (cpu/huge_pages.py)
+        from cpu.huge_pages import collapse_module
+        model.huge_page_bytes = collapse_module(model)
     return model.eval()

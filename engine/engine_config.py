@@ -29,8 +29,8 @@ class EngineConfig:
     dtype: str = _f("model", "float32", "float32 | bfloat16 | float16 (bf16/fp16 are GPU paths)")
     device: str | None = _f("model", None, "default: cuda when present, else cpu")
     max_model_len: int | None = _f("model", None, "context length; default max_position_embeddings")
-    experts_backend: str = _f("model", "auto", "auto | torch | triton | deepgemm")
-    attention_backend: str = _f("model", "auto", "auto | torch | triton")
+    experts_backend: str = _f("model", "auto", "auto | torch | cpu | triton | deepgemm")
+    attention_backend: str = _f("model", "auto", "auto | torch | cpu | triton")
     block_size: int = _f("engine", 64, "tokens per KV cache block")
     kv_cache_blocks: int | None = _f("engine", None, "blocks per rank; default: enough for max_num_seqs "
                                                      "full-length sequences, capped by kv_cache_memory")

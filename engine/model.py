@@ -20,6 +20,8 @@ from attention_mla.mla import MLA
 from attention_mla.norm import RMSNorm
 from attention_mla.rope import RotaryEmbedding
 from attention_mla.sparse_mla import SparseMLA
+from cpu.linear import Linear as CpuLinear
+from cpu.linear import small_linear
 from dbo.schedule import run_sequential
 from dbo.state import Microbatch, OpState
 from moe.backend import ExpertsChoice
@@ -83,12 +85,14 @@ class DecoderLayer(nn.Module):
                  experts: ExpertsChoice, attention: str, device=None, dtype=None, fp8_block=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        linear = Fp8Linear.factory(fp8_block) if fp8_block is not None else nn.Linear
+        cpu = experts.backend == "cpu"   # the C kernels for norms and projections too (cpu/)
+        linear = (Fp8Linear.factory(fp8_block) if fp8_block is not None
+                  else CpuLinear if cpu else nn.Linear)
         self.index = layer
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel=cpu, **kw)
         self.self_attn = (MLA(cfg.mla, rope, linear=linear, backend=attention, **kw) if cfg.dsa is None
                           else SparseMLA(cfg.mla, cfg.dsa, rope, linear=linear, backend=attention, **kw))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel=cpu, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (MoELayer(cfg.moe, shard, fp8_block=fp8_block, linear=linear, experts_backend=experts.backend,
                              deepgemm=experts.deepgemm, **kw) if self.is_moe
@@ -127,7 +131,8 @@ class _Inner(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, experts, attention, device, dtype, fp8_block)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype,
+                            kernel=experts.backend == "cpu")
 
 
 class DeepseekModel(nn.Module):
@@ -148,6 +153,8 @@ class DeepseekModel(nn.Module):
         self.cfg, self.dtype = cfg, dtype
         self.shard, self.dispatcher = shard, dispatcher
         self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
+        self.cpu_kernels = experts.backend == "cpu"  # also the projections and lm_head (cpu/linear.py)
+        self.huge_page_bytes = 0                     # weights in 2 MiB pages (cpu/huge_pages.py; build.py)
         self.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
                          "fp8_weights": fp8_block is not None, "attention": attention}
         self.rope = RotaryEmbedding(cfg.mla.rope, device=device)
@@ -234,4 +241,4 @@ class DeepseekModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] fp32."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ w.t()).float()
+        return (small_linear(hidden, w) if self.cpu_kernels else hidden @ w.t()).float()

@@ -91,7 +91,7 @@ class RequestState:
     def output(self, tokenizer, delta: bool = False) -> RequestOutput:
         """Cumulative (vLLM's default) or only what was not reported before (streaming)."""
         start = self.num_sent if delta else 0
-        toks = list(self.token_ids[start:])
+        toks = self.token_ids[start:]          # a new list: later tokens never alias into it
         lps = self.logprobs[start:] if self.logprobs is not None else None
         self.num_sent = len(self.token_ids)
         text = self._text(tokenizer, delta)

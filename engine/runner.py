@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from attention_mla.kv_cache import LatentKVPool
-from attention_mla.meta import AttnMeta
+from attention_mla.meta import AttnMeta, int64_tensor
 from parallel.step_plan import StepPlan
 
 from .model import DeepseekModel
@@ -30,26 +30,25 @@ class ModelRunner:
         of sequence b's tokens this step)."""
         if parts is None:
             parts = [(b, 0, n) for b, n in enumerate(batch.num_tokens)]
-        bs = self.kv.block_size
+        bs, slot_list, seqs = self.kv.block_size, self.kv.slot_list, batch.seqs
         ids, pos, slots, ctx_lens, qlens, tables = [], [], [], [], [], []
         for b, lo, hi in parts:
-            s = batch.seqs[b]
+            s = seqs[b]
             start = s.num_computed + lo
-            end = s.num_computed + hi
+            end = start + hi - lo
             ids.extend(s.tokens(start, end))
             pos.extend(range(start, end))
-            slots.extend(self.kv.slot_list(s.block_ids, start, end))
+            slots.extend(slot_list(s.block_ids, start, end))
             ctx_lens.append(end)
             qlens.append(hi - lo)
             tables.append(s.block_ids)
         width = max((len(t) for t in tables), default=1)
-        table = [t + [0] * (width - len(t)) for t in tables]
+        table = [b for t in tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
         dev = self.device
-        meta = AttnMeta(positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-                        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                        block_table=torch.tensor(table, dtype=torch.int64, device=dev).view(len(table), width),
+        meta = AttnMeta(positions=int64_tensor(pos, dev), slot_mapping=int64_tensor(slots, dev),
+                        block_table=int64_tensor(table, dev).view(len(tables), width),
                         query_lens=qlens, ctx_lens=ctx_lens, block_size=bs)
-        return torch.tensor(ids, dtype=torch.int64, device=dev), meta
+        return int64_tensor(ids, dev), meta
 
     @torch.inference_mode()
     def dummy_step(self, plan: StepPlan) -> None:
@@ -96,20 +95,24 @@ class ModelRunner:
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if s.params.prompt_logprobs is not None:
                 result.prompt_logprobs[b] = self._prompt_logprobs(s, hidden[start:start + n])
-            if s.num_computed + n == s.num_tokens:  # caught up: the last row predicts the next token
-                rows.append(start + n - 1)
-                samplers.append(b)
             start += n
+            if s.num_computed + n == s.num_tokens:  # caught up: the last row predicts the next token
+                rows.append(start - 1)
+                samplers.append(b)
         if not samplers:
             return result
         seqs = [batch.seqs[b] for b in samplers]
-        logits = self.model.logits(hidden[rows])
-        tokens, logprobs = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()  # SYNC: tokens go back to the host
-        for i, (b, s, t, lp) in enumerate(zip(samplers, seqs, tokens.tolist(), chosen)):  # SYNC: see above
+        # every row samples (a decode step): no gather
+        last = hidden if len(rows) == hidden.shape[0] else hidden[int64_tensor(rows, self.device)]
+        logits = self.model.logits(last)
+        tokens, lse = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()  # SYNC: tokens go back to the host
+        for b, t, lp in zip(samplers, tokens.tolist(), chosen):                  # SYNC: see above
             result.tokens[b], result.logprobs[b] = t, lp
+        for i, (b, s) in enumerate(zip(samplers, seqs)):
             if s.params.logprobs is not None:
-                result.top[b] = topn_logprobs(logprobs[i:i + 1], tokens[i:i + 1], s.params.logprobs)[0]
+                row = logits[i:i + 1] - lse[i:i + 1, None]                       # [1, V] raw logprobs
+                result.top[b] = topn_logprobs(row, tokens[i:i + 1], s.params.logprobs)[0]
         return result
 
     def _prompt_logprobs(self, s, hidden: torch.Tensor) -> list:

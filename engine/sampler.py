@@ -1,10 +1,16 @@
 """Token sampling from logits: greedy, temperature, top-k, top-p, per-request seeds; logprobs.
 
-Legend: B rows (sequences sampling this step), V vocab.
+Legend: B rows (sequences sampling this step), G rows of one group, V vocab.
+Rows are sampled in groups that share a generator: every unseeded request draws from the engine's
+one generator, so they form one group and are filtered and drawn with a few batched tensor ops
+whatever B is; a seeded request has its own generator, hence its own group of one (its draws depend
+only on its seed and its own logits, never on what else is in the batch). Greedy rows never draw.
 """
 from __future__ import annotations
 
 import torch
+
+from attention_mla.meta import int64_tensor
 
 from .sampling_params import SamplingParams
 
@@ -21,24 +27,62 @@ def topn_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> li
     return rows
 
 
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """logits [G, V] fp32, temperature [G] (> 0), top_k [G] int (<= 0 or >= V: off), top_p [G] (1: off)
+    -> [G, V] logits / temperature with the filtered-out tokens at -inf."""
+    V = logits.shape[1]
+    out = logits / temperature[:, None]
+    k_on = (top_k > 0) & (top_k < V)
+    if bool(k_on.any()):  # SYNC: (host params) skip the sort when no row filters
+        kmax = int(torch.where(k_on, top_k, 1).max())
+        kth = out.topk(kmax, dim=-1).values.gather(1, (torch.where(k_on, top_k, 1) - 1)[:, None])    # [G, 1]
+        out = out.masked_fill(k_on[:, None] & (out < kth), float("-inf"))
+    p_on = top_p < 1.0
+    if bool(p_on.any()):  # SYNC: (host params) as above
+        sorted_logits, order = out.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        drop = ((probs.cumsum(-1) - probs) >= top_p[:, None]) & p_on[:, None]
+        out = out.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    return out
+
+
+def draw(filtered: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """filtered [G, V] logits (-inf: excluded) -> [G] token ids, one uniform draw per row from
+    `generator`: the first token whose cumulative probability reaches u (inverse CDF; u in (0, 1] and
+    scaled by the row's total mass, so a token of probability 0 is never drawn)."""
+    weights = (filtered - filtered.amax(-1, keepdim=True)).exp()              # unnormalised probabilities
+    cdf = weights.cumsum(-1)
+    u = 1.0 - torch.rand(filtered.shape[0], 1, generator=generator, device=filtered.device)
+    return (cdf < u * cdf[:, -1:]).sum(-1)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] fp32 -> (token ids [B] int64, raw logprobs [B, V])."""
-    logprobs = logits.log_softmax(-1)
-    out = logits.argmax(-1)
+    """logits [B, V] fp32 -> (token ids [B] int64, logsumexp [B]): row b's raw logprobs are
+    logits[b] - logsumexp[b] (never materialised for the whole batch)."""
+    B = logits.shape[0]
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
+    greedy = 0
     for b, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
-            continue
-        row = logits[b] / p.temperature
-        if 0 < p.top_k < row.shape[0]:
-            kth = row.topk(p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = row.sort(descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
-            # drop a token when the mass before it already reaches top_p (the top token always stays)
-            drop = (cum - sorted_logits.softmax(-1)) >= p.top_p
-            row = row.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-        probs = row.softmax(-1)
-        out[b] = torch.multinomial(probs, 1, generator=gen)[0]
-    return out, logprobs
+            greedy += 1
+        else:
+            groups.setdefault(id(gen), (gen, []))[1].append(b)
+    dev = logits.device
+    out = logits.argmax(-1) if greedy else torch.empty(B, dtype=torch.int64, device=dev)
+    for gen, rows in groups.values():
+        ps = [params[b] for b in rows]
+        every = len(rows) == B                            # the whole batch: no gather, no scatter
+        idx = None if every else int64_tensor(rows, dev)
+        group = logits if every else logits[idx]
+        if any(p.temperature != 1.0 or p.top_p < 1.0 or p.top_k > 0 for p in ps):
+            group = filter_logits(group, torch.tensor([p.temperature for p in ps], device=dev),
+                                  int64_tensor([p.top_k for p in ps], dev),
+                                  torch.tensor([p.top_p for p in ps], device=dev))
+        if every:
+            out = draw(group, gen)
+        else:
+            out[idx] = draw(group, gen)
+    return out, logits.logsumexp(-1)

@@ -121,15 +121,20 @@ class Scheduler:
         num_tokens: list[int] = []
         # 1. running sequences, oldest first; make room by preempting the newest (which leaves the
         #    end of `running`, so index i stays valid and preempted sequences are never visited)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            s = self.running[i]
+        i, running, blocks = 0, self.running, self.blocks
+        while i < len(running) and budget > 0:
+            s = running[i]
             n = min(s.num_pending, budget)
-            while not self.blocks.can_grow(s, n):
-                if self._preempt_newest() is s:
-                    break
+            if blocks.missing(s, n) > 0:   # a decode inside its last block needs none: no checks
+                while not blocks.can_grow(s, n):
+                    if self._preempt_newest() is s:
+                        break
+                else:
+                    blocks.grow(s, n)
+                    seqs.append(s)
+                    num_tokens.append(n)
+                    budget -= n
             else:
-                self.blocks.grow(s, n)
                 seqs.append(s)
                 num_tokens.append(n)
                 budget -= n
@@ -166,18 +171,22 @@ class Scheduler:
         with hold_blocks, leave with them held).
         -> the sequences that produced a token or finished."""
         advanced = []
-        for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+        now = time.time()
+        register = self.blocks.register_computed if self.blocks.enable_prefix_caching else None
+        for s, n, tok, lp, top, plp in zip(batch.seqs, batch.num_tokens, result.tokens, result.logprobs, result.top,
+                                           result.prompt_logprobs):
             if s.prefilling:
                 self.prefill_tokens += n
             s.num_computed += n
-            if result.prompt_logprobs[b] is not None:   # asked for (position 0 has none)
+            if plp is not None:   # asked for (position 0 has none)
                 if s.prompt_logprobs is None:
                     s.prompt_logprobs = [None]
-                s.prompt_logprobs.extend(result.prompt_logprobs[b])
-            if result.tokens[b] is not None:
-                s.append(result.tokens[b], result.logprobs[b], result.top[b])
+                s.prompt_logprobs.extend(plp)
+            if tok is not None:
+                s.append(tok, lp, top, now)
                 advanced.append(s)
-            self.blocks.register_computed(s)
+            if register is not None:
+                register(s)
             if s.finished:
                 if s.hold_blocks:
                     self.release(s)

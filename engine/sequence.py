@@ -72,8 +72,9 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, logprob: float, top: dict[int, float] | None) -> None:
-        now = time.time()
+    def append(self, token: int, logprob: float, top: dict[int, float] | None, now: float | None = None) -> None:
+        """now: the step's wall clock (one time.time() per step, not per token)."""
+        now = time.time() if now is None else now
         if self.first_token_time is None:
             self.first_token_time = now
         self.output_token_ids.append(token)

@@ -1,10 +1,14 @@
 """Which forward the routed experts use (`experts_backend`), decided once when the model is built.
 
   torch     the torch grouped forward (Experts.forward_grouped); fp8 checkpoints dequantised at load
+  cpu       the C kernels for small batches (cpu/gemm.py, cpu/layers.py): routed experts with tokens only, and the
+            dense / shared / attention projections and lm_head of decode-sized steps; float32 on CPU,
+            built with the system C compiler at first use; big batches (prefill) stay on torch
   triton    the fused Triton kernels (moe/triton_moe.py); fp8 weights stay fp8 on the device
   deepgemm  DeepGEMM's grouped FP8 GEMMs (moe/deepgemm.py): fp8 checkpoints, bf16, CUDA, dims % 128
-  auto      CPU: torch (interpreted Triton is far too slow to serve). CUDA: deepgemm for an fp8
-            checkpoint when deep_gemm imports and the shapes fit, else triton, else torch.
+  auto      CPU: cpu when the model is float32 and the kernels build, else torch (interpreted Triton is
+            far too slow to serve). CUDA: deepgemm for an fp8 checkpoint when deep_gemm imports and the
+            shapes fit, else triton, else torch.
 """
 from __future__ import annotations
 
@@ -14,12 +18,12 @@ import torch
 
 from parallel.device import triton_unusable
 
-EXPERTS_BACKENDS = ("auto", "torch", "triton", "deepgemm")
+EXPERTS_BACKENDS = ("auto", "torch", "cpu", "triton", "deepgemm")
 
 
 @dataclass(frozen=True)
 class ExpertsChoice:
-    backend: str            # Experts.backend: "grouped" | "triton" | "deepgemm"
+    backend: str            # Experts.backend: "grouped" | "cpu" | "triton" | "deepgemm"
     keep_fp8: bool          # build the experts with fp8 weights + block scales
     deepgemm: object = None  # moe.deepgemm.DeepGemmApi when backend == "deepgemm"
 
@@ -49,7 +53,13 @@ def resolve_experts_backend(name: str, device: torch.device | str, dtype: torch.
     if name not in EXPERTS_BACKENDS:
         raise ValueError(f"experts_backend {name!r} is not one of {EXPERTS_BACKENDS}")
     dev = torch.device(device)
-    if name == "torch" or (name == "auto" and dev.type != "cuda"):
+    if name == "cpu" or (name == "auto" and dev.type != "cuda"):
+        from cpu.build import unusable_for
+        why_not_cpu = unusable_for(dev, dtype)
+        if name == "cpu" and why_not_cpu is not None:
+            raise ValueError(f"experts_backend 'cpu' is not usable: {why_not_cpu}")
+        return ExpertsChoice("cpu" if why_not_cpu is None else "grouped", keep_fp8=False)
+    if name == "torch":
         return ExpertsChoice("grouped", keep_fp8=False)
     if name in ("auto", "deepgemm") and deepgemm_api is None and fp8_block is not None and dev.type == "cuda":
         from .deepgemm import load

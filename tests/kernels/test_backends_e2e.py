@@ -62,13 +62,15 @@ def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch, device):
 
 def test_resolution_rules(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # resolution only reads it; nothing is compiled here
+    from cpu.build import unusable
     f32, bf16 = torch.float32, torch.bfloat16
-    assert resolve_experts_backend("auto", "cpu", f32, None, 64, 32).backend == "grouped"
+    cpu_kernels = unusable() is None     # CPU auto: the C kernels (cpu/) when they build, never Triton
+    assert resolve_experts_backend("auto", "cpu", f32, None, 64, 32).backend == ("cpu" if cpu_kernels else "grouped")
     assert resolve_experts_backend("auto", "cpu", bf16, (128, 128), 7168, 2048).keep_fp8 is False
     assert resolve_experts_backend("torch", "cpu", f32, (128, 128), 64, 32).keep_fp8 is False
     tri = resolve_experts_backend("triton", "cpu", f32, (128, 128), 64, 32)
     assert (tri.backend, tri.keep_fp8) == ("triton", True)
-    assert resolve_attention_backend("auto", "cpu") == "torch"
+    assert resolve_attention_backend("auto", "cpu") == ("cpu" if cpu_kernels else "torch")
     assert resolve_attention_backend("triton", "cpu") == "triton"
     api = object()  # any probed API: the remaining checks are about shapes, dtype and device
     with pytest.raises(ValueError, match=r"not CUDA"):

@@ -1,0 +1,181 @@
+"""RMSNorm, rotary embedding and the absorbed MLA decode over the paged latent cache, in C (built by
+cpu/build.py with cpu/gemm.py's source, whose vector helpers and streamed GEMM they use), each launcher
+below the source it runs. They replace several torch ops per call (norms and rope: one pass instead of
+six or ten) and read the latent cache through the block table instead of gathering it.
+
+Legend: T tokens, Hh heads of a tensor, R rope dim, B decode sequences, Nh heads, D = C + R latent
+width, C kv_lora_rank, S cache slots. Float32 CPU tensors, last dim contiguous.
+  rmsnorm(x [..., N], weight [N], eps) -> [..., N]             = RMSNorm (attention_mla/norm.py)
+  rope(x [T, (Hh,) R], cos, sin [T, R/2], interleave)          = RotaryEmbedding.apply (attention_mla/rope.py)
+  mla_decode(q [B, Nh, D], kv_pool [S, D], ...) -> [B, Nh, C]  = paged_decode_reference (attention_mla/paged_decode.py)
+Tests: tests/cpu/.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .build import library
+from .gemm import check_float32
+
+SOURCE = r"""
+/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row (rows ldx / ldy apart) */
+void wd_rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t N,
+                float eps) {
+    int64_t N16 = N & ~(int64_t)15;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        float *yr = y + m * ldy;
+        v16 acc = bc(0);
+        for (int64_t n = 0; n < N16; n += 16) { v16 v = ld(xr + n); acc += v * v; }
+        if (N16 < N) { v16 v = ld_part(xr + N16, N - N16); acc += v * v; }
+        float ss = 0;
+        for (int l = 0; l < 16; l++) ss += acc[l];
+        v16 r = bc(1.0f / sqrtf(ss / N + eps));
+        for (int64_t n = 0; n < N16; n += 16) st(yr + n, ld(w + n) * (ld(xr + n) * r));
+        for (int64_t n = N16; n < N; n++) yr[n] = w[n] * (xr[n] * r[0]);
+    }
+}
+
+/* Rotary embedding: x [T, Hh, R] (strides sxt, sxh; unit last) -> y [T, Hh, R] contiguous, cos/sin
+   [T, R/2] contiguous. interleave: pairs (x[2i], x[2i+1]); else halves (x[i], x[i + R/2]). */
+void wd_rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int64_t sxh, const float *cos,
+             const float *sin, float *y, int interleave) {
+    int64_t h2 = R / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * h2, *sn = sin + t * h2;
+        for (int64_t h = 0; h < Hh; h++) {
+            const float *xr = x + t * sxt + h * sxh;
+            float *yr = y + (t * Hh + h) * R;
+            for (int64_t i = 0; i < h2; i++) {
+                int64_t a = interleave ? 2 * i : i, b = interleave ? 2 * i + 1 : i + h2;
+                float x1 = xr[a], x2 = xr[b];
+                yr[a] = x1 * c[i] - x2 * sn[i];
+                yr[b] = x2 * c[i] + x1 * sn[i];
+            }
+        }
+    }
+}
+
+/* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
+   over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
+   p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. Returns 0, or -1 (nothing computed) when a
+   length is outside 1 .. max_len or a block id it needs is outside the pool. */
+int64_t wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool,
+                      int64_t num_blocks, const int64_t *table, int64_t max_blocks, const int32_t *lens,
+                      int64_t max_len, int64_t bs, float scale, float *out, float *scratch) {
+    int64_t C16 = C & ~(int64_t)15;
+    for (int64_t b = 0; b < B; b++) {      /* nothing outside the pool or the scratch is ever read */
+        if (lens[b] < 1 || lens[b] > max_len || (lens[b] - 1) / bs >= max_blocks) return -1;
+        for (int64_t i = 0; i <= (lens[b] - 1) / bs; i++)
+            if (table[b * max_blocks + i] < 0 || table[b * max_blocks + i] >= num_blocks) return -1;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        int64_t L = lens[b];
+        float *inv = scratch + Nh * L;
+        const float *qb = q + b * Nh * D;
+        float *ob = out + b * Nh * C, *sc = scratch;
+        for (int64_t j0 = 0; j0 < L; j0 += bs) {
+            const float *blk = pool + table[b * max_blocks + j0 / bs] * bs * D;
+            linear(qb, D, blk, D, sc + j0, L, Nh, L - j0 < bs ? L - j0 : bs, D);
+        }
+        for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
+            float *s = sc + n * L, mx = -INFINITY, sum = 0;
+            for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+            v16 acc = bc(0);
+            int64_t j = 0;
+            for (; j + 16 <= L; j += 16) {
+                v16 e = vexp((ld(s + j) - bc(mx)) * bc(scale));
+                st(s + j, e);
+                acc += e;
+            }
+            for (int l = 0; l < 16; l++) sum += acc[l];
+            for (; j < L; j++) { s[j] = expf((s[j] - mx) * scale); sum += s[j]; }
+            inv[n] = 1.0f / sum;
+        }
+        memset(ob, 0, Nh * C * sizeof(float));
+        for (int64_t j = 0; j < L; j++) {
+            const float *row = pool + (table[b * max_blocks + j / bs] * bs + j % bs) * D;
+            for (int64_t n = 0; n < Nh; n++) {
+                float p = sc[n * L + j], *o = ob + n * C;
+                v16 pv = bc(p);
+                for (int64_t c = 0; c < C16; c += 16) st(o + c, ld(o + c) + pv * ld(row + c));
+                for (int64_t c = C16; c < C; c++) o[c] += p * row[c];
+            }
+        }
+        for (int64_t n = 0; n < Nh; n++)
+            for (int64_t c = 0; c < C; c++) ob[n * C + c] *= inv[n];
+    }
+    return 0;
+}
+"""
+P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
+              "wd_rope": ([P, I, I, I, I, I, P, P, P, ctypes.c_int], None),
+              "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P], I)}
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., N], weight [N] -> weight * x * rsqrt(mean(x^2, -1) + eps) (attention_mla/norm.py RMSNorm)."""
+    N = x.shape[-1]
+    if not (x.dtype == weight.dtype == torch.float32 and not x.is_cuda and weight.shape == (N,)
+            and weight.is_contiguous()):
+        raise ValueError(f"rmsnorm: x {x.dtype} {tuple(x.shape)} and weight {weight.dtype} {tuple(weight.shape)} must "
+                         f"be float32 CPU tensors with weight [N={N}] contiguous")
+    x2 = x.reshape(-1, N)
+    if N and x2.shape[0] and x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape)
+    if out.numel():
+        library().wd_rmsnorm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), out.data_ptr(), N, x2.shape[0], N,
+                                   eps)
+    return out.view(x.shape)
+
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """x [T, R] or [T, Hh, R], cos/sin [T, R/2] -> rotated x, contiguous (RotaryEmbedding.apply)."""
+    T, R = x.shape[0], x.shape[-1]
+    x3 = x[:, None] if x.dim() == 2 else x
+    if not (x.dtype == cos.dtype == sin.dtype == torch.float32 and not x.is_cuda and x3.dim() == 3 and R % 2 == 0
+            and tuple(cos.shape) == tuple(sin.shape) == (T, R // 2) and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"rope: x {x.dtype} {tuple(x.shape)} ([T, R] or [T, Hh, R], R even) and cos/sin "
+                         f"{tuple(cos.shape)} (contiguous [T, R/2]) must be float32 CPU tensors")
+    if x3.numel() and x3.stride(2) != 1:
+        x3 = x3.contiguous()
+    out = torch.empty(x.shape)
+    if out.numel():
+        library().wd_rope(x3.data_ptr(), T, x3.shape[1], R, x3.stride(0), x3.stride(1), cos.data_ptr(),
+                                sin.data_ptr(), out.data_ptr(), int(interleave))
+    return out
+
+
+
+def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+               block_size: int, kv_lora_rank: int, scale: float, max_len: int) -> torch.Tensor:
+    """q [B, Nh, D] (absorbed: [q_nope W_UK, q_pe]), kv_pool [S, D], block_table [B, M] int64 block ids,
+    seq_lens [B] int32 (each in 1 .. max_len; max_len a host int; AttnMeta.seq_tables gives all three)
+    -> [B, Nh, C] (fp32 softmax)."""
+    check_float32("q", q, 3)
+    check_float32("kv_pool", kv_pool, 2)
+    B, Nh, D = q.shape
+    if kv_pool.shape[1] != D or not 0 < kv_lora_rank <= D or not kv_pool.is_contiguous():
+        raise ValueError(f"mla_decode: q {tuple(q.shape)}, kv_pool {tuple(kv_pool.shape)} (contiguous) and "
+                         f"kv_lora_rank {kv_lora_rank} do not fit")
+    if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int32 or block_table.dim() != 2 \
+            or block_table.shape[0] != B or tuple(seq_lens.shape) != (B,):
+        raise ValueError(f"mla_decode: block_table [B={B}, M] int64 and seq_lens [B] int32, got "
+                         f"{block_table.dtype} {tuple(block_table.shape)}, {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    q, block_table, seq_lens = q.contiguous(), block_table.contiguous(), seq_lens.contiguous()
+    out = torch.empty(B, Nh, kv_lora_rank)
+    num_blocks, scratch = kv_pool.shape[0] // block_size, torch.empty(Nh * (max_len + 1))
+    if B and library().wd_mla_decode(q.data_ptr(), B, Nh, D, kv_lora_rank, kv_pool.data_ptr(), num_blocks,
+                                           block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), max_len,
+                                           block_size, scale, out.data_ptr(), scratch.data_ptr()):
+        lo, hi = (int(v) for v in torch.aminmax(seq_lens))
+        blo, bhi = (int(v) for v in torch.aminmax(block_table))
+        raise ValueError(f"mla_decode: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {block_table.shape[1]} "
+                         f"blocks of {block_size}, block ids in [{blo}, {bhi}] must be in [0, {num_blocks})")
+    return out
+

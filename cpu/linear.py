@@ -1,0 +1,36 @@
+"""nn.Linear whose decode-sized calls run the streaming C kernel (cpu/gemm.py); bigger ones F.linear.
+
+A decode step multiplies each weight by a handful of rows: then reading the weight is the cost, and
+the kernel reads it at close to memory speed where BLAS small-M GEMMs reach about a third of it.
+Past MAX_ROWS rows the work per weight byte is high enough that BLAS (MKL) is as fast or faster.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import gemm
+
+MAX_ROWS = 64
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K], weight [N, K] -> [..., N] = F.linear(x, weight, bias), the kernel when x has at most
+    MAX_ROWS rows and everything is float32 on the CPU."""
+    K = x.shape[-1]
+    rows = x.numel() // K if K else 0
+    if (rows > MAX_ROWS or rows == 0 or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or x.device.type != "cpu" or weight.stride(-1) != 1):
+        return F.linear(x, weight, bias)
+    y = gemm.linear(x.reshape(rows, K), weight)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+class Linear(nn.Linear):
+    """nn.Linear's parameters and signature (checkpoints load as usual); forward through small_linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return small_linear(x, self.weight, self.bias)
