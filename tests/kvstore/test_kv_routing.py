@@ -35,6 +35,18 @@ def _until_indexed(eng, rank: int) -> None:
         assert time.monotonic() < deadline, "rank's blocks never reached the front's index"
 
 
+def _settled_metrics(eng) -> dict:
+    """A rank's stats ride on its reports: a prefill rank whose work ended without a token of its own
+    to report sends them with its next (idle or periodic) report. Step until the hit shows."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = eng.metrics()
+        per_rank = m["pools"]["prefill"]["per_rank"] if "pools" in m else m["per_rank"]
+        if any(s.get("prefix_hit_tokens") for s in per_rank) or time.monotonic() > deadline:
+            return m
+        eng.step()
+
+
 def _script(eng, pool: list[int]) -> dict:
     """FILLER and FIRST together (FIRST on the pool's second rank), then AGAIN (FIRST's prefix) and
     OTHER (nothing cached) once both finished."""
@@ -50,7 +62,7 @@ def _script(eng, pool: list[int]) -> dict:
     add("again", AGAIN)
     add("other", OTHER)
     got.update(_finish(eng, {"again", "other"}))
-    m = eng.metrics()
+    m = _settled_metrics(eng)
     return {"got": got, "ranks": ranks, "pool": pool, "routing": m["routing_decisions"], "metrics": m}
 
 
