@@ -52,11 +52,13 @@ except BaseException:
     tb = traceback.format_exc()
     print(tb, file=sys.stderr, flush=True)
     result = ("error", tb)
-with open(f"{sys.argv[2]}.{rank}", "wb") as f:
+# written aside and renamed: a rank ended mid-write (a watchdog's exit) leaves no half-written result
+with open(f"{sys.argv[2]}.{rank}.part", "wb") as f:
     try:
         pickle.dump(result, f)
     except Exception as e:
         f.seek(0); f.truncate(); pickle.dump(("error", f"rank result is not picklable: {e!r}"), f)
+os.replace(f"{sys.argv[2]}.{rank}.part", f"{sys.argv[2]}.{rank}")
 sys.stdout.flush(); sys.stderr.flush()
 if "mpi4py.MPI" in sys.modules and result[0] == "ok":
     sys.modules["mpi4py.MPI"].Finalize()
