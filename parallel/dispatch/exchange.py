@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..comm_stream import SimulatedLink, SimulatedNetwork
+from ..comm_stream import CommStream, SimulatedLink, SimulatedNetwork
 from ..watchdog import guard_collective
+from .base import Dispatcher
 
 # (recv, send, recv_splits, send_splits): all_to_all_single's arguments; splits None = equal parts
 Pair = tuple[Tensor, Tensor, "list[int] | None", "list[int] | None"]
@@ -70,3 +71,27 @@ def split_rows(rows: Tensor, hidden: int, k: int) -> tuple[Tensor, Tensor, Tenso
     """[R, H + M] from with_meta -> x [R, H], ids [R, k], weights [R, k]."""
     ids, w = unpack_meta(rows[:, hidden:].contiguous().view(torch.int32), k)
     return rows[:, :hidden].contiguous(), ids, w
+
+
+class ExchangeDispatcher(Dispatcher):
+    """What the flat and two-level torch dispatchers share: their process group, communication
+    thread, simulated network and low-latency threshold. group: the process group (default
+    ctx.ep_group); stream: run exchanges off the compute thread; link: a simulated network, or one
+    SimulatedLink for every tier (testing); low_latency_max_tokens: steps planned with at most this
+    many tokens per rank use the padded mode (0: never)."""
+
+    supports_comm_stream = True
+    microbatch_groups = True
+
+    def __init__(self, ctx, num_physical_experts: int, hidden: int, *, group=None,
+                 stream: CommStream | None = None, link: SimulatedLink | SimulatedNetwork | None = None,
+                 low_latency_max_tokens: int = 0):
+        super().__init__(ctx, num_physical_experts, hidden)
+        self.group = group if group is not None else ctx.ep_group
+        self.stream, self.link = stream, SimulatedNetwork.of(link)
+        self.low_latency_max_tokens = low_latency_max_tokens
+        self.tiers = tiers_used(self.nodes)
+
+    def for_microbatch(self, group, stream) -> "ExchangeDispatcher":
+        return type(self)(self.ctx, self.num_physical_experts, self.hidden, group=group, stream=stream,
+                          link=self.link, low_latency_max_tokens=self.low_latency_max_tokens)

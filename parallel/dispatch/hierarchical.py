@@ -40,10 +40,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ..comm_stream import CommStream, SimulatedLink, SimulatedNetwork
 from ..step_plan import StepPlan
-from .base import Dispatched, Dispatcher, Pending
-from .exchange import exchange, pack_meta, per_tier, tiers_used, unpack_meta
+from .base import Dispatched, Pending
+from .exchange import ExchangeDispatcher, exchange, pack_meta, per_tier, unpack_meta
 from .handles import HierarchicalHandle, HierarchicalLowLatencyHandle
 from .hierarchical_low_latency import HierarchicalLowLatencyMixin
 
@@ -65,26 +64,9 @@ class _Stage1:
     deliver: Callable[[], None] | None
 
 
-class HierarchicalDispatcher(HierarchicalLowLatencyMixin, Dispatcher):
-    """group: the process group (default ctx.ep_group); stream: run exchanges off the compute thread;
-    link: a simulated network, or one SimulatedLink for every tier (testing); low_latency_max_tokens:
-    steps planned with at most this many tokens per rank use the padded mode (0: never)."""
-
-    supports_comm_stream = True
-    microbatch_groups = True
-
-    def __init__(self, ctx, num_physical_experts: int, hidden: int, *, group=None,
-                 stream: CommStream | None = None, link: SimulatedLink | SimulatedNetwork | None = None,
-                 low_latency_max_tokens: int = 0):
-        super().__init__(ctx, num_physical_experts, hidden)
-        self.group = group if group is not None else ctx.ep_group
-        self.stream, self.link = stream, SimulatedNetwork.of(link)
-        self.low_latency_max_tokens = low_latency_max_tokens
-        self.tiers = tiers_used(self.nodes)
-
-    def for_microbatch(self, group, stream) -> "HierarchicalDispatcher":
-        return HierarchicalDispatcher(self.ctx, self.num_physical_experts, self.hidden, group=group, stream=stream,
-                                      link=self.link, low_latency_max_tokens=self.low_latency_max_tokens)
+class HierarchicalDispatcher(HierarchicalLowLatencyMixin, ExchangeDispatcher):
+    """Two-level: a token goes once to each destination node, then inside it (module doc); group,
+    thread, network and threshold: ExchangeDispatcher."""
 
     # -- the two tiers ------------------------------------------------------------------------------
     def _stage(self, tier: str, send: list[Tensor], recv_splits: list[int], send_splits: list[int], nbytes: int,

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..comm_stream import CommStream, SimulatedLink, SimulatedNetwork
 from ..step_plan import StepPlan
-from .base import Dispatched, Dispatcher, Pending
-from .exchange import exchange, pack_meta, per_tier, tiers_used, unpack_meta
+from .base import Dispatched, Pending
+from .exchange import ExchangeDispatcher, exchange, pack_meta, per_tier, unpack_meta
 from .handles import TorchHandle, TorchLowLatencyHandle
 from .torch_low_latency import LowLatencyMixin
 
@@ -49,26 +48,9 @@ class _Layout:
     row_bytes: int
 
 
-class TorchDispatcher(LowLatencyMixin, Dispatcher):
-    """group: the process group (default ctx.ep_group); stream: run exchanges off the compute thread;
-    link: a simulated network, or one SimulatedLink for every tier (testing); low_latency_max_tokens:
-    see the module doc."""
-
-    supports_comm_stream = True
-    microbatch_groups = True
-
-    def __init__(self, ctx, num_physical_experts: int, hidden: int, *, group=None,
-                 stream: CommStream | None = None, link: SimulatedLink | SimulatedNetwork | None = None,
-                 low_latency_max_tokens: int = 0):
-        super().__init__(ctx, num_physical_experts, hidden)
-        self.group = group if group is not None else ctx.ep_group
-        self.stream, self.link = stream, SimulatedNetwork.of(link)
-        self.low_latency_max_tokens = low_latency_max_tokens
-        self.tiers = tiers_used(self.nodes)
-
-    def for_microbatch(self, group, stream) -> "TorchDispatcher":
-        return TorchDispatcher(self.ctx, self.num_physical_experts, self.hidden, group=group, stream=stream,
-                               link=self.link, low_latency_max_tokens=self.low_latency_max_tokens)
+class TorchDispatcher(LowLatencyMixin, ExchangeDispatcher):
+    """Flat: a token goes once to each destination rank (module doc); group, thread, network and
+    threshold: ExchangeDispatcher."""
 
     def _link_bytes(self, splits: list[int], row_bytes: int) -> tuple[int | None, int | None]:
         """Rows sent to each rank -> the network's bytes per tier."""
