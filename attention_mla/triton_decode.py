@@ -66,9 +66,9 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
                          N, C, R, block_size, qk_scale,
                          stride_qb, stride_qh, stride_kv, stride_bt, stride_pb, stride_ph, stride_ps,
-                         stride_lb, stride_lh, scale_off, rope_off, group,
+                         stride_lb, stride_lh, scale_off, rope_off,
                          BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
-                         PREC: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr):
+                         PREC: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr):
     hb = tl.program_id(0)  # fastest-varying: a sequence's head blocks run together and share its latents in L2
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -97,11 +97,15 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
         row = kv_ptr + slot[:, None] * stride_kv           # [BN, 1]: the latents' rows (bytes when FP8)
         kc_ok = j_ok[:, None] & c_ok[None, :]
         kr_ok = j_ok[:, None] & r_ok[None, :]
-        if FP8:
-            k8 = tl.load(row + c[None, :], mask=kc_ok, other=0)
-            sc = tl.load((row + scale_off + (c[None, :] // group) * 4).to(tl.pointer_type(tl.float32)), mask=kc_ok,
-                         other=0.0)
-            k_c = (k8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc).to(q_c.dtype)
+        if FP8:   # GROUP 0: one scale per token; else one per GROUP values (a power of two dividing BC)
+            k8 = tl.load(row + c[None, :], mask=kc_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            scales = (row + scale_off).to(tl.pointer_type(tl.float32))
+            if GROUP == 0:
+                k_c = (k8 * tl.load(scales, mask=j_ok[:, None], other=0.0)).to(q_c.dtype)
+            else:
+                g = tl.arange(0, BC // GROUP)
+                sc = tl.load(scales + g[None, :], mask=j_ok[:, None] & (g[None, :] * GROUP < C), other=0.0)
+                k_c = tl.reshape(tl.reshape(k8, (BN, BC // GROUP, GROUP)) * sc[:, :, None], (BN, BC)).to(q_c.dtype)
             k_r = tl.load((row + rope_off).to(tl.pointer_type(q_ptr.dtype.element_ty)) + r[None, :], mask=kr_ok,
                           other=0.0)
         else:
@@ -168,10 +172,11 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     W, kv_dtype = (D, q.dtype) if fp8 is None else (fp8.row_bytes, torch.uint8)
     need(fp8 is None or (fp8.kv_lora_rank, fp8.rope_dim, fp8.rope_dtype) == (C, D - C, q.dtype),
          f"the fp8 layout ({fp8}) does not fit q {tuple(q.shape)} {q.dtype} with kv_lora_rank {C}")
-    need(kv_pool.dim() == 2 and kv_pool.shape[1] == W and kv_pool.stride(1) == 1 and kv_pool.dtype == kv_dtype,
-         f"kv_pool must be {kv_dtype} [S, {W}] with unit stride, got {kv_pool.dtype} {tuple(kv_pool.shape)} "
-         f"strides {kv_pool.stride()}")
-    need(q.dtype in (torch.float32, torch.bfloat16, torch.float16), f"q ({q.dtype}) must be fp32/bf16/fp16")
+    need(kv_pool.dim() == 2 and kv_pool.shape[1] == W and kv_pool.stride(1) == 1,
+         f"kv_pool must be [S, {W}] with unit stride, got {tuple(kv_pool.shape)} strides {kv_pool.stride()}")
+    need(kv_pool.dtype == kv_dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16),
+         f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must share one of fp32/bf16/fp16" if fp8 is None else
+         f"an fp8 cache's kv_pool must be uint8 (got {kv_pool.dtype}) and q fp32/bf16/fp16 (got {q.dtype})")
     need(block_table.dim() == 2 and block_table.shape[0] == B and not block_table.is_floating_point()
          and block_table.stride(1) == 1, f"block_table must be an integer [B={B}, M] tensor with unit stride, "
                                          f"got {tuple(block_table.shape)} {block_table.dtype}")
@@ -197,9 +202,10 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
         q, kv_pool, block_table, seq_lens, part, lse, N, C, D - C, block_size, sm_scale * LOG2E,  # exp2 domain
         q.stride(0), q.stride(1), kv_pool.stride(0), block_table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        *((0, 0, 1) if fp8 is None else (fp8.scale_offset, fp8.rope_offset, fp8.group)),
+        *((0, 0) if fp8 is None else (fp8.scale_offset, fp8.rope_offset)),
         BH=tiles.block_h, BN=tiles.block_n, BC=BC, BR=BR,
         PREC="ieee" if q.dtype == torch.float32 else None, UPCAST=upcast, FP8=fp8 is not None,
+        GROUP=fp8.group if fp8 is not None and fp8.num_groups > 1 else 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     _decode_reduce_kernel[(B, N)](part, lse, out, C, K, part.stride(0), part.stride(1), part.stride(2),
                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), BC=BC)

@@ -60,8 +60,10 @@ def test_fp8_decode_bf16(device):
 
 def test_fp8_decode_rejects_a_pool_that_does_not_fit(device):
     q, pool, deq, table, seq_lens, fp8 = _case([5], 4, 4, 48, 16, torch.float32, device)
-    with pytest.raises(ValueError, match=r"kv_pool must be torch.uint8 \[S, 116\]"):
+    with pytest.raises(ValueError, match=r"kv_pool must be \[S, 116\]"):
         mla_decode(q, deq, table, seq_lens, 4, 48, 0.1, 5, fp8=fp8)   # a full-precision pool given as fp8
+    with pytest.raises(ValueError, match=r"an fp8 cache's kv_pool must be uint8 \(got torch.int8\)"):
+        mla_decode(q, pool.view(torch.int8), table, seq_lens, 4, 48, 0.1, 5, fp8=fp8)
     with pytest.raises(ValueError, match="does not fit"):
         mla_decode(q, pool, table, seq_lens, 4, 48, 0.1, 5, fp8=Fp8Latent(40, 24))
 
