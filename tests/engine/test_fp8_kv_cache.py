@@ -110,3 +110,20 @@ def test_bad_kv_cache_dtype_is_named(model_dir):
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\), got 'int8'"):
         EngineConfig.from_options(model_dir, world_size=1, kv_cache_dtype="int8")
     assert EngineConfig.from_options(model_dir, world_size=1, kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
+
+
+def test_dsa_model_on_fp8_cache(tmp_path):
+    """DeepSeek-V3.2's tiny model (DSA): the latents packed, the indexer keys in float32 (4 x 32 x 4 bytes);
+    prompt-logprob drift measured mean 0.12, max 0.82 nats (4 prompts; the top-k choices move too).
+    Bounds: mean 0.3, max 2.0."""
+    d = make_tiny_checkpoint(str(tmp_path), arch="v32", seed=5, initializer_range=0.1)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
+    lp = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, kv_cache_dtype=kv)
+        outs = llm.generate(PROMPTS[:4], sp)
+        lp[kv] = torch.cat([_prompt_lp(o.prompt_logprobs, p) for o, p in zip(outs, PROMPTS)])
+        per_token = llm.engine.metrics()["per_rank"][0]["kv_bytes_per_token"]
+        assert per_token == {"latent": 4 * (160 if kv == "auto" else 68), "index_keys": 512}
+    diff = (lp["auto"] - lp["fp8"]).abs()
+    assert 0 < diff.mean() <= 0.3 and diff.max() <= 2.0
