@@ -115,12 +115,6 @@ class Fp8Latent:
         pool.index_copy_(0, slots, self.quantize(latent))
 
 
-def e4m3_table() -> torch.Tensor:
-    """[256] float32 on CPU: the value of every e4m3 byte (the C kernel's lookup table; NaN at 0x7f, 0xff,
-    which the quantiser never writes)."""
-    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-
-
 def latent_layout(kv_cache_dtype: str, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> Fp8Latent | None:
     """The packed layout for kv_cache_dtype "fp8"/"fp8_e4m3", None for "auto" (rows of the model dtype)."""
     return None if check_kv_cache_dtype(kv_cache_dtype) == "auto" else Fp8Latent(kv_lora_rank, rope_dim, dtype)
