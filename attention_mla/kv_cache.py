@@ -1,7 +1,9 @@
 """Paged latent KV cache: one pool per layer of fixed-size blocks, and a reference-counted allocator.
 
 MLA caches the compressed latent, not per-head K/V: per token per layer C + R values
-(kv_lora_rank + qk_rope_head_dim; 576 for DeepSeek-V3).
+(kv_lora_rank + qk_rope_head_dim; 576 for DeepSeek-V3). With kv_cache_dtype "fp8" a token's latent is
+one packed uint8 row instead (attention_mla/fp8_cache.py: e4m3 no-RoPE part, float32 scales, RoPE part
+in the model dtype): 656 bytes for DeepSeek-V3 in bf16 instead of 1152.
 Legend: S slots = num_blocks * block_size, D = C + R. A token at position j of a sequence lives in
 slot block_table[j // block_size] * block_size + j % block_size.
 """
@@ -11,21 +13,31 @@ from collections import OrderedDict
 
 import torch
 
+from .fp8_cache import Fp8Latent
+
 
 class LatentKVPool:
     """pools[layer]: [S, D]. Zero-initialised so padded reads of never-written slots stay finite.
     index_dim > 0 (DeepSeek Sparse Attention) adds index_pools[layer]: [S, Dk], the indexer's key of
     each token in the same slot as its latent (so one block table, prefix cache and transfer serve both);
-    index_pools is None otherwise."""
+    index_pools is None otherwise.
+    fp8: the packed layout (kv_cache_dtype "fp8"): pools[layer] is then uint8 [S, fp8.row_bytes]; the
+    indexer keys stay in `dtype` (they are 128 values against the latent's 576 and pick the top-k, where
+    a flipped choice costs more than the bytes saved)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", index_dim: int = 0):
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", index_dim: int = 0,
+                 fp8: Fp8Latent | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        if fp8 is not None and fp8.kv_lora_rank + fp8.rope_dim != latent_dim:
+            raise ValueError(f"fp8 layout {fp8.kv_lora_rank} + {fp8.rope_dim} != latent_dim {latent_dim}")
         self.num_blocks, self.block_size, self.latent_dim = num_blocks, block_size, latent_dim
-        self.index_dim = index_dim
+        self.index_dim, self.fp8 = index_dim, fp8
+        self.kv_cache_dtype = "auto" if fp8 is None else "fp8_e4m3"
         S = num_blocks * block_size
-        self.pools = [torch.zeros(S, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        width, pool_dtype = (latent_dim, dtype) if fp8 is None else (fp8.row_bytes, torch.uint8)
+        self.pools = [torch.zeros(S, width, dtype=pool_dtype, device=device) for _ in range(num_layers)]
         self.index_pools = ([torch.zeros(S, index_dim, dtype=dtype, device=device) for _ in range(num_layers)]
                             if index_dim else None)
 
@@ -34,9 +46,11 @@ class LatentKVPool:
         return [self.pools[layer]] + ([self.index_pools[layer]] if self.index_pools is not None else [])
 
     def bytes_per_token(self) -> dict[str, int]:
-        """Cache bytes one token takes over all layers: the latent's and the indexer keys' (0 without DSA)."""
-        size, L = self.pools[0].element_size(), len(self.pools)
-        return {"latent": L * self.latent_dim * size, "index_keys": L * self.index_dim * size}
+        """Cache bytes one token takes over all layers: the latent's (packed rows with fp8: e4m3 values,
+        scales, RoPE part) and the indexer keys' (0 without DSA)."""
+        L = len(self.pools)
+        index = L * self.index_dim * self.index_pools[0].element_size() if self.index_pools is not None else 0
+        return {"latent": L * self.pools[0].shape[1] * self.pools[0].element_size(), "index_keys": index}
 
     @property
     def device(self) -> torch.device:
@@ -53,8 +67,11 @@ class LatentKVPool:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype,
-                        index_dim: int = 0) -> int:
-        return num_layers * block_size * (latent_dim + index_dim) * torch.empty(0, dtype=dtype).element_size()
+                        index_dim: int = 0, fp8: Fp8Latent | None = None) -> int:
+        """The bytes a block takes over all layers (what sizes the cache from kv_cache_memory)."""
+        size = torch.empty(0, dtype=dtype).element_size()
+        latent = latent_dim * size if fp8 is None else fp8.row_bytes
+        return num_layers * block_size * (latent + index_dim * size)
 
 
 class BlockAllocator:

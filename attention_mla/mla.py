@@ -10,6 +10,8 @@ L context length. Two mathematically equal forms, kept side by side:
 (attention_mla/triton_decode.py), which reads the cache through the block table instead of gathering it;
 "cpu" does the same in the C kernel (cpu/layers.py mla_decode), with the query absorption and the
 output projection as streamed per-head GEMMs over weights laid out once (attend_paged_cpu).
+kv_cache_dtype "fp8": the cache holds packed e4m3 rows (attention_mla/fp8_cache.py); write_cache quantises,
+cache_rows dequantises for the torch forms, and both paged kernels read the packed rows themselves.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MLAConfig
+from .fp8_cache import latent_layout
 from .meta import AttnMeta
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -28,11 +31,12 @@ BACKENDS = ("torch", "cpu", "triton")
 
 class MLA(nn.Module):
     def __init__(self, cfg: MLAConfig, rope: RotaryEmbedding, device=None, dtype=None, linear=nn.Linear,
-                 backend: str = "torch", mode: str = "auto"):
+                 backend: str = "torch", mode: str = "auto", kv_cache_dtype: str = "auto"):
         """linear: the projections' class (nn.Linear's signature; an fp8 one keeps fp8 checkpoints as
         stored). kv_b_proj is always nn.Linear: both forms read its weight directly. backend: "torch" |
         "cpu" | "triton" (decode sequences; resolved by attention_mla/paged_decode.py). mode: one of FORMS
-        ("naive" / "absorbed" force one form, for checking them against each other)."""
+        ("naive" / "absorbed" force one form, for checking them against each other). kv_cache_dtype:
+        "auto" (pools of the model dtype [S, C+R]) | "fp8" (packed uint8 pools [S, kv_fp8.row_bytes])."""
         if backend not in BACKENDS or mode not in FORMS:
             raise ValueError(f"MLA backend must be one of {BACKENDS} and mode one of {FORMS}, got {backend!r}, {mode!r}")
         super().__init__()
@@ -40,6 +44,7 @@ class MLA(nn.Module):
         self.backend, self.mode = backend, mode
         N, H, C, R = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         kw = dict(device=device, dtype=dtype)
+        self.kv_fp8 = latent_layout(kv_cache_dtype, C, R, dtype or torch.get_default_dtype())
         if cfg.q_lora_rank is None:
             self.q_proj = linear(H, N * cfg.qk_head_dim, bias=False, **kw)
         else:
@@ -84,6 +89,28 @@ class MLA(nn.Module):
         w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, :cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
+    # -- the cache -----------------------------------------------------------------------------
+    def check_pool(self, kv_pool: torch.Tensor) -> None:
+        """kv_pool must be what LatentKVPool makes for this layer's kv_cache_dtype (never misread silently)."""
+        fp8 = self.kv_fp8
+        width = fp8.row_bytes if fp8 is not None else self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+        if kv_pool.dim() != 2 or kv_pool.shape[1] != width or (kv_pool.dtype == torch.uint8) != (fp8 is not None):
+            raise ValueError(f"MLA with kv_cache_dtype {'fp8' if fp8 else 'auto'} needs a "
+                             f"{'uint8' if fp8 else 'floating'} [S, {width}] pool (a LatentKVPool with the same "
+                             f"kv_cache_dtype), got {kv_pool.dtype} {tuple(kv_pool.shape)}")
+
+    def write_cache(self, kv_pool: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """latent [T, C+R] into rows slots [T] of kv_pool (quantised when the cache is fp8)."""
+        if self.kv_fp8 is None:
+            kv_pool.index_copy_(0, slots, latent.to(kv_pool.dtype))
+        else:
+            self.kv_fp8.write(kv_pool, slots, latent)
+
+    def cache_rows(self, kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The latents at slots [...] -> [..., C+R] in the model dtype (dequantised when the cache is fp8)."""
+        rows = kv_pool[slots]
+        return rows if self.kv_fp8 is None else self.kv_fp8.dequantize(rows, self.kv_b_proj.weight.dtype)
+
     # -- the two attention forms -------------------------------------------------------------
     def attend_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, ctx: torch.Tensor,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,11 +152,15 @@ class MLA(nn.Module):
         from .triton_decode import mla_decode
         w_uk, w_uv = self._kv_b()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [B, N, C]
-        q = torch.cat((q_lat, q_pe), dim=-1).to(kv_pool.dtype)              # [B, N, C+R]
+        q = torch.cat((q_lat, q_pe), dim=-1).to(self.cache_dtype(kv_pool))   # [B, N, C+R]
         table, lens, max_len = meta.seq_tables(seqs)
         out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, self.cfg.kv_lora_rank,
-                             self.cfg.softmax_scale, max_len).to(q_nope.dtype)  # [B, N, C]
+                             self.cfg.softmax_scale, max_len, fp8=self.kv_fp8).to(q_nope.dtype)  # [B, N, C]
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+    def cache_dtype(self, kv_pool: torch.Tensor) -> torch.dtype:
+        """The dtype a paged kernel's query takes: the pool's, or the RoPE part's for a packed fp8 pool."""
+        return kv_pool.dtype if self.kv_fp8 is None else self.kv_fp8.rope_dtype
 
     # -- CPU decode (backend "cpu") -----------------------------------------------------------
     def w_uk_t(self) -> torch.Tensor:
@@ -154,7 +185,7 @@ class MLA(nn.Module):
         bmm_nt(q_nope.transpose(0, 1), self.w_uk_t(), out=q[:, :, :C].transpose(0, 1))       # [N, B, C]
         q[:, :, C:] = q_pe
         table, lens, max_len = meta.seq_tables(seqs)
-        out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, C, cfg.softmax_scale, max_len)
+        out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, C, cfg.softmax_scale, max_len, self.kv_fp8)
         out = q_nope.new_empty(B, N, cfg.v_head_dim)
         bmm_nt(out_lat.transpose(0, 1), self._kv_b()[1], out=out.transpose(0, 1))           # [N, B, dv]
         return out
@@ -167,8 +198,9 @@ class MLA(nn.Module):
         T = x.shape[0]
         if T == 0:
             return self.o_proj(x.new_zeros(0, cfg.num_heads * cfg.v_head_dim))
+        self.check_pool(kv_pool)
         q_nope, q_pe, latent = self.project(x, cos, sin)
-        kv_pool.index_copy_(0, meta.slot_mapping, latent.to(kv_pool.dtype))
+        self.write_cache(kv_pool, meta.slot_mapping, latent)
         out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
         starts = meta.query_starts
         if self.mode == "absorbed":
@@ -189,7 +221,7 @@ class MLA(nn.Module):
             slots, _ = meta.context_slots(absorbed)
             rows = torch.tensor([r for b in absorbed for r in range(starts[b], starts[b] + meta.query_lens[b])],
                                 device=x.device)
-            ctx = kv_pool[slots]                                                  # [S, L, C+R]
+            ctx = self.cache_rows(kv_pool, slots)                                 # [S, L, C+R]
             if len(absorbed) != len(rows):  # a sequence with several queries: one context copy per token
                 which = torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),
                                                 torch.tensor([meta.query_lens[b] for b in absorbed], device=x.device))
@@ -200,6 +232,6 @@ class MLA(nn.Module):
             if b in absorbed_set or q == 0:
                 continue
             slots, _ = meta.context_slots([b])
-            ctx = kv_pool[slots[0]]
+            ctx = self.cache_rows(kv_pool, slots[0])
             out[s:s + q] = self.attend_naive(q_nope[s:s + q], q_pe[s:s + q], ctx)
         return self.o_proj(out.reshape(T, -1))

@@ -27,11 +27,13 @@ from .rope import RotaryEmbedding
 
 class SparseMLA(MLA):
     """MLA plus `indexer` (checkpoint names `self_attn.indexer.*`). mode as MLA's: "auto" attends
-    one-query sequences absorbed and the others naive; "naive"/"absorbed" force one form (tests)."""
+    one-query sequences absorbed and the others naive; "naive"/"absorbed" force one form (tests).
+    kv_cache_dtype "fp8" quantises the latent cache only: the indexer keys stay in the model dtype."""
 
     def __init__(self, cfg: MLAConfig, dsa: DSAConfig, rope: RotaryEmbedding, device=None, dtype=None,
-                 linear=nn.Linear, backend: str = "torch", mode: str = "auto"):
-        super().__init__(cfg, rope, device=device, dtype=dtype, linear=linear, backend=backend, mode=mode)
+                 linear=nn.Linear, backend: str = "torch", mode: str = "auto", kv_cache_dtype: str = "auto"):
+        super().__init__(cfg, rope, device=device, dtype=dtype, linear=linear, backend=backend, mode=mode,
+                         kv_cache_dtype=kv_cache_dtype)
         if cfg.q_lora_rank != dsa.q_lora_rank:
             raise ValueError(f"DSA's indexer reads the q-LoRA latent: q_lora_rank {cfg.q_lora_rank} != "
                              f"{dsa.q_lora_rank}")
@@ -50,7 +52,7 @@ class SparseMLA(MLA):
             scores = self.indexer.scores(q_idx, w, index_pool[ctx_slots])            # [T, Lmax]
             idx, n = select_topk(scores, key_limit, self.dsa.index_topk)
             chosen = ctx_slots.gather(1, idx)                                         # [T, k]
-        return self.attend_absorbed(q_nope, q_pe, kv_pool[chosen], n)
+        return self.attend_absorbed(q_nope, q_pe, self.cache_rows(kv_pool, chosen), n)
 
     def attend_sparse_naive(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_idx: torch.Tensor | None,
                             w: torch.Tensor | None, kv_pool: torch.Tensor, index_pool: torch.Tensor,
@@ -61,7 +63,7 @@ class SparseMLA(MLA):
             scores = self.indexer.scores(q_idx, w, index_pool[slots][None])           # [Tq, L]
             idx, n = select_topk(scores, positions + 1, self.dsa.index_topk)
             mask = selection_mask(idx, n, slots.shape[0])                             # [Tq, L]
-        return self.attend_naive(q_nope, q_pe, kv_pool[slots], mask)
+        return self.attend_naive(q_nope, q_pe, self.cache_rows(kv_pool, slots), mask)
 
     def attend_paged_sparse(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_idx: torch.Tensor | None,
                             w: torch.Tensor | None, kv_pool: torch.Tensor, index_pool: torch.Tensor, meta: AttnMeta,
@@ -81,9 +83,9 @@ class SparseMLA(MLA):
             lens, max_len, bs = n.to(torch.int32), idx.shape[1], 1
         w_uk, w_uv = self._kv_b()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)               # [B, N, C]
-        q = torch.cat((q_lat, q_pe), dim=-1).to(kv_pool.dtype)                          # [B, N, C+R]
+        q = torch.cat((q_lat, q_pe), dim=-1).to(self.cache_dtype(kv_pool))              # [B, N, C+R]
         out_lat = mla_decode(q, kv_pool, table, lens, bs, self.cfg.kv_lora_rank, self.cfg.softmax_scale,
-                             max_len).to(q_nope.dtype)                                  # [B, N, C]
+                             max_len, fp8=self.kv_fp8).to(q_nope.dtype)                 # [B, N, C]
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor, cos: torch.Tensor,
@@ -100,8 +102,9 @@ class SparseMLA(MLA):
         if T == 0:
             return self.o_proj(x.new_zeros(0, cfg.num_heads * cfg.v_head_dim))
         q_lat = self.q_latent(x)
+        self.check_pool(kv_pool)
         q_nope, q_pe, latent = self.project(x, cos, sin, q_lat)
-        kv_pool.index_copy_(0, meta.slot_mapping, latent.to(kv_pool.dtype))
+        self.write_cache(kv_pool, meta.slot_mapping, latent)
         index_pool.index_copy_(0, meta.slot_mapping, self.indexer.keys(x, cos, sin).to(index_pool.dtype))
         # the indexer's queries are needed only where some context exceeds index_topk
         q_idx, w = (self.indexer.queries(x, q_lat, cos, sin) if max(meta.ctx_lens) > self.dsa.index_topk

@@ -6,6 +6,9 @@ slice of the sequence, reading latents through the block table, and writes its n
 output [BH, C] and log-sum-exp. Stage 2: program (b, head) merges the K partials by their LSE.
 All heads of a sequence share one latent stream, so a program takes BH heads at once (the QK^T
 and PV products are [BH, D] x [D, BN] GEMMs). Reference: attention_mla.paged_decode.paged_decode_reference.
+An fp8 cache (attention_mla/fp8_cache.py) is read as packed uint8 rows: the e4m3 bytes and their group's
+float32 scale are loaded and dequantised to q's dtype in registers, the RoPE part read as stored; the
+dots and the softmax are then the same as over a full-precision cache.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import triton
 import triton.language as tl
 
 from parallel.device import triton_interpreting
+
+from .fp8_cache import Fp8Latent
 
 LOG2E = 1.4426950408889634
 
@@ -61,9 +66,9 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
                          N, C, R, block_size, qk_scale,
                          stride_qb, stride_qh, stride_kv, stride_bt, stride_pb, stride_ph, stride_ps,
-                         stride_lb, stride_lh,
+                         stride_lb, stride_lh, scale_off, rope_off,
                          BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
-                         PREC: tl.constexpr, UPCAST: tl.constexpr):
+                         PREC: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr):
     hb = tl.program_id(0)  # fastest-varying: a sequence's head blocks run together and share its latents in L2
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -89,9 +94,23 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
         j_ok = j < end
         blk = tl.load(bt_ptr + b * stride_bt + j // block_size, mask=j_ok, other=0)
         slot = (blk * block_size + j % block_size).to(tl.int64)
-        k_c = tl.load(kv_ptr + slot[:, None] * stride_kv + c[None, :], mask=j_ok[:, None] & c_ok[None, :], other=0.0)
-        k_r = tl.load(kv_ptr + slot[:, None] * stride_kv + C + r[None, :], mask=j_ok[:, None] & r_ok[None, :],
-                      other=0.0)
+        row = kv_ptr + slot[:, None] * stride_kv           # [BN, 1]: the latents' rows (bytes when FP8)
+        kc_ok = j_ok[:, None] & c_ok[None, :]
+        kr_ok = j_ok[:, None] & r_ok[None, :]
+        if FP8:   # GROUP 0: one scale per token; else one per GROUP values (a power of two dividing BC)
+            k8 = tl.load(row + c[None, :], mask=kc_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            scales = (row + scale_off).to(tl.pointer_type(tl.float32))
+            if GROUP == 0:
+                k_c = (k8 * tl.load(scales, mask=j_ok[:, None], other=0.0)).to(q_c.dtype)
+            else:
+                g = tl.arange(0, BC // GROUP)
+                sc = tl.load(scales + g[None, :], mask=j_ok[:, None] & (g[None, :] * GROUP < C), other=0.0)
+                k_c = tl.reshape(tl.reshape(k8, (BN, BC // GROUP, GROUP)) * sc[:, :, None], (BN, BC)).to(q_c.dtype)
+            k_r = tl.load((row + rope_off).to(tl.pointer_type(q_ptr.dtype.element_ty)) + r[None, :], mask=kr_ok,
+                          other=0.0)
+        else:
+            k_c = tl.load(row + c[None, :], mask=kc_ok, other=0.0)
+            k_r = tl.load(row + C + r[None, :], mask=kr_ok, other=0.0)
         s = _dot(q_c, tl.trans(k_c), tl.zeros((BH, BN), dtype=tl.float32), PREC, UPCAST)
         s = _dot(q_r, tl.trans(k_r), s, PREC, UPCAST) * qk_scale
         s = tl.where(j_ok[None, :], s, float("-inf"))
@@ -137,9 +156,10 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, C, num_splits,
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                block_size: int, kv_lora_rank: int, sm_scale: float, max_seq_len: int,
                num_splits: int | None = None, tiles: DecodeTiles | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, fp8: Fp8Latent | None = None) -> torch.Tensor:
     """q [B, N, D], kv_pool [S, D] (same dtype), block_table [B, M] int, seq_lens [B] int32 (>= 1)
-    -> [B, N, C] in q's dtype. max_seq_len: a host bound on seq_lens (sizes the split, no sync)."""
+    -> [B, N, C] in q's dtype. max_seq_len: a host bound on seq_lens (sizes the split, no sync).
+    fp8: the pool's packed layout (kv_pool uint8 [S, fp8.row_bytes], q in fp8.rope_dtype)."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise ValueError(msg)
@@ -149,10 +169,14 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     B, N, D = q.shape
     C = kv_lora_rank
     need(0 < C < D, f"kv_lora_rank ({C}) must be in (0, D={D})")
-    need(kv_pool.dim() == 2 and kv_pool.shape[1] == D and kv_pool.stride(1) == 1,
-         f"kv_pool must be [S, D={D}] with unit stride on D, got {tuple(kv_pool.shape)} strides {kv_pool.stride()}")
-    need(q.dtype == kv_pool.dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16),
-         f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must share one of fp32/bf16/fp16")
+    W, kv_dtype = (D, q.dtype) if fp8 is None else (fp8.row_bytes, torch.uint8)
+    need(fp8 is None or (fp8.kv_lora_rank, fp8.rope_dim, fp8.rope_dtype) == (C, D - C, q.dtype),
+         f"the fp8 layout ({fp8}) does not fit q {tuple(q.shape)} {q.dtype} with kv_lora_rank {C}")
+    need(kv_pool.dim() == 2 and kv_pool.shape[1] == W and kv_pool.stride(1) == 1,
+         f"kv_pool must be [S, {W}] with unit stride, got {tuple(kv_pool.shape)} strides {kv_pool.stride()}")
+    need(kv_pool.dtype == kv_dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16),
+         f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must share one of fp32/bf16/fp16" if fp8 is None else
+         f"an fp8 cache's kv_pool must be uint8 (got {kv_pool.dtype}) and q fp32/bf16/fp16 (got {q.dtype})")
     need(block_table.dim() == 2 and block_table.shape[0] == B and not block_table.is_floating_point()
          and block_table.stride(1) == 1, f"block_table must be an integer [B={B}, M] tensor with unit stride, "
                                          f"got {tuple(block_table.shape)} {block_table.dtype}")
@@ -178,8 +202,10 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
         q, kv_pool, block_table, seq_lens, part, lse, N, C, D - C, block_size, sm_scale * LOG2E,  # exp2 domain
         q.stride(0), q.stride(1), kv_pool.stride(0), block_table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        *((0, 0) if fp8 is None else (fp8.scale_offset, fp8.rope_offset)),
         BH=tiles.block_h, BN=tiles.block_n, BC=BC, BR=BR,
-        PREC="ieee" if q.dtype == torch.float32 else None, UPCAST=upcast,
+        PREC="ieee" if q.dtype == torch.float32 else None, UPCAST=upcast, FP8=fp8 is not None,
+        GROUP=fp8.group if fp8 is not None and fp8.num_groups > 1 else 0,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     _decode_reduce_kernel[(B, N)](part, lse, out, C, K, part.stride(0), part.stride(1), part.stride(2),
                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), BC=BC)

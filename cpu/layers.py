@@ -8,6 +8,7 @@ width, C kv_lora_rank, S cache slots. Float32 CPU tensors, last dim contiguous.
   rmsnorm(x [..., N], weight [N], eps) -> [..., N]             = RMSNorm (attention_mla/norm.py)
   rope(x [T, (Hh,) R], cos, sin [T, R/2], interleave)          = RotaryEmbedding.apply (attention_mla/rope.py)
   mla_decode(q [B, Nh, D], kv_pool [S, D], ...) -> [B, Nh, C]  = paged_decode_reference (attention_mla/paged_decode.py)
+      (or kv_pool an fp8 cache's packed rows, dequantised block by block, 16 values per vector op)
 Tests: tests/cpu/.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
+from attention_mla.fp8_cache import Fp8Latent
 
 from .build import library
 from .gemm import check_float32
@@ -58,13 +61,58 @@ void wd_rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int6
     }
 }
 
+/* e4m3 bytes -> float: the byte's exponent and mantissa bits placed at the top of a float32's exponent
+   and mantissa give the value times 2^-120 (e4m3 subnormals land on float32 subnormals, exactly), so
+   one shift and one multiply by scale * 2^120 dequantise; 16 at a time. (0x7f / 0xff, e4m3's NaN, read
+   as +-480: the quantiser never writes them.) */
+#define FP8_ROWS 16   /* rows dequantised at a time: 16 x 576 floats stay in L1 */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+static inline v16 e4m3x16(const uint8_t *p, v16 scale) {
+    u8x16 b;
+    memcpy(&b, p, 16);
+    i16 w = __builtin_convertvector(b, i16);
+    i16 bits = ((w & 0x80) << 24) | ((w & 0x7f) << 20);
+    v16 f;
+    memcpy(&f, &bits, 64);
+    return f * scale;
+}
+static inline float e4m3(uint8_t b, float scale) {
+    uint32_t bits = ((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7f) << 20);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f * scale;
+}
+
+/* Rows [first, first + n) of a packed fp8 pool (attention_mla/fp8_cache.py: W bytes a row, e4m3 c [C],
+   float32 scales at soff, one per `group` values, fp32 k_pe [D - C] at roff) as floats kb [n, D]. */
+static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
+                             int64_t C, int64_t D, int64_t first, int64_t n, float *kb) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *r = pool8 + (first + i) * W;
+        float *o = kb + i * D;
+        for (int64_t g = 0; g < C; g += group) {
+            float sg;
+            memcpy(&sg, r + soff + g / group * 4, 4);
+            sg *= 0x1p120f;
+            int64_t c = g;
+            for (; c + 16 <= g + group; c += 16) st(o + c, e4m3x16(r + c, bc(sg)));
+            for (; c < g + group; c++) o[c] = e4m3(r[c], sg);
+        }
+        memcpy(o + C, r + roff, (D - C) * sizeof(float));
+    }
+    return kb;
+}
+
 /* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
    over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
-   p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. Returns 0, or -1 (nothing computed) when a
+   p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. pool8 (else NULL): the cache is packed fp8
+   rows instead of pool, and each block is dequantised into kb [bs, D] as it is read, once for the
+   scores and once for the output. Returns 0, or -1 (nothing computed) when a
    length is outside 1 .. max_len or a block id it needs is outside the pool. */
 int64_t wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool,
                       int64_t num_blocks, const int64_t *table, int64_t max_blocks, const int32_t *lens,
-                      int64_t max_len, int64_t bs, float scale, float *out, float *scratch) {
+                      int64_t max_len, int64_t bs, float scale, float *out, float *scratch,
+                      const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group, float *kb) {
     int64_t C16 = C & ~(int64_t)15;
     for (int64_t b = 0; b < B; b++) {      /* nothing outside the pool or the scratch is ever read */
         if (lens[b] < 1 || lens[b] > max_len || (lens[b] - 1) / bs >= max_blocks) return -1;
@@ -76,10 +124,12 @@ int64_t wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t 
         float *inv = scratch + Nh * L;
         const float *qb = q + b * Nh * D;
         float *ob = out + b * Nh * C, *sc = scratch;
-        for (int64_t j0 = 0; j0 < L; j0 += bs) {
-            const float *blk = pool + table[b * max_blocks + j0 / bs] * bs * D;
-            linear(qb, D, blk, D, sc + j0, L, Nh, L - j0 < bs ? L - j0 : bs, D);
-        }
+        /* rows j0 .. j0 + n - 1 (never past their block): in place, or dequantised into kb (in L1) */
+#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, group, C, D, table[b * max_blocks + (j0) / bs] * bs \
+                                      + (j0) % bs, n, kb) : pool + (table[b * max_blocks + (j0) / bs] * bs + (j0) % bs) * D)
+#define CHUNK(j0) (L - (j0) < step - (j0) % step ? L - (j0) : step - (j0) % step)
+        int64_t step = pool8 && bs > FP8_ROWS ? FP8_ROWS : bs;
+        for (int64_t j0 = 0; j0 < L; j0 += CHUNK(j0)) linear(qb, D, ROWS(j0, CHUNK(j0)), D, sc + j0, L, Nh, CHUNK(j0), D);
         for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
             float *s = sc + n * L, mx = -INFINITY, sum = 0;
             for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
@@ -95,15 +145,21 @@ int64_t wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t 
             inv[n] = 1.0f / sum;
         }
         memset(ob, 0, Nh * C * sizeof(float));
-        for (int64_t j = 0; j < L; j++) {
-            const float *row = pool + (table[b * max_blocks + j / bs] * bs + j % bs) * D;
-            for (int64_t n = 0; n < Nh; n++) {
-                float p = sc[n * L + j], *o = ob + n * C;
-                v16 pv = bc(p);
-                for (int64_t c = 0; c < C16; c += 16) st(o + c, ld(o + c) + pv * ld(row + c));
-                for (int64_t c = C16; c < C; c++) o[c] += p * row[c];
+        for (int64_t j0 = 0, nj; j0 < L; j0 += nj) {
+            nj = CHUNK(j0);
+            const float *blk = ROWS(j0, nj);
+            for (int64_t j = j0; j < j0 + nj; j++) {
+                const float *row = blk + (j - j0) * D;
+                for (int64_t n = 0; n < Nh; n++) {
+                    float p = sc[n * L + j], *o = ob + n * C;
+                    v16 pv = bc(p);
+                    for (int64_t c = 0; c < C16; c += 16) st(o + c, ld(o + c) + pv * ld(row + c));
+                    for (int64_t c = C16; c < C; c++) o[c] += p * row[c];
+                }
             }
         }
+#undef ROWS
+#undef CHUNK
         for (int64_t n = 0; n < Nh; n++)
             for (int64_t c = 0; c < C; c++) ob[n * C + c] *= inv[n];
     }
@@ -113,7 +169,7 @@ int64_t wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t 
 P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
               "wd_rope": ([P, I, I, I, I, I, P, P, P, ctypes.c_int], None),
-              "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P], I)}
+              "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P, P, I, I, I, I, P], I)}
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -153,14 +209,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 
 
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-               block_size: int, kv_lora_rank: int, scale: float, max_len: int) -> torch.Tensor:
+               block_size: int, kv_lora_rank: int, scale: float, max_len: int,
+               fp8: Fp8Latent | None = None) -> torch.Tensor:
     """q [B, Nh, D] (absorbed: [q_nope W_UK, q_pe]), kv_pool [S, D], block_table [B, M] int64 block ids,
     seq_lens [B] int32 (each in 1 .. max_len; max_len a host int; AttnMeta.seq_tables gives all three)
-    -> [B, Nh, C] (fp32 softmax)."""
+    -> [B, Nh, C] (fp32 softmax). fp8: kv_pool is that layout's packed uint8 rows [S, fp8.row_bytes]
+    (RoPE part float32), read in place: 1 byte a latent value instead of 4."""
     check_float32("q", q, 3)
-    check_float32("kv_pool", kv_pool, 2)
     B, Nh, D = q.shape
-    if kv_pool.shape[1] != D or not 0 < kv_lora_rank <= D or not kv_pool.is_contiguous():
+    if fp8 is None:
+        check_float32("kv_pool", kv_pool, 2)
+        width, args = D, (None, 0, 0, 0, 0, None)
+    else:
+        if kv_pool.dtype != torch.uint8 or kv_pool.dim() != 2 or kv_pool.shape[1] != fp8.row_bytes or kv_pool.is_cuda \
+                or (fp8.kv_lora_rank, fp8.kv_lora_rank + fp8.rope_dim, fp8.rope_dtype) != (kv_lora_rank, D, torch.float32):
+            raise ValueError(f"mla_decode: an fp8 pool must be uint8 [S, {fp8.row_bytes}] on CPU with a float32 RoPE "
+                             f"part and kv_lora_rank + rope_dim = D ({D}), got {kv_pool.dtype} {tuple(kv_pool.shape)}, "
+                             f"{fp8}")
+        kb = torch.empty(min(block_size, 16) * D)   # FP8_ROWS rows
+        width, args = fp8.row_bytes, (kv_pool.data_ptr(), fp8.row_bytes, fp8.scale_offset, fp8.rope_offset, fp8.group,
+                                      kb.data_ptr())
+    if kv_pool.shape[1] != width or not 0 < kv_lora_rank <= D or not kv_pool.is_contiguous():
         raise ValueError(f"mla_decode: q {tuple(q.shape)}, kv_pool {tuple(kv_pool.shape)} (contiguous) and "
                          f"kv_lora_rank {kv_lora_rank} do not fit")
     if block_table.dtype != torch.int64 or seq_lens.dtype != torch.int32 or block_table.dim() != 2 \
@@ -172,7 +241,7 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     num_blocks, scratch = kv_pool.shape[0] // block_size, torch.empty(Nh * (max_len + 1))
     if B and library().wd_mla_decode(q.data_ptr(), B, Nh, D, kv_lora_rank, kv_pool.data_ptr(), num_blocks,
                                            block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), max_len,
-                                           block_size, scale, out.data_ptr(), scratch.data_ptr()):
+                                           block_size, scale, out.data_ptr(), scratch.data_ptr(), *args):
         lo, hi = (int(v) for v in torch.aminmax(seq_lens))
         blo, bhi = (int(v) for v in torch.aminmax(block_table))
         raise ValueError(f"mla_decode: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {block_table.shape[1]} "

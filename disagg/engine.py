@@ -72,7 +72,7 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     # every rank's cache shape, to validate prompts at the front and check the pools agree
     kv = eng.core.kv
     mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
-            "dtype": str(kv.pools[0].dtype), "latent_dim": kv.latent_dim, "index_dim": kv.index_dim}
+            "dtype": f"{kv.pools[0].dtype} ({kv.kv_cache_dtype})", "latent_dim": kv.latent_dim, "index_dim": kv.index_dim}
     infos: list = [None] * ctx.world_size
     with guard_collective(ctx):
         dist.all_gather_object(infos, mine, group=ctx.cpu_group)

@@ -31,7 +31,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                progress: bool = True, ctx: ParallelContext | None = None, dispatch_backend: str = "auto",
                cfg: ModelConfig | None = None, num_redundant_experts: int = 0,
                eplb: EplbConfig | dict | None = None, experts_backend: str = "auto",
-               attention_backend: str = "auto", dispatch_options: dict | None = None) -> DeepseekModel:
+               attention_backend: str = "auto", dispatch_options: dict | None = None,
+               kv_cache_dtype: str = "auto") -> DeepseekModel:
     """Single process when ctx is None or has ep_size 1 (the MoE layers' dispatcher is then the
     LocalDispatcher); otherwise this rank's expert slice plus everything replicated, with a
     dispatcher for the MoE all-to-all.
@@ -46,7 +47,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     constructor; model.backends records what was chosen. With an fp8 checkpoint, a kernel experts
     backend (triton, deepgemm) keeps the routed experts and the attention/MLP projections fp8 on the
     device (Triton W8A16 linears). dispatch_options: extra make_dispatcher keywords (low-latency
-    thresholds, the simulated link)."""
+    thresholds, the simulated link). kv_cache_dtype: "auto" | "fp8" (attention_mla/fp8_cache.py): what
+    the attention layers write to and read from the latent cache."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
@@ -68,7 +70,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         dispatcher = make_dispatcher(ctx or ParallelContext.single(device), num_physical, cfg.hidden_size,
                                      dispatch_backend, dtype=dtype, **(dispatch_options or {}))
     model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
-                          fp8_block=fp8_block if experts.keep_fp8 else None, experts=experts, attention=attention)
+                          fp8_block=fp8_block if experts.keep_fp8 else None, experts=experts, attention=attention,
+                          kv_cache_dtype=kv_cache_dtype)
     if placement is not None:
         placement.install(model.moe_layers(), ep_rank, ep_size)
         model.placement = placement

@@ -14,6 +14,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from attention_mla.fp8_cache import latent_layout
 from attention_mla.kv_cache import LatentKVPool
 from kvstore.events import HeldLog
 from parallel.context import ParallelContext
@@ -81,7 +82,8 @@ class EngineCore:
         self.model = load_model(cfg.model, parse_dtype(cfg.dtype), device, progress and ctx.rank == 0, ctx,
                                 pcfg.dispatch_backend, mcfg, num_redundant_experts=pcfg.num_redundant_experts,
                                 eplb=cfg.eplb, experts_backend=cfg.experts_backend,
-                                attention_backend=cfg.attention_backend, dispatch_options=self.dispatch_options)
+                                attention_backend=cfg.attention_backend, dispatch_options=self.dispatch_options,
+                                kv_cache_dtype=cfg.kv_cache_dtype)
         self.eplb = None
         if cfg.eplb.enabled and mcfg.moe is not None:
             from eplb.controller import EplbController
@@ -127,14 +129,15 @@ class EngineCore:
     def _kv_cache(self, device) -> LatentKVPool:
         cfg, mcfg, dt = self.cfg, self.config, self.model.dtype
         index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
+        fp8 = latent_layout(cfg.kv_cache_dtype, mcfg.mla.kv_lora_rank, mcfg.mla.qk_rope_head_dim, dt)
         blocks = cfg.kv_cache_blocks
         if blocks is None:
             per_block = LatentKVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, mcfg.mla.latent_dim, dt,
-                                                     index_dim)
+                                                     index_dim, fp8)
             want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
             blocks = max(1, min(want, cfg.kv_cache_memory // per_block))
         return LatentKVPool(mcfg.num_hidden_layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dt, device,
-                            index_dim=index_dim)
+                            index_dim=index_dim, fp8=fp8)
 
     def _kv_store(self, log: HeldLog):
         """The tiers below the device cache ([kv_cache] tiers): every per-layer pool's block rows."""
@@ -143,7 +146,11 @@ class EngineCore:
         cfg, pools = self.cfg, self.kv.pools
         identity = None
         if "disk" in cfg.kv_cache.tiers:
-            identity = model_identity(cfg.model, str(pools[0].dtype), cfg.block_size,
+            # the cache dtype by name (an fp8 tier never serves a full-precision cache, nor the reverse),
+            # with the model dtype its RoPE part is stored in
+            fp8 = self.kv.fp8
+            dtype = str(pools[0].dtype) if fp8 is None else f"{self.kv.kv_cache_dtype}+rope:{fp8.rope_dtype}"
+            identity = model_identity(cfg.model, dtype, cfg.block_size,
                                       [(cfg.block_size, p.shape[1]) for p in pools])
         return TieredStore(cfg.kv_cache, pools, cfg.block_size, identity, prefer=self.ctx.dp_rank, log=log)
 
@@ -277,7 +284,7 @@ class EngineCore:
                "kv_device_cached_bytes": b.num_cached * sum(p[:b.block_size].nbytes for p in self.kv.pools),
                **{f"kv_hit_blocks_{tier}": n for tier, n in b.hit_blocks.items()},
                "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps,
-               "kv_bytes_per_token": self.kv.bytes_per_token()}
+               "kv_bytes_per_token": self.kv.bytes_per_token(), "kv_cache_dtype": self.kv.kv_cache_dtype}
         if self.store is not None:
             out.update(self.store.stats())
         disp = self.dispatchers()

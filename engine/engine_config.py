@@ -35,6 +35,8 @@ class EngineConfig:
     kv_cache_blocks: int | None = _f("engine", None, "blocks per rank; default: enough for max_num_seqs "
                                                      "full-length sequences, capped by kv_cache_memory")
     kv_cache_memory: int = _f("engine", 1 << 30, "bytes of KV cache per rank when kv_cache_blocks is unset")
+    kv_cache_dtype: str = _f("engine", "auto", "auto (the model dtype) | fp8 (= fp8_e4m3): the latent cached as "
+                                               "e4m3 + a float32 scale per 128 values, RoPE part unquantised")
     max_num_seqs: int = _f("engine", 256, "most running sequences per rank")
     max_num_batched_tokens: int = _f("engine", 8192, "most tokens in one step per rank (prefill is chunked)")
     enable_prefix_caching: bool = _f("engine", True, "reuse cached KV blocks of shared prompt prefixes")
@@ -66,6 +68,8 @@ class EngineConfig:
         if self.kv_cache.tiers and not self.enable_prefix_caching:
             raise ValueError(f"kv_cache.tiers {list(self.kv_cache.tiers)} keep prefix-cache blocks: they need "
                              f"enable_prefix_caching = true")
+        from attention_mla.fp8_cache import check_kv_cache_dtype
+        check_kv_cache_dtype(self.kv_cache_dtype)
         from .build import DTYPES
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")

@@ -82,7 +82,8 @@ class DecoderLayer(nn.Module):
     (dbo/state.py) that holds "x" [T, H] and "rope" (cos, sin [T, R/2]) between layers."""
 
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: ExpertShard | None,
-                 experts: ExpertsChoice, attention: str, device=None, dtype=None, fp8_block=None):
+                 experts: ExpertsChoice, attention: str, device=None, dtype=None, fp8_block=None,
+                 kv_cache_dtype: str = "auto"):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         cpu = experts.backend == "cpu"   # the C kernels for norms and projections too (cpu/)
@@ -90,8 +91,9 @@ class DecoderLayer(nn.Module):
                   else CpuLinear if cpu else nn.Linear)
         self.index = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel=cpu, **kw)
-        self.self_attn = (MLA(cfg.mla, rope, linear=linear, backend=attention, **kw) if cfg.dsa is None
-                          else SparseMLA(cfg.mla, cfg.dsa, rope, linear=linear, backend=attention, **kw))
+        kw_attn = dict(kw, linear=linear, backend=attention, kv_cache_dtype=kv_cache_dtype)
+        self.self_attn = (MLA(cfg.mla, rope, **kw_attn) if cfg.dsa is None
+                          else SparseMLA(cfg.mla, cfg.dsa, rope, **kw_attn))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernel=cpu, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (MoELayer(cfg.moe, shard, fp8_block=fp8_block, linear=linear, experts_backend=experts.backend,
@@ -126,10 +128,11 @@ class DecoderLayer(nn.Module):
 
 class _Inner(nn.Module):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, shard, experts: ExpertsChoice, attention: str,
-                 device=None, dtype=None, fp8_block=None):
+                 device=None, dtype=None, fp8_block=None, kv_cache_dtype: str = "auto"):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, experts, attention, device, dtype, fp8_block)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, experts, attention, device, dtype, fp8_block,
+                                                 kv_cache_dtype)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype,
                             kernel=experts.backend == "cpu")
@@ -147,7 +150,7 @@ class DeepseekModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  shard: ExpertShard | None = None, dispatcher=None, fp8_block: tuple[int, int] | None = None,
-                 experts: ExpertsChoice | None = None, attention: str = "torch"):
+                 experts: ExpertsChoice | None = None, attention: str = "torch", kv_cache_dtype: str = "auto"):
         super().__init__()
         experts = experts or ExpertsChoice("grouped", keep_fp8=False)
         self.cfg, self.dtype = cfg, dtype
@@ -162,7 +165,8 @@ class DeepseekModel(nn.Module):
         # and random init of a 671B model would take longer than loading it. Init is skipped even on
         # meta: its first random op imports torch._dynamo (~2.5 s per process, every rank).
         with torch.device("meta"), _skip_init():
-            self.model = _Inner(cfg, self.rope, shard, experts, attention, dtype=dtype, fp8_block=fp8_block)
+            self.model = _Inner(cfg, self.rope, shard, experts, attention, dtype=dtype, fp8_block=fp8_block,
+                                kv_cache_dtype=kv_cache_dtype)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                             dtype=dtype)
         _materialize(self, device)

@@ -64,6 +64,8 @@ ONE_ONE = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 1, "ep
     (2, {"all": ONE_ONE, 1: dict(ONE_ONE, decode={"max_num_seqs": 7})}, {}, "config mismatch: ranks [1]"),
     (2, {"all": dict(ONE_ONE, kv_transfer="nixl")}, {}, "kv_transfer backend 'nixl': no adapter is written yet"),
     (2, {"all": ONE_ONE}, {"all": {"max_num_seqs": 4}}, "max_num_seqs is set per pool"),
+    (2, {"all": ONE_ONE}, {0: {"kv_cache_dtype": "fp8"}, "all": {}},   # the pools would cache latents differently
+     "config mismatch: ranks [1]"),
     (2, {"all": ONE_ONE}, {"all": {"parallel": {"on_rank_loss": "continue"}}},
      'on_rank_loss = "continue" is not supported with prefill/decode disaggregation'),
 ])

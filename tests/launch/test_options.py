@@ -52,6 +52,15 @@ def test_dispatch_backend_choices_are_the_configs():
     assert opt.spec["choices"] == list(DISPATCH_BACKENDS)
 
 
+def test_kv_cache_dtype_choices_are_the_caches():
+    from attention_mla.fp8_cache import KV_CACHE_DTYPES
+    [opt] = [o for o in OPTIONS if o.key == "engine.kv_cache_dtype"]
+    assert opt.spec["choices"] == list(KV_CACHE_DTYPES)
+    args = build_parser().parse_args(["generate", "m", "--kv-cache-dtype", "fp8"])
+    assert resolve(args, "generate")["engine"]["kv_cache_dtype"] \
+        == "fp8"
+
+
 def test_engine_section_keys_are_engine_options():
     """[engine] is passed to the engine as keywords: a key EngineConfig does not have would fail only at serve time."""
     import inspect
