@@ -143,7 +143,8 @@ class EngineCore:
         """The tiers below the device cache ([kv_cache] tiers): every per-layer pool's block rows."""
         from kvstore.identity import model_identity
         from kvstore.store import TieredStore
-        cfg, pools = self.cfg, self.kv.pools
+        cfg = self.cfg
+        pools = [t for i in range(len(self.kv.pools)) for t in self.kv.layer_pools(i)]   # DSA: keys too
         identity = None
         if "disk" in cfg.kv_cache.tiers:
             # the cache dtype by name (an fp8 tier never serves a full-precision cache, nor the reverse),

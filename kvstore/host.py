@@ -2,7 +2,7 @@
 pools are on CUDA, so copies run asynchronously), LRU.
 
 Legend: C slots (host_bytes // block bytes), bs block_size, D_t the row width of tensor t (one
-tensor per layer: the latent pool [S, D]). buf[t]: [C, bs, D_t]; slot c holds one block's rows of
+tensor the cache keeps per layer: the latent pool [S, D], and DSA's indexer keys [S, Dk]). buf[t]: [C, bs, D_t]; slot c holds one block's rows of
 every tensor.
 
 Ordering on CUDA: device<->host copies are enqueued on the current stream, so a spill is ordered
@@ -17,11 +17,14 @@ import torch
 
 
 class HostTier:
-    def __init__(self, capacity: int, rows: list[tuple[int, int]], dtype: torch.dtype, device: torch.device):
-        """rows: (bs, D_t) per tensor; device: the pools' device (pinned host memory when CUDA)."""
+    def __init__(self, capacity: int, rows: list[tuple[int, int]], dtype: torch.dtype | list[torch.dtype],
+                 device: torch.device):
+        """rows: (bs, D_t) per tensor; dtype: of every tensor, or one per tensor (an fp8 cache's uint8
+        rows beside DSA's indexer keys); device: the pools' device (pinned host memory when CUDA)."""
         self.capacity = capacity
         self.cuda = device.type == "cuda"
-        self.buf = [torch.empty(capacity, bs, d, dtype=dtype, pin_memory=self.cuda) for bs, d in rows]
+        dtypes = dtype if isinstance(dtype, list) else [dtype] * len(rows)
+        self.buf = [torch.empty(capacity, bs, d, dtype=dt, pin_memory=self.cuda) for (bs, d), dt in zip(rows, dtypes)]
         self.block_nbytes = sum(b[0].numel() * b.element_size() for b in self.buf)
         self._slot: OrderedDict[int, int] = OrderedDict()   # block hash -> slot, least recently used first
         self._free = list(range(capacity - 1, -1, -1))

@@ -34,7 +34,7 @@ def device_block_bytes(pools: list[torch.Tensor], block: int, block_size: int) -
 
 class TieredStore:
     """pools: every tensor holding a block's state, [S, D_t] with S = num_blocks * block_size (the
-    latent pool of each layer); identity: the model's (kvstore/identity.py), needed with a disk tier;
+    layer_pools of each layer: the latent, and DSA's indexer keys); identity: the model's (kvstore/identity.py), needed with a disk tier;
     prefer: the rank-<k> disk directory to claim first; log: where held blocks are marked."""
 
     def __init__(self, cfg: KVCacheConfig, pools: list[torch.Tensor], block_size: int, identity: str | None,
@@ -46,9 +46,9 @@ class TieredStore:
         capacity = cfg.host_bytes // self.block_nbytes
         if capacity < 1:
             raise ValueError(f"kv_cache.host_bytes ({cfg.host_bytes}) is smaller than one KV block "
-                             f"({self.block_nbytes} bytes: {len(pools)} layers x {block_size} tokens x "
-                             f"{pools[0].shape[1]} x {pools[0].element_size()} bytes)")
-        self.host = HostTier(capacity, rows, pools[0].dtype, pools[0].device)
+                             f"({self.block_nbytes} bytes: {block_size} tokens x "
+                             f"{self.block_nbytes // block_size} bytes over {len(pools)} per-layer tensors)")
+        self.host = HostTier(capacity, rows, [p.dtype for p in pools], pools[0].device)
         self.disk = None
         if "disk" in cfg.tiers:
             if identity is None:

@@ -169,3 +169,32 @@ def test_abort_while_the_prefix_is_read(model_dir, tmp_path):
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert not eng.core.scheduler.has_work() and eng.core.blocks.num_free == 12
     eng.shutdown()
+
+
+def test_dsa_index_keys_spill_and_reload_with_the_latents(tmp_path_factory, tmp_path):
+    """DeepSeek-V3.2: each token's indexer key sits beside its latent; a block reloaded from the host
+    and the disk tier brings both back (stale keys would change which tokens are selected: index_topk
+    8 over a 70-token prompt)."""
+    d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("kv_dsa")), arch="v32", seed=5, initializer_range=0.3,
+                             index_topk=8)
+    eng = Engine(d, progress=False, block_size=BS, kv_cache_blocks=12,
+                 kv_cache=dict(tiers=["host", "disk"], disk_dir=str(tmp_path), host_bytes=6 * 2 * BLOCK_BYTES))
+    pools = eng.core.kv.layer_pools(0)
+    assert len(pools) == 2 and eng.core.store.block_nbytes == sum(
+        BS * p.shape[1] * p.element_size() for i in range(len(eng.core.kv.pools)) for p in eng.core.kv.layer_pools(i))
+    device = (run(eng, "a0", A), run(eng, "a1", A))[1]
+    hashes = prefix_chain(A, BS)
+    for i, f in enumerate(FILL):
+        if not any(h in hashes for _, h in eng.core.blocks.cached_blocks()):
+            break
+        run(eng, f"f{i}", f)
+    for p in eng.core.kv.index_pools:                # what the device held is gone: only the tiers have it
+        p.normal_()
+    assert run(eng, "a2", A) == device and stats(eng)["kv_hit_blocks_host"] == 4
+    for i, f in enumerate(FILL):
+        run(eng, f"g{i}", f)
+    for p in eng.core.kv.index_pools:
+        p.normal_()
+    before = stats(eng)["kv_hit_blocks_disk"]
+    assert run(eng, "a3", A) == device and stats(eng)["kv_hit_blocks_disk"] - before == 4
+    eng.shutdown()

@@ -141,7 +141,7 @@ def test_store_spills_loads_and_reads_exact_rows(tmp_path):
     assert s["kv_disk_misses"] == 0 and s["kv_host_blocks"] == 2
     st.close([(5, 1)])
     with pytest.raises(ValueError, match=r"kv_cache.host_bytes \(10\) is smaller than one KV block \(144 bytes: "
-                                         r"2 layers x 4 tokens x 6 x 4 bytes\)"):
+                                         r"4 tokens x 36 bytes over 2 per-layer tensors\)"):
         TieredStore(KVCacheConfig(tiers=("host",), host_bytes=10), p, 4, None)
 
 
