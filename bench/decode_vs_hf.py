@@ -20,7 +20,8 @@ bandwidth (`fraction`, the issue's definition; `fraction_huge` against read_huge
 wall time swings with the load, so the fraction is also given in this thread's CPU time (steps and
 read alike, 1 thread): `fraction_cpu`.
 The same engine on the torch backends (experts_backend / attention_backend "torch", the reference
-paths) runs beside it: "torch_backends" has its prefill and decode step ms.
+paths) runs beside it: "torch_backends" has its prefill and decode step ms; "prefill_ms" and
+"prefill_vs_torch_backends" compare the best prefill of each (one thread, same trials).
 Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf_eager_tok_s,
 ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
 decode_roofline_fraction (1 thread), decode_roofline_fraction_2t, decode_roofline_fraction_cpu_time,
@@ -199,7 +200,7 @@ def main() -> None:
         llm.generate(prompts[:2, :8].tolist(), SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
         hf.generate(prompts[:2, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
         roof: dict[int, dict] = {}
-        tw, th, te, hf_steps, torch_ms = [], [], [], [], []
+        tw, th, te, hf_steps, torch_ms, prefill_ms = [], [], [], [], [], []
         for n_threads in threads:
             torch.set_num_threads(n_threads)
             best = None
@@ -212,6 +213,7 @@ def main() -> None:
                 if n_threads != threads[0]:
                     continue
                 tw.append(t)
+                prefill_ms.append(meter.step_ms()[0])
                 _, ref_ours = run_wideep(ref, ref_meter)
                 torch_ms.append(ref_meter.step_ms())
                 hf_forward_s.clear()
@@ -232,6 +234,8 @@ def main() -> None:
            "ratio_eager": round(min(te) / min(tw), 2), "greedy_sequences_equal": agree,
            "hf_decode_step_ms": round(min(hf_steps), 2),
            "ratio_decode": round(min(hf_steps) / first["decode_step_ms"], 2),
+           "prefill_ms": min(prefill_ms),
+           "prefill_vs_torch_backends": round(min(prefill_ms) / min(p for p, _ in torch_ms), 3),
            "torch_backends": {"prefill_ms": min(p for p, _ in torch_ms), "decode_step_ms": min(d for _, d in torch_ms),
                               "greedy_sequences_equal": sum(p == q for p, q in zip(ours, ref_ours)) / len(ours)},
            "decode_step_ms": first["decode_step_ms"], "decode_roofline_fraction": first["fraction"],

@@ -11,9 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .messages import Delta
 from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
+
+try:   # tokenizers >= 0.21: incremental decoding in Rust, one call per token
+    from tokenizers.decoders import DecodeStream
+except ImportError:   # pragma: no cover - older tokenizers: the decode-window fallback below
+    DecodeStream = None
 
 
 @dataclass(eq=False)
@@ -40,8 +46,9 @@ class RequestState:
     num_sent: int = 0          # tokens already reported (delta outputs)
     text: str = ""             # output text decoded so far
     text_sent: int = 0         # characters already reported (delta outputs)
-    detok_prefix: int = 0      # incremental detokenization window: tokens [prefix, read) were decoded
-    detok_read: int = 0        # last time; text covers tokens < read
+    detok_prefix: int = 0      # text covers the tokens < detok_prefix (a later one may end a character)
+    detok_read: int = 0        # tokens already fed to the detokenizer
+    detok_stream: Any = None   # tokenizers' DecodeStream, when available
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
@@ -102,15 +109,28 @@ class RequestState:
                              metrics=self.metrics())
 
     def _text(self, tokenizer, delta: bool) -> str:
-        """The output text (or, for delta outputs, what was not reported yet), decoded incrementally:
-        only a window of the last few tokens is decoded per call, and the new text is the window's
-        text minus the text of its already-decoded part (so tokenizers that treat a sequence's start
-        specially still concatenate). A character whose UTF-8 bytes span several tokens decodes to
-        U+FFFD until its last token arrives: it is held back until then (or until the request ends)."""
+        """The output text (or, for delta outputs, what was not reported yet), decoded incrementally.
+        A character whose UTF-8 bytes span several tokens is held back until its last token arrives
+        (or, never completed, shown as U+FFFD once the request ends). With tokenizers' DecodeStream
+        each new token is one call; without it, a window of the last few tokens is decoded and the
+        new text is the window's text minus the text of its already-decoded part (so tokenizers that
+        treat a sequence's start specially still concatenate)."""
         if tokenizer is None:
             return ""
         ids = self.token_ids
-        if len(ids) > self.detok_read:
+        if DecodeStream is not None:
+            if self.detok_stream is None:
+                self.detok_stream = DecodeStream(skip_special_tokens=True)
+            for i in range(self.detok_read, len(ids)):
+                chunk = self.detok_stream.step(tokenizer, ids[i])
+                if chunk is not None:
+                    self.text += chunk
+                    self.detok_prefix = i + 1
+            self.detok_read = len(ids)
+            if self.finished and self.detok_prefix < len(ids):   # bytes that never completed a character
+                self.text += tokenizer.decode(ids[self.detok_prefix:])
+                self.detok_prefix = len(ids)
+        elif len(ids) > self.detok_read:
             seen = tokenizer.decode(ids[self.detok_prefix:self.detok_read])
             window = tokenizer.decode(ids[self.detok_prefix:])
             if len(window) > len(seen) and (self.finished or not window.endswith("\ufffd")):

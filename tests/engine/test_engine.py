@@ -152,11 +152,17 @@ def test_delta_outputs_concatenate_to_cumulative(model_dir):
     assert parts == cum and len(cum) == 10
 
 
-def test_streamed_text_never_splits_a_multibyte_character(model_dir):
+@pytest.mark.parametrize("detokenizer", ["decode_stream", "window"])
+def test_streamed_text_never_splits_a_multibyte_character(model_dir, detokenizer, monkeypatch):
     """The tiny tokenizer has one token per UTF-8 byte, so 'é', '€', '你' and '🙂' span 2-4 tokens: streamed
     deltas must hold a partial character back, not send U+FFFD, and concatenate to the full text. (The
-    front detokenizes: engine/outputs.py, fed the ranks' deltas one token at a time.)"""
+    front detokenizes: engine/outputs.py, fed the ranks' deltas one token at a time; with tokenizers'
+    DecodeStream, and with the decode-window fallback for tokenizers without it.)"""
     import os
+
+    import engine.outputs
+    if detokenizer == "window":
+        monkeypatch.setattr(engine.outputs, "DecodeStream", None)
 
     from tokenizers import Tokenizer
 
