@@ -1,4 +1,4 @@
-"""Build the CPU kernels' C (cpu/gemm.py, cpu/layers.py) for this machine with the system compiler at
+"""Build the CPU kernels' C (registered by cpu/gemm.py and cpu/layers.py) for this machine with the system compiler at
 first use, load it with ctypes; say why they cannot run when they cannot.
 
 The kernels are plain C with GCC/Clang vector extensions, so no torch headers and no build step at
@@ -79,20 +79,29 @@ def build(name: str, source: str) -> ctypes.CDLL:
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
+_parts: list[tuple[str, dict]] = []   # (C source, {function: (argtypes, restype)}), in registration order
+
+
+def register(source: str, signatures: dict) -> None:
+    """A kernel module's C source and its functions' ctypes signatures, compiled as one library with
+    the others (cpu/layers.py's C uses cpu/gemm.py's vector helpers). Every kernel module registers at
+    import, and cpu/__init__.py imports them all, so the library is whole before its first use."""
+    if _lib is not None:
+        raise RuntimeError("the CPU kernels are already built: register a source before first use")
+    _parts.append((source, signatures))
 
 
 def unusable() -> str | None:
     """Why the CPU kernels cannot run here (no compiler, a build error), or None once they are loaded."""
     global _lib, _error
     if _lib is None and _error is None:
-        from . import gemm, layers
         try:
-            lib = build("wideep_cpu", gemm.SOURCE + layers.SOURCE)
+            lib = build("wideep_cpu", "".join(source for source, _ in _parts))
         except BuildError as e:
             _error = str(e)
             return _error
-        for module in (gemm, layers):
-            for name, (argtypes, restype) in module.SIGNATURES.items():
+        for _, signatures in _parts:
+            for name, (argtypes, restype) in signatures.items():
                 fn = getattr(lib, name)
                 fn.argtypes, fn.restype = argtypes, restype
         _lib = lib

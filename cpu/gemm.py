@@ -20,7 +20,7 @@ import ctypes
 
 import torch
 
-from .build import library
+from .build import library, register
 
 SOURCE = r"""
 #include <math.h>
@@ -241,6 +241,7 @@ int64_t wd_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, 
 P, I = ctypes.c_void_p, ctypes.c_int64
 SIGNATURES = {"wd_bmm_nt": ([I, P, I, I, P, I, I, P, I, I, I, I, I], None),
               "wd_experts": ([P, I, I, I, I, P, P, P, P, I, P, P, P], I)}
+register(SOURCE, SIGNATURES)
 
 
 def check_float32(name: str, t: torch.Tensor, dim: int) -> None:

@@ -14,12 +14,14 @@ Tests: tests/cpu/.
 from __future__ import annotations
 
 import ctypes
+from typing import TYPE_CHECKING
 
 import torch
 
-from attention_mla.fp8_cache import Fp8Latent
+if TYPE_CHECKING:   # the layout only (duck-typed here): cpu/ stays below attention_mla/, which uses it
+    from attention_mla.fp8_cache import Fp8Latent
 
-from .build import library
+from .build import library, register
 from .gemm import check_float32
 
 SOURCE = r"""
@@ -170,6 +172,7 @@ P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
               "wd_rope": ([P, I, I, I, I, I, P, P, P, ctypes.c_int], None),
               "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P, P, I, I, I, I, P], I)}
+register(SOURCE, SIGNATURES)
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
