@@ -14,12 +14,8 @@ Tests: tests/cpu/.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:   # the layout only (duck-typed here): cpu/ stays below attention_mla/, which uses it
-    from attention_mla.fp8_cache import Fp8Latent
 
 from .build import library, register
 from .gemm import check_float32
@@ -213,11 +209,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                block_size: int, kv_lora_rank: int, scale: float, max_len: int,
-               fp8: Fp8Latent | None = None) -> torch.Tensor:
+               fp8=None) -> torch.Tensor:
     """q [B, Nh, D] (absorbed: [q_nope W_UK, q_pe]), kv_pool [S, D], block_table [B, M] int64 block ids,
     seq_lens [B] int32 (each in 1 .. max_len; max_len a host int; AttnMeta.seq_tables gives all three)
-    -> [B, Nh, C] (fp32 softmax). fp8: kv_pool is that layout's packed uint8 rows [S, fp8.row_bytes]
-    (RoPE part float32), read in place: 1 byte a latent value instead of 4."""
+    -> [B, Nh, C] (fp32 softmax). fp8: an fp8 cache's row layout (attention_mla/fp8_cache.py Fp8Latent,
+    read by its fields only, so cpu/ needs nothing above it): kv_pool is then its packed uint8 rows
+    [S, fp8.row_bytes] (RoPE part float32), read in place: 1 byte a latent value instead of 4."""
     check_float32("q", q, 3)
     B, Nh, D = q.shape
     if fp8 is None:
