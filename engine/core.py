@@ -64,6 +64,11 @@ def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
     return ParallelContext.single("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def _is_decode(num_tokens: list[int]) -> bool:
+    """A step of decodes only (one token per sequence): the DBO auto switch times these apart."""
+    return bool(num_tokens) and all(n == 1 for n in num_tokens)
+
+
 class EngineCore:
     def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True):
         self.cfg = cfg
@@ -247,8 +252,7 @@ class EngineCore:
         ok = can_split(num_tokens, self.cfg.dbo.split) if num_tokens else True  # an idle rank never blocks a split
         if self.auto is None:
             return ok, True
-        decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
-        return ok, self.auto.decide(sum(num_tokens), decode)
+        return ok, self.auto.decide(sum(num_tokens), _is_decode(num_tokens))
 
     def dispatchers(self) -> list:
         """The model's dispatcher and DBO's microbatch dispatchers, each once (DeepEP's is shared)."""
@@ -267,8 +271,7 @@ class EngineCore:
         if self.eplb is not None:
             self.eplb.after_step(sum(num_tokens))
         if self.auto is not None:
-            decode = bool(num_tokens) and all(n == 1 for n in num_tokens)
-            self.auto.record(sum(num_tokens), decode, split, seconds)
+            self.auto.record(sum(num_tokens), _is_decode(num_tokens), split, seconds)
 
     def stats(self) -> dict:
         """This rank's scheduler and cache state, plus cumulative MoE all-to-all bytes (this rank's

@@ -15,7 +15,6 @@ lockstep through one small all-reduce per step; requests and outputs travel asyn
 from __future__ import annotations
 
 import threading
-import time
 
 from kvstore.router import PrefixRouter
 from parallel.watchdog import RankLostError

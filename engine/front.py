@@ -223,10 +223,10 @@ class Front:
         span = now - self.tokens_log[0][0] if len(self.tokens_log) > 1 else 0.0
         recent = sum(n for _, n in list(self.tokens_log)[1:])
         st = [self.rank_stats[r] for r in sorted(self.rank_stats)]
-        q = sum(s.get("prefix_queried_tokens", 0) for s in st)
 
         def total(key):
             return sum(s.get(key, 0) for s in st)
+        q = total("prefix_queried_tokens")
         return {"running": total("running"), "waiting": total("waiting") + waiting_extra,
                 "kv_blocks_used": total("kv_blocks_used"), "kv_blocks_free": total("kv_blocks_free"),
                 "prefix_cache_hit_rate": total("prefix_hit_tokens") / q if q else 0.0,

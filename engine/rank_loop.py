@@ -131,8 +131,9 @@ class RankLoop:
         if self.ctx.on_rank_loss == "continue":
             self._check_lost()
         self._deltas += self.hooks.before_schedule()
-        has_work = sched.has_work() or self.hooks.has_pending()
-        batch = sched.schedule() if sched.has_work() else None
+        scheduled_work = sched.has_work()
+        has_work = scheduled_work or self.hooks.has_pending()
+        batch = sched.schedule() if scheduled_work else None
         tokens = batch.num_tokens if batch is not None else []
         can_split, vote = core.split_votes(tokens)
         sync = core.sync.sync(has_work, can_split, vote, sum(tokens), self._command_code())
@@ -194,8 +195,7 @@ class RankLoop:
     def _command_code(self) -> int:
         return self.command_seq * 4 + self.command if self.command else 0
 
-    def _obey(self, code: int, seq: int) -> str:
-        kind = code
+    def _obey(self, kind: int, seq: int) -> str:
         self.done_seq = max(self.done_seq, seq)
         if self.command_seq <= self.done_seq:
             self.command, self.command_seq = 0, 0

@@ -113,6 +113,15 @@ class Scheduler:
         self.num_preemptions += 1
         return victim
 
+    def _grow_or_preempt(self, s: Sequence, n: int) -> bool:
+        """Blocks for n more tokens of running sequence s, preempting the newest running sequences
+        until they fit. -> False when s itself had to go (it is back in the queue)."""
+        while not self.blocks.can_grow(s, n):
+            if self._preempt_newest() is s:
+                return False
+        self.blocks.grow(s, n)
+        return True
+
     def schedule(self) -> ScheduledBatch:
         if self.loading:
             self._loaded()
@@ -121,20 +130,12 @@ class Scheduler:
         num_tokens: list[int] = []
         # 1. running sequences, oldest first; make room by preempting the newest (which leaves the
         #    end of `running`, so index i stays valid and preempted sequences are never visited)
-        i, running, blocks = 0, self.running, self.blocks
+        i, running = 0, self.running
         while i < len(running) and budget > 0:
             s = running[i]
             n = min(s.num_pending, budget)
-            if blocks.missing(s, n) > 0:   # a decode inside its last block needs none: no checks
-                while not blocks.can_grow(s, n):
-                    if self._preempt_newest() is s:
-                        break
-                else:
-                    blocks.grow(s, n)
-                    seqs.append(s)
-                    num_tokens.append(n)
-                    budget -= n
-            else:
+            # a decode inside its last block needs no block: no checks
+            if self.blocks.missing(s, n) <= 0 or self._grow_or_preempt(s, n):
                 seqs.append(s)
                 num_tokens.append(n)
                 budget -= n

@@ -30,14 +30,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
