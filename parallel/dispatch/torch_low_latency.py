@@ -69,8 +69,9 @@ class LowLatencyMixin:
             raise ValueError(f"combine expects y [{ep * C}, {H}] (the dispatched rows), got {list(y.shape)}")
         y = y.contiguous()
         block = C * H * y.element_size()
-        tiers = per_tier(self.tiers, *self.nodes.block_bytes(block))
-        self._count("combine", ep * block, *self.nodes.block_bytes(block))
+        by_tier = self.nodes.block_bytes(block)
+        self._count("combine", ep * block, *by_tier)
+        tiers = per_tier(self.tiers, *by_tier)
         member = handle.member                                                         # [T, ep]
 
         def reduce(back: Tensor) -> Tensor:
