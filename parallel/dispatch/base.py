@@ -171,22 +171,15 @@ class Dispatcher:
         """Record one dispatch or combine (op) that put nbytes of hidden rows in send buffers,
         intra_bytes of them for other ranks of this node and inter_bytes for ranks of other nodes,
         plus meta_bytes of counts/ids/weights."""
-        st = self.stats
-        if op == "dispatch":
-            st.dispatch_calls += 1
-            st.dispatch_bytes += nbytes
-            st.dispatch_bytes_remote += intra_bytes + inter_bytes
-            st.dispatch_bytes_intra += intra_bytes
-            st.dispatch_bytes_inter += inter_bytes
-            st.low_latency_calls += low_latency
-        elif op == "combine":
-            st.combine_calls += 1
-            st.combine_bytes += nbytes
-            st.combine_bytes_remote += intra_bytes + inter_bytes
-            st.combine_bytes_intra += intra_bytes
-            st.combine_bytes_inter += inter_bytes
-        else:
+        if op not in ("dispatch", "combine"):
             raise ValueError(f"op must be 'dispatch' or 'combine', got {op!r}")
+        st = self.stats
+        for field, n in (("calls", 1), ("bytes", nbytes), ("bytes_remote", intra_bytes + inter_bytes),
+                         ("bytes_intra", intra_bytes), ("bytes_inter", inter_bytes)):
+            name = f"{op}_{field}"
+            setattr(st, name, getattr(st, name) + n)
+        if op == "dispatch":
+            st.low_latency_calls += low_latency
         st.meta_bytes += meta_bytes
 
     def _check_inputs(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:

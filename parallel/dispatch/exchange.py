@@ -67,6 +67,26 @@ def with_meta(x: Tensor, meta: Tensor) -> Tensor:
     return torch.cat([x, meta.contiguous().view(x.dtype)], dim=-1)
 
 
+def padded_blocks(x: Tensor, slots: Tensor, weights: Tensor, C: int) -> Tensor:
+    """The padded modes' send buffer: x [T, H], per destination g the ids slots [G, T, k] (-1 = no
+    slot there) and weights [G, T, k] -> [G, C, H + M], token t in row t of every block, the rows
+    past T zero with ids -1. The caller has checked T <= C."""
+    G, T, k = slots.shape
+    ids = torch.full((G, C, k), -1, dtype=torch.long, device=x.device)
+    ids[:, :T] = slots
+    w = torch.zeros(G, C, k, device=x.device)
+    w[:, :T] = weights
+    rows = x.new_zeros(C, x.shape[1])
+    rows[:T] = x
+    return with_meta(rows.expand(G, C, x.shape[1]), pack_meta(ids, w))
+
+
+def sum_members(parts: Tensor, member: Tensor, dtype: torch.dtype) -> Tensor:
+    """parts [G, T, H] (a padded mode's returned blocks), member [T, G] (whether token t went to g)
+    -> [T, H] in dtype: each token's partial sums from the blocks it went to (the others hold padding)."""
+    return torch.where(member.t()[:, :, None], parts, 0).sum(0).to(dtype)
+
+
 def split_rows(rows: Tensor, hidden: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """[R, H + M] from with_meta -> x [R, H], ids [R, k], weights [R, k]."""
     ids, w = unpack_meta(rows[:, hidden:].contiguous().view(torch.int32), k)

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from .base import Dispatched, Pending
-from .exchange import pack_meta, split_rows, with_meta
+from .exchange import pack_meta, padded_blocks, split_rows, sum_members, with_meta
 from .handles import HierarchicalLowLatencyHandle
 
 
@@ -52,19 +52,13 @@ class HierarchicalLowLatencyMixin:
     def _hll_pack(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, C: int) -> tuple[Tensor, Tensor]:
         """-> send [N*C, W] (block n for the peer on node n, token t in its row t), to_node [T, N].
         The caller (Dispatcher.dispatch_start) has checked T <= C."""
-        nodes, layout, H = self.nodes, self.layout, self.hidden
+        nodes, layout = self.nodes, self.layout
         N = nodes.num_nodes
-        T, k = topk_ids.shape
         ids = topk_ids.to(device=x.device, dtype=torch.long)
         node = torch.where(ids >= 0, nodes.node_of(layout.rank_of(ids)), N)          # [T, k]; N = nowhere
         here = node[None] == torch.arange(N, device=x.device)[:, None, None]         # [N, T, k]
-        phys = torch.full((N, C, k), -1, dtype=torch.long, device=x.device)
-        phys[:, :T] = torch.where(here, ids[None], -1)
-        w = torch.zeros(N, C, k, device=x.device)
-        w[:, :T] = torch.where(here, topk_weights.to(x.device).float()[None], 0.0)
-        rows = x.new_zeros(C, H)
-        rows[:T] = x
-        send = with_meta(rows.expand(N, C, H), pack_meta(phys, w))                   # [N, C, W]
+        send = padded_blocks(x, torch.where(here, ids[None], -1),
+                             torch.where(here, topk_weights.to(x.device).float()[None], 0.0), C)   # [N, C, W]
         return send.view(N * C, -1), here.any(-1).t()
 
     def _hll_forward(self, recv: Tensor, to_node: Tensor, C: int, k: int) -> Dispatched:
@@ -98,11 +92,11 @@ class HierarchicalLowLatencyMixin:
         def stage1_back(back2: Tensor) -> Tensor:
             """back2 [L*N*C, H]: the forwarded rows' partial sums, back from every rank of the node."""
             parts = back2.view(L, N * C, H).to(acc)
-            part = torch.where(h.fwd_member.t()[:, :, None], parts, 0).sum(0).to(y.dtype)    # [N*C, H]
+            part = sum_members(parts, h.fwd_member, y.dtype)                                # [N*C, H]
             (back1,), _, _ = self._stage("inter", [part], splits1, splits1, inter, blocking=True)
             T = h.node_member.shape[0]
             parts = back1.view(N, C, H)[:, :T].to(acc)
-            return torch.where(h.node_member.t()[:, :, None], parts, 0).sum(0).to(y.dtype)   # [T, H]
+            return sum_members(parts, h.node_member, y.dtype)                               # [T, H]
 
         if self.stream is not None:
             def run() -> Tensor:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .base import Dispatched, Pending
-from .exchange import exchange, pack_meta, per_tier, split_rows, with_meta
+from .exchange import exchange, padded_blocks, per_tier, split_rows, sum_members
 from .handles import TorchLowLatencyHandle
 
 
@@ -45,21 +45,15 @@ class LowLatencyMixin:
         """-> send [ep, C, H + M] (token t in row t of every rank's block), member [T, ep]. The caller
         (Dispatcher.dispatch_start) has checked T <= C."""
         ep, layout, H = self.ctx.ep_size, self.layout, self.hidden
-        T, k = topk_ids.shape
+        k = topk_ids.shape[1]
         ids = topk_ids.to(device=x.device, dtype=torch.long)
         dest = torch.where(ids >= 0, layout.rank_of(ids), ep)                          # [T, k]; ep = nowhere
         ranks = torch.arange(ep, device=x.device)
         here = dest[None] == ranks[:, None, None]                                      # [ep, T, k]
-        slots = torch.full((ep, C, k), -1, dtype=torch.long, device=x.device)
-        slots[:, :T] = torch.where(here, layout.local_of(ids), -1)
-        w = torch.zeros(ep, C, k, device=x.device)
-        w[:, :T] = torch.where(here, topk_weights.to(x.device).float()[None], 0.0)
-        rows = x.new_zeros(C, H)
-        rows[:T] = x
-        meta = pack_meta(slots, w)                                                     # [ep, C, 2k]
-        send = with_meta(rows.expand(ep, C, H), meta)                                  # [ep, C, H + M]
+        send = padded_blocks(x, torch.where(here, layout.local_of(ids), -1),
+                             torch.where(here, topk_weights.to(x.device).float()[None], 0.0), C)   # [ep, C, H + M]
         row_bytes = H * x.element_size()
-        self._count("dispatch", ep * C * row_bytes, *self.nodes.block_bytes(C * row_bytes), meta.numel() * 4,
+        self._count("dispatch", ep * C * row_bytes, *self.nodes.block_bytes(C * row_bytes), ep * C * 2 * k * 4,
                     low_latency=True)
         return send, here.any(-1).t()
 
@@ -75,15 +69,16 @@ class LowLatencyMixin:
             raise ValueError(f"combine expects y [{ep * C}, {H}] (the dispatched rows), got {list(y.shape)}")
         y = y.contiguous()
         block = C * H * y.element_size()
-        tiers = per_tier(self.tiers, *self.nodes.block_bytes(block))
-        self._count("combine", ep * block, *self.nodes.block_bytes(block))
+        by_tier = self.nodes.block_bytes(block)
+        self._count("combine", ep * block, *by_tier)
+        tiers = per_tier(self.tiers, *by_tier)
         member = handle.member                                                         # [T, ep]
 
         def reduce(back: Tensor) -> Tensor:
             T = member.shape[0]
             acc = torch.float32 if y.element_size() < 4 else y.dtype
             parts = back.view(ep, C, H)[:, :T].to(acc)                                 # [ep, T, H]
-            return torch.where(member.t()[:, :, None], parts, 0).sum(0).to(y.dtype)    # [T, H]
+            return sum_members(parts, member, y.dtype)                                 # [T, H]
 
         if self.stream is not None:
             def run() -> Tensor:

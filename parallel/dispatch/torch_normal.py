@@ -137,8 +137,9 @@ class TorchDispatcher(LowLatencyMixin, ExchangeDispatcher):
         ctx = self.ctx
         back = y.new_empty(len(handle.send_tok), self.hidden)                      # [S, H]
         row_bytes = self.hidden * y.element_size()
-        self._count("combine", R * row_bytes, *self.nodes.tier_bytes(handle.recv_splits, row_bytes))
-        tiers = self._link_bytes(handle.recv_splits, row_bytes)
+        by_tier = self.nodes.tier_bytes(handle.recv_splits, row_bytes)
+        self._count("combine", R * row_bytes, *by_tier)
+        tiers = per_tier(self.tiers, *by_tier)
         y = y.contiguous()
         pairs = [(back, y, handle.send_splits, handle.recv_splits)]
 
