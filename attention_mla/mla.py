@@ -225,14 +225,8 @@ class MLA(nn.Module):
             out[rows] = self.attend_paged(q_nope[rows], q_pe[rows], kv_pool, meta, paged)
             absorbed = [b for b in absorbed if meta.query_lens[b] != 1]
         if absorbed:
-            slots, _ = meta.context_slots(absorbed)
-            rows = torch.tensor([r for b in absorbed for r in range(starts[b], starts[b] + meta.query_lens[b])],
-                                device=x.device)
-            ctx = self.cache_rows(kv_pool, slots)                                 # [S, L, C+R]
-            if len(absorbed) != len(rows):  # a sequence with several queries: one context copy per token
-                which = torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),
-                                                torch.tensor([meta.query_lens[b] for b in absorbed], device=x.device))
-                ctx = ctx[which]
+            rows, slots = meta.query_context_slots(absorbed, x.device)           # [T'], [T', L]
+            ctx = self.cache_rows(kv_pool, slots)                                 # [T', L, C+R]
             out[rows] = self.attend_absorbed(q_nope[rows], q_pe[rows], ctx, meta.positions[rows] + 1)
         absorbed_set = set(absorbed) | set(paged)
         for b, (s, q) in enumerate(zip(starts, meta.query_lens)):

@@ -117,11 +117,7 @@ class SparseMLA(MLA):
             out[rows] = self.attend_paged_sparse(*take(rows), kv_pool, index_pool, meta, paged)
             absorbed = [b for b in absorbed if qlens[b] != 1]
         if absorbed:
-            rows = torch.tensor([r for b in absorbed for r in range(starts[b], starts[b] + qlens[b])], device=x.device)
-            slots, _ = meta.context_slots(absorbed)                                   # [S, Lmax]
-            if len(rows) != len(absorbed):  # a sequence with several queries: its context once per token
-                slots = slots[torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),
-                                                      torch.tensor([qlens[b] for b in absorbed], device=x.device))]
+            rows, slots = meta.query_context_slots(absorbed, x.device)               # [T'], [T', Lmax]
             out[rows] = self.attend_sparse_absorbed(*take(rows), kv_pool, index_pool, slots, meta.positions[rows] + 1)
         done = set(absorbed) | set(paged)
         for b, (s, q) in enumerate(zip(starts, qlens)):
