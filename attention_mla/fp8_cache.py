@@ -74,8 +74,7 @@ class Fp8Latent:
 
     @property
     def row_bytes(self) -> int:
-        esize = torch.empty(0, dtype=self.rope_dtype).element_size()
-        return _align4(self.rope_offset + self.rope_dim * esize)
+        return _align4(self.rope_offset + self.rope_dim * self.rope_dtype.itemsize)
 
     def quantize(self, latent: torch.Tensor) -> torch.Tensor:
         """latent [T, C+R] -> packed rows uint8 [T, W]: per group scale = amax / 448 (1 where amax is 0,
@@ -106,8 +105,8 @@ class Fp8Latent:
         rows = rows.reshape(-1, W)
         scale = rows[:, self.scale_offset:self.rope_offset].contiguous().view(torch.float32)       # [n, G]
         c = rows[:, :C].contiguous().view(torch.float8_e4m3fn).float().view(-1, G, self.group) * scale[..., None]
-        esize = torch.empty(0, dtype=self.rope_dtype).element_size()
-        rope = rows[:, self.rope_offset:self.rope_offset + R * esize].contiguous().view(self.rope_dtype)
+        rope = rows[:, self.rope_offset:self.rope_offset + R * self.rope_dtype.itemsize]
+        rope = rope.contiguous().view(self.rope_dtype)
         return torch.cat((c.view(-1, C).to(dtype), rope.to(dtype)), dim=-1).view(*lead, C + R)
 
     def write(self, pool: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) -> None:

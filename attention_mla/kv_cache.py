@@ -34,7 +34,6 @@ class LatentKVPool:
             raise ValueError(f"fp8 layout {fp8.kv_lora_rank} + {fp8.rope_dim} != latent_dim {latent_dim}")
         self.num_blocks, self.block_size, self.latent_dim = num_blocks, block_size, latent_dim
         self.index_dim, self.fp8 = index_dim, fp8
-        self.kv_cache_dtype = "auto" if fp8 is None else "fp8_e4m3"
         S = num_blocks * block_size
         width, pool_dtype = (latent_dim, dtype) if fp8 is None else (fp8.row_bytes, torch.uint8)
         self.pools = [torch.zeros(S, width, dtype=pool_dtype, device=device) for _ in range(num_layers)]
@@ -51,6 +50,11 @@ class LatentKVPool:
         L = len(self.pools)
         index = L * self.index_dim * self.index_pools[0].element_size() if self.index_pools is not None else 0
         return {"latent": L * self.pools[0].shape[1] * self.pools[0].element_size(), "index_keys": index}
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The canonical name of the latent cache's format: "auto" | "fp8_e4m3" (from `fp8`)."""
+        return "auto" if self.fp8 is None else "fp8_e4m3"
 
     @property
     def device(self) -> torch.device:

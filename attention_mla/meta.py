@@ -68,3 +68,15 @@ class AttnMeta:
             slots = torch.where(pos[None, :] < lens_t[:, None], slots, torch.zeros_like(slots))
             self._cache[key] = (slots, lens_t)
         return self._cache[key]
+
+    def query_context_slots(self, seqs: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query token of `seqs`, in order: (its row in the step [T'] on `device`, its sequence's
+        context slots [T', Lmax] as context_slots gives them, repeated per token where a sequence has
+        several queries)."""
+        starts = self.query_starts
+        rows = torch.tensor([r for b in seqs for r in range(starts[b], starts[b] + self.query_lens[b])], device=device)
+        slots, _ = self.context_slots(seqs)
+        if len(rows) != len(seqs):
+            qlens = torch.tensor([self.query_lens[b] for b in seqs], device=slots.device)
+            slots = slots[torch.repeat_interleave(torch.arange(len(seqs), device=slots.device), qlens)]
+        return rows, slots

@@ -146,15 +146,22 @@ class MLA(nn.Module):
     def attend_paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor, meta: AttnMeta,
                      seqs: list[int]) -> torch.Tensor:
         """Decode sequences `seqs` (one query each, in that order): q_nope [B, N, dn], q_pe [B, N, R]
-        -> [B, N, dv], attending over the paged cache in the Triton kernel."""
+        -> [B, N, dv], attending over the paged cache in the Triton kernel (the C one for backend "cpu")."""
         if self.backend == "cpu":
             return self.attend_paged_cpu(q_nope, q_pe, kv_pool, meta, seqs)
+        table, lens, max_len = meta.seq_tables(seqs)
+        return self.attend_paged_triton(q_nope, q_pe, kv_pool, table, lens, meta.block_size, max_len)
+
+    def attend_paged_triton(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor,
+                            table: torch.Tensor, lens: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
+        """The absorbed form in the Triton kernel: q_nope [B, N, dn], q_pe [B, N, R], table [B, M] blocks of
+        block_size slots, lens [B] int32 (<= max_len, a host int) -> [B, N, dv]. SparseMLA passes its
+        selected slots as one-slot blocks."""
         from .triton_decode import mla_decode
         w_uk, w_uv = self._kv_b()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)   # [B, N, C]
         q = torch.cat((q_lat, q_pe), dim=-1).to(self.cache_dtype(kv_pool))   # [B, N, C+R]
-        table, lens, max_len = meta.seq_tables(seqs)
-        out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, self.cfg.kv_lora_rank,
+        out_lat = mla_decode(q, kv_pool, table, lens, block_size, self.cfg.kv_lora_rank,
                              self.cfg.softmax_scale, max_len, fp8=self.kv_fp8).to(q_nope.dtype)  # [B, N, C]
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
@@ -218,14 +225,8 @@ class MLA(nn.Module):
             out[rows] = self.attend_paged(q_nope[rows], q_pe[rows], kv_pool, meta, paged)
             absorbed = [b for b in absorbed if meta.query_lens[b] != 1]
         if absorbed:
-            slots, _ = meta.context_slots(absorbed)
-            rows = torch.tensor([r for b in absorbed for r in range(starts[b], starts[b] + meta.query_lens[b])],
-                                device=x.device)
-            ctx = self.cache_rows(kv_pool, slots)                                 # [S, L, C+R]
-            if len(absorbed) != len(rows):  # a sequence with several queries: one context copy per token
-                which = torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),
-                                                torch.tensor([meta.query_lens[b] for b in absorbed], device=x.device))
-                ctx = ctx[which]
+            rows, slots = meta.query_context_slots(absorbed, x.device)           # [T'], [T', L]
+            ctx = self.cache_rows(kv_pool, slots)                                 # [T', L, C+R]
             out[rows] = self.attend_absorbed(q_nope[rows], q_pe[rows], ctx, meta.positions[rows] + 1)
         absorbed_set = set(absorbed) | set(paged)
         for b, (s, q) in enumerate(zip(starts, meta.query_lens)):

@@ -8,7 +8,6 @@ latent space ([B, N, C]); MLA applies W_UV and o_proj afterwards.
 """
 from __future__ import annotations
 
-
 import torch
 
 from parallel.device import triton_unusable
@@ -51,6 +50,3 @@ def resolve_attention_backend(name: str, device: torch.device | str, dtype: torc
     if reason is not None:
         raise ValueError(f"attention_backend 'triton' is not usable: {reason}")
     return "triton"
-
-
-

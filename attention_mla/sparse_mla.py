@@ -71,7 +71,6 @@ class SparseMLA(MLA):
         """Decode sequences `seqs` (one query each, in that order) in the Triton kernels -> [B, N, dv]: the
         indexer's scores read the keys through the block table (triton_indexer.py), the top-k runs in torch,
         and the paged MLA decode kernel reads only the selected latents, given to it as one-slot blocks."""
-        from .triton_decode import mla_decode
         from .triton_indexer import index_scores_paged
         table, lens, max_len = meta.seq_tables(seqs)
         bs = meta.block_size
@@ -81,12 +80,7 @@ class SparseMLA(MLA):
             idx, n = select_topk(scores, lens, self.dsa.index_topk)
             table = (table.gather(1, idx // bs) * bs + idx % bs).to(torch.int32)   # [B, k] slots
             lens, max_len, bs = n.to(torch.int32), idx.shape[1], 1
-        w_uk, w_uv = self._kv_b()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)               # [B, N, C]
-        q = torch.cat((q_lat, q_pe), dim=-1).to(self.cache_dtype(kv_pool))              # [B, N, C+R]
-        out_lat = mla_decode(q, kv_pool, table, lens, bs, self.cfg.kv_lora_rank, self.cfg.softmax_scale,
-                             max_len, fp8=self.kv_fp8).to(q_nope.dtype)                 # [B, N, C]
-        return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self.attend_paged_triton(q_nope, q_pe, kv_pool, table, lens, bs, max_len)
 
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, index_pool: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,11 +117,7 @@ class SparseMLA(MLA):
             out[rows] = self.attend_paged_sparse(*take(rows), kv_pool, index_pool, meta, paged)
             absorbed = [b for b in absorbed if qlens[b] != 1]
         if absorbed:
-            rows = torch.tensor([r for b in absorbed for r in range(starts[b], starts[b] + qlens[b])], device=x.device)
-            slots, _ = meta.context_slots(absorbed)                                   # [S, Lmax]
-            if len(rows) != len(absorbed):  # a sequence with several queries: its context once per token
-                slots = slots[torch.repeat_interleave(torch.arange(len(absorbed), device=x.device),
-                                                      torch.tensor([qlens[b] for b in absorbed], device=x.device))]
+            rows, slots = meta.query_context_slots(absorbed, x.device)               # [T'], [T', Lmax]
             out[rows] = self.attend_sparse_absorbed(*take(rows), kv_pool, index_pool, slots, meta.positions[rows] + 1)
         done = set(absorbed) | set(paged)
         for b, (s, q) in enumerate(zip(starts, qlens)):

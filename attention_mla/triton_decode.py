@@ -153,6 +153,25 @@ def _decode_reduce_kernel(part_ptr, lse_ptr, out_ptr, C, num_splits,
     tl.store(out_ptr + b * stride_ob + h * stride_oh + c, out.to(out_ptr.dtype.element_ty), mask=c_ok)
 
 
+def need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def check_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, B: int, block_size: int, max_len: int,
+                 max_name: str) -> None:
+    """The paged kernels' shared checks (this file's and triton_indexer.py's): block_table [B, M] int with
+    unit stride, seq_lens [B] int32 contiguous, and M blocks enough for the host bound max_len (named
+    max_name in the error)."""
+    need(block_table.dim() == 2 and block_table.shape[0] == B and not block_table.is_floating_point()
+         and block_table.stride(1) == 1, f"block_table must be an integer [B={B}, M] tensor with unit stride, "
+                                         f"got {tuple(block_table.shape)} {block_table.dtype}")
+    need(seq_lens.shape == (B,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
+         f"seq_lens must be a contiguous int32 [B={B}] tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
+    need(block_table.shape[1] * block_size >= max_len,
+         f"block_table holds {block_table.shape[1]} blocks of {block_size} < {max_name} {max_len}")
+
+
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                block_size: int, kv_lora_rank: int, sm_scale: float, max_seq_len: int,
                num_splits: int | None = None, tiles: DecodeTiles | None = None,
@@ -160,9 +179,6 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     """q [B, N, D], kv_pool [S, D] (same dtype), block_table [B, M] int, seq_lens [B] int32 (>= 1)
     -> [B, N, C] in q's dtype. max_seq_len: a host bound on seq_lens (sizes the split, no sync).
     fp8: the pool's packed layout (kv_pool uint8 [S, fp8.row_bytes], q in fp8.rope_dtype)."""
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ValueError(msg)
     tiles = tiles or DecodeTiles()
     need(q.dim() == 3 and q.stride(-1) == 1, f"q must be [B, N, D] with unit stride on D, got {tuple(q.shape)} "
                                              f"strides {q.stride()}")
@@ -177,13 +193,7 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     need(kv_pool.dtype == kv_dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16),
          f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must share one of fp32/bf16/fp16" if fp8 is None else
          f"an fp8 cache's kv_pool must be uint8 (got {kv_pool.dtype}) and q fp32/bf16/fp16 (got {q.dtype})")
-    need(block_table.dim() == 2 and block_table.shape[0] == B and not block_table.is_floating_point()
-         and block_table.stride(1) == 1, f"block_table must be an integer [B={B}, M] tensor with unit stride, "
-                                         f"got {tuple(block_table.shape)} {block_table.dtype}")
-    need(seq_lens.shape == (B,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
-         f"seq_lens must be a contiguous int32 [B={B}] tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    need(block_table.shape[1] * block_size >= max_seq_len,
-         f"block_table holds {block_table.shape[1]} blocks of {block_size} < max_seq_len {max_seq_len}")
+    check_tables(block_table, seq_lens, B, block_size, max_seq_len, "max_seq_len")
     devices = {t.device for t in (q, kv_pool, block_table, seq_lens)}
     need(len(devices) == 1, f"q, kv_pool, block_table, seq_lens are on different devices: {sorted(map(str, devices))}")
     if out is None:

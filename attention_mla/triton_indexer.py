@@ -15,7 +15,7 @@ import triton.language as tl
 
 from parallel.device import triton_interpreting
 
-from .triton_decode import _dot
+from .triton_decode import _dot, check_tables, need
 
 
 @triton.jit
@@ -49,9 +49,6 @@ def index_scores_paged(q: torch.Tensor, w: torch.Tensor, index_pool: torch.Tenso
     """q [B, NI, Dk] (index_pool's dtype), w [B, NI] fp32, index_pool [S, Dk], block_table [B, M] int,
     seq_lens [B] int32 (>= 1) -> scores [B, max_len] fp32, -inf at positions >= seq_lens[b].
     max_len: a host bound on seq_lens (sizes the grid, no sync)."""
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ValueError(msg)
     need(q.dim() == 3 and q.stride(-1) == 1, f"q must be [B, NI, Dk] with unit stride on Dk, got {tuple(q.shape)} "
                                              f"strides {q.stride()}")
     B, NI, Dk = q.shape
@@ -61,13 +58,7 @@ def index_scores_paged(q: torch.Tensor, w: torch.Tensor, index_pool: torch.Tenso
          f"q ({q.dtype}) and index_pool ({index_pool.dtype}) must share one of fp32/bf16/fp16")
     need(w.shape == (B, NI) and w.dtype == torch.float32 and w.stride(-1) == 1,
          f"w must be a float32 [B={B}, NI={NI}] tensor with unit stride, got {tuple(w.shape)} {w.dtype}")
-    need(block_table.dim() == 2 and block_table.shape[0] == B and not block_table.is_floating_point()
-         and block_table.stride(1) == 1, f"block_table must be an integer [B={B}, M] tensor with unit stride, "
-                                         f"got {tuple(block_table.shape)} {block_table.dtype}")
-    need(seq_lens.shape == (B,) and seq_lens.dtype == torch.int32 and seq_lens.is_contiguous(),
-         f"seq_lens must be a contiguous int32 [B={B}] tensor, got {tuple(seq_lens.shape)} {seq_lens.dtype}")
-    need(block_table.shape[1] * block_size >= max_len,
-         f"block_table holds {block_table.shape[1]} blocks of {block_size} < max_len {max_len}")
+    check_tables(block_table, seq_lens, B, block_size, max_len, "max_len")
     need(block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
     devices = {t.device for t in (q, w, index_pool, block_table, seq_lens)}
     need(len(devices) == 1, f"inputs are on different devices: {sorted(map(str, devices))}")

@@ -250,8 +250,6 @@ def check_float32(name: str, t: torch.Tensor, dim: int) -> None:
                          f"{t.dtype} {t.device.type} shape {tuple(t.shape)} strides {t.stride()}")
 
 
-
-
 def bmm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [B, M, K], w [B, N, K] (any batch and row strides) -> [B, M, N] = x @ w^T."""
     check_float32("x", x, 3)
@@ -266,7 +264,7 @@ def bmm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) ->
         raise ValueError(f"bmm_nt: out is {tuple(out.shape)}, expected {(B, M, N)}")
     if out.numel() and K:
         library().wd_bmm_nt(B, x.data_ptr(), x.stride(0), x.stride(1), w.data_ptr(), w.stride(0), w.stride(1),
-                                  out.data_ptr(), out.stride(0), out.stride(1), M, N, K)
+                            out.data_ptr(), out.stride(0), out.stride(1), M, N, K)
     elif out.numel():
         out.zero_()
     return out
@@ -283,11 +281,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = torch.empty(M, N)
     if M and N and K:
         library().wd_bmm_nt(1, x.data_ptr(), 0, x.stride(0), w.data_ptr(), 0, w.stride(0), out.data_ptr(), 0, N,
-                                  M, N, K)
+                            M, N, K)
     elif M and N:
         out.zero_()
     return out
-
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -313,7 +310,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
     if T and k:
         iscratch, scratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64), torch.empty(T * (2 * H + 3 * I))
         rc = library().wd_experts(x.data_ptr(), T, H, I, El, w13.data_ptr(), w2.data_ptr(), ids.data_ptr(),
-                                        wts.data_ptr(), k, out.data_ptr(), iscratch.data_ptr(), scratch.data_ptr())
+                                  wts.data_ptr(), k, out.data_ptr(), iscratch.data_ptr(), scratch.data_ptr())
         if rc < 0:   # an id past the last local expert: the kernel would have read past the weights
             raise ValueError(f"experts: topk_ids holds local id {int(ids.view(-1)[-1 - rc])}, there are {El} "
                              f"local experts")

@@ -184,9 +184,8 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x2.shape)
     if out.numel():
         library().wd_rmsnorm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), out.data_ptr(), N, x2.shape[0], N,
-                                   eps)
+                             eps)
     return out.view(x.shape)
-
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -202,9 +201,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     out = torch.empty(x.shape)
     if out.numel():
         library().wd_rope(x3.data_ptr(), T, x3.shape[1], R, x3.stride(0), x3.stride(1), cos.data_ptr(),
-                                sin.data_ptr(), out.data_ptr(), int(interleave))
+                          sin.data_ptr(), out.data_ptr(), int(interleave))
     return out
-
 
 
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -240,8 +238,8 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     out = torch.empty(B, Nh, kv_lora_rank)
     num_blocks, scratch = kv_pool.shape[0] // block_size, torch.empty(Nh * (max_len + 1))
     if B and library().wd_mla_decode(q.data_ptr(), B, Nh, D, kv_lora_rank, kv_pool.data_ptr(), num_blocks,
-                                           block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), max_len,
-                                           block_size, scale, out.data_ptr(), scratch.data_ptr(), *args):
+                                     block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), max_len,
+                                     block_size, scale, out.data_ptr(), scratch.data_ptr(), *args):
         lo, hi = (int(v) for v in torch.aminmax(seq_lens))
         blo, bhi = (int(v) for v in torch.aminmax(block_table))
         raise ValueError(f"mla_decode: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {block_table.shape[1]} "
