@@ -45,7 +45,6 @@ class PrefillHooks(RankHooks):
         self.core = None                           # set by attach once the engine is built
         self._jobs: dict[str, _Job] = {}           # request id -> job (prefilling or sending)
         self._sending: dict[str, object] = {}      # request id -> finished Sequence whose sends are in flight
-        self._chunks: list = []
         self.prefilled_tokens = 0
         self._t0 = 0.0
 
