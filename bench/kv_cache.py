@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
@@ -34,11 +33,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-             num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
-             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
-             n_group=4, topk_group=2, initializer_range=0.3, max_position_embeddings=2048)
-BLOCK = 16
+from bench.disagg import BLOCK, MODEL as _DISAGG_MODEL, pct  # noqa: E402  (the same tiny model, block, percentile)
+
+MODEL = dict(_DISAGG_MODEL, initializer_range=0.3)
 CONFIGS = ("least_loaded", "kv_aware", "kv_tiers")
 
 
@@ -48,11 +45,6 @@ def conversations(a) -> list[dict]:
     return [dict(system=system[c % a.system_prompts],
                  users=[[rng.randrange(2, 2048) for _ in range(a.user_len)] for _ in range(a.turns)])
             for c in range(a.conversations)]
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))] if xs else float("nan")
 
 
 # -- on every rank ----------------------------------------------------------------------------------

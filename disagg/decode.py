@@ -27,7 +27,7 @@ from .receiver import KVReceiver
 class DecodeHooks(RankHooks):
     def __init__(self, kv, rank: int):
         self.kv, self.rank = kv, rank
-        self.core = None           # set by make_engine once the engine is built
+        self.core = None           # set by attach once the engine is built
         self.receiver: KVReceiver | None = None
 
     def attach(self, core) -> None:

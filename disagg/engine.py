@@ -65,10 +65,7 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     pool_options = dict(options, parallel=par, **getattr(cfg, roles.role).engine_options())
     hooks = (DecodeHooks if roles.role == "decode" else PrefillHooks)(roles.kv, roles.rank)
     eng = DisaggEngine(model, roles, hooks, **pool_options)
-    if roles.role == "decode":
-        hooks.attach(eng.core)
-    else:
-        hooks.core = eng.core
+    hooks.attach(eng.core)
     # every rank's cache shape, to validate prompts at the front and check the pools agree
     kv = eng.core.kv
     mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,

@@ -42,12 +42,14 @@ class PrefillHooks(RankHooks):
 
     def __init__(self, kv, rank: int):
         self.kv, self.rank = kv, rank              # KVTransfer; this rank's global rank
-        self.core = None                           # set by make_engine once the engine is built
+        self.core = None                           # set by attach once the engine is built
         self._jobs: dict[str, _Job] = {}           # request id -> job (prefilling or sending)
         self._sending: dict[str, object] = {}      # request id -> finished Sequence whose sends are in flight
-        self._chunks: list = []
         self.prefilled_tokens = 0
         self._t0 = 0.0
+
+    def attach(self, core) -> None:
+        self.core = core
 
     # -- admission ----------------------------------------------------------------------------------
     def handle(self, msg) -> bool:

@@ -44,6 +44,9 @@ class KVReceiver:
 
     def __init__(self, core: EngineCore, kv: TorchKVTransfer, rank: int):
         self.core, self.kv, self.rank = core, kv, rank
+        # every per-layer tensor of the cache, in the order the prefill rank sends them (layer by layer:
+        # the latents, then DSA's indexer keys)
+        self.pools = [p for i in range(len(core.kv.pools)) for p in core.kv.layer_pools(i)]
         self.pending: dict[str, Incoming] = {}   # request id -> transfer, in arrival order
         self.bytes_received = 0
         self.transfers_done = 0
@@ -71,13 +74,11 @@ class KVReceiver:
     def _receive(self, inc: Incoming) -> None:
         """The transfer's thread: header, L layers (all posted at once, landing as each is sent), ...,
         trailer. Never touches the cache or the blocks."""
-        kv = self.core.kv
-        pools = [p for i in range(len(kv.pools)) for p in kv.layer_pools(i)]  # in the order they are sent
         try:
             while True:
                 chunk = recv_object(self.kv, inc.src, inc.tid)
                 rows = chunk["hi"] - chunk["lo"]
-                staging = [torch.empty(rows, p.shape[1], dtype=p.dtype, device=p.device) for p in pools]
+                staging = [torch.empty(rows, p.shape[1], dtype=p.dtype, device=p.device) for p in self.pools]
                 for h in [self.kv.recv_start(inc.src, inc.tid, buf) for buf in staging]:
                     h.wait()
                 inc.chunks.append((chunk, staging))
@@ -94,8 +95,7 @@ class KVReceiver:
         while inc.chunks:
             chunk, staging = inc.chunks.popleft()
             slots = kv.slots(inc.seq.block_ids, chunk["lo"], chunk["hi"])
-            pools = [p for i in range(len(kv.pools)) for p in kv.layer_pools(i)]
-            for pool, buf in zip(pools, staging, strict=True):
+            for pool, buf in zip(self.pools, staging, strict=True):
                 pool.index_copy_(0, slots, buf)
                 inc.bytes += buf.numel() * buf.element_size()
 

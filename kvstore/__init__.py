@@ -1,5 +1,5 @@
 """Latent-KV blocks beyond one rank's device cache: stable block hashes (hashing.py), the model's
-identity (identity.py), the host and disk tiers (host.py, disk.py) behind one store (store.py),
+identity (identity.py), the host and disk tiers (host.py, disk.py; their LRU index, lru.py) behind one store (store.py),
 what ranks tell the front about the blocks they hold (events.py), and KV-aware routing (router.py).
 The [kv_cache] run-config section is KVCacheConfig (config.py)."""
 from .config import KVCacheConfig

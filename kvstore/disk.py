@@ -22,10 +22,10 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .hashing import from_hex, hex_of
+from .lru import LRUIndex
 
 MAGIC = b"WIDEEPKV"
 VERSION = 1
@@ -64,10 +64,11 @@ def decode(identity: str, h: int, nbytes: int, data: bytes) -> tuple[bytes | Non
     return payload, "ok"
 
 
-class DiskTier:
+class DiskTier(LRUIndex):
     def __init__(self, root: str, identity: str, capacity_bytes: int, block_nbytes: int, prefer: int = 0,
                  on_change=None):
         """prefer: the rank-<k> directory to try first; on_change(h): a block came or went."""
+        super().__init__()
         self.identity, self.block_nbytes = identity, block_nbytes
         self.on_change = on_change or (lambda h: None)
         self.file_nbytes = len(encode(identity, 0, b"\0" * block_nbytes))
@@ -76,7 +77,6 @@ class DiskTier:
                              f"({self.file_nbytes} bytes)")
         self.capacity = capacity_bytes // self.file_nbytes
         self.dir, self._lock_fd = self._claim(os.path.join(os.path.abspath(root), identity), prefer)
-        self._index: OrderedDict[int, None] = OrderedDict()   # least recently used first
         self._pending: dict[int, bytes] = {}                  # queued writes: payload (served to readers)
         self._lock = threading.Lock()
         self._ops: queue.Queue = queue.Queue()
@@ -119,18 +119,6 @@ class DiskTier:
 
     def path(self, h: int) -> str:
         return os.path.join(self.dir, hex_of(h) + ".kv")
-
-    def __contains__(self, h: int) -> bool:
-        return h in self._index
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def hashes(self) -> list[int]:
-        return list(self._index)
-
-    def touch(self, h: int) -> None:
-        self._index.move_to_end(h)
 
     def write(self, h: int, payload: bytes) -> None:
         """Store a block (asynchronously; readers get it from memory until it is on disk)."""
