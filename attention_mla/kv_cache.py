@@ -44,6 +44,10 @@ class LatentKVPool:
         """Everything cached per token for `layer`, slot for slot: [latent [S, D]] (+ [index keys [S, Dk]])."""
         return [self.pools[layer]] + ([self.index_pools[layer]] if self.index_pools is not None else [])
 
+    def all_pools(self) -> list[torch.Tensor]:
+        """layer_pools of every layer, in layer order: everything a block's state is made of."""
+        return [t for layer in range(len(self.pools)) for t in self.layer_pools(layer)]
+
     def bytes_per_token(self) -> dict[str, int]:
         """Cache bytes one token takes over all layers: the latent's (packed rows with fp8: e4m3 values,
         scales, RoPE part) and the indexer keys' (0 without DSA)."""

@@ -46,7 +46,7 @@ class KVReceiver:
         self.core, self.kv, self.rank = core, kv, rank
         # every per-layer tensor of the cache, in the order the prefill rank sends them (layer by layer:
         # the latents, then DSA's indexer keys)
-        self.pools = [p for i in range(len(core.kv.pools)) for p in core.kv.layer_pools(i)]
+        self.pools = core.kv.all_pools()
         self.pending: dict[str, Incoming] = {}   # request id -> transfer, in arrival order
         self.bytes_received = 0
         self.transfers_done = 0

@@ -149,7 +149,7 @@ class EngineCore:
         from kvstore.identity import model_identity
         from kvstore.store import TieredStore
         cfg = self.cfg
-        pools = [t for i in range(len(self.kv.pools)) for t in self.kv.layer_pools(i)]   # DSA: keys too
+        pools = self.kv.all_pools()   # every per-layer tensor: the latents, and DSA's keys
         identity = None
         if "disk" in cfg.kv_cache.tiers:
             # the cache dtype by name (an fp8 tier never serves a full-precision cache, nor the reverse),

@@ -96,6 +96,13 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, ExchangeDispatcher):
         st = self._stage1(x, topk_ids, topk_weights, blocking=False)
         return Pending(self.ctx, st.works, lambda: self._forward(st))
 
+    def _peer_ids(self, dev) -> Tensor:
+        """nodes.peers() as a tensor on dev, made once (not a host-to-device copy per layer and step)."""
+        cached = getattr(self, "_peers", None)
+        if cached is None or cached.device != dev:
+            cached = self._peers = torch.tensor(self.nodes.peers(), device=dev)
+        return cached
+
     def _stage1(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, blocking: bool) -> _Stage1:
         nodes, layout, ep, H = self.nodes, self.layout, self.ctx.ep_size, self.hidden
         N, L = nodes.num_nodes, nodes.ranks_per_node
@@ -114,7 +121,7 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, ExchangeDispatcher):
         # stage-1 rows for node n (column 1).
         counts = torch.zeros(ep, 2, dtype=torch.long, device=dev)
         counts[:, 0] = to_rank.sum(0)
-        counts[torch.tensor(nodes.peers(), device=dev), 1] = per_node
+        counts[self._peer_ids(dev), 1] = per_node
         recv_counts = torch.empty_like(counts)
         exchange(self.ctx, self.group, self.link, [(recv_counts, counts, None, None)], *per_tier(self.tiers, 0, 0),
                  blocking=True)
