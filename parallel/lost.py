@@ -54,5 +54,7 @@ def guard_collective(ctx):
         if lost:
             if wd.exits_on_loss:
                 wd.linger_for_peers()
+            else:   # a custom reaction (on_rank_loss = "continue"): it may end the job; it goes first
+                wd.wait_reacted(wd.lost_after_s)
             raise RankLostError(lost, wd.describe(lost)) from e
         raise

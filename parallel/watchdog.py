@@ -71,6 +71,8 @@ class Watchdog:
         self._client_lock = threading.Lock()
         self._read_lock = threading.Lock()          # one reader of the verdict log at a time
         self._lost_event = threading.Event()
+        self._reactions = threading.Condition()   # guards _reacting: reactions started, not yet returned
+        self._reacting = 0
         self._stop = threading.Event()
         self._acked = False
         self._started = time.monotonic()
@@ -207,6 +209,8 @@ class Watchdog:
             self._lost.update(new)
             for r in new:
                 self._ring.stop_watching(r)
+        with self._reactions:   # counted before the event: a waiter that sees the loss sees its reaction
+            self._reacting += 1
         self._lost_event.set()
         if own:
             threading.Thread(target=self._publish, args=(new,), daemon=True).start()
@@ -249,7 +253,19 @@ class Watchdog:
         if not self._acked and host not in (None, self.rank) and host not in self._lost:
             self._acked = True  # the host lingers for this; never wait on a store that may be gone
             threading.Thread(target=self._ack, daemon=True).start()
-        self._on_lost(ranks, msg)
+        try:
+            self._on_lost(ranks, msg)
+        finally:
+            with self._reactions:
+                self._reacting -= 1
+                self._reactions.notify_all()
+
+    def wait_reacted(self, timeout_s: float) -> None:
+        """Block until the reactions to the verdicts so far have returned (or timeout_s passes): a
+        caller raising over a loss lets the reaction speak first (or end the process, for a loss
+        that ends the job)."""
+        with self._reactions:
+            self._reactions.wait_for(lambda: self._reacting == 0, timeout_s)
 
     def _ack(self) -> None:
         try:
