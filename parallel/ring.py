@@ -77,6 +77,7 @@ class Ring:
         self._hello_pending: dict[socket.socket, bytes] = {}
         self._store_sock: socket.socket | None = None
         self._last_beat = now
+        self._last_clock = now                 # poll()'s last clock read: time since then was not ours
         self.beats_sent = 0
         self._closed = False
         _LIVE.add(self)
@@ -187,10 +188,13 @@ class Ring:
     # -- the loop body -----------------------------------------------------------------------------
     def poll(self, timeout: float) -> "Polled":
         """Wait up to timeout for traffic, beat when due, and judge the neighbours."""
-        t0 = time.monotonic()
         events = self._sel.select(timeout)
         now = time.monotonic()
-        overslept = now - t0 - timeout
+        # Measured from the previous poll's clock read, not from this select's start: a stall that
+        # hits this thread between two polls (the GIL held elsewhere while it is mid-loop) is as
+        # unwitnessed as one that hits it inside select.
+        overslept = now - self._last_clock - timeout
+        self._last_clock = now
         if overslept > self.heartbeat_s:  # we did not run: nobody's silence grew meanwhile
             for link in self.links.values():
                 link.last_heard += overslept
