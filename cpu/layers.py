@@ -163,11 +163,70 @@ int64_t wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t 
     }
     return 0;
 }
+
+/* The router (moe/gate.py Gate), fused. logits [T, E] = x [T, H] @ w [E, H]^T (scratch); per token:
+   scores (softmax or sigmoid), choice = scores + bias (when given); grouped methods keep the
+   topk_group groups with the best group score (method 1: the group's max, 2: the sum of its top
+   two) and hide the rest; the top k of choice (descending, the lower id first among equals) are
+   the ids, their unbiased scores the weights (renormalised when norm, times scale). */
+static int64_t best_of(const float *v, const unsigned char *taken, int64_t n) {
+    int64_t b = -1;
+    for (int64_t e = 0; e < n; e++)
+        if (!taken[e] && (b < 0 || v[e] > v[b])) b = e;
+    return b;
+}
+
+void wd_route(const float *x, int64_t T, int64_t H, const float *w, int64_t E, const float *bias,
+              int sigmoid, int method, int64_t G, int64_t topk_group, int64_t k, int norm, float scale,
+              float *logits, int64_t *ids, float *wts) {
+    linear(x, H, w, H, logits, E, T, E, H);
+    float choice[E], gscore[G > 0 ? G : 1];
+    unsigned char taken[E], gtaken[G > 0 ? G : 1];
+    int64_t per = G > 0 ? E / G : E;
+    for (int64_t t = 0; t < T; t++) {
+        float *sc = logits + t * E;
+        if (sigmoid) {
+            for (int64_t e = 0; e < E; e++) sc[e] = 1.0f / (1.0f + expf(-sc[e]));
+        } else {
+            float mx = sc[0], sum = 0;
+            for (int64_t e = 1; e < E; e++) mx = sc[e] > mx ? sc[e] : mx;
+            for (int64_t e = 0; e < E; e++) { sc[e] = expf(sc[e] - mx); sum += sc[e]; }
+            for (int64_t e = 0; e < E; e++) sc[e] /= sum;
+        }
+        for (int64_t e = 0; e < E; e++) { choice[e] = bias ? sc[e] + bias[e] : sc[e]; taken[e] = 0; }
+        if (method != 0 && G > 1) {
+            for (int64_t g = 0; g < G; g++) {
+                const float *c = choice + g * per;
+                float a = c[0], b = -INFINITY;          /* the best and second best of the group */
+                for (int64_t j = 1; j < per; j++) {
+                    if (c[j] > a) { b = a; a = c[j]; } else if (c[j] > b) b = c[j];
+                }
+                gscore[g] = method == 2 ? a + b : a;
+                gtaken[g] = 0;
+            }
+            for (int64_t i = 0; i < topk_group; i++) gtaken[best_of(gscore, gtaken, G)] = 1;
+            for (int64_t g = 0; g < G; g++)
+                if (!gtaken[g]) memset(taken + g * per, 1, per);   /* hidden: never chosen */
+        }
+        int64_t *id = ids + t * k;
+        float *wt = wts + t * k, total = 0;
+        for (int64_t i = 0; i < k; i++) {
+            int64_t e = best_of(choice, taken, E);
+            taken[e] = 1;
+            id[i] = e;
+            wt[i] = sc[e];
+            total += sc[e];
+        }
+        float f = norm ? scale / (total + 1e-20f) : scale;
+        for (int64_t i = 0; i < k; i++) wt[i] *= f;
+    }
+}
 """
 P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
               "wd_rope": ([P, I, I, I, I, I, P, P, P, ctypes.c_int], None),
-              "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P, P, I, I, I, I, P], I)}
+              "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P, P, I, I, I, I, P], I),
+              "wd_route": ([P, I, I, P, I, P, ctypes.c_int, ctypes.c_int, I, I, I, ctypes.c_int, F, P, P, P], None)}
 register(SOURCE, SIGNATURES)
 
 
@@ -246,3 +305,31 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
                          f"blocks of {block_size}, block ids in [{blo}, {bhi}] must be in [0, {num_blocks})")
     return out
 
+
+
+_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H], weight [E, H], bias [E] or None, cfg a moe.config.MoEConfig (read by its fields) ->
+    topk_ids [T, k] int64, topk_weights [T, k] (moe/gate.py Gate.forward: one call instead of ~15 ops)."""
+    check_float32("x", x, 2)
+    check_float32("weight", weight, 2)
+    (T, H), (E, H2) = x.shape, weight.shape
+    k, G = cfg.top_k, cfg.n_group
+    if H2 != H or not weight.is_contiguous() or E != cfg.n_routed_experts or not 1 <= k <= E or E % G:
+        raise ValueError(f"route: x {tuple(x.shape)} and a contiguous weight {tuple(weight.shape)} with "
+                         f"{cfg.n_routed_experts} experts, top-{k}, {G} groups do not fit")
+    if bias is not None:
+        check_float32("bias", bias, 1)
+        if bias.shape[0] != E:
+            raise ValueError(f"route: bias has {bias.shape[0]} entries, there are {E} experts")
+    x = x if x.is_contiguous() else x.contiguous()
+    ids, wts = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
+    if T:
+        logits = torch.empty(T, E)
+        library().wd_route(x.data_ptr(), T, H, weight.data_ptr(), E, None if bias is None else bias.data_ptr(),
+                           int(cfg.scoring_func == "sigmoid"), _METHODS[cfg.topk_method], G, cfg.topk_group, k,
+                           int(cfg.norm_topk_prob), cfg.routed_scaling_factor, logits.data_ptr(),
+                           ids.data_ptr(), wts.data_ptr())
+    return ids, wts

@@ -45,7 +45,7 @@ class Command:
     seq: int                    # the front's count of commands: a rank obeys each number once
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """What one request did in one step (or since the rank last reported it)."""
     request_id: str

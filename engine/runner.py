@@ -28,9 +28,11 @@ class ModelRunner:
                    ) -> tuple[torch.Tensor, AttnMeta]:
         """-> input_ids [T], AttnMeta for the batch, or for `parts` of it ((b, lo, hi): tokens lo..hi-1
         of sequence b's tokens this step)."""
+        bs, slot_list, seqs = self.kv.block_size, self.kv.slot_list, batch.seqs
+        if parts is None and all(n == 1 for n in batch.num_tokens):
+            return self._decode_meta(seqs)
         if parts is None:
             parts = [(b, 0, n) for b, n in enumerate(batch.num_tokens)]
-        bs, slot_list, seqs = self.kv.block_size, self.kv.slot_list, batch.seqs
         ids, pos, slots, ctx_lens, qlens, tables = [], [], [], [], [], []
         for b, lo, hi in parts:
             s = seqs[b]
@@ -42,12 +44,28 @@ class ModelRunner:
             ctx_lens.append(end)
             qlens.append(hi - lo)
             tables.append(s.block_ids)
+        return self._meta(ids, pos, slots, ctx_lens, qlens, tables)
+
+    def _decode_meta(self, seqs) -> tuple[torch.Tensor, AttnMeta]:
+        """build_meta when every sequence runs one token (a decode step, the common case): one
+        short loop, no per-sequence ranges or slot lists (slot_list's formula, inlined)."""
+        bs = self.kv.block_size
+        ids, pos, slots, tables = [], [], [], []
+        for s in seqs:
+            p, P = s.num_computed, len(s.prompt_token_ids)
+            ids.append(s.output_token_ids[p - P] if p >= P else s.prompt_token_ids[p])
+            pos.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            tables.append(s.block_ids)
+        return self._meta(ids, pos, slots, [p + 1 for p in pos], [1] * len(seqs), tables)
+
+    def _meta(self, ids, pos, slots, ctx_lens, qlens, tables) -> tuple[torch.Tensor, AttnMeta]:
         width = max((len(t) for t in tables), default=1)
         table = [b for t in tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
         dev = self.device
         meta = AttnMeta(positions=int64_tensor(pos, dev), slot_mapping=int64_tensor(slots, dev),
                         block_table=int64_tensor(table, dev).view(len(tables), width),
-                        query_lens=qlens, ctx_lens=ctx_lens, block_size=bs)
+                        query_lens=qlens, ctx_lens=ctx_lens, block_size=self.kv.block_size)
         return int64_tensor(ids, dev), meta
 
     @torch.inference_mode()
@@ -90,29 +108,36 @@ class ModelRunner:
         else:
             hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer,
                                 index_pools=self.kv.index_pools)
-        rows, samplers = [], []
+        rows, samplers, params, gens, tops = [], [], [], [], []
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            if s.params.prompt_logprobs is not None:
+            p = s.params
+            if p.prompt_logprobs is not None:
                 result.prompt_logprobs[b] = self._prompt_logprobs(s, hidden[start:start + n])
             start += n
             if s.num_computed + n == s.num_tokens:  # caught up: the last row predicts the next token
+                if p.logprobs is not None:
+                    tops.append((len(samplers), b, p.logprobs))
                 rows.append(start - 1)
                 samplers.append(b)
+                params.append(p)
+                gens.append(s.generator)
         if not samplers:
             return result
-        seqs = [batch.seqs[b] for b in samplers]
         # every row samples (a decode step): no gather
-        last = hidden if len(rows) == hidden.shape[0] else hidden[int64_tensor(rows, self.device)]
+        every = len(rows) == hidden.shape[0]
+        last = hidden if every else hidden[int64_tensor(rows, self.device)]
         logits = self.model.logits(last)
-        tokens, lse = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens, lse = sample(logits, params, gens)
         chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()  # SYNC: tokens go back to the host
-        for b, t, lp in zip(samplers, tokens.tolist(), chosen):                  # SYNC: see above
-            result.tokens[b], result.logprobs[b] = t, lp
-        for i, (b, s) in enumerate(zip(samplers, seqs)):
-            if s.params.logprobs is not None:
-                row = logits[i:i + 1] - lse[i:i + 1, None]                       # [1, V] raw logprobs
-                result.top[b] = topn_logprobs(row, tokens[i:i + 1], s.params.logprobs)[0]
+        if len(samplers) == B:
+            result.tokens, result.logprobs = tokens.tolist(), chosen             # SYNC: see above
+        else:
+            for b, t, lp in zip(samplers, tokens.tolist(), chosen):              # SYNC: see above
+                result.tokens[b], result.logprobs[b] = t, lp
+        for i, b, n in tops:
+            row = logits[i:i + 1] - lse[i:i + 1, None]                           # [1, V] raw logprobs
+            result.top[b] = topn_logprobs(row, tokens[i:i + 1], n)[0]
         return result
 
     def _prompt_logprobs(self, s, hidden: torch.Tensor) -> list:

@@ -52,10 +52,20 @@ def draw(filtered: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     """filtered [G, V] logits (-inf: excluded) -> [G] token ids, one uniform draw per row from
     `generator`: the first token whose cumulative probability reaches u (inverse CDF; u in (0, 1] and
     scaled by the row's total mass, so a token of probability 0 is never drawn)."""
-    weights = (filtered - filtered.amax(-1, keepdim=True)).exp()              # unnormalised probabilities
-    cdf = weights.cumsum(-1)
+    return _draw(filtered, generator)[0]
+
+
+def _draw(filtered: torch.Tensor, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """draw(), and the rows' logsumexp from the same exponentials (an unfiltered group needs no
+    second pass over [G, V] for its logprobs)."""
+    peak = filtered.amax(-1, keepdim=True)
+    cdf = (filtered - peak).exp_().cumsum_(-1)                                # unnormalised CDF
+    total = cdf[:, -1:]
     u = 1.0 - torch.rand(filtered.shape[0], 1, generator=generator, device=filtered.device)
-    return (cdf < u * cdf[:, -1:]).sum(-1)
+    # first index whose CDF reaches u * total: a cumulative sum of non-negative terms never
+    # decreases, so a binary search finds it (the same index as counting the entries below)
+    tokens = torch.searchsorted(cdf, u * total).squeeze(1)
+    return tokens, (peak + total.log()).squeeze(1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -72,6 +82,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             groups.setdefault(id(gen), (gen, []))[1].append(b)
     dev = logits.device
     out = logits.argmax(-1) if greedy else torch.empty(B, dtype=torch.int64, device=dev)
+    lse = None
     for gen, rows in groups.values():
         ps = [params[b] for b in rows]
         every = len(rows) == B                            # the whole batch: no gather, no scatter
@@ -81,8 +92,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
             group = filter_logits(group, torch.tensor([p.temperature for p in ps], device=dev),
                                   int64_tensor([p.top_k for p in ps], dev),
                                   torch.tensor([p.top_p for p in ps], device=dev))
+        elif every:   # the raw logits of every row: their logsumexp comes with the draw
+            out, lse = _draw(group, gen)
+            continue
         if every:
             out = draw(group, gen)
         else:
             out[idx] = draw(group, gen)
-    return out, logits.logsumexp(-1)
+    return out, logits.logsumexp(-1) if lse is None else lse

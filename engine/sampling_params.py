@@ -74,7 +74,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     text: str
@@ -84,7 +84,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "length" | "stop" | "abort"
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -69,7 +69,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ExpertShard(cfg.n_routed_experts)
-        self.gate = Gate(cfg, device=device)
+        self.gate = Gate(cfg, device=device, kernel=experts_backend == "cpu")
         self.experts = Experts(self.shard.num_local, cfg.hidden_size, cfg.moe_intermediate_size,
                                device=device, dtype=dtype, fp8_block=fp8_block, backend=experts_backend,
                                deepgemm=deepgemm)

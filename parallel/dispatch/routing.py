@@ -34,6 +34,10 @@ class NodeHistogram:
         if topk_ids.shape[0] == 0:
             return
         ids = topk_ids.to(device=self.counts.device, dtype=torch.long)
+        if N == 1:   # one node: a token touches it when any of its ids is real (a third of the ops)
+            real = (ids >= 0).any(1).long()
+            self.counts.index_add_(0, real, torch.ones_like(real))
+            return
         node = torch.where(ids >= 0, self.nodes.node_of(self.layout.rank_of(ids.clamp(min=0))), N)   # [T, k]
         hit = torch.zeros(ids.shape[0], N + 1, dtype=torch.bool, device=ids.device)
         hit.scatter_(1, node, True)

@@ -40,6 +40,14 @@ def _hist(phys: torch.Tensor, P: int) -> list[int]:
     return h.tolist()
 
 
+def test_histogram_on_one_node_counts_tokens_with_a_real_id():
+    h = NodeHistogram(ExpertLayout(16, 4), NodeLayout(4, 4))      # 4 ranks, all on one node
+    h.add(torch.tensor([[0, 15, 3], [-1, -1, -1], [-1, 9, -1], [4, 4, 4]]))
+    assert h.tolist() == [1, 3]
+    h.add(torch.zeros(0, 3, dtype=torch.long))
+    assert h.tolist() == [1, 3]
+
+
 def test_histogram_is_exact():
     layout, nodes = ExpertLayout(16, 4), NodeLayout(4, 2)        # 2 nodes of 2 ranks, 4 slots per rank
     h = NodeHistogram(layout, nodes)
