@@ -36,11 +36,40 @@ class AttnMeta:
 
     @property
     def query_starts(self) -> list[int]:
-        starts, s = [], 0
-        for q in self.query_lens:
-            starts.append(s)
-            s += q
-        return starts
+        """[B] each sequence's first row in the step (computed once: every layer asks)."""
+        if "starts" not in self._cache:
+            starts, s = [], 0
+            for q in self.query_lens:
+                starts.append(s)
+                s += q
+            self._cache["starts"] = starts
+        return self._cache["starts"]
+
+    def attention_split(self, mode: str, paged: bool) -> tuple[list[int], list[int], list[int]]:
+        """Which sequences each attention form serves this step -> (paged, absorbed, naive), computed
+        once per step (every layer asks; the per-sequence work is not repeated per layer). mode
+        "absorbed" / "naive" forces that form for every query; otherwise ("auto") a single-token query
+        (a decode) is absorbed and a longer one naive. With `paged`, the absorbed single-token queries
+        go to the paged decode kernel instead. Sequences without a query this step are in none."""
+        key = ("split", mode, paged)
+        if key not in self._cache:
+            qlens = self.query_lens
+            if mode == "naive":
+                absorbed = []
+            elif mode == "absorbed":
+                absorbed = [b for b, q in enumerate(qlens) if q]
+            else:
+                absorbed = [b for b, q in enumerate(qlens) if q == 1]
+            on_pages = [b for b in absorbed if qlens[b] == 1] if paged else []
+            if on_pages:
+                absorbed = [b for b in absorbed if qlens[b] != 1]
+            if len(on_pages) + len(absorbed) == len(qlens):
+                naive = []
+            else:
+                done = set(absorbed) | set(on_pages)
+                naive = [b for b, q in enumerate(qlens) if q and b not in done]
+            self._cache[key] = (on_pages, absorbed, naive)
+        return self._cache[key]
 
     def seq_tables(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
         """For the paged kernels: (block_table rows of `seqs` [len(seqs), M], ctx_lens [len(seqs)] int32

@@ -21,7 +21,7 @@ from torch import nn
 
 from .config import MLAConfig
 from .fp8_cache import latent_layout
-from .meta import AttnMeta
+from .meta import AttnMeta, int64_tensor
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -209,29 +209,18 @@ class MLA(nn.Module):
         q_nope, q_pe, latent = self.project(x, cos, sin)
         self.write_cache(kv_pool, meta.slot_mapping, latent)
         out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
-        starts = meta.query_starts
-        if self.mode == "absorbed":
-            absorbed = list(range(len(meta.query_lens)))
-        elif self.mode == "naive":
-            absorbed = []
-        else:
-            absorbed = [b for b, q in enumerate(meta.query_lens) if q == 1]
-        paged = [b for b in absorbed if meta.query_lens[b] == 1] if self.backend != "torch" else []
+        paged, absorbed, naive = meta.attention_split(self.mode, self.backend != "torch")
         if len(paged) == T:   # every token decodes: no gather, no scatter
             out = self.attend_paged(q_nope, q_pe, kv_pool, meta, paged)
-            absorbed = []
         elif paged:
-            rows = torch.tensor([starts[b] for b in paged], device=x.device)
+            rows = int64_tensor([meta.query_starts[b] for b in paged], x.device)
             out[rows] = self.attend_paged(q_nope[rows], q_pe[rows], kv_pool, meta, paged)
-            absorbed = [b for b in absorbed if meta.query_lens[b] != 1]
         if absorbed:
             rows, slots = meta.query_context_slots(absorbed, x.device)           # [T'], [T', L]
             ctx = self.cache_rows(kv_pool, slots)                                 # [T', L, C+R]
             out[rows] = self.attend_absorbed(q_nope[rows], q_pe[rows], ctx, meta.positions[rows] + 1)
-        absorbed_set = set(absorbed) | set(paged)
-        for b, (s, q) in enumerate(zip(starts, meta.query_lens)):
-            if b in absorbed_set or q == 0:
-                continue
+        for b in naive:
+            s, q = meta.query_starts[b], meta.query_lens[b]
             slots, _ = meta.context_slots([b])
             ctx = self.cache_rows(kv_pool, slots[0])
             out[s:s + q] = self.attend_naive(q_nope[s:s + q], q_pe[s:s + q], ctx)

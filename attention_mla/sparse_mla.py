@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import DSAConfig, MLAConfig
 from .indexer import Indexer, select_topk, selection_mask
-from .meta import AttnMeta
+from .meta import AttnMeta, int64_tensor
 from .mla import MLA
 from .rope import RotaryEmbedding
 
@@ -108,21 +108,18 @@ class SparseMLA(MLA):
             return [q_nope[rows], q_pe[rows]] + [None if t is None else t[rows] for t in (q_idx, w)]
 
         out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
-        starts, qlens = meta.query_starts, meta.query_lens
-        forced = {"naive": False, "absorbed": True}.get(self.mode)
-        absorbed = [b for b, q in enumerate(qlens) if q and (forced if forced is not None else q == 1)]
-        paged = [b for b in absorbed if qlens[b] == 1] if self.backend == "triton" else []
-        if paged:
-            rows = torch.tensor([starts[b] for b in paged], device=x.device)
+        paged, absorbed, naive = meta.attention_split(self.mode, self.backend == "triton")
+        if len(paged) == T:   # every token decodes: no gather, no scatter
+            out = self.attend_paged_sparse(*take(slice(None)), kv_pool, index_pool, meta, paged)
+        elif paged:
+            rows = int64_tensor([meta.query_starts[b] for b in paged], x.device)
             out[rows] = self.attend_paged_sparse(*take(rows), kv_pool, index_pool, meta, paged)
-            absorbed = [b for b in absorbed if qlens[b] != 1]
         if absorbed:
             rows, slots = meta.query_context_slots(absorbed, x.device)               # [T'], [T', Lmax]
             out[rows] = self.attend_sparse_absorbed(*take(rows), kv_pool, index_pool, slots, meta.positions[rows] + 1)
-        done = set(absorbed) | set(paged)
-        for b, (s, q) in enumerate(zip(starts, qlens)):
-            if q and b not in done:
-                slots, _ = meta.context_slots([b])
-                out[s:s + q] = self.attend_sparse_naive(*take(slice(s, s + q)), kv_pool, index_pool, slots[0],
-                                                        meta.positions[s:s + q])
-        return self.o_proj(out.view(T, -1))
+        for b in naive:
+            s, q = meta.query_starts[b], meta.query_lens[b]
+            slots, _ = meta.context_slots([b])
+            out[s:s + q] = self.attend_sparse_naive(*take(slice(s, s + q)), kv_pool, index_pool, slots[0],
+                                                    meta.positions[s:s + q])
+        return self.o_proj(out.reshape(T, -1))
