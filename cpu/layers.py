@@ -101,6 +101,26 @@ static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int6
     return kb;
 }
 
+/* o[h, :16 NV] += sum over the nj rows j of p[h * L + j] * row_j[:16 NV], for NH heads (rows D apart,
+   heads' scores L apart, outputs C apart): a tile of NH x NV accumulators stays in registers for the
+   whole run of rows, each row's vectors loaded once for all NH heads. */
+#define PV_TILE(NH, NV)                                                                            \
+static inline void pv_##NH##_##NV(const float *rows, int64_t D, int64_t nj, const float *p, int64_t L, \
+                                  float *o, int64_t C) {                                           \
+    v16 acc[NH][NV];                                                                               \
+    for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) acc[h][v] = ld(o + h * C + 16 * v);  \
+    for (int64_t j = 0; j < nj; j++) {                                                             \
+        v16 r[NV];                                                                                 \
+        for (int v = 0; v < NV; v++) r[v] = ld(rows + j * D + 16 * v);                             \
+        for (int h = 0; h < NH; h++) {                                                             \
+            v16 pv = bc(p[h * L + j]);                                                             \
+            for (int v = 0; v < NV; v++) acc[h][v] += pv * r[v];                                   \
+        }                                                                                          \
+    }                                                                                              \
+    for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) st(o + h * C + 16 * v, acc[h][v]);   \
+}
+PV_TILE(4, 4) PV_TILE(4, 1) PV_TILE(1, 4) PV_TILE(1, 1)
+
 /* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
    over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
    p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. pool8 (else NULL): the cache is packed fp8
@@ -146,15 +166,21 @@ int64_t wd_mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t 
         for (int64_t j0 = 0, nj; j0 < L; j0 += nj) {
             nj = CHUNK(j0);
             const float *blk = ROWS(j0, nj);
-            for (int64_t j = j0; j < j0 + nj; j++) {
-                const float *row = blk + (j - j0) * D;
-                for (int64_t n = 0; n < Nh; n++) {
-                    float p = sc[n * L + j], *o = ob + n * C;
-                    v16 pv = bc(p);
-                    for (int64_t c = 0; c < C16; c += 16) st(o + c, ld(o + c) + pv * ld(row + c));
-                    for (int64_t c = C16; c < C; c++) o[c] += p * row[c];
+            for (int64_t c0 = 0, wide; c0 < C16; c0 += wide ? 64 : 16) {
+                wide = C16 - c0 >= 64;
+                for (int64_t n0 = 0, four; n0 < Nh; n0 += four ? 4 : 1) {
+                    four = Nh - n0 >= 4;
+                    const float *p = sc + n0 * L + j0;
+                    float *o = ob + n0 * C + c0;
+                    if (four && wide) pv_4_4(blk + c0, D, nj, p, L, o, C);
+                    else if (four) pv_4_1(blk + c0, D, nj, p, L, o, C);
+                    else if (wide) pv_1_4(blk + c0, D, nj, p, L, o, C);
+                    else pv_1_1(blk + c0, D, nj, p, L, o, C);
                 }
             }
+            for (int64_t j = j0; j < j0 + nj; j++)
+                for (int64_t n = 0; n < Nh; n++)
+                    for (int64_t c = C16; c < C; c++) ob[n * C + c] += sc[n * L + j] * blk[(j - j0) * D + c];
         }
 #undef ROWS
 #undef CHUNK

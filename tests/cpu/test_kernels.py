@@ -75,7 +75,9 @@ def test_experts_saturated_silu_and_no_local_expert():
 
 
 @pytest.mark.parametrize("lens,block_size,heads,D,C", [([1], 4, 1, 16, 16), ([5, 1, 12], 4, 8, 40, 32),
-                                                        ([100, 33, 64], 32, 3, 48, 40), ([17, 16], 16, 16, 160, 128)])
+                                                        ([100, 33, 64], 32, 3, 48, 40), ([17, 16], 16, 16, 160, 128),
+                                                        # every register tile of the output pass and the tails
+                                                        ([9, 30], 8, 5, 80, 67), ([7, 40], 16, 4, 40, 32)])
 def test_mla_decode_equals_reference(lens, block_size, heads, D, C):
     torch.manual_seed(len(lens) + block_size)
     B, M = len(lens), max(-(-n // block_size) for n in lens)
