@@ -121,25 +121,32 @@ static inline void row_all(const float *x, int64_t ldx, int64_t m, const float *
 /* Many rows of x (M >= 8): the FMAs are the bottleneck, and x no longer fits in L1 beside the weights.
    Blocks of 4 rows of w x MB rows of x then share every load (16 accumulators): x is read once per 4
    rows of w instead of once per row. */
+#define BLOCK4_STEP(MB, LD)                                                                        \
+        {                                                                                          \
+            v16 w0 = LD(w + k), w1 = LD(w + ldw + k), w2 = LD(w + 2 * ldw + k), w3 = LD(w + 3 * ldw + k); \
+            KEEP(w0); KEEP(w1); KEEP(w2); KEEP(w3);                                                \
+            for (int j = 0; j < MB; j++) {                                                         \
+                v16 xv = LD(x + j * ldx + k);                                                      \
+                KEEP(xv);                                                                          \
+                acc[j][0] += w0 * xv; acc[j][1] += w1 * xv; acc[j][2] += w2 * xv; acc[j][3] += w3 * xv; \
+            }                                                                                      \
+        }
+#define LD_FULL(p) ld(p)
+#define LD_TAIL(p) ld_part(p, K - k)
 #define BLOCK4(MB)                                                                                 \
 static void block4_##MB(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y,        \
                         int64_t ldy, int64_t K, int pf) {                                          \
     v16 acc[MB][4];                                                                                \
     for (int j = 0; j < MB; j++) for (int r = 0; r < 4; r++) acc[j][r] = bc(0);                    \
-    for (int64_t k = 0; k < K; k += 16) {                                                          \
-        int64_t n = K - k < 16 ? K - k : 16;                                                       \
-        v16 w0, w1, w2, w3;                                                                        \
-        if (n == 16) { w0 = ld(w + k); w1 = ld(w + ldw + k); w2 = ld(w + 2 * ldw + k); w3 = ld(w + 3 * ldw + k); } \
-        else { w0 = ld_part(w + k, n); w1 = ld_part(w + ldw + k, n); w2 = ld_part(w + 2 * ldw + k, n);          \
-               w3 = ld_part(w + 3 * ldw + k, n); }                                                 \
-        KEEP(w0); KEEP(w1); KEEP(w2); KEEP(w3);                                                    \
-        if (pf) for (int r = 4; r < 8; r++) __builtin_prefetch(w + r * ldw + k, 0, 2);           \
-        for (int j = 0; j < MB; j++) {                                                             \
-            v16 xv = n == 16 ? ld(x + j * ldx + k) : ld_part(x + j * ldx + k, n);                  \
-            KEEP(xv);                                                                              \
-            acc[j][0] += w0 * xv; acc[j][1] += w1 * xv; acc[j][2] += w2 * xv; acc[j][3] += w3 * xv; \
+    int64_t k = 0, K16 = K & ~(int64_t)15;                                                         \
+    if (pf)                                                                                        \
+        for (; k < K16; k += 16) {                                                                 \
+            for (int r = 4; r < 8; r++) __builtin_prefetch(w + r * ldw + k, 0, 2);                \
+            BLOCK4_STEP(MB, LD_FULL)                                                               \
         }                                                                                          \
-    }                                                                                              \
+    else                                                                                           \
+        for (; k < K16; k += 16) BLOCK4_STEP(MB, LD_FULL)                                          \
+    if (k < K) BLOCK4_STEP(MB, LD_TAIL)                                                            \
     for (int j = 0; j < MB; j++) {                                                                 \
         v16 s = reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);                               \
         for (int r = 0; r < 4; r++) y[j * ldy + r] = s[4 * r];                                     \
