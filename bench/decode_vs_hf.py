@@ -26,8 +26,11 @@ Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf
 ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
 decode_roofline_fraction (1 thread), decode_roofline_fraction_2t, decode_roofline_fraction_cpu_time,
 and a "roofline" block per thread count (read/copy GB/s, bytes per step split dense/experts/kv,
-step ms wall and CPU, prefill ms).
-    python bench/decode_vs_hf.py [--quick] [--threads 1,2]
+step ms wall and CPU, prefill ms). --breakdown: one more wideep run at the first thread count with
+every C kernel timed (wall time inside cpu/gemm.py's and cpu/layers.py's launchers during the decode
+steps): "breakdown" = ms per decode step in each kernel and the rest ("other": Python, small torch
+ops, sampling, scheduling), beside the bytes each kernel's weights account for.
+    python bench/decode_vs_hf.py [--quick] [--threads 1,2] [--breakdown]
 """
 from __future__ import annotations
 
@@ -72,6 +75,34 @@ def gbs(nbytes: int, seconds: list[float]) -> dict:
             "best": round(nbytes / min(seconds) / 1e9, 2)}
 
 
+class KernelClock:
+    """Wall time inside the C kernels' launchers, per step (take() returns and clears it). Every
+    caller reaches them as module attributes at call time, so replacing the attributes times them all."""
+
+    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"), "layers": ("mla_decode", "route", "rmsnorm", "rope")}
+
+    def __init__(self):
+        import importlib
+        self.step: dict[str, float] = {}
+        for mod_name, names in self.KERNELS.items():
+            mod = importlib.import_module(f"cpu.{mod_name}")
+            for name in names:
+                setattr(mod, name, self._timed(name, getattr(mod, name)))
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.step[name] = self.step.get(name, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def take(self) -> dict[str, float]:
+        step, self.step = self.step, {}
+        return step
+
+
 class DecodeMeter:
     """Times every Engine.step of `llm` and counts the bytes each decode step must read."""
 
@@ -93,6 +124,7 @@ class DecodeMeter:
             m.gate.register_forward_hook(lambda mod, inp, out: self.ids.append(out[0]))
         self.steps: list[dict] = []
         self._batch = None
+        self.clock: KernelClock | None = None    # set: each step's kernel seconds are recorded too
         runner, loop = core.runner, llm.engine.loop
         execute, step = runner.execute, loop.step
 
@@ -110,19 +142,30 @@ class DecodeMeter:
 
     def _record(self, seconds: float, cpu_seconds: float) -> None:
         b, self._batch = self._batch, None
+        kernels = self.clock.take() if self.clock is not None else {}
         if b is None or not b.seqs:
             return
         decode = all(n == 1 for n in b.num_tokens)
         experts = sum(len(torch.unique(ids)) * per for ids, per in zip(self.ids, self.per_expert))
         kv = sum(s.num_computed for s in b.seqs) * self.latent * self.elem  # after apply: context incl. new
         self.steps.append({"decode": decode, "s": seconds, "cpu_s": cpu_seconds, "tokens": sum(b.num_tokens),
-                           "experts": experts,
+                           "experts": experts, "kernels": kernels,
                            "kv": kv, "dense": self.dense + sum(b.num_tokens) * self.hidden * self.elem})
 
     def step_ms(self) -> tuple[float, float]:
         """(prefill ms: all steps with a prompt, decode step ms: median)"""
         return (round(sum(s["s"] for s in self.steps if not s["decode"]) * 1e3, 1),
                 round(statistics.median(s["s"] for s in self.steps if s["decode"]) * 1e3, 2))
+
+    def breakdown(self) -> dict:
+        """ms per decode step (median step's total; mean per kernel) in each C kernel and the rest."""
+        dec = [s for s in self.steps if s["decode"]]
+        names = sorted({k for s in dec for k in s["kernels"]})
+        out = {k: round(statistics.fmean(s["kernels"].get(k, 0.0) for s in dec) * 1e3, 2) for k in names}
+        step_ms = statistics.median(s["s"] for s in dec) * 1e3
+        out["other"] = round(step_ms - sum(out.values()), 2)
+        out["step"] = round(step_ms, 2)
+        return out
 
     def summary(self, times: dict, nbytes: int) -> dict:
         dec = [s for s in self.steps if s["decode"]]
@@ -153,6 +196,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--threads", default="1,2", help="thread counts for the roofline (the first runs hf too)")
     ap.add_argument("--quick", action="store_true", help="smaller shape for a smoke run")
+    ap.add_argument("--breakdown", action="store_true", help="one more run with every C kernel timed")
     a = ap.parse_args()
     if a.quick:
         a.hidden, a.layers, a.batch, a.prompt, a.new, a.trials = 256, 4, 8, 64, 16, 1
@@ -223,6 +267,12 @@ def main() -> None:
                 t, _ = run_hf(hf_eager)
                 te.append(t)
             roof[n_threads] = best
+        breakdown = None
+        if a.breakdown:
+            torch.set_num_threads(threads[0])
+            meter.clock = KernelClock()
+            run_wideep()
+            breakdown = meter.breakdown()
         agree = sum(p == q for p, q in zip(ours, theirs)) / len(ours)
     n = a.batch * a.new
     first, second = roof[threads[0]], roof[threads[1]] if len(threads) > 1 else None
@@ -244,7 +294,8 @@ def main() -> None:
            "decode_roofline_fraction_vs_huge_pages": first["fraction_huge"],
            "huge_pages": {"weights_mb": round(llm.model.huge_page_bytes / 1e6, 1),
                           "ceiling_mb": round(huge_ceiling / 1e6, 1)},
-           "roofline": {f"{t}t": r for t, r in roof.items()}, "backends": llm.model.backends,
+           "roofline": {f"{t}t": r for t, r in roof.items()}, "breakdown_ms": breakdown,
+           "backends": llm.model.backends,
            "torch": torch.__version__, "threads": threads}
     print(json.dumps(res))
 
