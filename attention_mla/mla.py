@@ -197,6 +197,32 @@ class MLA(nn.Module):
         bmm_nt(out_lat.transpose(0, 1), self._kv_b()[1], out=out.transpose(0, 1))           # [N, B, dv]
         return out
 
+    def decode_layer(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, in_norm: RMSNorm, post_norm: RMSNorm):
+        """The decoder layer's attention half — in_norm, this attention, the residual, post_norm — as
+        one C call (cpu/layers.py mla_layer: the same kernels in the same order, none of the per-op
+        Python or small torch ops) when the step allows it: backend "cpu", a float32 cache, every
+        token a decode, float32 weights without biases, both norms on the C kernel.
+        -> (h [T, H], mlp_in [T, H]), or None: the caller runs the operations one by one."""
+        T = x.shape[0]
+        if (self.backend != "cpu" or type(self) is not MLA or self.kv_fp8 is not None or T == 0
+                or not (in_norm.kernel and post_norm.kernel) or x.dtype != torch.float32 or x.is_cuda
+                or not x.is_contiguous() or kv_pool.dtype != torch.float32 or not kv_pool.is_contiguous()
+                or not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32)):
+            return None
+        paged, _, _ = meta.attention_split(self.mode, True)
+        if len(paged) != T:
+            return None
+        mods = [self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj, self.o_proj, in_norm, post_norm]
+        mods += [self.q_a_proj, self.q_a_layernorm, self.q_b_proj] if self.cfg.q_lora_rank else [self.q_proj]
+        if any(m.weight.dtype != torch.float32 or not m.weight.is_contiguous() or getattr(m, "bias", None) is not None
+               for m in mods):
+            return None
+        from cpu.layers import mla_layer
+        table, lens, max_len = meta.seq_tables(paged)
+        return mla_layer(x, in_norm, post_norm, self, cos, sin, kv_pool, meta.slot_mapping, table, lens, max_len,
+                         meta.block_size)
+
     # -- step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -79,7 +79,7 @@ class KernelClock:
     """Wall time inside the C kernels' launchers, per step (take() returns and clears it). Every
     caller reaches them as module attributes at call time, so replacing the attributes times them all."""
 
-    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"), "layers": ("mla_decode", "route", "rmsnorm", "rope")}
+    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"), "layers": ("mla_layer", "mla_decode", "route", "rmsnorm", "rope")}
 
     def __init__(self):
         import importlib

@@ -247,11 +247,62 @@ void wd_route(const float *x, int64_t T, int64_t H, const float *w, int64_t E, c
         for (int64_t i = 0; i < k; i++) wt[i] *= f;
     }
 }
+
+/* One decode step of an MLA layer around its attention (attention_mla/mla.py MLA.decode_layer): T
+   tokens, each the only query of its sequence, a float32 cache. h = x + o_proj(attention(input_norm(x)))
+   and mlp_in = post_norm(h): the same kernels, in the same order, as the unfused path (q-LoRA or q_proj,
+   kv_a, the two RoPEs, the cache write, the absorbed query, mla_decode, W_UV, o_proj), in one call.
+   wq: q_b_proj [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wuk_t [N, C, dn];
+   wkvb: kv_b_proj [N (dn+dv), C]. buf: T (2H + Q + N(dn+R) + 2(C+R) + R + NR + N(C+R) + NC + N dv) +
+   N (max_len + 1) floats. Returns 0; -1 (wd_mla_decode's: a length or block id out of range, nothing
+   attended); -2 - t when token t's slot is outside the pool's S rows (nothing written). */
+int64_t wd_mla_layer(const float *x, int64_t T, int64_t H, const float *in_w, float in_eps, const float *post_w,
+                     float post_eps, const float *wqa, int64_t Q, const float *qa_w, float qa_eps, const float *wq,
+                     const float *wkva, const float *kva_w, float kva_eps, int64_t N, int64_t dn, int64_t R,
+                     int64_t C, int64_t dv, const float *wuk_t, const float *wkvb, const float *wo,
+                     const float *cos, const float *sin, int interleave, float *pool, int64_t S,
+                     const int64_t *slots, const int64_t *table, int64_t max_blocks, const int32_t *lens,
+                     int64_t max_len, int64_t bs, float scale, float *h, float *mlp_in, float *buf) {
+    int64_t D = C + R, dq = dn + R;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= S) return -2 - t;
+    float *xn = buf, *qa = xn + T * H, *q = qa + T * Q, *kv = q + T * N * dq, *lat = kv + T * D,
+          *kpe = lat + T * D, *qpe = kpe + T * R, *qabs = qpe + T * N * R, *olat = qabs + T * N * D,
+          *o = olat + T * N * C, *y = o + T * N * dv, *msc = y + T * H;
+    wd_rmsnorm(x, H, in_w, xn, H, T, H, in_eps);
+    if (Q) {
+        linear(xn, H, wqa, H, qa, Q, T, Q, H);
+        wd_rmsnorm(qa, Q, qa_w, qa, Q, T, Q, qa_eps);
+        linear(qa, Q, wq, Q, q, N * dq, T, N * dq, Q);
+    } else {
+        linear(xn, H, wq, H, q, N * dq, T, N * dq, H);
+    }
+    linear(xn, H, wkva, H, kv, D, T, D, H);
+    wd_rmsnorm(kv, D, kva_w, lat, D, T, C, kva_eps);                 /* the normed latent c */
+    wd_rope(kv + C, T, 1, R, D, R, cos, sin, kpe, interleave);       /* k_pe */
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(lat + t * D + C, kpe + t * R, R * sizeof(float));
+        memcpy(pool + slots[t] * D, lat + t * D, D * sizeof(float));
+    }
+    wd_rope(q + dn, T, N, R, N * dq, dq, cos, sin, qpe, interleave);  /* q_pe [T, N, R] */
+    wd_bmm_nt(N, q, dq, N * dq, wuk_t, C * dn, dn, qabs, D, N * D, T, C, dn);   /* q_nope W_UK per head */
+    for (int64_t t = 0; t < T * N; t++) memcpy(qabs + t * D + C, qpe + t * R, R * sizeof(float));
+    int64_t rc = wd_mla_decode(qabs, T, N, D, C, pool, S / bs, table, max_blocks, lens, max_len, bs, scale, olat,
+                               msc, NULL, 0, 0, 0, 0, NULL);
+    if (rc) return rc;
+    wd_bmm_nt(N, olat, C, N * C, wkvb + dn * C, (dn + dv) * C, C, o, dv, N * dv, T, dv, C);   /* W_UV */
+    linear(o, N * dv, wo, N * dv, y, H, T, H, N * dv);
+    for (int64_t i = 0; i < T * H; i++) h[i] = x[i] + y[i];
+    wd_rmsnorm(h, H, post_w, mlp_in, H, T, H, post_eps);
+    return 0;
+}
 """
 P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
               "wd_rope": ([P, I, I, I, I, I, P, P, P, ctypes.c_int], None),
               "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P, P, I, I, I, I, P], I),
+              "wd_mla_layer": ([P, I, I, P, F, P, F, P, I, P, F, P, P, P, F, I, I, I, I, I, P, P, P, P, P,
+                                ctypes.c_int, P, I, P, P, I, P, I, I, F, P, P, P], I),
               "wd_route": ([P, I, I, P, I, P, ctypes.c_int, ctypes.c_int, I, I, I, ctypes.c_int, F, P, P, P], None)}
 register(SOURCE, SIGNATURES)
 
@@ -359,3 +410,38 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg)
                            int(cfg.norm_topk_prob), cfg.routed_scaling_factor, logits.data_ptr(),
                            ids.data_ptr(), wts.data_ptr())
     return ids, wts
+
+
+def mla_layer(x: torch.Tensor, in_norm, post_norm, mla, cos: torch.Tensor, sin: torch.Tensor, kv_pool: torch.Tensor,
+              slots: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (each token the only query of its sequence), the layer's RMSNorm modules and its MLA
+    (attention_mla/mla.py, read by its fields), cos/sin [T, R/2], a float32 pool [S, C+R], slots [T],
+    table [T, M], lens [T] int32 (AttnMeta.seq_tables) -> (h [T, H], mlp_in [T, H]): the decoder
+    layer's attention half in one call (MLA.decode_layer checks that every weight fits)."""
+    cfg = mla.cfg
+    T, H = x.shape
+    N, dn, R, C, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+    Q = cfg.q_lora_rank or 0
+    D = C + R
+    h, mlp_in = torch.empty(T, H), torch.empty(T, H)
+    buf = torch.empty(T * (2 * H + Q + N * (dn + R) + 2 * D + R + N * R + N * D + N * C + N * dv) + N * (max_len + 1))
+    wq = mla.q_b_proj.weight if Q else mla.q_proj.weight
+    wqa, qa_w, qa_eps = ((mla.q_a_proj.weight.data_ptr(), mla.q_a_layernorm.weight.data_ptr(), mla.q_a_layernorm.eps)
+                         if Q else (None, None, 0.0))
+    rc = library().wd_mla_layer(
+        x.data_ptr(), T, H, in_norm.weight.data_ptr(), in_norm.eps, post_norm.weight.data_ptr(), post_norm.eps,
+        wqa, Q, qa_w, qa_eps, wq.data_ptr(), mla.kv_a_proj_with_mqa.weight.data_ptr(),
+        mla.kv_a_layernorm.weight.data_ptr(), mla.kv_a_layernorm.eps, N, dn, R, C, dv, mla.w_uk_t().data_ptr(),
+        mla.kv_b_proj.weight.data_ptr(), mla.o_proj.weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        int(mla.rope.cfg.interleave), kv_pool.data_ptr(), kv_pool.shape[0], slots.data_ptr(), table.data_ptr(),
+        table.shape[1], lens.data_ptr(), max_len, block_size, cfg.softmax_scale, h.data_ptr(), mlp_in.data_ptr(),
+        buf.data_ptr())
+    if rc <= -2:
+        raise ValueError(f"mla_layer: token {-2 - rc}'s slot {int(slots[-2 - rc])} is outside the pool's "
+                         f"{kv_pool.shape[0]} rows")
+    if rc:
+        lo, hi = (int(v) for v in torch.aminmax(lens))
+        raise ValueError(f"mla_layer: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {table.shape[1]} "
+                         f"blocks of {block_size}, block ids must be in [0, {kv_pool.shape[0] // block_size})")
+    return h, mlp_in

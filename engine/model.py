@@ -108,6 +108,12 @@ class DecoderLayer(nn.Module):
     def op_attention(self, s: OpState) -> None:
         mb, x = s.inputs, s.take("x")
         cos, sin = s.peek("rope")
+        if mb.index_pools is None:   # a decode step on the CPU kernels: the whole half in one call
+            fused = self.self_attn.decode_layer(x, mb.meta, mb.kv_pools[self.index], cos, sin, self.input_layernorm,
+                                                self.post_attention_layernorm)
+            if fused is not None:
+                s.put(h=fused[0], mlp_in=fused[1])
+                return
         # DSA layers also write and read their indexer keys (the same slots in index_pools)
         extra = {} if mb.index_pools is None else {"index_pool": mb.index_pools[self.index]}
         h = x + self.self_attn(self.input_layernorm(x), mb.meta, mb.kv_pools[self.index], cos, sin, **extra)

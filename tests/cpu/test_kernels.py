@@ -205,3 +205,46 @@ def test_mla_cpu_backend_equals_torch(q_lora):
         torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     w = fast.kv_b_proj.weight
     assert fast._w_uk_t_of == (w.data_ptr(), w._version)                # laid out once, still current
+
+
+@pytest.mark.parametrize("q_lora", [None, 20])
+def test_mla_decode_layer_equals_the_operations(q_lora):
+    """MLA.decode_layer (the attention half of a decoder layer in one C call) == input norm, MLA
+    forward on the cpu backend, residual, post-attention norm run one by one: outputs and the cache."""
+    from attention_mla.meta import AttnMeta
+    from attention_mla.norm import RMSNorm
+    from attention_mla.mla import MLA
+    from cpu.linear import Linear
+    from tests.attention_mla.test_mla import _meta, _mla
+    torch.manual_seed(8)
+    shape = _mla(q_lora)                       # the test module's config, built as the engine builds it
+    mla = MLA(shape.cfg, shape.rope, linear=Linear, backend="cpu")
+    with torch.no_grad():
+        for p in mla.parameters():
+            p.normal_(0, 0.2)
+    norms = [RMSNorm(48, 1e-6, kernel=True), RMSNorm(48, 1e-5, kernel=True)]
+    for n in norms:
+        torch.nn.init.normal_(n.weight, 1.0, 0.2)
+    lens, bs = [5, 1, 9], 4
+    meta = _meta(lens, bs)
+    pool = torch.zeros(64 * bs, 32)
+    with torch.no_grad():
+        mla(torch.randn(sum(lens), 48), meta, pool, *mla.rope.cos_sin(meta.positions))   # prefill
+        assert mla.decode_layer(torch.randn(sum(lens), 48), meta, pool, *mla.rope.cos_sin(meta.positions),
+                                *norms) is None                                         # not a decode step
+        pos = list(lens)
+        slots = [int(meta.block_table[b, p // bs]) * bs + p % bs for b, p in enumerate(pos)]
+        dmeta = AttnMeta(torch.tensor(pos), torch.tensor(slots), meta.block_table, [1, 1, 1], [p + 1 for p in pos], bs)
+        x = torch.randn(3, 48)
+        cos, sin = mla.rope.cos_sin(dmeta.positions)
+        ref_pool = pool.clone()
+        h_ref = x + mla(norms[0](x), dmeta, ref_pool, cos, sin)
+        h, mlp_in = mla.decode_layer(x, dmeta, pool, cos, sin, *norms)
+        torch.testing.assert_close(h, h_ref, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(mlp_in, norms[1](h_ref), atol=1e-6, rtol=1e-6)
+        assert torch.equal(pool, ref_pool)                                  # the same latents, same rows
+        bad = AttnMeta(torch.tensor(pos), torch.tensor([slots[0], 64 * bs, slots[2]]), meta.block_table, [1, 1, 1],
+                       [p + 1 for p in pos], bs)
+        with pytest.raises(ValueError, match=f"token 1's slot {64 * bs} is outside the pool's {64 * bs} rows"):
+            mla.decode_layer(x, bad, pool, cos, sin, *norms)
+        assert torch.equal(pool, ref_pool)                                  # nothing written
