@@ -202,10 +202,12 @@ class MLA(nn.Module):
         """The decoder layer's attention half — in_norm, this attention, the residual, post_norm — as
         one C call (cpu/layers.py mla_layer: the same kernels in the same order, none of the per-op
         Python or small torch ops) when the step allows it: backend "cpu", a float32 cache, every
-        token a decode, float32 weights without biases, both norms on the C kernel.
+        token a decode, at most cpu.linear.MAX_ROWS of them (more go through BLAS op by op), float32
+        weights without biases, both norms on the C kernel.
         -> (h [T, H], mlp_in [T, H]), or None: the caller runs the operations one by one."""
+        from cpu.linear import MAX_ROWS
         T = x.shape[0]
-        if (self.backend != "cpu" or type(self) is not MLA or self.kv_fp8 is not None or T == 0
+        if (self.backend != "cpu" or type(self) is not MLA or self.kv_fp8 is not None or not 0 < T <= MAX_ROWS
                 or not (in_norm.kernel and post_norm.kernel) or x.dtype != torch.float32 or x.is_cuda
                 or not x.is_contiguous() or kv_pool.dtype != torch.float32 or not kv_pool.is_contiguous()
                 or not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32)):
