@@ -206,11 +206,16 @@ class MLA(nn.Module):
         weights without biases, both norms on the C kernel.
         -> (h [T, H], mlp_in [T, H]), or None: the caller runs the operations one by one."""
         from cpu.linear import MAX_ROWS
-        T = x.shape[0]
-        if (self.backend != "cpu" or type(self) is not MLA or self.kv_fp8 is not None or not 0 < T <= MAX_ROWS
-                or not (in_norm.kernel and post_norm.kernel) or x.dtype != torch.float32 or x.is_cuda
-                or not x.is_contiguous() or kv_pool.dtype != torch.float32 or not kv_pool.is_contiguous()
-                or not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == sin.dtype == torch.float32)):
+        cfg, T, f32 = self.cfg, x.shape[0], torch.float32
+        ok = (self.backend == "cpu" and type(self) is MLA and self.kv_fp8 is None and 0 < T <= MAX_ROWS
+              and in_norm.kernel and post_norm.kernel
+              and x.dtype == f32 and not x.is_cuda and x.is_contiguous() and x.shape[1] == cfg.hidden_size
+              and kv_pool.dtype == f32 and kv_pool.is_contiguous()
+              and kv_pool.shape[1:] == (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
+              and cos.dtype == sin.dtype == f32 and cos.is_contiguous() and sin.is_contiguous()
+              and cos.shape == sin.shape == (T, cfg.qk_rope_head_dim // 2)
+              and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous())
+        if not ok:   # anything else (a wrong pool included: forward names it) runs op by op
             return None
         paged, _, _ = meta.attention_split(self.mode, True)
         if len(paged) != T:
