@@ -98,12 +98,16 @@ class AttnMeta:
             self._cache[key] = (slots, lens_t)
         return self._cache[key]
 
+    def query_rows(self, seqs: list[int], device: torch.device) -> torch.Tensor:
+        """The step's rows of every query token of `seqs`, in order: [T'] int64 on `device`."""
+        starts, qlens = self.query_starts, self.query_lens
+        return int64_tensor([r for b in seqs for r in range(starts[b], starts[b] + qlens[b])], device)
+
     def query_context_slots(self, seqs: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Every query token of `seqs`, in order: (its row in the step [T'] on `device`, its sequence's
         context slots [T', Lmax] as context_slots gives them, repeated per token where a sequence has
         several queries)."""
-        starts = self.query_starts
-        rows = torch.tensor([r for b in seqs for r in range(starts[b], starts[b] + self.query_lens[b])], device=device)
+        rows = self.query_rows(seqs, device)
         slots, _ = self.context_slots(seqs)
         if len(rows) != len(seqs):
             qlens = torch.tensor([self.query_lens[b] for b in seqs], device=slots.device)

@@ -21,7 +21,7 @@ from torch import nn
 
 from .config import MLAConfig
 from .fp8_cache import latent_layout
-from .meta import AttnMeta, int64_tensor
+from .meta import AttnMeta
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -246,7 +246,7 @@ class MLA(nn.Module):
         if len(paged) == T:   # every token decodes: no gather, no scatter
             out = self.attend_paged(q_nope, q_pe, kv_pool, meta, paged)
         elif paged:
-            rows = int64_tensor([meta.query_starts[b] for b in paged], x.device)
+            rows = meta.query_rows(paged, x.device)
             out[rows] = self.attend_paged(q_nope[rows], q_pe[rows], kv_pool, meta, paged)
         if absorbed:
             rows, slots = meta.query_context_slots(absorbed, x.device)           # [T'], [T', L]

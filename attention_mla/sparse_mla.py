@@ -20,7 +20,7 @@ from torch import nn
 
 from .config import DSAConfig, MLAConfig
 from .indexer import Indexer, select_topk, selection_mask
-from .meta import AttnMeta, int64_tensor
+from .meta import AttnMeta
 from .mla import MLA
 from .rope import RotaryEmbedding
 
@@ -112,7 +112,7 @@ class SparseMLA(MLA):
         if len(paged) == T:   # every token decodes: no gather, no scatter
             out = self.attend_paged_sparse(*take(slice(None)), kv_pool, index_pool, meta, paged)
         elif paged:
-            rows = int64_tensor([meta.query_starts[b] for b in paged], x.device)
+            rows = meta.query_rows(paged, x.device)
             out[rows] = self.attend_paged_sparse(*take(rows), kv_pool, index_pool, meta, paged)
         if absorbed:
             rows, slots = meta.query_context_slots(absorbed, x.device)               # [T'], [T', Lmax]

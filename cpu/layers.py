@@ -376,12 +376,17 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     if B and library().wd_mla_decode(q.data_ptr(), B, Nh, D, kv_lora_rank, kv_pool.data_ptr(), num_blocks,
                                      block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), max_len,
                                      block_size, scale, out.data_ptr(), scratch.data_ptr(), *args):
-        lo, hi = (int(v) for v in torch.aminmax(seq_lens))
-        blo, bhi = (int(v) for v in torch.aminmax(block_table))
-        raise ValueError(f"mla_decode: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {block_table.shape[1]} "
-                         f"blocks of {block_size}, block ids in [{blo}, {bhi}] must be in [0, {num_blocks})")
+        raise _bad_tables("mla_decode", seq_lens, block_table, max_len, block_size, num_blocks)
     return out
 
+
+def _bad_tables(who: str, seq_lens: torch.Tensor, block_table: torch.Tensor, max_len: int, block_size: int,
+                num_blocks: int) -> ValueError:
+    """The error for lengths or block ids the C decode refused (it checks them before reading anything)."""
+    lo, hi = (int(v) for v in torch.aminmax(seq_lens))
+    blo, bhi = (int(v) for v in torch.aminmax(block_table))
+    return ValueError(f"{who}: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {block_table.shape[1]} "
+                      f"blocks of {block_size}, block ids in [{blo}, {bhi}] must be in [0, {num_blocks})")
 
 
 _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
@@ -441,7 +446,5 @@ def mla_layer(x: torch.Tensor, in_norm, post_norm, mla, cos: torch.Tensor, sin: 
         raise ValueError(f"mla_layer: token {-2 - rc}'s slot {int(slots[-2 - rc])} is outside the pool's "
                          f"{kv_pool.shape[0]} rows")
     if rc:
-        lo, hi = (int(v) for v in torch.aminmax(lens))
-        raise ValueError(f"mla_layer: seq_lens in [{lo}, {hi}] (max_len {max_len}) need 1 .. {table.shape[1]} "
-                         f"blocks of {block_size}, block ids must be in [0, {kv_pool.shape[0] // block_size})")
+        raise _bad_tables("mla_layer", lens, table, max_len, block_size, kv_pool.shape[0] // block_size)
     return h, mlp_in

@@ -77,6 +77,11 @@ class DispatchStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+# DispatchStats' counters per op, in _count's order (named once: _count runs twice per MoE layer per step)
+_COUNTERS = {op: tuple(f"{op}_{f}" for f in ("calls", "bytes", "bytes_remote", "bytes_intra", "bytes_inter"))
+             for op in ("dispatch", "combine")}
+
+
 class Pending:
     """An operation in flight. wait() blocks for its collectives (once) and returns the result;
     with `stats`, the seconds it blocked count in stats.comm_s."""
@@ -171,12 +176,11 @@ class Dispatcher:
         """Record one dispatch or combine (op) that put nbytes of hidden rows in send buffers,
         intra_bytes of them for other ranks of this node and inter_bytes for ranks of other nodes,
         plus meta_bytes of counts/ids/weights."""
-        if op not in ("dispatch", "combine"):
+        names = _COUNTERS.get(op)
+        if names is None:
             raise ValueError(f"op must be 'dispatch' or 'combine', got {op!r}")
         st = self.stats
-        for field, n in (("calls", 1), ("bytes", nbytes), ("bytes_remote", intra_bytes + inter_bytes),
-                         ("bytes_intra", intra_bytes), ("bytes_inter", inter_bytes)):
-            name = f"{op}_{field}"
+        for name, n in zip(names, (1, nbytes, intra_bytes + inter_bytes, intra_bytes, inter_bytes)):
             setattr(st, name, getattr(st, name) + n)
         if op == "dispatch":
             st.low_latency_calls += low_latency
