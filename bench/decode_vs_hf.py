@@ -79,7 +79,7 @@ class KernelClock:
     """Wall time inside the C kernels' launchers, per step (take() returns and clears it). Every
     caller reaches them as module attributes at call time, so replacing the attributes times them all."""
 
-    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"), "layers": ("mla_layer", "mla_decode", "route", "rmsnorm", "rope")}
+    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"), "layers": ("mla_layer", "moe_layer", "mla_decode", "route", "rmsnorm", "rope")}
 
     def __init__(self):
         import importlib
@@ -119,9 +119,18 @@ class DecodeMeter:
         self.latent = model.cfg.mla.latent_dim * model.cfg.num_hidden_layers
         self.per_expert = [sum(p[0].numel() * p.element_size() for p in (m.experts.w13, m.experts.w2))
                            for m in model.moe_layers()]
-        self.ids: list[torch.Tensor] = []
+        self.ids: list[torch.Tensor] = []   # each MoE layer's router ids, in layer order
         for m in model.moe_layers():
             m.gate.register_forward_hook(lambda mod, inp, out: self.ids.append(out[0]))
+        from cpu import layers   # the fused MoE half routes inside its C call: its ids are its result [1]
+        fused = layers.moe_layer
+
+        def seen_moe_layer(*args, **kwargs):
+            out = fused(*args, **kwargs)
+            if self._batch is not None:   # a step of this meter's engine
+                self.ids.append(out[1])
+            return out
+        layers.moe_layer = seen_moe_layer
         self.steps: list[dict] = []
         self._batch = None
         self.clock: KernelClock | None = None    # set: each step's kernel seconds are recorded too

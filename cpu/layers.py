@@ -296,6 +296,37 @@ int64_t wd_mla_layer(const float *x, int64_t T, int64_t H, const float *in_w, fl
     wd_rmsnorm(h, H, post_w, mlp_in, H, T, H, post_eps);
     return 0;
 }
+
+/* An MoE layer's half on one EP rank (moe/layer.py MoELayer.decode_layer): T tokens, every expert local
+   and physical id = logical id (El = E). ids, wts = route(x) (wd_route); out = h + (experts(x) + shared(x))
+   with the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg NULL: none): the kernels and the order of
+   the operation-by-operation path. load [E] (NULL: off) += 1 per chosen id, as MoELayer.route counts for
+   EPLB. iscratch: 2 (E + 1) + T k ints; scratch: T (E + H + max(2H + 3I, 2 Is + H)) floats.
+   Returns 0 (wd_experts' error codes cannot occur: the router's ids are < E). */
+int64_t wd_moe_layer(const float *h, const float *x, int64_t T, int64_t H, const float *gw, int64_t E,
+                     const float *gbias, int sigmoid, int method, int64_t G, int64_t topk_group, int64_t k, int norm,
+                     float scale, const float *w13, const float *w2, int64_t I, const float *sg, const float *su,
+                     const float *sd, int64_t Is, int64_t *load, float *out, int64_t *ids, float *wts,
+                     int64_t *iscratch, float *scratch) {
+    float *logits = scratch, *ye = logits + T * E, *rest = ye + T * H;
+    wd_route(x, T, H, gw, E, gbias, sigmoid, method, G, topk_group, k, norm, scale, logits, ids, wts);
+    if (load)
+        for (int64_t p = 0; p < T * k; p++) load[ids[p]]++;
+    memset(ye, 0, T * H * sizeof(float));
+    int64_t rc = wd_experts(x, T, H, I, E, w13, w2, ids, wts, k, ye, iscratch, rest);
+    if (rc) return rc;
+    if (!sg) {
+        for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + ye[i];
+        return 0;
+    }
+    float *g = rest, *u = g + T * Is, *y = u + T * Is;
+    linear(x, H, sg, H, g, Is, T, Is, H);
+    linear(x, H, su, H, u, Is, T, Is, H);
+    for (int64_t i = 0; i < T * Is; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    linear(g, Is, sd, Is, y, H, T, H, Is);
+    for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + (ye[i] + y[i]);
+    return 0;
+}
 """
 P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
@@ -303,7 +334,9 @@ SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
               "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P, P, I, I, I, I, P], I),
               "wd_mla_layer": ([P, I, I, P, F, P, F, P, I, P, F, P, P, P, F, I, I, I, I, I, P, P, P, P, P,
                                 ctypes.c_int, P, I, P, P, I, P, I, I, F, P, P, P], I),
-              "wd_route": ([P, I, I, P, I, P, ctypes.c_int, ctypes.c_int, I, I, I, ctypes.c_int, F, P, P, P], None)}
+              "wd_route": ([P, I, I, P, I, P, ctypes.c_int, ctypes.c_int, I, I, I, ctypes.c_int, F, P, P, P], None),
+              "wd_moe_layer": ([P, P, I, I, P, I, P, ctypes.c_int, ctypes.c_int, I, I, I, ctypes.c_int, F, P, P, I,
+                                P, P, P, I, P, P, P, P, P, P], I)}
 register(SOURCE, SIGNATURES)
 
 
@@ -448,3 +481,32 @@ def mla_layer(x: torch.Tensor, in_norm, post_norm, mla, cos: torch.Tensor, sin: 
     if rc:
         raise _bad_tables("mla_layer", lens, table, max_len, block_size, kv_pool.shape[0] // block_size)
     return h, mlp_in
+
+
+def moe_layer(h: torch.Tensor, x: torch.Tensor, gate, w13: torch.Tensor, w2: torch.Tensor, shared,
+              load_counts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h, x [T, H] (the residual and the post-attention-normed mlp_in), the router (moe/gate.py Gate,
+    read by its fields), w13 [E, 2I, H], w2 [E, H, I] with every expert local, the shared experts (a
+    moe/mlp.py MLP read by its fields, or None), load_counts [E] int64 or None -> (h + MoE(x) [T, H],
+    topk_ids [T, k], topk_weights [T, k]): route, routed and shared experts, residual in one call
+    (MoELayer.decode_layer checks that every weight fits)."""
+    cfg = gate.cfg
+    T, H = x.shape
+    E, I2, _ = w13.shape
+    k, I = cfg.top_k, I2 // 2
+    Is = shared.gate_proj.weight.shape[0] if shared is not None else 0
+    out, ids, wts = torch.empty(T, H), torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
+    iscratch = torch.empty(2 * (E + 1) + T * k, dtype=torch.int64)
+    scratch = torch.empty(T * (E + H + max(2 * H + 3 * I, 2 * Is + H)))
+    sw = ((shared.gate_proj.weight.data_ptr(), shared.up_proj.weight.data_ptr(), shared.down_proj.weight.data_ptr())
+          if shared is not None else (None, None, None))
+    bias = gate.e_score_correction_bias
+    rc = library().wd_moe_layer(
+        h.data_ptr(), x.data_ptr(), T, H, gate.weight.data_ptr(), E, None if bias is None else bias.data_ptr(),
+        int(cfg.scoring_func == "sigmoid"), _METHODS[cfg.topk_method], cfg.n_group, cfg.topk_group, k,
+        int(cfg.norm_topk_prob), cfg.routed_scaling_factor, w13.data_ptr(), w2.data_ptr(), I, *sw, Is,
+        None if load_counts is None else load_counts.data_ptr(), out.data_ptr(), ids.data_ptr(), wts.data_ptr(),
+        iscratch.data_ptr(), scratch.data_ptr())
+    if rc:
+        raise RuntimeError(f"moe_layer: the router chose an expert past the {E} local ones (kernel code {rc})")
+    return out, ids, wts

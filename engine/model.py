@@ -119,6 +119,23 @@ class DecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), mb.meta, mb.kv_pools[self.index], cos, sin, **extra)
         s.put(h=h, mlp_in=self.post_attention_layernorm(h))
 
+    def fused_ops(self) -> list:
+        """ops() for a plain (not DBO) step: an MoE layer on the C experts backend ends in op_moe_half,
+        which runs its half after attention in one call when it can and the same operations otherwise."""
+        if not (self.is_moe and self.mlp.experts.backend == "cpu"):
+            return self.ops()
+        return [self.op_attention, self.op_kv_written, self.op_moe_half]
+
+    def op_moe_half(self, s: OpState) -> None:
+        out = self.mlp.decode_layer(s.peek("h"), s.peek("mlp_in"), s.inputs.dispatcher)
+        if out is None:
+            run_sequential([*self.mlp.ops(), self.op_residual], s)
+            return
+        s.take("h")
+        s.take("mlp_in")
+        s.put(x=out)
+        s.end_layer(self.index, CARRY)
+
     def op_kv_written(self, s: OpState) -> None:
         """This layer's latents are in kv_pools[index]: disaggregation may start sending them."""
         if s.inputs.on_layer is not None:
@@ -151,8 +168,9 @@ class DeepseekModel(nn.Module):
     attention_mla/paged_decode.py), given to the layers when they are built.
 
     The forward is `step_ops` (dbo/schedule.py): embed, every layer's operations, final norm, on an
-    OpState per microbatch (dbo/state.py). forward() runs them in order; dbo.overlap.Overlap runs
-    two microbatches through the same list."""
+    OpState per microbatch (dbo/state.py). dbo.overlap.Overlap runs two microbatches through it;
+    forward() runs `plain_ops` in order: the same list, where an MoE layer on the C experts backend
+    ends in one operation that does its MoE half in one call when it can (DecoderLayer.fused_ops)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  shard: ExpertShard | None = None, dispatcher=None, fp8_block: tuple[int, int] | None = None,
@@ -180,6 +198,9 @@ class DeepseekModel(nn.Module):
             if layer.is_moe:  # the router keeps fp32 whatever the model dtype, as the checkpoints do
                 layer.mlp.gate.float()
         self.step_ops = [self.op_embed, *(op for layer in self.model.layers for op in layer.ops()), self.op_final_norm]
+        # a plain step's list: the same operations, an MoE half on the C backend as one (DecoderLayer.fused_ops)
+        self.plain_ops = [self.op_embed, *(op for layer in self.model.layers for op in layer.fused_ops()),
+                          self.op_final_norm]
 
     @property
     def device(self) -> torch.device:
@@ -240,13 +261,13 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttnMeta, kv_pools: list[torch.Tensor], plan: StepPlan,
                 on_layer=None, index_pools: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """input_ids [T] -> final-normed hidden states [T, H], `step_ops` in order. plan: the step's
+        """input_ids [T] -> final-normed hidden states [T, H], `plain_ops` in order. plan: the step's
         (parallel.StepPlan, the same on every rank; the dispatcher takes its mode from it).
         on_layer(i), when given, runs as soon as layer i's latents are in kv_pools[i] (right after
         its attention): disaggregation starts that layer's KV transfer. index_pools: DSA's indexer-key
         pools (LatentKVPool.index_pools), None for models without."""
         s = OpState(Microbatch(0, input_ids, meta, kv_pools, plan, self.dispatcher, on_layer, index_pools))
-        return run_sequential(self.step_ops, s).result("hidden")
+        return run_sequential(self.plain_ops, s).result("hidden")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] -> logits [n, V] fp32."""

@@ -98,6 +98,37 @@ class MoELayer(nn.Module):
             self.load_counts.index_add_(0, flat, torch.ones_like(flat))
         return topk_ids, topk_weights
 
+    def decode_layer(self, h: torch.Tensor, x: torch.Tensor, dispatcher) -> torch.Tensor | None:
+        """The decoder layer's half after attention — route, routed and shared experts, the residual h —
+        as one C call (cpu/layers.py moe_layer: the kernels and the order of the operations below, none
+        of their small torch ops or Python) when it can: the "cpu" experts backend with float32 weights,
+        every expert on this rank and no EPLB map (a dispatcher that moves nothing: local_only), at most
+        cpu.linear.MAX_ROWS tokens. EPLB's load_counts and the dispatcher's counters and routing
+        histogram record what the operations would have. h, x [T, H] (x = mlp_in) -> h + MoE(x), or
+        None: the caller runs ops() one by one."""
+        from cpu.linear import MAX_ROWS
+        ex, gate, sh, T, f32 = self.experts, self.gate, self.shared_experts, x.shape[0], torch.float32
+        ok = (getattr(dispatcher, "local_only", False) and ex.backend == "cpu" and ex.fp8_block is None and gate.kernel
+              and self.expert_map is None and ex.num_local == self.cfg.n_routed_experts and 0 < T <= MAX_ROWS
+              and x.dtype == h.dtype == f32 and not x.is_cuda and not h.is_cuda and x.is_contiguous()
+              and h.is_contiguous() and h.shape == x.shape == (T, self.cfg.hidden_size)
+              and (self.load_counts is None or (self.load_counts.dtype == torch.int64 and self.load_counts.is_contiguous()
+                                                and self.load_counts.shape == (ex.num_local,)
+                                                and not self.load_counts.is_cuda)))
+        if not ok:
+            return None
+        mods = [gate, ex.w13, ex.w2] + ([sh.gate_proj, sh.up_proj, sh.down_proj] if sh is not None else [])
+        if any(t.dtype != f32 or t.is_cuda or not t.is_contiguous() for t in (
+                *(m if isinstance(m, torch.Tensor) else m.weight for m in mods),
+                *([gate.e_score_correction_bias] if gate.e_score_correction_bias is not None else []))):
+            return None
+        if sh is not None and any(m.bias is not None for m in (sh.gate_proj, sh.up_proj, sh.down_proj)):
+            return None
+        from cpu.layers import moe_layer
+        out, _, _ = moe_layer(h, x, gate, ex.w13, ex.w2, sh, self.load_counts)
+        dispatcher.account_local(T)
+        return out
+
     # -- operations (see the module doc for the state names) ----------------------------------------
     def ops(self) -> list:
         return [self.op_route, self.op_dispatch_start, YIELD,

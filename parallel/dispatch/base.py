@@ -20,6 +20,8 @@ Optional capabilities are class attributes, declared here with their "absent" va
     supports_comm_stream    exchanges can run on a parallel.comm_stream.CommStream thread
     microbatch_groups       DBO gives each microbatch its own copy over its own process group
                             (for_microbatch); False: one instance carries both microbatches
+    local_only              every expert is on this rank and nothing moves: an MoE layer may run its
+                            experts itself and report the call with account_local(num_tokens)
 """
 from __future__ import annotations
 
@@ -111,6 +113,7 @@ class Dispatcher:
     low_latency_max_tokens: int = 0
     supports_comm_stream: bool = False
     microbatch_groups: bool = False
+    local_only: bool = False
 
     def __init__(self, ctx: ParallelContext, num_physical_experts: int, hidden: int):
         self.ctx, self.hidden = ctx, hidden

@@ -13,6 +13,15 @@ from .handles import LocalHandle
 
 
 class LocalDispatcher(Dispatcher):
+    local_only = True
+
+    def account_local(self, num_tokens: int) -> None:
+        """A dispatch and its combine of num_tokens routed tokens that the MoE layer ran in one call
+        (MoELayer.decode_layer, local_only): the counters and routing histogram dispatch_start and
+        combine_start would have recorded."""
+        self.routing.add_local(num_tokens)
+        self._count("dispatch")
+        self._count("combine")
 
     def _dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, plan: StepPlan) -> Pending:
         self._count("dispatch")

@@ -28,9 +28,7 @@ class NodeHistogram:
     def add(self, topk_ids: Tensor) -> None:
         """topk_ids [T, k] physical (-1 = none)."""
         N = self.nodes.num_nodes
-        if self.counts is None:   # a normal tensor even when the first dispatch runs in inference mode,
-            with torch.inference_mode(False):   # so that reset() and add() work in and out of it
-                self.counts = torch.zeros(N + 1, dtype=torch.int64, device=topk_ids.device)
+        self._ensure(topk_ids.device)
         if topk_ids.shape[0] == 0:
             return
         ids = topk_ids.to(device=self.counts.device, dtype=torch.long)
@@ -43,6 +41,19 @@ class NodeHistogram:
         hit.scatter_(1, node, True)
         touched = hit[:, :N].sum(1)                                                 # [T]
         self.counts.index_add_(0, touched, torch.ones_like(touched))
+
+    def add_local(self, num_tokens: int, device: torch.device | str = "cpu") -> None:
+        """What add() records for num_tokens tokens that each have a real expert, in a one-node EP group
+        (a dispatcher with every expert local): each touched one node. No ids read, one op."""
+        if self.nodes.num_nodes != 1:
+            raise ValueError(f"add_local is for a one-node EP group, this one spans {self.nodes.num_nodes} nodes")
+        self._ensure(device)
+        self.counts[1] += num_tokens
+
+    def _ensure(self, device) -> None:
+        if self.counts is None:   # a normal tensor even when the first dispatch runs in inference mode,
+            with torch.inference_mode(False):   # so that reset() and add() work in and out of it
+                self.counts = torch.zeros(self.nodes.num_nodes + 1, dtype=torch.int64, device=device)
 
     def reset(self) -> None:
         if self.counts is not None:

@@ -27,7 +27,7 @@ def _run(model_dir: str, **backends):
 
 
 def test_cpu_backends_match_torch(tmp_path, monkeypatch):
-    calls = {"experts": 0, "mla_decode": 0, "mla_layer": 0, "linear": 0}
+    calls = {"experts": 0, "moe_layer": 0, "mla_decode": 0, "mla_layer": 0, "linear": 0}
 
     def counted(module, name):
         fn = getattr(module, name)
@@ -36,19 +36,22 @@ def test_cpu_backends_match_torch(tmp_path, monkeypatch):
             calls[name] += 1
             return fn(*a, **kw)
         monkeypatch.setattr(module, name, wrapper)
-    for module, name in ((gemm, "experts"), (layers, "mla_decode"), (layers, "mla_layer"), (gemm, "linear")):
+    for module, name in ((gemm, "experts"), (layers, "mla_decode"), (layers, "mla_layer"), (layers, "moe_layer"),
+                         (gemm, "linear")):
         counted(module, name)
     d = make_tiny_checkpoint(str(tmp_path), "v3", num_hidden_layers=2, n_routed_experts=8, n_group=4, topk_group=2,
                              num_experts_per_tok=2, vocab_size=200)
     ref_llm, ref = _run(d, experts_backend="torch", attention_backend="torch")
-    assert calls == {"experts": 0, "mla_decode": 0, "mla_layer": 0, "linear": 0}
+    assert calls == {"experts": 0, "moe_layer": 0, "mla_decode": 0, "mla_layer": 0, "linear": 0}
     assert ref_llm.model.backends == {"experts": "torch", "fp8_weights": False, "attention": "torch"}
     llm, got = _run(d)                                   # auto on CPU, float32: the kernels
     assert llm.model.backends == {"experts": "cpu", "fp8_weights": False, "attention": "cpu"}
-    # prefill (one step, 13 tokens) + 4 decode steps: the MoE layer ran the kernel every step (13 rows
-    # are under Experts.CPU_MAX_ROWS), both attention layers ran their whole attention half as one C
-    # call (norms, projections, the paged decode) at every decode step
-    assert calls["experts"] == 5 and calls["mla_layer"] == 2 * 4 and calls["mla_decode"] == 0 and calls["linear"] > 0
+    # prefill (one step, 13 tokens) + 4 decode steps: the MoE layer ran its whole MoE half (router,
+    # routed and shared experts, residual) as one C call every step (13 rows are under
+    # cpu.linear.MAX_ROWS), both attention layers their whole attention half (norms, projections, the
+    # paged decode) at every decode step
+    assert calls["moe_layer"] == 5 and calls["experts"] == 0
+    assert calls["mla_layer"] == 2 * 4 and calls["mla_decode"] == 0 and calls["linear"] > 0
     for (toks, lps), (rtoks, rlps) in zip(got, ref):
         assert toks == rtoks
         for a, b in zip(lps, rlps):
