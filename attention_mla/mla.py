@@ -42,6 +42,7 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg, self.rope = cfg, rope
         self.backend, self.mode = backend, mode
+        self._fused_key, self._fused_fit = None, False   # _weights_fit_fused's kept verdict
         N, H, C, R = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         kw = dict(device=device, dtype=dtype)
         self.kv_fp8 = latent_layout(kv_cache_dtype, C, R, dtype or torch.get_default_dtype())
@@ -220,15 +221,26 @@ class MLA(nn.Module):
         paged, _, _ = meta.attention_split(self.mode, True)
         if len(paged) != T:
             return None
-        mods = [self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj, self.o_proj, in_norm, post_norm]
-        mods += [self.q_a_proj, self.q_a_layernorm, self.q_b_proj] if self.cfg.q_lora_rank else [self.q_proj]
-        if any(m.weight.dtype != torch.float32 or not m.weight.is_contiguous() or getattr(m, "bias", None) is not None
-               for m in mods):
+        if not self._weights_fit_fused(in_norm, post_norm):
             return None
         from cpu.layers import mla_layer
         table, lens, max_len = meta.seq_tables(paged)
         return mla_layer(x, in_norm, post_norm, self, cos, sin, kv_pool, meta.slot_mapping, table, lens, max_len,
                          meta.block_size)
+
+    def _weights_fit_fused(self, in_norm: RMSNorm, post_norm: RMSNorm) -> bool:
+        """Whether the projections' and norms' weights fit mla_layer (float32, contiguous, no biases).
+        The verdict is kept while they are the same memory (data pointers: a weight replaced, or its
+        .data, is checked again): decode_layer runs every layer of every step."""
+        mods = [self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj, self.o_proj, in_norm, post_norm]
+        mods += [self.q_a_proj, self.q_a_layernorm, self.q_b_proj] if self.cfg.q_lora_rank else [self.q_proj]
+        biases = [getattr(m, "bias", None) for m in mods]
+        key = tuple(m.weight.data_ptr() for m in mods) + tuple(0 if b is None else b.data_ptr() for b in biases)
+        if key != self._fused_key:
+            fit = all(b is None for b in biases) and all(
+                m.weight.dtype == torch.float32 and m.weight.is_contiguous() for m in mods)
+            self._fused_key, self._fused_fit = key, fit
+        return self._fused_fit
 
     # -- step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor,

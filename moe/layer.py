@@ -79,6 +79,7 @@ class MoELayer(nn.Module):
         self.local_phy2log = list(self.shard.layout.slots(self.shard.ep_rank))
         self.expert_map = None    # callable: logical ids [T, k] -> physical ids [T, k]; None = identity
         self.load_counts = None   # [P] int64 tokens per physical slot, added in place; None = off
+        self._fused_key, self._fused_fit = None, False   # _weights_fit_fused's kept verdict
 
     def set_placement(self, local_phy2log: list[int], expert_map=None) -> None:
         """Which logical expert each local slot holds ([El]) and the map the gate's ids go through.
@@ -115,19 +116,30 @@ class MoELayer(nn.Module):
               and (self.load_counts is None or (self.load_counts.dtype == torch.int64 and self.load_counts.is_contiguous()
                                                 and self.load_counts.shape == (ex.num_local,)
                                                 and not self.load_counts.is_cuda)))
-        if not ok:
-            return None
-        mods = [gate, ex.w13, ex.w2] + ([sh.gate_proj, sh.up_proj, sh.down_proj] if sh is not None else [])
-        if any(t.dtype != f32 or t.is_cuda or not t.is_contiguous() for t in (
-                *(m if isinstance(m, torch.Tensor) else m.weight for m in mods),
-                *([gate.e_score_correction_bias] if gate.e_score_correction_bias is not None else []))):
-            return None
-        if sh is not None and any(m.bias is not None for m in (sh.gate_proj, sh.up_proj, sh.down_proj)):
+        if not ok or not self._weights_fit_fused():
             return None
         from cpu.layers import moe_layer
         out, _, _ = moe_layer(h, x, gate, ex.w13, ex.w2, sh, self.load_counts)
         dispatcher.account_local(T)
         return out
+
+    def _weights_fit_fused(self) -> bool:
+        """Whether the router's, the experts' and the shared experts' weights fit moe_layer (float32,
+        contiguous, CPU, no biases). The verdict is kept while the weights are the same memory (their
+        data pointers: a parameter replaced, or its .data, is checked again): this runs every step."""
+        ex, gate, sh = self.experts, self.gate, self.shared_experts
+        linears = (sh.gate_proj, sh.up_proj, sh.down_proj) if sh is not None else ()
+        tensors = (gate.weight, gate.e_score_correction_bias, ex.w13, ex.w2,
+                   *(t for m in linears for t in (m.weight, m.bias)))
+        key = tuple(0 if t is None else t.data_ptr() for t in tensors)
+        if key != self._fused_key:
+            f32 = torch.float32
+            fit = all(m.bias is None for m in linears) and all(
+                t.dtype == f32 and not t.is_cuda and t.is_contiguous()
+                for t in (gate.weight, ex.w13, ex.w2, *(m.weight for m in linears),
+                          *([gate.e_score_correction_bias] if gate.e_score_correction_bias is not None else [])))
+            self._fused_key, self._fused_fit = key, fit
+        return self._fused_fit
 
     # -- operations (see the module doc for the state names) ----------------------------------------
     def ops(self) -> list:

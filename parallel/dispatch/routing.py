@@ -24,6 +24,7 @@ class NodeHistogram:
     def __init__(self, layout: ExpertLayout, nodes: NodeLayout):
         self.layout, self.nodes = layout, nodes
         self.counts: Tensor | None = None          # [N + 1], on the device of the first ids added
+        self._host = None                          # counts' memory seen from NumPy, when on the CPU
 
     def add(self, topk_ids: Tensor) -> None:
         """topk_ids [T, k] physical (-1 = none)."""
@@ -48,12 +49,16 @@ class NodeHistogram:
         if self.nodes.num_nodes != 1:
             raise ValueError(f"add_local is for a one-node EP group, this one spans {self.nodes.num_nodes} nodes")
         self._ensure(device)
-        self.counts[1] += num_tokens
+        if self._host is not None:   # the counts' memory as a NumPy array: one scalar add, no torch op
+            self._host[1] += num_tokens
+        else:
+            self.counts[1:2].add_(num_tokens)
 
     def _ensure(self, device) -> None:
         if self.counts is None:   # a normal tensor even when the first dispatch runs in inference mode,
             with torch.inference_mode(False):   # so that reset() and add() work in and out of it
                 self.counts = torch.zeros(self.nodes.num_nodes + 1, dtype=torch.int64, device=device)
+            self._host = self.counts.numpy() if self.counts.device.type == "cpu" else None
 
     def reset(self) -> None:
         if self.counts is not None:
