@@ -201,6 +201,15 @@ void wd_bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const float 
 }
 
 
+/* The first PREFETCH_HEAD floats (8 KiB) of a matrix the caller reads next, asked into L2 while it
+   finishes the current one: the hardware prefetcher restarts at every new matrix, ~100 a layer in a
+   decode step's experts (measured: the decode benchmark's step ~2.5 % faster, an in-process A/B of
+   the two builds, 6 rounds; in the experts alone 2 or 16 KiB gained less). */
+#define PREFETCH_HEAD 2048
+static inline void prefetch_head(const float *w, int64_t n) {
+    for (int64_t i = 0; i < PREFETCH_HEAD && i < n; i += 16) __builtin_prefetch(w + i, 0, 2);
+}
+
 /* Routed experts. ids [T, k] local expert ids (-1: on another rank), wts [T, k]. The (token, slot)
    pairs are counting-sorted by expert (stable: the reference's order); per expert with tokens: gather
    them, h = x @ w13[e]^T, a = silu(gate) * up, y = a @ w2[e]^T, out[token] += weight * y.
@@ -224,6 +233,7 @@ int64_t wd_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, 
         if (!np) continue;
         float *xs = scratch, *h = xs + np * H, *a = h + np * 2 * I, *y = a + np * I;
         for (int64_t p = 0; p < np; p++) memcpy(xs + p * H, x + order[p0 + p] / k * H, H * sizeof(float));
+        prefetch_head(w2 + e * H * I, H * I);
         linear(xs, H, w13 + e * 2 * I * H, H, h, 2 * I, np, 2 * I, H);
         for (int64_t p = 0; p < np; p++) {
             const float *g = h + p * 2 * I, *u = g + I;
@@ -235,6 +245,9 @@ int64_t wd_experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, 
             }
             for (; i < I; i++) ap[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
+        int64_t next = e + 1;
+        while (next < El && start[next + 1] == start[next]) next++;
+        if (next < El) prefetch_head(w13 + next * 2 * I * H, 2 * I * H);
         linear(a, I, w2 + e * H * I, I, y, H, np, H, I);
         for (int64_t p = 0; p < np; p++) {
             float wt = wts[order[p0 + p]], *o = out + order[p0 + p] / k * H;
