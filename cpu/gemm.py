@@ -118,9 +118,11 @@ static inline void row_all(const float *x, int64_t ldx, int64_t m, const float *
     if (j < m) row_1(x + j * ldx, ldx, wr, K, part + j);
 }
 
-/* Many rows of x (M >= 8): the FMAs are the bottleneck, and x no longer fits in L1 beside the weights.
-   Blocks of 4 rows of w x MB rows of x then share every load (16 accumulators): x is read once per 4
-   rows of w instead of once per row. */
+/* Four or more rows of x: per weight vector, the single-row form loads a vector of x for every FMA, and
+   from 4 rows on those loads, not the weight stream, set the pace (measured on the routed experts: an
+   expert with 4 tokens streamed its weights at ~15 GB/s against ~25 with 1-3). Blocks of 4 rows of w x
+   MB rows of x share every load (16 accumulators): x is read once per 4 rows of w instead of once per
+   row. With many rows the FMAs are the bottleneck, and this is their best form too. */
 #define BLOCK4_STEP(MB, LD)                                                                        \
         {                                                                                          \
             v16 w0 = LD(w + k), w1 = LD(w + ldw + k), w2 = LD(w + 2 * ldw + k), w3 = LD(w + 3 * ldw + k); \
@@ -152,27 +154,30 @@ static void block4_##MB(const float *x, int64_t ldx, const float *w, int64_t ldw
         for (int r = 0; r < 4; r++) y[j * ldy + r] = s[4 * r];                                     \
     }                                                                                              \
 }
-BLOCK4(1) BLOCK4(2) BLOCK4(3) BLOCK4(4)
+BLOCK4(2) BLOCK4(3) BLOCK4(4)
 
-/* y [M, N] (rows ldy apart) = x [M, K] @ w [N, K]^T. Few rows of x (M < 8, memory-bound): the rows of w
+/* y [M, N] (rows ldy apart) = x [M, K] @ w [N, K]^T. One to three rows of x (memory-bound): the rows of w
    are read once each, front to back (never two at once: two streams read slower than one), and all of
-   a row's work (up to MCHUNK rows of x, in L1) is done while it is in L1; four rows' partial sums are
-   reduced together. Many rows: BLOCK4. */
+   a row's work is done while it is in L1; four rows' partial sums are reduced together. Four or more
+   rows: BLOCK4 (measured A/B on the experts kernel, the same build's 1-row case as the control: 4 rows
+   0.71-0.83x the time, 6-7 rows 0.63-0.80x, 5 rows as 3 + 2 even, 9 and 13 rows 0.91-0.95x). */
 static void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
                    int64_t M, int64_t N, int64_t K) {
     v16 part[4][MCHUNK];
     int64_t n4 = N & ~(int64_t)3;
-    if (M >= 8) {
+    if (M >= 4) {
         for (int64_t n = 0; n < n4; n += 4)
-            for (int64_t m = 0; m < M; m += 4) {
+            for (int64_t m = 0; m < M;) {
+                /* blocks of 4 rows of x; five left: 3 + 2 (a block of one reads 4 weight rows for 4 FMAs) */
+                int64_t left = M - m, mb = left == 5 ? 3 : left < 4 ? left : 4;
                 const float *xm = x + m * ldx, *wn = w + n * ldw;
                 float *ym = y + m * ldy + n;
-                switch (M - m < 4 ? M - m : 4) {
-                    case 1: block4_1(xm, ldx, wn, ldw, ym, ldy, K, m == 0 && n + 8 <= N); break;
+                switch (mb) {
                     case 2: block4_2(xm, ldx, wn, ldw, ym, ldy, K, m == 0 && n + 8 <= N); break;
                     case 3: block4_3(xm, ldx, wn, ldw, ym, ldy, K, m == 0 && n + 8 <= N); break;
                     default: block4_4(xm, ldx, wn, ldw, ym, ldy, K, m == 0 && n + 8 <= N);
                 }
+                m += mb;
             }
     } else {
         for (int64_t n = 0; n < n4; n += 4) {

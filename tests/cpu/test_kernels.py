@@ -16,7 +16,7 @@ if unusable() is not None:
     pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
 
 
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 33])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 33])
 @pytest.mark.parametrize("N,Kd", [(1, 1), (3, 17), (4, 16), (67, 48), (64, 100), (130, 512)])
 def test_linear_equals_f_linear(M, N, Kd):
     torch.manual_seed(M * 1000 + N + Kd)
