@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 
 from kvstore.router import PrefixRouter
-from parallel.watchdog import RankLostError
+from parallel.watchdog import RankLostError, raise_if_lost
 
 from .channel import FrontChannel, RankChannel, local_pair, new_namespace
 from .core import EngineCore
@@ -191,10 +191,8 @@ class Engine:
         if self._closed:
             raise EngineDeadError("engine is shut down")
         self._raise_thread_error()
-        lost = self._job.lost_ranks() if self._job.on_rank_loss != "continue" else []  # else: the loop re-forms
-        if lost:
-            wd = self.ctx.watchdog
-            raise RankLostError(lost, wd.describe(lost) if wd is not None else "")
+        if self._job.on_rank_loss != "continue":   # else: the loop re-forms the groups
+            raise_if_lost(self._job)
 
     def _raise_thread_error(self) -> None:
         if self._thread_error is not None:

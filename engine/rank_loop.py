@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from parallel.watchdog import RankLostError
+from parallel.watchdog import RankLostError, raise_if_lost
 
 from .messages import END, SHUTDOWN, Abort, Command, Delta, NewRequest, Report, Wake
 
@@ -231,10 +231,7 @@ class RankLoop:
 
     def _check_lost(self) -> None:
         """While blocked on the inbox: a lost rank (the front's included) ends the wait, named."""
-        lost = self.ctx.lost_ranks()
-        if lost:
-            wd = self.ctx.watchdog
-            raise RankLostError(lost, wd.describe(lost) if wd is not None else "")
+        raise_if_lost(self.ctx)
 
 
 def delta_of(s) -> Delta:

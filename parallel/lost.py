@@ -1,5 +1,6 @@
-"""What a lost rank looks like to the code that meets it: RankLostError, guard_collective (a failed
-collective turned into the error naming the lost rank), and the counting store the watchdog uses."""
+"""What a lost rank looks like to the code that meets it: RankLostError, raise_if_lost (the check
+outside collectives), guard_collective (a failed collective turned into the error naming the lost
+rank), and the counting store the watchdog uses."""
 from __future__ import annotations
 
 import threading
@@ -11,6 +12,16 @@ class RankLostError(RuntimeError):
         self.ranks = ranks
         who = ", ".join(str(r) for r in ranks)
         super().__init__(f"rank{'s' if len(ranks) > 1 else ''} {who} lost{f' ({detail})' if detail else ''}")
+
+
+def raise_if_lost(ctx) -> None:
+    """RankLostError naming the ranks ctx (a ParallelContext) has declared lost so far, described by
+    its watchdog; nothing when there are none. The one check of a loop or an API call that is not
+    inside a collective (guard_collective is for those)."""
+    lost = ctx.lost_ranks()
+    if lost:
+        wd = ctx.watchdog
+        raise RankLostError(lost, wd.describe(lost) if wd is not None else "")
 
 
 class CountingStore:

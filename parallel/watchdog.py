@@ -34,7 +34,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .lost import CountingStore, RankLostError, guard_collective  # noqa: F401 (re-exported)
+from .lost import CountingStore, RankLostError, guard_collective, raise_if_lost  # noqa: F401 (re-exported)
 from .ring import Ring
 
 
