@@ -9,6 +9,9 @@ width, C kv_lora_rank, S cache slots. Float32 CPU tensors, last dim contiguous.
   rope(x [T, (Hh,) R], cos, sin [T, R/2], interleave)          = RotaryEmbedding.apply (attention_mla/rope.py)
   mla_decode(q [B, Nh, D], kv_pool [S, D], ...) -> [B, Nh, C]  = paged_decode_reference (attention_mla/paged_decode.py)
       (or kv_pool an fp8 cache's packed rows, dequantised block by block, 16 values per vector op)
+  route(x [T, H], weight [E, H], bias, cfg) -> ids, weights    = moe/gate.py Gate
+  mla_layer(x [T, H], ...) -> h, mlp_in                        = a decoder layer's attention half on decode steps
+  moe_layer(h, x [T, H], gate, w13, w2, shared, load) -> out   = its MoE half on one EP rank (MoELayer.decode_layer)
 Tests: tests/cpu/.
 """
 from __future__ import annotations
