@@ -42,7 +42,7 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg, self.rope = cfg, rope
         self.backend, self.mode = backend, mode
-        self._fused_key, self._fused_fit = None, False   # _weights_fit_fused's kept verdict
+        self._fused_key, self._fused = None, None   # _fused_weights' kept struct (None: they do not fit)
         N, H, C, R = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         kw = dict(device=device, dtype=dtype)
         self.kv_fp8 = latent_layout(kv_cache_dtype, C, R, dtype or torch.get_default_dtype())
@@ -204,43 +204,46 @@ class MLA(nn.Module):
         one C call (cpu/layers.py mla_layer: the same kernels in the same order, none of the per-op
         Python or small torch ops) when the step allows it: backend "cpu", a float32 cache, every
         token a decode, at most cpu.linear.MAX_ROWS of them (more go through BLAS op by op), float32
-        weights without biases, both norms on the C kernel.
+        weights without biases, both norms on the C kernel. What is the same for every layer of the
+        step is checked once a step (AttnMeta.decode_tables), the weights once while they stay the same
+        memory (_fused_weights): this runs for every layer of every decode step, where Python is slow
+        (the weight stream evicts it from the caches).
         -> (h [T, H], mlp_in [T, H]), or None: the caller runs the operations one by one."""
+        if self.backend != "cpu" or self.kv_fp8 is not None or type(self) is not MLA:
+            return None
         from cpu.linear import MAX_ROWS
-        cfg, T, f32 = self.cfg, x.shape[0], torch.float32
-        ok = (self.backend == "cpu" and type(self) is MLA and self.kv_fp8 is None and 0 < T <= MAX_ROWS
-              and in_norm.kernel and post_norm.kernel
-              and x.dtype == f32 and not x.is_cuda and x.is_contiguous() and x.shape[1] == cfg.hidden_size
-              and kv_pool.dtype == f32 and kv_pool.is_contiguous()
-              and kv_pool.shape[1:] == (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)
-              and cos.dtype == sin.dtype == f32 and cos.is_contiguous() and sin.is_contiguous()
-              and cos.shape == sin.shape == (T, cfg.qk_rope_head_dim // 2)
-              and meta.slot_mapping.dtype == torch.int64 and meta.slot_mapping.is_contiguous())
-        if not ok:   # anything else (a wrong pool included: forward names it) runs op by op
-            return None
-        paged, _, _ = meta.attention_split(self.mode, True)
-        if len(paged) != T:
-            return None
-        if not self._weights_fit_fused(in_norm, post_norm):
+        cfg = self.cfg
+        tables = meta.decode_tables(self.mode, cos, sin, cfg.qk_rope_head_dim, MAX_ROWS)
+        if tables is None or not (
+                x.dtype == kv_pool.dtype == torch.float32 and not x.is_cuda and not kv_pool.is_cuda
+                and x.is_contiguous() and kv_pool.is_contiguous() and x.shape == (cos.shape[0], cfg.hidden_size)
+                and kv_pool.shape[1:] == (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)):
+            return None   # anything else (a wrong pool included: forward names it) runs op by op
+        w = self._fused_weights(in_norm, post_norm)
+        if w is None:
             return None
         from cpu.layers import mla_layer
-        table, lens, max_len = meta.seq_tables(paged)
-        return mla_layer(x, in_norm, post_norm, self, cos, sin, kv_pool, meta.slot_mapping, table, lens, max_len,
+        table, lens, max_len = tables
+        return mla_layer(x, w, self.w_uk_t(), cos, sin, kv_pool, meta.slot_mapping, table, lens, max_len,
                          meta.block_size)
 
-    def _weights_fit_fused(self, in_norm: RMSNorm, post_norm: RMSNorm) -> bool:
-        """Whether the projections' and norms' weights fit mla_layer (float32, contiguous, no biases).
-        The verdict is kept while they are the same memory (data pointers: a weight replaced, or its
-        .data, is checked again): decode_layer runs every layer of every step."""
-        mods = [self.kv_a_proj_with_mqa, self.kv_a_layernorm, self.kv_b_proj, self.o_proj, in_norm, post_norm]
-        mods += [self.q_a_proj, self.q_a_layernorm, self.q_b_proj] if self.cfg.q_lora_rank else [self.q_proj]
-        biases = [getattr(m, "bias", None) for m in mods]
-        key = tuple(m.weight.data_ptr() for m in mods) + tuple(0 if b is None else b.data_ptr() for b in biases)
+    def _fused_weights(self, in_norm: RMSNorm, post_norm: RMSNorm):
+        """mla_layer's weights struct (cpu/layers.py mla_layer_weights) when the projections' and norms'
+        weights fit it (float32, contiguous, no biases, both norms on the C kernel), else None. Kept
+        while they are the same memory: the modules and parameters are looked up in their tables (a
+        module or parameter replaced, or its .data, is seen) and only their data pointers compared."""
+        mods = self._modules
+        names = ("q_a_proj", "q_a_layernorm", "q_b_proj") if self.cfg.q_lora_rank else ("q_proj",)
+        params = [mods[n]._parameters for n in names + ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+                                                       "o_proj")] + [in_norm._parameters, post_norm._parameters]
+        key = (tuple(p["weight"].data_ptr() for p in params), tuple(p.get("bias") is None for p in params),
+               in_norm.kernel, post_norm.kernel)
         if key != self._fused_key:
-            fit = all(b is None for b in biases) and all(
-                m.weight.dtype == torch.float32 and m.weight.is_contiguous() for m in mods)
-            self._fused_key, self._fused_fit = key, fit
-        return self._fused_fit
+            fit = (in_norm.kernel and post_norm.kernel and all(p.get("bias") is None for p in params)
+                   and all(p["weight"].dtype == torch.float32 and p["weight"].is_contiguous() for p in params))
+            from cpu.layers import mla_layer_weights
+            self._fused_key, self._fused = key, mla_layer_weights(in_norm, post_norm, self) if fit else None
+        return self._fused
 
     # -- step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor,

@@ -10,13 +10,15 @@ width, C kv_lora_rank, S cache slots. Float32 CPU tensors, last dim contiguous.
   mla_decode(q [B, Nh, D], kv_pool [S, D], ...) -> [B, Nh, C]  = paged_decode_reference (attention_mla/paged_decode.py)
       (or kv_pool an fp8 cache's packed rows, dequantised block by block, 16 values per vector op)
   route(x [T, H], weight [E, H], bias, cfg) -> ids, weights    = moe/gate.py Gate
-  mla_layer(x [T, H], ...) -> h, mlp_in                        = a decoder layer's attention half on decode steps
-  moe_layer(h, x [T, H], gate, w13, w2, shared, load) -> out   = its MoE half on one EP rank (MoELayer.decode_layer)
+  mla_layer(x [T, H], MlaWeights, ...) -> h, mlp_in           = a decoder layer's attention half on decode steps
+  moe_layer(h, x [T, H], MoeWeights, load) -> out, ids, wts    = its MoE half on one EP rank (MoELayer.decode_layer)
+      (their weights in a C struct made once per layer: mla_layer_weights, moe_layer_weights)
 Tests: tests/cpu/.
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -255,78 +257,90 @@ void wd_route(const float *x, int64_t T, int64_t H, const float *w, int64_t E, c
    tokens, each the only query of its sequence, a float32 cache. h = x + o_proj(attention(input_norm(x)))
    and mlp_in = post_norm(h): the same kernels, in the same order, as the unfused path (q-LoRA or q_proj,
    kv_a, the two RoPEs, the cache write, the absorbed query, mla_decode, W_UV, o_proj), in one call.
-   wq: q_b_proj [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wuk_t [N, C, dn];
-   wkvb: kv_b_proj [N (dn+dv), C]. buf: T (2H + Q + N(dn+R) + 2(C+R) + R + NR + N(C+R) + NC + N dv) +
-   N (max_len + 1) floats. Returns 0; -1 (wd_mla_decode's: a length or block id out of range, nothing
-   attended); -2 - t when token t's slot is outside the pool's S rows (nothing written). */
-int64_t wd_mla_layer(const float *x, int64_t T, int64_t H, const float *in_w, float in_eps, const float *post_w,
-                     float post_eps, const float *wqa, int64_t Q, const float *qa_w, float qa_eps, const float *wq,
-                     const float *wkva, const float *kva_w, float kva_eps, int64_t N, int64_t dn, int64_t R,
-                     int64_t C, int64_t dv, const float *wuk_t, const float *wkvb, const float *wo,
-                     const float *cos, const float *sin, int interleave, float *pool, int64_t S,
-                     const int64_t *slots, const int64_t *table, int64_t max_blocks, const int32_t *lens,
-                     int64_t max_len, int64_t bs, float scale, float *h, float *mlp_in, float *buf) {
+   The layer's weights and sizes in a struct made once (cpu/layers.py MlaWeights): wq is q_b_proj
+   [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj [N (dn+dv), C];
+   wuk_t [N, C, dn] apart (MLA.w_uk_t, made again when kv_b_proj changes). buf: T (2H + Q + N(dn+R) +
+   2(C+R) + R + NR + N(C+R) + NC + N dv) + N (max_len + 1) floats. Returns 0; -1 (wd_mla_decode's: a
+   length or block id out of range, nothing attended); -2 - t when token t's slot is outside the pool's
+   S rows (nothing written). */
+typedef struct {
+    const float *in_w, *post_w, *wqa, *qa_w, *wq, *wkva, *kva_w, *wkvb, *wo;
+    float in_eps, post_eps, qa_eps, kva_eps, scale;
+    int64_t H, Q, N, dn, R, C, dv, interleave;
+} mla_weights;
+
+int64_t wd_mla_layer(const mla_weights *w, const float *wuk_t, const float *x, int64_t T, const float *cos,
+                     const float *sin, float *pool, int64_t S, const int64_t *slots, const int64_t *table,
+                     int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs, float *h, float *mlp_in,
+                     float *buf) {
+    int64_t H = w->H, Q = w->Q, N = w->N, dn = w->dn, R = w->R, C = w->C, dv = w->dv;
     int64_t D = C + R, dq = dn + R;
     for (int64_t t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= S) return -2 - t;
     float *xn = buf, *qa = xn + T * H, *q = qa + T * Q, *kv = q + T * N * dq, *lat = kv + T * D,
           *kpe = lat + T * D, *qpe = kpe + T * R, *qabs = qpe + T * N * R, *olat = qabs + T * N * D,
           *o = olat + T * N * C, *y = o + T * N * dv, *msc = y + T * H;
-    wd_rmsnorm(x, H, in_w, xn, H, T, H, in_eps);
+    wd_rmsnorm(x, H, w->in_w, xn, H, T, H, w->in_eps);
     if (Q) {
-        linear(xn, H, wqa, H, qa, Q, T, Q, H);
-        wd_rmsnorm(qa, Q, qa_w, qa, Q, T, Q, qa_eps);
-        linear(qa, Q, wq, Q, q, N * dq, T, N * dq, Q);
+        linear(xn, H, w->wqa, H, qa, Q, T, Q, H);
+        wd_rmsnorm(qa, Q, w->qa_w, qa, Q, T, Q, w->qa_eps);
+        linear(qa, Q, w->wq, Q, q, N * dq, T, N * dq, Q);
     } else {
-        linear(xn, H, wq, H, q, N * dq, T, N * dq, H);
+        linear(xn, H, w->wq, H, q, N * dq, T, N * dq, H);
     }
-    linear(xn, H, wkva, H, kv, D, T, D, H);
-    wd_rmsnorm(kv, D, kva_w, lat, D, T, C, kva_eps);                 /* the normed latent c */
-    wd_rope(kv + C, T, 1, R, D, R, cos, sin, kpe, interleave);       /* k_pe */
+    linear(xn, H, w->wkva, H, kv, D, T, D, H);
+    wd_rmsnorm(kv, D, w->kva_w, lat, D, T, C, w->kva_eps);                 /* the normed latent c */
+    wd_rope(kv + C, T, 1, R, D, R, cos, sin, kpe, (int)w->interleave);      /* k_pe */
     for (int64_t t = 0; t < T; t++) {
         memcpy(lat + t * D + C, kpe + t * R, R * sizeof(float));
         memcpy(pool + slots[t] * D, lat + t * D, D * sizeof(float));
     }
-    wd_rope(q + dn, T, N, R, N * dq, dq, cos, sin, qpe, interleave);  /* q_pe [T, N, R] */
+    wd_rope(q + dn, T, N, R, N * dq, dq, cos, sin, qpe, (int)w->interleave);  /* q_pe [T, N, R] */
     wd_bmm_nt(N, q, dq, N * dq, wuk_t, C * dn, dn, qabs, D, N * D, T, C, dn);   /* q_nope W_UK per head */
     for (int64_t t = 0; t < T * N; t++) memcpy(qabs + t * D + C, qpe + t * R, R * sizeof(float));
-    int64_t rc = wd_mla_decode(qabs, T, N, D, C, pool, S / bs, table, max_blocks, lens, max_len, bs, scale, olat,
+    int64_t rc = wd_mla_decode(qabs, T, N, D, C, pool, S / bs, table, max_blocks, lens, max_len, bs, w->scale, olat,
                                msc, NULL, 0, 0, 0, 0, NULL);
     if (rc) return rc;
-    wd_bmm_nt(N, olat, C, N * C, wkvb + dn * C, (dn + dv) * C, C, o, dv, N * dv, T, dv, C);   /* W_UV */
-    linear(o, N * dv, wo, N * dv, y, H, T, H, N * dv);
+    wd_bmm_nt(N, olat, C, N * C, w->wkvb + dn * C, (dn + dv) * C, C, o, dv, N * dv, T, dv, C);   /* W_UV */
+    linear(o, N * dv, w->wo, N * dv, y, H, T, H, N * dv);
     for (int64_t i = 0; i < T * H; i++) h[i] = x[i] + y[i];
-    wd_rmsnorm(h, H, post_w, mlp_in, H, T, H, post_eps);
+    wd_rmsnorm(h, H, w->post_w, mlp_in, H, T, H, w->post_eps);
     return 0;
 }
 
 /* An MoE layer's half on one EP rank (moe/layer.py MoELayer.decode_layer): T tokens, every expert local
-   and physical id = logical id (El = E). ids, wts = route(x) (wd_route); out = h + (experts(x) + shared(x))
-   with the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg NULL: none): the kernels and the order of
-   the operation-by-operation path. load [E] (NULL: off) += 1 per chosen id, as MoELayer.route counts for
-   EPLB. iscratch: 2 (E + 1) + T k ints; scratch: T (E + H + max(2H + 3I, 2 Is + H)) floats.
-   Returns 0 (wd_experts' error codes cannot occur: the router's ids are < E). */
-int64_t wd_moe_layer(const float *h, const float *x, int64_t T, int64_t H, const float *gw, int64_t E,
-                     const float *gbias, int sigmoid, int method, int64_t G, int64_t topk_group, int64_t k, int norm,
-                     float scale, const float *w13, const float *w2, int64_t I, const float *sg, const float *su,
-                     const float *sd, int64_t Is, int64_t *load, float *out, int64_t *ids, float *wts,
-                     int64_t *iscratch, float *scratch) {
+   and physical id = logical id. ids, wts = route(x) (wd_route); out = h + (experts(x) + shared(x)) with
+   the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg NULL: none): the kernels and the order of
+   the operation-by-operation path. The layer's weights and router settings in a struct made once
+   (cpu/layers.py MoeWeights). load [E] (NULL: off) += 1 per chosen id, as MoELayer.route counts for
+   EPLB. iscratch: 2 (E + 1) + T k ints; scratch: T (E + H + max(2H + 3I, 2 Is + H)) floats. Returns 0
+   (wd_experts' error codes cannot occur: the router's ids are < E). */
+typedef struct {
+    const float *gw, *gbias, *w13, *w2, *sg, *su, *sd;
+    float scale;
+    int64_t H, E, I, Is, k, G, topk_group, sigmoid, method, norm;
+} moe_weights;
+
+int64_t wd_moe_layer(const moe_weights *w, const float *h, const float *x, int64_t T, int64_t *load, float *out,
+                     int64_t *ids, float *wts, int64_t *iscratch, float *scratch) {
+    int64_t H = w->H, E = w->E, I = w->I, Is = w->Is, k = w->k;
     float *logits = scratch, *ye = logits + T * E, *rest = ye + T * H;
-    wd_route(x, T, H, gw, E, gbias, sigmoid, method, G, topk_group, k, norm, scale, logits, ids, wts);
+    wd_route(x, T, H, w->gw, E, w->gbias, (int)w->sigmoid, (int)w->method, w->G, w->topk_group, k, (int)w->norm,
+             w->scale, logits, ids, wts);
     if (load)
         for (int64_t p = 0; p < T * k; p++) load[ids[p]]++;
     memset(ye, 0, T * H * sizeof(float));
-    int64_t rc = wd_experts(x, T, H, I, E, w13, w2, ids, wts, k, ye, iscratch, rest);
+    int64_t rc = wd_experts(x, T, H, I, E, w->w13, w->w2, ids, wts, k, ye, iscratch, rest);
     if (rc) return rc;
-    if (!sg) {
+    if (!w->sg) {
         for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + ye[i];
         return 0;
     }
     float *g = rest, *u = g + T * Is, *y = u + T * Is;
-    linear(x, H, sg, H, g, Is, T, Is, H);
-    linear(x, H, su, H, u, Is, T, Is, H);
+    linear(x, H, w->sg, H, g, Is, T, Is, H);
+    linear(x, H, w->su, H, u, Is, T, Is, H);
     for (int64_t i = 0; i < T * Is; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    linear(g, Is, sd, Is, y, H, T, H, Is);
+    linear(g, Is, w->sd, Is, y, H, T, H, Is);
     for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + (ye[i] + y[i]);
     return 0;
 }
@@ -335,11 +349,9 @@ P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
               "wd_rope": ([P, I, I, I, I, I, P, P, P, ctypes.c_int], None),
               "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P, P, I, I, I, I, P], I),
-              "wd_mla_layer": ([P, I, I, P, F, P, F, P, I, P, F, P, P, P, F, I, I, I, I, I, P, P, P, P, P,
-                                ctypes.c_int, P, I, P, P, I, P, I, I, F, P, P, P], I),
+              "wd_mla_layer": ([P, P, P, I, P, P, P, I, P, P, I, P, I, I, P, P, P], I),
               "wd_route": ([P, I, I, P, I, P, ctypes.c_int, ctypes.c_int, I, I, I, ctypes.c_int, F, P, P, P], None),
-              "wd_moe_layer": ([P, P, I, I, P, I, P, ctypes.c_int, ctypes.c_int, I, I, I, ctypes.c_int, F, P, P, I,
-                                P, P, P, I, P, P, P, P, P, P], I)}
+              "wd_moe_layer": ([P, P, P, I, P, P, P, P, P, P], I)}
 register(SOURCE, SIGNATURES)
 
 
@@ -453,31 +465,64 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg)
     return ids, wts
 
 
-def mla_layer(x: torch.Tensor, in_norm, post_norm, mla, cos: torch.Tensor, sin: torch.Tensor, kv_pool: torch.Tensor,
-              slots: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] (each token the only query of its sequence), the layer's RMSNorm modules and its MLA
-    (attention_mla/mla.py, read by its fields), cos/sin [T, R/2], a float32 pool [S, C+R], slots [T],
-    table [T, M], lens [T] int32 (AttnMeta.seq_tables) -> (h [T, H], mlp_in [T, H]): the decoder
-    layer's attention half in one call (MLA.decode_layer checks that every weight fits)."""
+class MlaWeights(ctypes.Structure):
+    """wd_mla_layer's per-layer arguments (its mla_weights struct): made once by mla_layer_weights,
+    kept by the caller while the weights are the same memory."""
+    _fields_ = [(n, ctypes.c_void_p) for n in ("in_w", "post_w", "wqa", "qa_w", "wq", "wkva", "kva_w", "wkvb", "wo")] \
+        + [(n, ctypes.c_float) for n in ("in_eps", "post_eps", "qa_eps", "kva_eps", "scale")] \
+        + [(n, ctypes.c_int64) for n in ("H", "Q", "N", "dn", "R", "C", "dv", "interleave")]
+
+
+def mla_layer_weights(in_norm, post_norm, mla) -> MlaWeights:
+    """The layer's RMSNorm modules and its MLA (attention_mla/mla.py, read by its fields) -> the
+    struct mla_layer takes (pointers to the weights, their sizes, eps, the softmax scale)."""
     cfg = mla.cfg
-    T, H = x.shape
-    N, dn, R, C, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
     Q = cfg.q_lora_rank or 0
-    D = C + R
-    h, mlp_in = torch.empty(T, H), torch.empty(T, H)
-    buf = torch.empty(T * (2 * H + Q + N * (dn + R) + 2 * D + R + N * R + N * D + N * C + N * dv) + N * (max_len + 1))
     wq = mla.q_b_proj.weight if Q else mla.q_proj.weight
-    wqa, qa_w, qa_eps = ((mla.q_a_proj.weight.data_ptr(), mla.q_a_layernorm.weight.data_ptr(), mla.q_a_layernorm.eps)
-                         if Q else (None, None, 0.0))
+    return MlaWeights(
+        in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), mla.q_a_proj.weight.data_ptr() if Q else None,
+        mla.q_a_layernorm.weight.data_ptr() if Q else None, wq.data_ptr(), mla.kv_a_proj_with_mqa.weight.data_ptr(),
+        mla.kv_a_layernorm.weight.data_ptr(), mla.kv_b_proj.weight.data_ptr(), mla.o_proj.weight.data_ptr(),
+        in_norm.eps, post_norm.eps, mla.q_a_layernorm.eps if Q else 0.0, mla.kv_a_layernorm.eps, cfg.softmax_scale,
+        in_norm.weight.shape[0], Q, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+        cfg.v_head_dim, int(mla.rope.cfg.interleave))
+
+
+def mla_layer_buffer(w: MlaWeights, T: int, max_len: int) -> int:
+    """Floats of scratch mla_layer needs for T tokens and contexts of up to max_len."""
+    D = w.C + w.R
+    return (T * (2 * w.H + w.Q + w.N * (w.dn + w.R) + 2 * D + w.R + w.N * w.R + w.N * D + w.N * w.C + w.N * w.dv)
+            + w.N * (max_len + 1))
+
+
+_scratch = threading.local()   # this thread's scratch for the fused layers: one buffer for all of them
+
+
+def scratch(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """At least n elements of this thread's scratch of `dtype` (grown in steps of 1/4, so that a context
+    growing by a token a step does not reallocate every step). Valid until the next call."""
+    name = "i64" if dtype == torch.int64 else "f32"
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.numel() < n:
+        buf = torch.empty(n + n // 4 + 1024, dtype=dtype)
+        setattr(_scratch, name, buf)
+    return buf
+
+
+def mla_layer(x: torch.Tensor, w: MlaWeights, w_uk_t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              kv_pool: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, max_len: int,
+              block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (each token the only query of its sequence), the layer's weights (mla_layer_weights)
+    and W_UK^T (MLA.w_uk_t), cos/sin [T, R/2], a float32 pool [S, C+R], slots [T], table [T, M], lens [T]
+    int32 (AttnMeta.seq_tables) -> (h [T, H], mlp_in [T, H]): the decoder layer's attention half in one
+    call (MLA.decode_layer checks that every weight and input fits)."""
+    T, H = x.shape
+    h, mlp_in = torch.empty(T, H), torch.empty(T, H)
+    buf = scratch(mla_layer_buffer(w, T, max_len))
     rc = library().wd_mla_layer(
-        x.data_ptr(), T, H, in_norm.weight.data_ptr(), in_norm.eps, post_norm.weight.data_ptr(), post_norm.eps,
-        wqa, Q, qa_w, qa_eps, wq.data_ptr(), mla.kv_a_proj_with_mqa.weight.data_ptr(),
-        mla.kv_a_layernorm.weight.data_ptr(), mla.kv_a_layernorm.eps, N, dn, R, C, dv, mla.w_uk_t().data_ptr(),
-        mla.kv_b_proj.weight.data_ptr(), mla.o_proj.weight.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        int(mla.rope.cfg.interleave), kv_pool.data_ptr(), kv_pool.shape[0], slots.data_ptr(), table.data_ptr(),
-        table.shape[1], lens.data_ptr(), max_len, block_size, cfg.softmax_scale, h.data_ptr(), mlp_in.data_ptr(),
-        buf.data_ptr())
+        ctypes.byref(w), w_uk_t.data_ptr(), x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), kv_pool.data_ptr(),
+        kv_pool.shape[0], slots.data_ptr(), table.data_ptr(), table.shape[1], lens.data_ptr(), max_len, block_size,
+        h.data_ptr(), mlp_in.data_ptr(), buf.data_ptr())
     if rc <= -2:
         raise ValueError(f"mla_layer: token {-2 - rc}'s slot {int(slots[-2 - rc])} is outside the pool's "
                          f"{kv_pool.shape[0]} rows")
@@ -486,30 +531,47 @@ def mla_layer(x: torch.Tensor, in_norm, post_norm, mla, cos: torch.Tensor, sin: 
     return h, mlp_in
 
 
-def moe_layer(h: torch.Tensor, x: torch.Tensor, gate, w13: torch.Tensor, w2: torch.Tensor, shared,
-              load_counts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h, x [T, H] (the residual and the post-attention-normed mlp_in), the router (moe/gate.py Gate,
-    read by its fields), w13 [E, 2I, H], w2 [E, H, I] with every expert local, the shared experts (a
-    moe/mlp.py MLP read by its fields, or None), load_counts [E] int64 or None -> (h + MoE(x) [T, H],
-    topk_ids [T, k], topk_weights [T, k]): route, routed and shared experts, residual in one call
-    (MoELayer.decode_layer checks that every weight fits)."""
-    cfg = gate.cfg
-    T, H = x.shape
-    E, I2, _ = w13.shape
-    k, I = cfg.top_k, I2 // 2
-    Is = shared.gate_proj.weight.shape[0] if shared is not None else 0
-    out, ids, wts = torch.empty(T, H), torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
-    iscratch = torch.empty(2 * (E + 1) + T * k, dtype=torch.int64)
-    scratch = torch.empty(T * (E + H + max(2 * H + 3 * I, 2 * Is + H)))
+class MoeWeights(ctypes.Structure):
+    """wd_moe_layer's per-layer arguments (its moe_weights struct): made once by moe_layer_weights,
+    kept by the caller while the weights are the same memory."""
+    _fields_ = [(n, ctypes.c_void_p) for n in ("gw", "gbias", "w13", "w2", "sg", "su", "sd")] \
+        + [("scale", ctypes.c_float)] \
+        + [(n, ctypes.c_int64) for n in ("H", "E", "I", "Is", "k", "G", "topk_group", "sigmoid", "method", "norm")]
+
+
+def moe_layer_weights(gate, w13: torch.Tensor, w2: torch.Tensor, shared) -> MoeWeights:
+    """The router (moe/gate.py Gate, read by its fields), w13 [E, 2I, H], w2 [E, H, I] with every
+    expert local, the shared experts (a moe/mlp.py MLP read by its fields, or None) -> the struct
+    moe_layer takes."""
+    cfg, bias = gate.cfg, gate.e_score_correction_bias
+    E, I2, H = w13.shape
     sw = ((shared.gate_proj.weight.data_ptr(), shared.up_proj.weight.data_ptr(), shared.down_proj.weight.data_ptr())
           if shared is not None else (None, None, None))
-    bias = gate.e_score_correction_bias
-    rc = library().wd_moe_layer(
-        h.data_ptr(), x.data_ptr(), T, H, gate.weight.data_ptr(), E, None if bias is None else bias.data_ptr(),
-        int(cfg.scoring_func == "sigmoid"), _METHODS[cfg.topk_method], cfg.n_group, cfg.topk_group, k,
-        int(cfg.norm_topk_prob), cfg.routed_scaling_factor, w13.data_ptr(), w2.data_ptr(), I, *sw, Is,
-        None if load_counts is None else load_counts.data_ptr(), out.data_ptr(), ids.data_ptr(), wts.data_ptr(),
-        iscratch.data_ptr(), scratch.data_ptr())
+    return MoeWeights(gate.weight.data_ptr(), None if bias is None else bias.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                      *sw, cfg.routed_scaling_factor, H, E, I2 // 2,
+                      shared.gate_proj.weight.shape[0] if shared is not None else 0, cfg.top_k, cfg.n_group,
+                      cfg.topk_group, int(cfg.scoring_func == "sigmoid"), _METHODS[cfg.topk_method],
+                      int(cfg.norm_topk_prob))
+
+
+def moe_layer_scratch(w: MoeWeights, T: int) -> tuple[int, int]:
+    """(int64s, floats) of scratch moe_layer needs for T tokens."""
+    return 2 * (w.E + 1) + T * w.k, T * (w.E + w.H + max(2 * w.H + 3 * w.I, 2 * w.Is + w.H))
+
+
+def moe_layer(h: torch.Tensor, x: torch.Tensor, w: MoeWeights, load_counts: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h, x [T, H] (the residual and the post-attention-normed mlp_in), the layer's weights
+    (moe_layer_weights), load_counts [E] int64 or None -> (h + MoE(x) [T, H], topk_ids [T, k],
+    topk_weights [T, k]): route, routed and shared experts, residual in one call (MoELayer.decode_layer
+    checks that every weight and input fits)."""
+    T, H = x.shape
+    out, ids, wts = torch.empty(T, H), torch.empty(T, w.k, dtype=torch.int64), torch.empty(T, w.k)
+    ni, nf = moe_layer_scratch(w, T)
+    rc = library().wd_moe_layer(ctypes.byref(w), h.data_ptr(), x.data_ptr(), T,
+                                None if load_counts is None else load_counts.data_ptr(), out.data_ptr(),
+                                ids.data_ptr(), wts.data_ptr(), scratch(ni, torch.int64).data_ptr(),
+                                scratch(nf).data_ptr())
     if rc:
-        raise RuntimeError(f"moe_layer: the router chose an expert past the {E} local ones (kernel code {rc})")
+        raise RuntimeError(f"moe_layer: the router chose an expert past the {w.E} local ones (kernel code {rc})")
     return out, ids, wts

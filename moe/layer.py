@@ -79,7 +79,7 @@ class MoELayer(nn.Module):
         self.local_phy2log = list(self.shard.layout.slots(self.shard.ep_rank))
         self.expert_map = None    # callable: logical ids [T, k] -> physical ids [T, k]; None = identity
         self.load_counts = None   # [P] int64 tokens per physical slot, added in place; None = off
-        self._fused_key, self._fused_fit = None, False   # _weights_fit_fused's kept verdict
+        self._fused_key, self._fused = None, None   # _fused_weights' kept struct (None: they do not fit)
 
     def set_placement(self, local_phy2log: list[int], expert_map=None) -> None:
         """Which logical expert each local slot holds ([El]) and the map the gate's ids go through.
@@ -105,41 +105,46 @@ class MoELayer(nn.Module):
         of their small torch ops or Python) when it can: the "cpu" experts backend with float32 weights,
         every expert on this rank and no EPLB map (a dispatcher that moves nothing: local_only), at most
         cpu.linear.MAX_ROWS tokens. EPLB's load_counts and the dispatcher's counters and routing
-        histogram record what the operations would have. h, x [T, H] (x = mlp_in) -> h + MoE(x), or
-        None: the caller runs ops() one by one."""
+        histogram record what the operations would have. The weights are checked once while they stay
+        the same memory (_fused_weights): this runs for every MoE layer of every decode step.
+        h, x [T, H] (x = mlp_in) -> h + MoE(x), or None: the caller runs ops() one by one."""
         from cpu.linear import MAX_ROWS
-        ex, gate, sh, T, f32 = self.experts, self.gate, self.shared_experts, x.shape[0], torch.float32
-        ok = (getattr(dispatcher, "local_only", False) and ex.backend == "cpu" and ex.fp8_block is None and gate.kernel
-              and self.expert_map is None and ex.num_local == self.cfg.n_routed_experts and 0 < T <= MAX_ROWS
-              and x.dtype == h.dtype == f32 and not x.is_cuda and not h.is_cuda and x.is_contiguous()
-              and h.is_contiguous() and h.shape == x.shape == (T, self.cfg.hidden_size)
-              and (self.load_counts is None or (self.load_counts.dtype == torch.int64 and self.load_counts.is_contiguous()
-                                                and self.load_counts.shape == (ex.num_local,)
-                                                and not self.load_counts.is_cuda)))
-        if not ok or not self._weights_fit_fused():
+        T, lc = x.shape[0], self.load_counts
+        if not (getattr(dispatcher, "local_only", False) and self.expert_map is None and 0 < T <= MAX_ROWS
+                and x.dtype == h.dtype == torch.float32 and not x.is_cuda and not h.is_cuda and x.is_contiguous()
+                and h.is_contiguous() and h.shape == x.shape and x.shape[1] == self.cfg.hidden_size
+                and (lc is None or (lc.dtype == torch.int64 and lc.is_contiguous() and not lc.is_cuda
+                                    and lc.shape == (self.cfg.n_routed_experts,)))):
+            return None
+        w = self._fused_weights()
+        if w is None:
             return None
         from cpu.layers import moe_layer
-        out, _, _ = moe_layer(h, x, gate, ex.w13, ex.w2, sh, self.load_counts)
+        out, _, _ = moe_layer(h, x, w, lc)
         dispatcher.account_local(T)
         return out
 
-    def _weights_fit_fused(self) -> bool:
-        """Whether the router's, the experts' and the shared experts' weights fit moe_layer (float32,
-        contiguous, CPU, no biases). The verdict is kept while the weights are the same memory (their
-        data pointers: a parameter replaced, or its .data, is checked again): this runs every step."""
-        ex, gate, sh = self.experts, self.gate, self.shared_experts
-        linears = (sh.gate_proj, sh.up_proj, sh.down_proj) if sh is not None else ()
-        tensors = (gate.weight, gate.e_score_correction_bias, ex.w13, ex.w2,
-                   *(t for m in linears for t in (m.weight, m.bias)))
-        key = tuple(0 if t is None else t.data_ptr() for t in tensors)
+    def _fused_weights(self):
+        """moe_layer's weights struct (cpu/layers.py moe_layer_weights) when this layer can run it —
+        the "cpu" experts backend, float32 weights, contiguous, on the CPU, no biases, every logical
+        expert in its own local slot — else None. Kept while the weights are the same memory: the
+        modules and parameters are looked up in their tables (one replaced, or its .data, is seen) and
+        only their data pointers compared."""
+        ex, gate, sh = self._modules["experts"], self._modules["gate"], self._modules.get("shared_experts")
+        linears = [sh._modules[n]._parameters for n in ("gate_proj", "up_proj", "down_proj")] if sh is not None else []
+        ep, gp = ex._parameters, gate._parameters
+        tensors = (gp["weight"], gp.get("e_score_correction_bias"), ep["w13"], ep["w2"], *(p["weight"] for p in linears))
+        key = (tuple(0 if t is None else t.data_ptr() for t in tensors), tuple(p.get("bias") is None for p in linears),
+               ex.backend, ex.fp8_block, gate.kernel)
         if key != self._fused_key:
-            f32 = torch.float32
-            fit = all(m.bias is None for m in linears) and all(
-                t.dtype == f32 and not t.is_cuda and t.is_contiguous()
-                for t in (gate.weight, ex.w13, ex.w2, *(m.weight for m in linears),
-                          *([gate.e_score_correction_bias] if gate.e_score_correction_bias is not None else [])))
-            self._fused_key, self._fused_fit = key, fit
-        return self._fused_fit
+            fit = (ex.backend == "cpu" and ex.fp8_block is None and gate.kernel
+                   and ex.num_local == self.cfg.n_routed_experts and all(p.get("bias") is None for p in linears)
+                   and all(t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous()
+                           for t in tensors if t is not None))
+            from cpu.layers import moe_layer_weights
+            self._fused_key = key
+            self._fused = moe_layer_weights(gate, ep["w13"], ep["w2"], sh) if fit else None
+        return self._fused
 
     # -- operations (see the module doc for the state names) ----------------------------------------
     def ops(self) -> list:
