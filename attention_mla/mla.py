@@ -209,23 +209,29 @@ class MLA(nn.Module):
         memory (_fused_weights): this runs for every layer of every decode step, where Python is slow
         (the weight stream evicts it from the caches).
         -> (h [T, H], mlp_in [T, H]), or None: the caller runs the operations one by one."""
-        if self.backend != "cpu" or self.kv_fp8 is not None or type(self) is not MLA:
-            return None
         from cpu.linear import MAX_ROWS
-        cfg = self.cfg
-        tables = meta.decode_tables(self.mode, cos, sin, cfg.qk_rope_head_dim, MAX_ROWS)
-        if tables is None or not (
-                x.dtype == kv_pool.dtype == torch.float32 and not x.is_cuda and not kv_pool.is_cuda
-                and x.is_contiguous() and kv_pool.is_contiguous() and x.shape == (cos.shape[0], cfg.hidden_size)
-                and kv_pool.shape[1:] == (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)):
-            return None   # anything else (a wrong pool included: forward names it) runs op by op
-        w = self._fused_weights(in_norm, post_norm)
+        tables = meta.decode_tables(self.mode, cos, sin, self.cfg.qk_rope_head_dim, MAX_ROWS)
+        if tables is None or not (x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous()
+                                  and x.shape == (cos.shape[0], self.cfg.hidden_size)):
+            return None
+        w = self.fused(kv_pool, in_norm, post_norm)
         if w is None:
             return None
         from cpu.layers import mla_layer
         table, lens, max_len = tables
         return mla_layer(x, w, self.w_uk_t(), cos, sin, kv_pool, meta.slot_mapping, table, lens, max_len,
                          meta.block_size)
+
+    def fused(self, kv_pool: torch.Tensor, in_norm: RMSNorm, post_norm: RMSNorm):
+        """What a fused decode of this layer needs beyond the step (decode_layer, and DeepseekModel's
+        whole-step call): backend "cpu", this class, a float32 contiguous cache of this layer's width
+        (anything else, a wrong pool included, runs op by op, where forward names it), and weights
+        that fit -> mla_layer's weights struct, or None."""
+        if self.backend != "cpu" or self.kv_fp8 is not None or type(self) is not MLA or not (
+                kv_pool.dtype == torch.float32 and not kv_pool.is_cuda and kv_pool.is_contiguous()
+                and kv_pool.shape[1:] == (self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,)):
+            return None
+        return self._fused_weights(in_norm, post_norm)
 
     def _fused_weights(self, in_norm: RMSNorm, post_norm: RMSNorm):
         """mla_layer's weights struct (cpu/layers.py mla_layer_weights) when the projections' and norms'

@@ -29,7 +29,9 @@ and a "roofline" block per thread count (read/copy GB/s, bytes per step split de
 step ms wall and CPU, prefill ms). --breakdown: one more wideep run at the first thread count with
 every C kernel timed (wall time inside cpu/gemm.py's and cpu/layers.py's launchers during the decode
 steps): "breakdown" = ms per decode step in each kernel and the rest ("other": Python, small torch
-ops, sampling, scheduling), beside the bytes each kernel's weights account for.
+ops, sampling, scheduling); the decoder layers are one C call (decode_stack) on these steps, so one
+more run with that call off gives "breakdown_per_layer_half" (each layer's attention half, mla_layer,
+and MoE half, moe_layer, one call each).
     python bench/decode_vs_hf.py [--quick] [--threads 1,2] [--breakdown]
 """
 from __future__ import annotations
@@ -79,7 +81,8 @@ class KernelClock:
     """Wall time inside the C kernels' launchers, per step (take() returns and clears it). Every
     caller reaches them as module attributes at call time, so replacing the attributes times them all."""
 
-    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"), "layers": ("mla_layer", "moe_layer", "mla_decode", "route", "rmsnorm", "rope")}
+    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"),
+               "layers": ("decode_stack", "mla_layer", "moe_layer", "mla_decode", "route", "rmsnorm", "rope")}
 
     def __init__(self):
         import importlib
@@ -122,15 +125,21 @@ class DecodeMeter:
         self.ids: list[torch.Tensor] = []   # each MoE layer's router ids, in layer order
         for m in model.moe_layers():
             m.gate.register_forward_hook(lambda mod, inp, out: self.ids.append(out[0]))
-        from cpu import layers   # the fused MoE half routes inside its C call: its ids are its result [1]
-        fused = layers.moe_layer
+        from cpu import layers   # the fused MoE half and the whole-step call route inside C: their ids
+        fused, stack = layers.moe_layer, layers.decode_stack   # are their results [1] ([T, k], [n_moe, T, k])
 
         def seen_moe_layer(*args, **kwargs):
             out = fused(*args, **kwargs)
             if self._batch is not None:   # a step of this meter's engine
                 self.ids.append(out[1])
             return out
-        layers.moe_layer = seen_moe_layer
+
+        def seen_stack(*args, **kwargs):
+            out = stack(*args, **kwargs)
+            if self._batch is not None:
+                self.ids.extend(out[1])
+            return out
+        layers.moe_layer, layers.decode_stack = seen_moe_layer, seen_stack
         self.steps: list[dict] = []
         self._batch = None
         self.clock: KernelClock | None = None    # set: each step's kernel seconds are recorded too
@@ -276,12 +285,16 @@ def main() -> None:
                 t, _ = run_hf(hf_eager)
                 te.append(t)
             roof[n_threads] = best
-        breakdown = None
+        breakdown = breakdown_layers = None
         if a.breakdown:
             torch.set_num_threads(threads[0])
             meter.clock = KernelClock()
             run_wideep()
             breakdown = meter.breakdown()
+            llm.model.fuse_decode_stack = False   # the same steps a layer half at a time: where the stack's time goes
+            run_wideep()
+            breakdown_layers = meter.breakdown()
+            llm.model.fuse_decode_stack = True
         agree = sum(p == q for p, q in zip(ours, theirs)) / len(ours)
     n = a.batch * a.new
     first, second = roof[threads[0]], roof[threads[1]] if len(threads) > 1 else None
@@ -304,6 +317,7 @@ def main() -> None:
            "huge_pages": {"weights_mb": round(llm.model.huge_page_bytes / 1e6, 1),
                           "ceiling_mb": round(huge_ceiling / 1e6, 1)},
            "roofline": {f"{t}t": r for t, r in roof.items()}, "breakdown_ms": breakdown,
+           "breakdown_per_layer_half_ms": breakdown_layers,
            "backends": llm.model.backends,
            "torch": torch.__version__, "threads": threads}
     print(json.dumps(res))

@@ -12,6 +12,8 @@ width, C kv_lora_rank, S cache slots. Float32 CPU tensors, last dim contiguous.
   route(x [T, H], weight [E, H], bias, cfg) -> ids, weights    = moe/gate.py Gate
   mla_layer(x [T, H], MlaWeights, ...) -> h, mlp_in           = a decoder layer's attention half on decode steps
   moe_layer(h, x [T, H], MoeWeights, load) -> out, ids, wts    = its MoE half on one EP rank (MoELayer.decode_layer)
+  mlp_layer(h, x [T, H], MlpWeights) -> out                    = a dense layer's MLP half (h + MLP(x))
+  decode_stack(x [T, H], layers, ...) -> out, ids, wts         = every decoder layer of a decode step, one call
       (their weights in a C struct made once per layer: mla_layer_weights, moe_layer_weights)
 Tests: tests/cpu/.
 """
@@ -313,8 +315,19 @@ int64_t wd_mla_layer(const mla_weights *w, const float *wuk_t, const float *x, i
    the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg NULL: none): the kernels and the order of
    the operation-by-operation path. The layer's weights and router settings in a struct made once
    (cpu/layers.py MoeWeights). load [E] (NULL: off) += 1 per chosen id, as MoELayer.route counts for
-   EPLB. iscratch: 2 (E + 1) + T k ints; scratch: T (E + H + max(2H + 3I, 2 Is + H)) floats. Returns 0
+   EPLB. iscratch: 2 (E + 1) + T k ints; scratch: T (E + H + max(2H + 3I, H + 2 Is)) floats. Returns 0
    (wd_experts' error codes cannot occur: the router's ids are < E). */
+/* y [T, H] = sd @ (silu(sg @ x) * (su @ x)) for x [T, H], sg, su [Is, H], sd [H, Is] (moe/mlp.py MLP). scratch:
+   2 T Is floats. */
+static void swiglu(const float *x, int64_t T, int64_t H, const float *sg, const float *su, const float *sd,
+                   int64_t Is, float *y, float *scratch) {
+    float *g = scratch, *u = g + T * Is;
+    linear(x, H, sg, H, g, Is, T, Is, H);
+    linear(x, H, su, H, u, Is, T, Is, H);
+    for (int64_t i = 0; i < T * Is; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    linear(g, Is, sd, Is, y, H, T, H, Is);
+}
+
 typedef struct {
     const float *gw, *gbias, *w13, *w2, *sg, *su, *sd;
     float scale;
@@ -336,12 +349,68 @@ int64_t wd_moe_layer(const moe_weights *w, const float *h, const float *x, int64
         for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + ye[i];
         return 0;
     }
-    float *g = rest, *u = g + T * Is, *y = u + T * Is;
-    linear(x, H, w->sg, H, g, Is, T, Is, H);
-    linear(x, H, w->su, H, u, Is, T, Is, H);
-    for (int64_t i = 0; i < T * Is; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    linear(g, Is, w->sd, Is, y, H, T, H, Is);
+    float *y = rest;
+    swiglu(x, T, H, w->sg, w->su, w->sd, Is, y, y + T * H);
     for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + (ye[i] + y[i]);
+    return 0;
+}
+
+/* A dense layer's MLP half: out = h + MLP(x) (moe/mlp.py MLP on the cpu backend). */
+typedef struct {
+    const float *sg, *su, *sd;
+    int64_t H, Is;
+} mlp_weights;
+
+static void mlp_half(const mlp_weights *w, const float *h, const float *x, int64_t T, float *out, float *scratch) {
+    int64_t H = w->H;
+    float *y = scratch;
+    swiglu(x, T, H, w->sg, w->su, w->sd, w->Is, y, y + T * H);
+    for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + y[i];
+}
+
+void wd_mlp_layer(const mlp_weights *w, const float *h, const float *x, int64_t T, float *out, float *scratch) {
+    mlp_half(w, h, x, T, out, scratch);
+}
+
+/* A whole decode step's decoder layers, one call (engine/model.py DeepseekModel.op_layers): layer l's
+   attention half (wd_mla_layer) then its MoE half (wd_moe_layer) or dense MLP half (mlp_half), each
+   layer's output the next one's input, exactly the calls the per-layer path makes. layers[l]: its
+   structs (mlp NULL for an MoE layer), W_UK^T, its cache pool [S, C+R] and EPLB counts (or NULL).
+   x0 [T, H] in, out [T, H] the last layer's output; ids, wts [n_moe, T, k] the MoE layers' routing.
+   buf: T (4 H) + the largest scratch of a layer; ibuf: the MoE layers' int scratch. Returns 0, or a
+   layer's error code (wd_mla_layer's) with *failed = its layer (earlier layers have run). */
+typedef struct {
+    const mla_weights *mla;
+    const float *wuk_t;
+    float *pool;
+    int64_t S;
+    const moe_weights *moe;
+    const mlp_weights *mlp;
+    int64_t *load;
+} layer_desc;
+
+int64_t wd_decode_stack(const layer_desc *layers, int64_t L, const float *x0, int64_t T, const float *cos,
+                        const float *sin, const int64_t *slots, const int64_t *table, int64_t max_blocks,
+                        const int32_t *lens, int64_t max_len, int64_t bs, float *out, int64_t *ids, float *wts,
+                        float *buf, int64_t *ibuf, int64_t *failed) {
+    int64_t H = layers[0].mla->H;
+    float *h = buf, *mlp_in = h + T * H, *xa = mlp_in + T * H, *xb = xa + T * H, *scratch = xb + T * H;
+    const float *x = x0;
+    for (int64_t l = 0, m = 0; l < L; l++) {
+        const layer_desc *d = layers + l;
+        int64_t rc = wd_mla_layer(d->mla, d->wuk_t, x, T, cos, sin, d->pool, d->S, slots, table, max_blocks, lens,
+                                  max_len, bs, h, mlp_in, scratch);
+        if (rc) { *failed = l; return rc; }
+        float *dst = l == L - 1 ? out : (l % 2 ? xb : xa);
+        if (d->moe) {
+            int64_t k = d->moe->k;
+            wd_moe_layer(d->moe, h, mlp_in, T, d->load, dst, ids + m * T * k, wts + m * T * k, ibuf, scratch);
+            m++;
+        } else {
+            mlp_half(d->mlp, h, mlp_in, T, dst, scratch);
+        }
+        x = dst;
+    }
     return 0;
 }
 """
@@ -351,7 +420,9 @@ SIGNATURES = {"wd_rmsnorm": ([P, I, P, P, I, I, I, F], None),
               "wd_mla_decode": ([P, I, I, I, I, P, I, P, I, P, I, I, F, P, P, P, I, I, I, I, P], I),
               "wd_mla_layer": ([P, P, P, I, P, P, P, I, P, P, I, P, I, I, P, P, P], I),
               "wd_route": ([P, I, I, P, I, P, ctypes.c_int, ctypes.c_int, I, I, I, ctypes.c_int, F, P, P, P], None),
-              "wd_moe_layer": ([P, P, P, I, P, P, P, P, P, P], I)}
+              "wd_moe_layer": ([P, P, P, I, P, P, P, P, P, P], I),
+              "wd_mlp_layer": ([P, P, P, I, P, P], None),
+              "wd_decode_stack": ([P, I, P, I, P, P, P, P, I, P, I, I, P, P, P, P, P, P], I)}
 register(SOURCE, SIGNATURES)
 
 
@@ -574,4 +645,66 @@ def moe_layer(h: torch.Tensor, x: torch.Tensor, w: MoeWeights, load_counts: torc
                                 scratch(nf).data_ptr())
     if rc:
         raise RuntimeError(f"moe_layer: the router chose an expert past the {w.E} local ones (kernel code {rc})")
+    return out, ids, wts
+
+
+class MlpWeights(ctypes.Structure):
+    """A dense layer's SwiGLU MLP for wd_decode_stack (its mlp_weights struct): mlp_layer_weights."""
+    _fields_ = [(n, ctypes.c_void_p) for n in ("sg", "su", "sd")] + [(n, ctypes.c_int64) for n in ("H", "Is")]
+
+
+def mlp_layer_weights(mlp) -> MlpWeights:
+    """A moe/mlp.py MLP (read by its fields) -> the struct decode_stack takes for a dense layer."""
+    g = mlp.gate_proj.weight
+    return MlpWeights(g.data_ptr(), mlp.up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(), g.shape[1],
+                      g.shape[0])
+
+
+def mlp_layer(h: torch.Tensor, x: torch.Tensor, w: MlpWeights) -> torch.Tensor:
+    """h, x [T, H] (the residual and the post-attention-normed mlp_in), a dense layer's MLP
+    (mlp_layer_weights) -> h + MLP(x) [T, H] in one call (the SwiGLU of the shared experts)."""
+    T, H = x.shape
+    out = torch.empty(T, H)
+    library().wd_mlp_layer(ctypes.byref(w), h.data_ptr(), x.data_ptr(), T, out.data_ptr(),
+                           scratch(T * (w.H + 2 * w.Is)).data_ptr())
+    return out
+
+
+class LayerDesc(ctypes.Structure):
+    """One decoder layer for wd_decode_stack: its structs (by address; the caller keeps them alive), its
+    W_UK^T, its cache pool and EPLB counts."""
+    _fields_ = [("mla", ctypes.c_void_p), ("wuk_t", ctypes.c_void_p), ("pool", ctypes.c_void_p),
+                ("S", ctypes.c_int64), ("moe", ctypes.c_void_p), ("mlp", ctypes.c_void_p), ("load", ctypes.c_void_p)]
+
+
+def decode_stack(x: torch.Tensor, layers, mla: list[MlaWeights], moe: list[MoeWeights | None],
+                 mlp: list[MlpWeights | None], cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                 table: torch.Tensor, lens: torch.Tensor, max_len: int, block_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's decoder layers in one call: x [T, H] (the embeddings), `layers` a ctypes array of
+    LayerDesc (one a layer, in order; mla/moe/mlp the structs they point at, for the scratch sizes),
+    cos/sin [T, R/2], slots [T], table [T, M], lens [T] int32 (AttnMeta.decode_tables) -> (the last
+    layer's output [T, H], the MoE layers' topk_ids and topk_weights [n_moe, T, k]). Every layer runs
+    what mla_layer and moe_layer (or the dense MLP) run, in order (DeepseekModel.op_layers checks that
+    every layer fits)."""
+    T, H = x.shape
+    moes = [w for w in moe if w is not None]
+    k = moes[0].k if moes else 1
+    need = max([mla_layer_buffer(w, T, max_len) for w in mla] + [moe_layer_scratch(w, T)[1] for w in moes]
+               + [T * (w.H + 2 * w.Is) for w in mlp if w is not None])
+    ineed = max([moe_layer_scratch(w, T)[0] for w in moes], default=1)
+    out = torch.empty(T, H)
+    ids, wts = torch.empty(len(moes), T, k, dtype=torch.int64), torch.empty(len(moes), T, k)
+    failed = ctypes.c_int64(-1)
+    rc = library().wd_decode_stack(
+        layers, len(mla), x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), table.data_ptr(),
+        table.shape[1], lens.data_ptr(), max_len, block_size, out.data_ptr(), ids.data_ptr(), wts.data_ptr(),
+        scratch(4 * T * H + need).data_ptr(), scratch(ineed, torch.int64).data_ptr(), ctypes.byref(failed))
+    if rc <= -2:
+        pool_rows = layers[failed.value].S
+        raise ValueError(f"decode_stack: layer {failed.value}: token {-2 - rc}'s slot {int(slots[-2 - rc])} is "
+                         f"outside the pool's {pool_rows} rows")
+    if rc:
+        raise _bad_tables(f"decode_stack: layer {failed.value}", lens, table, max_len, block_size,
+                          layers[failed.value].S // block_size)
     return out, ids, wts

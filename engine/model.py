@@ -86,7 +86,7 @@ class DecoderLayer(nn.Module):
                  kv_cache_dtype: str = "auto"):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        cpu = experts.backend == "cpu"   # the C kernels for norms and projections too (cpu/)
+        cpu = self.cpu = experts.backend == "cpu"   # the C kernels for norms and projections too (cpu/)
         linear = (Fp8Linear.factory(fp8_block) if fp8_block is not None
                   else CpuLinear if cpu else nn.Linear)
         self.index = layer
@@ -120,11 +120,29 @@ class DecoderLayer(nn.Module):
         s.put(h=h, mlp_in=self.post_attention_layernorm(h))
 
     def fused_ops(self) -> list:
-        """ops() for a plain (not DBO) step: an MoE layer on the C experts backend ends in op_moe_half,
-        which runs its half after attention in one call when it can and the same operations otherwise."""
-        if not (self.is_moe and self.mlp.experts.backend == "cpu"):
+        """ops() for a plain (not DBO) step: on the C kernels a layer ends in op_moe_half or
+        op_mlp_half, which run its half after attention in one call when they can and the same
+        operations otherwise."""
+        if not self.cpu:
             return self.ops()
-        return [self.op_attention, self.op_kv_written, self.op_moe_half]
+        return [self.op_attention, self.op_kv_written, self.op_moe_half if self.is_moe else self.op_mlp_half]
+
+    def op_mlp_half(self, s: OpState) -> None:
+        """A dense layer's MLP and residual in one C call (cpu/layers.py mlp_layer) when its weights fit
+        and the tokens are few (cpu.linear.MAX_ROWS, past which BLAS runs the projections); else
+        op_dense_mlp and op_residual."""
+        from cpu.linear import MAX_ROWS
+        h, x = s.peek("h"), s.peek("mlp_in")
+        w = self.mlp.fused() if 0 < x.shape[0] <= MAX_ROWS else None
+        if w is None or not (x.dtype == h.dtype == torch.float32 and not x.is_cuda and not h.is_cuda
+                             and x.is_contiguous() and h.is_contiguous() and h.shape == x.shape):
+            run_sequential([self.op_dense_mlp, self.op_residual], s)
+            return
+        from cpu.layers import mlp_layer
+        s.take("h")
+        s.take("mlp_in")
+        s.put(x=mlp_layer(h, x, w))
+        s.end_layer(self.index, CARRY)
 
     def op_moe_half(self, s: OpState) -> None:
         out = self.mlp.decode_layer(s.peek("h"), s.peek("mlp_in"), s.inputs.dispatcher)
@@ -135,6 +153,18 @@ class DecoderLayer(nn.Module):
         s.take("mlp_in")
         s.put(x=out)
         s.end_layer(self.index, CARRY)
+
+    def fused(self, mb: Microbatch):
+        """This layer in a whole-step decode call (DeepseekModel.op_layers), when it can be: its
+        attention half's struct, and its MoE half's or dense MLP's -> (MlaWeights, MoeWeights | None,
+        MlpWeights | None), or None."""
+        a = self.self_attn.fused(mb.kv_pools[self.index], self.input_layernorm, self.post_attention_layernorm)
+        if a is None:
+            return None
+        m = self.mlp.fused(mb.dispatcher) if self.is_moe else self.mlp.fused()
+        if m is None:
+            return None
+        return (a, m, None) if self.is_moe else (a, None, m)
 
     def op_kv_written(self, s: OpState) -> None:
         """This layer's latents are in kv_pools[index]: disaggregation may start sending them."""
@@ -198,9 +228,11 @@ class DeepseekModel(nn.Module):
             if layer.is_moe:  # the router keeps fp32 whatever the model dtype, as the checkpoints do
                 layer.mlp.gate.float()
         self.step_ops = [self.op_embed, *(op for layer in self.model.layers for op in layer.ops()), self.op_final_norm]
-        # a plain step's list: the same operations, an MoE half on the C backend as one (DecoderLayer.fused_ops)
-        self.plain_ops = [self.op_embed, *(op for layer in self.model.layers for op in layer.fused_ops()),
-                          self.op_final_norm]
+        # a plain step's list: the same operations, an MoE half on the C backend as one (DecoderLayer.fused_ops),
+        # and on CPU decode steps every layer in one call when each can be (op_layers)
+        self.layer_ops = [op for layer in self.model.layers for op in layer.fused_ops()]
+        self.plain_ops = [self.op_embed, self.op_layers, self.op_final_norm]
+        self.fuse_decode_stack = self.cpu_kernels   # op_layers may run the whole stack as one C call
 
     @property
     def device(self) -> torch.device:
@@ -253,6 +285,51 @@ class DeepseekModel(nn.Module):
         mb = s.inputs
         max_pos = max(mb.meta.ctx_lens) - 1 if mb.meta.ctx_lens else 0
         s.put(x=self.model.embed_tokens(mb.input_ids), rope=self.rope.cos_sin(mb.meta.positions, max_position=max_pos))
+
+    def op_layers(self, s: OpState) -> None:
+        """Every decoder layer. On a decode step where each layer can (a plain step on the C kernels, every
+        token the only query of its sequence, at most cpu.linear.MAX_ROWS of them, no per-layer hook,
+        every layer's attention and MoE or MLP half fusable: DecoderLayer.fused), one C call runs them
+        all (cpu/layers.py decode_stack: the calls the layers' fused halves make, in order), and the MoE
+        layers' counters are recorded as those halves record them. Checking every layer before the
+        call, not between layers, is the point: Python run between two layers' weight streams finds
+        the caches emptied by them and costs ~10x. Otherwise the layers' operations (layer_ops)."""
+        mb = s.inputs
+        if self.fuse_decode_stack and mb.on_layer is None and mb.index_pools is None:
+            x, (cos, sin) = s.peek("x"), s.peek("rope")
+            out = self._decode_stack(mb, x, cos, sin)
+            if out is not None:
+                s.take("x")
+                s.put(x=out)
+                return
+        run_sequential(self.layer_ops, s)
+
+    def _decode_stack(self, mb: Microbatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        from cpu.linear import MAX_ROWS
+        layers, meta = self.model.layers, mb.meta
+        attn = layers[0].self_attn
+        tables = meta.decode_tables(attn.mode, cos, sin, attn.cfg.qk_rope_head_dim, MAX_ROWS)
+        if tables is None or not (x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous()
+                                  and x.shape == (cos.shape[0], self.cfg.hidden_size)):
+            return None
+        parts = [layer.fused(mb) for layer in layers]
+        if any(p is None for p in parts):
+            return None
+        from ctypes import addressof
+        from cpu.layers import LayerDesc, decode_stack
+        descs = (LayerDesc * len(parts))()
+        for d, layer, (a, m, dense), pool in zip(descs, layers, parts, mb.kv_pools):
+            lc = layer.mlp.load_counts if m is not None else None
+            d.mla, d.wuk_t, d.pool, d.S = addressof(a), layer.self_attn.w_uk_t().data_ptr(), pool.data_ptr(), pool.shape[0]
+            d.moe = addressof(m) if m is not None else None
+            d.mlp = addressof(dense) if dense is not None else None
+            d.load = lc.data_ptr() if lc is not None else None
+        table, lens, max_len = tables
+        out, ids, wts = decode_stack(x, descs, [p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts],
+                                     cos, sin, meta.slot_mapping, table, lens, max_len, meta.block_size)
+        if ids.shape[0]:
+            mb.dispatcher.account_local(x.shape[0], layers=ids.shape[0])
+        return out
 
     def op_final_norm(self, s: OpState) -> None:
         """Leaves "hidden" [T, H], the final-normed hidden states (OpState.result)."""

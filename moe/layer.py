@@ -109,20 +109,29 @@ class MoELayer(nn.Module):
         the same memory (_fused_weights): this runs for every MoE layer of every decode step.
         h, x [T, H] (x = mlp_in) -> h + MoE(x), or None: the caller runs ops() one by one."""
         from cpu.linear import MAX_ROWS
-        T, lc = x.shape[0], self.load_counts
-        if not (getattr(dispatcher, "local_only", False) and self.expert_map is None and 0 < T <= MAX_ROWS
-                and x.dtype == h.dtype == torch.float32 and not x.is_cuda and not h.is_cuda and x.is_contiguous()
-                and h.is_contiguous() and h.shape == x.shape and x.shape[1] == self.cfg.hidden_size
-                and (lc is None or (lc.dtype == torch.int64 and lc.is_contiguous() and not lc.is_cuda
-                                    and lc.shape == (self.cfg.n_routed_experts,)))):
+        T = x.shape[0]
+        if not (0 < T <= MAX_ROWS and x.dtype == h.dtype == torch.float32 and not x.is_cuda and not h.is_cuda
+                and x.is_contiguous() and h.is_contiguous() and h.shape == x.shape
+                and x.shape[1] == self.cfg.hidden_size):
             return None
-        w = self._fused_weights()
+        w = self.fused(dispatcher)
         if w is None:
             return None
         from cpu.layers import moe_layer
-        out, _, _ = moe_layer(h, x, w, lc)
+        out, _, _ = moe_layer(h, x, w, self.load_counts)
         dispatcher.account_local(T)
         return out
+
+    def fused(self, dispatcher):
+        """What a fused MoE half of this layer needs beyond its tokens (decode_layer, and DeepseekModel's
+        whole-step call): a dispatcher that moves nothing (local_only), no EPLB map, EPLB's counts (if
+        on) int64 [E] on the CPU, weights that fit -> moe_layer's weights struct, or None."""
+        lc = self.load_counts
+        if not (getattr(dispatcher, "local_only", False) and self.expert_map is None
+                and (lc is None or (lc.dtype == torch.int64 and lc.is_contiguous() and not lc.is_cuda
+                                    and lc.shape == (self.cfg.n_routed_experts,)))):
+            return None
+        return self._fused_weights()
 
     def _fused_weights(self):
         """moe_layer's weights struct (cpu/layers.py moe_layer_weights) when this layer can run it —

@@ -15,14 +15,14 @@ from .handles import LocalHandle
 class LocalDispatcher(Dispatcher):
     local_only = True
 
-    def account_local(self, num_tokens: int) -> None:
-        """A dispatch and its combine of num_tokens routed tokens that the MoE layer ran in one call
-        (MoELayer.decode_layer, local_only): the counters and routing histogram dispatch_start and
-        combine_start would have recorded."""
-        self.routing.add_local(num_tokens)
+    def account_local(self, num_tokens: int, layers: int = 1) -> None:
+        """A dispatch and its combine of num_tokens routed tokens in each of `layers` MoE layers that
+        ran in one call (MoELayer.decode_layer, DeepseekModel's whole-step call; local_only): the
+        counters and routing histogram dispatch_start and combine_start would have recorded."""
+        self.routing.add_local(num_tokens * layers)
         st = self.stats   # _count("dispatch") and _count("combine") with nothing sent: two calls, no bytes
-        st.dispatch_calls += 1
-        st.combine_calls += 1
+        st.dispatch_calls += layers
+        st.combine_calls += layers
 
     def _dispatch_start(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor, plan: StepPlan) -> Pending:
         self._count("dispatch")

@@ -27,7 +27,7 @@ def _run(model_dir: str, **backends):
 
 
 def test_cpu_backends_match_torch(tmp_path, monkeypatch):
-    calls = {"experts": 0, "moe_layer": 0, "mla_decode": 0, "mla_layer": 0, "linear": 0}
+    calls = {"experts": 0, "moe_layer": 0, "mla_decode": 0, "mla_layer": 0, "decode_stack": 0, "linear": 0}
 
     def counted(module, name):
         fn = getattr(module, name)
@@ -37,21 +37,29 @@ def test_cpu_backends_match_torch(tmp_path, monkeypatch):
             return fn(*a, **kw)
         monkeypatch.setattr(module, name, wrapper)
     for module, name in ((gemm, "experts"), (layers, "mla_decode"), (layers, "mla_layer"), (layers, "moe_layer"),
-                         (gemm, "linear")):
+                         (layers, "decode_stack"), (gemm, "linear")):
         counted(module, name)
     d = make_tiny_checkpoint(str(tmp_path), "v3", num_hidden_layers=2, n_routed_experts=8, n_group=4, topk_group=2,
                              num_experts_per_tok=2, vocab_size=200)
     ref_llm, ref = _run(d, experts_backend="torch", attention_backend="torch")
-    assert calls == {"experts": 0, "moe_layer": 0, "mla_decode": 0, "mla_layer": 0, "linear": 0}
+    assert calls == {"experts": 0, "moe_layer": 0, "mla_decode": 0, "mla_layer": 0, "decode_stack": 0, "linear": 0}
     assert ref_llm.model.backends == {"experts": "torch", "fp8_weights": False, "attention": "torch"}
     llm, got = _run(d)                                   # auto on CPU, float32: the kernels
     assert llm.model.backends == {"experts": "cpu", "fp8_weights": False, "attention": "cpu"}
-    # prefill (one step, 13 tokens) + 4 decode steps: the MoE layer ran its whole MoE half (router,
-    # routed and shared experts, residual) as one C call every step (13 rows are under
-    # cpu.linear.MAX_ROWS), both attention layers their whole attention half (norms, projections, the
-    # paged decode) at every decode step
-    assert calls["moe_layer"] == 5 and calls["experts"] == 0
-    assert calls["mla_layer"] == 2 * 4 and calls["mla_decode"] == 0 and calls["linear"] > 0
+    # prefill (one step, 13 tokens): the MoE layer ran its whole MoE half (router, routed and shared
+    # experts, residual) as one C call (13 rows are under cpu.linear.MAX_ROWS); 4 decode steps: both
+    # layers, attention and MoE or dense MLP halves, as one C call a step
+    assert calls["decode_stack"] == 4 and calls["moe_layer"] == 1 and calls["experts"] == 0
+    assert calls["mla_layer"] == 0 and calls["mla_decode"] == 0 and calls["linear"] > 0
+    # the same engine with the whole-step call off: every decode step's attention halves one call each
+    calls.update({n: 0 for n in calls})
+    llm.model.fuse_decode_stack = False
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))
+    assert calls["decode_stack"] == 0 and calls["moe_layer"] == 5 and calls["mla_layer"] == 2 * 4
+    for o, (toks, lps) in zip(outs, got):   # (bit-equality per step: tests/cpu/test_decode_stack.py; here the
+        assert o.outputs[0].token_ids == toks   # prompts now hit the prefix cache, so the prefills differ)
+        for a, b in zip(o.outputs[0].logprobs, lps):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-5
     for (toks, lps), (rtoks, rlps) in zip(got, ref):
         assert toks == rtoks
         for a, b in zip(lps, rlps):
