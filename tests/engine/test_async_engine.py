@@ -109,13 +109,14 @@ def test_bad_input_raises_in_caller(aengine, reference, prompt, params, match):
 
 def test_duplicate_id_rejected_without_touching_the_live_request(aengine, reference):
     async def main():
-        # long enough to be still running when the duplicate arrives, however fast the machine
-        live = asyncio.create_task(collect(aengine, PROMPTS[0], greedy(MAX_TOKENS[0] + 60, ignore_eos=True),
-                                          request_id="dup"))
-        await asyncio.sleep(0.05)
+        # the duplicate goes in as soon as the live request has produced its first token: it has ~120
+        # decode steps left then, so it is still live however fast the machine (a fixed sleep was not:
+        # a faster CPU decode finished it first)
+        live = aengine.generate(PROMPTS[0], greedy(120, ignore_eos=True), "dup")
+        first = await live.__anext__()
         with pytest.raises(ValueError, match="duplicate"):
             await collect(aengine, PROMPTS[1], greedy(4), request_id="dup")
-        return await live
+        return [first] + [o async for o in live]
     outs = run(main())
     got = outs[-1].outputs[0]
     assert got.token_ids[:MAX_TOKENS[0]] == reference[0] and got.finish_reason == "length"
@@ -125,20 +126,20 @@ def test_duplicate_id_rejected_without_touching_the_live_request(aengine, refere
 def test_stopping_early_aborts_and_frees_blocks(aengine, how):
     async def main():
         before = (await aengine.metrics())["requests_finished"].get("abort", 0)
-        params = greedy(100, ignore_eos=True, output_kind="delta")
-        seen = []
+        params = greedy(120, ignore_eos=True, output_kind="delta")
+        seen, two = [], asyncio.Event()
 
         async def consume():
             async for o in aengine.generate([3, 4, 5], params, request_id=f"long-{how}"):
                 seen.append(o)
                 if len(seen) == 2:
+                    two.set()   # no polling interval for a fast decode to run the request out in
                     if how == "break":
                         break
                     if how == "abort":
                         aengine.abort(f"long-{how}")
         task = asyncio.create_task(consume())
-        while len(seen) < 2:
-            await asyncio.sleep(0.01)
+        await two.wait()
         if how == "cancel":
             task.cancel()
         with pytest.raises(asyncio.CancelledError) if how == "cancel" else contextlib.nullcontext():
@@ -148,21 +149,21 @@ def test_stopping_early_aborts_and_frees_blocks(aengine, how):
     seen, m = run(main())
     if how == "abort":  # an abort by id ends the stream with the abort output
         assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
-    assert sum(len(o.outputs[0].token_ids) for o in seen) < 100
+    assert sum(len(o.outputs[0].token_ids) for o in seen) < 120
 
 
 def test_shutdown_ends_streams_and_refuses_new_work(tiny):
     a = AsyncEngine(Engine(tiny, progress=False, max_model_len=128))
 
     async def main():
-        outs = []
+        outs, first = [], asyncio.Event()
 
         async def consume():
-            async for o in a.generate([7, 8], greedy(100, ignore_eos=True, output_kind="delta")):
+            async for o in a.generate([7, 8], greedy(120, ignore_eos=True, output_kind="delta")):
                 outs.append(o)
+                first.set()
         task = asyncio.create_task(consume())
-        while not outs:
-            await asyncio.sleep(0.01)
+        await first.wait()
         await a.shutdown()
         await task
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
