@@ -201,7 +201,7 @@ class MLA(nn.Module):
     def decode_layer(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, in_norm: RMSNorm, post_norm: RMSNorm):
         """The decoder layer's attention half — in_norm, this attention, the residual, post_norm — as
-        one C call (cpu/layers.py mla_layer: the same kernels in the same order, none of the per-op
+        one C call (cpu/fused.py mla_layer: the same kernels in the same order, none of the per-op
         Python or small torch ops) when the step allows it: backend "cpu", a float32 cache, every
         token a decode, at most cpu.linear.MAX_ROWS of them (more go through BLAS op by op), float32
         weights without biases, both norms on the C kernel. What is the same for every layer of the
@@ -217,7 +217,7 @@ class MLA(nn.Module):
         w = self.fused(kv_pool, in_norm, post_norm)
         if w is None:
             return None
-        from cpu.layers import mla_layer
+        from cpu.fused import mla_layer
         table, lens, max_len = tables
         return mla_layer(x, w, self.w_uk_t(), cos, sin, kv_pool, meta.slot_mapping, table, lens, max_len,
                          meta.block_size)
@@ -234,7 +234,7 @@ class MLA(nn.Module):
         return self._fused_weights(in_norm, post_norm)
 
     def _fused_weights(self, in_norm: RMSNorm, post_norm: RMSNorm):
-        """mla_layer's weights struct (cpu/layers.py mla_layer_weights) when the projections' and norms'
+        """mla_layer's weights struct (cpu/fused.py mla_layer_weights) when the projections' and norms'
         weights fit it (float32, contiguous, no biases, both norms on the C kernel), else None. Kept
         while they are the same memory: the modules and parameters are looked up in their tables (a
         module or parameter replaced, or its .data, is seen) and only their data pointers compared."""
@@ -247,7 +247,7 @@ class MLA(nn.Module):
         if key != self._fused_key:
             fit = (in_norm.kernel and post_norm.kernel and all(p.get("bias") is None for p in params)
                    and all(p["weight"].dtype == torch.float32 and p["weight"].is_contiguous() for p in params))
-            from cpu.layers import mla_layer_weights
+            from cpu.fused import mla_layer_weights
             self._fused_key, self._fused = key, mla_layer_weights(in_norm, post_norm, self) if fit else None
         return self._fused
 

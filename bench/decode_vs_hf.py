@@ -27,7 +27,7 @@ ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
 decode_roofline_fraction (1 thread), decode_roofline_fraction_2t, decode_roofline_fraction_cpu_time,
 and a "roofline" block per thread count (read/copy GB/s, bytes per step split dense/experts/kv,
 step ms wall and CPU, prefill ms). --breakdown: one more wideep run at the first thread count with
-every C kernel timed (wall time inside cpu/gemm.py's and cpu/layers.py's launchers during the decode
+every C kernel timed (wall time inside the launchers of cpu/gemm.py, layers.py and fused.py during the decode
 steps): "breakdown" = ms per decode step in each kernel and the rest ("other": Python, small torch
 ops, sampling, scheduling); the decoder layers are one C call (decode_stack) on these steps, so one
 more run with that call off gives "breakdown_per_layer_half" (each layer's attention half, mla_layer,
@@ -81,8 +81,8 @@ class KernelClock:
     """Wall time inside the C kernels' launchers, per step (take() returns and clears it). Every
     caller reaches them as module attributes at call time, so replacing the attributes times them all."""
 
-    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"),
-               "layers": ("decode_stack", "mla_layer", "moe_layer", "mla_decode", "route", "rmsnorm", "rope")}
+    KERNELS = {"gemm": ("experts", "linear", "bmm_nt"), "layers": ("mla_decode", "route", "rmsnorm", "rope"),
+               "fused": ("decode_stack", "mla_layer", "moe_layer", "mlp_layer")}
 
     def __init__(self):
         import importlib
@@ -125,8 +125,8 @@ class DecodeMeter:
         self.ids: list[torch.Tensor] = []   # each MoE layer's router ids, in layer order
         for m in model.moe_layers():
             m.gate.register_forward_hook(lambda mod, inp, out: self.ids.append(out[0]))
-        from cpu import layers   # the fused MoE half and the whole-step call route inside C: their ids
-        fused, stack = layers.moe_layer, layers.decode_stack   # are their results [1] ([T, k], [n_moe, T, k])
+        from cpu import fused as layers   # the fused MoE half and the whole-step call route inside C: their
+        fused, stack = layers.moe_layer, layers.decode_stack   # ids are their results [1] ([T, k], [n_moe, T, k])
 
         def seen_moe_layer(*args, **kwargs):
             out = fused(*args, **kwargs)

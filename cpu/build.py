@@ -1,5 +1,5 @@
-"""Build the CPU kernels' C (registered by cpu/gemm.py and cpu/layers.py) for this machine with the system compiler at
-first use, load it with ctypes; say why they cannot run when they cannot.
+"""Build the CPU kernels' C (registered by cpu/gemm.py, layers.py and fused.py) for this machine with the
+system compiler at first use, load it with ctypes; say why they cannot run when they cannot.
 
 The kernels are plain C with GCC/Clang vector extensions, so no torch headers and no build step at
 install: `cc -O3 -march=native -shared` takes about a second.
@@ -84,8 +84,9 @@ _parts: list[tuple[str, dict]] = []   # (C source, {function: (argtypes, restype
 
 def register(source: str, signatures: dict) -> None:
     """A kernel module's C source and its functions' ctypes signatures, compiled as one library with
-    the others (cpu/layers.py's C uses cpu/gemm.py's vector helpers). Every kernel module registers at
-    import, and cpu/__init__.py imports them all, so the library is whole before its first use."""
+    the others (cpu/layers.py's C uses cpu/gemm.py's vector helpers, cpu/fused.py's both). Every kernel
+    module registers at import, and cpu/__init__.py imports them all, so the library is whole before its
+    first use."""
     if _lib is not None:
         raise RuntimeError("the CPU kernels are already built: register a source before first use")
     _parts.append((source, signatures))

@@ -128,7 +128,7 @@ class DecoderLayer(nn.Module):
         return [self.op_attention, self.op_kv_written, self.op_moe_half if self.is_moe else self.op_mlp_half]
 
     def op_mlp_half(self, s: OpState) -> None:
-        """A dense layer's MLP and residual in one C call (cpu/layers.py mlp_layer) when its weights fit
+        """A dense layer's MLP and residual in one C call (cpu/fused.py mlp_layer) when its weights fit
         and the tokens are few (cpu.linear.MAX_ROWS, past which BLAS runs the projections); else
         op_dense_mlp and op_residual."""
         from cpu.linear import MAX_ROWS
@@ -138,7 +138,7 @@ class DecoderLayer(nn.Module):
                              and x.is_contiguous() and h.is_contiguous() and h.shape == x.shape):
             run_sequential([self.op_dense_mlp, self.op_residual], s)
             return
-        from cpu.layers import mlp_layer
+        from cpu.fused import mlp_layer
         s.take("h")
         s.take("mlp_in")
         s.put(x=mlp_layer(h, x, w))
@@ -199,8 +199,10 @@ class DeepseekModel(nn.Module):
 
     The forward is `step_ops` (dbo/schedule.py): embed, every layer's operations, final norm, on an
     OpState per microbatch (dbo/state.py). dbo.overlap.Overlap runs two microbatches through it;
-    forward() runs `plain_ops` in order: the same list, where an MoE layer on the C experts backend
-    ends in one operation that does its MoE half in one call when it can (DecoderLayer.fused_ops)."""
+    forward() runs `plain_ops`: embed, op_layers, final norm, where op_layers runs the same layers'
+    operations (each layer's half after attention in one C call on the C kernels when it can:
+    DecoderLayer.fused_ops), or on a CPU decode step all the layers in one C call (cpu/fused.py
+    decode_stack)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  shard: ExpertShard | None = None, dispatcher=None, fp8_block: tuple[int, int] | None = None,
@@ -290,7 +292,7 @@ class DeepseekModel(nn.Module):
         """Every decoder layer. On a decode step where each layer can (a plain step on the C kernels, every
         token the only query of its sequence, at most cpu.linear.MAX_ROWS of them, no per-layer hook,
         every layer's attention and MoE or MLP half fusable: DecoderLayer.fused), one C call runs them
-        all (cpu/layers.py decode_stack: the calls the layers' fused halves make, in order), and the MoE
+        all (cpu/fused.py decode_stack: the calls the layers' fused halves make, in order), and the MoE
         layers' counters are recorded as those halves record them. Checking every layer before the
         call, not between layers, is the point: Python run between two layers' weight streams finds
         the caches emptied by them and costs ~10x. Otherwise the layers' operations (layer_ops)."""
@@ -316,11 +318,12 @@ class DeepseekModel(nn.Module):
         if any(p is None for p in parts):
             return None
         from ctypes import addressof
-        from cpu.layers import LayerDesc, decode_stack
+        from cpu.fused import LayerDesc, decode_stack
         descs = (LayerDesc * len(parts))()
         for d, layer, (a, m, dense), pool in zip(descs, layers, parts, mb.kv_pools):
             lc = layer.mlp.load_counts if m is not None else None
-            d.mla, d.wuk_t, d.pool, d.S = addressof(a), layer.self_attn.w_uk_t().data_ptr(), pool.data_ptr(), pool.shape[0]
+            d.mla, d.wuk_t = addressof(a), layer.self_attn.w_uk_t().data_ptr()
+            d.pool, d.S = pool.data_ptr(), pool.shape[0]
             d.moe = addressof(m) if m is not None else None
             d.mlp = addressof(dense) if dense is not None else None
             d.load = lc.data_ptr() if lc is not None else None

@@ -101,7 +101,7 @@ class MoELayer(nn.Module):
 
     def decode_layer(self, h: torch.Tensor, x: torch.Tensor, dispatcher) -> torch.Tensor | None:
         """The decoder layer's half after attention — route, routed and shared experts, the residual h —
-        as one C call (cpu/layers.py moe_layer: the kernels and the order of the operations below, none
+        as one C call (cpu/fused.py moe_layer: the kernels and the order of the operations below, none
         of their small torch ops or Python) when it can: the "cpu" experts backend with float32 weights,
         every expert on this rank and no EPLB map (a dispatcher that moves nothing: local_only), at most
         cpu.linear.MAX_ROWS tokens. EPLB's load_counts and the dispatcher's counters and routing
@@ -117,7 +117,7 @@ class MoELayer(nn.Module):
         w = self.fused(dispatcher)
         if w is None:
             return None
-        from cpu.layers import moe_layer
+        from cpu.fused import moe_layer
         out, _, _ = moe_layer(h, x, w, self.load_counts)
         dispatcher.account_local(T)
         return out
@@ -134,7 +134,7 @@ class MoELayer(nn.Module):
         return self._fused_weights()
 
     def _fused_weights(self):
-        """moe_layer's weights struct (cpu/layers.py moe_layer_weights) when this layer can run it —
+        """moe_layer's weights struct (cpu/fused.py moe_layer_weights) when this layer can run it —
         the "cpu" experts backend, float32 weights, contiguous, on the CPU, no biases, every logical
         expert in its own local slot — else None. Kept while the weights are the same memory: the
         modules and parameters are looked up in their tables (one replaced, or its .data, is seen) and
@@ -142,7 +142,8 @@ class MoELayer(nn.Module):
         ex, gate, sh = self._modules["experts"], self._modules["gate"], self._modules.get("shared_experts")
         linears = [sh._modules[n]._parameters for n in ("gate_proj", "up_proj", "down_proj")] if sh is not None else []
         ep, gp = ex._parameters, gate._parameters
-        tensors = (gp["weight"], gp.get("e_score_correction_bias"), ep["w13"], ep["w2"], *(p["weight"] for p in linears))
+        tensors = (gp["weight"], gp.get("e_score_correction_bias"), ep["w13"], ep["w2"],
+                   *(p["weight"] for p in linears))
         key = (tuple(0 if t is None else t.data_ptr() for t in tensors), tuple(p.get("bias") is None for p in linears),
                ex.backend, ex.fp8_block, gate.kernel)
         if key != self._fused_key:
@@ -150,7 +151,7 @@ class MoELayer(nn.Module):
                    and ex.num_local == self.cfg.n_routed_experts and all(p.get("bias") is None for p in linears)
                    and all(t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous()
                            for t in tensors if t is not None))
-            from cpu.layers import moe_layer_weights
+            from cpu.fused import moe_layer_weights
             self._fused_key = key
             self._fused = moe_layer_weights(gate, ep["w13"], ep["w2"], sh) if fit else None
         return self._fused

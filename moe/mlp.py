@@ -19,7 +19,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def fused(self):
-        """The C kernels' struct for this MLP (cpu/layers.py mlp_layer_weights, DeepseekModel's whole-step
+        """The C kernels' struct for this MLP (cpu/fused.py mlp_layer_weights, DeepseekModel's whole-step
         decode call) when its weights fit them (float32, contiguous, on the CPU, no biases), else None.
         Kept while they are the same memory (looked up in the modules' tables: one replaced is seen)."""
         ps = [self._modules[n]._parameters for n in ("gate_proj", "up_proj", "down_proj")]
@@ -27,6 +27,6 @@ class MLP(nn.Module):
         if key != self._fused_key:
             fit = all(p.get("bias") is None and p["weight"].dtype == torch.float32 and not p["weight"].is_cuda
                       and p["weight"].is_contiguous() for p in ps)
-            from cpu.layers import mlp_layer_weights
+            from cpu.fused import mlp_layer_weights
             self._fused_key, self._fused = key, mlp_layer_weights(self) if fit else None
         return self._fused

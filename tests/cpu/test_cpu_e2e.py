@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu import gemm, layers
+from cpu import fused, gemm, layers
 from cpu.build import unusable
 from engine import LLM, SamplingParams
 from launch.tiny import make_tiny_checkpoint
@@ -36,8 +36,8 @@ def test_cpu_backends_match_torch(tmp_path, monkeypatch):
             calls[name] += 1
             return fn(*a, **kw)
         monkeypatch.setattr(module, name, wrapper)
-    for module, name in ((gemm, "experts"), (layers, "mla_decode"), (layers, "mla_layer"), (layers, "moe_layer"),
-                         (layers, "decode_stack"), (gemm, "linear")):
+    for module, name in ((gemm, "experts"), (layers, "mla_decode"), (fused, "mla_layer"), (fused, "moe_layer"),
+                         (fused, "decode_stack"), (gemm, "linear")):
         counted(module, name)
     d = make_tiny_checkpoint(str(tmp_path), "v3", num_hidden_layers=2, n_routed_experts=8, n_group=4, topk_group=2,
                              num_experts_per_tok=2, vocab_size=200)

@@ -1,4 +1,4 @@
-"""A CPU decode step's decoder layers as one C call (engine/model.py DeepseekModel.op_layers, cpu/layers.py
+"""A CPU decode step's decoder layers as one C call (engine/model.py DeepseekModel.op_layers, cpu/fused.py
 decode_stack) against the same step a layer half at a time: bit-equal outputs and caches (the same C
 calls), EPLB's load counts, the dispatcher's counters and routing histogram; the steps it must leave to
 the layers (a per-layer hook, a prefill, a layer that cannot be fused); a bad slot named with its layer."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu import layers as cl
+from cpu import fused as cl
 from cpu.build import unusable
 from parallel.step_plan import StepPlan
 

@@ -1,4 +1,4 @@
-"""An MoE layer's half after attention as one C call (moe/layer.py MoELayer.decode_layer, cpu/layers.py
+"""An MoE layer's half after attention as one C call (moe/layer.py MoELayer.decode_layer, cpu/fused.py
 moe_layer) against the same layer's operations run one by one: the output, EPLB's load counts, the
 dispatcher's counters and routing histogram; and every case where it must leave the work to the
 operations (None)."""
