@@ -209,10 +209,10 @@ class MLA(nn.Module):
         memory (_fused_weights): this runs for every layer of every decode step, where Python is slow
         (the weight stream evicts it from the caches).
         -> (h [T, H], mlp_in [T, H]), or None: the caller runs the operations one by one."""
+        from cpu.fused import f32_rows
         from cpu.linear import MAX_ROWS
         tables = meta.decode_tables(self.mode, cos, sin, self.cfg.qk_rope_head_dim, MAX_ROWS)
-        if tables is None or not (x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous()
-                                  and x.shape == (cos.shape[0], self.cfg.hidden_size)):
+        if tables is None or not f32_rows(x, cos.shape[0], self.cfg.hidden_size):
             return None
         w = self.fused(kv_pool, in_norm, post_norm)
         if w is None:

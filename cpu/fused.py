@@ -223,6 +223,11 @@ def mla_layer_buffer(w: MlaWeights, T: int, max_len: int) -> int:
             + w.N * (max_len + 1))
 
 
+def f32_rows(t: torch.Tensor, rows: int, cols: int) -> bool:
+    """Whether t is what the fused calls read as [rows, cols]: float32, on the CPU, contiguous."""
+    return t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous() and t.shape == (rows, cols)
+
+
 _scratch = threading.local()   # this thread's scratch for the fused layers: one buffer for all of them
 
 
@@ -317,13 +322,18 @@ def mlp_layer_weights(mlp) -> MlpWeights:
                       g.shape[0])
 
 
+def mlp_layer_scratch(w: MlpWeights, T: int) -> int:
+    """Floats of scratch a dense layer's MLP half needs for T tokens."""
+    return T * (w.H + 2 * w.Is)
+
+
 def mlp_layer(h: torch.Tensor, x: torch.Tensor, w: MlpWeights) -> torch.Tensor:
     """h, x [T, H] (the residual and the post-attention-normed mlp_in), a dense layer's MLP
     (mlp_layer_weights) -> h + MLP(x) [T, H] in one call (the SwiGLU of the shared experts)."""
     T, H = x.shape
     out = torch.empty(T, H)
     library().wd_mlp_layer(ctypes.byref(w), h.data_ptr(), x.data_ptr(), T, out.data_ptr(),
-                           scratch(T * (w.H + 2 * w.Is)).data_ptr())
+                           scratch(mlp_layer_scratch(w, T)).data_ptr())
     return out
 
 
@@ -348,7 +358,7 @@ def decode_stack(x: torch.Tensor, layers, mla: list[MlaWeights], moe: list[MoeWe
     moes = [w for w in moe if w is not None]
     k = moes[0].k if moes else 1
     need = max([mla_layer_buffer(w, T, max_len) for w in mla] + [moe_layer_scratch(w, T)[1] for w in moes]
-               + [T * (w.H + 2 * w.Is) for w in mlp if w is not None])
+               + [mlp_layer_scratch(w, T) for w in mlp if w is not None])
     ineed = max([moe_layer_scratch(w, T)[0] for w in moes], default=1)
     out = torch.empty(T, H)
     ids, wts = torch.empty(len(moes), T, k, dtype=torch.int64), torch.empty(len(moes), T, k)

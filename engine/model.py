@@ -99,6 +99,8 @@ class DecoderLayer(nn.Module):
         self.mlp = (MoELayer(cfg.moe, shard, fp8_block=fp8_block, linear=linear, experts_backend=experts.backend,
                              deepgemm=experts.deepgemm, **kw) if self.is_moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, linear=linear, **kw))
+        # the operations after attention, which op_moe_half / op_mlp_half run when they cannot fuse
+        self.half_ops = [*self.mlp.ops(), self.op_residual] if self.is_moe else [self.op_dense_mlp, self.op_residual]
 
     def ops(self) -> list:
         """attention, kv_written (on_layer), the MLP's or MoE's operations (moe/layer.py), residual."""
@@ -131,12 +133,13 @@ class DecoderLayer(nn.Module):
         """A dense layer's MLP and residual in one C call (cpu/fused.py mlp_layer) when its weights fit
         and the tokens are few (cpu.linear.MAX_ROWS, past which BLAS runs the projections); else
         op_dense_mlp and op_residual."""
+        from cpu.fused import f32_rows
         from cpu.linear import MAX_ROWS
         h, x = s.peek("h"), s.peek("mlp_in")
-        w = self.mlp.fused() if 0 < x.shape[0] <= MAX_ROWS else None
-        if w is None or not (x.dtype == h.dtype == torch.float32 and not x.is_cuda and not h.is_cuda
-                             and x.is_contiguous() and h.is_contiguous() and h.shape == x.shape):
-            run_sequential([self.op_dense_mlp, self.op_residual], s)
+        T, H = x.shape
+        w = self.mlp.fused() if 0 < T <= MAX_ROWS and f32_rows(x, T, H) and f32_rows(h, T, H) else None
+        if w is None:
+            run_sequential(self.half_ops, s)
             return
         from cpu.fused import mlp_layer
         s.take("h")
@@ -147,7 +150,7 @@ class DecoderLayer(nn.Module):
     def op_moe_half(self, s: OpState) -> None:
         out = self.mlp.decode_layer(s.peek("h"), s.peek("mlp_in"), s.inputs.dispatcher)
         if out is None:
-            run_sequential([*self.mlp.ops(), self.op_residual], s)
+            run_sequential(self.half_ops, s)
             return
         s.take("h")
         s.take("mlp_in")
@@ -310,9 +313,9 @@ class DeepseekModel(nn.Module):
         from cpu.linear import MAX_ROWS
         layers, meta = self.model.layers, mb.meta
         attn = layers[0].self_attn
+        from cpu.fused import f32_rows
         tables = meta.decode_tables(attn.mode, cos, sin, attn.cfg.qk_rope_head_dim, MAX_ROWS)
-        if tables is None or not (x.dtype == torch.float32 and not x.is_cuda and x.is_contiguous()
-                                  and x.shape == (cos.shape[0], self.cfg.hidden_size)):
+        if tables is None or not f32_rows(x, cos.shape[0], self.cfg.hidden_size):
             return None
         parts = [layer.fused(mb) for layer in layers]
         if any(p is None for p in parts):

@@ -108,16 +108,14 @@ class MoELayer(nn.Module):
         histogram record what the operations would have. The weights are checked once while they stay
         the same memory (_fused_weights): this runs for every MoE layer of every decode step.
         h, x [T, H] (x = mlp_in) -> h + MoE(x), or None: the caller runs ops() one by one."""
-        from cpu.linear import MAX_ROWS
-        T = x.shape[0]
-        if not (0 < T <= MAX_ROWS and x.dtype == h.dtype == torch.float32 and not x.is_cuda and not h.is_cuda
-                and x.is_contiguous() and h.is_contiguous() and h.shape == x.shape
-                and x.shape[1] == self.cfg.hidden_size):
-            return None
-        w = self.fused(dispatcher)
+        w = self.fused(dispatcher)   # first: on more than one EP rank it is None at its first test
         if w is None:
             return None
-        from cpu.fused import moe_layer
+        from cpu.fused import f32_rows, moe_layer
+        from cpu.linear import MAX_ROWS
+        T, H = x.shape[0], self.cfg.hidden_size
+        if not (0 < T <= MAX_ROWS and f32_rows(x, T, H) and f32_rows(h, T, H)):
+            return None
         out, _, _ = moe_layer(h, x, w, self.load_counts)
         dispatcher.account_local(T)
         return out
