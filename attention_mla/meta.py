@@ -81,17 +81,14 @@ class AttnMeta:
             self._cache[key] = (table.contiguous(), int64_tensor(lens, table.device).int(), max(lens, default=0))
         return self._cache[key]
 
-    def decode_tables(self, mode: str, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, max_rows: int):
-        """For a fused decode-step kernel (MLA.decode_layer), once per step for every layer: when every
-        token is the only query of its sequence on the paged kernel (attention_split(mode, True)), at
-        most max_rows of them, with int64 contiguous slots and float32 contiguous cos/sin [T, rope_dim/2]
-        -> seq_tables of those sequences; else None."""
-        key = ("decode", mode, id(cos), id(sin))
+    def paged_decode_tables(self, mode: str):
+        """When every token of the step is the only query of its sequence on the paged kernels
+        (attention_split(mode, True)) and the slots are int64 and contiguous -> seq_tables of those
+        sequences, else None. Computed once per step (a fused decode asks for every layer)."""
+        key = ("paged_decode", mode)
         if key not in self._cache:
-            T, f32 = self.slot_mapping.shape[0], torch.float32
-            ok = (0 < T <= max_rows and self.slot_mapping.dtype == torch.int64 and self.slot_mapping.is_contiguous()
-                  and cos.dtype == sin.dtype == f32 and not cos.is_cuda and cos.is_contiguous()
-                  and sin.is_contiguous() and cos.shape == sin.shape == (T, rope_dim // 2))
+            T, slots = self.slot_mapping.shape[0], self.slot_mapping
+            ok = T > 0 and slots.dtype == torch.int64 and slots.is_contiguous()
             paged = self.attention_split(mode, True)[0] if ok else []
             self._cache[key] = self.seq_tables(paged) if ok and len(paged) == T else None
         return self._cache[key]

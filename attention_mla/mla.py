@@ -8,8 +8,8 @@ L context length. Two mathematically equal forms, kept side by side:
   attend directly over the latent [L, C+R]; the per-head K/V of the context are never built.
 `backend` "triton" runs the absorbed form of one-token (decode) sequences in the paged Triton kernel
 (attention_mla/triton_decode.py), which reads the cache through the block table instead of gathering it;
-"cpu" does the same in the C kernel (cpu/layers.py mla_decode), with the query absorption and the
-output projection as streamed per-head GEMMs over weights laid out once (attend_paged_cpu).
+"cpu" does the same in the backend's kernels (layers/kernels.py mla_decode), with the query absorption
+and the output projection as streamed per-head GEMMs over weights laid out once (attend_paged_cpu).
 kv_cache_dtype "fp8": the cache holds packed e4m3 rows (attention_mla/fp8_cache.py); write_cache quantises,
 cache_rows dequantises for the torch forms, and both paged kernels read the packed rows themselves.
 """
@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers import NATIVE, Kernels, RMSNorm
+
 from .config import MLAConfig
 from .fp8_cache import latent_layout
 from .meta import AttnMeta
-from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 FORMS = ("auto", "naive", "absorbed")   # which form attends: auto = absorbed for one-query sequences
@@ -31,18 +32,20 @@ BACKENDS = ("torch", "cpu", "triton")
 
 class MLA(nn.Module):
     def __init__(self, cfg: MLAConfig, rope: RotaryEmbedding, device=None, dtype=None, linear=nn.Linear,
-                 backend: str = "torch", mode: str = "auto", kv_cache_dtype: str = "auto"):
+                 backend: str = "torch", mode: str = "auto", kv_cache_dtype: str = "auto", kernels: Kernels = NATIVE):
         """linear: the projections' class (nn.Linear's signature; an fp8 one keeps fp8 checkpoints as
         stored). kv_b_proj is always nn.Linear: both forms read its weight directly. backend: "torch" |
         "cpu" | "triton" (decode sequences; resolved by attention_mla/paged_decode.py). mode: one of FORMS
         ("naive" / "absorbed" force one form, for checking them against each other). kv_cache_dtype:
-        "auto" (pools of the model dtype [S, C+R]) | "fp8" (packed uint8 pools [S, kv_fp8.row_bytes])."""
+        "auto" (pools of the model dtype [S, C+R]) | "fp8" (packed uint8 pools [S, kv_fp8.row_bytes]).
+        kernels: the backend's table (layers/kernels.py): the norms' kernel, and for backend "cpu" its
+        paged decode and per-head GEMMs."""
         if backend not in BACKENDS or mode not in FORMS:
             raise ValueError(f"MLA backend must be one of {BACKENDS} and mode one of {FORMS}, got {backend!r}, {mode!r}")
         super().__init__()
         self.cfg, self.rope = cfg, rope
-        self.backend, self.mode = backend, mode
-        self._fused_key, self._fused = None, None   # _fused_weights' kept struct (None: they do not fit)
+        self.mode, self.kernels = mode, kernels
+        self.backend = backend
         N, H, C, R = cfg.num_heads, cfg.hidden_size, cfg.kv_lora_rank, cfg.qk_rope_head_dim
         kw = dict(device=device, dtype=dtype)
         self.kv_fp8 = latent_layout(kv_cache_dtype, C, R, dtype or torch.get_default_dtype())
@@ -50,13 +53,27 @@ class MLA(nn.Module):
             self.q_proj = linear(H, N * cfg.qk_head_dim, bias=False, **kw)
         else:
             self.q_a_proj = linear(H, cfg.q_lora_rank, bias=cfg.attention_bias, **kw)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, kernel=backend == "cpu", **kw)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, kernels=kernels, **kw)
             self.q_b_proj = linear(cfg.q_lora_rank, N * cfg.qk_head_dim, bias=False, **kw)
         self.kv_a_proj_with_mqa = linear(H, C + R, bias=cfg.attention_bias, **kw)
-        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, kernel=backend == "cpu", **kw)
+        self.kv_a_layernorm = RMSNorm(C, cfg.rms_norm_eps, kernels=kernels, **kw)
         self.kv_b_proj = nn.Linear(C, N * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **kw)
         self.o_proj = linear(N * cfg.v_head_dim, H, bias=cfg.attention_bias, **kw)
         self._w_uk_t, self._w_uk_t_of = None, None   # attend_paged_cpu's W_UK^T and the weight it came from
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        """Binds the paged decode of one-query sequences (at construction; tests switch a built module to
+        compare backends). The torch backend never pages."""
+        if name == "cpu" and (self.kernels.mla_decode is None or self.kernels.bmm_nt is None):
+            raise ValueError(f"MLA backend 'cpu' needs a kernel table with mla_decode and bmm_nt, got "
+                             f"{self.kernels.name!r} (layers/kernels.py)")
+        self._attend_paged = {"cpu": self.attend_paged_cpu, "triton": self._attend_paged_seqs, "torch": None}[name]
+        self._backend = name
 
     # -- projections -------------------------------------------------------------------------
     def q_latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,12 +93,7 @@ class MLA(nn.Module):
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)
         c, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        if self.backend == "cpu" and x.dtype == torch.float32 and x.device.type == "cpu":
-            from cpu.layers import rope   # RotaryEmbedding.apply in one call
-            q_pe, k_pe = rope(q_pe, cos, sin, self.rope.cfg.interleave), rope(k_pe, cos, sin, self.rope.cfg.interleave)
-        else:
-            q_pe = self.rope.apply(q_pe, cos, sin)
-            k_pe = self.rope.apply(k_pe, cos, sin)
+        q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
         return q_nope, q_pe, torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,9 +159,11 @@ class MLA(nn.Module):
     def attend_paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor, meta: AttnMeta,
                      seqs: list[int]) -> torch.Tensor:
         """Decode sequences `seqs` (one query each, in that order): q_nope [B, N, dn], q_pe [B, N, R]
-        -> [B, N, dv], attending over the paged cache in the Triton kernel (the C one for backend "cpu")."""
-        if self.backend == "cpu":
-            return self.attend_paged_cpu(q_nope, q_pe, kv_pool, meta, seqs)
+        -> [B, N, dv], attending over the paged cache in the backend's kernel (bound at construction)."""
+        return self._attend_paged(q_nope, q_pe, kv_pool, meta, seqs)
+
+    def _attend_paged_seqs(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor, meta: AttnMeta,
+                           seqs: list[int]) -> torch.Tensor:
         table, lens, max_len = meta.seq_tables(seqs)
         return self.attend_paged_triton(q_nope, q_pe, kv_pool, table, lens, meta.block_size, max_len)
 
@@ -185,8 +199,7 @@ class MLA(nn.Module):
                          seqs: list[int]) -> torch.Tensor:
         """attend_paged in the C kernels: q_nope [B, N, dn], q_pe [B, N, R] -> [B, N, dv]. The absorbed
         query is written in place ([B, N, C+R], no concatenation), and every weight is read as stored."""
-        from cpu.gemm import bmm_nt
-        from cpu.layers import mla_decode
+        bmm_nt, mla_decode = self.kernels.bmm_nt, self.kernels.mla_decode
         cfg = self.cfg
         B, N, C = q_nope.shape[0], cfg.num_heads, cfg.kv_lora_rank
         q = q_nope.new_empty(B, N, C + cfg.qk_rope_head_dim)
@@ -197,59 +210,6 @@ class MLA(nn.Module):
         out = q_nope.new_empty(B, N, cfg.v_head_dim)
         bmm_nt(out_lat.transpose(0, 1), self._kv_b()[1], out=out.transpose(0, 1))           # [N, B, dv]
         return out
-
-    def decode_layer(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, in_norm: RMSNorm, post_norm: RMSNorm):
-        """The decoder layer's attention half — in_norm, this attention, the residual, post_norm — as
-        one C call (cpu/fused.py mla_layer: the same kernels in the same order, none of the per-op
-        Python or small torch ops) when the step allows it: backend "cpu", a float32 cache, every
-        token a decode, at most cpu.linear.MAX_ROWS of them (more go through BLAS op by op), float32
-        weights without biases, both norms on the C kernel. What is the same for every layer of the
-        step is checked once a step (AttnMeta.decode_tables), the weights once while they stay the same
-        memory (_fused_weights): this runs for every layer of every decode step, where Python is slow
-        (the weight stream evicts it from the caches).
-        -> (h [T, H], mlp_in [T, H]), or None: the caller runs the operations one by one."""
-        from cpu.fused import f32_rows
-        from cpu.linear import MAX_ROWS
-        tables = meta.decode_tables(self.mode, cos, sin, self.cfg.qk_rope_head_dim, MAX_ROWS)
-        if tables is None or not f32_rows(x, cos.shape[0], self.cfg.hidden_size):
-            return None
-        w = self.fused(kv_pool, in_norm, post_norm)
-        if w is None:
-            return None
-        from cpu.fused import mla_layer
-        table, lens, max_len = tables
-        return mla_layer(x, w, self.w_uk_t(), cos, sin, kv_pool, meta.slot_mapping, table, lens, max_len,
-                         meta.block_size)
-
-    def fused(self, kv_pool: torch.Tensor, in_norm: RMSNorm, post_norm: RMSNorm):
-        """What a fused decode of this layer needs beyond the step (decode_layer, and DeepseekModel's
-        whole-step call): backend "cpu", this class, a float32 contiguous cache of this layer's width
-        (anything else, a wrong pool included, runs op by op, where forward names it), and weights
-        that fit -> mla_layer's weights struct, or None."""
-        if self.backend != "cpu" or self.kv_fp8 is not None or type(self) is not MLA or not (
-                kv_pool.dtype == torch.float32 and not kv_pool.is_cuda and kv_pool.is_contiguous()
-                and kv_pool.shape[1:] == (self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim,)):
-            return None
-        return self._fused_weights(in_norm, post_norm)
-
-    def _fused_weights(self, in_norm: RMSNorm, post_norm: RMSNorm):
-        """mla_layer's weights struct (cpu/fused.py mla_layer_weights) when the projections' and norms'
-        weights fit it (float32, contiguous, no biases, both norms on the C kernel), else None. Kept
-        while they are the same memory: the modules and parameters are looked up in their tables (a
-        module or parameter replaced, or its .data, is seen) and only their data pointers compared."""
-        mods = self._modules
-        names = ("q_a_proj", "q_a_layernorm", "q_b_proj") if self.cfg.q_lora_rank else ("q_proj",)
-        params = [mods[n]._parameters for n in names + ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
-                                                       "o_proj")] + [in_norm._parameters, post_norm._parameters]
-        key = (tuple(p["weight"].data_ptr() for p in params), tuple(p.get("bias") is None for p in params),
-               in_norm.kernel, post_norm.kernel)
-        if key != self._fused_key:
-            fit = (in_norm.kernel and post_norm.kernel and all(p.get("bias") is None for p in params)
-                   and all(p["weight"].dtype == torch.float32 and p["weight"].is_contiguous() for p in params))
-            from cpu.fused import mla_layer_weights
-            self._fused_key, self._fused = key, mla_layer_weights(in_norm, post_norm, self) if fit else None
-        return self._fused
 
     # -- step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttnMeta, kv_pool: torch.Tensor,

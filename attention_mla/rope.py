@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from layers import NATIVE, Kernels
+
 from .config import RopeConfig, yarn_mscale
 
 
@@ -46,8 +48,10 @@ def rope_inv_freq(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding:
     """Holds a cos/sin table [P, R/2] that grows on demand; `apply` rotates [T, ..., R] by positions [T]."""
 
-    def __init__(self, cfg: RopeConfig, device: torch.device | str = "cpu"):
+    def __init__(self, cfg: RopeConfig, device: torch.device | str = "cpu", kernels: Kernels = NATIVE):
+        """kernels: the backend's table (layers/kernels.py); its rope, when it has one, does `apply`."""
         self.cfg = cfg
+        self.kernel = kernels.rope
         self.inv_freq, self.scale = rope_inv_freq(cfg)
         self.inv_freq = self.inv_freq.to(device)
         self._cos = torch.empty(0, cfg.dim // 2, device=device)
@@ -72,10 +76,16 @@ class RotaryEmbedding:
               ) -> torch.Tensor:
         """x [T, ..., R]; cos/sin [T, R/2] -> rotated x, same layout and dtype. interleave: the channel
         layout, default the config's (DSA's indexer rotates half-split channels whatever MLA uses)."""
+        interleave = self.cfg.interleave if interleave is None else interleave
+        if self.kernel is not None:
+            return self.kernel(x, cos, sin, interleave)
+        return self.apply_native(x, cos, sin, interleave)
+
+    def apply_native(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
         shape = [cos.shape[0]] + [1] * (x.dim() - 2) + [cos.shape[1]]
         cos, sin = cos.view(shape), sin.view(shape)
         xf = x.float()
-        if self.cfg.interleave if interleave is None else interleave:
+        if interleave:
             x1, x2 = xf[..., 0::2], xf[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
         else:

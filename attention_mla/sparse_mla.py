@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from layers import NATIVE, Kernels
+
 from .config import DSAConfig, MLAConfig
 from .indexer import Indexer, select_topk, selection_mask
 from .meta import AttnMeta
@@ -31,9 +33,10 @@ class SparseMLA(MLA):
     kv_cache_dtype "fp8" quantises the latent cache only: the indexer keys stay in the model dtype."""
 
     def __init__(self, cfg: MLAConfig, dsa: DSAConfig, rope: RotaryEmbedding, device=None, dtype=None,
-                 linear=nn.Linear, backend: str = "torch", mode: str = "auto", kv_cache_dtype: str = "auto"):
+                 linear=nn.Linear, backend: str = "torch", mode: str = "auto", kv_cache_dtype: str = "auto",
+                 kernels: Kernels = NATIVE):
         super().__init__(cfg, rope, device=device, dtype=dtype, linear=linear, backend=backend, mode=mode,
-                         kv_cache_dtype=kv_cache_dtype)
+                         kv_cache_dtype=kv_cache_dtype, kernels=kernels)
         if cfg.q_lora_rank != dsa.q_lora_rank:
             raise ValueError(f"DSA's indexer reads the q-LoRA latent: q_lora_rank {cfg.q_lora_rank} != "
                              f"{dsa.q_lora_rank}")

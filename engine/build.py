@@ -1,11 +1,14 @@
 """Build a model on this rank: config, expert shard, dispatcher, weights (only this rank's experts)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from attention_mla.paged_decode import resolve_attention_backend
 from eplb.config import EplbConfig
 from eplb.placement import Placement
+from layers import NATIVE, Kernels
 from moe.backend import ExpertsChoice, resolve_experts_backend
 from moe.layer import ExpertShard
 from parallel.context import ParallelContext
@@ -32,7 +35,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                cfg: ModelConfig | None = None, num_redundant_experts: int = 0,
                eplb: EplbConfig | dict | None = None, experts_backend: str = "auto",
                attention_backend: str = "auto", dispatch_options: dict | None = None,
-               kv_cache_dtype: str = "auto") -> DeepseekModel:
+               kv_cache_dtype: str = "auto", fuse_decode_stack: bool = True) -> DeepseekModel:
     """Single process when ctx is None or has ep_size 1 (the MoE layers' dispatcher is then the
     LocalDispatcher); otherwise this rank's expert slice plus everything replicated, with a
     dispatcher for the MoE all-to-all.
@@ -48,7 +51,11 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     backend (triton, deepgemm) keeps the routed experts and the attention/MLP projections fp8 on the
     device (Triton W8A16 linears). dispatch_options: extra make_dispatcher keywords (low-latency
     thresholds, the simulated link). kv_cache_dtype: "auto" | "fp8" (attention_mla/fp8_cache.py): what
-    the attention layers write to and read from the latent cache."""
+    the attention layers write to and read from the latent cache.
+
+    The per-op kernels (layers/kernels.py) are the CPU backend's when either backend resolved to "cpu"
+    (cpu/kernels.py), with its decode plan (cpu/decode_plan.py; fuse_decode_stack: its whole-stack
+    call); torch ops otherwise."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
@@ -69,9 +76,15 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         # one EP rank gets the LocalDispatcher: the MoE layers have one path whatever the EP size
         dispatcher = make_dispatcher(ctx or ParallelContext.single(device), num_physical, cfg.hidden_size,
                                      dispatch_backend, dtype=dtype, **(dispatch_options or {}))
+    kernels, plan = NATIVE, None
+    if "cpu" in (experts.backend, attention):
+        from cpu.decode_plan import DecodePlan
+        from cpu.kernels import table
+        kernels = Kernels.from_table("cpu", table())
+        plan = functools.partial(DecodePlan, fuse_stack=fuse_decode_stack)
     model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
                           fp8_block=fp8_block if experts.keep_fp8 else None, experts=experts, attention=attention,
-                          kv_cache_dtype=kv_cache_dtype)
+                          kv_cache_dtype=kv_cache_dtype, kernels=kernels, decode_plan=plan)
     if placement is not None:
         placement.install(model.moe_layers(), ep_rank, ep_size)
         model.placement = placement
@@ -80,7 +93,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                                      ignore=expert_ignore(model.owns_expert),
                                      num_hidden_layers=cfg.num_hidden_layers, progress=progress)
     model.copy_local_replicas()
-    if model.cpu_kernels:   # the CPU decode streams the weights: 2 MiB pages stream faster (cpu/huge_pages.py)
+    if kernels.name == "cpu":   # the CPU decode streams the weights: 2 MiB pages stream faster (cpu/huge_pages.py)
         from cpu.huge_pages import collapse_module
         model.huge_page_bytes = collapse_module(model)
     return model.eval()

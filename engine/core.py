@@ -88,7 +88,7 @@ class EngineCore:
                                 pcfg.dispatch_backend, mcfg, num_redundant_experts=pcfg.num_redundant_experts,
                                 eplb=cfg.eplb, experts_backend=cfg.experts_backend,
                                 attention_backend=cfg.attention_backend, dispatch_options=self.dispatch_options,
-                                kv_cache_dtype=cfg.kv_cache_dtype)
+                                kv_cache_dtype=cfg.kv_cache_dtype, fuse_decode_stack=cfg.fuse_decode_stack)
         self.eplb = None
         if cfg.eplb.enabled and mcfg.moe is not None:
             from eplb.controller import EplbController
@@ -299,6 +299,8 @@ class EngineCore:
             if self._nodes_seen is not None:   # SYNC: two small histograms, when stats are reported
                 out["moe_nodes_per_token"] = self._nodes_seen.tolist()
                 out["moe_nodes_per_token_step"] = self._nodes_step.tolist()
+        if self.model.decode_plan is not None:
+            out.update(self.model.decode_plan.stats())
         if self.eplb is not None:
             m = self.eplb.metrics
             out["eplb_rebalances"] = m["rebalances"]

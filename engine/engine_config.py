@@ -31,6 +31,8 @@ class EngineConfig:
     max_model_len: int | None = _f("model", None, "context length; default max_position_embeddings")
     experts_backend: str = _f("model", "auto", "auto | torch | cpu | triton | deepgemm")
     attention_backend: str = _f("model", "auto", "auto | torch | cpu | triton")
+    fuse_decode_stack: bool = _f("model", True, "CPU kernels: a decode step's decoder layers in one C call "
+                                               "when each can be (off: a fused call per layer half)")
     block_size: int = _f("engine", 64, "tokens per KV cache block")
     kv_cache_blocks: int | None = _f("engine", None, "blocks per rank; default: enough for max_num_seqs "
                                                      "full-length sequences, capped by kv_cache_memory")

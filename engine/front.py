@@ -238,4 +238,18 @@ class Front:
                 "recovery_s_last": self.recoveries[-1]["recovery_s"] if self.recoveries else 0.0,
                 "expert_bytes_refetched_peer": sum(r.get("expert_bytes_peer", 0) for r in self.recoveries),
                 "expert_bytes_refetched_checkpoint": sum(r.get("expert_bytes_checkpoint", 0) for r in self.recoveries),
-                "routing_decisions": dict(self.routing), **tier_totals(st)}
+                "routing_decisions": dict(self.routing), "decode_plan": _decode_plan_totals(st), **tier_totals(st)}
+
+
+def _decode_plan_totals(per_rank: list[dict]) -> dict:
+    """The CPU decode plan's counters summed over the ranks: {"steps": {path: n}, "declined": {reason: n},
+    "stack_declined": {reason: n}} (empty without the plan)."""
+    out: dict[str, dict] = {}
+    for group, prefix in (("steps", "decode_steps_"), ("declined", "decode_declined_"),
+                          ("stack_declined", "decode_stack_declined_")):
+        for st in per_rank:
+            for key, v in st.items():
+                if key.startswith(prefix):
+                    d = out.setdefault(group, {})
+                    d[key[len(prefix):]] = d.get(key[len(prefix):], 0) + v
+    return out

@@ -79,6 +79,14 @@ _PER_RANK = [   # (name, key in a rank's stats, type, help); absent keys are ski
     ("wideep_rank_eplb_balancedness", "eplb_balancedness", "gauge",
      "Mean per-layer load balancedness (mean/max per rank) the last EPLB plan reached on its window."),
 ]
+_DECODE_PLAN = [   # the CPU decode plan's counters (cpu/decode_plan.py): (name, stats key prefix, label, help)
+    ("wideep_rank_decode_steps_total", "decode_steps_", "path",
+     "Plain steps by the path they ran (stack|layers|mlp_halves: fused C calls; ops: the operations)."),
+    ("wideep_rank_decode_declined_total", "decode_declined_", "reason",
+     "Plain steps whose decoder layers did not run fused, by reason."),
+    ("wideep_rank_decode_stack_declined_total", "decode_stack_declined_", "reason",
+     "Fused steps that ran layer by layer instead of as one stack call, by reason."),
+]
 _HISTOGRAMS = [
     ("wideep_time_to_first_token_seconds", "ttft_s", "Arrival to first token, finished requests."),
     ("wideep_time_per_output_token_seconds", "tpot_s", "Mean time between output tokens after the first."),
@@ -121,6 +129,12 @@ def render(m: dict) -> str:
             lines.append(f'{name}_bucket{{dp_rank="{r}",le="+Inf"}} {cum}')
             lines.append(f'{name}_sum{{dp_rank="{r}"}} {sum(j * n for j, n in enumerate(counts))}')
             lines.append(f'{name}_count{{dp_rank="{r}"}} {cum}')
+    for name, prefix, label, help_ in _DECODE_PLAN:
+        samples = [(r, key[len(prefix):], v) for r, st in enumerate(ranks) for key, v in st.items()
+                   if key.startswith(prefix)]
+        if samples:
+            head(name, "counter", help_)
+            lines.extend(f'{name}{{dp_rank="{r}",{label}="{k}"}} {_num(v)}' for r, k, v in samples)
     tiers = m.get("kv_tiers", {})
     for name, key, kind, help_ in _TIER_FAMILIES:
         samples = [(t, f[key]) for t, f in tiers.items() if key in f]

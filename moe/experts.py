@@ -5,9 +5,9 @@ El local experts, k top-k. Expert ids here are *local* (0 .. El-1); -1 marks a (
 whose expert lives on another rank (the dispatcher's convention, as DeepEP's).
 w13 [El, 2I, H]: gate_proj rows then up_proj rows; w2 [El, H, I].
 Every forward returns sum over the row's local slots of weight * expert(x): [R, H].
-Forwards (`backend`): "reference" (for-loop), "grouped" (torch, sorted segments), "cpu" (the C kernel
-of cpu/gemm.py up to a few hundred rows per expert, grouped beyond), "triton" (moe/triton_moe.py),
-"deepgemm" (moe/deepgemm.py, fp8 weights only).
+Forwards (`backend`, bound at construction): "reference" (for-loop), "grouped" (torch, sorted
+segments), "cpu" (the backend table's experts kernel, layers/kernels.py, up to a few hundred rows per
+expert, grouped beyond), "triton" (moe/triton_moe.py), "deepgemm" (moe/deepgemm.py, fp8 weights only).
 With `fp8_block` the weights stay float8_e4m3fn as the checkpoint stores them, with fp32 block
 scales w13_scale_inv [El, 2*ceil(I/br), ceil(H/bc)] (gate's rows, then up's) and
 w2_scale_inv [El, ceil(H/br), ceil(I/bc)]; the torch forwards dequantise per call (slow, for
@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layers import NATIVE, Kernels
+
 from .fp8 import FP8_DTYPE, dequantize_experts_fp8
 
 BACKENDS = ("reference", "grouped", "cpu", "triton", "deepgemm")
@@ -29,9 +31,11 @@ class Experts(nn.Module):
     CPU_MAX_ROWS = 256  # "cpu": mean rows per local expert up to which the C kernel runs (then BLAS)
 
     def __init__(self, num_local: int, hidden: int, intermediate: int, device=None, dtype=None,
-                 fp8_block: tuple[int, int] | None = None, backend: str = "grouped", deepgemm=None):
+                 fp8_block: tuple[int, int] | None = None, backend: str = "grouped", deepgemm=None,
+                 kernels: Kernels = NATIVE):
         """backend: one of BACKENDS (moe/backend.py resolves the user's choice); deepgemm: the probed
-        moe.deepgemm.DeepGemmApi when backend is "deepgemm"."""
+        moe.deepgemm.DeepGemmApi when backend is "deepgemm"; kernels: the backend's table (its experts
+        kernel for "cpu")."""
         if backend not in BACKENDS:
             raise ValueError(f"experts backend {backend!r} is not one of {BACKENDS}")
         super().__init__()
@@ -48,7 +52,21 @@ class Experts(nn.Module):
                                                           **f32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(num_local, -(-hidden // br), -(-intermediate // bc), **f32),
                                              requires_grad=False)
-        self.backend, self.deepgemm = backend, deepgemm
+        self.deepgemm, self.kernel = deepgemm, kernels.experts
+        self.backend = backend
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, name: str) -> None:
+        """Binds the forward (at construction; tests switch a built module to compare forwards)."""
+        if name == "cpu" and self.kernel is None:
+            raise ValueError("experts backend 'cpu' needs a kernel table with an experts kernel (layers/kernels.py)")
+        self._forward = {"reference": self.forward_reference, "grouped": self.forward_grouped, "cpu": self.forward_cpu,
+                         "triton": self.forward_triton, "deepgemm": self.forward_deepgemm}[name]
+        self._backend = name
 
     def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in `dtype`: the parameters themselves, or a dequantised copy of fp8 ones."""
@@ -109,25 +127,16 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         if x.shape[0] == 0:
             return torch.zeros_like(x)
-        if self.backend == "reference":
-            return self.forward_reference(x, topk_ids, topk_weights)
-        if self.backend == "cpu":
-            return self.forward_cpu(x, topk_ids, topk_weights)
-        if self.backend == "triton":
-            return self.forward_triton(x, topk_ids, topk_weights)
-        if self.backend == "deepgemm":
-            return self.forward_deepgemm(x, topk_ids, topk_weights)
-        return self.forward_grouped(x, topk_ids, topk_weights)
+        return self._forward(x, topk_ids, topk_weights)
 
     def forward_cpu(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The C kernel: only the experts that have tokens are read, each weight row once, with gate-up,
+        """The backend's kernel (the CPU one: cpu/gemm.py): only the experts that have tokens are read, each weight row once, with gate-up,
         SiLU·mul, down and the weighted sum fused (no padded copies, no transposed views). Faster than
         forward_grouped's BLAS GEMMs up to a few hundred rows per expert (prefill chunks included);
         beyond, forward_grouped."""
         if x.shape[0] * topk_ids.shape[1] > self.CPU_MAX_ROWS * self.num_local or self.fp8_block is not None:
             return self.forward_grouped(x, topk_ids, topk_weights)
-        from cpu.gemm import experts
-        return experts(x, self.w13, self.w2, topk_ids, topk_weights)
+        return self.kernel(x, self.w13, self.w2, topk_ids, topk_weights)
 
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Fused Triton kernels (moe/triton_moe.py); fp8 weights are dequantised per tile in-kernel."""

@@ -6,21 +6,23 @@ Legend: T tokens, H hidden, E logical experts, k top-k, G groups (n_group).
 - noaux_tc (DeepSeek-V3): groups ranked by the sum of their top-2 (score + e_score_correction_bias);
   the bias steers *selection* only; weights come from the unbiased scores.
 Weights are renormalised over the k chosen when norm_topk_prob, then times routed_scaling_factor.
-Routing runs in fp32 whatever the model dtype. With `kernel`, float32 CPU inputs go through the C
-kernel (cpu/layers.py route: the whole router in one call instead of ~15 ops).
+Routing runs in fp32 whatever the model dtype. A backend's route kernel (layers/kernels.py), when it
+has one, is the forward (the CPU backend's: the whole router in one call instead of ~15 ops).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from layers import NATIVE, Kernels
+
 from .config import MoEConfig
 
 
 class Gate(nn.Module):
-    def __init__(self, cfg: MoEConfig, device=None, kernel: bool = False):
+    def __init__(self, cfg: MoEConfig, device=None, kernels: Kernels = NATIVE):
         super().__init__()
-        self.cfg, self.kernel = cfg, kernel
+        self.cfg, self.kernel = cfg, kernels.route
         E, H = cfg.n_routed_experts, cfg.hidden_size
         self.weight = nn.Parameter(torch.empty(E, H, device=device, dtype=torch.float32))
         if cfg.topk_method == "noaux_tc":
@@ -30,10 +32,12 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> topk_ids [T, k] int64 (logical), topk_weights [T, k] fp32."""
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.e_score_correction_bias, self.cfg)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        if self.kernel and x.dtype == torch.float32 and x.device.type == "cpu":
-            from cpu.layers import route
-            return route(x, self.weight, self.e_score_correction_bias, cfg)
         logits = x.float() @ self.weight.t()                                   # [T, E]
         scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
         choice = scores

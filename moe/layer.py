@@ -25,13 +25,13 @@ from torch import nn
 
 from dbo.schedule import YIELD, run_sequential
 from dbo.state import Microbatch, OpState
+from layers import MLP, NATIVE, Kernels
 from parallel.expert_layout import ExpertLayout
 from parallel.step_plan import StepPlan
 
 from .config import MoEConfig
 from .experts import Experts
 from .gate import Gate
-from .mlp import MLP
 
 
 @dataclass(frozen=True)
@@ -63,23 +63,23 @@ class ExpertShard:
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, device=None, dtype=None,
                  fp8_block: tuple[int, int] | None = None, linear=nn.Linear, experts_backend: str = "grouped",
-                 deepgemm=None):
+                 deepgemm=None, kernels: Kernels = NATIVE):
         """fp8_block: routed experts keep fp8 weights in these blocks; linear: the shared experts' class;
-        experts_backend, deepgemm: the routed experts' forward (moe/experts.py; resolved by moe/backend.py)."""
+        experts_backend, deepgemm: the routed experts' forward (moe/experts.py; resolved by moe/backend.py);
+        kernels: the backend's table (layers/kernels.py) for the router and the experts."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ExpertShard(cfg.n_routed_experts)
-        self.gate = Gate(cfg, device=device, kernel=experts_backend == "cpu")
+        self.gate = Gate(cfg, device=device, kernels=kernels)
         self.experts = Experts(self.shard.num_local, cfg.hidden_size, cfg.moe_intermediate_size,
                                device=device, dtype=dtype, fp8_block=fp8_block, backend=experts_backend,
-                               deepgemm=deepgemm)
+                               deepgemm=deepgemm, kernels=kernels)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                    device=device, dtype=dtype, linear=linear) if cfg.n_shared_experts else None)
         # physical slot -> logical expert, for this rank's slots; contiguous identity until EPLB
         self.local_phy2log = list(self.shard.layout.slots(self.shard.ep_rank))
         self.expert_map = None    # callable: logical ids [T, k] -> physical ids [T, k]; None = identity
         self.load_counts = None   # [P] int64 tokens per physical slot, added in place; None = off
-        self._fused_key, self._fused = None, None   # _fused_weights' kept struct (None: they do not fit)
 
     def set_placement(self, local_phy2log: list[int], expert_map=None) -> None:
         """Which logical expert each local slot holds ([El]) and the map the gate's ids go through.
@@ -98,61 +98,6 @@ class MoELayer(nn.Module):
             flat = topk_ids.reshape(-1)
             self.load_counts.index_add_(0, flat, torch.ones_like(flat))
         return topk_ids, topk_weights
-
-    def decode_layer(self, h: torch.Tensor, x: torch.Tensor, dispatcher) -> torch.Tensor | None:
-        """The decoder layer's half after attention — route, routed and shared experts, the residual h —
-        as one C call (cpu/fused.py moe_layer: the kernels and the order of the operations below, none
-        of their small torch ops or Python) when it can: the "cpu" experts backend with float32 weights,
-        every expert on this rank and no EPLB map (a dispatcher that moves nothing: local_only), at most
-        cpu.linear.MAX_ROWS tokens. EPLB's load_counts and the dispatcher's counters and routing
-        histogram record what the operations would have. The weights are checked once while they stay
-        the same memory (_fused_weights): this runs for every MoE layer of every decode step.
-        h, x [T, H] (x = mlp_in) -> h + MoE(x), or None: the caller runs ops() one by one."""
-        w = self.fused(dispatcher)   # first: on more than one EP rank it is None at its first test
-        if w is None:
-            return None
-        from cpu.fused import f32_rows, moe_layer
-        from cpu.linear import MAX_ROWS
-        T, H = x.shape[0], self.cfg.hidden_size
-        if not (0 < T <= MAX_ROWS and f32_rows(x, T, H) and f32_rows(h, T, H)):
-            return None
-        out, _, _ = moe_layer(h, x, w, self.load_counts)
-        dispatcher.account_local(T)
-        return out
-
-    def fused(self, dispatcher):
-        """What a fused MoE half of this layer needs beyond its tokens (decode_layer, and DeepseekModel's
-        whole-step call): a dispatcher that moves nothing (local_only), no EPLB map, EPLB's counts (if
-        on) int64 [E] on the CPU, weights that fit -> moe_layer's weights struct, or None."""
-        lc = self.load_counts
-        if not (getattr(dispatcher, "local_only", False) and self.expert_map is None
-                and (lc is None or (lc.dtype == torch.int64 and lc.is_contiguous() and not lc.is_cuda
-                                    and lc.shape == (self.cfg.n_routed_experts,)))):
-            return None
-        return self._fused_weights()
-
-    def _fused_weights(self):
-        """moe_layer's weights struct (cpu/fused.py moe_layer_weights) when this layer can run it —
-        the "cpu" experts backend, float32 weights, contiguous, on the CPU, no biases, every logical
-        expert in its own local slot — else None. Kept while the weights are the same memory: the
-        modules and parameters are looked up in their tables (one replaced, or its .data, is seen) and
-        only their data pointers compared."""
-        ex, gate, sh = self._modules["experts"], self._modules["gate"], self._modules.get("shared_experts")
-        linears = [sh._modules[n]._parameters for n in ("gate_proj", "up_proj", "down_proj")] if sh is not None else []
-        ep, gp = ex._parameters, gate._parameters
-        tensors = (gp["weight"], gp.get("e_score_correction_bias"), ep["w13"], ep["w2"],
-                   *(p["weight"] for p in linears))
-        key = (tuple(0 if t is None else t.data_ptr() for t in tensors), tuple(p.get("bias") is None for p in linears),
-               ex.backend, ex.fp8_block, gate.kernel)
-        if key != self._fused_key:
-            fit = (ex.backend == "cpu" and ex.fp8_block is None and gate.kernel
-                   and ex.num_local == self.cfg.n_routed_experts and all(p.get("bias") is None for p in linears)
-                   and all(t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous()
-                           for t in tensors if t is not None))
-            from cpu.fused import moe_layer_weights
-            self._fused_key = key
-            self._fused = moe_layer_weights(gate, ep["w13"], ep["w2"], sh) if fit else None
-        return self._fused
 
     # -- operations (see the module doc for the state names) ----------------------------------------
     def ops(self) -> list:

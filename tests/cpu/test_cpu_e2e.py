@@ -43,9 +43,15 @@ def test_cpu_backends_match_torch(tmp_path, monkeypatch):
                              num_experts_per_tok=2, vocab_size=200)
     ref_llm, ref = _run(d, experts_backend="torch", attention_backend="torch")
     assert calls == {"experts": 0, "moe_layer": 0, "mla_decode": 0, "mla_layer": 0, "decode_stack": 0, "linear": 0}
-    assert ref_llm.model.backends == {"experts": "torch", "fp8_weights": False, "attention": "torch"}
+    assert ref_llm.model.backends == {"experts": "torch", "fp8_weights": False, "attention": "torch",
+                                      "kernels": "torch", "decode": "ops"}
+    assert ref_llm.model.decode_plan is None
     llm, got = _run(d)                                   # auto on CPU, float32: the kernels
-    assert llm.model.backends == {"experts": "cpu", "fp8_weights": False, "attention": "cpu"}
+    assert llm.model.backends == {"experts": "cpu", "fp8_weights": False, "attention": "cpu", "kernels": "cpu",
+                                  "decode": "stack"}
+    plan = llm.engine.metrics()["decode_plan"]
+    assert plan["steps"] == {"stack": 4, "layers": 0, "mlp_halves": 1, "ops": 0}
+    assert plan["declined"]["not_all_decode"] == 1 and sum(plan["declined"].values()) == 1
     # prefill (one step, 13 tokens): the MoE layer ran its whole MoE half (router, routed and shared
     # experts, residual) as one C call (13 rows are under cpu.linear.MAX_ROWS); 4 decode steps: both
     # layers, attention and MoE or dense MLP halves, as one C call a step
@@ -53,9 +59,10 @@ def test_cpu_backends_match_torch(tmp_path, monkeypatch):
     assert calls["mla_layer"] == 0 and calls["mla_decode"] == 0 and calls["linear"] > 0
     # the same engine with the whole-step call off: every decode step's attention halves one call each
     calls.update({n: 0 for n in calls})
-    llm.model.fuse_decode_stack = False
+    llm.model.decode_plan.fuse_stack = False
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))
     assert calls["decode_stack"] == 0 and calls["moe_layer"] == 5 and calls["mla_layer"] == 2 * 4
+    assert llm.model.backends["decode"] == "layers" and llm.model.decode_plan.stack_declined["disabled"] == 4
     for o, (toks, lps) in zip(outs, got):   # (bit-equality per step: tests/cpu/test_decode_stack.py; here the
         assert o.outputs[0].token_ids == toks   # prompts now hit the prefix cache, so the prefills differ)
         for a, b in zip(o.outputs[0].logprobs, lps):

@@ -11,6 +11,7 @@ from cpu import gemm, layers
 from cpu.build import BuildError, build, unusable, unusable_for
 from cpu.linear import MAX_ROWS, Linear, small_linear
 from moe.experts import Experts
+from tests.cpu.kernels import CPU
 
 if unusable() is not None:
     pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
@@ -46,7 +47,7 @@ def test_bmm_nt_batch_strides_and_out():
 @torch.no_grad()
 def test_experts_equal_reference(R, E, k, H, I):
     torch.manual_seed(R + E)
-    ex = Experts(E, H, I)
+    ex = Experts(E, H, I, kernels=CPU)
     ex.w13.normal_(0, 0.2)
     ex.w2.normal_(0, 0.2)
     x = torch.randn(R, H)
@@ -92,9 +93,9 @@ def test_mla_decode_equals_reference(lens, block_size, heads, D, C):
 
 @pytest.mark.parametrize("shape", [(1, 7), (5, 64), (2, 3, 130), (0, 16)])
 def test_rmsnorm_equals_module(shape):
-    from attention_mla.norm import RMSNorm
+    from layers import RMSNorm
     torch.manual_seed(4)
-    ref, fast = RMSNorm(shape[-1], 1e-5), RMSNorm(shape[-1], 1e-5, kernel=True)
+    ref, fast = RMSNorm(shape[-1], 1e-5), RMSNorm(shape[-1], 1e-5, kernels=CPU)
     with torch.no_grad():
         ref.weight.normal_()
         fast.weight.copy_(ref.weight)
@@ -185,11 +186,11 @@ def test_mla_cpu_backend_equals_torch(q_lora):
     from attention_mla.meta import AttnMeta
     from tests.attention_mla.test_mla import _meta, _mla
     torch.manual_seed(6)
-    ref, fast = _mla(q_lora, seed=7), _mla(q_lora, seed=7)
-    fast.backend = "cpu"
-    for norm in (getattr(fast, "q_a_layernorm", None), fast.kv_a_layernorm):
-        if norm is not None:
-            norm.kernel = True
+    from attention_mla.mla import MLA
+    from attention_mla.rope import RotaryEmbedding
+    ref = _mla(q_lora, seed=7)
+    fast = MLA(ref.cfg, RotaryEmbedding(ref.cfg.rope, kernels=CPU), linear=CPU.linear, backend="cpu", kernels=CPU)
+    fast.load_state_dict(ref.state_dict())
     lens, bs = [5, 1, 9], 4
     meta = _meta(lens, bs)
     pools = [torch.zeros(64 * bs, 32), torch.zeros(64 * bs, 32)]
@@ -208,30 +209,32 @@ def test_mla_cpu_backend_equals_torch(q_lora):
 
 
 @pytest.mark.parametrize("q_lora", [None, 20])
-def test_mla_decode_layer_equals_the_operations(q_lora):
-    """MLA.decode_layer (the attention half of a decoder layer in one C call) == input norm, MLA
-    forward on the cpu backend, residual, post-attention norm run one by one: outputs and the cache."""
+def test_mla_layer_equals_the_operations(q_lora):
+    """fused.mla_layer (the attention half of a decoder layer in one C call, the decode plan's) == input
+    norm, MLA forward on the cpu backend, residual, post-attention norm run one by one: outputs and the
+    cache; a bad slot is named and nothing is written."""
     from attention_mla.meta import AttnMeta
-    from attention_mla.norm import RMSNorm
     from attention_mla.mla import MLA
-    from cpu.linear import Linear
+    from attention_mla.rope import RotaryEmbedding
+    from cpu import fused
+    from layers import RMSNorm
     from tests.attention_mla.test_mla import _meta, _mla
     torch.manual_seed(8)
     shape = _mla(q_lora)                       # the test module's config, built as the engine builds it
-    mla = MLA(shape.cfg, shape.rope, linear=Linear, backend="cpu")
+    mla = MLA(shape.cfg, RotaryEmbedding(shape.cfg.rope, kernels=CPU), linear=CPU.linear, backend="cpu", kernels=CPU)
     with torch.no_grad():
         for p in mla.parameters():
             p.normal_(0, 0.2)
-    norms = [RMSNorm(48, 1e-6, kernel=True), RMSNorm(48, 1e-5, kernel=True)]
+    norms = [RMSNorm(48, 1e-6, kernels=CPU), RMSNorm(48, 1e-5, kernels=CPU)]
     for n in norms:
         torch.nn.init.normal_(n.weight, 1.0, 0.2)
+    w = fused.mla_layer_weights(*norms, mla)
     lens, bs = [5, 1, 9], 4
     meta = _meta(lens, bs)
     pool = torch.zeros(64 * bs, 32)
     with torch.no_grad():
         mla(torch.randn(sum(lens), 48), meta, pool, *mla.rope.cos_sin(meta.positions))   # prefill
-        assert mla.decode_layer(torch.randn(sum(lens), 48), meta, pool, *mla.rope.cos_sin(meta.positions),
-                                *norms) is None                                         # not a decode step
+        assert meta.paged_decode_tables(mla.mode) is None                                # not a decode step
         pos = list(lens)
         slots = [int(meta.block_table[b, p // bs]) * bs + p % bs for b, p in enumerate(pos)]
         dmeta = AttnMeta(torch.tensor(pos), torch.tensor(slots), meta.block_table, [1, 1, 1], [p + 1 for p in pos], bs)
@@ -239,12 +242,12 @@ def test_mla_decode_layer_equals_the_operations(q_lora):
         cos, sin = mla.rope.cos_sin(dmeta.positions)
         ref_pool = pool.clone()
         h_ref = x + mla(norms[0](x), dmeta, ref_pool, cos, sin)
-        h, mlp_in = mla.decode_layer(x, dmeta, pool, cos, sin, *norms)
+        table, lens_t, max_len = dmeta.paged_decode_tables(mla.mode)
+        h, mlp_in = fused.mla_layer(x, w, mla.w_uk_t(), cos, sin, pool, dmeta.slot_mapping, table, lens_t, max_len, bs)
         torch.testing.assert_close(h, h_ref, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(mlp_in, norms[1](h_ref), atol=1e-6, rtol=1e-6)
         assert torch.equal(pool, ref_pool)                                  # the same latents, same rows
-        bad = AttnMeta(torch.tensor(pos), torch.tensor([slots[0], 64 * bs, slots[2]]), meta.block_table, [1, 1, 1],
-                       [p + 1 for p in pos], bs)
+        bad = torch.tensor([slots[0], 64 * bs, slots[2]])
         with pytest.raises(ValueError, match=f"token 1's slot {64 * bs} is outside the pool's {64 * bs} rows"):
-            mla.decode_layer(x, bad, pool, cos, sin, *norms)
+            fused.mla_layer(x, w, mla.w_uk_t(), cos, sin, pool, bad, table, lens_t, max_len, bs)
         assert torch.equal(pool, ref_pool)                                  # nothing written

@@ -1,14 +1,15 @@
-"""An MoE layer's half after attention as one C call (moe/layer.py MoELayer.decode_layer, cpu/fused.py
-moe_layer) against the same layer's operations run one by one: the output, EPLB's load counts, the
-dispatcher's counters and routing histogram; and every case where it must leave the work to the
-operations (None)."""
+"""An MoE layer's half after attention as one C call (cpu/fused.py moe_layer, the decode plan's) against
+the same layer's operations run one by one: the output, EPLB's load counts, the dispatcher's counters
+and routing histogram; and every case where the decode plan must leave the work to the operations."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from cpu import fused
 from cpu.build import unusable
-from cpu.linear import MAX_ROWS, Linear as CpuLinear
+from cpu.decode_plan import DecodePlan
+from cpu.linear import MAX_ROWS
 from dbo.schedule import run_sequential
 from dbo.state import Microbatch, OpState
 from moe.config import MoEConfig
@@ -16,6 +17,7 @@ from moe.layer import ExpertShard, MoELayer
 from parallel.context import ParallelContext
 from parallel.dispatch import LocalDispatcher
 from parallel.step_plan import StepPlan
+from tests.cpu.kernels import CPU
 
 pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
 
@@ -32,7 +34,7 @@ def _layer(method, scoring, E, k, G, tg, shared, norm, scale, seed=0) -> MoELaye
                     n_group=G, topk_group=tg, topk_method=method, scoring_func=scoring, norm_topk_prob=norm,
                     routed_scaling_factor=scale)
     torch.manual_seed(seed)
-    layer = MoELayer(cfg, experts_backend="cpu", linear=CpuLinear)
+    layer = MoELayer(cfg, experts_backend="cpu", linear=CPU.linear, kernels=CPU)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return layer
@@ -57,50 +59,43 @@ def test_decode_layer_equals_the_operations(case, T):
     layer.load_counts = torch.zeros(E, dtype=torch.int64)
     ref = _by_operations(layer, h, x, ref_d)
     ref_counts, layer.load_counts = layer.load_counts, torch.zeros(E, dtype=torch.int64)
-    out = layer.decode_layer(h, x, fused_d)
-    assert out is not None
+    assert DecodePlan._moe_unfit(layer) is None and DecodePlan._counts_fit(layer)
+    w = fused.moe_layer_weights(layer.gate, layer.experts.w13, layer.experts.w2, layer.shared_experts)
+    out, _, _ = fused.moe_layer(h, x, w, layer.load_counts)
+    fused_d.account_local(T)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(layer.load_counts, ref_counts) and int(ref_counts.sum()) == T * case[3]
     assert fused_d.stats.as_dict() | {"comm_s": 0} == ref_d.stats.as_dict() | {"comm_s": 0}
     assert fused_d.routing.tolist() == ref_d.routing.tolist() == [0, T]
 
 
-def test_decode_layer_leaves_the_rest_to_the_operations():
+def test_what_the_plan_leaves_to_the_operations():
+    """The layer-level conditions (checked once, when the plan builds its structs) and the per-step ones."""
     layer = _layer(*CASES[0])
-    E, d = CASES[0][2], _dispatcher(CASES[0][2])
-    h, x = torch.randn(3, H), torch.randn(3, H)
-    assert layer.decode_layer(h[:0], x[:0], d) is None                           # no tokens
-    big = torch.randn(MAX_ROWS + 1, H)
-    assert layer.decode_layer(big, big, d) is None                               # past MAX_ROWS: BLAS
-    assert layer.decode_layer(h, x.t().contiguous().t(), d) is None              # not contiguous
-    assert layer.decode_layer(h, x, object()) is None                            # a dispatcher that moves tokens
-
-    class Moving(LocalDispatcher):
-        local_only = False
-    assert layer.decode_layer(h, x, Moving(ParallelContext.single("cpu"), E, H)) is None
-    layer.expert_map = lambda ids: ids                                           # EPLB's map: the operations
-    assert layer.decode_layer(h, x, d) is None
-    layer.expert_map = None
+    E = CASES[0][2]
+    assert DecodePlan._moe_unfit(layer) is None
     layer.load_counts = torch.zeros(E + 1, dtype=torch.int64)                    # a counter of another size
-    assert layer.decode_layer(h, x, d) is None
+    assert not DecodePlan._counts_fit(layer)
+    layer.load_counts = torch.zeros(E, dtype=torch.int32)
+    assert not DecodePlan._counts_fit(layer)
     layer.load_counts = None
     layer.shared_experts.up_proj.bias = torch.nn.Parameter(torch.zeros(layer.shared_experts.up_proj.out_features))
-    assert layer.decode_layer(h, x, d) is None                                   # a bias the kernel has no slot for
+    assert DecodePlan._moe_unfit(layer) == "shared-expert biases"                # a bias the kernel has no slot for
     layer.shared_experts.up_proj.bias = None
     layer.experts.backend = "grouped"
-    assert layer.decode_layer(h, x, d) is None
+    assert "experts backend 'grouped'" in DecodePlan._moe_unfit(layer)
     layer.experts.backend = "cpu"
-    assert d.stats.dispatch_calls == 0 and d.routing.tolist() == [0, 0]          # nothing recorded by a refusal
-    assert layer.decode_layer(h, x, d) is not None and d.stats.dispatch_calls == 1
+    layer.experts.w13.data = layer.experts.w13.data.transpose(1, 2).contiguous().transpose(1, 2)
+    assert "not float32 contiguous" in DecodePlan._moe_unfit(layer)
 
 
 def test_redundant_slots_on_one_rank_run_the_operations():
     """EPLB's redundant slots on one rank: more local slots than logical experts, physical ids that are
     not the router's: the fused call would read the wrong slots, so the operations run."""
     cfg = _layer(*CASES[0]).cfg
-    layer = MoELayer(cfg, ExpertShard(cfg.n_routed_experts + 2), experts_backend="cpu", linear=CpuLinear)
-    x = torch.randn(2, H)
-    assert layer.decode_layer(x, x, _dispatcher(cfg.n_routed_experts + 2)) is None
+    layer = MoELayer(cfg, ExpertShard(cfg.n_routed_experts + 2), experts_backend="cpu", linear=CPU.linear,
+                     kernels=CPU)
+    assert "18 local slots for 16 experts" in DecodePlan._moe_unfit(layer)
 
 
 def test_add_local_is_for_one_node():

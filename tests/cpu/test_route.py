@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe.config import MoEConfig
+from tests.cpu.kernels import CPU
 from moe.gate import Gate
 
 pytest.importorskip("cpu.layers")
@@ -27,7 +28,7 @@ def _gate(method, scoring, E, k, G, tg, norm, scale, seed=0):
                     n_group=G, topk_group=tg, topk_method=method, scoring_func=scoring, norm_topk_prob=norm,
                     routed_scaling_factor=scale)
     torch.manual_seed(seed)
-    ref, fused = Gate(cfg), Gate(cfg, kernel=True)
+    ref, fused = Gate(cfg), Gate(cfg, kernels=CPU)
     torch.nn.init.normal_(ref.weight, std=0.3)
     if ref.e_score_correction_bias is not None:
         torch.nn.init.normal_(ref.e_score_correction_bias, std=0.2)

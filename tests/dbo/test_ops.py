@@ -76,10 +76,12 @@ def test_a_stray_value_in_the_models_operations_is_reported_at_the_layer_end(mod
     def run(op_list):
         return run_sequential(op_list, OpState(Microbatch(0, ids, meta, kv.pools, StepPlan(3),
                                                           model.dispatcher))).result("hidden")
-    # forward runs plain_ops: the same operations, an MoE half on the C backend fused into one call
-    # (its own kernels for the shared experts' SiLU: equal to float32 rounding)
-    assert torch.equal(run(model.plain_ops), model(ids, meta, kv.pools, StepPlan(3)))
-    torch.testing.assert_close(run(model.step_ops), run(model.plain_ops), rtol=1e-5, atol=1e-5)
+    # forward runs the decode plan's operations (a small prefill: its MoE and MLP halves fused into one C
+    # call each, with their own kernel for the shared experts' SiLU: equal to float32 rounding)
+    plan_ops = model.decode_plan.ops_for(s.inputs)
+    assert model.backends["decode"] == "mlp_halves"
+    assert torch.equal(run(plan_ops), model(ids, meta, kv.pools, StepPlan(3)))
+    torch.testing.assert_close(run(model.step_ops), run(plan_ops), rtol=1e-5, atol=1e-5)
 
 
 def test_split_step_equals_plain_step_on_one_rank(model_dir):

@@ -1,7 +1,8 @@
-"""A CPU decode step's decoder layers as one C call (engine/model.py DeepseekModel.op_layers, cpu/fused.py
-decode_stack) against the same step a layer half at a time: bit-equal outputs and caches (the same C
-calls), EPLB's load counts, the dispatcher's counters and routing histogram; the steps it must leave to
-the layers (a per-layer hook, a prefill, a layer that cannot be fused); a bad slot named with its layer."""
+"""The CPU decode plan (cpu/decode_plan.py): a decode step's decoder layers as one C call (decode_stack)
+against the same step a layer half at a time, and both against the operations: bit-equal outputs and
+caches (the same C calls), EPLB's load counts, the dispatcher's counters and routing histogram; the
+path each kind of step takes and the reason counted when it is not the whole stack (a per-layer hook,
+an EPLB map, a prefill, too many rows); a bad slot named with its layer."""
 from __future__ import annotations
 
 import pytest
@@ -63,7 +64,7 @@ def test_stack_equals_the_layer_halves(llm, monkeypatch):
     moes = model.moe_layers()
     results = {}
     for stack in (False, True):
-        model.fuse_decode_stack = stack
+        model.decode_plan.fuse_stack = stack
         for m in moes:
             m.load_counts = torch.zeros(m.cfg.n_routed_experts, dtype=torch.int64)
         model.dispatcher.stats.reset()
@@ -72,7 +73,7 @@ def test_stack_equals_the_layer_halves(llm, monkeypatch):
         hidden = model(ids, meta, pools, StepPlan(3))
         results[stack] = (hidden, pools, [m.load_counts.clone() for m in moes], model.dispatcher.stats.as_dict(),
                           model.dispatcher.routing.tolist())
-    model.fuse_decode_stack = True
+    model.decode_plan.fuse_stack = True
     for m in moes:
         m.load_counts = None
     assert calls == {"decode_stack": 1, "mla_layer": 3, "moe_layer": 2}
@@ -113,3 +114,65 @@ def test_a_bad_slot_is_named_with_its_layer_and_nothing_is_written(llm):
     with pytest.raises(ValueError, match=f"decode_stack: layer 0: token 1's slot {S} is outside the pool's {S} rows"):
         model(ids, bad, pools, StepPlan(2))
     assert all(torch.equal(a, b) for a, b in zip(pools, kv.pools))
+
+
+def _ops_run(model, ids, meta, pools):
+    """The same step through the model's operations (no plan)."""
+    plan, model.decode_plan = model.decode_plan, None
+    try:
+        return model(ids, meta, pools, StepPlan(ids.shape[0]))
+    finally:
+        model.decode_plan = plan
+
+
+def test_every_path_equals_the_operations(llm):
+    """stack, layers (a hook forces it) and the operations give the same hidden states and caches; the
+    fused halves are the same kernels, so the hidden states are bit-equal."""
+    model, kv = llm.model, llm.engine.core.kv
+    ids, meta = _decode_batch(llm, [5, 1, 9])
+    ref_pools = [p.clone() for p in kv.pools]
+    ref = _ops_run(model, ids, meta, ref_pools)
+    for hook in (None, lambda i: None):
+        pools = [p.clone() for p in kv.pools]
+        out = model(ids, meta, pools, StepPlan(3), on_layer=hook)
+        assert model.backends["decode"] == ("stack" if hook is None else "layers")
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        for a, b in zip(pools, ref_pools):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_the_reason_is_counted_for_every_step_it_does_not_fuse(llm):
+    plan = llm.model.decode_plan
+    model, kv = llm.model, llm.engine.core.kv
+    before = dict(plan.declined), dict(plan.stack_declined), dict(plan.steps)
+    ids, meta = _decode_batch(llm, [4, 2])           # (its prefill: a small prefill step -> mlp_halves)
+    model(ids, meta, [p.clone() for p in kv.pools], StepPlan(2), on_layer=lambda i: None)
+    layer = model.model.layers[2].mlp
+    layer.expert_map = lambda t: t
+    try:
+        model(ids, meta, [p.clone() for p in kv.pools], StepPlan(2))
+    finally:
+        layer.expert_map = None
+    empty = ids[:0]
+    from attention_mla.meta import AttnMeta
+    none = AttnMeta(meta.positions[:0], meta.slot_mapping[:0], meta.block_table[:0], [], [], meta.block_size)
+    model(empty, none, kv.pools, StepPlan(0))
+    d = {k: plan.declined[k] - before[0][k] for k in plan.declined}
+    sd = {k: plan.stack_declined[k] - before[1][k] for k in plan.stack_declined}
+    st = {k: plan.steps[k] - before[2][k] for k in plan.steps}
+    assert st == {"stack": 0, "layers": 2, "mlp_halves": 1, "ops": 1}
+    assert d["not_all_decode"] == 1 and d["no_tokens"] == 1 and sum(d.values()) == 2
+    assert sd["layer_hook"] == 1 and sd["expert_map"] == 1 and sum(sd.values()) == 2
+    assert model.backends["decode"] == "ops"
+    stats = llm.engine.core.stats()
+    assert stats["decode_steps_layers"] == plan.steps["layers"] and "decode_declined_too_many_rows" in stats
+
+
+def test_prometheus_shows_the_paths_and_reasons():
+    from launch.prometheus import parse, render
+    text = render({"per_rank": [{"decode_steps_stack": 7, "decode_steps_ops": 2, "decode_declined_too_many_rows": 2,
+                                 "decode_stack_declined_ep_group": 0}]})
+    got = parse(text)
+    assert got['wideep_rank_decode_steps_total{dp_rank="0",path="stack"}'] == 7
+    assert got['wideep_rank_decode_declined_total{dp_rank="0",reason="too_many_rows"}'] == 2
+    assert got['wideep_rank_decode_stack_declined_total{dp_rank="0",reason="ep_group"}'] == 0

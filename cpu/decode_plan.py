@@ -1,0 +1,305 @@
+"""The CPU decode fast path: the one component that decides, once per plain step, whether the step's
+decoder layers run as fused C calls (cpu/fused.py), and counts why when they do not.
+
+Paths (the model's backends["decode"] names the one the last step took; stats() counts them):
+  stack   every decoder layer in one C call (fused.decode_stack): Python run between two layers' weight
+          streams finds the caches emptied and costs ~10x, so the whole stack is checked before one call.
+          Needs one EP rank, no EPLB map, no per-layer hook, every layer's halves fusable.
+  layers  per layer: the attention half in one call (fused.mla_layer: norm, projections, RoPE, cache
+          write, paged decode, output projection, residual, post-norm), the per-layer hook, then the
+          MoE half in one call (fused.moe_layer) when every expert is local and unmapped, else the
+          layer's own MoE operations — router, dispatch, local experts, combine: the EP group's
+          all-to-all runs between the fused halves — or a dense layer's MLP half in one call
+          (fused.mlp_layer).
+  mlp_halves  a step that is not all decodes (a prefill chunk, a mixed step) of at most MAX_ROWS tokens:
+          the attention as its operations, the MoE / MLP halves as in `layers`.
+  ops     the model's step_ops (big steps, DSA, an fp8 cache, ...), its reason counted.
+Each fused call runs the kernels the operations run, in their order: the outputs, caches, EPLB load
+counts and dispatcher counters equal the operations' (tests/cpu/test_decode_plan.py).
+
+The plan reads the model by its fields only (cpu/ imports no other package of wideep): model.model.layers
+(DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp, is_moe, op_kv_written,
+mlp_ops()), op_embed, op_final_norm, step_ops, backends. The layers' weights go to C as structs built
+once, on first use, kept with the tensors they point into (a pointer never outlives its memory);
+invalidate() after replacing a parameter object. Writes in place (loading, EPLB's moves) need nothing.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+import torch
+
+from . import fused
+from .linear import MAX_ROWS
+
+# why a step ran its operations (every plain step is counted once: a path, or one of these)
+REASONS = ("no_tokens", "too_many_rows", "sparse_attention", "fp8_kv_cache", "weights_unfit", "not_all_decode",
+           "kv_pool")
+# why a fused step ran layer by layer instead of as one stack call
+STACK_REASONS = ("disabled", "layer_hook", "ep_group", "expert_map", "moe_unfit")
+
+
+def _f32(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous())
+
+
+def _no_bias(*linears) -> bool:
+    return all(getattr(m, "bias", None) is None for m in linears)
+
+
+@dataclass
+class _Layer:
+    """One decoder layer's structs (None: that half does not fit; why in DecodePlan.unfit) and its ops."""
+    mla: fused.MlaWeights | None = None
+    moe: fused.MoeWeights | None = None
+    mlp: fused.MlpWeights | None = None
+    keep: list = field(default_factory=list)   # the tensors the structs point into
+    attn_op: object = None
+    moe_op: object = None      # the MoE half in one call (None: the layer's MoE operations)
+    mlp_op: object = None      # a dense layer's MLP half in one call
+    moe_ops: list = field(default_factory=list)
+
+
+class DecodePlan:
+    def __init__(self, model, fuse_stack: bool = True):
+        """model: an engine DeepseekModel built with the CPU kernel table. fuse_stack: the whole-stack call
+        (EngineConfig.fuse_decode_stack); off, fused steps run layer by layer."""
+        self.model, self.fuse_stack = model, fuse_stack
+        self.steps = {"stack": 0, "layers": 0, "mlp_halves": 0, "ops": 0}
+        self.declined = dict.fromkeys(REASONS, 0)
+        self.stack_declined = dict.fromkeys(STACK_REASONS, 0)
+        self.unfit: dict[str, str] = {}       # "layer 3 attention" -> why that half cannot be fused (no fused step)
+        self.moe_unfit: dict[int, str] = {}   # MoE layer -> why its half runs as its operations
+        self._layers: list[_Layer] | None = None
+
+    # -- the decision -------------------------------------------------------------------------------
+    def ops_for(self, mb) -> list:
+        """The operations of a plain step of microbatch `mb` (dbo/state.py Microbatch): fused ones, or the
+        model's step_ops, decided here once for the whole step."""
+        why = self._why_not(mb)
+        model = self.model
+        if why is not None:
+            self.declined[why] += 1
+            if why == "not_all_decode":   # a small prefill or mixed step: attention as operations, MLP halves fused
+                return self._took("mlp_halves", self._layer_ops(mb, attention=False))
+            return self._took("ops", model.step_ops)
+        stack_why = self._why_not_stack(mb)
+        if stack_why is None:
+            return self._took("stack", self._stack_ops)
+        self.stack_declined[stack_why] += 1
+        return self._took("layers", self._layer_ops(mb))
+
+    def _took(self, path: str, ops: list) -> list:
+        self.steps[path] += 1
+        self.model.backends["decode"] = path
+        return ops
+
+    def _why_not(self, mb) -> str | None:
+        T = mb.input_ids.shape[0]
+        if T == 0:
+            return "no_tokens"
+        if T > MAX_ROWS:      # past it the projections run on BLAS: the fused calls would not be the same kernels
+            return "too_many_rows"
+        if mb.index_pools is not None:
+            return "sparse_attention"
+        layers = self._built()
+        if self.unfit:
+            return self._unfit_reason
+        if mb.meta.paged_decode_tables(self._mode) is None:
+            return "not_all_decode"
+        D = self._latent_width
+        if not all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == D and p.is_contiguous()
+                   and not p.is_cuda for p in mb.kv_pools[:len(layers)]):
+            return "kv_pool"
+        return None
+
+    def _why_not_stack(self, mb) -> str | None:
+        if not self.fuse_stack:
+            return "disabled"
+        if mb.on_layer is not None:
+            return "layer_hook"
+        if not getattr(mb.dispatcher, "local_only", False):
+            return "ep_group"
+        for layer, w in zip(self.model.model.layers, self._layers):
+            if layer.is_moe:
+                if layer.mlp.expert_map is not None:
+                    return "expert_map"
+                if w.moe is None or not self._counts_fit(layer.mlp):
+                    return "moe_unfit"
+        return None
+
+    @staticmethod
+    def _counts_fit(moe) -> bool:
+        lc = moe.load_counts
+        return lc is None or (lc.dtype == torch.int64 and lc.is_contiguous() and not lc.is_cuda
+                              and lc.shape == (moe.cfg.n_routed_experts,))
+
+    def _layer_ops(self, mb, attention: bool = True) -> list:
+        model, local = self.model, getattr(mb.dispatcher, "local_only", False)
+        ops = [model.op_embed]
+        for layer, w in zip(model.model.layers, self._layers):
+            ops += (w.attn_op if attention else layer.op_attention, layer.op_kv_written)
+            if not layer.is_moe:
+                ops.append(w.mlp_op)
+            elif (w.moe_op is not None and local and layer.mlp.expert_map is None and self._counts_fit(layer.mlp)):
+                ops.append(w.moe_op)
+            else:
+                ops += w.moe_ops
+        ops.append(model.op_final_norm)
+        return ops
+
+    def stats(self) -> dict:
+        """Flat counters for the rank's stats: decode_steps_<path>, decode_declined_<reason>,
+        decode_stack_declined_<reason>."""
+        return {**{f"decode_steps_{k}": v for k, v in self.steps.items()},
+                **{f"decode_declined_{k}": v for k, v in self.declined.items()},
+                **{f"decode_stack_declined_{k}": v for k, v in self.stack_declined.items()}}
+
+    def invalidate(self) -> None:
+        """Forget the weight structs (after a parameter object was replaced): rebuilt at the next step."""
+        self._layers = None
+
+    # -- the weight structs and fused operations, built once ------------------------------------------
+    def _built(self) -> list[_Layer]:
+        if self._layers is None:
+            self.unfit, self.moe_unfit = {}, {}
+            layers = self.model.model.layers
+            attn = layers[0].self_attn
+            self._mode = attn.mode
+            self._latent_width = attn.cfg.kv_lora_rank + attn.cfg.qk_rope_head_dim
+            self._layers = [self._layer(i, layer) for i, layer in enumerate(layers)]
+            self._unfit_reason = ("fp8_kv_cache" if any(a.self_attn.kv_fp8 is not None for a in layers)
+                                  else "weights_unfit")
+            self._descs = self._stack_descs()
+            self._stack_ops = [self.model.op_embed, self._op_stack, self.model.op_final_norm]
+        return self._layers
+
+    def _layer(self, i: int, layer) -> _Layer:
+        w = _Layer(moe_ops=[op for op in layer.mlp_ops()])
+        why = self._attention_unfit(layer)
+        if why:
+            self.unfit[f"layer {i} attention"] = why
+        else:
+            a = layer.self_attn
+            w.mla = fused.mla_layer_weights(layer.input_layernorm, layer.post_attention_layernorm, a)
+            w.keep += [p for p in a.parameters()] + [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            w.attn_op = self._attention_op(i, layer, w.mla)
+        if layer.is_moe:
+            why = self._moe_unfit(layer.mlp)
+            if why:   # the layer's MoE operations run instead: not a reason to leave the fused path
+                self.moe_unfit[i] = why
+            else:
+                m = layer.mlp
+                w.moe = fused.moe_layer_weights(m.gate, m.experts.w13, m.experts.w2, m.shared_experts)
+                w.keep += [p for p in m.parameters()]
+                w.moe_op = self._moe_op(i, m, w.moe)
+        else:
+            mlp = layer.mlp
+            if not (_no_bias(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+                    and all(_f32(p) for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))):
+                self.unfit[f"layer {i} mlp"] = "its projections are not bias-free float32 CPU weights"
+            else:
+                w.mlp = fused.mlp_layer_weights(mlp)
+                w.keep += [p for p in mlp.parameters()]
+                w.mlp_op = self._mlp_op(i, w.mlp)
+        return w
+
+    @staticmethod
+    def _attention_unfit(layer) -> str | None:
+        a = layer.self_attn
+        if a.backend != "cpu":
+            return f"attention backend {a.backend!r}"
+        if a.kv_fp8 is not None:
+            return "an fp8 latent cache"
+        if hasattr(a, "indexer"):
+            return "sparse attention (DSA)"
+        if layer.input_layernorm.kernel is None or layer.post_attention_layernorm.kernel is None \
+                or a.kv_a_layernorm.kernel is None or (a.cfg.q_lora_rank and a.q_a_layernorm.kernel is None):
+            return "norms without the C kernel"
+        projs = ([a.q_a_proj, a.q_b_proj] if a.cfg.q_lora_rank else [a.q_proj]) + [a.kv_a_proj_with_mqa, a.kv_b_proj,
+                                                                                    a.o_proj]
+        if not _no_bias(*projs):
+            return "projection biases"
+        if not all(hasattr(p, "weight") and _f32(p.weight) for p in projs) \
+                or not all(_f32(n.weight) for n in (layer.input_layernorm, layer.post_attention_layernorm)):
+            return "weights that are not float32 contiguous CPU tensors"
+        return None
+
+    @staticmethod
+    def _moe_unfit(m) -> str | None:
+        ex, sh = m.experts, m.shared_experts
+        if ex.backend != "cpu" or ex.fp8_block is not None:
+            return f"experts backend {ex.backend!r}" + (" with fp8 weights" if ex.fp8_block else "")
+        if m.gate.kernel is None:
+            return "a router without the C kernel"
+        if ex.num_local != m.cfg.n_routed_experts:
+            return f"{ex.num_local} local slots for {m.cfg.n_routed_experts} experts (EP shard or replicas)"
+        linears = [sh.gate_proj, sh.up_proj, sh.down_proj] if sh is not None else []
+        if not _no_bias(*linears):
+            return "shared-expert biases"
+        if not all(_f32(t) for t in (m.gate.weight, m.gate.e_score_correction_bias, ex.w13, ex.w2,
+                                      *(lin.weight for lin in linears))):
+            return "weights that are not float32 contiguous CPU tensors"
+        return None
+
+    def _attention_op(self, i: int, layer, w):
+        attn, mode = layer.self_attn, self._mode
+
+        def op_attention_half(s) -> None:
+            mb = s.inputs
+            meta = mb.meta
+            cos, sin = s.peek("rope")
+            table, lens, max_len = meta.paged_decode_tables(mode)
+            h, mlp_in = fused.mla_layer(s.take("x"), w, attn.w_uk_t(), cos, sin, mb.kv_pools[i], meta.slot_mapping,
+                                        table, lens, max_len, meta.block_size)
+            s.put(h=h, mlp_in=mlp_in)
+        return op_attention_half
+
+    def _moe_op(self, i: int, moe, w):
+        carry = ("x", "rope")
+
+        def op_moe_half(s) -> None:
+            h, x = s.take("h"), s.take("mlp_in")
+            out, _, _ = fused.moe_layer(h, x, w, moe.load_counts)
+            s.inputs.dispatcher.account_local(x.shape[0])
+            s.put(x=out)
+            s.end_layer(i, carry)
+        return op_moe_half
+
+    def _mlp_op(self, i: int, w):
+        carry = ("x", "rope")
+
+        def op_mlp_half(s) -> None:
+            h, x = s.take("h"), s.take("mlp_in")
+            s.put(x=fused.mlp_layer(h, x, w))
+            s.end_layer(i, carry)
+        return op_mlp_half
+
+    def _stack_descs(self):
+        """decode_stack's layer table; the per-step fields (W_UK^T, pool, counts) are set by _op_stack."""
+        if self.unfit:
+            return None
+        descs = (fused.LayerDesc * len(self._layers))()
+        for d, w in zip(descs, self._layers):
+            d.mla = ctypes.addressof(w.mla)
+            d.moe = ctypes.addressof(w.moe) if w.moe is not None else None
+            d.mlp = ctypes.addressof(w.mlp) if w.mlp is not None else None
+        return descs
+
+    def _op_stack(self, s) -> None:
+        mb = s.inputs
+        meta, descs, layers = mb.meta, self._descs, self.model.model.layers
+        cos, sin = s.peek("rope")
+        x = s.take("x")
+        table, lens, max_len = meta.paged_decode_tables(self._mode)
+        for d, layer, pool in zip(descs, layers, mb.kv_pools):
+            d.wuk_t, d.pool, d.S = layer.self_attn.w_uk_t().data_ptr(), pool.data_ptr(), pool.shape[0]
+            lc = layer.mlp.load_counts if layer.is_moe else None
+            d.load = lc.data_ptr() if lc is not None else None
+        ws = self._layers
+        out, ids, _ = fused.decode_stack(x, descs, [w.mla for w in ws], [w.moe for w in ws], [w.mlp for w in ws],
+                                         cos, sin, meta.slot_mapping, table, lens, max_len, meta.block_size)
+        if ids.shape[0]:
+            mb.dispatcher.account_local(x.shape[0], layers=ids.shape[0])
+        s.put(x=out)

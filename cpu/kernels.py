@@ -1,0 +1,14 @@
+"""The CPU backend's per-op kernels, as the table the model's modules bind at build time
+(layers/kernels.py names each entry's contract; engine's builder turns this into a Kernels).
+Float32 CPU tensors: the backend is chosen only for float32 models on the CPU (build.unusable_for)."""
+from __future__ import annotations
+
+
+def table() -> dict:
+    """name -> kernel: every per-op kernel of the CPU backend (the fused decode halves are the decode
+    plan's, cpu/decode_plan.py, not per-op)."""
+    from .gemm import bmm_nt, experts
+    from .layers import mla_decode, rmsnorm, rope, route
+    from .linear import Linear, small_linear
+    return {"rmsnorm": rmsnorm, "rope": rope, "linear": Linear, "matmul": small_linear, "route": route,
+            "experts": experts, "mla_decode": mla_decode, "bmm_nt": bmm_nt}
