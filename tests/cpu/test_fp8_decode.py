@@ -9,6 +9,7 @@ import torch
 from attention_mla.fp8_cache import Fp8Latent
 from attention_mla.paged_decode import paged_decode_reference
 from cpu import layers
+from tests.cpu.kernels import CPU
 
 
 @pytest.mark.parametrize("lens,block_size,heads,C,R", [([1], 4, 1, 16, 8), ([5, 1, 12], 4, 8, 40, 8),
@@ -44,6 +45,7 @@ def test_mla_cpu_backend_on_fp8_cache_equals_torch():
     from tests.attention_mla.test_mla import _meta
     torch.manual_seed(6)
     ref, fast = fp8_mla(20, seed=7), fp8_mla(20, seed=7)
+    fast.kernels = CPU           # the table the builder gives a cpu-backend model, then bind its decode
     fast.backend = "cpu"
     lens, bs = [5, 1, 9], 4
     meta = _meta(lens, bs)

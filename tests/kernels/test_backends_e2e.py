@@ -44,7 +44,8 @@ def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch, device):
     # prefill of both prompts + 3 decode steps: the 1 MoE layer ran the kernel every step, both attention
     # layers ran the paged decode kernel at every decode step
     assert calls["moe"] == 4 and calls["decode"] == 2 * 3
-    assert llm.model.backends == {"experts": "triton", "fp8_weights": fp8, "attention": "triton"}
+    assert llm.model.backends == {"experts": "triton", "fp8_weights": fp8, "attention": "triton", "kernels": "torch",
+                                  "decode": "ops"}
     assert ref_llm.model.backends["fp8_weights"] is False           # torch dequantises fp8 at load
     experts = llm.model.moe_layers()[0].experts
     assert experts.w13.dtype == (torch.float8_e4m3fn if fp8 else torch.float32)
