@@ -15,7 +15,8 @@ Per setting and phase, steps alternate DBO off / on (/ auto), barrier-aligned, e
   T_comm        time inside blocking dispatch/combine during the off steps (slowest rank),
   T_compute     T_off - T_comm,
   overlap_eff   (T_off - T_on) / min(T_comm, T_compute)   (1 = the smaller one fully hidden),
-  auto          dbo = "auto" (rank 0's AutoSwitch decides, after exploring both): step time / off,
+  auto          dbo = "auto" (rank 0's AutoSwitch decides, after its first trial of both; its
+                re-checks are measured): step time / off,
                 beside off_vs_off (a second "off" mode, the same host steps as auto: the noise floor).
 Modes are shuffled per trial (the same order on every rank).
 split_compute_ratio: one process, no communication, the same model and step run as two microbatches
@@ -128,8 +129,8 @@ def _phase(core, phase: str, shape, trials: int, auto=None) -> dict:
             _step(core, False)
     # "off2" is off again: the A/A ratio off2/off is this machine's noise floor beside auto/off
     modes = ["off", "on"] + (["auto", "off2"] if auto is not None else [])
-    if auto is not None:  # let the switch explore both choices first: the steady state is measured
-        for _ in range(2 * auto.min_samples):
+    if auto is not None:  # the bucket's first trial (both choices) runs first: the steady state is measured,
+        for _ in range(auto.explore_steps):   # its later trials (re-checks) are in it
             work.before_step()
             split = _auto_decide(core, auto, work)
             dt, _ = _step(core, split)
