@@ -30,7 +30,7 @@ def paged_decode_reference(q: torch.Tensor, kv_pool: torch.Tensor, block_table: 
 
 
 def resolve_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype = torch.float32) -> str:
-    """auto: triton on CUDA when triton imports; on CPU the C kernel (cpu/layers.py mla_decode) for a
+    """auto: triton on CUDA when triton imports; on CPU the C kernel (the CPU backend's mla_decode) for a
     float32 model when it builds; torch otherwise (interpreted Triton on CPU is far too slow to serve).
     triton on CPU needs TRITON_INTERPRET=1 set before start (tests)."""
     if name not in ATTENTION_BACKENDS:

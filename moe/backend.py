@@ -1,7 +1,7 @@
 """Which forward the routed experts use (`experts_backend`), decided once when the model is built.
 
   torch     the torch grouped forward (Experts.forward_grouped); fp8 checkpoints dequantised at load
-  cpu       the C kernels for small batches (cpu/gemm.py, cpu/layers.py): routed experts with tokens only, and the
+  cpu       the CPU backend's C kernels for small batches (cpu/kernels.py): routed experts with tokens only, and the
             dense / shared / attention projections and lm_head of decode-sized steps; float32 on CPU,
             built with the system C compiler at first use; big batches (prefill) stay on torch
   triton    the fused Triton kernels (moe/triton_moe.py); fp8 weights stay fp8 on the device
