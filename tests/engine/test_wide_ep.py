@@ -40,6 +40,8 @@ def _rank_main(model_dir: str, ep: int, backends: tuple[str, ...]) -> dict:
             llm.model.dispatcher.stats.reset()
             out["results"][(backend, name)] = _results(llm.generate(prompts, sp))
             out[("stats", backend, name)] = llm.model.dispatcher.stats.as_dict()
+    plan = llm.model.decode_plan   # the CPU decode plan: on more than one EP rank, fused attention halves
+    out["decode_plan"] = None if plan is None else (dict(plan.steps), dict(plan.stack_declined))
     llm.shutdown()
     return out
 
@@ -83,6 +85,13 @@ def test_wide_ep_matches_single_process_and_transformers(reference, ep, backends
     # every rank entered every all-to-all, the idle one included
     calls = {r[("stats", "torch", "three")]["dispatch_calls"] for r in ranks}
     assert len(calls) == 1
+    # with the CPU kernels the decode steps ran the fused attention halves with the all-to-alls between
+    # them (the decode plan's "layers" path), never the one-rank stack call
+    for r in ranks:
+        if r["decode_plan"] is not None:
+            steps, stack_declined = r["decode_plan"]
+            assert steps["stack"] == 0 and (steps["layers"] > 0 or r["rank"] == 3)   # rank 3: idle for "three"
+            assert stack_declined["ep_group"] == steps["layers"]
 
 
 def _rank_mpirun(model_dir: str) -> dict:
