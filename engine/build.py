@@ -86,7 +86,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                           fp8_block=fp8_block if experts.keep_fp8 else None, experts=experts, attention=attention,
                           kv_cache_dtype=kv_cache_dtype, kernels=kernels, decode_plan=plan)
     if placement is not None:
-        placement.install(model.moe_layers(), ep_rank, ep_size)
+        placement.install(model.routing, ep_rank, ep_size, model.device)
         model.placement = placement
     reader = CheckpointReader(model_dir, rename=text_model_rename if cfg.wrapper is not None else None)
     model.load_report = load_weights(reader, model.checkpoint_targets(),

@@ -105,8 +105,11 @@ def _relayout(core, old_ep: int, survivors_old: list[int], load: torch.Tensor | 
         moe.shard = ExpertShard(P, ctx.ep_rank, ctx.ep_size)
     model.shard = moe_layers[0].shard if moe_layers else None
     placement = Placement.from_phy2log(plan.phy2log, mcfg.moe.n_routed_experts)
-    placement.install(moe_layers, ctx.ep_rank, ctx.ep_size)
+    model.routing.resize(k_new)
+    placement.install(model.routing, ctx.ep_rank, ctx.ep_size, model.device)
     model.placement = placement
+    if model.decode_plan is not None:   # the experts are new parameter objects: its weight structs are stale
+        model.decode_plan.invalidate()
     return {"num_physical": P, "slots_per_rank": k_new, "expert_bytes_peer": peer_bytes,
             "expert_bytes_checkpoint": ckpt_bytes, "experts_from_checkpoint": len(plan.missing())}
 
@@ -115,7 +118,7 @@ def _empty_like(ex: Experts, num_local: int) -> Experts:
     w = ex.w13
     return Experts(num_local, ex.hidden, ex.intermediate, device=w.device,
                    dtype=w.dtype if ex.fp8_block is None else None, fp8_block=ex.fp8_block,
-                   backend=ex.backend, deepgemm=ex.deepgemm).requires_grad_(False)
+                   backend=ex.backend, deepgemm=ex.deepgemm, kernels=ex.kernels).requires_grad_(False)
 
 
 def _copy_local_and_peers(ctx, plan, moe_layers, new_experts, k_new: int) -> int:

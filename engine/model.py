@@ -25,6 +25,7 @@ from layers import MLP, NATIVE, Kernels, RMSNorm
 from moe.backend import ExpertsChoice
 from moe.fp8_linear import Fp8Linear
 from moe.layer import ExpertShard, MoELayer
+from parallel.expert_routing import ExpertRouting
 from parallel.step_plan import StepPlan
 
 from .config import ModelConfig
@@ -80,7 +81,8 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: ExpertShard | None,
                  experts: ExpertsChoice, attention: str, device=None, dtype=None, fp8_block=None,
-                 kv_cache_dtype: str = "auto", kernels: Kernels = NATIVE):
+                 kv_cache_dtype: str = "auto", kernels: Kernels = NATIVE, routing=None):
+        """routing: this layer's view of the model's ExpertRouting (parallel/expert_routing.py), MoE layers."""
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         linear = Fp8Linear.factory(fp8_block) if fp8_block is not None else kernels.linear
@@ -92,7 +94,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels=kernels, **kw)
         self.is_moe = cfg.is_moe_layer(layer)
         self.mlp = (MoELayer(cfg.moe, shard, fp8_block=fp8_block, linear=linear, experts_backend=experts.backend,
-                             deepgemm=experts.deepgemm, kernels=kernels, **kw) if self.is_moe
+                             deepgemm=experts.deepgemm, kernels=kernels, routing=routing, **kw) if self.is_moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, linear=linear, **kw))
 
     def ops(self) -> list:
@@ -128,11 +130,14 @@ class DecoderStack(nn.Module):
     """The checkpoint's `model.*`: embeddings, decoder layers, final norm."""
 
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, shard, experts: ExpertsChoice, attention: str,
-                 device=None, dtype=None, fp8_block=None, kv_cache_dtype: str = "auto", kernels: Kernels = NATIVE):
+                 device=None, dtype=None, fp8_block=None, kv_cache_dtype: str = "auto", kernels: Kernels = NATIVE,
+                 routing: ExpertRouting | None = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        moe_index = {i: m for m, i in enumerate(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))}
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, experts, attention, device, dtype, fp8_block,
-                                                 kv_cache_dtype, kernels)
+                                                 kv_cache_dtype, kernels,
+                                                 routing.layers[moe_index[i]] if i in moe_index else None)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
 
@@ -160,6 +165,13 @@ class DeepseekModel(nn.Module):
         self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
         self.shard, self.dispatcher = shard, dispatcher
         self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
+        # the routed experts' placement and load counters as the MoE layers read them, updated in place by
+        # EPLB and by re-forming after a lost rank (parallel/expert_routing.py)
+        self.routing = None
+        if cfg.moe is not None:
+            sh = shard or ExpertShard(cfg.moe.n_routed_experts)
+            num_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+            self.routing = ExpertRouting(num_moe, list(sh.layout.slots(sh.ep_rank)))
         self.huge_page_bytes = 0                     # weights in 2 MiB pages (cpu/huge_pages.py; build.py)
         # "decode": the path the last plain step took (the decode plan's, or "ops")
         self.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
@@ -171,7 +183,7 @@ class DeepseekModel(nn.Module):
         # meta: its first random op imports torch._dynamo (~2.5 s per process, every rank).
         with torch.device("meta"), _skip_init():
             self.model = DecoderStack(cfg, self.rope, shard, experts, attention, dtype=dtype, fp8_block=fp8_block,
-                                      kv_cache_dtype=kv_cache_dtype, kernels=kernels)
+                                      kv_cache_dtype=kv_cache_dtype, kernels=kernels, routing=self.routing)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                             dtype=dtype)
         _materialize(self, device)

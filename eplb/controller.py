@@ -45,8 +45,7 @@ class EplbController:
         self.device = model.device
         self.recorder = LoadRecorder(p.num_layers, p.num_physical, p.num_experts, self.cfg.window_size,
                                      self.ep_size, self.device)
-        for l, layer in enumerate(self.layers):
-            layer.load_counts = self.recorder.layer_counts(l)
+        model.routing.record_into([self.recorder.layer_counts(l) for l in range(len(self.layers))])
         self._phy2log = p.phy2log.to(self.device)     # [L, P] the live placement, for the recorder
         self.steps = 0
         self._job: Rebalance | None = None
@@ -121,7 +120,7 @@ class EplbController:
         new = plan_placement(load, old, self.ep_size, self.num_groups, self.num_nodes, self.cfg.policy,
                              self.cfg.migration_aware)
         before, after = balancedness(load, old.phy2log, self.ep_size), balancedness(load, new.phy2log, self.ep_size)
-        self._job = Rebalance(self.layers, old, new, self.ctx)
+        self._job = Rebalance(self.layers, old, new, self.ctx, self.model.routing)
         self._record = {"planned_at_step": self.steps, "window_pairs": int(load.sum()),
                         "balancedness_before": before.tolist(), "balancedness_after": after.tolist(),
                         "balancedness_before_mean": float(before.mean()),
@@ -157,5 +156,4 @@ class EplbController:
 
     def detach(self) -> None:
         """Stop recording (the placement stays)."""
-        for layer in self.layers:
-            layer.load_counts = None
+        self.model.routing.record_into(None)

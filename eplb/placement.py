@@ -104,15 +104,15 @@ class Placement:
         slots = ExpertLayout(self.num_physical, ep_size).slots(ep_rank)
         return self.phy2log[layer, slots.start:slots.stop].tolist()
 
-    def install(self, moe_layers, ep_rank: int, ep_size: int) -> None:
-        """Point every MoE layer at this placement: its local slot list and its expert map (None,
-        the identity, where the layer's placement is the identity). Moves nothing."""
-        if len(moe_layers) != self.num_layers:
-            raise ValueError(f"placement has {self.num_layers} MoE layers, the model {len(moe_layers)}")
-        for l, layer in enumerate(moe_layers):
-            device = layer.experts.w13.device
+    def install(self, routing, ep_rank: int, ep_size: int, device) -> None:
+        """Point the model's expert routing (parallel/expert_routing.py ExpertRouting, which every MoE
+        layer reads) at this placement: each layer's local slot list and expert map (None, the identity,
+        where the layer's placement is the identity), the map's tables on `device`. Moves nothing."""
+        if len(routing.layers) != self.num_layers:
+            raise ValueError(f"placement has {self.num_layers} MoE layers, the model {len(routing.layers)}")
+        for l in range(self.num_layers):
             emap = None if self.is_identity(l) else ExpertMap(self.log2phy[l], self.logcnt[l], ep_rank, device)
-            layer.set_placement(self.local(l, ep_rank, ep_size), emap)
+            routing.set_placement(l, self.local(l, ep_rank, ep_size), emap)
 
 
 class ExpertMap:

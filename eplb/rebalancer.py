@@ -50,8 +50,9 @@ def _global_ranks(ctx, ep_size: int) -> list[int] | None:
 class Rebalance:
     """Weights in flight from placement `old` to `new` on this rank."""
 
-    def __init__(self, moe_layers, old: Placement, new: Placement, ctx):
-        self.layers, self.old, self.new, self.ctx = moe_layers, old, new, ctx
+    def __init__(self, moe_layers, old: Placement, new: Placement, ctx, routing):
+        """routing: the model's ExpertRouting, pointed at `new` by commit()."""
+        self.layers, self.old, self.new, self.ctx, self.routing = moe_layers, old, new, ctx, routing
         self.ep_rank, self.ep_size = ctx.ep_rank, ctx.ep_size
         self.moves = plan_moves(old.phy2log, new.phy2log, self.ep_size)
         self.by_layer = [[] for _ in moe_layers]
@@ -95,7 +96,7 @@ class Rebalance:
                 dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=self.ctx.cpu_group)
         for params, (slots, staged) in zip(self.params, self._staged):
             swap_layer(params, slots, staged)
-        self.new.install(self.layers, self.ep_rank, self.ep_size)
+        self.new.install(self.routing, self.ep_rank, self.ep_size, self.layers[0].experts.w13.device)
         self._staged = [None] * len(self.layers)
         self.swap_s = time.perf_counter() - t0
 

@@ -52,7 +52,7 @@ class Experts(nn.Module):
                                                           **f32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(num_local, -(-hidden // br), -(-intermediate // bc), **f32),
                                              requires_grad=False)
-        self.deepgemm, self.kernel = deepgemm, kernels.experts
+        self.deepgemm, self.kernels, self.kernel = deepgemm, kernels, kernels.experts
         self.backend = backend
 
     @property

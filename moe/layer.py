@@ -1,11 +1,12 @@
 """MoE layer: gate -> dispatch -> local experts -> combine, + shared experts, as overlap operations.
 
 Legend: T tokens on this rank, H hidden, k top-k, P physical experts (all ranks), El local experts.
-The gate's logical ids become physical ids through `expert_map` (EPLB's placement, which may hold
-several replicas of a hot expert; None = identity). The microbatch's dispatcher (parallel.dispatch;
+The gate's logical ids become physical ids through `routing.expert_map` (EPLB's placement, which may
+hold several replicas of a hot expert; None = identity). The microbatch's dispatcher (parallel.dispatch;
 LocalDispatcher on one EP rank) moves each token once to every rank holding one of its experts and
-brings the weighted sums back. `load_counts` ([P] int64, EPLB's recorder), when set, gets the
-step's physical ids added in place: no host sync.
+brings the weighted sums back. `routing.load_counts` ([P] int64, EPLB's recorder), when set, gets the
+step's physical ids added in place: no host sync. `routing` (parallel/expert_routing.py) is given at
+construction and updated in place by EPLB; the layer only reads it.
 
 The layer's forward is its operation list (ops(); dbo/schedule.py): the model runs it in order for
 a plain step and interleaved with another microbatch's for a DBO step. State names (dbo/state.py):
@@ -27,6 +28,7 @@ from dbo.schedule import YIELD, run_sequential
 from dbo.state import Microbatch, OpState
 from layers import MLP, NATIVE, Kernels
 from parallel.expert_layout import ExpertLayout
+from parallel.expert_routing import LayerRouting
 from parallel.step_plan import StepPlan
 
 from .config import MoEConfig
@@ -63,10 +65,11 @@ class ExpertShard:
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, device=None, dtype=None,
                  fp8_block: tuple[int, int] | None = None, linear=nn.Linear, experts_backend: str = "grouped",
-                 deepgemm=None, kernels: Kernels = NATIVE):
+                 deepgemm=None, kernels: Kernels = NATIVE, routing: LayerRouting | None = None):
         """fp8_block: routed experts keep fp8 weights in these blocks; linear: the shared experts' class;
         experts_backend, deepgemm: the routed experts' forward (moe/experts.py; resolved by moe/backend.py);
-        kernels: the backend's table (layers/kernels.py) for the router and the experts."""
+        kernels: the backend's table (layers/kernels.py) for the router and the experts. routing: this
+        layer's placement and load counters (the model's ExpertRouting; default: the identity, not recording)."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ExpertShard(cfg.n_routed_experts)
@@ -76,27 +79,32 @@ class MoELayer(nn.Module):
                                deepgemm=deepgemm, kernels=kernels)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                    device=device, dtype=dtype, linear=linear) if cfg.n_shared_experts else None)
-        # physical slot -> logical expert, for this rank's slots; contiguous identity until EPLB
-        self.local_phy2log = list(self.shard.layout.slots(self.shard.ep_rank))
-        self.expert_map = None    # callable: logical ids [T, k] -> physical ids [T, k]; None = identity
-        self.load_counts = None   # [P] int64 tokens per physical slot, added in place; None = off
+        self.routing = routing or LayerRouting(self.shard.layout.slots(self.shard.ep_rank))
 
-    def set_placement(self, local_phy2log: list[int], expert_map=None) -> None:
-        """Which logical expert each local slot holds ([El]) and the map the gate's ids go through.
-        The caller swaps the slots' weights at the same time (EPLB does both between steps)."""
-        if len(local_phy2log) != self.shard.num_local:
-            raise ValueError(f"{len(local_phy2log)} local slots given, this rank has {self.shard.num_local}")
-        self.local_phy2log = list(local_phy2log)
-        self.expert_map = expert_map
+    @property
+    def local_phy2log(self) -> list[int]:
+        """[El] the logical expert each local slot holds (contiguous identity until EPLB)."""
+        return self.routing.local_phy2log
+
+    @property
+    def expert_map(self):
+        """logical ids [T, k] -> physical ids [T, k]; None = identity."""
+        return self.routing.expert_map
+
+    @property
+    def load_counts(self):
+        """[P] int64 tokens per physical slot, added in place by route(); None = not recording."""
+        return self.routing.load_counts
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> physical topk_ids [T, k], topk_weights [T, k] (recorded for EPLB when on)."""
         topk_ids, topk_weights = self.gate(x)                                  # [T, k] logical
-        if self.expert_map is not None:
-            topk_ids = self.expert_map(topk_ids)                               # [T, k] physical
-        if self.load_counts is not None:
+        r = self.routing
+        if r.expert_map is not None:
+            topk_ids = r.expert_map(topk_ids)                                  # [T, k] physical
+        if r.load_counts is not None:
             flat = topk_ids.reshape(-1)
-            self.load_counts.index_add_(0, flat, torch.ones_like(flat))
+            r.load_counts.index_add_(0, flat, torch.ones_like(flat))
         return topk_ids, topk_weights
 
     # -- operations (see the module doc for the state names) ----------------------------------------

@@ -66,7 +66,7 @@ def test_stack_equals_the_layer_halves(llm, monkeypatch):
     for stack in (False, True):
         model.decode_plan.fuse_stack = stack
         for m in moes:
-            m.load_counts = torch.zeros(m.cfg.n_routed_experts, dtype=torch.int64)
+            m.routing.load_counts = torch.zeros(m.cfg.n_routed_experts, dtype=torch.int64)
         model.dispatcher.stats.reset()
         model.dispatcher.routing.reset()
         pools = [p.clone() for p in kv.pools]
@@ -75,7 +75,7 @@ def test_stack_equals_the_layer_halves(llm, monkeypatch):
                           model.dispatcher.routing.tolist())
     model.decode_plan.fuse_stack = True
     for m in moes:
-        m.load_counts = None
+        m.routing.load_counts = None
     assert calls == {"decode_stack": 1, "mla_layer": 3, "moe_layer": 2}
     (h0, p0, c0, s0, r0), (h1, p1, c1, s1, r1) = results[False], results[True]
     assert torch.equal(h0, h1)
@@ -93,11 +93,11 @@ def test_steps_the_stack_leaves_to_the_layers(llm, monkeypatch):
     model(ids, meta, [p.clone() for p in kv.pools], StepPlan(2), on_layer=seen.append)   # a per-layer hook
     assert seen == [0, 1, 2] and calls["decode_stack"] == 0 and calls["mla_layer"] == 3
     layer = model.model.layers[2].mlp
-    layer.expert_map = lambda t: t                                                     # one layer that cannot
+    layer.routing.expert_map = lambda t: t                                                     # one layer that cannot
     try:
         model(ids, meta, [p.clone() for p in kv.pools], StepPlan(2))
     finally:
-        layer.expert_map = None
+        layer.routing.expert_map = None
     assert calls["decode_stack"] == 0 and calls["mla_layer"] == 6 and calls["moe_layer"] == 2 + 1
     model(ids, meta, [p.clone() for p in kv.pools], StepPlan(2))
     assert calls["decode_stack"] == 1
@@ -148,11 +148,11 @@ def test_the_reason_is_counted_for_every_step_it_does_not_fuse(llm):
     ids, meta = _decode_batch(llm, [4, 2])           # (its prefill: a small prefill step -> mlp_halves)
     model(ids, meta, [p.clone() for p in kv.pools], StepPlan(2), on_layer=lambda i: None)
     layer = model.model.layers[2].mlp
-    layer.expert_map = lambda t: t
+    layer.routing.expert_map = lambda t: t
     try:
         model(ids, meta, [p.clone() for p in kv.pools], StepPlan(2))
     finally:
-        layer.expert_map = None
+        layer.routing.expert_map = None
     empty = ids[:0]
     from attention_mla.meta import AttnMeta
     none = AttnMeta(meta.positions[:0], meta.slot_mapping[:0], meta.block_table[:0], [], [], meta.block_size)

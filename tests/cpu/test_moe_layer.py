@@ -56,9 +56,9 @@ def test_decode_layer_equals_the_operations(case, T):
     E = case[2]
     h, x = torch.randn(T, H), torch.randn(T, H)
     ref_d, fused_d = _dispatcher(E), _dispatcher(E)
-    layer.load_counts = torch.zeros(E, dtype=torch.int64)
+    layer.routing.load_counts = torch.zeros(E, dtype=torch.int64)
     ref = _by_operations(layer, h, x, ref_d)
-    ref_counts, layer.load_counts = layer.load_counts, torch.zeros(E, dtype=torch.int64)
+    ref_counts, layer.routing.load_counts = layer.load_counts, torch.zeros(E, dtype=torch.int64)
     assert DecodePlan._moe_unfit(layer) is None and DecodePlan._counts_fit(layer)
     w = fused.moe_layer_weights(layer.gate, layer.experts.w13, layer.experts.w2, layer.shared_experts)
     out, _, _ = fused.moe_layer(h, x, w, layer.load_counts)
@@ -74,11 +74,11 @@ def test_what_the_plan_leaves_to_the_operations():
     layer = _layer(*CASES[0])
     E = CASES[0][2]
     assert DecodePlan._moe_unfit(layer) is None
-    layer.load_counts = torch.zeros(E + 1, dtype=torch.int64)                    # a counter of another size
+    layer.routing.load_counts = torch.zeros(E + 1, dtype=torch.int64)                    # a counter of another size
     assert not DecodePlan._counts_fit(layer)
-    layer.load_counts = torch.zeros(E, dtype=torch.int32)
+    layer.routing.load_counts = torch.zeros(E, dtype=torch.int32)
     assert not DecodePlan._counts_fit(layer)
-    layer.load_counts = None
+    layer.routing.load_counts = None
     layer.shared_experts.up_proj.bias = torch.nn.Parameter(torch.zeros(layer.shared_experts.up_proj.out_features))
     assert DecodePlan._moe_unfit(layer) == "shared-expert biases"                # a bias the kernel has no slot for
     layer.shared_experts.up_proj.bias = None

@@ -101,7 +101,9 @@ def test_moe_layer_maps_and_counts_physical_ids():
     cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, n_routed_experts=4, top_k=2,
                     n_shared_experts=0, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
                     norm_topk_prob=True, routed_scaling_factor=1.0)
-    layer = MoELayer(cfg, ExpertShard(6))
+    from parallel.expert_routing import ExpertRouting
+    routing = ExpertRouting(1, list(range(6)))
+    layer = MoELayer(cfg, ExpertShard(6), routing=routing.layers[0])
     torch.manual_seed(0)
     for p in layer.parameters():
         p.data.normal_()
@@ -111,8 +113,8 @@ def test_moe_layer_maps_and_counts_physical_ids():
     p = Placement.from_phy2log([[2, 0, 1, 3, 2, 0]], 4)
     for slot, e in enumerate(p.phy2log[0].tolist()):        # the slots' weights follow the placement
         layer.experts.w13.data[slot], layer.experts.w2.data[slot] = w13[e], w2[e]
-    p.install([layer], 0, 1)
-    layer.load_counts = torch.zeros(6, dtype=torch.long)
+    p.install(routing, 0, 1, "cpu")
+    routing.record_into([torch.zeros(6, dtype=torch.long)])
     assert torch.allclose(layer(x), want, atol=1e-6)
     assert layer.load_counts.sum() == 5 * 2 and layer.local_phy2log == [2, 0, 1, 3, 2, 0]
     assert layer.load_counts[[4, 5]].sum() > 0                                   # replicas got tokens
