@@ -8,7 +8,8 @@ context token j as
     I[t, j] = sum_h w[t, h] * relu(q[t, h] . key[j] / sqrt(Dk)),   w = weights_proj(x) / sqrt(NI)
 with q = wq_b(q-LoRA latent) per head (rotated like the key). That is how transformers computes it,
 in fp32; DeepSeek's kernels add a Hadamard rotation (it keeps dot products) and fp8 (a precision
-choice). Query t then attends to the k best of the tokens it may see (positions j < key_limit[t]):
+choice). Query t then attends to the k best of the tokens it may see (positions j < key_limit[t]),
+the earlier of two equal scores first, so a decode step picks what a prefill of its context picks:
 all of them when there are at most k, so a context within index_topk is plain causal attention.
 """
 from __future__ import annotations
@@ -66,14 +67,31 @@ class Indexer(nn.Module):
         return out
 
 
+def tie_broken_keys(scores: torch.Tensor) -> torch.Tensor:
+    """scores [T, L] fp32 -> keys [T, L] int64, ordered as the scores, and where two scores are equal the
+    earlier position above the later: every key of a row is distinct.
+    Why: exact ties are common, not rare (a token that no head scores above 0 scores exactly 0, and with a
+    negative head weight 0 is the best score there is), and torch.topk breaks them by its algorithm, which
+    depends on the row's length. A decode step (a row as long as its context) and a prefill of the same
+    context (a row as long as the prompt, the rest masked) then attend to different tokens of one tie."""
+    L = scores.shape[1]
+    bits = (scores.float() + 0.0).view(torch.int32)   # + 0.0: -0.0 (a negative weight times relu's 0) is +0.0
+    # IEEE floats order as their bits do among positives; a negative's other 31 bits run backwards
+    bits ^= (bits >> 31) & 0x7FFFFFFF
+    earlier = (L - 1) - torch.arange(L, device=scores.device)                   # [L], in [0, 2**32)
+    return bits.to(torch.int64).mul_(1 << 32).add_(earlier)
+
+
 def select_topk(scores: torch.Tensor, key_limit: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [T, L] fp32, key_limit [T] (token t sees positions j < key_limit[t] <= L) ->
     (idx [T, min(k, L)] positions, best first: the first n[t] are the selection, the rest padding;
-     n [T] = min(key_limit, k))."""
+     n [T] = min(key_limit, k)). Equal scores: the earlier position is taken (tie_broken_keys), so
+    the selection depends on the scores only, not on how long the row is."""
     L = scores.shape[1]
     kk = min(k, L)
     hidden = torch.arange(L, device=scores.device)[None, :] >= key_limit[:, None]
-    idx = scores.masked_fill(hidden, float("-inf")).topk(kk, dim=-1).indices
+    keys = tie_broken_keys(scores.masked_fill(hidden, float("-inf")))
+    idx = keys.topk(kk, dim=-1).indices
     return idx, key_limit.clamp(max=kk)
 
 

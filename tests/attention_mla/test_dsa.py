@@ -54,6 +54,54 @@ def test_select_topk_worked_example():
     assert sorted(idx[0].tolist()) == [0, 1, 2, 3, 4] and n.tolist() == [5]
 
 
+@torch.no_grad()
+def tie_prone(sparse: SparseMLA) -> None:
+    """Weight one indexer head only, negatively for every input x >= 0: each token whose q.k <= 0 then scores
+    exactly 0, the best score there is, and most queries choose among exact ties."""
+    w = sparse.indexer.weights_proj.weight
+    w[0] = -w[0].abs()
+    w[1:] = 0.0
+
+
+def test_select_topk_breaks_ties_toward_earlier_positions_whatever_the_row_length():
+    """Exact ties are common (a token no head scores above 0 scores exactly 0, -0.0 where a head weight is
+    negative): the pick among them must not depend on how long the row is or how far it is padded, or a
+    decode step (its context's row) and a prefill of the same context (a longer, masked row) differ."""
+    for n in (12, 20, 70, 200, 600):
+        scores = torch.zeros(n)
+        scores[1::5] = -0.0                      # equal to 0.0, so tied with it too
+        scores[3], scores[7] = 2.0, 1.0          # two clear winners
+        want = [3, 7] + [j for j in range(n) if j not in (3, 7)][:6]
+        for width, limit in ((n, n), (n + 9, n), (2 * n, n)):   # the context alone, padded, masked
+            row = torch.full((2, width), 5.0)    # padding scores above everything: only key_limit hides it
+            row[:, :n] = scores
+            idx, k = select_topk(row, torch.tensor([limit, limit]), k=8)
+            assert idx[0].tolist() == want and idx[1].tolist() == want and k.tolist() == [8, 8], (n, width)
+    idx, _ = select_topk(torch.tensor([[-1., -3., -1., float("-inf"), -2.]]), torch.tensor([5]), k=4)
+    assert idx[0].tolist() == [0, 2, 4, 1]       # negatives order as numbers, -inf last
+
+
+def test_decode_equals_prefill_under_exact_index_ties():
+    """One indexer head weighted, negatively for every token: each token with q.k <= 0 scores exactly the
+    best score, 0, so most queries choose among ties. Decoding token by token, in a batch with a longer
+    sequence (which pads the decode rows to its context), equals one prefill."""
+    sparse, _ = _pair(topk=4, seed=5)
+    tie_prone(sparse)
+    n, pad, bs = 21, 40, 3
+    x = torch.randn(n + n + pad, H).abs()   # x >= 0, as tie_prone needs
+    full_meta = _meta([n, n + pad], bs)
+    kv, index = _pools()
+    full = sparse(x, full_meta, kv, *sparse.rope.cos_sin(full_meta.positions), index_pool=index)[:n]
+    table, outs = full_meta.block_table, []
+    kv, index = _pools()
+    for a in range(n):   # the first sequence's token a; the other's token pad + a (only its length matters)
+        pos = torch.tensor([a, pad + a])
+        slots = torch.tensor([int(table[b, j // bs]) * bs + j % bs for b, j in enumerate(pos.tolist())])
+        meta = AttnMeta(pos, slots, table, [1, 1], [a + 1, pad + a + 1], bs)
+        outs.append(sparse(x[[a, n + pad + a]], meta, kv, *sparse.rope.cos_sin(pos), index_pool=index)[:1])
+    torch.testing.assert_close(torch.cat(outs), full, atol=1e-5, rtol=1e-5)
+
+
 def test_indexer_scores_equal_a_per_head_loop():
     sparse, _ = _pair(4)
     ix = sparse.indexer

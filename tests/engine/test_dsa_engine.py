@@ -1,6 +1,8 @@
 """DeepSeek-V3.2 (DSA) in the engine: chunked prefill, prefix caching and preemption give each request's
 outputs run alone; the indexer-key cache is sized and reported beside the latent's; at ep 2 and 4
-(DBO on, EPLB rebalancing while it serves) the results equal one process."""
+(DBO on, EPLB rebalancing while it serves) the results equal one process; every decode step equals a
+fresh prefill of its prefix (contexts many times index_topk, across small blocks, exact index-score ties,
+both attention backends), and greedy tokens equal transformers' generate."""
 from __future__ import annotations
 
 import random
@@ -98,3 +100,60 @@ def test_wide_ep_with_dbo_and_eplb_equals_one_process(model_dir, single, ep):
     for out, stats in spawn(_rank, ep, args=(model_dir, ep), timeout_s=400):
         _close(out, single)
         assert stats["split_steps"] > 0 and stats["rebalances"] > 0, stats
+
+
+# two indexer heads: a token neither head scores above 0 scores exactly 0, the best score where both head
+# weights are negative, so many queries choose among exact ties at the k-th place
+TIES_TOPK, VOCAB = 4, 256
+_tie_rng = random.Random(23)
+TIES_PROMPTS = [[_tie_rng.randrange(2, 250) for _ in range(n)] for n in (13, 30, 47)]   # 3-12 x index_topk
+HF_PROMPTS = [[_tie_rng.randrange(2, 200) for _ in range(n)] for n in (21, 58)]
+
+
+@pytest.fixture(scope="module")
+def ties_dir(tmp_path_factory):
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("dsa_ties")), arch="v32", seed=5, initializer_range=0.25,
+                                index_topk=TIES_TOPK, index_n_heads=2)
+
+
+def _decode_equals_fresh_prefill(llm, prompts: list[list[int]], n: int) -> None:
+    """Greedy decode of `prompts` in one batch, then every prefix prompt + generated[:i] prefilled afresh:
+    decode step i's token is the prefill's argmax, and their logprobs of every token agree."""
+    every = dict(temperature=0.0, logprobs=VOCAB, ignore_eos=True)
+    outs = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(max_tokens=n, **every))]
+    prefixes = [(p + out.token_ids[:i], out, i) for p, out in zip(prompts, outs) for i in range(n)]
+    fresh = llm.generate([ids for ids, _, _ in prefixes], SamplingParams(max_tokens=1, **every))
+    for (ids, out, i), f in zip(prefixes, fresh, strict=True):
+        want, got = f.outputs[0].logprobs[0], out.logprobs[i]
+        assert out.token_ids[i] == max(want, key=want.get), f"context {len(ids)}: decode step {i} != prefill"
+        diff = max(abs(got[t] - want[t]) for t in want)
+        assert diff <= 1e-4, f"context {len(ids)}, decode step {i}: logprobs differ by {diff}"
+
+
+@pytest.mark.parametrize("attention", ["auto", "torch"])
+def test_decode_equals_a_fresh_prefill_of_its_prefix(ties_dir, attention):
+    """3-token blocks: every decode step's context crosses block boundaries; prefix caching off, so each
+    prefix is really prefilled again."""
+    llm = LLM(ties_dir, progress=False, block_size=3, enable_prefix_caching=False, max_logprobs=VOCAB,
+              attention_backend=attention)
+    _decode_equals_fresh_prefill(llm, TIES_PROMPTS, 10)
+    llm.shutdown()
+
+
+def test_greedy_tokens_equal_transformers_generate(tmp_path):
+    """A transformers-built model with index_topk 4 under prompts of 21 and 58 tokens, and 16 indexer heads:
+    no exact ties, whose pick in transformers is torch.topk's own (it depends on the row's length, so its
+    cached generate and its full forward may differ there). transformers' generate agrees with its full
+    forward of every prefix, and our greedy tokens equal both."""
+    pytest.importorskip("transformers")
+    from tests.oracle import hf_greedy, make_hf_model
+    hf = make_hf_model("v32", str(tmp_path), seed=3, bias_std=0.2, index_topk=4)
+    prompts, n = HF_PROMPTS, 10
+    llm = LLM(str(tmp_path), dtype="float32", progress=False, block_size=4, enable_prefix_caching=False)
+    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(n))]
+    llm.shutdown()
+    for ids, got in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+        assert gen == hf_greedy(hf, ids, n), "transformers' cached generate is not its own full forward"
+        assert got == gen, f"prompt of {len(ids)} tokens"

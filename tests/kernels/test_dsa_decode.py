@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from attention_mla.meta import AttnMeta  # noqa: E402
 from attention_mla.triton_indexer import index_scores_paged  # noqa: E402
-from tests.attention_mla.test_dsa import DK, H, _pair, _pools  # noqa: E402
+from tests.attention_mla.test_dsa import DK, H, _pair, _pools, tie_prone  # noqa: E402
 from tests.attention_mla.test_mla import _meta  # noqa: E402
 from tests.kernels.test_mla_decode import _case  # noqa: E402
 
@@ -103,3 +103,30 @@ def test_v32_served_with_triton_attention_matches_torch(tmp_path, monkeypatch, d
         assert toks == rtoks
         for a, b in zip(lps, rlps):
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+
+
+def test_sparse_mla_triton_decode_equals_prefill_under_exact_index_ties(device):
+    """The Triton decode (its own scores kernel, whose sums may give -0.0 where torch gives 0.0) picks the
+    same tokens among exact index-score ties as a torch prefill of the same contexts."""
+    sparse, _ = _pair(topk=4, seed=5)
+    tie_prone(sparse)
+    sparse = sparse.to(device)
+    lens, bs = [23, 9, 31, 5, 70], 4   # the longest pads the others' decode rows
+    x = torch.randn(sum(lens) + len(lens), H, device=device).abs()   # sequence b's n_b + 1 tokens, in order
+    full = _meta([n + 1 for n in lens], bs)
+    kv, index = (p.to(device) for p in _pools())
+    meta = AttnMeta(*(t.to(device) for t in (full.positions, full.slot_mapping, full.block_table)),
+                    full.query_lens, full.ctx_lens, bs)
+    ends = torch.tensor(full.ctx_lens).cumsum(0) - 1
+    want = sparse(x, meta, kv, *sparse.rope.cos_sin(meta.positions), index_pool=index)[ends.to(device)]
+    sparse.backend = "triton"
+    kv, index = (p.to(device) for p in _pools())
+    table = full.block_table.to(device)
+    prompt = torch.ones(x.shape[0], dtype=torch.bool)
+    prompt[ends] = False
+    meta = AttnMeta(*(t.to(device) for t in (full.positions[prompt], full.slot_mapping[prompt])), table, lens, lens, bs)
+    sparse(x[prompt.to(device)], meta, kv, *sparse.rope.cos_sin(meta.positions), index_pool=index)
+    pos = torch.tensor(lens, device=device)
+    step = AttnMeta(pos, full.slot_mapping[ends].to(device), table, [1] * len(lens), [n + 1 for n in lens], bs)
+    got = sparse(x[ends.to(device)], step, kv, *sparse.rope.cos_sin(pos), index_pool=index)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
