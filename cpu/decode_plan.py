@@ -176,14 +176,14 @@ class DecodePlan:
         return self._layers
 
     def _layer(self, i: int, layer) -> _Layer:
-        w = _Layer(moe_ops=[op for op in layer.mlp_ops()])
+        w = _Layer(moe_ops=layer.mlp_ops())
         why = self._attention_unfit(layer)
         if why:
             self.unfit[f"layer {i} attention"] = why
         else:
             a = layer.self_attn
             w.mla = fused.mla_layer_weights(layer.input_layernorm, layer.post_attention_layernorm, a)
-            w.keep += [p for p in a.parameters()] + [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            w.keep += [*a.parameters(), layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             w.attn_op = self._attention_op(i, layer, w.mla)
         if layer.is_moe:
             why = self._moe_unfit(layer.mlp)
@@ -192,7 +192,7 @@ class DecodePlan:
             else:
                 m = layer.mlp
                 w.moe = fused.moe_layer_weights(m.gate, m.experts.w13, m.experts.w2, m.shared_experts)
-                w.keep += [p for p in m.parameters()]
+                w.keep += list(m.parameters())
                 w.moe_op = self._moe_op(i, m, w.moe)
         else:
             mlp = layer.mlp
@@ -201,7 +201,7 @@ class DecodePlan:
                 self.unfit[f"layer {i} mlp"] = "its projections are not bias-free float32 CPU weights"
             else:
                 w.mlp = fused.mlp_layer_weights(mlp)
-                w.keep += [p for p in mlp.parameters()]
+                w.keep += list(mlp.parameters())
                 w.mlp_op = self._mlp_op(i, w.mlp)
         return w
 
