@@ -17,7 +17,7 @@ class LocalDispatcher(Dispatcher):
 
     def account_local(self, num_tokens: int, layers: int = 1) -> None:
         """A dispatch and its combine of num_tokens routed tokens in each of `layers` MoE layers that
-        ran in one call (MoELayer.decode_layer, DeepseekModel's whole-step call; local_only): the
+        ran in one call (the CPU decode plan's fused MoE halves and whole-stack call; local_only): the
         counters and routing histogram dispatch_start and combine_start would have recorded."""
         self.routing.add_local(num_tokens * layers)
         st = self.stats   # _count("dispatch") and _count("combine") with nothing sent: two calls, no bytes
