@@ -83,7 +83,7 @@ class _Work:
         self.core, self.phase, self.shape, self.n = core, phase, shape, 0
 
     def add(self) -> None:
-        from engine.messages import NewRequest
+        from engine.worker.messages import NewRequest
         from engine.sampling_params import SamplingParams
         count, prompt_len, max_tokens = self.shape
         rank = self.core.ctx.rank
@@ -181,7 +181,7 @@ def worker(model_dir: str, setting: str, trials: int) -> None:
     import torch
 
     from dbo.auto import AutoSwitch
-    from engine.core import EngineCore
+    from engine.worker.core import EngineCore
     from parallel import shutdown
     from parallel.comm_stream import SimulatedLink, SimulatedNetwork
     torch.set_num_threads(1)
@@ -306,7 +306,7 @@ def _split_compute_ratio(model_dir: str, workloads: dict, trials: int) -> dict:
     split vs whole, interleaved -> median ratio per phase."""
     import torch
 
-    from engine.core import EngineCore
+    from engine.worker.core import EngineCore
     from parallel import StepPlan
     torch.set_num_threads(1)
     core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=1200,

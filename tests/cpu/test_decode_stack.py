@@ -1,5 +1,5 @@
-"""A CPU decode step's decoder layers as one C call (engine/model.py DeepseekModel.op_layers, cpu/fused.py
-decode_stack) against the same step a layer half at a time: bit-equal outputs and caches (the same C
+"""A CPU decode step's decoder layers as one C call (engine/model/model.py DeepseekModel.op_layers,
+cpu/fused.py decode_stack) against the same step a layer half at a time: bit-equal outputs and caches (the same C
 calls), EPLB's load counts, the dispatcher's counters and routing histogram; the steps it must leave to
 the layers (a per-layer hook, a prefill, a layer that cannot be fused); a bad slot named with its layer."""
 from __future__ import annotations
@@ -27,8 +27,8 @@ def llm(tmp_path_factory):
 def _decode_batch(llm, lens):
     """A decode step of len(lens) sequences whose contexts hold lens[b] tokens (cache rows written by a
     prefill through the model) -> (input_ids, meta)."""
-    from engine.messages import NewRequest
-    from engine.scheduler import ScheduledBatch
+    from engine.worker.messages import NewRequest
+    from engine.sched.scheduler import ScheduledBatch
     from engine import SamplingParams
     core = llm.engine.core
     seqs = []

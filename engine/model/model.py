@@ -30,7 +30,7 @@ from moe.layer import ExpertShard, MoELayer
 from moe.mlp import MLP
 from parallel.step_plan import StepPlan
 
-from .config import ModelConfig
+from .model_config import ModelConfig
 
 CARRY = ("x", "rope")   # what one layer hands the next: hidden states [T, H], this step's (cos, sin)
 
