@@ -19,13 +19,13 @@ import threading
 from kvstore.router import PrefixRouter
 from parallel.watchdog import RankLostError, raise_if_lost
 
+from ..sampling_params import RequestOutput, SamplingParams
 from ..worker.channel import FrontChannel, RankChannel, local_pair, new_namespace
 from ..worker.core import EngineCore
-from .front import Domain, Front
 from ..worker.messages import END, SHUTDOWN, NewRequest
-from .outputs import RequestState
 from ..worker.rank_loop import RankHooks, RankLoop
-from ..sampling_params import RequestOutput, SamplingParams
+from .front import Domain, Front
+from .outputs import RequestState
 
 
 class EngineDeadError(RuntimeError):

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from kvstore.metrics import tier_totals
 
+from ..sampling_params import RequestOutput
 from ..worker.messages import Abort, Command, NewRequest, Report, Wake
 from .outputs import RequestState
-from ..sampling_params import RequestOutput
 
 
 def least_loaded(load: dict[int, int] | list[int]) -> int:

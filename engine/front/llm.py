@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from parallel.watchdog import guard_collective
 
-from .engine import Engine
 from ..sampling_params import RequestOutput, SamplingParams
+from .engine import Engine
 
 
 class LLM:

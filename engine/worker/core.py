@@ -19,15 +19,15 @@ from attention_mla.kv_cache import LatentKVPool
 from kvstore.events import HeldLog
 from parallel.context import ParallelContext
 
-from ..sched.block_manager import BlockManager
+from ..engine_config import EngineConfig
 from ..model.build import load_model, parse_dtype
 from ..model.model_config import ModelConfig
-from ..engine_config import EngineConfig
-from .messages import NewRequest
-from .runner import ModelRunner
 from ..sampling_params import SamplingParams
+from ..sched.block_manager import BlockManager
 from ..sched.scheduler import Scheduler
 from ..sched.sequence import Sequence
+from .messages import NewRequest
+from .runner import ModelRunner
 from .step_sync import StepSync
 
 

@@ -11,8 +11,8 @@ from attention_mla.meta import AttnMeta, int64_tensor
 from parallel.step_plan import StepPlan
 
 from ..model.model import DeepseekModel
-from .sampler import sample, topn_logprobs
 from ..sched.scheduler import ScheduledBatch, StepResult
+from .sampler import sample, topn_logprobs
 
 
 class ModelRunner:
