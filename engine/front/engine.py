@@ -20,7 +20,7 @@ from kvstore.router import PrefixRouter
 from parallel.watchdog import RankLostError, raise_if_lost
 
 from ..sampling_params import RequestOutput, SamplingParams
-from ..worker.channel import FrontChannel, RankChannel, local_pair, new_namespace
+from ..worker.channel import FrontChannel, RankChannel, agree_name, local_pair
 from ..worker.core import EngineCore
 from ..worker.messages import END, SHUTDOWN, NewRequest
 from ..worker.rank_loop import RankHooks, RankLoop
@@ -49,7 +49,7 @@ class Engine:
         if job.is_single:
             front_end, rank_end = local_pair()
         else:
-            name = new_namespace()
+            name = agree_name(job)
             rank_end = RankChannel(job, name)
             front_end = FrontChannel(job, list(range(job.world_size)), name) if job.rank == 0 else None
         leader = any(d.ranks[0] == job.rank for d in domains)
