@@ -52,10 +52,6 @@ def _barrier(core):
     dist.barrier(group=core.ctx.cpu_group)
 
 
-def _dispatchers(core) -> list:
-    return core.dispatchers()
-
-
 def _step(core, split: bool) -> tuple[float, float]:
     """One lockstep step on every rank -> (wall seconds, comm seconds of the blocking path)."""
     import torch
@@ -84,7 +80,7 @@ class _Work:
         self.core, self.phase, self.shape, self.n = core, phase, shape, 0
 
     def add(self) -> None:
-        from engine.messages import NewRequest
+        from engine.worker.messages import NewRequest
         from engine.sampling_params import SamplingParams
         count, prompt_len, max_tokens = self.shape
         rank = self.core.ctx.rank
@@ -173,28 +169,28 @@ def _slowest(core, value: float) -> float:
     return float(t)
 
 
-def _set_link(core, net) -> None:
-    for d in _dispatchers(core):
-        d.link = net
+def _core(model_dir: str, par: dict, ctx=None, **network):
+    """This rank's EngineCore, its dispatchers on the simulated network that `network` (ParallelConfig's
+    simulated_* keys; none: no network) gives them at construction. ctx: the ranks an earlier core
+    connected (a network is changed by building a core on it, never by reassigning a dispatcher's)."""
+    from engine.worker.core import EngineCore
+    return EngineCore.from_options(model_dir, ctx=ctx, progress=False, block_size=16, kv_cache_blocks=1200,
+                                   max_num_batched_tokens=1024, enable_prefix_caching=False,
+                                   dbo={"enabled": True}, parallel=dict(par, **network))
 
 
 def worker(model_dir: str, setting: str, trials: int) -> None:
     import torch
 
     from dbo.auto import AutoSwitch
-    from engine.core import EngineCore
     from parallel import shutdown
-    from parallel.comm_stream import SimulatedLink, SimulatedNetwork
     torch.set_num_threads(1)
     par = {"ranks_per_node": 1} if setting == "two_tier" else {"dispatch_backend": "torch"}
-    core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=1200,
-                                   max_num_batched_tokens=1024, enable_prefix_caching=False,
-                                   dbo={"enabled": True}, parallel=par)
+    core = _core(model_dir, par)
     res = {"dispatcher": type(core.model.dispatcher).__name__, "nodes": core.ctx.num_nodes}
     if setting == "two_tier":
         shape = WORKLOADS[setting]["prefill"]
         # calibrate: compute and inter-node bytes of an unsplit prefill step, no link
-        _set_link(core, None)
         cal = _phase(core, "prefill", shape, max(3, trials // 3))
         d = core.model.dispatcher
         b0 = d.stats.dispatch_bytes_inter + d.stats.combine_bytes_inter
@@ -207,7 +203,7 @@ def worker(model_dir: str, setting: str, trials: int) -> None:
         gbps = step_bytes * 8 / (compute * 1e9)
         res["link"] = {"inter_us": 50.0, "inter_gbps": round(gbps, 4), "step_inter_bytes": int(step_bytes),
                        "calibration_compute_ms": round(compute * 1e3, 2)}
-        _set_link(core, SimulatedNetwork(SimulatedLink(), SimulatedLink(50.0, gbps)))
+        core = _core(model_dir, par, core.ctx, simulated_inter_node_latency_us=50.0, simulated_inter_node_gbps=gbps)
         for phase in ("prefill", "decode"):
             n = trials * (DECODE_TRIALS if phase == "decode" else 1)
             r = _phase(core, phase, WORKLOADS[setting][phase], n, AutoSwitch())
@@ -215,7 +211,8 @@ def worker(model_dir: str, setting: str, trials: int) -> None:
             res[phase] = r
     else:
         for lat in LATENCIES_US:
-            _set_link(core, SimulatedNetwork.of(SimulatedLink(latency_us=lat)))
+            if lat:   # 0: the first core, on no network
+                core = _core(model_dir, par, core.ctx, simulated_latency_us=float(lat))
             for phase in ("decode", "prefill"):
                 r = _phase(core, phase, WORKLOADS[setting][phase], trials, AutoSwitch() if lat == 0 else None)
                 r["comm"] = _slowest(core, r["comm"])  # the slowest rank's comm time bounds what overlap can hide
@@ -307,7 +304,7 @@ def _split_compute_ratio(model_dir: str, workloads: dict, trials: int) -> dict:
     split vs whole, interleaved -> median ratio per phase."""
     import torch
 
-    from engine.core import EngineCore
+    from engine.worker.core import EngineCore
     from parallel import StepPlan
     torch.set_num_threads(1)
     core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=1200,

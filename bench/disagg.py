@@ -59,7 +59,7 @@ def pct(xs: list[float], q: float) -> float:
 def build(mode: str, model_dir: str, a):
     common = dict(progress=False, block_size=BLOCK, enable_prefix_caching=False, parallel={"timeout_s": 120.0})
     if mode == "colocated":
-        from engine.engine import Engine
+        from engine.front.engine import Engine
         return Engine(model_dir, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.chunk,
                       kv_cache_blocks=a.kv_blocks, **common)
     from disagg import make_engine

@@ -28,11 +28,11 @@ sys.path.insert(0, str(REPO))
 
 
 def worker(model_dir: str, out_dir: str, requests: int, victim: int, kill_step: int) -> None:
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     from engine.sampling_params import SamplingParams
     rank = int(os.environ["RANK"])
     if rank == victim:
-        import engine.runner as runner
+        import engine.worker.runner as runner
         execute, steps = runner.ModelRunner.execute, {"n": 0}
 
         def dying(self, *a, **k):

@@ -49,7 +49,7 @@ def conversations(a) -> list[dict]:
 
 # -- on every rank ----------------------------------------------------------------------------------
 def build(config: str, model_dir: str, disk_dir: str, a):
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     kv = {"routing": "least_loaded" if config == "least_loaded" else "kv_aware"}
     if a.route_load_weight is not None:
         kv["route_load_weight"] = a.route_load_weight

@@ -151,7 +151,7 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     from launch.tiny import make_tiny_checkpoint
     torch.set_num_threads(a.threads)
     plen = tuple(int(x) for x in a.prompt_len.split(","))

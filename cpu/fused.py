@@ -143,7 +143,7 @@ void wd_mlp_layer(const mlp_weights *w, const float *h, const float *x, int64_t 
     mlp_half(w, h, x, T, out, scratch);
 }
 
-/* A whole decode step's decoder layers, one call (engine/model.py DeepseekModel.op_layers): layer l's
+/* A whole decode step's decoder layers, one call (engine/model/model.py DeepseekModel.op_layers): layer l's
    attention half (wd_mla_layer) then its MoE half (wd_moe_layer) or dense MLP half (mlp_half), each
    layer's output the next one's input, exactly the calls the per-layer path makes. layers[l]: its
    structs (mlp NULL for an MoE layer), W_UK^T, its cache pool [S, C+R] and EPLB counts (or NULL).

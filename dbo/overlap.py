@@ -1,6 +1,6 @@
 """Dual-batch overlap at run time: the two microbatches' dispatchers, run through the model's operations.
 
-The model's operation list (engine/model.py `step_ops`, the same list a plain step runs) is run for
+The model's operation list (engine/model/model.py `step_ops`, the same list a plain step runs) is run for
 two microbatches by dbo.schedule.run_overlapped, each on its own OpState with its own dispatcher:
 
 - dispatchers with microbatch_groups (torch, allgather): each microbatch gets a copy over its own

@@ -1,6 +1,6 @@
 """Overlap as data: a model step is a list of operations with YIELD markers; a plain step runs the
 list in order, a split step runs two microbatches through it so that one's communication is in
-flight while the other computes. The list is the model's only forward (engine/model.py builds it
+flight while the other computes. The list is the model's only forward (engine/model/model.py builds it
 from its layers' operations), so both kinds of step run the same code.
 
 An operation is a function of one microbatch's state (state.py: an OpState that refuses

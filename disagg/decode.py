@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.engine import Engine
-from engine.front import Domain
-from engine.messages import Abort, NewRequest
-from engine.outputs import RequestState
-from engine.rank_loop import RankHooks, delta_of
+from engine.front.engine import Engine
+from engine.front.front import Domain
+from engine.worker.messages import Abort, NewRequest
+from engine.front.outputs import RequestState
+from engine.worker.rank_loop import RankHooks, delta_of
 from engine.sampling_params import SamplingParams
 
 from .receiver import KVReceiver

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from engine.config import ModelConfig
+from engine.model.model_config import ModelConfig
 from parallel import ParallelConfig, bootstrap, check_agreement, fingerprint, launch_world_size
 from parallel.watchdog import guard_collective
 

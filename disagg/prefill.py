@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.messages import Abort, NewRequest
-from engine.rank_loop import RankHooks
+from engine.worker.messages import Abort, NewRequest
+from engine.worker.rank_loop import RankHooks
 
 from .kv_transfer import Handle, send_object
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core import EngineCore
-from engine.sequence import Sequence
+from engine.worker.core import EngineCore
+from engine.sched.sequence import Sequence
 from parallel.watchdog import guard_collective
 
 from .kv_transfer import TorchKVTransfer, recv_object

@@ -72,7 +72,7 @@ class EngineConfig:
                              f"enable_prefix_caching = true")
         from attention_mla.fp8_cache import check_kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)
-        from .build import DTYPES
+        from .model.build import DTYPES
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
 
@@ -185,7 +185,7 @@ def _build(typ, body: dict, section: str):
 
 
 def _dtype_name(dtype) -> str:
-    from .build import DTYPES
+    from .model.build import DTYPES
     for name, t in DTYPES.items():
         if t == dtype:
             return name

@@ -34,7 +34,7 @@ class EplbController:
         self.model, self.ctx = model, ctx
         self.layers = model.moe_layers()
         if not self.layers or model.placement is None:
-            raise ValueError("EPLB needs a model with MoE layers built by engine.build.load_model")
+            raise ValueError("EPLB needs a model with MoE layers built by engine.model.build.load_model")
         p = model.placement
         self.ep_rank, self.ep_size = ctx.ep_rank, ctx.ep_size
         self.num_groups = model.cfg.moe.n_group

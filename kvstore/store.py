@@ -2,7 +2,7 @@
 tier, whose LRU blocks go down to the disk tier; a prompt whose prefix sits in a lower tier loads
 it back instead of recomputing it.
 
-The block manager (engine/block_manager.py) calls, never touching the device itself:
+The block manager (engine/sched/block_manager.py) calls, never touching the device itself:
     spill(block, h)         device block `block` (hash h) is about to be reused: keep its rows
     in_host(hashes)         how many of these blocks, from the first, the host tier holds
     load(block, h)          host -> device block (the host keeps its copy: an evicted block that

@@ -27,7 +27,7 @@ import traceback
 
 from aiohttp import web
 
-from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.front.async_engine import AsyncEngine, EngineDeadError
 
 from . import prometheus
 from .openai_api import BadRequest, Completion, parse_completion
@@ -219,7 +219,7 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
 
 def serve(cfg: dict) -> int:
     """Every rank: build the Engine from the run config; rank 0 serves HTTP, the others follow it."""
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     from parallel import launch_rank
 
     from . import run_config

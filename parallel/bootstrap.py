@@ -207,7 +207,7 @@ def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | Non
 
 
 def _keep_running(ranks: list[int], msg: str) -> None:
-    """on_rank_loss = "continue": the survivors re-form (parallel/elastic.py) when their step loop
+    """on_rank_loss = "continue": the survivors re-form (parallel/reform.py) when their step loop
     notices; only the front's loss ends the job (rank 0 holds the requests and the store)."""
     if 0 in ranks:
         print(f"{msg}; the front is lost: exiting", file=sys.stderr, flush=True)

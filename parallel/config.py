@@ -28,7 +28,7 @@ class ParallelConfig:
     heartbeat_s: float = 1.0           # watchdog beat period between ring neighbours
     ranks_per_node: int = 0            # 0 = from the launcher; > 0 simulates nodes of this many ranks
     on_rank_loss: str = "exit"         # "exit": every survivor exits naming the lost rank; "continue":
-    #                                    the survivors re-form and serve on (parallel/elastic.py)
+    #                                    the survivors re-form and serve on (parallel/reform.py)
     deepep_low_latency_max_tokens: int = 128  # decode batches up to this use DeepEP low-latency mode
     torch_low_latency_max_tokens: int = 64    # steps up to this many tokens per rank: padded one-message
                                               # torch all-to-all, no count exchange (0 = never)

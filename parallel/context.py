@@ -35,7 +35,7 @@ class ParallelContext:
     timeout_s: float = 60.0
     launcher: str = "single"           # "torchrun" (or any RANK/WORLD_SIZE env) | "mpirun" | "single"
     watchdog: "Watchdog | None" = None
-    # after a loss (parallel/elastic.py): the survivors' ranks at start-up, in rank order (None: the
+    # after a loss (parallel/reform.py): the survivors' ranks at start-up, in rank order (None: the
     # identity), how many times the ranks re-formed, and how long the last re-forming took
     members: tuple[int, ...] | None = None
     epoch: int = 0

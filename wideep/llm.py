@@ -2,7 +2,7 @@
 itself cannot build (disagg/ is built on the engine; the engine never imports it)."""
 from __future__ import annotations
 
-from engine.llm import LLM as _LLM
+from engine.front.llm import LLM as _LLM
 
 
 class LLM(_LLM):

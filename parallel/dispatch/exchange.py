@@ -97,8 +97,10 @@ class ExchangeDispatcher(Dispatcher):
     """What the flat and two-level torch dispatchers share: their process group, communication
     thread, simulated network and low-latency threshold. group: the process group (default
     ctx.ep_group); stream: run exchanges off the compute thread; link: a simulated network, or one
-    SimulatedLink for every tier (testing); low_latency_max_tokens: steps planned with at most this
-    many tokens per rank use the padded mode (0: never)."""
+    SimulatedLink for every tier (testing), fixed for the dispatcher's life (`link` is read-only: a
+    different network is a different dispatcher, and its microbatch copies share it);
+    low_latency_max_tokens: steps planned with at most this many tokens per rank use the padded
+    mode (0: never)."""
 
     supports_comm_stream = True
     microbatch_groups = True
@@ -108,9 +110,13 @@ class ExchangeDispatcher(Dispatcher):
                  low_latency_max_tokens: int = 0):
         super().__init__(ctx, num_physical_experts, hidden)
         self.group = group if group is not None else ctx.ep_group
-        self.stream, self.link = stream, SimulatedNetwork.of(link)
+        self.stream, self._link = stream, SimulatedNetwork.of(link)
         self.low_latency_max_tokens = low_latency_max_tokens
         self.tiers = tiers_used(self.nodes)
+
+    @property
+    def link(self) -> SimulatedNetwork | None:
+        return self._link
 
     def for_microbatch(self, group, stream) -> "ExchangeDispatcher":
         return type(self)(self.ctx, self.num_physical_experts, self.hidden, group=group, stream=stream,

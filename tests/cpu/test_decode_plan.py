@@ -28,8 +28,8 @@ def llm(tmp_path_factory):
 def _decode_batch(llm, lens):
     """A decode step of len(lens) sequences whose contexts hold lens[b] tokens (cache rows written by a
     prefill through the model) -> (input_ids, meta)."""
-    from engine.messages import NewRequest
-    from engine.scheduler import ScheduledBatch
+    from engine.worker.messages import NewRequest
+    from engine.sched.scheduler import ScheduledBatch
     from engine import SamplingParams
     core = llm.engine.core
     seqs = []

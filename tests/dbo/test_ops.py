@@ -65,8 +65,8 @@ def test_a_stray_value_in_the_models_operations_is_reported_at_the_layer_end(mod
     layer = model.model.layers[1]
     ops.insert(ops.index(layer.op_attention) + 1, lambda s: s.put(scratch=0))
     runner, kv = llm.engine.core.runner, llm.engine.core.kv
-    from engine.scheduler import ScheduledBatch
-    from engine.messages import NewRequest
+    from engine.sched.scheduler import ScheduledBatch
+    from engine.worker.messages import NewRequest
     seq = llm.engine.core.make_sequence(NewRequest("a", [3, 4, 5], SamplingParams(max_tokens=1), 1, 0.0))
     seq.block_ids = [0]
     ids, meta = runner.build_meta(ScheduledBatch([seq], [3]))

@@ -28,9 +28,9 @@ def requests() -> list[dict]:
 def _rank(model_dir: str) -> dict | str:
     from attention_mla.kv_cache import LatentKVPool, gather_reference
     from disagg import make_engine
-    from engine.messages import NewRequest
-    from engine.runner import ModelRunner
-    from engine.scheduler import ScheduledBatch
+    from engine.worker.messages import NewRequest
+    from engine.worker.runner import ModelRunner
+    from engine.sched.scheduler import ScheduledBatch
     from parallel import StepPlan
     eng = make_engine(model_dir, POOLS, progress=False, block_size=16, parallel={"timeout_s": 60.0})
     if not eng.is_front:

@@ -46,7 +46,7 @@ def _disagg_rank(model_dir: str) -> dict:
 
 
 def _colocated_rank(model_dir: str) -> dict | None:
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=40, max_num_seqs=16,
                  max_num_batched_tokens=64, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:

@@ -12,8 +12,8 @@ import types
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.engine import Engine
+from engine.front.async_engine import AsyncEngine, EngineDeadError
+from engine.front.engine import Engine
 from launch.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7], list(range(2, 40)), [9] * 70, [200, 100, 50, 25, 12]]

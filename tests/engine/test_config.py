@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import ConfigError, ModelConfig
+from engine.model.model_config import ConfigError, ModelConfig
 from launch.tiny import tiny_config
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import ConfigError, ModelConfig
-from engine.loader import CheckpointError, CheckpointReader, text_model_rename
+from engine.model.model_config import ConfigError, ModelConfig
+from engine.model.loader import CheckpointError, CheckpointReader, text_model_rename
 from launch.tiny import make_tiny_checkpoint, tiny_config
 
 
@@ -106,7 +106,7 @@ def test_text_model_rename():
 
 
 def test_kimi_k25_checkpoint_is_read_as_its_text_model(tmp_path):
-    from engine.build import load_model
+    from engine.model.build import load_model
     d = make_tiny_checkpoint(str(tmp_path / "k25"), arch="kimi_k25", seed=1)
     model = load_model(d, progress=False)
     rep = model.load_report
@@ -133,7 +133,7 @@ def test_two_names_for_one_tensor_is_an_error(tmp_path):
 
 
 def test_v32_fp8_checkpoint_dequantises_the_indexer(tmp_path):
-    from engine.build import load_model
+    from engine.model.build import load_model
     from moe.fp8 import FP8_DTYPE, dequantize_fp8_block
     d = make_tiny_checkpoint(str(tmp_path), arch="v32", fp8=True, seed=2)
     stored = load_file(f"{d}/model.safetensors")

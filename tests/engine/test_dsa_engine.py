@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.engine import Engine
+from engine.front.engine import Engine
 from launch.tiny import make_tiny_checkpoint
 from tests.engine.test_engine import drive, greedy
 from tests.parallel.spawn import spawn

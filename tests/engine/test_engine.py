@@ -7,7 +7,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.engine import Engine
+from engine.front.engine import Engine
 from launch.tiny import make_tiny_checkpoint
 
 
@@ -156,18 +156,18 @@ def test_delta_outputs_concatenate_to_cumulative(model_dir):
 def test_streamed_text_never_splits_a_multibyte_character(model_dir, detokenizer, monkeypatch):
     """The tiny tokenizer has one token per UTF-8 byte, so 'é', '€', '你' and '🙂' span 2-4 tokens: streamed
     deltas must hold a partial character back, not send U+FFFD, and concatenate to the full text. (The
-    front detokenizes: engine/outputs.py, fed the ranks' deltas one token at a time; with tokenizers'
+    front detokenizes: engine/front/outputs.py, fed the ranks' deltas one token at a time; with tokenizers'
     DecodeStream, and with the decode-window fallback for tokenizers without it.)"""
     import os
 
-    import engine.outputs
+    import engine.front.outputs
     if detokenizer == "window":
-        monkeypatch.setattr(engine.outputs, "DecodeStream", None)
+        monkeypatch.setattr(engine.front.outputs, "DecodeStream", None)
 
     from tokenizers import Tokenizer
 
-    from engine.messages import Delta
-    from engine.outputs import RequestState
+    from engine.worker.messages import Delta
+    from engine.front.outputs import RequestState
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     want = "héllo €! 你好 🙂 ok"
     ids = tok.encode(want).ids

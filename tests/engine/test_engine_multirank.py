@@ -18,7 +18,7 @@ def requests() -> list[dict]:
 
 
 def _rank(model_dir: str) -> dict:
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=30, max_num_seqs=16,
                  max_num_batched_tokens=128, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.engine import Engine
+from engine.front.engine import Engine
 from engine.engine_config import EngineConfig
 from launch.tiny import make_tiny_checkpoint
 

@@ -15,7 +15,7 @@ TIMEOUT_S = 6.0
 
 def _serve_after_idle(model_dir: str, idle_s: float) -> list | str:
     from engine import SamplingParams
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=8, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
     if not eng.is_front:
         return eng.run_worker_loop()
@@ -32,7 +32,7 @@ def _serve_after_idle(model_dir: str, idle_s: float) -> list | str:
 
 
 def _front_dies_while_idle(model_dir: str) -> None:
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=8, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
     if eng.is_front:
         time.sleep(1.0)

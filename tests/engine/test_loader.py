@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.loader import CheckpointError, CheckpointReader, expert_ignore, load_weights
+from engine.model.loader import CheckpointError, CheckpointReader, expert_ignore, load_weights
 from moe.fp8 import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
 
 META = {"format": "pt"}

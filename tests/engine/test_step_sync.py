@@ -10,7 +10,7 @@ from tests.parallel.spawn import spawn
 
 
 def _sync(n: int) -> list:
-    from engine.spmd import StepSync
+    from engine.worker.step_sync import StepSync
     from parallel import ParallelConfig, bootstrap, shutdown
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2))
     s = StepSync(ctx, low_latency_max_tokens=8)

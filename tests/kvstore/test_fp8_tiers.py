@@ -6,7 +6,7 @@ from __future__ import annotations
 import glob
 import os
 
-from engine.engine import Engine
+from engine.front.engine import Engine
 from kvstore.hashing import prefix_chain
 from tests.kvstore.test_kv_engine import A, BS, FILL, model_dir, run, stats  # noqa: F401 (fixture)
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from engine import SamplingParams
-from engine.engine import Engine
+from engine.front.engine import Engine
 from kvstore.hashing import hex_of, prefix_chain
 from launch.prometheus import parse, render
 from launch.tiny import make_tiny_checkpoint

@@ -67,7 +67,7 @@ def _script(eng, pool: list[int]) -> dict:
 
 
 def _colocated(model_dir: str):
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=40, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:
         return eng.run_worker_loop()

@@ -109,8 +109,8 @@ def test_protect_metrics(tiny):
     """In process (the same Server class): /metrics needs the key with protect_metrics; /health never."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from engine.async_engine import AsyncEngine
-    from engine.engine import Engine
+    from engine.front.async_engine import AsyncEngine
+    from engine.front.engine import Engine
     from launch.server import Server
 
     async def go():

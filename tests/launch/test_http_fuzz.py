@@ -187,8 +187,8 @@ def test_a_handler_bug_is_a_json_500_and_the_next_request_works(tiny, want, monk
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from engine.async_engine import AsyncEngine
-    from engine.engine import Engine
+    from engine.front.async_engine import AsyncEngine
+    from engine.front.engine import Engine
     from launch import server as server_mod
 
     real = server_mod.parse_completion

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.config import ModelConfig
-from engine.loader import CheckpointReader, load_weights
+from engine.model.model_config import ModelConfig
+from engine.model.loader import CheckpointReader, load_weights
 from launch.tiny import checkpoint_shapes, make_tiny_checkpoint, tiny_config
 from moe.fp8 import FP8_DTYPE
 

@@ -115,3 +115,19 @@ def test_two_tier_network():
         (5e-6, 400, 20e-6, 100))
     same = SimulatedNetwork.from_config(ParallelConfig(simulated_latency_us=7))
     assert same.inter.latency_s == same.intra.latency_s == pytest.approx(7e-6) and same.inter.gbps == 0
+
+
+def test_link_is_fixed_at_construction():
+    """A dispatcher's simulated network is a constructor argument, shared by its microbatch copies and
+    never reassigned: a run on another network builds other dispatchers (bench/dbo.py builds a core)."""
+    from parallel.context import ParallelContext
+    from parallel.dispatch.hierarchical import HierarchicalDispatcher
+    from parallel.dispatch.torch_normal import TorchDispatcher
+    ctx = ParallelContext(world_size=2, dp_size=2, ep_size=2)   # no process group: nothing is sent here
+    net = SimulatedNetwork(SimulatedLink(latency_us=5))
+    for cls in (TorchDispatcher, HierarchicalDispatcher):
+        d = cls(ctx, 4, 8, link=net)
+        assert d.link is net and d.for_microbatch(None, None).link is net
+        with pytest.raises(AttributeError):
+            d.link = None
+    assert TorchDispatcher(ctx, 4, 8, link=SimulatedLink()).link is None   # a link that adds nothing: off

@@ -38,7 +38,7 @@ def _serve(model_dir: str, victims: dict) -> dict:
     """Every rank; victims: origin rank -> the model step at which it is killed."""
     import os
 
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     rank = int(os.environ["RANK"])
     if rank in victims:
         sigkill_at_step(victims[rank])
@@ -116,7 +116,7 @@ def _serve_eplb(model_dir: str, victim: int, kill_step: int) -> dict:
     import os
 
     import eplb.rebalancer as rebalancer
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     rank = int(os.environ["RANK"])
     staged = {"n": 0}
     stage = rebalancer.Rebalance.stage
@@ -162,7 +162,7 @@ def _serve_without_checkpoint(model_dir: str) -> None:
     import glob
     import os
 
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     rank = int(os.environ["RANK"])
     eng = Engine(model_dir, progress=False, block_size=8, parallel=PARALLEL)
     if rank == 2:
@@ -194,7 +194,7 @@ def test_an_expert_with_no_replica_and_no_checkpoint_is_a_clear_error(tmp_path):
 def _front_dies(model_dir: str) -> None:
     import os
 
-    from engine.engine import Engine
+    from engine.front.engine import Engine
     if int(os.environ["RANK"]) == 0:
         sigkill_at_step(5)
     eng = Engine(model_dir, progress=False, block_size=8, parallel=PARALLEL)

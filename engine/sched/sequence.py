@@ -1,5 +1,5 @@
 """A request's state on the rank that serves it. Never touches the device. (The front keeps its own
-view, engine/outputs.py: text, what was reported to the client.)"""
+view, engine/front/outputs.py: text, what was reported to the client.)"""
 from __future__ import annotations
 
 import time
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 @dataclass(eq=False)

@@ -28,7 +28,7 @@ from moe.layer import ExpertShard, MoELayer
 from parallel.expert_routing import ExpertRouting
 from parallel.step_plan import StepPlan
 
-from .config import ModelConfig
+from .model_config import ModelConfig
 
 CARRY = ("x", "rope")   # what one layer hands the next: hidden states [T, H], this step's (cos, sin)
 

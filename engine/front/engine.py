@@ -1,11 +1,11 @@
 """Online engine for serving stacks: add_request / step / abort, continuous batching on every DP rank.
 
-Every rank builds the Engine (SPMD). Global rank 0 is also the front (engine/front.py): it validates
+Every rank builds the Engine (SPMD). Global rank 0 is also the front (engine/front/front.py): it validates
 requests, routes each to the DP rank with the fewest tokens in flight, and turns the ranks' reports
-into RequestOutputs. Each rank runs its own step loop (engine/rank_loop.py) — rank 0's on a thread
+into RequestOutputs. Each rank runs its own step loop (engine/worker/rank_loop.py) — rank 0's on a thread
 beside the front, the others in run_worker_loop() — and the ranks keep the MoE all-to-alls in
 lockstep through one small all-reduce per step; requests and outputs travel asynchronously
-(engine/channel.py), so no rank ever waits for the front.
+(engine/worker/channel.py), so no rank ever waits for the front.
 
     engine = Engine(model=dir, kv_cache_blocks=..., block_size=64, max_num_seqs=..., enable_prefix_caching=True)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
@@ -19,13 +19,13 @@ import threading
 from kvstore.router import PrefixRouter
 from parallel.watchdog import RankLostError, raise_if_lost
 
-from .channel import FrontChannel, RankChannel, local_pair, new_namespace
-from .core import EngineCore
+from ..sampling_params import RequestOutput, SamplingParams
+from ..worker.channel import FrontChannel, RankChannel, agree_name, local_pair
+from ..worker.core import EngineCore
+from ..worker.messages import END, SHUTDOWN, NewRequest
+from ..worker.rank_loop import RankHooks, RankLoop
 from .front import Domain, Front
-from .messages import END, SHUTDOWN, NewRequest
 from .outputs import RequestState
-from .rank_loop import RankHooks, RankLoop
-from .sampling_params import RequestOutput, SamplingParams
 
 
 class EngineDeadError(RuntimeError):
@@ -49,7 +49,7 @@ class Engine:
         if job.is_single:
             front_end, rank_end = local_pair()
         else:
-            name = new_namespace()
+            name = agree_name(job)
             rank_end = RankChannel(job, name)
             front_end = FrontChannel(job, list(range(job.world_size)), name) if job.rank == 0 else None
         leader = any(d.ranks[0] == job.rank for d in domains)

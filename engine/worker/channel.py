@@ -11,25 +11,36 @@ slowest, the front included), and the rendezvous store is no place for payloads.
 messages in the sender's background I/O thread, so a rank never blocks on a slow front.
 
 Addresses go through the rendezvous store once at start-up: each rank publishes its inbox, the front
-its report socket (two store operations per rank, whatever the world size). Every endpoint binds
-the address this host uses to reach the store's host (127.0.0.1 on one machine), never all
-interfaces. local_pair() is the single-process stand-in (plain deques, no sockets).
+its report socket (two store operations per rank, whatever the world size), under keys named by the
+channel's name (agree_name: rank 0 draws it, the others hear it). Every endpoint binds the address
+this host uses to reach the store's host (127.0.0.1 on one machine), never all interfaces.
+local_pair() is the single-process stand-in (plain deques, no sockets).
 """
 from __future__ import annotations
 
-import itertools
 import pickle
 import socket
+import uuid
 from collections import deque
 from datetime import timedelta
 
-_CHANNELS = itertools.count()
+import torch
+import torch.distributed as dist
+
+from parallel.watchdog import guard_collective
 
 
-def new_namespace() -> str:
-    """A name for one engine's channel: engines are built in the same order on every rank, so every
-    rank draws the same name for the same engine."""
-    return str(next(_CHANNELS))
+def agree_name(ctx) -> str:
+    """A fresh name for one engine's channel, the same on every rank of ctx (collective over its CPU
+    group, once per engine at start-up): rank 0 draws it, the others receive it. Drawn rather than
+    counted, so two engines in one process, or a run restarted against a store that outlived the
+    last attempt (torchrun's agent store), never read each other's addresses."""
+    name = torch.empty(16, dtype=torch.uint8)
+    if ctx.rank == 0:
+        name.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
+    with guard_collective(ctx):
+        dist.broadcast(name, src=0, group=ctx.cpu_group)
+    return bytes(name.tolist()).hex()
 
 
 def _reachable_ip(store_host: str | None) -> str:

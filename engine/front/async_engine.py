@@ -25,8 +25,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from ..sampling_params import RequestOutput, SamplingParams
 from .engine import EngineDeadError
-from .sampling_params import RequestOutput, SamplingParams
 
 # Latency buckets (s) for TTFT, TPOT, queue time and end-to-end latency: 1 ms .. 2 min.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)

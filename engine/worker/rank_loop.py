@@ -2,7 +2,7 @@
 
 Every rank runs its own loop (rank 0 on a thread beside the front). The only thing a step waits
 for is the step sync's fixed-size all-reduce and the model's own all-to-alls; requests arrive in the
-inbox and outputs leave as Reports without any rank waiting for another (engine/channel.py).
+inbox and outputs leave as Reports without any rank waiting for another (engine/worker/channel.py).
 
 Waves. When the sync says no rank of the domain (the ranks in lockstep) has work, every rank goes
 idle at the same step: wave += 1, and the loop blocks on its inbox instead of spinning through
@@ -105,7 +105,7 @@ class RankLoop:
         return self.step() if self.running else None
 
     def _recover(self) -> None:
-        from .elastic import recover
+        from .recovery import recover
         stats = recover(self.core)
         self.running = True   # one sync tells whether the survivors have work
         self._report(force=True, recovered=stats)

@@ -1,7 +1,7 @@
 """One rank's engine parts, built from one EngineConfig: parallel context, model, paged latent cache,
 block manager, scheduler, runner, step sync, EPLB and DBO; request validation and admission.
 
-The step loop (engine/rank_loop.py) drives these; the front (engine/front.py) validates with them.
+The step loop (engine/worker/rank_loop.py) drives these; the front (engine/front/front.py) validates with them.
 """
 from __future__ import annotations
 
@@ -19,16 +19,16 @@ from attention_mla.kv_cache import LatentKVPool
 from kvstore.events import HeldLog
 from parallel.context import ParallelContext
 
-from .block_manager import BlockManager
-from .build import load_model, parse_dtype
-from .config import ModelConfig
-from .engine_config import EngineConfig
+from ..engine_config import EngineConfig
+from ..model.build import load_model, parse_dtype
+from ..model.model_config import ModelConfig
+from ..sampling_params import SamplingParams
+from ..sched.block_manager import BlockManager
+from ..sched.scheduler import Scheduler
+from ..sched.sequence import Sequence
 from .messages import NewRequest
 from .runner import ModelRunner
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
-from .spmd import StepSync
+from .step_sync import StepSync
 
 
 def _load_tokenizer(model_dir: str):

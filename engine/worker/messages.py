@@ -1,19 +1,19 @@
-"""What the front and the ranks tell each other, asynchronously (engine/channel.py carries it).
+"""What the front and the ranks tell each other, asynchronously (engine/worker/channel.py carries it).
 
 front -> a rank's inbox:   NewRequest, Abort, Wake, Command
 a rank -> the front:       Report (the step's Deltas, the rank's stats, wave notices, KV events)
 
 None of this is on the lockstep path: the only per-step collective among ranks is the step sync's
-fixed-size all-reduce (engine/spmd.py). Waves (see engine/rank_loop.py): ranks that all went idle
-block on their inboxes; the front wakes a domain (the ranks in lockstep) with Wake(n) when it has
-work for it again, and tags every request with the wave it believes is running.
+fixed-size all-reduce (engine/worker/step_sync.py). Waves (see engine/worker/rank_loop.py): ranks
+that all went idle block on their inboxes; the front wakes a domain (the ranks in lockstep) with
+Wake(n) when it has work for it again, and tags every request with the wave it believes is running.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 END, SHUTDOWN = 1, 2   # Command kinds, also the step sync's command flag (larger wins)
 
@@ -70,5 +70,5 @@ class Report:
     idle_wave: int | None = None              # the domain went idle; its next wave is this
     start_wave: int | None = None             # a request came for a finished wave: start this one
     error: str | None = None                  # the rank's loop failed (the text of the exception)
-    recovered: dict | None = None             # the ranks re-formed after a loss (engine/elastic.py)
+    recovered: dict | None = None             # the ranks re-formed after a loss (engine/worker/recovery.py)
     kv_events: Any = None                     # kvstore.KVEvents: blocks it started / stopped holding

@@ -21,7 +21,7 @@ def _survive(victims: dict) -> dict:
     import torch.distributed as dist
 
     from parallel import ParallelConfig, RankLostError, bootstrap, guard_collective, shutdown
-    from parallel.elastic import reform
+    from parallel.reform import reform
     ctx = bootstrap(ParallelConfig(dp_size=4, ep_size=4, timeout_s=TIMEOUT_S, heartbeat_s=HEARTBEAT_S,
                                    on_rank_loss="continue"))
     origin = ctx.rank

@@ -3,8 +3,8 @@ critical path.
 
 It validates and routes each request to a DP rank's inbox (least-loaded, or KV-aware: the rank
 holding the prompt's prefix, weighed against load — kvstore/router.py), keeps every request's state (prompt,
-params, tokens so far — engine/outputs.py), turns the ranks' Reports into RequestOutputs, and keeps
-each domain's wave going (engine/rank_loop.py): a domain is a set of ranks in lockstep — every rank
+params, tokens so far — engine/front/outputs.py), turns the ranks' Reports into RequestOutputs, and keeps
+each domain's wave going (engine/worker/rank_loop.py): a domain is a set of ranks in lockstep — every rank
 when colocated, each pool when disaggregated. The ranks never wait for it: a front slowed by HTTP,
 JSON or detokenization only delays its own clients.
 """
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 from kvstore.metrics import tier_totals
 
-from .messages import Abort, Command, NewRequest, Report, Wake
+from ..sampling_params import RequestOutput
+from ..worker.messages import Abort, Command, NewRequest, Report, Wake
 from .outputs import RequestState
-from .sampling_params import RequestOutput
 
 
 def least_loaded(load: dict[int, int] | list[int]) -> int:

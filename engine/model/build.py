@@ -14,7 +14,7 @@ from moe.layer import ExpertShard
 from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
 
-from .config import ModelConfig
+from .model_config import ModelConfig
 from .loader import CheckpointReader, expert_ignore, load_weights, text_model_rename
 from .model import DeepseekModel
 

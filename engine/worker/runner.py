@@ -10,9 +10,9 @@ from attention_mla.kv_cache import LatentKVPool
 from attention_mla.meta import AttnMeta, int64_tensor
 from parallel.step_plan import StepPlan
 
-from .model import DeepseekModel
+from ..model.model import DeepseekModel
+from ..sched.scheduler import ScheduledBatch, StepResult
 from .sampler import sample, topn_logprobs
-from .scheduler import ScheduledBatch, StepResult
 
 
 class ModelRunner:

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from parallel.watchdog import guard_collective
 
+from ..sampling_params import RequestOutput, SamplingParams
 from .engine import Engine
-from .sampling_params import RequestOutput, SamplingParams
 
 
 class LLM:
@@ -95,7 +95,7 @@ class LLM:
 
     def all_stats(self) -> list[dict]:
         """Collective: every rank's stats(), in rank order, on every rank."""
-        from .spmd import gather_outputs
+        from ..worker.step_sync import gather_outputs
         return gather_outputs(self.ctx, {self.ctx.rank: self.stats()}, self.ctx.world_size)
 
     def shutdown(self) -> None:

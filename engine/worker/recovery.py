@@ -3,7 +3,7 @@
     stats = recover(core)      # every survivor, from its step loop, outside any exception handler
 
 1. Drop every reference to the old process groups (dispatchers, DBO's groups, the step sync, EPLB),
-   then re-form the ranks over the survivors (parallel/elastic.py: agreement, new groups, renumbering).
+   then re-form the ranks over the survivors (parallel/reform.py: agreement, new groups, renumbering).
 2. Re-plan the experts over the survivors (eplb/survivors.py: every logical expert keeps a replica,
    what a survivor holds stays) and fill the new slots: a local copy, else a peer copy from a
    surviving holder (point-to-point over the new group), else the checkpoint files, which every
@@ -12,7 +12,7 @@
    maps, the dispatcher (and DBO's microbatch dispatchers), the step sync, the EPLB controller.
 
 Requests on the survivors keep going where they were (their KV is untouched); the front re-admits
-the lost rank's requests (engine/front.py). The scheduler's state needs nothing: a step that failed
+the lost rank's requests (engine/front/front.py). The scheduler's state needs nothing: a step that failed
 mid-forward never reached Scheduler.apply, so it is simply scheduled again.
 """
 from __future__ import annotations
@@ -27,11 +27,11 @@ from eplb.survivors import CHECKPOINT, LOCAL, PEER, plan_survivors
 from moe.experts import Experts
 from moe.layer import ExpertShard
 from parallel.dispatch import make_dispatcher
-from parallel.elastic import reform
+from parallel.reform import reform
 from parallel.watchdog import guard_collective
 
-from .loader import CheckpointReader, load_weights
-from .model import expert_targets
+from ..model.loader import CheckpointReader, load_weights
+from ..model.model import expert_targets
 
 
 class ExpertsUnavailable(RuntimeError):
@@ -190,7 +190,7 @@ def _load_from_checkpoint(core, targets: dict, plan) -> int:
 
 def _rebuild(core) -> None:
     """The dispatcher, DBO's microbatch dispatchers, the step sync and EPLB over the new groups."""
-    from .spmd import StepSync
+    from .step_sync import StepSync
     ctx, model, cfg = core.ctx, core.model, core.cfg
     pcfg = cfg.parallel
     num_physical = model.placement.num_physical if model.placement is not None else 0

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import Delta
-from .sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from ..sampling_params import CompletionOutput, RequestOutput, SamplingParams
+from ..worker.messages import Delta
 
 try:   # tokenizers >= 0.21: incremental decoding in Rust, one call per token
     from tokenizers.decoders import DecodeStream

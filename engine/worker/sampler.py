@@ -12,7 +12,7 @@ import torch
 
 from attention_mla.meta import int64_tensor
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 def topn_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> list[dict[int, float]]:
