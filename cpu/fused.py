@@ -13,7 +13,8 @@ memory); scratch is this thread's, shared by all calls (scratch()).
   moe_layer(h, x, MoeWeights, load) -> out, ids, wts     the MoE half on one EP rank (MoELayer.decode_layer)
   mlp_layer(h, x, MlpWeights) -> out                     a dense layer's MLP half, h + MLP(x) (DecoderLayer)
   decode_stack(x, layers, ...) -> out, ids, wts          every layer of a decode step (DeepseekModel.op_layers)
-Tests: tests/cpu/test_kernels.py (mla_layer), test_moe_layer.py, test_decode_stack.py, test_cpu_e2e.py.
+Tests: tests/cpu/test_fused.py (each call against torch), test_kernels.py (mla_layer), test_moe_layer.py,
+test_decode_stack.py, test_cpu_e2e.py.
 """
 from __future__ import annotations
 
