@@ -2,8 +2,8 @@
 csrc/fused.c (built by cpu/build.py; it calls the other files' kernels), each passing one struct. What
 they replace: the dozens of small torch ops and Python calls between a layer's kernels, which inside a
 decode step cost ~10x what they cost alone (every layer's weight stream empties the caches the
-interpreter runs from). They make exactly the kernel calls of the operation-by-
-operation path, in its order (docs/kernels.md).
+interpreter runs from). They make exactly the kernel calls of the operation-by-operation path, in its
+order (docs/kernels.md).
 
 Legend: T tokens (each the only query of its sequence on decode steps), H hidden, E experts, k top-k,
 I moe_intermediate_size, Is a SwiGLU's intermediate size. Float32 CPU tensors, contiguous. A layer's
