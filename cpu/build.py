@@ -1,12 +1,21 @@
-"""Build the CPU kernels' C (registered by cpu/gemm.py, layers.py and fused.py) for this machine with the
-system compiler at first use, load it with ctypes; say why they cannot run when they cannot.
+"""Build the CPU kernels' C (cpu/csrc: the .c files and their one header, wideep.h) for this machine with
+the system compiler at first use, load it with ctypes, check that every struct the launchers pass has the
+layout the C has; say why the kernels cannot run when they cannot.
 
 The kernels are plain C with GCC/Clang vector extensions, so no torch headers and no build step at
-install: `cc -O3 -march=native -shared` takes about a second.
-The library is cached under $WIDEEP_CACHE_DIR (default ~/.cache/wideep), keyed by the source, the
-compiler, its flags and this CPU's feature flags (a cache shared by different machines never loads a
-library built for another CPU). Ranks that build at once each write their own file and rename it
-into place, so a reader never sees a half-written library.
+install: `cc -O3 -march=native -shared` takes a few seconds. The library is cached under
+$WIDEEP_CACHE_DIR (default ~/.cache/wideep), keyed by every source file's content, the compiler, its
+flags and this CPU's feature flags (a cache shared by different machines never loads a library built
+for another CPU). Ranks that build at once each write their own file and rename it into place, so a
+reader never sees a half-written library.
+
+Every exported kernel takes one struct by address (wd_<name>_args in wideep.h); each launcher module
+registers its ctypes twins. At load, wd_layouts() (csrc/layouts.c) gives the C offset and size of every
+field and each struct's sizeof, and a ctypes Structure that differs in any of them is a LayoutError naming
+the struct and the field: a struct edited on one side only fails at load, never passes garbage.
+
+WIDEEP_CPU_SANITIZE=1 builds with AddressSanitizer and UBSan instead (a library of its own in the cache);
+the process must preload the ASan runtime (.ci/sanitize shows how).
 """
 from __future__ import annotations
 
@@ -20,11 +29,19 @@ import tempfile
 
 import torch
 
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
+# -O1 keeps the reports' stacks readable; recover off: a UBSan finding aborts, as an ASan one does
+SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                  "-march=native", "-shared", "-fPIC", "-std=gnu11")
 
 
 class BuildError(RuntimeError):
     """The C compiler is missing or rejected the source (the message says which, with its output)."""
+
+
+class LayoutError(RuntimeError):
+    """A ctypes Structure and the C struct it stands for disagree (the message names the struct and field)."""
 
 
 def _cpu_signature() -> str:
@@ -52,59 +69,139 @@ def _cache_dir() -> str:
     raise BuildError("no writable cache directory for the CPU kernels (set WIDEEP_CACHE_DIR)")
 
 
-def build(name: str, source: str) -> ctypes.CDLL:
-    """Compile `source` (once per machine and source) and load it. Raises BuildError saying why not."""
+def sanitizing() -> bool:
+    return os.environ.get("WIDEEP_CPU_SANITIZE", "0") not in ("", "0")
+
+
+def sources() -> dict[str, str]:
+    """The kernels' C: every .c and .h file of cpu/csrc, {file name: text}, by name."""
+    try:
+        names = sorted(n for n in os.listdir(CSRC) if n.endswith((".c", ".h")))
+    except OSError:
+        names = []
+    if not any(n.endswith(".c") for n in names):
+        raise BuildError(f"no C sources in {CSRC} (an install without the package's csrc files?)")
+    out = {}
+    for n in names:
+        with open(os.path.join(CSRC, n)) as f:
+            out[n] = f.read()
+    return out
+
+
+def build(name: str, source: str | dict[str, str]) -> ctypes.CDLL:
+    """Compile `source` (one C file's text, or {file name: text} of .c files and the headers they include)
+    as one library, once per machine, source and flags, and load it. Raises BuildError saying why not."""
+    files = {f"{name}.c": source} if isinstance(source, str) else dict(source)
     cc = os.environ.get("CC", "cc")
     path_cc = shutil.which(cc)
     if path_cc is None:
         raise BuildError(f"no C compiler: {cc!r} is not on PATH (install gcc or clang, or set CC)")
-    key = hashlib.sha256("\0".join([source, path_cc, " ".join(FLAGS), _cpu_signature()]).encode()).hexdigest()[:16]
-    lib = os.path.join(_cache_dir(), f"{name}-{key}.so")
+    flags = SANITIZE_FLAGS if sanitizing() else FLAGS
+    if sanitizing() and "asan" not in os.environ.get("LD_PRELOAD", ""):
+        raise BuildError("WIDEEP_CPU_SANITIZE=1 needs the ASan runtime preloaded: "
+                         f"LD_PRELOAD=$({cc} -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (.ci/sanitize)")
+    parts = [f"{n}\0{text}" for n, text in sorted(files.items())] + [path_cc, " ".join(flags), _cpu_signature()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    lib = os.path.join(_cache_dir(), f"{name}{'-asan' if sanitizing() else ''}-{key}.so")
     if not os.path.exists(lib):
-        src = f"{lib}.{os.getpid()}.c"
         tmp = f"{lib}.{os.getpid()}.tmp"
-        with open(src, "w") as f:
-            f.write(source)
-        try:
-            r = subprocess.run([path_cc, *FLAGS, "-o", tmp, src, "-lm"], capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                raise BuildError(f"{cc} could not build the {name} kernels:\n{r.stderr[-2000:]}")
-            os.replace(tmp, lib)
-        finally:
-            for p in (src, tmp):
-                if os.path.exists(p):
-                    os.remove(p)
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(lib), prefix=f".{name}-src-") as src:
+            for n, text in files.items():
+                with open(os.path.join(src, n), "w") as f:
+                    f.write(text)
+            cfiles = [os.path.join(src, n) for n in sorted(files) if n.endswith(".c")]
+            try:
+                r = subprocess.run([path_cc, *flags, "-o", tmp, *cfiles, "-lm"], capture_output=True, text=True,
+                                   timeout=300)
+                if r.returncode != 0:
+                    raise BuildError(f"{cc} could not build the {name} kernels:\n{r.stderr[-2000:]}")
+                os.replace(tmp, lib)
+            finally:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
     return ctypes.CDLL(lib)
+
+
+def fields(names: str, ctype) -> list[tuple[str, type]]:
+    """[(name, ctype)] for each space-separated name: a ctypes Structure's run of fields of one type."""
+    return [(n, ctype) for n in names.split()]
+
+
+class Layout(ctypes.Structure):
+    """One row of wd_layouts(): a struct's field (offset, size) or, with field NULL, its sizeof in size."""
+    _fields_ = fields("name field", ctypes.c_char_p) + fields("offset size", ctypes.c_int64)
+
+
+def layouts(lib: ctypes.CDLL) -> dict[str, dict[str | None, tuple[int, int]]]:
+    """The library's struct layouts: {struct: {field: (offset, size)}, with None: (0, sizeof)}."""
+    fn = lib.wd_layouts
+    fn.argtypes, fn.restype = [], ctypes.POINTER(Layout)
+    rows, out = fn(), {}
+    for i in range(10_000):
+        r = rows[i]
+        if r.name is None:
+            return out
+        out.setdefault(r.name.decode(), {})[None if r.field is None else r.field.decode()] = (r.offset, r.size)
+    raise LayoutError("wd_layouts() has no end marker")
+
+
+def check_layout(struct: str, cls: type[ctypes.Structure], table: dict) -> None:
+    """Raise LayoutError naming the struct and the field when ctypes' `cls` is not C's `struct` (layouts())."""
+    who = f"{struct} (ctypes {cls.__name__})"
+    c = table.get(struct)
+    if c is None:
+        raise LayoutError(f"{who}: the library has no struct {struct}")
+    names = [f[0] for f in cls._fields_]
+    for n in names:
+        if n not in c:
+            raise LayoutError(f"{who}: field {n!r} is in the ctypes Structure, not in the C struct")
+    for n in sorted((n for n in c if n is not None), key=lambda n: c[n][0]):
+        if n not in names:
+            raise LayoutError(f"{who}: field {n!r} is in the C struct, not in the ctypes Structure")
+    for n in names:
+        d = getattr(cls, n)
+        if (d.offset, d.size) != c[n]:
+            raise LayoutError(f"{who}: field {n!r} is at offset {d.offset}, {d.size} bytes in ctypes, at offset "
+                              f"{c[n][0]}, {c[n][1]} bytes in C")
+    if ctypes.sizeof(cls) != c[None][1]:
+        raise LayoutError(f"{who}: sizeof is {ctypes.sizeof(cls)} in ctypes, {c[None][1]} in C")
 
 
 _lib: ctypes.CDLL | None = None
 _error: str | None = None
-_parts: list[tuple[str, dict]] = []   # (C source, {function: (argtypes, restype)}), in registration order
+_kernels: dict[str, tuple[type[ctypes.Structure], object]] = {}   # function: (its argument struct, restype)
+_structs: dict[str, type[ctypes.Structure]] = {"wd_layout": Layout}   # C struct name: its ctypes twin
 
 
-def register(source: str, signatures: dict) -> None:
-    """A kernel module's C source and its functions' ctypes signatures, compiled as one library with
-    the others (cpu/layers.py's C uses cpu/gemm.py's vector helpers, cpu/fused.py's both). Every kernel
-    module registers at import, and cpu/__init__.py imports them all, so the library is whole before its
-    first use."""
+def register(kernels: dict[str, tuple[type[ctypes.Structure], object]],
+             structs: dict[str, type[ctypes.Structure]] | None = None) -> None:
+    """A launcher module's kernels, {C function: (ctypes twin of its wd_<function>_args, restype)}, and the
+    other structs it passes ({C struct name: ctypes twin}). Checked against the library and bound at load;
+    cpu/__init__.py imports every launcher module, so all are registered before the first use."""
     if _lib is not None:
-        raise RuntimeError("the CPU kernels are already built: register a source before first use")
-    _parts.append((source, signatures))
+        raise RuntimeError("the CPU kernels are already loaded: register before first use")
+    for fn, (cls, _) in kernels.items():
+        _structs[f"{fn}_args"] = cls
+    _kernels.update(kernels)
+    _structs.update(structs or {})
 
 
 def unusable() -> str | None:
-    """Why the CPU kernels cannot run here (no compiler, a build error), or None once they are loaded."""
+    """Why the CPU kernels cannot run here (no compiler, a build error), or None once they are loaded.
+    A struct whose layout differs from the C is a bug, not a missing feature: LayoutError, raised."""
     global _lib, _error
     if _lib is None and _error is None:
         try:
-            lib = build("wideep_cpu", "".join(source for source, _ in _parts))
+            lib = build("wideep_cpu", sources())
         except BuildError as e:
             _error = str(e)
             return _error
-        for _, signatures in _parts:
-            for name, (argtypes, restype) in signatures.items():
-                fn = getattr(lib, name)
-                fn.argtypes, fn.restype = argtypes, restype
+        table = layouts(lib)
+        for struct, cls in _structs.items():
+            check_layout(struct, cls, table)
+        for name, (cls, restype) in _kernels.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [ctypes.POINTER(cls)], restype
         _lib = lib
     return _error
 

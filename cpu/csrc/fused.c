@@ -1,0 +1,137 @@
+/* A decoder layer's halves and a decode step's whole stack of layers, each one C call (cpu/fused.py):
+   exactly the kernel calls of the operation-by-operation path, in its order. */
+#include "wideep.h"
+
+/* One decode step of an MLA layer around its attention (attention_mla/mla.py MLA's decode; cpu/decode_plan.py): T
+   tokens, each the only query of its sequence, a float32 cache. h = x + o_proj(attention(input_norm(x)))
+   and mlp_in = post_norm(h): the same kernels, in the same order, as the unfused path (q-LoRA or q_proj,
+   kv_a, the two RoPEs, the cache write, the absorbed query, mla_decode, W_UV, o_proj), in one call.
+   The layer's weights and sizes in a struct made once (cpu/fused.py MlaWeights): wq is q_b_proj
+   [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj [N (dn+dv), C];
+   wuk_t [N, C, dn] apart (MLA.w_uk_t, made again when kv_b_proj changes). buf: T (2H + Q + N(dn+R) +
+   2(C+R) + R + NR + N(C+R) + NC + N dv) + N (max_len + 1) floats. Returns 0; -1 (mla_decode's: a
+   length or block id out of range, nothing attended); -2 - t when token t's slot is outside the pool's
+   S rows (nothing written). */
+static int64_t mla_layer(const wd_mla_weights *w, const float *wuk_t, const float *x, int64_t T, const float *cos,
+                         const float *sin, float *pool, int64_t S, const int64_t *slots, const int64_t *table,
+                         int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs, float *h,
+                         float *mlp_in, float *buf) {
+    int64_t H = w->H, Q = w->Q, N = w->N, dn = w->dn, R = w->R, C = w->C, dv = w->dv;
+    int64_t D = C + R, dq = dn + R;
+    for (int64_t t = 0; t < T; t++)
+        if (slots[t] < 0 || slots[t] >= S) return -2 - t;
+    float *xn = buf, *qa = xn + T * H, *q = qa + T * Q, *kv = q + T * N * dq, *lat = kv + T * D,
+          *kpe = lat + T * D, *qpe = kpe + T * R, *qabs = qpe + T * N * R, *olat = qabs + T * N * D,
+          *o = olat + T * N * C, *y = o + T * N * dv, *msc = y + T * H;
+    rmsnorm(x, H, w->in_w, xn, H, T, H, w->in_eps);
+    if (Q) {
+        linear(xn, H, w->wqa, H, qa, Q, T, Q, H);
+        rmsnorm(qa, Q, w->qa_w, qa, Q, T, Q, w->qa_eps);
+        linear(qa, Q, w->wq, Q, q, N * dq, T, N * dq, Q);
+    } else {
+        linear(xn, H, w->wq, H, q, N * dq, T, N * dq, H);
+    }
+    linear(xn, H, w->wkva, H, kv, D, T, D, H);
+    rmsnorm(kv, D, w->kva_w, lat, D, T, C, w->kva_eps);                 /* the normed latent c */
+    rope(kv + C, T, 1, R, D, R, cos, sin, kpe, (int)w->interleave);      /* k_pe */
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(lat + t * D + C, kpe + t * R, R * sizeof(float));
+        memcpy(pool + slots[t] * D, lat + t * D, D * sizeof(float));
+    }
+    rope(q + dn, T, N, R, N * dq, dq, cos, sin, qpe, (int)w->interleave);  /* q_pe [T, N, R] */
+    bmm_nt(N, q, dq, N * dq, wuk_t, C * dn, dn, qabs, D, N * D, T, C, dn);   /* q_nope W_UK per head */
+    for (int64_t t = 0; t < T * N; t++) memcpy(qabs + t * D + C, qpe + t * R, R * sizeof(float));
+    int64_t rc = mla_decode(qabs, T, N, D, C, pool, S / bs, table, max_blocks, lens, max_len, bs, w->scale, olat, msc,
+                            NULL, 0, 0, 0, 0, NULL);
+    if (rc) return rc;
+    bmm_nt(N, olat, C, N * C, w->wkvb + dn * C, (dn + dv) * C, C, o, dv, N * dv, T, dv, C);   /* W_UV */
+    linear(o, N * dv, w->wo, N * dv, y, H, T, H, N * dv);
+    for (int64_t i = 0; i < T * H; i++) h[i] = x[i] + y[i];
+    rmsnorm(h, H, w->post_w, mlp_in, H, T, H, w->post_eps);
+    return 0;
+}
+
+/* An MoE layer's half on one EP rank (moe/layer.py MoELayer's operations; cpu/decode_plan.py): T tokens,
+   every expert local
+   and physical id = logical id. ids, wts = route(x); out = h + (experts(x) + shared(x)) with
+   the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg NULL: none): the kernels and the order of
+   the operation-by-operation path. The layer's weights and router settings in a struct made once
+   (cpu/fused.py MoeWeights). load [E] (NULL: off) += 1 per chosen id, as MoELayer.route counts for
+   EPLB. iscratch: 2 (E + 1) + T k ints; scratch: T (E + H + max(2H + 3I, H + 2 Is)) floats. Returns 0
+   (experts' error codes cannot occur: the router's ids are < E). */
+static int64_t moe_layer(const wd_moe_weights *w, const float *h, const float *x, int64_t T, int64_t *load,
+                         float *out, int64_t *ids, float *wts, int64_t *iscratch, float *scratch) {
+    int64_t H = w->H, E = w->E, I = w->I, Is = w->Is, k = w->k;
+    float *logits = scratch, *ye = logits + T * E, *rest = ye + T * H;
+    route(x, T, H, w->gw, E, w->gbias, (int)w->sigmoid, (int)w->method, w->G, w->topk_group, k, (int)w->norm,
+          w->scale, logits, ids, wts);
+    if (load)
+        for (int64_t p = 0; p < T * k; p++) load[ids[p]]++;
+    memset(ye, 0, T * H * sizeof(float));
+    int64_t rc = experts(x, T, H, I, E, w->w13, w->w2, ids, wts, k, ye, iscratch, rest);
+    if (rc) return rc;
+    if (!w->sg) {
+        for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + ye[i];
+        return 0;
+    }
+    float *y = rest;
+    swiglu(x, T, H, w->sg, w->su, w->sd, Is, y, y + T * H);
+    for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + (ye[i] + y[i]);
+    return 0;
+}
+
+/* A dense layer's MLP half: out = h + MLP(x) (layers/mlp.py MLP on the cpu backend). */
+static void mlp_half(const wd_mlp_weights *w, const float *h, const float *x, int64_t T, float *out, float *scratch) {
+    int64_t H = w->H;
+    float *y = scratch;
+    swiglu(x, T, H, w->sg, w->su, w->sd, w->Is, y, y + T * H);
+    for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + y[i];
+}
+
+/* A whole decode step's decoder layers, one call (cpu/decode_plan.py, the stack path): layer l's
+   attention half (mla_layer) then its MoE half (moe_layer) or dense MLP half (mlp_half), each
+   layer's output the next one's input, exactly the calls the per-layer path makes. layers[l]: its
+   structs (mlp NULL for an MoE layer), W_UK^T, its cache pool [S, C+R] and EPLB counts (or NULL).
+   x0 [T, H] in, out [T, H] the last layer's output; ids, wts [n_moe, T, k] the MoE layers' routing.
+   buf: T (4 H) + the largest scratch of a layer; ibuf: the MoE layers' int scratch. Returns 0, or a
+   layer's error code (mla_layer's) with *failed = its layer (earlier layers have run). */
+static int64_t decode_stack(const wd_layer_desc *layers, int64_t L, const float *x0, int64_t T, const float *cos,
+                            const float *sin, const int64_t *slots, const int64_t *table, int64_t max_blocks,
+                            const int32_t *lens, int64_t max_len, int64_t bs, float *out, int64_t *ids, float *wts,
+                            float *buf, int64_t *ibuf, int64_t *failed) {
+    int64_t H = layers[0].mla->H;
+    float *h = buf, *mlp_in = h + T * H, *xa = mlp_in + T * H, *xb = xa + T * H, *scratch = xb + T * H;
+    const float *x = x0;
+    for (int64_t l = 0, m = 0; l < L; l++) {
+        const wd_layer_desc *d = layers + l;
+        int64_t rc = mla_layer(d->mla, d->wuk_t, x, T, cos, sin, d->pool, d->S, slots, table, max_blocks, lens, max_len,
+                               bs, h, mlp_in, scratch);
+        if (rc) { *failed = l; return rc; }
+        float *dst = l == L - 1 ? out : (l % 2 ? xb : xa);
+        if (d->moe) {
+            int64_t k = d->moe->k;
+            moe_layer(d->moe, h, mlp_in, T, d->load, dst, ids + m * T * k, wts + m * T * k, ibuf, scratch);
+            m++;
+        } else {
+            mlp_half(d->mlp, h, mlp_in, T, dst, scratch);
+        }
+        x = dst;
+    }
+    return 0;
+}
+
+int64_t wd_mla_layer(const wd_mla_layer_args *a) {
+    return mla_layer(a->w, a->wuk_t, a->x, a->T, a->cos, a->sin, a->pool, a->S, a->slots, a->table, a->max_blocks,
+                     a->lens, a->max_len, a->bs, a->h, a->mlp_in, a->buf);
+}
+
+int64_t wd_moe_layer(const wd_moe_layer_args *a) {
+    return moe_layer(a->w, a->h, a->x, a->T, a->load, a->out, a->ids, a->wts, a->iscratch, a->scratch);
+}
+
+void wd_mlp_layer(const wd_mlp_layer_args *a) { mlp_half(a->w, a->h, a->x, a->T, a->out, a->scratch); }
+
+int64_t wd_decode_stack(const wd_decode_stack_args *a) {
+    return decode_stack(a->layers, a->L, a->x0, a->T, a->cos, a->sin, a->slots, a->table, a->max_blocks, a->lens,
+                        a->max_len, a->bs, a->out, a->ids, a->wts, a->buf, a->ibuf, a->failed);
+}

@@ -1,0 +1,140 @@
+/* The absorbed MLA decode over the paged latent cache, float32 or packed fp8 rows (cpu/layers.py
+   mla_decode): read through the block table, never gathered. */
+#include "wideep.h"
+
+/* e4m3 bytes -> float: the byte's exponent and mantissa bits placed at the top of a float32's exponent
+   and mantissa give the value times 2^-120 (e4m3 subnormals land on float32 subnormals, exactly), so
+   one shift and one multiply by scale * 2^120 dequantise; 16 at a time. (0x7f / 0xff, e4m3's NaN, read
+   as +-480: the quantiser never writes them.) */
+#define FP8_ROWS 16   /* rows dequantised at a time: 16 x 576 floats stay in L1 */
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+static inline v16 e4m3x16(const uint8_t *p, v16 scale) {
+    u8x16 b;
+    memcpy(&b, p, 16);
+    i16 w = __builtin_convertvector(b, i16);
+    i16 bits = ((w & 0x80) << 24) | ((w & 0x7f) << 20);
+    v16 f;
+    memcpy(&f, &bits, 64);
+    return f * scale;
+}
+static inline float e4m3(uint8_t b, float scale) {
+    uint32_t bits = ((uint32_t)(b & 0x80) << 24) | ((uint32_t)(b & 0x7f) << 20);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f * scale;
+}
+
+/* Rows [first, first + n) of a packed fp8 pool (attention_mla/fp8_cache.py: W bytes a row, e4m3 c [C],
+   float32 scales at soff, one per `group` values, fp32 k_pe [D - C] at roff) as floats kb [n, D]. */
+static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
+                             int64_t C, int64_t D, int64_t first, int64_t n, float *kb) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *r = pool8 + (first + i) * W;
+        float *o = kb + i * D;
+        for (int64_t g = 0; g < C; g += group) {
+            float sg;
+            memcpy(&sg, r + soff + g / group * 4, 4);
+            sg *= 0x1p120f;
+            int64_t c = g;
+            for (; c + 16 <= g + group; c += 16) st(o + c, e4m3x16(r + c, bc(sg)));
+            for (; c < g + group; c++) o[c] = e4m3(r[c], sg);
+        }
+        memcpy(o + C, r + roff, (D - C) * sizeof(float));
+    }
+    return kb;
+}
+
+/* o[h, :16 NV] += sum over the nj rows j of p[h * L + j] * row_j[:16 NV], for NH heads (rows D apart,
+   heads' scores L apart, outputs C apart): a tile of NH x NV accumulators stays in registers for the
+   whole run of rows, each row's vectors loaded once for all NH heads. */
+#define PV_TILE(NH, NV)                                                                            \
+static inline void pv_##NH##_##NV(const float *rows, int64_t D, int64_t nj, const float *p, int64_t L, \
+                                  float *o, int64_t C) {                                           \
+    v16 acc[NH][NV];                                                                               \
+    for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) acc[h][v] = ld(o + h * C + 16 * v);  \
+    for (int64_t j = 0; j < nj; j++) {                                                             \
+        v16 r[NV];                                                                                 \
+        for (int v = 0; v < NV; v++) r[v] = ld(rows + j * D + 16 * v);                             \
+        for (int h = 0; h < NH; h++) {                                                             \
+            v16 pv = bc(p[h * L + j]);                                                             \
+            for (int v = 0; v < NV; v++) acc[h][v] += pv * r[v];                                   \
+        }                                                                                          \
+    }                                                                                              \
+    for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) st(o + h * C + 16 * v, acc[h][v]);   \
+}
+PV_TILE(4, 4) PV_TILE(4, 1) PV_TILE(1, 4) PV_TILE(1, 1)
+
+/* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
+   over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
+   p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. pool8 (else NULL): the cache is packed fp8
+   rows instead of pool, and each block is dequantised into kb [bs, D] as it is read, once for the
+   scores and once for the output. Returns 0, or -1 (nothing computed) when a
+   length is outside 1 .. max_len or a block id it needs is outside the pool. */
+int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool, int64_t num_blocks,
+                   const int64_t *table, int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs,
+                   float scale, float *out, float *scratch, const uint8_t *pool8, int64_t W, int64_t soff,
+                   int64_t roff, int64_t group, float *kb) {
+    int64_t C16 = C & ~(int64_t)15;
+    for (int64_t b = 0; b < B; b++) {      /* nothing outside the pool or the scratch is ever read */
+        if (lens[b] < 1 || lens[b] > max_len || (lens[b] - 1) / bs >= max_blocks) return -1;
+        for (int64_t i = 0; i <= (lens[b] - 1) / bs; i++)
+            if (table[b * max_blocks + i] < 0 || table[b * max_blocks + i] >= num_blocks) return -1;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        int64_t L = lens[b];
+        float *inv = scratch + Nh * L;
+        const float *qb = q + b * Nh * D;
+        float *ob = out + b * Nh * C, *sc = scratch;
+        /* rows j0 .. j0 + n - 1 (never past their block): in place, or dequantised into kb (in L1) */
+#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, group, C, D, table[b * max_blocks + (j0) / bs] * bs \
+                                      + (j0) % bs, n, kb) : pool + (table[b * max_blocks + (j0) / bs] * bs + (j0) % bs) * D)
+#define CHUNK(j0) (L - (j0) < step - (j0) % step ? L - (j0) : step - (j0) % step)
+        int64_t step = pool8 && bs > FP8_ROWS ? FP8_ROWS : bs;
+        for (int64_t j0 = 0; j0 < L; j0 += CHUNK(j0)) linear(qb, D, ROWS(j0, CHUNK(j0)), D, sc + j0, L, Nh, CHUNK(j0), D);
+        for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
+            float *s = sc + n * L, mx = -INFINITY, sum = 0;
+            for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+            v16 acc = bc(0);
+            int64_t j = 0;
+            for (; j + 16 <= L; j += 16) {
+                v16 e = vexp((ld(s + j) - bc(mx)) * bc(scale));
+                st(s + j, e);
+                acc += e;
+            }
+            for (int l = 0; l < 16; l++) sum += acc[l];
+            for (; j < L; j++) { s[j] = expf((s[j] - mx) * scale); sum += s[j]; }
+            inv[n] = 1.0f / sum;
+        }
+        memset(ob, 0, Nh * C * sizeof(float));
+        for (int64_t j0 = 0, nj; j0 < L; j0 += nj) {
+            nj = CHUNK(j0);
+            const float *blk = ROWS(j0, nj);
+            for (int64_t c0 = 0, wide; c0 < C16; c0 += wide ? 64 : 16) {
+                wide = C16 - c0 >= 64;
+                for (int64_t n0 = 0, four; n0 < Nh; n0 += four ? 4 : 1) {
+                    four = Nh - n0 >= 4;
+                    const float *p = sc + n0 * L + j0;
+                    float *o = ob + n0 * C + c0;
+                    if (four && wide) pv_4_4(blk + c0, D, nj, p, L, o, C);
+                    else if (four) pv_4_1(blk + c0, D, nj, p, L, o, C);
+                    else if (wide) pv_1_4(blk + c0, D, nj, p, L, o, C);
+                    else pv_1_1(blk + c0, D, nj, p, L, o, C);
+                }
+            }
+            for (int64_t j = j0; j < j0 + nj; j++)
+                for (int64_t n = 0; n < Nh; n++)
+                    for (int64_t c = C16; c < C; c++) ob[n * C + c] += sc[n * L + j] * blk[(j - j0) * D + c];
+        }
+#undef ROWS
+#undef CHUNK
+        for (int64_t n = 0; n < Nh; n++)
+            for (int64_t c = 0; c < C; c++) ob[n * C + c] *= inv[n];
+    }
+    return 0;
+}
+
+int64_t wd_mla_decode(const wd_mla_decode_args *a) {
+    return mla_decode(a->q, a->B, a->Nh, a->D, a->C, a->pool, a->num_blocks, a->table, a->max_blocks, a->lens,
+                      a->max_len, a->bs, a->scale, a->out, a->scratch, a->pool8, a->W, a->soff, a->roff, a->group,
+                      a->kb);
+}

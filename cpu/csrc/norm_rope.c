@@ -1,0 +1,45 @@
+/* RMSNorm and the rotary embedding (cpu/layers.py rmsnorm, rope): one pass instead of six or ten torch ops. */
+#include "wideep.h"
+
+/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row (rows ldx / ldy apart) */
+void rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t N, float eps) {
+    int64_t N16 = N & ~(int64_t)15;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        float *yr = y + m * ldy;
+        v16 acc = bc(0);
+        for (int64_t n = 0; n < N16; n += 16) { v16 v = ld(xr + n); acc += v * v; }
+        if (N16 < N) { v16 v = ld_part(xr + N16, N - N16); acc += v * v; }
+        float ss = 0;
+        for (int l = 0; l < 16; l++) ss += acc[l];
+        v16 r = bc(1.0f / sqrtf(ss / N + eps));
+        for (int64_t n = 0; n < N16; n += 16) st(yr + n, ld(w + n) * (ld(xr + n) * r));
+        for (int64_t n = N16; n < N; n++) yr[n] = w[n] * (xr[n] * r[0]);
+    }
+}
+
+/* Rotary embedding: x [T, Hh, R] (strides sxt, sxh; unit last) -> y [T, Hh, R] contiguous, cos/sin
+   [T, R/2] contiguous. interleave: pairs (x[2i], x[2i+1]); else halves (x[i], x[i + R/2]). */
+void rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int64_t sxh, const float *cos,
+          const float *sin, float *y, int interleave) {
+    int64_t h2 = R / 2;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * h2, *sn = sin + t * h2;
+        for (int64_t h = 0; h < Hh; h++) {
+            const float *xr = x + t * sxt + h * sxh;
+            float *yr = y + (t * Hh + h) * R;
+            for (int64_t i = 0; i < h2; i++) {
+                int64_t a = interleave ? 2 * i : i, b = interleave ? 2 * i + 1 : i + h2;
+                float x1 = xr[a], x2 = xr[b];
+                yr[a] = x1 * c[i] - x2 * sn[i];
+                yr[b] = x2 * c[i] + x1 * sn[i];
+            }
+        }
+    }
+}
+
+void wd_rmsnorm(const wd_rmsnorm_args *a) { rmsnorm(a->x, a->ldx, a->w, a->y, a->ldy, a->M, a->N, a->eps); }
+
+void wd_rope(const wd_rope_args *a) {
+    rope(a->x, a->T, a->Hh, a->R, a->sxt, a->sxh, a->cos, a->sin, a->y, (int)a->interleave);
+}

@@ -1,0 +1,267 @@
+/* The CPU backend's C kernels (docs/kernels.md): the vector helpers every file shares, the struct each
+   exported kernel takes (wd_<name>_args), the layer structs the fused calls read, and every prototype.
+   cpu/build.py compiles all of the .c files of cpu/csrc into one library at first use; each Python launcher
+   (cpu/gemm.py, layers.py, fused.py) passes one struct by address, whose ctypes twin is checked against
+   wd_layouts() (layouts.c) when the library is loaded.
+
+   Legend: M rows of activations, N output features, K input features, T tokens, H hidden, B decode
+   sequences, Nh heads, C kv_lora_rank, R rope dim, D = C + R latent width, S cache rows, E experts,
+   El local experts, k top-k, I moe_intermediate_size, Is a SwiGLU's intermediate size. Float32, row
+   major, rows ld* floats apart where a stride is given. */
+#ifndef WIDEEP_H
+#define WIDEEP_H
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* ---- vector helpers (GCC/Clang vector extensions: 16 floats, whatever the ISA) ---- */
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
+static inline void st(float *p, v16 v) { memcpy(p, &v, 64); }
+static inline v16 bc(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+/* keeps v in a register: without it GCC reloads a vector for every FMA that uses it */
+#define KEEP(v) __asm__("" : "+v"(v))
+#ifdef __clang__
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (i16){__VA_ARGS__})
+#endif
+
+/* exp on 16 lanes: 2^n * e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by its Taylor series to
+   f^6 (relative error ~1e-7); x clamped to [-87.3, 88] so that 2^n stays a normal float. */
+static inline v16 vexp(v16 x) {
+    i16 hi = x > bc(88.0f), lo = x < bc(-87.33f);
+    x = (v16)(((i16)x & ~hi) | ((i16)bc(88.0f) & hi));
+    x = (v16)(((i16)x & ~lo) | ((i16)bc(-87.33f) & lo));
+    v16 n = (x * bc(1.44269504f) + bc(12582912.0f)) - bc(12582912.0f);   /* round to nearest */
+    v16 f = x - n * bc(0.693145752f) - n * bc(1.42860677e-6f);
+    v16 p = bc(1.0f / 720);
+    p = p * f + bc(1.0f / 120); p = p * f + bc(1.0f / 24); p = p * f + bc(1.0f / 6);
+    p = p * f + bc(0.5f); p = p * f + bc(1.0f); p = p * f + bc(1.0f);
+    i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
+    return p * (v16)e;
+}
+
+/* the sums of a, b, c, d (16 lanes each) in lanes 0, 4, 8, 12 of the result */
+static inline v16 reduce4(v16 a, v16 b, v16 c, v16 d) {
+    v16 ab = SHUF(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+           + SHUF(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    v16 cd = SHUF(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
+           + SHUF(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    v16 q = SHUF(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27)
+          + SHUF(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    q += SHUF(q, q, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    return q + SHUF(q, q, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+}
+
+/* the first n (< 16) floats at p, zero-padded to 16 lanes (never reading past p + n) */
+static inline v16 ld_part(const float *p, int64_t n) {
+#ifdef __AVX512F__
+    return (v16)_mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+#else
+    v16 v = bc(0);
+    for (int64_t i = 0; i < n; i++) v[i] = p[i];
+    return v;
+#endif
+}
+
+/* ---- the kernels one file calls in another: positional, not exported from the library ---- */
+
+#define WD_INTERNAL __attribute__((visibility("hidden")))
+
+/* gemm.c: y [M, N] = x [M, K] @ w [N, K]^T; per batch b of B, x, w, y advance by sxb, swb, syb */
+WD_INTERNAL void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+                        int64_t M, int64_t N, int64_t K);
+WD_INTERNAL void bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const float *w, int64_t swb,
+                        int64_t ldw, float *y, int64_t syb, int64_t ldy, int64_t M, int64_t N, int64_t K);
+/* experts.c */
+WD_INTERNAL int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const float *w13,
+                            const float *w2, const int64_t *ids, const float *wts, int64_t k, float *out,
+                            int64_t *iscratch, float *scratch);
+WD_INTERNAL void swiglu(const float *x, int64_t T, int64_t H, const float *sg, const float *su, const float *sd,
+                        int64_t Is, float *y, float *scratch);
+/* norm_rope.c */
+WD_INTERNAL void rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t N,
+                         float eps);
+WD_INTERNAL void rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int64_t sxh, const float *cos,
+                      const float *sin, float *y, int interleave);
+/* mla_decode.c */
+WD_INTERNAL int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool,
+                               int64_t num_blocks, const int64_t *table, int64_t max_blocks, const int32_t *lens,
+                               int64_t max_len, int64_t bs, float scale, float *out, float *scratch,
+                               const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
+                               float *kb);
+/* route.c */
+WD_INTERNAL void route(const float *x, int64_t T, int64_t H, const float *w, int64_t E, const float *bias,
+                       int sigmoid, int method, int64_t G, int64_t topk_group, int64_t k, int norm, float scale,
+                       float *logits, int64_t *ids, float *wts);
+
+/* ---- a decoder layer's weights, made once per layer (cpu/fused.py MlaWeights, MoeWeights, MlpWeights) ---- */
+
+/* wq is q_b_proj [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj
+   [N (dn+dv), C]; the norms' weights in_w, post_w [H], qa_w [Q], kva_w [C]. */
+typedef struct {
+    const float *in_w, *post_w, *wqa, *qa_w, *wq, *wkva, *kva_w, *wkvb, *wo;
+    float in_eps, post_eps, qa_eps, kva_eps, scale;
+    int64_t H, Q, N, dn, R, C, dv, interleave;
+} wd_mla_weights;
+
+/* the router (gw [E, H], gbias [E] or NULL, its settings as wd_route_args'), the experts (w13 [E, 2I, H],
+   w2 [E, H, I], every one local) and the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg NULL: none) */
+typedef struct {
+    const float *gw, *gbias, *w13, *w2, *sg, *su, *sd;
+    float scale;
+    int64_t H, E, I, Is, k, G, topk_group, sigmoid, method, norm;
+} wd_moe_weights;
+
+/* a dense layer's SwiGLU MLP */
+typedef struct {
+    const float *sg, *su, *sd;
+    int64_t H, Is;
+} wd_mlp_weights;
+
+/* one decoder layer of wd_decode_stack: its structs (mlp NULL for an MoE layer, moe NULL for a dense one),
+   W_UK^T [N, C, dn], its cache pool [S, D] and EPLB counts [E] (or NULL) */
+typedef struct {
+    const wd_mla_weights *mla;
+    const float *wuk_t;
+    float *pool;
+    int64_t S;
+    const wd_moe_weights *moe;
+    const wd_mlp_weights *mlp;
+    int64_t *load;
+} wd_layer_desc;
+
+/* ---- the exported kernels: one argument struct each ---- */
+
+/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row */
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t ldx, ldy, M, N;
+    float eps;
+} wd_rmsnorm_args;
+void wd_rmsnorm(const wd_rmsnorm_args *a);
+
+/* y [T, Hh, R] contiguous = x [T, Hh, R] (strides sxt, sxh; unit last) rotated by cos/sin [T, R/2]
+   contiguous. interleave: pairs (x[2i], x[2i+1]); else halves (x[i], x[i + R/2]). */
+typedef struct {
+    const float *x, *cos, *sin;
+    float *y;
+    int64_t T, Hh, R, sxt, sxh, interleave;
+} wd_rope_args;
+void wd_rope(const wd_rope_args *a);
+
+/* y [B, M, N] = x [B, M, K] @ w [B, N, K]^T (batch strides sxb, swb, syb; row strides ldx, ldw, ldy) */
+typedef struct {
+    const float *x, *w;
+    float *y;
+    int64_t B, sxb, ldx, swb, ldw, syb, ldy, M, N, K;
+} wd_bmm_nt_args;
+void wd_bmm_nt(const wd_bmm_nt_args *a);
+
+/* Routed experts: out [T, H] += sum over slots of wts * expert(x). ids [T, k] local ids (-1: on another
+   rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats. Returns 0, or -1 - p for the first
+   pair p whose id is >= El (nothing is computed then). */
+typedef struct {
+    const float *x, *w13, *w2, *wts;
+    const int64_t *ids;
+    float *out, *scratch;
+    int64_t *iscratch;
+    int64_t T, H, I, El, k;
+} wd_experts_args;
+int64_t wd_experts(const wd_experts_args *a);
+
+/* Absorbed MLA decode over the paged latent cache: out [B, Nh, C] from q [B, Nh, D], pool [num_blocks bs,
+   D], table [B, max_blocks], lens [B] (1 .. max_len). scratch: Nh (max_len + 1) floats. pool8 (else NULL):
+   the cache as packed fp8 rows of W bytes (scales at soff, one per `group` values, fp32 RoPE at roff),
+   dequantised through kb [min(bs, 16), D]. Returns 0, or -1 (nothing computed) for a length or block id
+   out of range. */
+typedef struct {
+    const float *q, *pool;
+    const int64_t *table;
+    const int32_t *lens;
+    float *out, *scratch;
+    const uint8_t *pool8;
+    float *kb;
+    int64_t B, Nh, D, C, num_blocks, max_blocks, max_len, bs, W, soff, roff, group;
+    float scale;
+} wd_mla_decode_args;
+int64_t wd_mla_decode(const wd_mla_decode_args *a);
+
+/* The router (moe/gate.py Gate): logits [T, E] (scratch) = x [T, H] @ w [E, H]^T, scores (softmax, or
+   sigmoid when sigmoid), + bias [E] (or NULL) to choose; method 0 greedy, 1 group max, 2 group top-two
+   sum over G groups keeping topk_group; ids, wts [T, k] (renormalised when norm, times scale). */
+typedef struct {
+    const float *x, *w, *bias;
+    float *logits, *wts;
+    int64_t *ids;
+    int64_t T, H, E, G, topk_group, k, sigmoid, method, norm;
+    float scale;
+} wd_route_args;
+void wd_route(const wd_route_args *a);
+
+/* One decode step of an MLA layer around its attention (fused.c). x [T, H], cos/sin [T, R/2], pool [S, D],
+   slots [T], table [T, max_blocks], lens [T] -> h, mlp_in [T, H]. buf: see fused.c. Returns 0, -1 (a length
+   or block id out of range, nothing attended), -2 - t (token t's slot outside the pool, nothing written). */
+typedef struct {
+    const wd_mla_weights *w;
+    const float *wuk_t, *x, *cos, *sin;
+    float *pool;
+    const int64_t *slots, *table;
+    const int32_t *lens;
+    float *h, *mlp_in, *buf;
+    int64_t T, S, max_blocks, max_len, bs;
+} wd_mla_layer_args;
+int64_t wd_mla_layer(const wd_mla_layer_args *a);
+
+/* An MoE layer's half on one EP rank: out = h + MoE(x), ids, wts [T, k]; load [E] (or NULL) += 1 per
+   chosen id. Returns 0. */
+typedef struct {
+    const wd_moe_weights *w;
+    const float *h, *x;
+    int64_t *load, *ids, *iscratch;
+    float *out, *wts, *scratch;
+    int64_t T;
+} wd_moe_layer_args;
+int64_t wd_moe_layer(const wd_moe_layer_args *a);
+
+/* A dense layer's MLP half: out = h + MLP(x). scratch: T (H + 2 Is) floats. */
+typedef struct {
+    const wd_mlp_weights *w;
+    const float *h, *x;
+    float *out, *scratch;
+    int64_t T;
+} wd_mlp_layer_args;
+void wd_mlp_layer(const wd_mlp_layer_args *a);
+
+/* A decode step's L decoder layers (fused.c): x0 [T, H] -> out [T, H]; ids, wts [n_moe, T, k]. Returns 0,
+   or a layer's wd_mla_layer error code with *failed = its layer. */
+typedef struct {
+    const wd_layer_desc *layers;
+    const float *x0, *cos, *sin;
+    const int64_t *slots, *table;
+    const int32_t *lens;
+    float *out, *wts, *buf;
+    int64_t *ids, *ibuf, *failed;
+    int64_t L, T, max_blocks, max_len, bs;
+} wd_decode_stack_args;
+int64_t wd_decode_stack(const wd_decode_stack_args *a);
+
+/* ---- the layout of every struct above, for the load-time check (layouts.c) ---- */
+
+/* one field (or, with field NULL, the struct's sizeof in size); the table ends with name NULL */
+typedef struct {
+    const char *name, *field;
+    int64_t offset, size;
+} wd_layout;
+const wd_layout *wd_layouts(void);
+
+#endif

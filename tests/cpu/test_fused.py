@@ -1,0 +1,198 @@
+"""The fused decoder-layer calls (cpu/fused.py) on their own, against plain torch written here from the
+same weight tensors: a dense layer's MLP half (mlp_layer) == h + down(silu(gate x) * up x); a decode
+step's stack of layers (decode_stack) == mla_layer, then moe_layer or mlp_layer, layer by layer
+(bit-equal: the same C calls) == the layers' math in torch (naive MLA over the gathered cache, the
+router, the experts' loop). Fresh random weights, odd sizes (H, C, I not multiples of 16)."""
+from __future__ import annotations
+
+import ctypes
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpu import fused
+from cpu.build import unusable
+
+pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
+
+H, N, DN, R, C, DV, BS = 40, 3, 12, 6, 20, 10, 4   # hidden, heads, nope / rope / latent / value dims, block size
+E, K, I, IS = 12, 3, 14, 22                         # experts, top-k, expert and shared-expert intermediate sizes
+
+
+def _rand(*shape, std=0.2):
+    return torch.randn(*shape) * std
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _swiglu(x, g, u, d):
+    return F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+
+
+@pytest.mark.parametrize("T,h,i", [(1, 40, 22), (3, 17, 33), (7, 64, 16), (64, 40, 22)])
+def test_mlp_layer_equals_torch(T, h, i):
+    torch.manual_seed(T * 100 + h + i)
+    lin = SimpleNamespace(gate_proj=torch.nn.Linear(h, i, bias=False), up_proj=torch.nn.Linear(h, i, bias=False),
+                          down_proj=torch.nn.Linear(i, h, bias=False))
+    res, x = torch.randn(T, h), torch.randn(T, h)
+    w = fused.mlp_layer_weights(lin)
+    assert (w.H, w.Is) == (h, i)
+    with torch.no_grad():
+        ref = res + lin.down_proj(F.silu(lin.gate_proj(x)) * lin.up_proj(x))
+    torch.testing.assert_close(fused.mlp_layer(res, x, w), ref, atol=1e-5, rtol=1e-5)
+
+
+def _attention_layer(Q, interleave):
+    t = {"in_w": 1 + _rand(H), "post_w": 1 + _rand(H), "wkva": _rand(C + R, H), "kva_w": 1 + _rand(C),
+         "wkvb": _rand(N * (DN + DV), C), "wo": _rand(H, N * DV), "wq": _rand(N * (DN + R), Q or H)}
+    if Q:
+        t |= {"wqa": _rand(Q, H), "qa_w": 1 + _rand(Q)}
+    eps = {"in_eps": 1e-6, "post_eps": 1e-5, "qa_eps": 1e-6 if Q else 0.0, "kva_eps": 1e-5}
+    w = fused.MlaWeights(**{n: v.data_ptr() for n, v in t.items()}, **eps, scale=0.3, H=H, Q=Q, N=N, dn=DN, R=R, C=C,
+                         dv=DV, interleave=int(interleave))
+    w_uk_t = t["wkvb"].view(N, DN + DV, C)[:, :DN].transpose(1, 2).contiguous()      # [N, C, dn]
+    return SimpleNamespace(t=t, eps=eps, w=w, w_uk_t=w_uk_t, Q=Q, interleave=interleave)
+
+
+def _moe_layer(method, sigmoid, G, tg, shared, norm, scale):
+    t = {"gw": _rand(E, H, std=0.5), "w13": _rand(E, 2 * I, H), "w2": _rand(E, H, I)}
+    if method == 2:
+        t["gbias"] = _rand(E, std=0.1)
+    if shared:
+        t |= {"sg": _rand(IS, H), "su": _rand(IS, H), "sd": _rand(H, IS)}
+    w = fused.MoeWeights(**{n: v.data_ptr() for n, v in t.items()}, scale=scale, H=H, E=E, I=I,
+                         Is=IS if shared else 0, k=K, G=G, topk_group=tg, sigmoid=int(sigmoid), method=method,
+                         norm=int(norm))
+    return SimpleNamespace(t=t, w=w, method=method, sigmoid=sigmoid, G=G, tg=tg, norm=norm, scale=scale)
+
+
+def _dense_layer():
+    t = {"sg": _rand(IS, H), "su": _rand(IS, H), "sd": _rand(H, IS)}
+    return SimpleNamespace(t=t, w=fused.MlpWeights(**{n: v.data_ptr() for n, v in t.items()}, H=H, Is=IS))
+
+
+def _rope(x, cos, sin, interleave):
+    """x [..., R] with cos/sin broadcast to [..., R/2] (attention_mla/rope.py's two layouts)."""
+    if interleave:
+        a, b = x[..., 0::2], x[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2)
+    a, b = x[..., :R // 2], x[..., R // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], -1)
+
+
+def _attention_ref(a, x, pool, cos, sin, slots, table, lens):
+    """The attention half in torch, the naive MLA form (keys and values up-projected from the gathered
+    latent rows): h = x + o_proj(attention(in_norm(x))), mlp_in = post_norm(h); writes the cache rows."""
+    t, T = a.t, x.shape[0]
+    xn = _rms(x, t["in_w"], a.eps["in_eps"])
+    q = F.linear(_rms(F.linear(xn, t["wqa"]), t["qa_w"], a.eps["qa_eps"]), t["wq"]) if a.Q else F.linear(xn, t["wq"])
+    q = q.view(T, N, DN + R)
+    q_nope, q_pe = q[..., :DN], _rope(q[..., DN:], cos[:, None], sin[:, None], a.interleave)
+    kv = F.linear(xn, t["wkva"])
+    latent = _rms(kv[:, :C], t["kva_w"], a.eps["kva_eps"])
+    pool[slots] = torch.cat([latent, _rope(kv[:, C:], cos, sin, a.interleave)], -1)
+    w_uk, w_uv = t["wkvb"].view(N, DN + DV, C).split([DN, DV], 1)
+    outs = []
+    for i in range(T):
+        rows = torch.cat([torch.arange(b * BS, (b + 1) * BS) for b in table[i].tolist()])[:int(lens[i])]
+        lat = pool[rows]                                                           # [L, C+R]
+        k_nope = torch.einsum("lc,ndc->nld", lat[:, :C], w_uk)
+        v = torch.einsum("lc,nvc->nlv", lat[:, :C], w_uv)
+        s = (torch.einsum("nd,nld->nl", q_nope[i], k_nope) + q_pe[i] @ lat[:, C:].T) * a.w.scale
+        outs.append(torch.einsum("nl,nlv->nv", s.softmax(-1), v))
+    h = x + F.linear(torch.stack(outs).reshape(T, N * DV), t["wo"])
+    return h, _rms(h, t["post_w"], a.eps["post_eps"])
+
+
+def _moe_ref(m, res, x):
+    """The MoE half in torch: the router (moe/gate.py's rules), the experts one (token, slot) at a time,
+    the shared experts, the residual -> (out, ids, weights)."""
+    t = m.t
+    logits = F.linear(x, t["gw"])
+    scores = logits.sigmoid() if m.sigmoid else logits.softmax(-1)
+    choice = scores + t["gbias"] if "gbias" in t else scores.clone()
+    if m.method and m.G > 1:
+        grouped = choice.view(-1, m.G, E // m.G)
+        gscore = grouped.topk(2, -1).values.sum(-1) if m.method == 2 else grouped.amax(-1)
+        hidden = torch.ones_like(gscore, dtype=torch.bool).scatter_(1, gscore.topk(m.tg, -1).indices, False)
+        choice = choice.masked_fill(hidden.repeat_interleave(E // m.G, 1), float("-inf"))
+    ids = choice.topk(K, -1).indices
+    wts = scores.gather(1, ids)
+    wts = (wts / (wts.sum(-1, keepdim=True) + 1e-20) if m.norm else wts) * m.scale
+    y = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        for j in range(K):
+            e = int(ids[i, j])
+            g, u = F.linear(x[i], t["w13"][e]).split(I)
+            y[i] += wts[i, j] * F.linear(F.silu(g) * u, t["w2"][e])
+    if "sg" in t:
+        y = y + _swiglu(x, t["sg"], t["su"], t["sd"])
+    return res + y, ids, wts
+
+
+@pytest.mark.parametrize("T", [1, 3, 5])
+@pytest.mark.parametrize("interleave", [False, True])
+def test_decode_stack_equals_the_layer_calls_and_torch(T, interleave):
+    torch.manual_seed(10 * T + interleave)
+    attn = [_attention_layer(0, interleave), _attention_layer(18, interleave), _attention_layer(18, interleave)]
+    mlps = [_dense_layer(),
+            _moe_layer(2, True, 4, 2, True, True, 2.5),      # DeepSeek-V3-like: sigmoid, bias, groups, a shared expert
+            _moe_layer(0, False, 1, 1, False, False, 1.0)]   # greedy softmax, no shared expert
+    lens = torch.randint(1, 14, (T,), dtype=torch.int32)    # context lengths, this step's token included
+    M, nblocks = 4, 4 * T + 3
+    table = torch.randperm(nblocks)[:T * M].view(T, M)
+    slots = torch.stack([table[i, (n - 1) // BS] * BS + (n - 1) % BS for i, n in enumerate(lens.tolist())])
+    pools = [torch.randn(nblocks * BS, C + R) for _ in attn]
+    x = torch.randn(T, H)
+    pos = (lens - 1).float()[:, None] * torch.arange(1, R // 2 + 1) * 0.1
+    cos, sin = pos.cos().contiguous(), pos.sin().contiguous()
+    max_len = int(lens.max())
+    loads = [torch.zeros(E, dtype=torch.int64) if i == 1 else None for i in range(3)]
+
+    # the whole stack in one call
+    stack_pools = [p.clone() for p in pools]
+    descs = (fused.LayerDesc * 3)()
+    for d, a, m, pool, load in zip(descs, attn, mlps, stack_pools, loads):
+        d.mla, d.wuk_t, d.pool, d.S = ctypes.addressof(a.w), a.w_uk_t.data_ptr(), pool.data_ptr(), pool.shape[0]
+        is_moe = isinstance(m.w, fused.MoeWeights)
+        d.moe, d.mlp = (ctypes.addressof(m.w), None) if is_moe else (None, ctypes.addressof(m.w))
+        d.load = load.data_ptr() if load is not None else None
+    out, ids, wts = fused.decode_stack(x, descs, [a.w for a in attn], [m.w if "gw" in m.t else None for m in mlps],
+                                       [None if "gw" in m.t else m.w for m in mlps], cos, sin, slots, table, lens,
+                                       max_len, BS)
+    assert ids.shape == wts.shape == (2, T, K)
+    assert torch.equal(loads[1], torch.bincount(ids[0].flatten(), minlength=E))
+
+    # layer by layer: the same C calls, bit-equal
+    h_in, layer_pools, layer_ids, layer_wts = x, [p.clone() for p in pools], [], []
+    for a, m, pool in zip(attn, mlps, layer_pools):
+        h, mlp_in = fused.mla_layer(h_in, a.w, a.w_uk_t, cos, sin, pool, slots, table, lens, max_len, BS)
+        if "gw" in m.t:
+            h_in, i_, w_ = fused.moe_layer(h, mlp_in, m.w, None)
+            layer_ids.append(i_)
+            layer_wts.append(w_)
+        else:
+            h_in = fused.mlp_layer(h, mlp_in, m.w)
+    assert torch.equal(out, h_in)
+    assert all(torch.equal(a, b) for a, b in zip(stack_pools, layer_pools))
+    assert torch.equal(ids, torch.stack(layer_ids)) and torch.equal(wts, torch.stack(layer_wts))
+
+    # the layers' math in torch
+    h_in, ref_pools, ref_ids, ref_wts = x, [p.clone() for p in pools], [], []
+    for a, m, pool in zip(attn, mlps, ref_pools):
+        h, mlp_in = _attention_ref(a, h_in, pool, cos, sin, slots, table, lens)
+        if "gw" in m.t:
+            h_in, i_, w_ = _moe_ref(m, h, mlp_in)
+            ref_ids.append(i_)
+            ref_wts.append(w_)
+        else:
+            h_in = h + _swiglu(mlp_in, m.t["sg"], m.t["su"], m.t["sd"])
+    torch.testing.assert_close(out, h_in, atol=2e-5, rtol=2e-5)
+    for a, b in zip(stack_pools, ref_pools):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids, torch.stack(ref_ids))
+    torch.testing.assert_close(wts, torch.stack(ref_wts), atol=1e-5, rtol=1e-5)
