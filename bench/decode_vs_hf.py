@@ -31,8 +31,8 @@ Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf
 ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
 decode_roofline_fraction (1 thread), decode_roofline_fraction_2t (2 threads: the same single-threaded
 C kernels against the 2-thread ceilings), decode_roofline_ceiling(_gbs), decode_roofline_fraction_cpu_time,
-wideep_prefix_cache_hit_tokens (0), and a "roofline" block per thread count (read/copy GB/s, bytes per step split dense/experts/kv,
-step ms wall and CPU, prefill ms). --breakdown: one more wideep run at the first thread count with
+wideep_prefix_cache_hit_tokens (0), and a "roofline" block per thread count (read/copy GB/s, bytes per step
+split dense/experts/kv, step ms wall and CPU, prefill ms). --breakdown: one more wideep run at the first thread count with
 every C kernel timed (wall time inside the launchers of cpu/gemm.py, layers.py and fused.py during the decode
 steps): "breakdown" = ms per decode step in each kernel and the rest ("other": Python, small torch
 ops, sampling, scheduling); the decoder layers are one C call (decode_stack) on these steps, so one

@@ -62,7 +62,8 @@ def _decode(r: dict) -> str:
     if len(t) > 1:
         two = r["roofline"][f"{t[1]}t"]
         out += f", {n(two['fraction'])} of {n(two['ceiling_gbs'])} GB/s at {t[1]}"
-    return out + f"; {r['trials']} trials; prefix-cache hit tokens {r['wideep_prefix_cache_hit_tokens']}"
+    return out + (f" (in CPU time: {n(r['decode_roofline_fraction_cpu_time'])}); {r['trials']} trials; "
+                  f"prefix-cache hit tokens {r['wideep_prefix_cache_hit_tokens']}")
 
 
 def _scale(r: dict) -> str:
@@ -147,7 +148,8 @@ ROWS = (
             lambda r: [r["prefill_tokens_ratio"] <= 0.5 and r["outputs_equal"], r["ttft_p50_ratio"] <= 0.6]),)),
     Row("DeepSeek Sparse Attention", "≤ 0.5", (
         Run("dsa", "python bench/dsa.py",
-            lambda r: f"{n(r['dsa_vs_dense_attention_8k'])}× dense MLA's decode attention {r['time']} time at 8k context",
+            lambda r: (f"{n(r['dsa_vs_dense_attention_8k'])}× dense MLA's decode attention {r['time']} time "
+                       f"at 8k context"),
             lambda r: [r["dsa_vs_dense_attention_8k"] <= 0.5]),)),
     Row("FP8 latent KV cache", "—", (Run("kv_fp8", "python bench/kv_fp8.py", _kv_fp8),)),
     Row("continuous vs static batching", "3×", (
@@ -189,29 +191,32 @@ def _cell(run: Run, rec: dict | None) -> tuple[str, str, list[bool]]:
 
 
 def row(r: Row, records: dict[str, dict]) -> str:
-    cells = [(run, rec, *_cell(run, rec)) for run in r.runs for rec in [records.get(run.name)]]
-    several = len(cells) > 1
-    command = " / ".join(f"`{cmd}`" for _, _, cmd, _, _ in cells)
-    result = "; ".join(f"{run.tag}: {res}" if several else res for run, _, _, res, _ in cells)
-    verdicts = [("not run" if rec is None else _verdict(c) or "—", bool(c)) for _, rec, _, _, c in cells]
-    target = r.target
-    if several and any(rec is not None for _, rec, *_ in cells):
-        target += " (" + "; ".join(f"{run.tag}: {v}" for (run, *_), (v, _) in zip(cells, verdicts)) + ")"
-    elif not several and verdicts[0][1]:
-        target += f" ({verdicts[0][0]})"
-    commit = " / ".join(dict.fromkeys(rec.get("commit", "?") for _, rec, *_ in cells if rec is not None)) or "—"
-    return f"| {r.label} | {command} | {result} | {target} | {commit} |"
+    runs = [(run, records.get(run.name)) for run in r.runs]
+    cells = [_cell(run, rec) for run, rec in runs]          # (command, result, checks) per run
+    command = " / ".join(f"`{cmd}`" for cmd, _, _ in cells)
+    if len(runs) == 1:
+        (_, result, checks), = cells
+        target = f"{r.target} ({_verdict(checks)})" if checks else r.target
+    else:
+        result = "; ".join(f"{run.tag}: {res}" for (run, _), (_, res, _) in zip(runs, cells))
+        verdicts = ["not run" if rec is None else _verdict(checks) or "—"
+                    for (_, rec), (_, _, checks) in zip(runs, cells)]
+        target = r.target
+        if any(rec is not None for _, rec in runs):
+            target += " (" + "; ".join(f"{run.tag}: {v}" for (run, _), v in zip(runs, verdicts)) + ")"
+    commits = dict.fromkeys(rec.get("commit", "?") for _, rec in runs if rec is not None)
+    return f"| {r.label} | {command} | {result} | {target} | {' / '.join(commits) or '—'} |"
 
 
 def conditions(records: dict[str, dict]) -> str:
     """One line: the machines the files ran on and the load each run ended in."""
+    if not records:
+        return "No benchmark has a results file in bench/results/."
     machines = dict.fromkeys(f"{m.get('cpu_model', '?')}, {m.get('nproc', '?')} cores"
                              for m in (rec.get("machine", {}) for rec in records.values()))
     loads = ", ".join(f"{name} {rec['machine']['load_avg_1_5_15m'][0]}" for name, rec in records.items()
                       if rec.get("machine", {}).get("load_avg_1_5_15m"))
-    if not records:
-        return "No benchmark has a results file in bench/results/."
-    return (f"Machine: {'; '.join(machines)}. Load average (1 min) when each run ended: {loads or 'not recorded'}.")
+    return f"Machine: {'; '.join(machines)}. Load average (1 min) when each run ended: {loads or 'not recorded'}."
 
 
 def table(results: Path) -> str:

@@ -19,7 +19,8 @@ from bench.results import META, save
 REPO = Path(__file__).resolve().parents[1]
 
 DECODE = {"threads": [1, 2], "trials": 3, "ratio": 5.4, "wideep_tok_s": 348.9, "hf_tok_s": 64.5,
-          "decode_roofline_fraction": 0.72, "wideep_prefix_cache_hit_tokens": 0,
+          "decode_roofline_fraction": 0.72, "decode_roofline_fraction_cpu_time": 0.8,
+          "wideep_prefix_cache_hit_tokens": 0,
           "roofline": {"1t": {"decode_step_ms": 33.3, "decode_gbs": 18.0, "fraction": 0.72, "ceiling_gbs": 25.0,
                               "ceiling": "read_huge"},
                        "2t": {"decode_step_ms": 33.1, "decode_gbs": 18.1, "fraction": 0.55, "ceiling_gbs": 33.0,
@@ -55,7 +56,7 @@ def test_decode_row_is_formatted_from_the_fields_and_judged_against_the_target(t
     _, command, result, target, commit = _row(tmp_path, "decode vs transformers")
     assert command == "`python bench/decode_vs_hf.py`" and commit == "abc1234"
     assert "5.4× transformers" in result and "**0.72** of the best read ceiling (25 GB/s, `read_huge`)" in result
-    assert "0.55 of 33 GB/s at 2" in result and "prefix-cache hit tokens 0" in result
+    assert "0.55 of 33 GB/s at 2 (in CPU time: 0.8)" in result and "prefix-cache hit tokens 0" in result
     assert target.endswith("(met)")
     _write(tmp_path, "decode_vs_hf", dict(DECODE, decode_roofline_fraction=0.65))
     assert _row(tmp_path, "decode vs transformers")[3].endswith("(not met)")
