@@ -24,10 +24,11 @@ NOT_RUN = "not run on this commit range"
 
 
 def n(x) -> str:
-    """A number as the benchmark rounded it (1.0 -> "1", 0.793 -> "0.793")."""
-    if isinstance(x, float) and x.is_integer():
-        x = int(x)
-    return str(x)
+    """A number to at most 4 significant digits, whole numbers without a point (1.0 -> "1",
+    16.3621 -> "16.36", 2220.65 -> "2221")."""
+    if isinstance(x, float):
+        x = round(x) if abs(x) >= 1000 or x.is_integer() else float(format(x, ".4g"))
+    return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
 
 
 def per_size(d: dict, unit: str = "") -> str:
@@ -82,7 +83,8 @@ def _scale_checks(r: dict) -> list[bool]:
 
 def _dispatch(r: dict) -> str:
     b = r["inter_node_bytes_vs_min"]
-    out = (f"inter-node bytes {n(b['two_level'])}× the minimum (flat: {n(b['flat_best'])}–{n(b['flat'])}×); "
+    two = "exactly 1.0" if b["two_level"] == 1.0 else n(b["two_level"])
+    out = (f"inter-node bytes {two}× the minimum (flat: {n(b['flat_best'])}–{n(b['flat'])}×); "
            f"wall step time two-level ÷ flat ")
     if "step_time_two_level_vs_flat_best" in r:
         out += f"{n(r['step_time_two_level_vs_flat_best'])}–"
@@ -155,7 +157,7 @@ ROWS = (
     Row("continuous vs static batching", "3×", (
         Run("serving", "python bench/serving.py",
             lambda r: (f"{n(r['ratio'])}× throughput, {n(r['step_ratio'])}× fewer steps "
-                       f"({r['workload']['requests']} requests, {r['workload']['rounds']} rounds)"),
+                       f"({r['workload']['requests']} requests, rounds: {r['workload']['rounds']})"),
             lambda r: [r["ratio"] >= 3]),)),
     Row("prefill/decode disaggregation", "≤ 0.5×", (
         Run("disagg", "python bench/disagg.py", _disagg, lambda r: [r["tpot_p99_ratio"] <= 0.5], tag="default"),
