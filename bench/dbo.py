@@ -297,6 +297,7 @@ def main() -> None:
             if a.png:
                 _plot(rows, a.png, a.ep)
     print(json.dumps(out))
+    from bench.results import save; save("dbo", out)  # noqa: E702  (one line: bench/results/dbo.json)
 
 
 def _split_compute_ratio(model_dir: str, workloads: dict, trials: int) -> dict:

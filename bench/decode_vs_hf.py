@@ -12,21 +12,27 @@ layer from the router's ids), the embedding rows of its tokens and the latent KV
 context. The ceilings are measured here, per thread count and trial, three times just before and
 three times just after the trial's generate: `read` = a 1 GiB float32 tensor's x.sum(), `copy` =
 y.copy_(x) (GB/s of bytes copied), and `read_huge` = the same read of a tensor in 2 MiB pages (as
-the engine puts its weights on CPU, cpu/huge_pages.py: the fairer ceiling for them; where huge pages
-are not available it equals `read`); the median counts (the best is reported too). Decode steps are
-timed alone (whole Engine.step of steps whose every sequence decodes; the prefill step is reported
-apart), median over the run's decode steps, best trial; fraction = bytes per step / step time / read
-bandwidth (`fraction`, the issue's definition; `fraction_huge` against read_huge). On a shared machine
-wall time swings with the load, so the fraction is also given in this thread's CPU time (steps and
-read alike, 1 thread): `fraction_cpu`.
+the engine puts its weights on CPU, cpu/huge_pages.py; where huge pages are not available it equals
+`read`); the median of each counts (the best is reported too). Decode steps are timed alone (whole
+Engine.step of steps whose every sequence decodes; the prefill step is reported apart), median over
+the run's decode steps, best trial; fraction = bytes per step / step time / the best read ceiling
+(the higher of `read` and `read_huge`, named in `ceiling`; `fraction_read` and `fraction_huge` against
+each alone). On a shared machine wall time swings with the load, so the fraction is also given in this
+thread's CPU time (steps and reads alike, the best of the two reads' CPU-time ceilings): `fraction_cpu`.
+Prefix caching is off in both wideep engines: the trials repeat the same prompts, and transformers
+recomputes every prompt token; `wideep_prefix_cache_hit_tokens` is read from the engine's metrics
+after the runs, and the benchmark exits with an error, writing no results, if it is not 0.
 The same engine on the torch backends (experts_backend / attention_backend "torch", the reference
 paths) runs beside it: "torch_backends" has its prefill and decode step ms; "prefill_ms" and
 "prefill_vs_torch_backends" compare the best prefill of each (one thread, same trials).
+Printed: a table, one line per thread count (step ms, GB/s streamed, both ceilings, the fraction).
+Kept: bench/results/decode_vs_hf.json (decode_vs_hf_quick.json with --quick; bench/results.py).
 Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf_eager_tok_s,
 ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
-decode_roofline_fraction (1 thread), decode_roofline_fraction_2t, decode_roofline_fraction_cpu_time,
-and a "roofline" block per thread count (read/copy GB/s, bytes per step split dense/experts/kv,
-step ms wall and CPU, prefill ms). --breakdown: one more wideep run at the first thread count with
+decode_roofline_fraction (1 thread), decode_roofline_fraction_2t (2 threads: the same single-threaded
+C kernels against the 2-thread ceilings), decode_roofline_ceiling(_gbs), decode_roofline_fraction_cpu_time,
+wideep_prefix_cache_hit_tokens (0), and a "roofline" block per thread count (read/copy GB/s, bytes per step
+split dense/experts/kv, step ms wall and CPU, prefill ms). --breakdown: one more wideep run at the first thread count with
 every C kernel timed (wall time inside the launchers of cpu/gemm.py, layers.py and fused.py during the decode
 steps): "breakdown" = ms per decode step in each kernel and the rest ("other": Python, small torch
 ops, sampling, scheduling); the decoder layers are one C call (decode_stack) on these steps, so one
@@ -48,6 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.results import save  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from launch.tiny import make_tiny_checkpoint  # noqa: E402
 
@@ -56,8 +63,8 @@ GIB = 1 << 30
 
 def ceilings(x: torch.Tensor, y: torch.Tensor, xh: torch.Tensor, times: dict | None = None, n: int = 3) -> dict:
     """Seconds of a plain read (x.sum(), wall and this thread's CPU time), of a copy (y.copy_(x)) and of
-    a read of xh (in huge pages), n of each, appended to `times` -> times."""
-    times = times or {"read": [], "read_cpu": [], "copy": [], "read_huge": []}
+    a read of xh (in huge pages, wall and CPU time), n of each, appended to `times` -> times."""
+    times = times or {"read": [], "read_cpu": [], "copy": [], "read_huge": [], "read_huge_cpu": []}
     for _ in range(n):
         t0, c0 = time.perf_counter(), time.thread_time()
         x.sum()
@@ -66,9 +73,10 @@ def ceilings(x: torch.Tensor, y: torch.Tensor, xh: torch.Tensor, times: dict | N
         t0 = time.perf_counter()
         y.copy_(x)
         times["copy"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         xh.sum()
         times["read_huge"].append(time.perf_counter() - t0)
+        times["read_huge_cpu"].append(time.thread_time() - c0)
     return times
 
 
@@ -186,20 +194,45 @@ class DecodeMeter:
         return out
 
     def summary(self, times: dict, nbytes: int) -> dict:
+        """The run's decode steps against its ceilings. The roofline is the best of the read ceilings
+        measured (median of each: the plain read and the read in 2 MiB pages), so a step is never
+        scored against the slower of two ways to read the same bytes."""
         dec = [s for s in self.steps if s["decode"]]
         ms = statistics.median(s["s"] for s in dec) * 1e3
         cpu_ms = statistics.median(s["cpu_s"] for s in dec) * 1e3
         mb = {k: statistics.median(s[k] for s in dec) / 1e6 for k in ("dense", "experts", "kv")}
         total = sum(mb.values())
-        read, read_cpu, huge = (gbs(nbytes, times[k]) for k in ("read", "read_cpu", "read_huge"))
-        return {"read_gbs": read, "copy_gbs": gbs(nbytes, times["copy"]), "read_huge_gbs": huge,
-                "read_cpu_gbs": read_cpu,
+        bw = {k: gbs(nbytes, times[k]) for k in ("read", "read_cpu", "read_huge", "read_huge_cpu", "copy")}
+        ceiling = max(("read", "read_huge"), key=lambda k: bw[k]["median"])
+        ceiling_cpu = max(("read_cpu", "read_huge_cpu"), key=lambda k: bw[k]["median"])
+        return {"read_gbs": bw["read"], "copy_gbs": bw["copy"], "read_huge_gbs": bw["read_huge"],
+                "read_cpu_gbs": bw["read_cpu"], "read_huge_cpu_gbs": bw["read_huge_cpu"],
+                "ceiling": ceiling, "ceiling_gbs": bw[ceiling]["median"],
                 "decode_step_ms": round(ms, 2), "decode_step_cpu_ms": round(cpu_ms, 2), "decode_steps": len(dec),
                 "prefill_ms": self.step_ms()[0],
                 "bytes_per_step_mb": {k: round(v, 1) for k, v in dict(mb, total=total).items()},
-                "decode_gbs": round(total / ms, 2), "fraction": round(total / ms / read["median"], 3),
-                "fraction_huge": round(total / ms / huge["median"], 3),
-                "fraction_cpu": round(total / cpu_ms / read_cpu["median"], 3)}
+                "decode_gbs": round(total / ms, 2),
+                "fraction": round(total / ms / bw[ceiling]["median"], 3),
+                "fraction_read": round(total / ms / bw["read"]["median"], 3),
+                "fraction_huge": round(total / ms / bw["read_huge"]["median"], 3),
+                "fraction_cpu": round(total / cpu_ms / bw[ceiling_cpu]["median"], 3)}
+
+
+def hit_tokens(llm: LLM) -> int:
+    """Prompt tokens the engine took from its prefix cache, as its own metrics count them."""
+    return sum(r.get("prefix_hit_tokens", 0) for r in llm.engine.metrics()["per_rank"])
+
+
+def table(res: dict) -> str:
+    """The figures a reader compares, one line per thread count."""
+    lines = [f"wideep {res['wideep_tok_s']} tok/s, transformers {res['hf_tok_s']} ({res['ratio']}x), "
+             f"eager {res['hf_eager_tok_s']}; prefix-cache hit tokens {res['wideep_prefix_cache_hit_tokens']}",
+             "threads  step ms  decode GB/s  read GB/s  read 2MiB GB/s  ceiling         fraction  (vs read, vs 2MiB)"]
+    for t, r in res["roofline"].items():
+        lines.append(f"{t:>7}  {r['decode_step_ms']:7.2f}  {r['decode_gbs']:11.2f}  {r['read_gbs']['median']:9.2f}  "
+                     f"{r['read_huge_gbs']['median']:14.2f}  {r['ceiling']:<14}  {r['fraction']:8.3f}  "
+                     f"({r['fraction_read']:.3f}, {r['fraction_huge']:.3f})")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -233,10 +266,12 @@ def main() -> None:
                              qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=a.experts,
                              num_experts_per_tok=a.topk, n_group=8, topk_group=4, max_position_embeddings=1024,
                              initializer_range=0.05)
-        llm = LLM(d, dtype="float32", progress=False)
+        # Prefix caching off: every trial repeats the same prompts, and transformers recomputes them all.
+        llm = LLM(d, dtype="float32", progress=False, enable_prefix_caching=False)
         meter = DecodeMeter(llm)
         # the same engine on the torch backends (the reference paths): prefill must not be slower
-        ref = LLM(d, dtype="float32", progress=False, experts_backend="torch", attention_backend="torch")
+        ref = LLM(d, dtype="float32", progress=False, experts_backend="torch", attention_backend="torch",
+                  enable_prefix_caching=False)
         ref_meter = DecodeMeter(ref)
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         hf_eager = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager").eval()
@@ -296,10 +331,16 @@ def main() -> None:
             breakdown_layers = meter.breakdown()
             llm.model.fuse_decode_stack = True
         agree = sum(p == q for p, q in zip(ours, theirs)) / len(ours)
+        hits = {"wideep": hit_tokens(llm), "torch_backends": hit_tokens(ref)}
+    if any(hits.values()):
+        raise SystemExit(f"prefix-cache hit tokens {hits}: a trial reused cached prompt KV, so wideep did less "
+                         f"work than transformers; the figures would not compare")
     n = a.batch * a.new
     first, second = roof[threads[0]], roof[threads[1]] if len(threads) > 1 else None
     res = {"shape": {"hidden": a.hidden, "layers": a.layers, "experts": a.experts, "topk": a.topk,
                      "batch": a.batch, "prompt": a.prompt, "new_tokens": a.new},
+           "wideep_prefix_cache_hit_tokens": hits["wideep"],
+           "torch_backends_prefix_cache_hit_tokens": hits["torch_backends"],
            "wideep_s": round(min(tw), 3), "hf_s": round(min(th), 3),
            "wideep_tok_s": round(n / min(tw), 1), "hf_tok_s": round(n / min(th), 1),
            "ratio": round(min(th) / min(tw), 2), "hf_eager_tok_s": round(n / min(te), 1),
@@ -312,6 +353,9 @@ def main() -> None:
                               "greedy_sequences_equal": sum(p == q for p, q in zip(ours, ref_ours)) / len(ours)},
            "decode_step_ms": first["decode_step_ms"], "decode_roofline_fraction": first["fraction"],
            "decode_roofline_fraction_2t": second["fraction"] if second else None,
+           "decode_roofline_ceiling": first["ceiling"], "decode_roofline_ceiling_gbs": first["ceiling_gbs"],
+           "decode_roofline_ceiling_gbs_2t": second["ceiling_gbs"] if second else None,
+           "decode_step_ms_2t": second["decode_step_ms"] if second else None,
            "decode_roofline_fraction_cpu_time": first["fraction_cpu"],
            "decode_roofline_fraction_vs_huge_pages": first["fraction_huge"],
            "huge_pages": {"weights_mb": round(llm.model.huge_page_bytes / 1e6, 1),
@@ -319,7 +363,9 @@ def main() -> None:
            "roofline": {f"{t}t": r for t, r in roof.items()}, "breakdown_ms": breakdown,
            "breakdown_per_layer_half_ms": breakdown_layers,
            "backends": llm.model.backends,
-           "torch": torch.__version__, "threads": threads}
+           "torch": torch.__version__, "threads": threads, "trials": a.trials}
+    print(table(res), flush=True)
+    save("decode_vs_hf_quick" if a.quick else "decode_vs_hf", res)
     print(json.dumps(res))
 
 

@@ -27,6 +27,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.results import save  # noqa: E402
+
 MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
              qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
@@ -176,7 +178,7 @@ def main() -> None:
                                              "num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
     per_head_kv = L * N * (dn + R + dv) * 4  # fp32 K and V of every head, per token
     ratio = g["tpot_p99_s"] / c["tpot_p99_s"]
-    print(json.dumps({
+    out = {
         "colocated_tpot_p99_s": c["tpot_p99_s"], "disagg_tpot_p99_s": g["tpot_p99_s"],
         "colocated_goodput_rps": c["goodput_rps"], "disagg_goodput_rps": g["goodput_rps"],
         "tpot_p99_ratio": round(ratio, 3), "target_tpot_p99_ratio": 0.5, "target_met": ratio <= 0.5,
@@ -190,8 +192,9 @@ def main() -> None:
                         "exposed_s_p99": round(pct(kv["kv_exposed_s"], 99), 4)},
         "workload": {"quick": a.quick, "long_prompts": a.long_prompts or (12 if a.quick else 36),
                      "long_len": a.long_len, "chunk": a.chunk, "max_num_seqs": a.max_num_seqs, "ranks": 4,
-                     **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}),
-        flush=True)
+                     **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}
+    save("disagg_quick" if a.quick else "disagg", out)
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from attention_mla.config import DSAConfig, MLAConfig, RopeConfig  # noqa: E402
 from attention_mla.meta import AttnMeta  # noqa: E402
 from attention_mla.rope import RotaryEmbedding  # noqa: E402
 from attention_mla.sparse_mla import SparseMLA  # noqa: E402
+from bench.results import save  # noqa: E402
 
 SHAPE = dict(hidden=7168, q_lora=1536, kv_lora=512, rope=64, nope=128, v=128, index_heads=64, index_dim=128,
              index_topk=2048, block_size=64)
@@ -157,6 +158,7 @@ def main() -> None:
            "indexer_weight_bytes": sum(p.numel() * p.element_size() for p in ix.parameters())}
     if 8192 in ctxs:
         out["dsa_vs_dense_attention_8k"] = out["dsa_vs_dense"][ctxs.index(8192)]
+    save("dsa", out)
     print(json.dumps(out))
 
 

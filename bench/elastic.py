@@ -26,6 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.results import save  # noqa: E402
+
 
 def worker(model_dir: str, out_dir: str, requests: int, victim: int, kill_step: int) -> None:
     from engine.front.engine import Engine
@@ -135,15 +137,17 @@ def main() -> None:
             print(f"{n} ranks: " + json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}),
                   flush=True)
     ok = {n: r for n, r in results.items() if r.get("ok")}
-    print(json.dumps({"recovery_s": {str(n): round(r["recovery_s"], 3) for n, r in ok.items()},
-                      "reform_s": {str(n): round(r["reform_s"] or 0.0, 3) for n, r in ok.items()},
-                      "tok_s_before": {str(n): round(r["tok_s_before"], 1) for n, r in ok.items()},
-                      "tok_s_after": {str(n): round(r["tok_s_after"], 1) for n, r in ok.items()},
-                      "expert_bytes_peer": {str(n): r["expert_bytes_peer"] for n, r in ok.items()},
-                      "expert_bytes_checkpoint": {str(n): r["expert_bytes_checkpoint"] for n, r in ok.items()},
-                      "requests_lost": sum(r["requests_lost"] for r in ok.values()),
-                      "outputs_equal": all(r["outputs_equal"] for r in ok.values()) and len(ok) == len(results),
-                      "failed": sorted(n for n, r in results.items() if not r.get("ok"))}))
+    out = {"recovery_s": {str(n): round(r["recovery_s"], 3) for n, r in ok.items()},
+           "reform_s": {str(n): round(r["reform_s"] or 0.0, 3) for n, r in ok.items()},
+           "tok_s_before": {str(n): round(r["tok_s_before"], 1) for n, r in ok.items()},
+           "tok_s_after": {str(n): round(r["tok_s_after"], 1) for n, r in ok.items()},
+           "expert_bytes_peer": {str(n): r["expert_bytes_peer"] for n, r in ok.items()},
+           "expert_bytes_checkpoint": {str(n): r["expert_bytes_checkpoint"] for n, r in ok.items()},
+           "requests_lost": sum(r["requests_lost"] for r in ok.values()),
+           "outputs_equal": all(r["outputs_equal"] for r in ok.values()) and len(ok) == len(results),
+           "failed": sorted(n for n, r in results.items() if not r.get("ok"))}
+    save("elastic", out)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.results import save  # noqa: E402
+
 
 def worker(model_dir: str, batch: int, prompt: int, new: int) -> None:
     import torch
@@ -150,9 +152,11 @@ def main() -> None:
             line = [x for x in text.splitlines() if x.startswith("RESULT ")][-1]
             res[str(ep)] = json.loads(line[len("RESULT "):])
             print(f"ep {ep}: {res[str(ep)]}", file=sys.stderr, flush=True)
-    print(json.dumps({"ep": res, "workload": {"batch": batch, "prompt": prompt, "new_tokens": new,
-                                              "experts": 32, "topk": 6, "hidden": 256, "layers": 4},
-                      "cpus": os.cpu_count()}))
+    out = {"ep": res, "workload": {"batch": batch, "prompt": prompt, "new_tokens": new,
+                                   "experts": 32, "topk": 6, "hidden": 256, "layers": 4},
+           "cpus": os.cpu_count()}
+    save("ep_scaling", out)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.results import save  # noqa: E402
+
 V3_EXPERT_BYTES = 3 * 7168 * 2048 + 3 * 56 * 16 * 4   # fp8 weights + fp32 128x128 block scales
 
 
@@ -310,7 +312,9 @@ def main() -> None:
     for r in runs.values():
         for k in ("load", "phy2log_initial", "phy2log_final", "pairs_per_rank_off", "pairs_per_rank_on"):
             r.pop(k)
-    print(json.dumps({**out, **runs, "cpus": os.cpu_count()}))
+    out = {**out, **runs, "cpus": os.cpu_count()}
+    save("eplb", out)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.results import save  # noqa: E402
+
 
 class Bench:
     """One engine of `batch` sequences, decoding; round() times `steps` decode steps of it."""
@@ -100,6 +102,7 @@ def main() -> None:
            "rounds": {str(b): [round(w, 3) for w, _ in rs] for b, rs in rounds.items()}}
     if 256 in ms and 1024 in ms:
         out["ratio_1024_vs_256"] = round(ms[1024] / ms[256], 2)
+    save("host_overhead", out)
     print(json.dumps(out))
 
 

@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.disagg import BLOCK, MODEL as _DISAGG_MODEL, pct  # noqa: E402  (the same tiny model, block, percentile)
+from bench.results import save  # noqa: E402
 
 MODEL = dict(_DISAGG_MODEL, initializer_range=0.3)
 CONFIGS = ("least_loaded", "kv_aware", "kv_tiers")
@@ -194,7 +195,7 @@ def main() -> None:
     prefill_ratio = tiers["prefill_tokens"] / base["prefill_tokens"]
     ttft_ratio = tiers["ttft_p50_s"] / base["ttft_p50_s"]
     equal = answers["least_loaded"] == answers["kv_aware"] == answers["kv_tiers"]
-    print(json.dumps({
+    out = {
         "prefill_tokens_ratio": round(prefill_ratio, 3), "ttft_p50_ratio": round(ttft_ratio, 3),
         "outputs_equal": equal, "targets": {"prefill_tokens_ratio": 0.5, "ttft_p50_ratio": 0.6},
         "targets_met": prefill_ratio <= 0.5 and ttft_ratio <= 0.6 and equal,
@@ -204,8 +205,9 @@ def main() -> None:
                      "system_len": a.system_len, "user_len": a.user_len, "answer_len": a.answer_len,
                      "concurrency": a.concurrency, "chunk": a.chunk, "kv_blocks": a.kv_blocks,
                      "host_blocks": a.host_blocks, "ranks": 4, "block_size": BLOCK,
-                     **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}),
-        flush=True)
+                     **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}
+    save("kv_cache", out)
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

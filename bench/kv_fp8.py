@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention_mla.fp8_cache import Fp8Latent  # noqa: E402
 from attention_mla.kv_cache import LatentKVPool  # noqa: E402
+from bench.results import save  # noqa: E402
 
 LAYERS, C, R = 61, 512, 64
 
@@ -67,9 +68,11 @@ def main() -> None:
         for k in pools:
             rows[f"{k}_ms"].append(round(statistics.median(times[k]), 3))
     b = bytes_per_token()
-    print(json.dumps({"bytes_per_token": b, "cache_ratio": {k: round(v["auto"] / v["fp8"], 2) for k, v in b.items()},
-                      **rows, "fp8_vs_fp32": [round(x / y, 2) for x, y in zip(rows["fp8_ms"], rows["fp32_ms"])],
-                      "batch": B, "heads": a.heads}))
+    out = {"bytes_per_token": b, "cache_ratio": {k: round(v["auto"] / v["fp8"], 2) for k, v in b.items()},
+           **rows, "fp8_vs_fp32": [round(x / y, 2) for x, y in zip(rows["fp8_ms"], rows["fp32_ms"])],
+           "batch": B, "heads": a.heads}
+    save("kv_fp8", out)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.results import save  # noqa: E402
+
 _COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "gather", "reduce", "barrier", "all_gather_object",
                 "broadcast_object_list", "gather_object", "scatter", "reduce_scatter", "all_gather_into_tensor")
 
@@ -210,6 +212,7 @@ def main() -> None:
                "failed": sorted(n for n, r in results.items() if not r.get("ok"))}
     if "8" in summary["startup_s"] and "32" in summary["startup_s"]:
         summary["startup_32_vs_8"] = round(summary["startup_s"]["32"] / summary["startup_s"]["8"], 2)
+    save("scale", summary)
     print(json.dumps(summary))
 
 

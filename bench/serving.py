@@ -30,6 +30,8 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.results import save  # noqa: E402
+
 MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128, kv_lora_rank=64,
              qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
@@ -190,7 +192,7 @@ def main() -> None:
     c, s = (sorted(runs[m], key=lambda r: r["tok_s"])[rounds // 2] for m in modes)
     lc, ls = lat["continuous"], lat["static"]
     mt = [r.max_tokens for r in base]
-    print(json.dumps({
+    out = {
         "continuous_tok_s": c["tok_s"], "static_tok_s": s["tok_s"],
         "ratio": round(med([x["tok_s"] / y["tok_s"] for x, y in pairs]), 2),
         "ratios": [round(x["tok_s"] / y["tok_s"], 2) for x, y in pairs],
@@ -209,8 +211,9 @@ def main() -> None:
         "workload": {"requests": n, "prompt_len": list(plen), "max_tokens": [1, 64], "lengths": a.lengths,
                      "mean_max_tokens": round(sum(mt) / n, 1), "max_num_seqs": B, "rounds": rounds,
                      "threads": a.threads, **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers",
-                                                                   "n_routed_experts", "num_experts_per_tok")}}}),
-        flush=True)
+                                                                   "n_routed_experts", "num_experts_per_tok")}}}
+    save("serving", out)
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Benchmark results kept in the repository: bench/results/<name>.json, one file per benchmark.
+
+Each benchmark calls save(name, result) with the dict it prints as its last line; the file is that
+dict plus the conditions of the run (META): the commit it ran on ("-dirty" when tracked files had
+uncommitted changes), the command (argv), the date (UTC) and the machine (cores, CPU model, load
+average when the run ended: the machine may be shared, and the load says how much).
+bench/summary.py builds the README's benchmark table from these files.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+META = ("commit", "command", "date", "machine")
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parents[1]
+
+
+def commit(repo: Path = REPO) -> str:
+    """Short HEAD hash, "-dirty" if tracked files differ from it; "unknown" outside a git checkout."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode:
+        return "unknown"
+    dirty = git("diff", "--quiet", "HEAD", "--").returncode != 0
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (None, None, None)
+    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_avg_1_5_15m": [round(x, 2) if x is not None else None for x in load]}
+
+
+def command(argv: list[str] | None = None) -> str:
+    """The argv as a reader would type it: `python bench/x.py --flag`, the script relative to the repo."""
+    argv = list(sys.argv if argv is None else argv)
+    if argv:
+        script = Path(argv[0]).resolve()
+        if script.is_relative_to(REPO):
+            argv[0] = script.relative_to(REPO).as_posix()
+    return " ".join(["python", *argv])
+
+
+def save(name: str, result: dict, directory: Path | None = None) -> Path:
+    """Writes <directory or bench/results>/<name>.json -> its path. Prints the path to stderr only, so a
+    benchmark's stdout still ends with its JSON line."""
+    clash = sorted(set(META) & set(result))
+    if clash:
+        raise ValueError(f"{name}: result keys {clash} are the run's conditions (bench/results.py META)")
+    out = Path(directory) if directory is not None else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    record = {**result, "commit": commit(), "command": command(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "machine": machine()}
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"results: {path}", file=sys.stderr, flush=True)
+    return path

@@ -1,0 +1,263 @@
+"""The README's "Benchmarks (summary)" table, generated from bench/results/*.json.
+
+Every row is computed from the results files the benchmarks wrote (bench/results.py): the command
+they ran with, the result formatted from their fields, the target with met / not met decided here
+from those fields, and the commit each ran on. A benchmark without a results file gets a row saying
+so, never an older figure. The table sits between the markers START and END in README.md.
+
+    python bench/summary.py            rewrite README.md's table from bench/results/
+    python bench/summary.py --check    exit 1 if README.md's table is not what the results give
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+BENCH = Path(__file__).resolve().parent
+START, END = "<!-- bench-summary:start -->", "<!-- bench-summary:end -->"
+NOT_RUN = "not run on this commit range"
+
+
+def n(x) -> str:
+    """A number to at most 4 significant digits, whole numbers without a point (1.0 -> "1",
+    16.3621 -> "16.36", 2220.65 -> "2221")."""
+    if isinstance(x, float):
+        x = round(x) if abs(x) >= 1000 or x.is_integer() else float(format(x, ".4g"))
+    return str(int(x)) if isinstance(x, float) and x.is_integer() else str(x)
+
+
+def per_size(d: dict, unit: str = "") -> str:
+    """{"4": a, "8": b} -> "a / b<unit> at 4 / 8"."""
+    keys = sorted(d, key=int)
+    return f"{' / '.join(n(d[k]) for k in keys)}{unit} at {' / '.join(keys)}"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One results file of a row: bench/results/<name>.json."""
+    name: str
+    command: str                           # what the row says when the file is absent
+    result: Callable[[dict], str]          # record -> the result cell
+    checks: Callable[[dict], list[bool]] = lambda r: []   # one per part of the row's target
+    tag: str = ""                          # names the run in a row of several ("default", "--quick")
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    target: str                            # the parts of a target separated by " / " match checks()
+    runs: tuple[Run, ...]
+
+
+def _decode(r: dict) -> str:
+    t = r["threads"]
+    one = r["roofline"][f"{t[0]}t"]
+    out = (f"{n(r['ratio'])}× transformers' tok/s ({n(r['wideep_tok_s'])} vs {n(r['hf_tok_s'])}); decode step "
+           f"{n(one['decode_step_ms'])} ms streaming {n(one['decode_gbs'])} GB/s = **{n(one['fraction'])}** of the "
+           f"best read ceiling ({n(one['ceiling_gbs'])} GB/s, `{one['ceiling']}`) at {t[0]} thread")
+    if len(t) > 1:
+        two = r["roofline"][f"{t[1]}t"]
+        out += f", {n(two['fraction'])} of {n(two['ceiling_gbs'])} GB/s at {t[1]}"
+    return out + (f" (in CPU time: {n(r['decode_roofline_fraction_cpu_time'])}); {r['trials']} trials; "
+                  f"prefix-cache hit tokens {r['wideep_prefix_cache_hit_tokens']}")
+
+
+def _scale(r: dict) -> str:
+    cb, so = set(r["control_bytes_per_sync"].values()), set(r["store_ops_per_rank_s"].values())
+    sizes = sorted(r["startup_s"], key=int)
+    return (f"{' / '.join(map(n, sorted(cb)))} control bytes per step sync and {' / '.join(map(n, sorted(so)))} "
+            f"store ops per rank per s at {sizes[0]}–{sizes[-1]} ranks; 32 ranks start in "
+            f"{n(r['startup_32_vs_8'])}× the 8-rank time; 8-rank run {n(r['total_s']['8'])} s; "
+            f"front slowed 50 ms: workers' step {n(r['slow_front_ratio'])}×")
+
+
+def _scale_checks(r: dict) -> list[bool]:
+    return [len(set(r["control_bytes_per_sync"].values())) == 1 and not any(r["store_ops_per_rank_s"].values()),
+            r["startup_32_vs_8"] <= 4.5, r["total_s"]["8"] <= 20, r["slow_front_ratio"] <= 1.1 and not r["failed"]]
+
+
+def _dispatch(r: dict) -> str:
+    b = r["inter_node_bytes_vs_min"]
+    two = "exactly 1.0" if b["two_level"] == 1.0 else n(b["two_level"])
+    out = (f"inter-node bytes {two}× the minimum (flat: {n(b['flat_best'])}–{n(b['flat'])}×); "
+           f"wall step time two-level ÷ flat ")
+    if "step_time_two_level_vs_flat_best" in r:
+        out += f"{n(r['step_time_two_level_vs_flat_best'])}–"
+    link = r["link"]
+    return (out + f"{n(r['step_time_two_level_vs_flat'])}× over {', '.join(r['detail'])} ranks×nodes "
+            f"(simulated link: inter-node {n(link['inter_us'])} µs + {n(link['inter_gbps'])} GB/s); "
+            f"outputs equal: {'yes' if r['outputs_equal'] else 'NO'}")
+
+
+def _dbo(r: dict) -> str:
+    return (f"overlap efficiency {n(r['overlap_efficiency_prefill_two_tier'])} on prefill (2 ranks as 2 nodes, "
+            f"simulated inter-node link calibrated to the compute); `auto` {n(r['auto_vs_off'])}× of off")
+
+
+def _eplb(r: dict) -> str:
+    out = f"step time {n(r['step_time_ratio_rank_per_core'])}× of off (2 ranks, a core each)"
+    if "balancedness_before" in r:
+        out += f"; balancedness {n(r['balancedness_before'])} → {n(r['balancedness_after'])} (ep 4)"
+    return out
+
+
+def _kv_fp8(r: dict) -> str:
+    b = r["bytes_per_token"]["bf16"]
+    return (f"DeepSeek-V3: {b['fp8'] / 1000:.0f} KB per token vs {b['auto'] / 1000:.0f} KB bf16 "
+            f"({n(r['cache_ratio']['bf16'])}×); paged decode fp8 ÷ fp32 {' / '.join(map(n, r['fp8_vs_fp32']))} at "
+            f"{' / '.join(f'{c // 1024}k' for c in r['contexts'])} context")
+
+
+def _disagg(r: dict) -> str:
+    return (f"TPOT p99 {n(r['tpot_p99_ratio'])}× of colocated ({r['workload']['long_prompts']} long prompts; "
+            f"goodput {n(r['disagg_goodput_rps'])} vs {n(r['colocated_goodput_rps'])} req/s)")
+
+
+ROWS = (
+    Row("decode vs transformers", "roofline ≥ 0.7 / 0 prefix-cache hits", (
+        Run("decode_vs_hf", "python bench/decode_vs_hf.py --trials 3", _decode,
+            lambda r: [r["decode_roofline_fraction"] >= 0.7, r["wideep_prefix_cache_hit_tokens"] == 0]),)),
+    Row("host overhead per decode step", "≤ 5 ms / 1024 ÷ 256 ≤ 4.5", (
+        Run("host_overhead", "python bench/host_overhead.py",
+            lambda r: (f"{n(r['host_ms_per_step']['256'])} ms at batch 256 (rounds "
+                       f"{', '.join(map(n, r['rounds']['256']))}); 1024 ÷ 256 = {n(r['ratio_1024_vs_256'])}"),
+            lambda r: [r["host_ms_per_step"]["256"] <= 5, r["ratio_1024_vs_256"] <= 4.5]),)),
+    Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
+        Run("scale", "python bench/scale.py", _scale, _scale_checks),)),
+    Row("surviving a lost rank", "≤ 30 s at 16, 0 lost, outputs equal", (
+        Run("elastic", "python bench/elastic.py",
+            lambda r: (f"recovery {per_size(r['recovery_s'], ' s')} ranks, {r['requests_lost']} requests lost, "
+                       f"outputs equal: {'yes' if r['outputs_equal'] else 'NO'}"),
+            lambda r: [r["recovery_s"]["16"] <= 30 and r["requests_lost"] == 0 and r["outputs_equal"]]),)),
+    Row("two-level dispatch", "bytes 1.0× the minimum, outputs equal", (
+        Run("dispatch", "python bench/dispatch.py", _dispatch,
+            lambda r: [r["inter_node_bytes_vs_min"]["two_level"] == 1.0 and r["outputs_equal"]]),)),
+    Row("dual-batch overlap, a core per rank, simulated link", "≥ 0.6", (
+        Run("dbo", "python bench/dbo.py --skip-old", _dbo,
+            lambda r: [r["overlap_efficiency_prefill_two_tier"] >= 0.6]),)),
+    Row("online EPLB, a core per rank", "≤ 0.8", (
+        Run("eplb", "python bench/eplb.py --skip-old", _eplb, lambda r: [r["step_time_ratio_rank_per_core"] <= 0.8]),)),
+    Row("KV tiers + KV-aware routing", "≤ 0.5 / ≤ 0.6", (
+        Run("kv_cache", "python bench/kv_cache.py",
+            lambda r: (f"prefill tokens {n(r['prefill_tokens_ratio'])}×, TTFT p50 {n(r['ttft_p50_ratio'])}× of "
+                       f"least-loaded device-only ({r['workload']['conversations']} conversations); outputs equal: "
+                       f"{'yes' if r['outputs_equal'] else 'NO'}"),
+            lambda r: [r["prefill_tokens_ratio"] <= 0.5 and r["outputs_equal"], r["ttft_p50_ratio"] <= 0.6]),)),
+    Row("DeepSeek Sparse Attention", "≤ 0.5", (
+        Run("dsa", "python bench/dsa.py",
+            lambda r: (f"{n(r['dsa_vs_dense_attention_8k'])}× dense MLA's decode attention {r['time']} time "
+                       f"at 8k context"),
+            lambda r: [r["dsa_vs_dense_attention_8k"] <= 0.5]),)),
+    Row("FP8 latent KV cache", "—", (Run("kv_fp8", "python bench/kv_fp8.py", _kv_fp8),)),
+    Row("continuous vs static batching", "3×", (
+        Run("serving", "python bench/serving.py",
+            lambda r: (f"{n(r['ratio'])}× throughput, {n(r['step_ratio'])}× fewer steps "
+                       f"({r['workload']['requests']} requests, rounds: {r['workload']['rounds']})"),
+            lambda r: [r["ratio"] >= 3]),)),
+    Row("prefill/decode disaggregation", "≤ 0.5×", (
+        Run("disagg", "python bench/disagg.py", _disagg, lambda r: [r["tpot_p99_ratio"] <= 0.5], tag="default"),
+        Run("disagg_quick", "python bench/disagg.py --quick", _disagg, lambda r: [r["tpot_p99_ratio"] <= 0.5],
+            tag="`--quick`"))),
+    Row("EP scaling", "baseline", (
+        Run("ep_scaling", "python bench/ep_scaling.py",
+            lambda r: f"ep {' / '.join(r['ep'])}: {' / '.join(n(v['tok_s']) for v in r['ep'].values())} tok/s "
+                      f"(ranks share {r['machine']['nproc']} cores)"),)),
+)
+
+
+def load(results: Path) -> dict[str, dict]:
+    """name -> record of every bench/results/<name>.json."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(results).glob("*.json"))}
+
+
+def _verdict(checks: list[bool]) -> str:
+    """[True, True] -> "met", [True, False] -> "met / not met", [] -> ""."""
+    words = ["met" if c else "not met" for c in checks]
+    return words[0] if len(set(words)) == 1 else " / ".join(words)
+
+
+def _cell(run: Run, rec: dict | None) -> tuple[str, str, list[bool]]:
+    """-> (command, result, checks) of one run; a file without the fields a row reads says so."""
+    if rec is None:
+        return run.command, NOT_RUN, []
+    cmd = rec.get("command", run.command)
+    try:
+        return cmd, run.result(rec), run.checks(rec)
+    except (KeyError, IndexError, TypeError) as e:
+        return cmd, f"results file lacks {e!s} (rerun the benchmark)", []
+
+
+def row(r: Row, records: dict[str, dict]) -> str:
+    runs = [(run, records.get(run.name)) for run in r.runs]
+    cells = [_cell(run, rec) for run, rec in runs]          # (command, result, checks) per run
+    command = " / ".join(f"`{cmd}`" for cmd, _, _ in cells)
+    if len(runs) == 1:
+        (_, result, checks), = cells
+        target = f"{r.target} ({_verdict(checks)})" if checks else r.target
+    else:
+        result = "; ".join(f"{run.tag}: {res}" for (run, _), (_, res, _) in zip(runs, cells))
+        verdicts = ["not run" if rec is None else _verdict(checks) or "—"
+                    for (_, rec), (_, _, checks) in zip(runs, cells)]
+        target = r.target
+        if any(rec is not None for _, rec in runs):
+            target += " (" + "; ".join(f"{run.tag}: {v}" for (run, _), v in zip(runs, verdicts)) + ")"
+    commits = dict.fromkeys(rec.get("commit", "?") for _, rec in runs if rec is not None)
+    return f"| {r.label} | {command} | {result} | {target} | {' / '.join(commits) or '—'} |"
+
+
+def conditions(records: dict[str, dict]) -> str:
+    """One line: the machines the files ran on and the load each run ended in."""
+    if not records:
+        return "No benchmark has a results file in bench/results/."
+    machines = dict.fromkeys(f"{m.get('cpu_model', '?')}, {m.get('nproc', '?')} cores"
+                             for m in (rec.get("machine", {}) for rec in records.values()))
+    loads = ", ".join(f"{name} {rec['machine']['load_avg_1_5_15m'][0]}" for name, rec in records.items()
+                      if rec.get("machine", {}).get("load_avg_1_5_15m"))
+    return f"Machine: {'; '.join(machines)}. Load average (1 min) when each run ended: {loads or 'not recorded'}."
+
+
+def table(results: Path) -> str:
+    """The generated block, markers included."""
+    records = load(results)
+    lines = [START, "", "| benchmark | command | result | target | commit |", "|---|---|---|---|---|",
+             *(row(r, records) for r in ROWS), "", conditions(records), "", END]
+    return "\n".join(lines)
+
+
+def rewrite(readme: str, block: str) -> str:
+    """README text with the block between the markers replaced by `block`."""
+    i, j = readme.find(START), readme.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"README has no {START} ... {END} block")
+    return readme[:i] + block + readme[j + len(END):]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if README.md's table differs from the results")
+    ap.add_argument("--results", default=str(BENCH / "results"))
+    ap.add_argument("--readme", default=str(BENCH.parent / "README.md"))
+    a = ap.parse_args(argv)
+    path = Path(a.readme)
+    old = path.read_text()
+    new = rewrite(old, table(Path(a.results)))
+    if a.check:
+        if new != old:
+            sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), str(path),
+                                                       "from bench/results"))
+            print(f"{path}: the benchmark table is not what {a.results} gives; run python bench/summary.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if new != old:
+        path.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
