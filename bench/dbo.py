@@ -39,6 +39,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.results import save  # noqa: E402
+
 LATENCIES_US = (0, 200, 1000)
 PLAN = os.environ.get("WIDEEP_BENCH_PLAN", "1") == "1"   # 0: never the low-latency dispatch (A/B)
 # phase -> (sequences added per step, prompt tokens, max_tokens); decode: 16 running sequences
@@ -297,7 +299,7 @@ def main() -> None:
             if a.png:
                 _plot(rows, a.png, a.ep)
     print(json.dumps(out))
-    from bench.results import save; save("dbo", out)  # noqa: E702  (one line: bench/results/dbo.json)
+    save("dbo", out)
 
 
 def _split_compute_ratio(model_dir: str, workloads: dict, trials: int) -> dict:

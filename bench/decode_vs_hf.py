@@ -326,10 +326,10 @@ def main() -> None:
             meter.clock = KernelClock()
             run_wideep()
             breakdown = meter.breakdown()
-            llm.model.fuse_decode_stack = False   # the same steps a layer half at a time: where the stack's time goes
+            llm.model.decode_plan.fuse_stack = False   # the same steps a layer half at a time: where the stack's time goes
             run_wideep()
             breakdown_layers = meter.breakdown()
-            llm.model.fuse_decode_stack = True
+            llm.model.decode_plan.fuse_stack = True
         agree = sum(p == q for p, q in zip(ours, theirs)) / len(ours)
         hits = {"wideep": hit_tokens(llm), "torch_backends": hit_tokens(ref)}
     if any(hits.values()):

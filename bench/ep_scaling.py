@@ -103,6 +103,7 @@ def decode_ab(rounds: int) -> None:
     res["workload"] = {"ep": 2, "batch_per_rank": batch // 2, "prompt": prompt, "new_tokens": new,
                        "threads_per_rank": 1, "cpus": os.cpu_count()}
     print(json.dumps(res))
+    save("ep_decode_plan", res)
 
 
 def _checkpoint(make_tiny_checkpoint, d: str) -> None:

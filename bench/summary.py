@@ -163,6 +163,11 @@ ROWS = (
         Run("disagg", "python bench/disagg.py", _disagg, lambda r: [r["tpot_p99_ratio"] <= 0.5], tag="default"),
         Run("disagg_quick", "python bench/disagg.py --quick", _disagg, lambda r: [r["tpot_p99_ratio"] <= 0.5],
             tag="`--quick`"))),
+    Row("CPU decode plan at ep 2, a core per rank", "— (before/after)", (
+        Run("ep_decode_plan", "python bench/ep_scaling.py --decode-ab",
+            lambda r: (f"decode step {n(r['decode_step_ms_plan_on'])} ms with the fused attention halves vs "
+                       f"{n(r['decode_step_ms_plan_off'])} ms op by op ({n(r['on_over_off'])}×; "
+                       f"{r['rounds']} interleaved rounds); outputs equal: {'yes' if r['outputs_equal'] else 'NO'}")),)),
     Row("EP scaling", "baseline", (
         Run("ep_scaling", "python bench/ep_scaling.py",
             lambda r: f"ep {' / '.join(r['ep'])}: {' / '.join(n(v['tok_s']) for v in r['ep'].values())} tok/s "
