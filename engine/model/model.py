@@ -137,7 +137,7 @@ class DecoderStack(nn.Module):
         moe_index = {i: m for m, i in enumerate(i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))}
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rope, shard, experts, attention, device, dtype, fp8_block,
                                                  kv_cache_dtype, kernels,
-                                                 routing.layers[moe_index[i]] if i in moe_index else None)
+                                                 routing.layers[moe_index[i]] if routing and i in moe_index else None)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
 
