@@ -22,13 +22,15 @@ REPO = RESULTS.parents[1]
 
 
 def commit(repo: Path = REPO) -> str:
-    """Short HEAD hash, "-dirty" if tracked files differ from it; "unknown" outside a git checkout."""
+    """Short HEAD hash, "-dirty" if tracked files other than the results themselves differ from it (a
+    series of benchmarks rewrites bench/results/ as it goes; that is not a change to the code that ran);
+    "unknown" outside a git checkout."""
     def git(*args):
         return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=30)
     head = git("rev-parse", "--short", "HEAD")
     if head.returncode:
         return "unknown"
-    dirty = git("diff", "--quiet", "HEAD", "--").returncode != 0
+    dirty = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)bench/results").returncode != 0
     return head.stdout.strip() + ("-dirty" if dirty else "")
 
 

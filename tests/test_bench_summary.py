@@ -117,3 +117,22 @@ def test_the_committed_readme_matches_the_committed_results():
     r = subprocess.run([sys.executable, str(REPO / "bench" / "summary.py"), "--check"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-1000:]
+
+
+def test_the_commit_is_dirty_for_code_changes_not_for_results(tmp_path):
+    """A series of benchmarks rewrites bench/results/ as it runs: the later runs' code is still the commit's."""
+    from bench.results import commit
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "a.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "add", ".")
+    git("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "c")
+    assert not commit(tmp_path).endswith("-dirty")
+    (tmp_path / "bench" / "results" / "a.json").write_text('{"new": 1}')
+    assert not commit(tmp_path).endswith("-dirty")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert commit(tmp_path).endswith("-dirty")
