@@ -158,19 +158,27 @@ class Completion:
                 "choices": choices, "usage": usage}
 
     @staticmethod
-    def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        """cached_tokens: prompt tokens the prefix cache held at admission (vLLM's prompt_tokens_details)."""
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     def response(self, out) -> dict:
         """out: the final (cumulative or final_only) RequestOutput."""
         c = out.outputs[0]
-        return self._envelope([self._choice(c, True)], self.usage(len(out.prompt_token_ids), len(c.token_ids)))
+        return self._envelope([self._choice(c, True)],
+                              self.usage(len(out.prompt_token_ids), len(c.token_ids), cached_tokens(out)))
 
     def chunk(self, out) -> dict:
         """out: a delta RequestOutput; usage stays null (see usage_chunk)."""
         return self._envelope([self._choice(out.outputs[0], out.finished)], None)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""
-        return self._envelope([], self.usage(prompt_tokens, completion_tokens))
+        return self._envelope([], self.usage(prompt_tokens, completion_tokens, cached_tokens))
+
+
+def cached_tokens(out) -> int:
+    """A RequestOutput's prefix-cache hit tokens (its metrics' cached_tokens, set at admission)."""
+    return (out.metrics or {}).get("cached_tokens", 0)

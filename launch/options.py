@@ -7,6 +7,7 @@ one line here plus its key in run_config.SECTIONS (a test checks that every key 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,22 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
+def origins(text: str) -> list[str]:
+    """vLLM's JSON list ('["https://a.example", "https://b.example"]'), or comma-separated origins."""
+    if text.lstrip().startswith("["):
+        try:
+            v = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"is not a JSON list: {e}") from None
+        if not isinstance(v, list) or not all(isinstance(o, str) and o for o in v):
+            raise argparse.ArgumentTypeError(f"must be a JSON list of origin strings, got {text!r}")
+        return v
+    v = [o.strip() for o in text.split(",") if o.strip()]
+    if not v:
+        raise argparse.ArgumentTypeError("is empty")
+    return v
+
+
 @dataclass(frozen=True)
 class Option:
     key: str                     # "section.key" in the run config
@@ -38,6 +55,7 @@ class Option:
     commands: tuple[str, ...] = ENGINE
     flag: str = ""               # default: --key, "_" -> "-"
     spec: dict[str, Any] = field(default_factory=dict)  # add_argument's type / action / choices ...
+    aliases: tuple[str, ...] = ()  # other spellings of the flag
 
     @property
     def dest(self) -> str:       # run_config.override's name for the key
@@ -77,7 +95,11 @@ OPTIONS: tuple[Option, ...] = (
            flag="--enable-dbo", spec={"nargs": "?", "const": True, "type": _dbo}),
     Option("server.host", "bind address (default 127.0.0.1: this host only)", commands=(SERVE,)),
     Option("server.port", "default 8000; 0 picks a free port (printed)", commands=(SERVE,), spec=INT),
-    Option("server.model_name", "the `model` clients pass (default: the checkpoint dir's name)", commands=(SERVE,)),
+    Option("server.model_name", "the `model` names clients may pass; the first is the one responses report "
+           "(default: the checkpoint dir's name)", commands=(SERVE,), flag="--served-model-name",
+           aliases=("--model-name",), spec={"nargs": "+"}),
+    Option("server.allowed_origins", "CORS: origins browsers may call from (JSON list or comma-separated; "
+           "'*' any; default none: CORS off)", commands=(SERVE,), spec={"type": origins}),
     Option("server.api_key", "clients must send `Authorization: Bearer KEY` to /v1/* (also WIDEEP_API_KEY)",
            commands=(SERVE,)),
     Option("server.protect_metrics", "/metrics needs the API key too", commands=(SERVE,),
@@ -102,7 +124,7 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
         if command in o.commands:
             takes_value = o.spec.get("action") in (None, "append")
             meta = {"metavar": o.key.split(".", 1)[1].upper()} if takes_value and "choices" not in o.spec else {}
-            parser.add_argument(o.name, dest=o.dest, default=None, help=o.help, **meta, **o.spec)
+            parser.add_argument(o.name, *o.aliases, dest=o.dest, default=None, help=o.help, **meta, **o.spec)
 
 
 def overrides(args: argparse.Namespace, command: str) -> dict[str, Any]:

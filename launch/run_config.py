@@ -19,9 +19,10 @@ with a model given on the command line may leave out [model] path.
     [kv_cache] tiers ([] | ["host"] | ["host", "disk"]), host_bytes, disk_bytes, disk_dir, persist_on_close,
                routing ("kv_aware" | "least_loaded"), route_prefix_weight, route_load_weight (kvstore/config.py)
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
-    [server]   for `wideep serve`: host (127.0.0.1), port (8000), model_name (default: the checkpoint dir's
-               name), api_key (clients send `Authorization: Bearer KEY` to /v1/*; also WIDEEP_API_KEY),
-               protect_metrics (false: /metrics open even with an api_key)
+    [server]   for `wideep serve`: host (127.0.0.1), port (8000), model_name (a name or a list of names;
+               default: the checkpoint dir's name), api_key (clients send `Authorization: Bearer KEY` to
+               /v1/*; also WIDEEP_API_KEY), protect_metrics (false: /metrics open even with an api_key),
+               allowed_origins (CORS: a list of origins, "*" any; default none: off)
     [disagg]   kv_transfer, idle_sleep_s; [disagg.prefill] / [disagg.decode]: dp_size, ep_size, max_num_seqs,
                max_num_batched_tokens, kv_cache_blocks (disagg/config.py). Present = prefill/decode pools.
 """
@@ -44,14 +45,21 @@ class ServerSection:
     """[server], for `wideep serve`."""
     host: str = "127.0.0.1"
     port: int = 8000
-    model_name: str | None = None
+    model_name: str | list[str] | None = None     # several: all accepted, the first reported
     api_key: str | None = None
     protect_metrics: bool = False
+    allowed_origins: list[str] | None = None      # CORS; None: off
 
     def __post_init__(self):
+        for key in ("model_name", "allowed_origins"):
+            v = getattr(self, key)
+            if isinstance(v, list) and (not v or not all(isinstance(x, str) and x for x in v)):
+                raise ValueError(f"[server] {key} must be a non-empty list of non-empty strings, got {v!r}")
+        if isinstance(self.allowed_origins, str):
+            raise ValueError(f"[server] allowed_origins must be a list of strings, got {self.allowed_origins!r}")
         for key in ("host", "model_name", "api_key"):
             v = getattr(self, key)
-            if v is not None and (not isinstance(v, str) or not v):
+            if v is not None and not isinstance(v, list) and (not isinstance(v, str) or not v):
                 got = repr(v) if key != "api_key" else f"a {type(v).__name__}"  # never echo a secret
                 raise ValueError(f"[server] {key} must be a non-empty string, got {got}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:

@@ -2,7 +2,10 @@
 rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engine.shutdown().
 
     POST /v1/completions   OpenAI completions, stream true (SSE `data: {...}` chunks, `data: [DONE]`) | false
-    GET  /v1/models        the served model
+    GET  /v1/models        the served names (vLLM's model cards: root, created, max_model_len)
+    POST /tokenize         vLLM's: {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
+    POST /detokenize       vLLM's: {"tokens"} -> {"prompt"}
+    GET  /version          {"version": wideep's version}
     GET  /health           200 while the engine serves, 503 once it has stopped
     GET  /metrics          Prometheus text (launch/prometheus.py)
 
@@ -13,7 +16,9 @@ protect_metrics) answer 401 unless the request sends `Authorization: Bearer KEY`
 for load balancers. A client that disconnects aborts its request (handler_cancellation, plus failed
 writes). SIGINT/SIGTERM to rank 0: stop accepting, abort in-flight requests, engine.shutdown()
 (releases the workers, which ignore these signals so that a launcher signalling every rank stops
-them cleanly).
+them cleanly). A request's `X-Request-Id` header becomes its id (`cmpl-<id>`, suffixed when that id
+is already in flight) and is echoed in the response headers; CORS is off unless allowed_origins names
+origins (launch/cors.py).
 """
 from __future__ import annotations
 
@@ -23,14 +28,18 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
+import uuid
 
 from aiohttp import web
 
 from engine.front.async_engine import AsyncEngine, EngineDeadError
 
-from . import prometheus
-from .openai_api import BadRequest, Completion, parse_completion
+from . import prometheus, tokenize_api
+from .cors import Cors
+from .json_text import lone_surrogate, surrogate_message
+from .openai_api import BadRequest, Completion, cached_tokens, parse_completion
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
@@ -54,20 +63,48 @@ def _content_type_ok(request: web.Request) -> bool:
     return ct in ("application/json", "application/x-www-form-urlencoded") or ct.endswith("+json")
 
 
+async def read_json(request: web.Request):
+    """The request body as JSON (any value; the endpoint checks its shape). BadRequest: 415 for a
+    non-JSON Content-Type, 400 for bytes that are not UTF-8 JSON or text no tokenizer can take."""
+    if not _content_type_ok(request):
+        raise BadRequest(f"Content-Type {request.content_type!r} is not supported; send application/json", 415)
+    try:
+        text = (await request.read()).decode("utf-8")  # JSON is UTF-8 (json.loads(bytes) would guess UTF-16/32)
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"request body is not valid JSON: not UTF-8 ({e})") from None
+    try:
+        body = json.loads(text, parse_constant=_no_json_constant)
+    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an int too long to convert
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("request body is not valid JSON: nested too deeply") from None
+    field = lone_surrogate(body)
+    if field is not None:
+        raise BadRequest(surrogate_message(field))
+    return body
+
+
 def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 class Server:
-    """The aiohttp handlers over one AsyncEngine. model_name is what clients pass as `model` (aliases:
-    other names accepted for it); api_key: required on /v1/* (and /metrics when protect_metrics)."""
+    """The aiohttp handlers over one AsyncEngine. model_name is what clients pass as `model` and what
+    responses report (aliases: other names accepted for it, listed in /v1/models too); api_key:
+    required on /v1/* (and /metrics when protect_metrics); allowed_origins: CORS (none: off)."""
 
     def __init__(self, aengine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 protect_metrics: bool = False, aliases: tuple[str, ...] = ()):
+                 protect_metrics: bool = False, aliases: tuple[str, ...] = (),
+                 allowed_origins: tuple[str, ...] = ()):
         self.aengine, self.model_name, self.aliases = aengine, model_name, aliases
         self._key = f"Bearer {api_key}".encode() if api_key else None
         self.protect_metrics = protect_metrics
-        tok = aengine.engine.core.tokenizer
+        self.cors = Cors(tuple(allowed_origins)) if allowed_origins else None
+        core = aengine.engine.core
+        self.tokenizer, self.root, self.max_model_len = core.tokenizer, core.model_dir, core.max_model_len
+        self.created = int(time.time())
+        self._live_ids: set[str] = set()   # request ids in flight (X-Request-Id may repeat)
+        tok = self.tokenizer
         self.decode = (lambda t: tok.decode([t])) if tok is not None else None
 
     def _needs_key(self, path: str) -> bool:
@@ -96,10 +133,62 @@ class Server:
             return _error(500, "internal server error (logged on the server)")
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._guard])
+        # CORS first: a browser's preflight carries no API key
+        app = web.Application(middlewares=[self.cors.preflight, self._guard] if self.cors else [self._guard])
         app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
+                        web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
+                        web.get("/version", self.version),
                         web.get("/health", self.health), web.get("/metrics", self.metrics)])
+        app.on_response_prepare.append(self._echo_request_id)
+        if self.cors:
+            app.on_response_prepare.append(self.cors.on_prepare)
         return app
+
+    def _request_id(self, request: web.Request, prefix: str) -> str:
+        """The engine's id for this request: `prefix-<X-Request-Id>`, or `prefix-<uuid>` without the
+        header; a suffix keeps it unique while an equal id is in flight. Held until _release_id."""
+        given = request.headers.get("X-Request-Id")
+        rid = f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
+        if rid in self._live_ids:
+            rid = f"{rid}-{uuid.uuid4().hex[:8]}"
+        self._live_ids.add(rid)
+        request["wideep_request_id"] = rid
+        return rid
+
+    def _release_id(self, rid: str) -> None:
+        self._live_ids.discard(rid)
+
+    async def _echo_request_id(self, request: web.Request, response: web.StreamResponse) -> None:
+        """X-Request-Id back as the client sent it; without one, the id the request ran under."""
+        rid = request.headers.get("X-Request-Id") or request.get("wideep_request_id")
+        if rid:
+            response.headers["X-Request-Id"] = rid
+
+    def _model(self, body) -> None:
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != self.model_name and model not in self.aliases:
+            raise BadRequest(f"model {model!r} does not exist; this server serves {self.model_name!r}", status=404)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_call(request, lambda b: tokenize_api.tokenize(b, self.tokenizer,
+                                                                                   self.max_model_len))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return await self._tokenizer_call(request, lambda b: tokenize_api.detokenize(b, self.tokenizer))
+
+    async def _tokenizer_call(self, request: web.Request, fn) -> web.Response:
+        try:
+            body = await read_json(request)
+            self._model(body)
+            if self.tokenizer is None:
+                raise BadRequest(f"{self.root!r} has no tokenizer.json: nothing to (de)tokenize with")
+            return web.json_response(fn(body))
+        except BadRequest as e:
+            return _error(e.status, str(e))
+
+    async def version(self, request: web.Request) -> web.Response:
+        from wideep import __version__   # the facade sits above launch/: imported when asked
+        return web.json_response({"version": __version__})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.aengine.is_running:
@@ -107,8 +196,11 @@ class Server:
         return _error(503, "engine is not running")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                              "owned_by": "wideep"}]})
+        """vLLM's model cards, one per served name (`vllm bench serve` reads root)."""
+        cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "wideep", "root": self.root,
+                  "parent": None, "max_model_len": self.max_model_len, "permission": []}
+                 for name in (self.model_name, *self.aliases)]
+        return web.json_response({"object": "list", "data": cards})
 
     async def metrics(self, request: web.Request) -> web.Response:
         try:
@@ -118,23 +210,13 @@ class Server:
         return web.Response(body=prometheus.render(m).encode(), headers={"Content-Type": prometheus.CONTENT_TYPE})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        if not _content_type_ok(request):
-            return _error(415, f"Content-Type {request.content_type!r} is not supported; send application/json")
         try:
-            text = (await request.read()).decode("utf-8")  # JSON is UTF-8 (json.loads(bytes) would guess UTF-16/32)
-        except UnicodeDecodeError as e:
-            return _error(400, f"request body is not valid JSON: not UTF-8 ({e})")
-        try:
-            body = json.loads(text, parse_constant=_no_json_constant)
-        except ValueError as e:  # JSONDecodeError, NaN/Infinity, an int too long to convert
-            return _error(400, f"request body is not valid JSON: {e}")
-        except RecursionError:
-            return _error(400, "request body is not valid JSON: nested too deeply")
-        try:
+            body = await read_json(request)
             prompt, params, stream, include_usage = parse_completion(body, self.model_name, self.aliases)
         except BadRequest as e:
             return _error(e.status, str(e))
         comp = Completion(self.model_name, self.decode)
+        comp.id = self._request_id(request, "cmpl")
         gen = self.aengine.generate(prompt, params, request_id=comp.id)
         try:
             # The first output proves the engine accepted the request, so bad input (a prompt too long
@@ -153,6 +235,7 @@ class Server:
             return await self._stream(request, comp, gen, first, include_usage)
         finally:
             await gen.aclose()  # not finished (disconnect, failed write): aborts the request
+            self._release_id(comp.id)
 
     async def _stream(self, request, comp: Completion, gen, out, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -168,21 +251,25 @@ class Server:
         except EngineDeadError as e:  # the 200 is already sent: report in-band, then end the stream
             await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": 503}}))
         if include_usage:
-            await resp.write(_sse(comp.usage_chunk(len(out.prompt_token_ids), n)))
+            await resp.write(_sse(comp.usage_chunk(len(out.prompt_token_ids), n, cached_tokens(out))))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
 
 
-async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: str | None = None,
-                      api_key: str | None = None, protect_metrics: bool = False, under_torchrun: bool = False) -> int:
-    """Rank 0: serve until SIGINT/SIGTERM or until the engine stops by itself. -> exit status."""
+async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                      model_name: str | list[str] | None = None, api_key: str | None = None,
+                      protect_metrics: bool = False, under_torchrun: bool = False,
+                      allowed_origins: tuple[str, ...] = ()) -> int:
+    """Rank 0: serve until SIGINT/SIGTERM or until the engine stops by itself. -> exit status.
+    model_name: one name or several (the first is what responses report; all are accepted)."""
     aengine = AsyncEngine(engine)
+    names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     # Unnamed, the model is its directory's name, and the path as given is accepted too (what clients
     # of `vllm serve PATH` send).
-    aliases = () if model_name else (engine.core.model_dir,)
-    model_name = model_name or os.path.basename(os.path.normpath(engine.core.model_dir))
-    server = Server(aengine, model_name, api_key, protect_metrics, aliases)
+    aliases = tuple(names[1:]) if names else (engine.core.model_dir,)
+    model_name = names[0] if names else os.path.basename(os.path.normpath(engine.core.model_dir))
+    server = Server(aengine, model_name, api_key, protect_metrics, aliases, tuple(allowed_origins or ()))
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -242,4 +329,5 @@ def serve(cfg: dict) -> int:
     s = cfg.get("server", {})
     return asyncio.run(serve_front(engine, s.get("host", DEFAULT_HOST), s.get("port", DEFAULT_PORT),
                                    s.get("model_name"), s.get("api_key"), s.get("protect_metrics", False),
-                                   under_torchrun="TORCHELASTIC_RUN_ID" in os.environ))
+                                   under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
+                                   allowed_origins=tuple(s.get("allowed_origins") or ())))

@@ -40,6 +40,7 @@ class RequestState:
     finish_time: float | None = None
     queue_s: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0                          # prompt tokens found in the prefix cache at admission
     extra_metrics: dict = field(default_factory=dict)   # e.g. disaggregation's transfer figures
     generator_state: bytes | None = None                # seeded sampling: after the last token received
     readmitted: int = 0                                 # times re-admitted after its rank was lost
@@ -72,6 +73,8 @@ class RequestState:
         if d.queue_s is not None and self.queue_s is None:
             self.queue_s = d.queue_s
         self.num_preemptions = max(self.num_preemptions, d.num_preemptions)
+        if d.num_cached_tokens is not None and not self.num_cached_tokens:   # a re-admission keeps the first figure
+            self.num_cached_tokens = d.num_cached_tokens
         if d.metrics:
             self.extra_metrics.update(d.metrics)
         if d.generator_state is not None:
@@ -92,7 +95,7 @@ class RequestState:
         if self.finish_time is not None and self.first_token_time is not None and n > 1:
             tpot = (self.finish_time - self.first_token_time) / (n - 1)
         return {"ttft_s": ttft, "tpot_s": tpot, "queue_s": self.queue_s, "finish_reason": self.finish_reason,
-                "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n,
+                "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n, "cached_tokens": self.num_cached_tokens,
                 "preemptions": self.num_preemptions, "readmitted": self.readmitted, **self.extra_metrics}
 
     def output(self, tokenizer, delta: bool = False) -> RequestOutput:

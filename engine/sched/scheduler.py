@@ -155,6 +155,8 @@ class Scheduler:
                 s.num_computed = 0
                 break
             self.blocks.record_query(s.num_tokens, match)
+            if s.num_cached_tokens is None:   # usage.prompt_tokens_details.cached_tokens: the first admission's
+                s.num_cached_tokens = match.tokens
             self.waiting.popleft()
             self.blocks.grow(s, n)
             if s.first_scheduled_time is None:

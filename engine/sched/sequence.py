@@ -31,6 +31,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None   # prompt tokens its first admission found in the prefix cache
     # metrics (wall clock: arrival is stamped by the front, the rest on the owning rank)
     arrival_time: float = field(default_factory=time.time)
     first_scheduled_time: float | None = None

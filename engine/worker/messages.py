@@ -56,6 +56,7 @@ class Delta:
     prompt_logprobs: list | None = None       # sent once, with the first token
     queue_s: float | None = None              # on the rank: received -> first scheduled (first delta)
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None      # prefix-cache hit tokens at admission (first delta)
     metrics: dict | None = None               # extra per-request figures (disaggregation)
     generator_state: bytes | None = None      # seeded sampling: the generator after these tokens, so
     #                                           the request can resume on another rank after a loss

@@ -247,7 +247,8 @@ def delta_of(s) -> Delta:
                  s.cumulative_logprob, s.finish_reason,
                  prompt_logprobs=s.prompt_logprobs if first else None,
                  queue_s=(s.first_scheduled_time - s.arrival_time) if first and s.first_scheduled_time else None,
-                 num_preemptions=s.num_preemptions, metrics=s.extra_metrics or None, generator_state=gen)
+                 num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens if first else None,
+                 metrics=s.extra_metrics or None, generator_state=gen)
 
 
 __all__ = ["RankLoop", "RankHooks", "delta_of", "END", "SHUTDOWN"]

@@ -98,7 +98,7 @@ def test_flags_override_config_file(tmp_path):
                          "--port", "0", "--model-name", "x"), SERVE, env={})
     assert cfg["model"] == {"path": "/flag", "dtype": "float32"}
     assert cfg["engine"] == {"enable_prefix_caching": False, "max_logprobs": 3, "block_size": 16}
-    assert cfg["server"]["port"] == 0 and cfg["server"]["model_name"] == "x"
+    assert cfg["server"]["port"] == 0 and cfg["server"]["model_name"] == ["x"]
     # a file without [model] path serves whatever model the command line names
     no_path = _cfg_file(tmp_path, "[engine]\nmax_logprobs = 2\n")
     assert resolve(_parse("serve", "/m", "--config", no_path), SERVE, env={})["model"]["path"] == "/m"
