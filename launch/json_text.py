@@ -21,7 +21,8 @@ def lone_surrogate(body) -> str | None:
         elif isinstance(v, dict):
             for k, x in reversed(list(v.items())):   # reversed: the first field is reported first
                 if _LONE_SURROGATE.search(k):
-                    return f"{path}.{k!a}" if path else ascii(k)
+                    shown = ascii(k)[1:-1]   # the escape, not the unencodable character
+                    return f"{path}.{shown}" if path else shown
                 stack.append((f"{path}.{k}" if path else k, x))
         elif isinstance(v, list):
             stack.extend((f"{path}[{i}]", x) for i, x in reversed(list(enumerate(v))))

@@ -1,7 +1,8 @@
 """Hostile and malformed HTTP requests against one `wideep serve` (a subprocess on 127.0.0.1): each is
 answered 4xx with a JSON error naming the problem, and the next good request is still answered
 correctly (equal to LLM.generate). The server is started from a config file with flags over it
-(--max-logprobs, --model-name), which these tests also check."""
+(--max-logprobs, --served-model-name with two names, --allowed-origins), which these tests also check;
+/tokenize, /detokenize, /version, X-Request-Id and CORS are checked here too."""
 from __future__ import annotations
 
 import http.client
@@ -30,14 +31,20 @@ GOOD = {"model": "fuzz", "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0.
 JSON = "application/json"
 
 
+ORIGIN = "https://ok.example"
+
+
 def send(base: str, body: bytes, content_type: str | None = JSON, method: str = "POST",
-         path: str = "/v1/completions") -> tuple[int, str, bytes]:
+         path: str = "/v1/completions", headers: dict | None = None, with_headers: bool = False):
+    """-> (status, Content-Type, body) (and the response headers with with_headers)."""
     conn = http.client.HTTPConnection(base, timeout=60)
-    conn.request(method, path, body=body, headers={"Content-Type": content_type} if content_type else {})
+    conn.request(method, path, body=body, headers={**({"Content-Type": content_type} if content_type else {}),
+                                                   **(headers or {})})
     r = conn.getresponse()
     out = (r.status, r.getheader("Content-Type", ""), r.read())
+    hdrs = dict(r.getheaders())
     conn.close()
-    return out
+    return (*out, hdrs) if with_headers else out
 
 
 def j(obj) -> bytes:
@@ -59,7 +66,8 @@ def want(tiny):
 def server(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "fuzz.toml"
     path.write_text(CONFIG.format(path=tiny))
-    s = ServerProc(["--config", str(path), "--port", "0", "--max-logprobs", "5", "--model-name", "fuzz"])
+    s = ServerProc(["--config", str(path), "--port", "0", "--max-logprobs", "5", "--served-model-name", "fuzz",
+                    "fuzz-alias", "--allowed-origins", f'["{ORIGIN}"]'])
     yield s
     assert s.stop() == [0], s.output
     assert "Traceback" not in "".join(s.output[0]), s.output  # no handler blew up on the way
@@ -135,6 +143,35 @@ CASES = [
     ("body over 1 MiB", j({"prompt": [1] * 400_000}), JSON, "POST", None, 413, "Maximum request body size"),
     ("GET on a POST route", b"", None, "GET", None, 405, "Method Not Allowed: GET /v1/completions"),
     ("unknown path", j(GOOD), JSON, "POST", "/v1/chat/nothing", 404, "Not Found: POST /v1/chat/nothing"),
+    # JSON escapes of lone UTF-16 surrogates: valid JSON, but no text a tokenizer can take
+    ("lone low surrogate in prompt", b'{"prompt": "\\udcff abc", "max_tokens": 2}', JSON, "POST", None, 400,
+     "'prompt' holds an unpaired UTF-16 surrogate"),
+    ("lone high surrogate at the end", b'{"prompt": "abc\\ud800"}', JSON, "POST", None, 400,
+     "'prompt' holds an unpaired UTF-16 surrogate"),
+    ("surrogate in a prompt list", b'{"prompt": ["\\udfff"]}', JSON, "POST", None, 400,
+     "'prompt[0]' holds an unpaired UTF-16 surrogate"),
+    ("surrogate in an ignored field", b'{"prompt": [1], "user": {"n": "\\udc80"}}', JSON, "POST", None, 400,
+     "'user.n' holds an unpaired UTF-16 surrogate"),
+    ("surrogate in a key", b'{"prompt": [1], "\\ud801": 1}', JSON, "POST", None, 400,
+     "holds an unpaired UTF-16 surrogate"),
+    ("surrogate on /tokenize", b'{"prompt": "x\\udcffy"}', JSON, "POST", "/tokenize", 400,
+     "'prompt' holds an unpaired UTF-16 surrogate"),
+    ("tokenize without prompt", j({"text": "hi"}), JSON, "POST", "/tokenize", 400, "'prompt' must be a string"),
+    ("tokenize token ids", j({"prompt": [1, 2]}), JSON, "POST", "/tokenize", 400, "'prompt' must be a string"),
+    ("tokenize messages", j({"messages": [{"role": "user", "content": "hi"}]}), JSON, "POST", "/tokenize", 400,
+     "'messages' is not supported on /tokenize"),
+    ("tokenize add_special_tokens string", j({"prompt": "hi", "add_special_tokens": "no"}), JSON, "POST",
+     "/tokenize", 400, "'add_special_tokens' must be true or false"),
+    ("tokenize another model", j({"prompt": "hi", "model": "other"}), JSON, "POST", "/tokenize", 404,
+     "model 'other' does not exist"),
+    ("tokenize not an object", j(["hi"]), JSON, "POST", "/tokenize", 400, "must be a JSON object, got list"),
+    ("tokenize text/plain", b"hi", "text/plain", "POST", "/tokenize", 415, "Content-Type 'text/plain'"),
+    ("detokenize negative id", j({"tokens": [-1]}), JSON, "POST", "/detokenize", 400, "token id -1 is out of range"),
+    ("detokenize huge id", j({"tokens": [10 ** 30]}), JSON, "POST", "/detokenize", 400, "is out of range"),
+    ("detokenize text", j({"tokens": "1 2"}), JSON, "POST", "/detokenize", 400, "'tokens' must be a list"),
+    ("detokenize bools", j({"tokens": [True]}), JSON, "POST", "/detokenize", 400, "'tokens' must be a list"),
+    ("GET /tokenize", b"", None, "GET", "/tokenize", 405, "Method Not Allowed: GET /tokenize"),
+    ("POST /version", b"", None, "POST", "/version", 405, "Method Not Allowed: POST /version"),
 ]
 
 
@@ -142,6 +179,7 @@ CASES = [
 def test_hostile_request_is_a_json_4xx_and_server_keeps_serving(server, want, name, body, ctype, method, path,
                                                                 status, match):
     got, got_type, raw = send(server.base, body, ctype, method, path or "/v1/completions")
+    assert b"Traceback" not in raw
     assert got == status, (name, raw[:500])
     assert got_type.startswith(JSON), (name, got_type, raw[:200])
     err = json.loads(raw)["error"]
@@ -173,7 +211,7 @@ def test_accepted_edges_and_unknown_fields(server, want):
 
 def test_flags_beat_the_file_and_nothing_was_left_behind(server):
     status, _, raw = send(server.base, b"", None, "GET", "/v1/models")
-    assert status == 200 and json.loads(raw)["data"][0]["id"] == "fuzz"   # --model-name over [server]
+    assert status == 200 and json.loads(raw)["data"][0]["id"] == "fuzz"   # --served-model-name over [server]
     m = metrics(server.base)
     assert m["wideep_requests_running"] == 0 and m["wideep_requests_waiting"] == 0
     assert m["wideep_kv_cache_blocks_used"] == 0
@@ -215,3 +253,90 @@ def test_a_handler_bug_is_a_json_500_and_the_next_request_works(tiny, want, monk
         finally:
             await aengine.shutdown()
     asyncio.run(go())
+
+
+def test_surrogates_then_the_server_still_serves(server, want):
+    """Many surrogate bodies in a row, stream and not: each a 400, and then a good request is answered."""
+    for i in range(20):
+        esc = rb"\ud8%02x" % (i % 0x100) if i % 2 else rb"\udc%02x" % i
+        body = b'{"prompt": "ab' + esc + b'cd", "stream": ' + (b"true" if i % 3 else b"false") + b"}"
+        status, _, raw = send(server.base, body)
+        assert status == 400 and b"unpaired UTF-16 surrogate" in raw, raw
+    # a valid pair (an emoji as two escapes) is text: it is served
+    status, _, raw = send(server.base, b'{"prompt": "hi \\ud83d\\ude00", "max_tokens": 2, "model": "fuzz"}')
+    assert status == 200, raw
+    assert good_answer(server.base) == want
+
+
+def test_models_cards_and_served_names(server, tiny, want):
+    """vLLM's model cards: every --served-model-name listed with root (the path), created, max_model_len;
+    any name is accepted as `model`, responses report the first."""
+    status, _, raw = send(server.base, b"", None, "GET", "/v1/models")
+    cards = json.loads(raw)["data"]
+    assert [c["id"] for c in cards] == ["fuzz", "fuzz-alias"]
+    for c in cards:
+        assert c["object"] == "model" and c["root"] == tiny and c["max_model_len"] == 128
+        assert isinstance(c["created"], int) and c["owned_by"] == "wideep"
+    status, _, raw = send(server.base, j(dict(GOOD, model="fuzz-alias")))
+    assert status == 200 and json.loads(raw)["model"] == "fuzz"
+    assert json.loads(raw)["choices"][0]["token_ids"] == want
+    status, _, raw = send(server.base, j(dict(GOOD, model="other")))
+    assert status == 404 and b"does not exist" in raw
+
+
+def test_tokenize_detokenize_and_version(server, tiny):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(f"{tiny}/tokenizer.json")
+    text = "hello world, tokens"
+    for add in (True, False):
+        status, _, raw = send(server.base, j({"prompt": text, "add_special_tokens": add, "model": "fuzz-alias"}),
+                              path="/tokenize")
+        assert status == 200, raw
+        r = json.loads(raw)
+        ids = tok.encode(text, add_special_tokens=add).ids
+        assert r == {"tokens": ids, "count": len(ids), "max_model_len": 128, "token_strs": None}
+    status, _, raw = send(server.base, j({"prompt": text, "return_token_strs": True}), path="/tokenize")
+    assert json.loads(raw)["token_strs"] == tok.encode(text).tokens
+    ids = tok.encode(text, add_special_tokens=False).ids
+    status, _, raw = send(server.base, j({"tokens": ids}), path="/detokenize")
+    assert status == 200 and json.loads(raw) == {"prompt": tok.decode(ids, skip_special_tokens=False)}
+    status, _, raw = send(server.base, j({"tokens": []}), path="/detokenize")
+    assert status == 200 and json.loads(raw) == {"prompt": ""}
+    status, _, raw = send(server.base, b"", None, "GET", "/version")
+    assert status == 200 and isinstance(json.loads(raw)["version"], str)
+
+
+def test_x_request_id_is_the_id_and_is_echoed(server):
+    status, _, raw, h = send(server.base, j(GOOD), headers={"X-Request-Id": "trace-42"}, with_headers=True)
+    assert status == 200 and h["X-Request-Id"] == "trace-42"
+    assert json.loads(raw)["id"] == "cmpl-trace-42"
+    status, _, raw, h = send(server.base, j(dict(GOOD, stream=True)), headers={"X-Request-Id": "trace-43"},
+                             with_headers=True)
+    assert status == 200 and h["X-Request-Id"] == "trace-43"
+    assert json.loads(raw.decode().split("\n\n")[0][len("data: "):])["id"] == "cmpl-trace-43"
+    # the same id again (the first finished): the same id; errors and other routes echo it too
+    status, _, raw, h = send(server.base, j(GOOD), headers={"X-Request-Id": "trace-42"}, with_headers=True)
+    assert json.loads(raw)["id"] == "cmpl-trace-42"
+    for body, path in [(j({"prompt": [-1]}), "/v1/completions"), (j({"prompt": "a"}), "/tokenize")]:
+        status, _, raw, h = send(server.base, body, path=path, headers={"X-Request-Id": "e1"}, with_headers=True)
+        assert h["X-Request-Id"] == "e1", (path, h)
+    status, _, raw, h = send(server.base, j(GOOD), with_headers=True)   # none sent: the id it ran under
+    assert h["X-Request-Id"] == json.loads(raw)["id"] and h["X-Request-Id"].startswith("cmpl-")
+
+
+def test_cors_for_the_allowed_origin_only(server):
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "content-type, authorization"}
+    status, _, _, h = send(server.base, b"", None, "OPTIONS", headers=pre, with_headers=True)
+    assert status == 200 and h["Access-Control-Allow-Origin"] == ORIGIN
+    assert "POST" in h["Access-Control-Allow-Methods"]
+    assert h["Access-Control-Allow-Headers"] == "content-type, authorization"
+    status, _, raw = send(server.base, b"", None, "OPTIONS", headers=dict(pre, Origin="https://evil.example"))
+    assert status == 403 and b"not allowed" in raw
+    status, _, _, h = send(server.base, j(GOOD), headers={"Origin": ORIGIN}, with_headers=True)
+    assert status == 200 and h["Access-Control-Allow-Origin"] == ORIGIN
+    status, _, _, h = send(server.base, j(dict(GOOD, stream=True)), headers={"Origin": ORIGIN}, with_headers=True)
+    assert status == 200 and h["Access-Control-Allow-Origin"] == ORIGIN
+    for hdrs in ({"Origin": "https://evil.example"}, {}):
+        status, _, _, h = send(server.base, j(GOOD), headers=hdrs, with_headers=True)
+        assert status == 200 and "Access-Control-Allow-Origin" not in h

@@ -154,10 +154,45 @@ def server(tiny, tmp_path_factory):
     assert "stopped" in "".join(s.output[0])
 
 
-def test_health_and_models(server):
+def test_health_and_models(server, tiny):
     assert request(server.base, "GET", "/health") == (200, b'{"status": "ok"}')
     status, raw = request(server.base, "GET", "/v1/models")
-    assert status == 200 and json.loads(raw)["data"][0]["id"] == "tiny"
+    cards = json.loads(raw)["data"]
+    assert status == 200 and [c["id"] for c in cards] == ["tiny"]
+    assert cards[0]["root"] == tiny and cards[0]["max_model_len"] == 128 and isinstance(cards[0]["created"], int)
+
+
+def test_openai_client_models_and_cached_tokens(server, tiny):
+    """The official client: models.list() (root, as `vllm bench serve` reads it), and a completion's
+    usage.prompt_tokens_details.cached_tokens: 0 the first time, one full block (64 tokens of the 100)
+    when the same prompt comes again, streamed usage too."""
+    import openai
+    client = openai.OpenAI(base_url=f"http://{server.base}/v1", api_key="unused", max_retries=0)
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].model_extra["root"] == tiny
+    prompt = list(range(150, 250))   # no other test sends these: nothing of it is cached yet
+    usages = [client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0).usage
+              for _ in range(2)]
+    assert [u.prompt_tokens for u in usages] == [100, 100] and usages[0].completion_tokens == 3
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, 64]
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64
+
+
+def test_no_cors_unless_asked(server):
+    """Without --allowed-origins: no preflight route (405) and no Access-Control-Allow-Origin."""
+    pre = {"Origin": "https://a.example", "Access-Control-Request-Method": "POST"}
+    conn = http.client.HTTPConnection(server.base, timeout=60)
+    conn.request("OPTIONS", "/v1/completions", headers=pre)
+    r = conn.getresponse()
+    r.read()
+    assert r.status == 405 and r.getheader("Access-Control-Allow-Origin") is None
+    conn.request("GET", "/v1/models", headers={"Origin": "https://a.example"})
+    r = conn.getresponse()
+    r.read()
+    conn.close()
+    assert r.status == 200 and r.getheader("Access-Control-Allow-Origin") is None
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -168,6 +203,7 @@ def test_completions_equal_llm_generate(server, reference, stream):
         assert got["finish_reason"] in ("length", "stop")
         assert got["usage"]["completion_tokens"] == len(want)
         assert got["usage"]["total_tokens"] == got["usage"]["prompt_tokens"] + len(want)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
         if stream:
             assert got["chunks"] == len(want)  # one token per chunk
 
