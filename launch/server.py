@@ -42,6 +42,8 @@ from .json_text import lone_surrogate, surrogate_message
 from .openai_api import BadRequest, Completion, cached_tokens, parse_completion
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+# where a handler leaves the id its request ran under (typed keys exist from aiohttp 3.13)
+_REQUEST_ID = web.RequestKey("wideep_request_id", str) if hasattr(web, "RequestKey") else "wideep_request_id"
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
@@ -90,13 +92,15 @@ def _sse(obj) -> bytes:
 
 class Server:
     """The aiohttp handlers over one AsyncEngine. model_name is what clients pass as `model` and what
-    responses report (aliases: other names accepted for it, listed in /v1/models too); api_key:
-    required on /v1/* (and /metrics when protect_metrics); allowed_origins: CORS (none: off)."""
+    responses report (aliases: other names accepted for it, listed in /v1/models too; unlisted:
+    accepted, not listed); api_key: required on /v1/* (and /metrics when protect_metrics);
+    allowed_origins: CORS (none: off)."""
 
     def __init__(self, aengine: AsyncEngine, model_name: str, api_key: str | None = None,
                  protect_metrics: bool = False, aliases: tuple[str, ...] = (),
-                 allowed_origins: tuple[str, ...] = ()):
-        self.aengine, self.model_name, self.aliases = aengine, model_name, aliases
+                 allowed_origins: tuple[str, ...] = (), unlisted: tuple[str, ...] = ()):
+        self.aengine, self.model_name, self.aliases = aengine, model_name, (*aliases, *unlisted)
+        self.listed = (model_name, *aliases)
         self._key = f"Bearer {api_key}".encode() if api_key else None
         self.protect_metrics = protect_metrics
         self.cors = Cors(tuple(allowed_origins)) if allowed_origins else None
@@ -152,7 +156,7 @@ class Server:
         if rid in self._live_ids:
             rid = f"{rid}-{uuid.uuid4().hex[:8]}"
         self._live_ids.add(rid)
-        request["wideep_request_id"] = rid
+        request[_REQUEST_ID] = rid
         return rid
 
     def _release_id(self, rid: str) -> None:
@@ -160,7 +164,7 @@ class Server:
 
     async def _echo_request_id(self, request: web.Request, response: web.StreamResponse) -> None:
         """X-Request-Id back as the client sent it; without one, the id the request ran under."""
-        rid = request.headers.get("X-Request-Id") or request.get("wideep_request_id")
+        rid = request.headers.get("X-Request-Id") or request.get(_REQUEST_ID)
         if rid:
             response.headers["X-Request-Id"] = rid
 
@@ -199,7 +203,7 @@ class Server:
         """vLLM's model cards, one per served name (`vllm bench serve` reads root)."""
         cards = [{"id": name, "object": "model", "created": self.created, "owned_by": "wideep", "root": self.root,
                   "parent": None, "max_model_len": self.max_model_len, "permission": []}
-                 for name in (self.model_name, *self.aliases)]
+                 for name in self.listed]
         return web.json_response({"object": "list", "data": cards})
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -267,9 +271,10 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     names = [model_name] if isinstance(model_name, str) else list(model_name or ())
     # Unnamed, the model is its directory's name, and the path as given is accepted too (what clients
     # of `vllm serve PATH` send).
-    aliases = tuple(names[1:]) if names else (engine.core.model_dir,)
+    unlisted = () if names else (engine.core.model_dir,)
     model_name = names[0] if names else os.path.basename(os.path.normpath(engine.core.model_dir))
-    server = Server(aengine, model_name, api_key, protect_metrics, aliases, tuple(allowed_origins or ()))
+    server = Server(aengine, model_name, api_key, protect_metrics, tuple(names[1:]), tuple(allowed_origins or ()),
+                    unlisted)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

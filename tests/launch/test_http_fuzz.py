@@ -340,3 +340,33 @@ def test_cors_for_the_allowed_origin_only(server):
     for hdrs in ({"Origin": "https://evil.example"}, {}):
         status, _, _, h = send(server.base, j(GOOD), headers=hdrs, with_headers=True)
         assert status == 200 and "Access-Control-Allow-Origin" not in h
+
+
+def test_a_repeated_x_request_id_in_flight_gets_a_suffix(tiny, want):
+    """In process: two concurrent requests with the same X-Request-Id both run (the engine refuses
+    a duplicate id), under cmpl-dup and cmpl-dup-<suffix>; each response echoes the header as sent."""
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from engine.front.async_engine import AsyncEngine
+    from engine.front.engine import Engine
+    from launch.server import Server
+
+    async def go():
+        aengine = AsyncEngine(Engine(tiny, progress=False, max_model_len=64, kv_cache_blocks=16))
+        try:
+            async with TestClient(TestServer(Server(aengine, "fuzz").app(), host="127.0.0.1")) as c:
+                async def one():
+                    r = await c.post("/v1/completions", json=dict(GOOD, max_tokens=8, stream=True),
+                                     headers={"X-Request-Id": "dup"})
+                    first = json.loads((await r.content.readuntil(b"\n\n"))[len(b"data: "):])
+                    await r.read()
+                    return r.status, r.headers["X-Request-Id"], first["id"]
+                got = await asyncio.gather(one(), one())
+            assert [g[:2] for g in got] == [(200, "dup")] * 2
+            ids = sorted(g[2] for g in got)
+            assert ids[0] == "cmpl-dup" and ids[1].startswith("cmpl-dup-"), ids
+        finally:
+            await aengine.shutdown()
+    asyncio.run(go())
