@@ -133,6 +133,10 @@ def test_bad_command_lines_name_the_problem(argv, match):
     ("[server]\nprotect_metrics = \"yes\"\n", "protect_metrics must be true or false, got 'yes'"),
     ("[server]\nport = -1\n", r"port must be an int in \[0, 65535\], got -1"),
     ("[server]\nmodel_name = 3\n", "model_name must be a non-empty string, got 3"),
+    ("[server]\nmodel_name = []\n", r"model_name must be a non-empty list of non-empty strings, got \[\]"),
+    ("[server]\nmodel_name = [\"a\", 2]\n", "model_name must be a non-empty list of non-empty strings"),
+    ("[server]\nallowed_origins = \"*\"\n", r"allowed_origins must be a list of strings, got '\*'"),
+    ("[server]\nallowed_origins = [\"\"]\n", "allowed_origins must be a non-empty list of non-empty strings"),
 ])
 def test_bad_server_section(tmp_path, text, match):
     with pytest.raises(ValueError, match=match):
@@ -140,7 +144,9 @@ def test_bad_server_section(tmp_path, text, match):
 
 
 @pytest.mark.parametrize("argv", [["serve", "/m", "--enable-dbo", "sometimes"], ["run", "/m", "--prompt-ids", "1,x"],
-                                  ["serve", "/m", "--port", "eighty"], ["generate", "/m", "--prompt-ids", ","]])
+                                  ["serve", "/m", "--port", "eighty"], ["generate", "/m", "--prompt-ids", ","],
+                                  ["serve", "/m", "--allowed-origins", "[1]"], ["serve", "/m", "--allowed-origins", ","],
+                                  ["serve", "/m", "--allowed-origins", "[oops"], ["serve", "/m", "--served-model-name"]])
 def test_bad_flag_values_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         _parse(*argv)
@@ -166,3 +172,14 @@ def test_generate_and_run_take_the_model_positionally(tmp_path, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"index"')]
     assert [r["token_ids"] for r in rows] == want
 
+
+
+def test_served_model_names_and_allowed_origins():
+    """vLLM's spellings: several names after --served-model-name; origins as a JSON list or comma-separated."""
+    cfg = resolve(_parse("serve", "/m", "--served-model-name", "a", "b", "--allowed-origins",
+                         '["https://x.example", "*"]'), SERVE, env={})
+    assert cfg["server"]["model_name"] == ["a", "b"]
+    assert cfg["server"]["allowed_origins"] == ["https://x.example", "*"]
+    cfg = resolve(_parse("serve", "/m", "--allowed-origins", "https://x.example, https://y.example"), SERVE, env={})
+    assert cfg["server"]["allowed_origins"] == ["https://x.example", "https://y.example"]
+    assert "allowed_origins" not in resolve(_parse("serve", "/m"), SERVE, env={}).get("server", {})
