@@ -94,6 +94,23 @@ def test_prefix_caching_equal_outputs_and_hits(model_dir):
     assert outs[True] == outs[False]
 
 
+def test_cached_tokens_per_request(model_dir):
+    """RequestOutput.metrics["cached_tokens"]: the prefix-cache hits of that request at admission
+    (whole blocks; the last prompt token is always computed), 0 with prefix caching off."""
+    prompt = list(range(100, 140))   # 2 full blocks of 16 + 8
+    for on, want in ((True, [0, 32, 32]), (False, [0, 0, 0])):
+        eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=40, enable_prefix_caching=on)
+        got = []
+        for i, p in enumerate([prompt, prompt, prompt[:33] + [7, 8]]):
+            eng.add_request(f"c{i}", p, greedy(3))
+            while True:
+                done = [o for o in eng.step() if o.finished]
+                if done:
+                    got.append(done[0].metrics["cached_tokens"])
+                    break
+        assert got == want, (on, got)
+
+
 def test_abort_frees_blocks_and_others_are_unaffected(model_dir):
     reqs = [dict(id=f"a{i}", prompt=list(range(3 + i, 40 + i)), max_tokens=30, arrival=0) for i in range(4)]
     ref = drive(Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=40), reqs)
