@@ -95,8 +95,8 @@ class RequestState:
         if self.finish_time is not None and self.first_token_time is not None and n > 1:
             tpot = (self.finish_time - self.first_token_time) / (n - 1)
         return {"ttft_s": ttft, "tpot_s": tpot, "queue_s": self.queue_s, "finish_reason": self.finish_reason,
-                "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n, "cached_tokens": self.num_cached_tokens,
-                "preemptions": self.num_preemptions, "readmitted": self.readmitted, **self.extra_metrics}
+                "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n,
+                "cached_tokens": self.num_cached_tokens, "preemptions": self.num_preemptions, "readmitted": self.readmitted, **self.extra_metrics}
 
     def output(self, tokenizer, delta: bool = False) -> RequestOutput:
         """Cumulative (vLLM's default) or only what was not reported before (streaming)."""

@@ -145,8 +145,10 @@ def test_bad_server_section(tmp_path, text, match):
 
 @pytest.mark.parametrize("argv", [["serve", "/m", "--enable-dbo", "sometimes"], ["run", "/m", "--prompt-ids", "1,x"],
                                   ["serve", "/m", "--port", "eighty"], ["generate", "/m", "--prompt-ids", ","],
-                                  ["serve", "/m", "--allowed-origins", "[1]"], ["serve", "/m", "--allowed-origins", ","],
-                                  ["serve", "/m", "--allowed-origins", "[oops"], ["serve", "/m", "--served-model-name"]])
+                                  ["serve", "/m", "--allowed-origins", "[1]"],
+                                  ["serve", "/m", "--allowed-origins", ","],
+                                  ["serve", "/m", "--allowed-origins", "[oops"],
+                                  ["serve", "/m", "--served-model-name"]])
 def test_bad_flag_values_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         _parse(*argv)
