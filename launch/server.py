@@ -16,9 +16,8 @@ protect_metrics) answer 401 unless the request sends `Authorization: Bearer KEY`
 for load balancers. A client that disconnects aborts its request (handler_cancellation, plus failed
 writes). SIGINT/SIGTERM to rank 0: stop accepting, abort in-flight requests, engine.shutdown()
 (releases the workers, which ignore these signals so that a launcher signalling every rank stops
-them cleanly). A request's `X-Request-Id` header becomes its id (`cmpl-<id>`, suffixed when that id
-is already in flight) and is echoed in the response headers; CORS is off unless allowed_origins names
-origins (launch/cors.py).
+them cleanly). A request's `X-Request-Id` header becomes its id and is echoed (launch/request_ids.py);
+CORS is off unless allowed_origins names origins (launch/cors.py).
 """
 from __future__ import annotations
 
@@ -30,7 +29,6 @@ import signal
 import sys
 import time
 import traceback
-import uuid
 
 from aiohttp import web
 
@@ -40,10 +38,9 @@ from . import prometheus, tokenize_api
 from .cors import Cors
 from .json_text import lone_surrogate, surrogate_message
 from .openai_api import BadRequest, Completion, cached_tokens, parse_completion
+from .request_ids import RequestIds
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
-# where a handler leaves the id its request ran under (typed keys exist from aiohttp 3.13)
-_REQUEST_ID = web.RequestKey("wideep_request_id", str) if hasattr(web, "RequestKey") else "wideep_request_id"
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
@@ -107,7 +104,7 @@ class Server:
         core = aengine.engine.core
         self.tokenizer, self.root, self.max_model_len = core.tokenizer, core.model_dir, core.max_model_len
         self.created = int(time.time())
-        self._live_ids: set[str] = set()   # request ids in flight (X-Request-Id may repeat)
+        self.request_ids = RequestIds()
         tok = self.tokenizer
         self.decode = (lambda t: tok.decode([t])) if tok is not None else None
 
@@ -143,30 +140,10 @@ class Server:
                         web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                         web.get("/version", self.version),
                         web.get("/health", self.health), web.get("/metrics", self.metrics)])
-        app.on_response_prepare.append(self._echo_request_id)
+        app.on_response_prepare.append(self.request_ids.echo)
         if self.cors:
             app.on_response_prepare.append(self.cors.on_prepare)
         return app
-
-    def _request_id(self, request: web.Request, prefix: str) -> str:
-        """The engine's id for this request: `prefix-<X-Request-Id>`, or `prefix-<uuid>` without the
-        header; a suffix keeps it unique while an equal id is in flight. Held until _release_id."""
-        given = request.headers.get("X-Request-Id")
-        rid = f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
-        if rid in self._live_ids:
-            rid = f"{rid}-{uuid.uuid4().hex[:8]}"
-        self._live_ids.add(rid)
-        request[_REQUEST_ID] = rid
-        return rid
-
-    def _release_id(self, rid: str) -> None:
-        self._live_ids.discard(rid)
-
-    async def _echo_request_id(self, request: web.Request, response: web.StreamResponse) -> None:
-        """X-Request-Id back as the client sent it; without one, the id the request ran under."""
-        rid = request.headers.get("X-Request-Id") or request.get(_REQUEST_ID)
-        if rid:
-            response.headers["X-Request-Id"] = rid
 
     def _model(self, body) -> None:
         model = body.get("model") if isinstance(body, dict) else None
@@ -220,7 +197,7 @@ class Server:
         except BadRequest as e:
             return _error(e.status, str(e))
         comp = Completion(self.model_name, self.decode)
-        comp.id = self._request_id(request, "cmpl")
+        comp.id = self.request_ids.assign(request, "cmpl")
         gen = self.aengine.generate(prompt, params, request_id=comp.id)
         try:
             # The first output proves the engine accepted the request, so bad input (a prompt too long
@@ -239,7 +216,7 @@ class Server:
             return await self._stream(request, comp, gen, first, include_usage)
         finally:
             await gen.aclose()  # not finished (disconnect, failed write): aborts the request
-            self._release_id(comp.id)
+            self.request_ids.release(comp.id)
 
     async def _stream(self, request, comp: Completion, gen, out, include_usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
