@@ -92,9 +92,11 @@ def _prompt(body: dict):
     raise BadRequest("'prompt' must be a string or a list of integer token ids")
 
 
-def parse_completion(body, served_model: str, aliases: tuple[str, ...] = ()) -> tuple:
+def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (), defaults: dict | None = None) -> tuple:
     """body (decoded JSON) -> (prompt, SamplingParams, stream, include_usage); BadRequest on bad input.
-    `model` may be served_model or one of aliases (other names of the same model)."""
+    `model` may be served_model or one of aliases (other names of the same model). defaults: the
+    checkpoint's generation_config.json values (engine.generation_defaults) for the sampling fields
+    the body leaves out or sends as null, as vLLM applies them."""
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
@@ -124,16 +126,19 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = ()) -> 
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"'ignore_eos' must be true or false, got {ignore_eos!r}")
+    d = defaults or {}
     try:
         params = SamplingParams(max_tokens=_int(body, "max_tokens", 16, lo=1),
-                                temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
-                                top_k=_int(body, "top_k", -1), seed=_int(body, "seed", None),
+                                temperature=_num(body, "temperature", d.get("temperature", 1.0)),
+                                top_p=_num(body, "top_p", d.get("top_p", 1.0)),
+                                top_k=_int(body, "top_k", d.get("top_k", -1)), seed=_int(body, "seed", None),
                                 logprobs=_int(body, "logprobs", None, lo=0), stop_token_ids=stop_ids,
                                 ignore_eos=ignore_eos, output_kind="delta" if stream else "final_only",
-                                min_tokens=_int(body, "min_tokens", 0, lo=0), min_p=_num(body, "min_p", 0.0),
+                                min_tokens=_int(body, "min_tokens", 0, lo=0),
+                                min_p=_num(body, "min_p", d.get("min_p", 0.0)),
                                 presence_penalty=_num(body, "presence_penalty", 0.0),
                                 frequency_penalty=_num(body, "frequency_penalty", 0.0),
-                                repetition_penalty=_num(body, "repetition_penalty", 1.0),
+                                repetition_penalty=_num(body, "repetition_penalty", d.get("repetition_penalty", 1.0)),
                                 logit_bias=_logit_bias(body))
     except ValueError as e:  # SamplingParams' own range checks (temperature < 0, top_p outside (0, 1])
         raise BadRequest(str(e).replace("SamplingParams.", "")) from None

@@ -28,6 +28,7 @@ import traceback
 from aiohttp import web
 
 from engine.front.async_engine import AsyncEngine, EngineDeadError
+from engine.generation_defaults import generation_defaults
 
 from . import prometheus
 from .openai_api import BadRequest, Completion, parse_completion
@@ -69,6 +70,8 @@ class Server:
         self.protect_metrics = protect_metrics
         tok = aengine.engine.core.tokenizer
         self.decode = (lambda t: tok.decode([t])) if tok is not None else None
+        # the checkpoint's generation_config.json sampling defaults, for fields a request leaves out
+        self.defaults = generation_defaults(aengine.engine.core.model_dir)
 
     def _needs_key(self, path: str) -> bool:
         return self._key is not None and (path.startswith("/v1/") or (self.protect_metrics and path == "/metrics"))
@@ -131,7 +134,7 @@ class Server:
         except RecursionError:
             return _error(400, "request body is not valid JSON: nested too deeply")
         try:
-            prompt, params, stream, include_usage = parse_completion(body, self.model_name, self.aliases)
+            prompt, params, stream, include_usage = parse_completion(body, self.model_name, self.aliases, self.defaults)
         except BadRequest as e:
             return _error(e.status, str(e))
         comp = Completion(self.model_name, self.decode)
