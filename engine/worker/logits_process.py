@@ -90,18 +90,40 @@ class LogitsProcessor:
     def __init__(self, vocab: int, device):
         self.vocab, self.device = vocab, device
         self.counts = TokenCounts(vocab, device)
+        self._last_seqs: list = []
+        self._static: tuple[LogitsPlan | None, list[int]] = (None, [])
 
     def plan(self, seqs: list) -> LogitsPlan | None:
-        mask_rows, mask_ids, bias_rows, bias_ids, bias_vals = [], [], [], [], []
+        """seqs: the sampling rows, in batch order. A decode run samples the same rows step after step:
+        then the bias and penalty tensors of the last step are reused, only min_tokens is re-checked."""
+        if seqs != self._last_seqs:        # identity comparison (Sequence has eq=False)
+            self._last_seqs, self._static = list(seqs), self._static_plan(seqs)
+        static, min_rows = self._static
+        mask_rows, mask_ids = [], []
+        for b in min_rows:
+            s = seqs[b]
+            p = s.params
+            if len(s.output_token_ids) < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
+                mask_rows.extend([b] * len(ids))
+                mask_ids.extend(ids)
+        if not mask_rows:
+            return static
+        plan = LogitsPlan(**vars(static)) if static is not None else LogitsPlan()
+        plan.mask_rows, plan.mask_ids = int64_tensor(mask_rows, self.device), int64_tensor(mask_ids, self.device)
+        return plan
+
+    def _static_plan(self, seqs: list) -> tuple[LogitsPlan | None, list[int]]:
+        """-> (the plan's parts that stay while the rows stay: bias and penalties; None when no row
+        has any, rows with min_tokens)."""
+        min_rows, bias_rows, bias_ids, bias_vals = [], [], [], []
         pen_rows, pen_seqs, rep, freq, pres = [], [], [], [], []
         for b, s in enumerate(seqs):
             p = s.params
             if not p.processed:
                 continue
-            if len(s.output_token_ids) < p.min_tokens:
-                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
-                mask_rows.extend([b] * len(ids))
-                mask_ids.extend(ids)
+            if p.min_tokens > 0:
+                min_rows.append(b)
             if p.logit_bias is not None:
                 bias_rows.extend([b] * len(p.logit_bias))
                 bias_ids.extend(p.logit_bias.keys())
@@ -112,11 +134,9 @@ class LogitsProcessor:
                 rep.append(p.repetition_penalty)
                 freq.append(p.frequency_penalty)
                 pres.append(p.presence_penalty)
-        if not (mask_rows or bias_rows or pen_rows):
-            return None
+        if not (bias_rows or pen_rows):
+            return None, min_rows
         dev, plan = self.device, LogitsPlan()
-        if mask_rows:
-            plan.mask_rows, plan.mask_ids = int64_tensor(mask_rows, dev), int64_tensor(mask_ids, dev)
         if bias_rows:
             plan.bias_rows, plan.bias_ids = int64_tensor(bias_rows, dev), int64_tensor(bias_ids, dev)
             plan.bias_vals = torch.tensor(bias_vals, dtype=torch.float32, device=dev)
@@ -126,23 +146,26 @@ class LogitsProcessor:
             plan.rep, plan.freq, plan.pres = (torch.tensor(v, dtype=torch.float32, device=dev)[:, None]
                                               for v in (rep, freq, pres))
             plan.every_pen = len(pen_rows) == len(seqs)
-        return plan
+        return plan, min_rows
 
     def apply(self, logits: torch.Tensor, plan: LogitsPlan) -> torch.Tensor:
         """logits [B, V] fp32 (left as is) -> processed [B, V]."""
-        out = logits.clone()
-        if plan.mask_rows is not None:
-            out[plan.mask_rows, plan.mask_ids] = float("-inf")
-        if plan.bias_rows is not None:
-            out.index_put_((plan.bias_rows, plan.bias_ids), plan.bias_vals, accumulate=True)
+        out = logits
+        if plan.mask_rows is not None or plan.bias_rows is not None:
+            out = logits.clone()
+            if plan.mask_rows is not None:
+                out[plan.mask_rows, plan.mask_ids] = float("-inf")
+            if plan.bias_rows is not None:
+                out.index_put_((plan.bias_rows, plan.bias_ids), plan.bias_vals, accumulate=True)
         if plan.pen_rows is not None:
-            rows = out if plan.every_pen else out[plan.pen_rows]
-            rows = apply_penalties(rows, self.counts.out_counts[plan.pen_slots],
-                                   self.counts.in_prompt[plan.pen_slots], plan.rep, plan.freq, plan.pres)
-            if plan.every_pen:
-                out = rows
-            else:
-                out[plan.pen_rows] = rows
+            rows = apply_penalties(out if plan.every_pen else out[plan.pen_rows],
+                                   self.counts.out_counts[plan.pen_slots], self.counts.in_prompt[plan.pen_slots],
+                                   plan.rep, plan.freq, plan.pres)
+            if plan.every_pen:     # a new tensor already: no scatter back
+                return rows
+            if out is logits:
+                out = logits.clone()
+            out[plan.pen_rows] = rows
         return out
 
     def record(self, plan: LogitsPlan | None, tokens: torch.Tensor) -> None:
