@@ -20,7 +20,8 @@ class SamplingParams:
     20, and the vocabulary) when the request is added. seed: in [-2**63, 2**64), torch's range.
 
     Logits processing, as vLLM defines it (engine/worker/logits_process.py applies it): min_tokens:
-    EOS and stop_token_ids are masked until that many tokens are out; logit_bias {token id: bias}
+    EOS and stop_token_ids are masked until that many tokens are out (stop strings, matched on the
+    front's text, must not end a request before then either: vLLM's rule); logit_bias {token id: bias}
     (clamped to [-100, 100], ids checked against the vocabulary at admission) is added to the logits;
     repetition_penalty (> 0, 1 off) divides the positive and multiplies the negative logits of every
     token in the prompt or the output; frequency_penalty and presence_penalty (in [-2, 2], 0 off)

@@ -6,7 +6,8 @@ stream, stream_options.include_usage, model (must name the served model when giv
 frequency_penalty, logit_bias ({"token id": bias}), and wideep/vLLM extensions stop_token_ids, ignore_eos,
 repetition_penalty, min_p, min_tokens.
 Unknown fields are ignored, as OpenAI clients send many (user, ...); fields that would change the
-result but are not supported (n > 1, best_of > 1, echo, stop strings, suffix, prompt_logprobs) are rejected rather than silently ignored.
+result but are not supported (n > 1, best_of > 1, echo, stop strings, suffix, prompt_logprobs) are
+rejected rather than silently ignored.
 """
 from __future__ import annotations
 
