@@ -143,8 +143,10 @@ class LogitsProcessor:
         if pen_rows:
             plan.pen_rows = int64_tensor(pen_rows, dev)
             plan.pen_slots = int64_tensor(self.counts.slots(pen_seqs), dev)
-            plan.rep, plan.freq, plan.pres = (torch.tensor(v, dtype=torch.float32, device=dev)[:, None]
-                                              for v in (rep, freq, pres))
+            # a penalty no row uses is skipped (None), not applied at its neutral value
+            plan.rep, plan.freq, plan.pres = (
+                torch.tensor(v, dtype=torch.float32, device=dev)[:, None] if any(x != off for x in v) else None
+                for v, off in ((rep, 1.0), (freq, 0.0), (pres, 0.0)))
             plan.every_pen = len(pen_rows) == len(seqs)
         return plan, min_rows
 
@@ -175,11 +177,16 @@ class LogitsProcessor:
 
 
 def apply_penalties(logits: torch.Tensor, out_counts: torch.Tensor, in_prompt: torch.Tensor,
-                    rep: torch.Tensor, freq: torch.Tensor, pres: torch.Tensor) -> torch.Tensor:
-    """logits [P, V], out_counts [P, V] int, in_prompt [P, V] bool, rep/freq/pres [P, 1] -> [P, V].
-    Repetition (over prompt and output) divides positive logits and multiplies negative ones;
-    frequency subtracts freq * count, presence pres * (count > 0), over the output only."""
+                    rep: torch.Tensor | None, freq: torch.Tensor | None, pres: torch.Tensor | None) -> torch.Tensor:
+    """logits [P, V], out_counts [P, V] int, in_prompt [P, V] bool, rep/freq/pres [P, 1] (None: off
+    in every row) -> a new [P, V]. Repetition (over prompt and output) divides positive logits and
+    multiplies negative ones; frequency subtracts freq * count, presence pres * (count > 0), over
+    the output only."""
     seen = out_counts > 0
-    repeated = seen | in_prompt
-    logits = torch.where(repeated, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - freq * out_counts - pres * seen
+    if rep is not None:
+        logits = torch.where(seen | in_prompt, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if freq is not None:
+        logits = logits - freq * out_counts
+    if pres is not None:
+        logits = logits - pres * seen
+    return logits if rep is not None or freq is not None or pres is not None else logits.clone()
