@@ -172,3 +172,16 @@ def test_seed_same_samples_whatever_the_batch(llm):
 def test_out_of_vocab_logit_bias_rejected_at_admission(llm):
     with pytest.raises(ValueError, match="logit_bias token id"):
         llm.generate([PROMPTS[0]], SamplingParams(logit_bias={10 ** 6: 1.0}))
+
+
+def test_penalised_under_preemption_equal_alone(tmp_path):
+    """Preempted sequences recompute their KV; their token counts stay right (kept, or rebuilt)."""
+    d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=2, initializer_range=0.2)
+    sp = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, repetition_penalty=1.3 + 0.1 * i,
+                         frequency_penalty=0.4, logit_bias={9 + i: 1.5}) for i in range(6)]
+    prompts = [[3 + i, 11, 60, 2 * i + 5] for i in range(6)]
+    alone = LLM(d, progress=False, block_size=16, kv_cache_blocks=64)
+    want = [alone.generate([p], s)[0].outputs[0].token_ids for p, s in zip(prompts, sp)]
+    tight = LLM(d, progress=False, block_size=16, kv_cache_blocks=9)
+    assert _tokens(tight.generate(prompts, sp)) == want
+    assert tight.engine.core.scheduler.num_preemptions > 0
