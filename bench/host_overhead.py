@@ -8,7 +8,7 @@ a burst of load on this shared machine hits one round, not one batch size. Per b
 median over rounds of the round's median step (wall time, and the thread's CPU time), and the best
 round; the profile's top functions with --profile.
 
---processed 256 adds the row "256+processing": the same batch with presence, frequency and
+--processed (default 256; "" for none) adds the row "256+processing": the same batch with presence, frequency and
 repetition penalties and a two-token logit_bias on every request (different per request), timed in
 the same rounds as the plain rows. Stop strings are not in that row: SamplingParams has none on the
 branch this was written on (the JSON says so under "processed_row").
@@ -16,8 +16,9 @@ branch this was written on (the JSON says so under "processed_row").
     python bench/host_overhead.py [--batches 64,256,1024] [--processed 256] [--steps 20] [--rounds 3]
                                   [--profile] [--save-as host_overhead]
 
-Last line (JSON): {"host_ms_per_step": {"64": ..., "256": ..., "1024": ...}, "host_ms_best_round": {...},
-"cpu_ms_per_step": {...}, "per_seq_us": {...}, "ratio_1024_vs_256": ..., "rounds": [...]}
+Last line (JSON): {"host_ms_per_step": {"64": ..., "256": ..., "1024": ..., "256+processing": ...},
+"host_ms_best_round": {...}, "cpu_ms_per_step": {...}, "per_seq_us": {...}, "ratio_1024_vs_256": ...,
+"processing_extra_ms_256": ..., "processed_row": "what the row runs", "rounds": [...]}
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--processed", default="", help="batch sizes also run with penalties + logit_bias")
+    ap.add_argument("--processed", default="256", help="batch sizes also run with penalties + logit_bias")
     ap.add_argument("--save-as", default="host_overhead", help="the results file's name (bench/results/NAME.json)")
     a = ap.parse_args()
     torch.set_num_threads(1)
