@@ -8,10 +8,17 @@ a burst of load on this shared machine hits one round, not one batch size. Per b
 median over rounds of the round's median step (wall time, and the thread's CPU time), and the best
 round; the profile's top functions with --profile.
 
-    python bench/host_overhead.py [--batches 64,256,1024] [--steps 20] [--rounds 3] [--profile]
+--processed (default 256; "" for none) adds the row "256+processing": the same batch with presence, frequency and
+repetition penalties and a two-token logit_bias on every request (different per request), timed in
+the same rounds as the plain rows. Stop strings are not in that row: SamplingParams has none on the
+branch this was written on (the JSON says so under "processed_row").
 
-Last line (JSON): {"host_ms_per_step": {"64": ..., "256": ..., "1024": ...}, "host_ms_best_round": {...},
-"cpu_ms_per_step": {...}, "per_seq_us": {...}, "ratio_1024_vs_256": ..., "rounds": [...]}
+    python bench/host_overhead.py [--batches 64,256,1024] [--processed 256] [--steps 20] [--rounds 3]
+                                  [--profile] [--save-as host_overhead]
+
+Last line (JSON): {"host_ms_per_step": {"64": ..., "256": ..., "1024": ..., "256+processing": ...},
+"host_ms_best_round": {...}, "cpu_ms_per_step": {...}, "per_seq_us": {...}, "ratio_1024_vs_256": ...,
+"processing_extra_ms_256": ..., "processed_row": "what the row runs", "rounds": [...]}
 """
 from __future__ import annotations
 
@@ -33,13 +40,15 @@ from bench.results import save  # noqa: E402
 class Bench:
     """One engine of `batch` sequences, decoding; round() times `steps` decode steps of it."""
 
-    def __init__(self, model_dir: str, batch: int, steps: int, rounds: int):
+    def __init__(self, model_dir: str, batch: int, steps: int, rounds: int, processed: bool = False):
         from engine import Engine, SamplingParams
         self.batch = batch
         self.eng = Engine(model_dir, max_num_seqs=batch, max_num_batched_tokens=max(8192, 4 * batch), block_size=64,
                           kv_cache_blocks=2 * batch + 8, enable_prefix_caching=False, progress=False)
-        sp = SamplingParams(max_tokens=steps * rounds + 8, ignore_eos=True, output_kind="delta")
         for i in range(batch):
+            extra = (dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
+                          logit_bias={10 + i % 100: 1.0, 7: -2.0}) if processed else {})
+            sp = SamplingParams(max_tokens=steps * rounds + 8, ignore_eos=True, output_kind="delta", **extra)
             self.eng.add_request(str(i), [2 + i % 200, 3, 4, 5], sp)
         self.eng.step()  # the requests reach the scheduler and their prompts (4 tokens each) prefill; not timed
         sched = self.eng.core.scheduler
@@ -68,14 +77,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--processed", default="256", help="batch sizes also run with penalties + logit_bias")
+    ap.add_argument("--save-as", default="host_overhead", help="the results file's name (bench/results/NAME.json)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     from launch.tiny import make_tiny_checkpoint
-    batches = [int(x) for x in a.batches.split(",")]
-    rounds: dict[int, list[tuple[float, float]]] = {b: [] for b in batches}
+    # a row is (batch, processed); its name is "256" or "256+processing"
+    rows = [(int(x), False) for x in a.batches.split(",")] + [(int(x), True) for x in a.processed.split(",") if x]
+    name = {r: f"{r[0]}+processing" if r[1] else str(r[0]) for r in rows}
+    batches = rows
+    rounds: dict[tuple, list[tuple[float, float]]] = {b: [] for b in batches}
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", num_hidden_layers=1, first_k_dense_replace=0, hidden_size=64)
-        benches = {b: Bench(d, b, a.steps, a.rounds) for b in batches}
+        benches = {b: Bench(d, b[0], a.steps, a.rounds, processed=b[1]) for b in batches}
         profs = {}
         if a.profile:
             import cProfile
@@ -83,7 +97,7 @@ def main() -> None:
         for r in range(a.rounds):
             for b in batches:
                 rounds[b].append(benches[b].round(a.steps, profs.get(b)))
-                print(f"round {r + 1} batch {b}: {rounds[b][-1][0]:.2f} ms per decode step", flush=True)
+                print(f"round {r + 1} batch {name[b]}: {rounds[b][-1][0]:.2f} ms per decode step", flush=True)
         for bench in benches.values():
             bench.eng.shutdown()
     for b, prof in profs.items():
@@ -91,18 +105,26 @@ def main() -> None:
         import pstats
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
-        print(f"batch {b}:\n{s.getvalue()}", file=sys.stderr)
+        print(f"batch {name[b]}:\n{s.getvalue()}", file=sys.stderr)
     ms = {b: statistics.median(w for w, _ in rs) for b, rs in rounds.items()}
     for b in batches:
-        print(f"batch {b}: {ms[b]:.2f} ms per decode step ({ms[b] * 1e3 / b:.1f} us per sequence)", flush=True)
-    out = {"host_ms_per_step": {str(b): round(v, 3) for b, v in ms.items()},
-           "host_ms_best_round": {str(b): round(min(w for w, _ in rs), 3) for b, rs in rounds.items()},
-           "cpu_ms_per_step": {str(b): round(statistics.median(c for _, c in rs), 3) for b, rs in rounds.items()},
-           "per_seq_us": {str(b): round(v * 1e3 / b, 2) for b, v in ms.items()},
-           "rounds": {str(b): [round(w, 3) for w, _ in rs] for b, rs in rounds.items()}}
-    if 256 in ms and 1024 in ms:
-        out["ratio_1024_vs_256"] = round(ms[1024] / ms[256], 2)
-    save("host_overhead", out)
+        print(f"batch {name[b]}: {ms[b]:.2f} ms per decode step ({ms[b] * 1e3 / b[0]:.1f} us per sequence)",
+              flush=True)
+    out = {"host_ms_per_step": {name[b]: round(v, 3) for b, v in ms.items()},
+           "host_ms_best_round": {name[b]: round(min(w for w, _ in rs), 3) for b, rs in rounds.items()},
+           "cpu_ms_per_step": {name[b]: round(statistics.median(c for _, c in rs), 3) for b, rs in rounds.items()},
+           "per_seq_us": {name[b]: round(v * 1e3 / b[0], 2) for b, v in ms.items()},
+           "rounds": {name[b]: [round(w, 3) for w, _ in rs] for b, rs in rounds.items()}}
+    if (256, False) in ms and (1024, False) in ms:
+        out["ratio_1024_vs_256"] = round(ms[(1024, False)] / ms[(256, False)], 2)
+    if any(p for _, p in rows):
+        out["processed_row"] = ("presence_penalty 0.5, frequency_penalty 0.3, repetition_penalty 1.1 and a "
+                                "two-token logit_bias on every request; stop strings not included (not in "
+                                "SamplingParams on this branch)")
+        for b, p in rows:
+            if p and (b, False) in ms:
+                out[f"processing_extra_ms_{b}"] = round(ms[(b, True)] - ms[(b, False)], 3)
+    save(a.save_as, out)
     print(json.dumps(out))
 
 

@@ -17,7 +17,16 @@ class SamplingParams:
     disable those filters; top_k 0 is stored as -1. logprobs=N: for each generated token, its logprob
     plus the top-N; prompt_logprobs=N: the same for every prompt position (None at position 0).
     Logprobs are of the raw model distribution. N is capped by the engine (max_logprobs, default
-    20, and the vocabulary) when the request is added. seed: in [-2**63, 2**64), torch's range."""
+    20, and the vocabulary) when the request is added. seed: in [-2**63, 2**64), torch's range.
+
+    Logits processing, as vLLM defines it (engine/worker/logits_process.py applies it): min_tokens:
+    EOS and stop_token_ids are masked until that many tokens are out (stop strings, matched on the
+    front's text, must not end a request before then either: vLLM's rule); logit_bias {token id: bias}
+    (clamped to [-100, 100], ids checked against the vocabulary at admission) is added to the logits;
+    repetition_penalty (> 0, 1 off) divides the positive and multiplies the negative logits of every
+    token in the prompt or the output; frequency_penalty and presence_penalty (in [-2, 2], 0 off)
+    subtract penalty * count and penalty * (count > 0) over the output tokens; min_p (in [0, 1], 0
+    off) drops, after temperature, the tokens whose probability is below min_p * the top one's."""
 
     n: int = 1
     temperature: float = 1.0
@@ -30,16 +39,23 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     output_kind: str = "cumulative"  # "cumulative" | "delta" (streaming) | "final_only"
+    min_tokens: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.output_kind not in ("cumulative", "delta", "final_only"):
             raise ValueError(f"SamplingParams.output_kind must be cumulative, delta or final_only, "
                              f"got {self.output_kind!r}")
-        for name in ("n", "top_k", "max_tokens", "logprobs", "prompt_logprobs", "seed"):
+        for name in ("n", "top_k", "max_tokens", "logprobs", "prompt_logprobs", "seed", "min_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"SamplingParams.{name} must be an int, got {v!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"SamplingParams.{name} must be a number, got {v!r}")
@@ -68,6 +84,46 @@ class SamplingParams:
                                  or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop)):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {stop!r}")
         self.stop_token_ids = list(stop or [])
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        if self.min_tokens < 0:
+            raise ValueError(f"SamplingParams.min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= max_tokens "
+                             f"({self.max_tokens})")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"SamplingParams.min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2 <= v <= 2:
+                raise ValueError(f"SamplingParams.{name} must be in [-2, 2], got {v}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"SamplingParams.logit_bias must be a dict {{token id: bias}}, got {bias!r}")
+        clean = {}
+        for t, v in bias.items():
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"SamplingParams.logit_bias keys must be int token ids, got {t!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"SamplingParams.logit_bias[{t}] must be a finite number, got {v!r}")
+            clean[t] = min(100.0, max(-100.0, float(v)))   # vLLM's OpenAI layer clamps the same way
+        self.logit_bias = clean or None
+
+    @property
+    def penalised(self) -> bool:
+        """Needs the per-sequence token counts (engine/worker/logits_process.py)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
+    def processed(self) -> bool:
+        """Any logits processing beyond temperature / top-k / top-p (min_tokens is checked per step)."""
+        return self.penalised or self.logit_bias is not None or self.min_tokens > 0 or self.min_p > 0
 
     @property
     def greedy(self) -> bool:

@@ -2,11 +2,12 @@
 
 Request fields: prompt (string, or a list of token ids; one prompt per request), max_tokens (16),
 temperature (1.0), top_p (1.0), top_k (-1 or 0: off), seed, logprobs (N <= the engine's max_logprobs),
-stream, stream_options.include_usage, model (must name the served model when given), and wideep/vLLM
-extensions stop_token_ids, ignore_eos.
+stream, stream_options.include_usage, model (must name the served model when given), presence_penalty,
+frequency_penalty, logit_bias ({"token id": bias}), and wideep/vLLM extensions stop_token_ids, ignore_eos,
+repetition_penalty, min_p, min_tokens.
 Unknown fields are ignored, as OpenAI clients send many (user, ...); fields that would change the
-result but are not supported (n > 1, best_of > 1, echo, stop strings, suffix, logit_bias,
-presence/frequency/repetition penalties, prompt_logprobs) are rejected rather than silently ignored.
+result but are not supported (n > 1, best_of > 1, echo, stop strings, suffix, prompt_logprobs) are
+rejected rather than silently ignored.
 """
 from __future__ import annotations
 
@@ -25,8 +26,26 @@ class BadRequest(ValueError):
 
 
 # Fields that would change the result, accepted only at their no-op values.
-UNSUPPORTED = {"suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-               "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0), "prompt_logprobs": (None,)}
+UNSUPPORTED = {"suffix": (None, ""), "prompt_logprobs": (None,)}
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI sends {"token id as a string": bias}; -> {int: float} (SamplingParams clamps to +-100)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise BadRequest(f"'logit_bias' must be an object {{token id: bias}}, got {v!r}")
+    out = {}
+    for k, b in v.items():
+        try:
+            t = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"'logit_bias' keys must be token ids, got {k!r}") from None
+        if isinstance(b, bool) or not isinstance(b, (int, float)):
+            raise BadRequest(f"'logit_bias[{k}]' must be a number, got {b!r}")
+        out[t] = float(b)
+    return out
 
 
 def _int(body: dict, name: str, default, lo: int | None = None):
@@ -74,9 +93,11 @@ def _prompt(body: dict):
     raise BadRequest("'prompt' must be a string or a list of integer token ids")
 
 
-def parse_completion(body, served_model: str, aliases: tuple[str, ...] = ()) -> tuple:
+def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (), defaults: dict | None = None) -> tuple:
     """body (decoded JSON) -> (prompt, SamplingParams, stream, include_usage); BadRequest on bad input.
-    `model` may be served_model or one of aliases (other names of the same model)."""
+    `model` may be served_model or one of aliases (other names of the same model). defaults: the
+    checkpoint's generation_config.json values (engine.generation_defaults) for the sampling fields
+    the body leaves out or sends as null, as vLLM applies them."""
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     model = body.get("model")
@@ -106,12 +127,20 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = ()) -> 
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest(f"'ignore_eos' must be true or false, got {ignore_eos!r}")
+    d = defaults or {}
     try:
         params = SamplingParams(max_tokens=_int(body, "max_tokens", 16, lo=1),
-                                temperature=_num(body, "temperature", 1.0), top_p=_num(body, "top_p", 1.0),
-                                top_k=_int(body, "top_k", -1), seed=_int(body, "seed", None),
+                                temperature=_num(body, "temperature", d.get("temperature", 1.0)),
+                                top_p=_num(body, "top_p", d.get("top_p", 1.0)),
+                                top_k=_int(body, "top_k", d.get("top_k", -1)), seed=_int(body, "seed", None),
                                 logprobs=_int(body, "logprobs", None, lo=0), stop_token_ids=stop_ids,
-                                ignore_eos=ignore_eos, output_kind="delta" if stream else "final_only")
+                                ignore_eos=ignore_eos, output_kind="delta" if stream else "final_only",
+                                min_tokens=_int(body, "min_tokens", 0, lo=0),
+                                min_p=_num(body, "min_p", d.get("min_p", 0.0)),
+                                presence_penalty=_num(body, "presence_penalty", 0.0),
+                                frequency_penalty=_num(body, "frequency_penalty", 0.0),
+                                repetition_penalty=_num(body, "repetition_penalty", d.get("repetition_penalty", 1.0)),
+                                logit_bias=_logit_bias(body))
     except ValueError as e:  # SamplingParams' own range checks (temperature < 0, top_p outside (0, 1])
         raise BadRequest(str(e).replace("SamplingParams.", "")) from None
     return prompt, params, stream, bool(opts.get("include_usage"))

@@ -33,6 +33,7 @@ import traceback
 from aiohttp import web
 
 from engine.front.async_engine import AsyncEngine, EngineDeadError
+from engine.generation_defaults import generation_defaults
 
 from . import prometheus, tokenize_api
 from .cors import Cors
@@ -107,6 +108,8 @@ class Server:
         self.request_ids = RequestIds()
         tok = self.tokenizer
         self.decode = (lambda t: tok.decode([t])) if tok is not None else None
+        # the checkpoint's generation_config.json sampling defaults, for fields a request leaves out
+        self.defaults = generation_defaults(core.model_dir)
 
     def _needs_key(self, path: str) -> bool:
         return self._key is not None and (path.startswith("/v1/") or (self.protect_metrics and path == "/metrics"))
@@ -193,7 +196,8 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
-            prompt, params, stream, include_usage = parse_completion(body, self.model_name, self.aliases)
+            prompt, params, stream, include_usage = parse_completion(body, self.model_name, self.aliases,
+                                                                     self.defaults)
         except BadRequest as e:
             return _error(e.status, str(e))
         comp = Completion(self.model_name, self.decode)

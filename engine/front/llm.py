@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from parallel.watchdog import guard_collective
 
+from ..generation_defaults import generation_defaults
 from ..sampling_params import RequestOutput, SamplingParams
 from .engine import Engine
 
@@ -33,6 +34,12 @@ class LLM:
         self.config, self.model, self.tokenizer = core.config, core.model, core.tokenizer
         self.max_model_len = core.max_model_len
         self._batch = itertools.count()
+        self._defaults = generation_defaults(core.model_dir)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's name); what
+        generate() uses when it is given none."""
+        return SamplingParams(**self._defaults)
         self.last_assignment: list[int] = []
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -42,7 +49,7 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = params if isinstance(params, list) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")

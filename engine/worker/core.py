@@ -202,6 +202,9 @@ class EngineCore:
         bad = [t for t in ids if not 0 <= t < V]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, vocab_size={V})")
+        bad = [t for t in params.logit_bias or () if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"logit_bias token id {bad[0]} is out of range [0, vocab_size={V})")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens; the context is max_model_len={self.max_model_len}")

@@ -12,6 +12,7 @@ from parallel.step_plan import StepPlan
 
 from ..model.model import DeepseekModel
 from ..sched.scheduler import ScheduledBatch, StepResult
+from .logits_process import LogitsProcessor
 from .sampler import sample, topn_logprobs
 
 
@@ -23,6 +24,7 @@ class ModelRunner:
     def __init__(self, model: DeepseekModel, kv: LatentKVPool, overlap=None):
         self.model, self.kv, self.overlap = model, kv, overlap
         self.device = model.device
+        self.logits_proc: LogitsProcessor | None = None   # built when a request first needs it
 
     def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
                    ) -> tuple[torch.Tensor, AttnMeta]:
@@ -108,7 +110,7 @@ class ModelRunner:
         else:
             hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer,
                                 index_pools=self.kv.index_pools)
-        rows, samplers, params, gens, tops = [], [], [], [], []
+        rows, samplers, params, gens, tops, procs = [], [], [], [], [], []
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             p = s.params
@@ -122,13 +124,24 @@ class ModelRunner:
                 samplers.append(b)
                 params.append(p)
                 gens.append(s.generator)
+                if p.processed:
+                    procs.append(s)
         if not samplers:
             return result
         # every row samples (a decode step): no gather
         every = len(rows) == hidden.shape[0]
         last = hidden if every else hidden[int64_tensor(rows, self.device)]
         logits = self.model.logits(last)
-        tokens, lse = sample(logits, params, gens)
+        plan = None
+        if procs:
+            if self.logits_proc is None:
+                self.logits_proc = LogitsProcessor(logits.shape[1], self.device)
+            plan = self.logits_proc.plan([batch.seqs[b] for b in samplers])
+        if plan is None:
+            tokens, lse = sample(logits, params, gens)
+        else:
+            tokens, lse = sample(self.logits_proc.apply(logits, plan), params, gens, raw=logits)
+            self.logits_proc.record(plan, tokens)
         chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()  # SYNC: tokens go back to the host
         if len(samplers) == B:
             result.tokens, result.logprobs = tokens.tolist(), chosen             # SYNC: see above

@@ -1,4 +1,4 @@
-"""Token sampling from logits: greedy, temperature, top-k, top-p, per-request seeds; logprobs.
+"""Token sampling from logits: greedy, temperature, min-p, top-k, top-p, per-request seeds; logprobs.
 
 Legend: B rows (sequences sampling this step), G rows of one group, V vocab.
 Rows are sampled in groups that share a generator: every unseeded request draws from the engine's
@@ -28,11 +28,16 @@ def topn_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> li
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
-    """logits [G, V] fp32, temperature [G] (> 0), top_k [G] int (<= 0 or >= V: off), top_p [G] (1: off)
-    -> [G, V] logits / temperature with the filtered-out tokens at -inf."""
+                  top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [G, V] fp32, temperature [G] (> 0), top_k [G] int (<= 0 or >= V: off), top_p [G] (1: off),
+    min_p [G] (0: off; None: no row) -> [G, V] logits / temperature with the filtered-out tokens at
+    -inf. vLLM's order: temperature, min_p, top-k, top-p."""
     V = logits.shape[1]
     out = logits / temperature[:, None]
+    if min_p is not None:
+        # p / p_max < min_p  <=>  logit - max_logit < log(min_p); log(0) = -inf drops nothing
+        floor = out.amax(-1, keepdim=True) + min_p[:, None].log()
+        out = out.masked_fill(out < floor, float("-inf"))
     k_on = (top_k > 0) & (top_k < V)
     if bool(k_on.any()):  # SYNC: (host params) skip the sort when no row filters
         kmax = int(torch.where(k_on, top_k, 1).max())
@@ -69,9 +74,12 @@ def _draw(filtered: torch.Tensor, generator: torch.Generator | None) -> tuple[to
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+           generators: list[torch.Generator | None], raw: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32 -> (token ids [B] int64, logsumexp [B]): row b's raw logprobs are
-    logits[b] - logsumexp[b] (never materialised for the whole batch)."""
+    logits[b] - logsumexp[b] (never materialised for the whole batch). raw [B, V]: the model's
+    logits when `logits` were processed (penalties, bias: logits_process.py); the logsumexp is then
+    raw's, since logprobs are of the raw distribution."""
     B = logits.shape[0]
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     greedy = 0
@@ -88,15 +96,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         every = len(rows) == B                            # the whole batch: no gather, no scatter
         idx = None if every else int64_tensor(rows, dev)
         group = logits if every else logits[idx]
-        if any(p.temperature != 1.0 or p.top_p < 1.0 or p.top_k > 0 for p in ps):
+        if any(p.temperature != 1.0 or p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0 for p in ps):
+            min_p = (torch.tensor([p.min_p for p in ps], device=dev) if any(p.min_p > 0 for p in ps)
+                     else None)
             group = filter_logits(group, torch.tensor([p.temperature for p in ps], device=dev),
                                   int64_tensor([p.top_k for p in ps], dev),
-                                  torch.tensor([p.top_p for p in ps], device=dev))
-        elif every:   # the raw logits of every row: their logsumexp comes with the draw
+                                  torch.tensor([p.top_p for p in ps], device=dev), min_p)
+        elif every and raw is None:   # the raw logits of every row: their logsumexp comes with the draw
             out, lse = _draw(group, gen)
             continue
         if every:
             out = draw(group, gen)
         else:
             out[idx] = draw(group, gen)
-    return out, logits.logsumexp(-1) if lse is None else lse
+    if lse is None:
+        lse = (logits if raw is None else raw).logsumexp(-1)
+    return out, lse

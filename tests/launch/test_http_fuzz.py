@@ -133,8 +133,18 @@ CASES = [
     ("stream_options list", P(stream_options=[1]), JSON, "POST", None, 400, "'stream_options' must be an object"),
     ("stop ids mixed", P(stop_token_ids=[1, "2"]), JSON, "POST", None, 400, "'stop_token_ids' must be a list"),
     ("ignore_eos string", P(ignore_eos="yes"), JSON, "POST", None, 400, "'ignore_eos' must be true or false"),
-    ("penalty", P(presence_penalty=1.0), JSON, "POST", None, 400, "'presence_penalty' is not supported"),
-    ("logit_bias", P(logit_bias={"5": 100}), JSON, "POST", None, 400, "'logit_bias' is not supported"),
+    ("negative presence_penalty", P(presence_penalty=-3), JSON, "POST", None, 400,
+     "presence_penalty must be in [-2, 2], got -3"),
+    ("frequency_penalty string", P(frequency_penalty="x"), JSON, "POST", None, 400,
+     "'frequency_penalty' must be a number"),
+    ("zero repetition_penalty", P(repetition_penalty=0), JSON, "POST", None, 400, "repetition_penalty must be > 0"),
+    ("min_p above 1", P(min_p=2), JSON, "POST", None, 400, "min_p must be in [0, 1], got 2"),
+    ("min_tokens over max_tokens", P(min_tokens=20), JSON, "POST", None, 400,
+     "min_tokens (20) must be <= max_tokens (16)"),
+    ("logit_bias list", P(logit_bias=[5]), JSON, "POST", None, 400, "'logit_bias' must be an object"),
+    ("logit_bias word key", P(logit_bias={"five": 1}), JSON, "POST", None, 400, "'logit_bias' keys must be token ids"),
+    ("logit_bias out of vocab", P(logit_bias={"1000000": 1}), JSON, "POST", None, 400,
+     "logit_bias token id 1000000 is out of range"),
     ("stop strings", P(stop=["\n"]), JSON, "POST", None, 400, "stop strings are not supported"),
     ("model as a list", P(model=["fuzz"]), JSON, "POST", None, 404, "does not exist; this server serves 'fuzz'"),
     ("text/plain", j(GOOD), "text/plain", "POST", None, 415, "Content-Type 'text/plain' is not supported"),
@@ -194,10 +204,13 @@ def test_fuzz_list_is_long():
 
 def test_accepted_edges_and_unknown_fields(server, want):
     """Unknown fields are ignored (OpenAI clients send many); neutral values of unsupported fields
-    pass; top_k 0 means off; no Content-Type and curl's default form type are read as JSON;
+    pass; the logits-processing fields at their neutral values change nothing; top_k 0 means off;
+    no Content-Type and curl's default form type are read as JSON;
     logprobs up to the flag's cap (5, over the file's 20) are served."""
     for body, ctype in [(j(dict(GOOD, user="u", some_new_field={"x": [1]})), JSON),
                         (j(dict(GOOD, presence_penalty=0, logit_bias={}, suffix="", top_k=0)), JSON),
+                        (j(dict(GOOD, frequency_penalty=0.0, repetition_penalty=1, min_p=0, min_tokens=0,
+                                logit_bias={"5": 0})), JSON),
                         (j(dict(GOOD, top_k=-1, temperature=1e-300)), JSON),   # below 1e-5: greedy
                         (j(GOOD), None), (j(GOOD), "application/x-www-form-urlencoded"),
                         (j(GOOD), "application/json; charset=utf-8")]:
