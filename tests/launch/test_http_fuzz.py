@@ -89,7 +89,7 @@ CASES = [
     ("nested arrays", b"[" * DEEP + b"]" * DEEP, JSON, "POST", None, 400, "nested too deeply"),
     ("nested objects", b'{"a":' * DEEP + b"1" + b"}" * DEEP, JSON, "POST", None, 400, "nested too deeply"),
     ("nested prompt", j({"prompt": json.loads("[" * 500 + "1" + "]" * 500)}), JSON, "POST", None, 400,
-     "'prompt' must be a string or a list of integer token ids"),
+     "'prompt[0]' must be a string or a list of integer token ids"),
     ("NaN literal", b'{"prompt": [1], "temperature": NaN}', JSON, "POST", None, 400, "NaN is not a JSON value"),
     ("Infinity literal", b'{"prompt": [1], "top_p": -Infinity}', JSON, "POST", None, 400,
      "-Infinity is not a JSON value"),
