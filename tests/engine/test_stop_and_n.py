@@ -178,3 +178,39 @@ def test_llm_generate_with_n_and_stop(model_dir, first_run):
     a, b = llm.generate([PROMPT, [5, 6, 7]], [greedy(n=2, stop=stop), SamplingParams(n=2, max_tokens=4)])
     assert [c.index for c in a.outputs] == [0, 1] and all(c.text == texts[k][:pos] for c in a.outputs)
     assert [len(c.token_ids) for c in b.outputs] == [4, 4]
+
+
+def _two_ranks(model_dir: str, stop: str, want_text: str, k: int) -> dict:
+    """Rank 0 sends two stopped requests (least-loaded: one per rank) and an n=2 one; a stop string
+    on rank 1 must end its sequence there."""
+    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32, parallel={"timeout_s": 60.0})
+    if eng.ctx.rank != 0:
+        how = eng.run_worker_loop()
+        b = eng.core.blocks
+        return {"how": how, "free": b.num_free, "total": b.allocator.num_blocks, "work": eng.core.scheduler.has_work()}
+    p = greedy(max_tokens=64, stop=stop, output_kind="final_only")
+    for rid in ("a", "b"):
+        eng.add_request(rid, PROMPT, p)
+    eng.add_request("c", PROMPT, greedy(max_tokens=64, n=2, stop=stop, output_kind="final_only"))
+    ranks = {rid: eng.front.rank_of(rid) for rid in "abc"}
+    got = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got[o.request_id] = [(c.text, len(c.token_ids), c.finish_reason, c.stop_reason) for c in o.outputs]
+    generated = eng.front.generated
+    eng.shutdown()
+    return {"ranks": ranks, "got": got, "generated": generated}
+
+
+@pytest.mark.multirank
+def test_stop_strings_end_requests_on_a_non_front_rank(model_dir, first_run):
+    from tests.parallel.spawn import spawn
+    ids, texts = first_run
+    stop, k, pos = spanning_stop(ids, texts)
+    front, worker = spawn(_two_ranks, 2, args=(model_dir, stop, texts[k][:pos], k), timeout_s=300)
+    assert front["ranks"]["a"] == 0 and front["ranks"]["b"] == 1   # least-loaded: b is on rank 1
+    want = (texts[k][:pos], k, "stop", stop)
+    assert front["got"] == {"a": [want], "b": [want], "c": [want, want]}
+    # every sequence left its rank soon after its stop string (not at max_tokens=64)
+    assert front["generated"] < 4 * (k + 8) < 4 * 64
+    assert worker["how"] == "shutdown" and not worker["work"] and worker["free"] == worker["total"]
