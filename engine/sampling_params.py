@@ -24,7 +24,10 @@ class SamplingParams:
     disable those filters; top_k 0 is stored as -1. logprobs=N: for each generated token, its logprob
     plus the top-N; prompt_logprobs=N: the same for every prompt position (None at position 0).
     Logprobs are of the raw model distribution. N is capped by the engine (max_logprobs, default
-    20, and the vocabulary) when the request is added. seed: in [-2**63, 2**64), torch's range."""
+    20, and the vocabulary) when the request is added. seed: in [-2**63, 2**64), torch's range.
+    n: independent samples of the prompt (sample i seeded seed + i). stop: strings matched on the
+    detokenized output (cut before the match, or after it with include_stop_str_in_output);
+    CompletionOutput.stop_reason names the string or stop token that ended it."""
 
     n: int = 1
     temperature: float = 1.0
