@@ -173,7 +173,7 @@ class Server:
                     if out.finished:
                         return
                     out = await gen.__anext__()
-            except EngineDeadError as e:
+            except Exception as e:   # EngineDeadError, or a bug: the writer below must not wait forever
                 q.put_nowait((i, e))
 
         tasks = [asyncio.ensure_future(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
@@ -184,6 +184,8 @@ class Server:
                 if isinstance(out, EngineDeadError):  # the 200 is already sent: report in-band, then end
                     await resp.write(_sse({"error": {"message": str(out), "type": "server_error", "code": 503}}))
                     break
+                if isinstance(out, Exception):
+                    raise out
                 completion_tokens += comp.completion_tokens(out)
                 await resp.write(_sse(comp.chunk(out, i)))
                 if out.finished:

@@ -109,8 +109,9 @@ class Engine:
             group.states.append(st)
             msgs.append(NewRequest(sid, ids, sp, max_tokens, st.arrival_time))
         self._ensure_worker()
-        self.front.add_group(group, msgs, share=self.core.cfg.enable_prefix_caching
-                             and params.prompt_logprobs is None)
+        cfg = self.core.cfg   # sharing needs a full block of prompt to name in the prefix cache
+        share = cfg.enable_prefix_caching and params.prompt_logprobs is None and len(ids) > cfg.block_size
+        self.front.add_group(group, msgs, share=share)
 
     def validate(self, ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model and cache; -> its max_tokens."""

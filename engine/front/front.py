@@ -235,6 +235,8 @@ class Front:
         bookings = self.cost.pop(st.request_id, [])
         domain = next((b[0] for b in bookings if not b[3]), self.domains[0])
         cost = len(st.prompt_token_ids) + st.max_tokens
+        if st.group is not None:   # a held sample goes now, readmitted, and never again when released
+            st.group.held = [(s, m) for s, m in st.group.held if s is not st]
         st.dp_rank = self.assign(domain, st.request_id, cost)
         st.readmitted += 1
         self.readmitted += 1
