@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from engine.sampling_params import CompletionOutput, SamplingParams
 
 MAX_PROMPTS = 256   # prompts in one batched request
+MAX_CHOICES = 1024  # prompts x n: the sequences one request may start
 
 
 class BadRequest(ValueError):
@@ -149,6 +150,8 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = ()) -> 
                                 output_kind="delta" if stream else "final_only")
     except ValueError as e:  # SamplingParams' own range checks (temperature < 0, top_p outside (0, 1])
         raise BadRequest(str(e).replace("SamplingParams.", "")) from None
+    if len(prompts) * n > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most {MAX_CHOICES}")
     return CompletionRequest(prompts, params, stream, bool(opts.get("include_usage")), echo, max_tokens == 0)
 
 

@@ -235,6 +235,7 @@ BAD = [
     ({"prompt": [1, 2], "stop": ["x"] * 1000}, 400, "at most 128"),
     ({"prompt": [1, 2], "stop": 5}, 400, "'stop' must be a string or a list"),
     ({"prompt": [1, 2], "best_of": 3}, 400, "'best_of' is not supported"),
+    ({"prompt": [[1, 2]] * 20, "n": 100}, 400, "2000 choices; at most 1024"),
     ({"prompt": [1, 2], "stream": "yes"}, 400, "'stream' must be true or false"),
     ({"prompt": [1, 2], "stop_token_ids": "1"}, 400, "'stop_token_ids' must be a list"),
     ({"prompt": [1, 2], "n": 0}, 400, "'n' must be >= 1"),
