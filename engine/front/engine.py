@@ -109,9 +109,11 @@ class Engine:
             group.states.append(st)
             msgs.append(NewRequest(sid, ids, sp, max_tokens, st.arrival_time))
         self._ensure_worker()
-        cfg = self.core.cfg   # sharing needs a full block of prompt to name in the prefix cache
-        share = cfg.enable_prefix_caching and params.prompt_logprobs is None and len(ids) > cfg.block_size
-        self.front.add_group(group, msgs, share=share)
+        # Sharing needs a full block of prompt to name in the prefix cache. With prompt logprobs the
+        # others wait too: sample 0 carries them, and an echoed prompt's choices must all have them.
+        cfg = self.core.cfg
+        hold = (cfg.enable_prefix_caching and len(ids) > cfg.block_size) or params.prompt_logprobs is not None
+        self.front.add_group(group, msgs, hold=hold)
 
     def validate(self, ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model and cache; -> its max_tokens."""

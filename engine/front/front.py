@@ -109,15 +109,15 @@ class Front:
         self.requests[state.request_id] = state
         self.send(state.dp_rank, msg)
 
-    def add_group(self, group: SampleGroup, msgs: list[NewRequest], share: bool) -> None:
-        """n > 1 (engine/front/samples.py): sample 0 now; with share, the others once its prompt
-        is cached on its rank."""
+    def add_group(self, group: SampleGroup, msgs: list[NewRequest], hold: bool) -> None:
+        """n > 1 (engine/front/samples.py): sample 0 now; with hold, the others once its first
+        token is back (its prompt is then in its rank's prefix cache)."""
         self.groups[group.request_id] = group
         for st in group.states:
             self.requests[st.request_id] = st
-        group.held = list(zip(group.states[1:], msgs[1:])) if share else []
+        group.held = list(zip(group.states[1:], msgs[1:])) if hold else []
         self.send(group.states[0].dp_rank, msgs[0])
-        if not share:
+        if not hold:
             for st, msg in zip(group.states[1:], msgs[1:]):
                 self.send(st.dp_rank, msg)
 

@@ -4,8 +4,8 @@ prompt's KV blocks.
 The front admits sample 0 alone; the other n-1 are sent once sample 0's first token is back, i.e.
 once the prompt's full blocks are computed and named in the rank's prefix cache, so each of them
 takes those blocks by reference (refcounted, the prefix cache's own mechanism) and computes only the
-prompt's last partial block. Without prefix caching (or with prompt_logprobs, which skips the
-cache) they are sent at once and each computes the prompt. With a seed, sample i samples from its
+prompt's last partial block (sample 0 alone asks for prompt_logprobs, so the others still match
+the cache). Without prefix caching, or for a prompt shorter than a block, they are sent at once. With a seed, sample i samples from its
 own generator seeded seed + i (vLLM's rule). Sample i's request id on its rank is "{id}#{i}".
 """
 from __future__ import annotations

@@ -101,3 +101,21 @@ def test_echo_with_logprobs_as_lm_eval_reads_it(client, max_tokens):
     lm_eval = client.completions.create(model="tiny", prompt=ctx + cont, max_tokens=1, echo=True, logprobs=1,
                                         temperature=0)
     assert lm_eval.choices[0].logprobs.token_logprobs[:n_prompt] == lp.token_logprobs[:n_prompt]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_logprobs_with_n2_every_choice_has_the_prompt_logprobs(client, stream):
+    kw = dict(model="tiny", prompt="hello world", max_tokens=2, echo=True, logprobs=1, n=2, temperature=1.0)
+    if not stream:
+        choices = client.completions.create(**kw).choices
+    else:
+        first = {}
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                first.setdefault(c.index, c)   # the echoed prompt comes in each choice's first chunk
+        choices = [first[i] for i in sorted(first)]
+    assert [c.index for c in choices] == [0, 1]
+    for c in choices:
+        assert c.text.startswith("hello world")
+        lps = c.logprobs.token_logprobs
+        assert lps[0] is None and all(v is not None for v in lps[1:])
