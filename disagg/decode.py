@@ -89,6 +89,8 @@ class DisaggEngine(Engine):
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
         """Validate against both pools, route, and send to both ranks. Errors change nothing."""
         request_id, text, ids, params, max_tokens = self._accept(request_id, prompt, params)
+        if params.n > 1:   # the samples would have to share one transferred prompt: not built yet
+            raise ValueError(f"SamplingParams.n={params.n}: n > 1 is not supported with disaggregation yet")
         decode, prefill = self.front.domains
         d = self.front.assign(decode, request_id, len(ids) + max_tokens)
         p = self.front.assign(prefill, request_id, len(ids), until_first_token=True, ids=ids)  # its cached prefix

@@ -9,6 +9,13 @@ from dataclasses import dataclass, field
 GREEDY_BELOW = 1e-5
 # torch.Generator.manual_seed accepts exactly this range; a seed outside it would fail inside a step.
 SEED_RANGE = (-(1 << 63), 1 << 64)
+# Stop strings are matched on the front for every new token: bounded so that a request cannot make
+# the front's per-token work (or its hold-back of streamed text) unbounded. vLLM sets no limit;
+# these are far above what clients send (lm-eval sends a handful, OpenAI allows 4).
+MAX_STOP_STRINGS = 128
+MAX_STOP_LEN = 512
+# n samples of one prompt are n sequences on one rank: bounded like a batch a client may ask for.
+MAX_N = 128
 
 
 @dataclass
@@ -26,7 +33,11 @@ class SamplingParams:
     repetition_penalty (> 0, 1 off) divides the positive and multiplies the negative logits of every
     token in the prompt or the output; frequency_penalty and presence_penalty (in [-2, 2], 0 off)
     subtract penalty * count and penalty * (count > 0) over the output tokens; min_p (in [0, 1], 0
-    off) drops, after temperature, the tokens whose probability is below min_p * the top one's."""
+    off) drops, after temperature, the tokens whose probability is below min_p * the top one's.
+
+    n: independent samples of the prompt (sample i seeded seed + i). stop: strings matched on the
+    detokenized output (cut before the match, or after it with include_stop_str_in_output);
+    CompletionOutput.stop_reason names the string or stop token that ended it."""
 
     n: int = 1
     temperature: float = 1.0
@@ -45,6 +56,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # -- stop strings (n is the first field, as in vLLM) --
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.output_kind not in ("cumulative", "delta", "final_only"):
@@ -61,8 +75,6 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name} must be a number, got {v!r}")
             if not math.isfinite(v):
                 raise ValueError(f"SamplingParams.{name} must be finite, got {v}")
-        if self.n != 1:
-            raise ValueError(f"SamplingParams.n={self.n}: only n=1 is supported")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -85,6 +97,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {stop!r}")
         self.stop_token_ids = list(stop or [])
         self._check_logits_processing()
+        self._check_stop_and_n()
 
     def _check_logits_processing(self) -> None:
         if self.min_tokens < 0:
@@ -125,6 +138,30 @@ class SamplingParams:
         """Any logits processing beyond temperature / top-k / top-p (min_tokens is checked per step)."""
         return self.penalised or self.logit_bias is not None or self.min_tokens > 0 or self.min_p > 0
 
+    def _check_stop_and_n(self) -> None:
+        """n in [1, MAX_N]; stop: a string or a list of non-empty strings (stored as a list)."""
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"SamplingParams.n must be in [1, {MAX_N}], got {self.n}")
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise ValueError(f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}"[:300])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"SamplingParams.stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+        for s in stop:
+            if not s:
+                raise ValueError("SamplingParams.stop contains an empty string")
+            if len(s) > MAX_STOP_LEN:
+                raise ValueError(f"SamplingParams.stop has a string of {len(s)} characters; "
+                                 f"at most {MAX_STOP_LEN} are allowed")
+        self.stop = list(stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(f"SamplingParams.include_stop_str_in_output must be true or false, "
+                             f"got {self.include_stop_str_in_output!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -138,6 +175,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None = None  # "length" | "stop" | "abort"
+    stop_reason: int | str | None = None  # finish_reason "stop": the matched stop string or stop token id
 
 
 @dataclass(slots=True)

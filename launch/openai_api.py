@@ -1,20 +1,28 @@
 """OpenAI /v1/completions request parsing and response shapes (no HTTP here; launch/server.py serves it).
 
-Request fields: prompt (string, or a list of token ids; one prompt per request), max_tokens (16),
-temperature (1.0), top_p (1.0), top_k (-1 or 0: off), seed, logprobs (N <= the engine's max_logprobs),
-stream, stream_options.include_usage, model (must name the served model when given), presence_penalty,
-frequency_penalty, logit_bias ({"token id": bias}), and wideep/vLLM extensions stop_token_ids, ignore_eos,
-repetition_penalty, min_p, min_tokens.
+Request fields: prompt (a string, a list of token ids, or a batch: a list of either — one choice
+per prompt and sample, index = prompt * n + sample, as OpenAI orders them), max_tokens (16; 0 only
+with echo), temperature (1.0), top_p (1.0), top_k (-1 or 0: off), seed, n (samples per prompt),
+stop (a string or a list), logprobs (N <= the engine's max_logprobs), echo (the prompt text prepended;
+with logprobs, the prompt's token logprobs too, the first null), stream, stream_options.include_usage,
+model (must name the served model when given), presence_penalty, frequency_penalty, logit_bias
+({"token id": bias}), and wideep/vLLM extensions stop_token_ids, ignore_eos, include_stop_str_in_output,
+repetition_penalty, min_p, min_tokens. Choices carry vLLM's stop_reason (the matched stop string or
+stop token id). Sampling fields left out take the checkpoint's generation_config.json defaults.
 Unknown fields are ignored, as OpenAI clients send many (user, ...); fields that would change the
-result but are not supported (n > 1, best_of > 1, echo, stop strings, suffix, prompt_logprobs) are
-rejected rather than silently ignored.
+result but are not supported (best_of > 1, suffix, prompt_logprobs) are rejected rather than
+silently ignored.
 """
 from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from engine.sampling_params import CompletionOutput, SamplingParams
+
+MAX_PROMPTS = 256   # prompts in one batched request
+MAX_CHOICES = 1024  # prompts x n: the sequences one request may start
 
 
 class BadRequest(ValueError):
@@ -72,29 +80,54 @@ def _token_ids(p: list) -> bool:
     return all(isinstance(t, int) and not isinstance(t, bool) for t in p)
 
 
-def _prompt(body: dict):
+def _one_prompt(p, where: str):
+    if isinstance(p, str):
+        if not p:
+            raise BadRequest(f"{where} is empty")
+        return p
+    if isinstance(p, list) and p and _token_ids(p):
+        return p
+    if isinstance(p, list) and not p:
+        raise BadRequest(f"{where} is empty")
+    raise BadRequest(f"{where} must be a string or a list of integer token ids")
+
+
+def _prompts(body: dict) -> list:
+    """-> the prompts: one, or a batch (a list of strings or of token-id lists)."""
     if "prompt" not in body or body["prompt"] is None:
         raise BadRequest("'prompt' is required")
     p = body["prompt"]
-    if isinstance(p, str):
-        if not p:
-            raise BadRequest("'prompt' is empty")
-        return p
-    if not isinstance(p, list):
+    if not isinstance(p, (str, list)):
         raise BadRequest(f"'prompt' must be a string or a list of token ids, got {type(p).__name__}")
-    if not p:
-        raise BadRequest("'prompt' is empty")
-    if _token_ids(p):
-        return p
-    if len(p) == 1 and (isinstance(p[0], str) or (isinstance(p[0], list) and _token_ids(p[0]))):
-        return _prompt({"prompt": p[0]})  # a batch of one, as some clients always send
-    if len(p) > 1 and all(isinstance(t, (str, list)) for t in p):
-        raise BadRequest(f"batched prompts ({len(p)}) are not supported; send one prompt per request")
-    raise BadRequest("'prompt' must be a string or a list of integer token ids")
+    if isinstance(p, str) or not p or _token_ids(p):
+        return [_one_prompt(p, "'prompt'")]
+    if len(p) > MAX_PROMPTS:
+        raise BadRequest(f"'prompt' has {len(p)} prompts; at most {MAX_PROMPTS} in one request")
+    return [_one_prompt(q, f"'prompt[{i}]'") for i, q in enumerate(p)]
 
 
-def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (), defaults: dict | None = None) -> tuple:
-    """body (decoded JSON) -> (prompt, SamplingParams, stream, include_usage); BadRequest on bad input.
+def _stop(body: dict):
+    stop = body.get("stop")
+    if stop is None or stop == [] or stop == "":
+        return None
+    if isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        return stop
+    raise BadRequest(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
+
+
+@dataclass
+class CompletionRequest:
+    prompts: list                  # each a string or a list of token ids
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+    echo: bool
+    drop_output: bool = False      # max_tokens 0 (with echo): one token is generated, none returned
+
+
+def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (),
+                     defaults: dict | None = None) -> CompletionRequest:
+    """body (decoded JSON) -> CompletionRequest; BadRequest on bad input.
     `model` may be served_model or one of aliases (other names of the same model). defaults: the
     checkpoint's generation_config.json values (engine.generation_defaults) for the sampling fields
     the body leaves out or sends as null, as vLLM applies them."""
@@ -103,13 +136,13 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (), def
     model = body.get("model")
     if model is not None and model != served_model and model not in aliases:
         raise BadRequest(f"model {model!r} does not exist; this server serves {served_model!r}", status=404)
-    prompt = _prompt(body)
-    if _int(body, "n", 1) != 1 or _int(body, "best_of", 1) != 1:
-        raise BadRequest("only n = 1 (and best_of = 1) is supported")
-    if body.get("echo"):
-        raise BadRequest("'echo' is not supported")
-    if body.get("stop"):
-        raise BadRequest("stop strings are not supported; use 'stop_token_ids'")
+    prompts = _prompts(body)
+    n = _int(body, "n", 1, lo=1)
+    if _int(body, "best_of", n) != n:
+        raise BadRequest("'best_of' is not supported (leave it out, or equal to n)")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest(f"'echo' must be true or false, got {echo!r}")
     for name, neutral in UNSUPPORTED.items():
         if name in body and body[name] not in neutral:
             raise BadRequest(f"'{name}' is not supported (got {body[name]!r}); leave it out")
@@ -124,17 +157,22 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (), def
         raise BadRequest(f"'stream_options' must be an object, got {opts!r}")
     if not isinstance(opts.get("include_usage", False), bool):
         raise BadRequest(f"'stream_options.include_usage' must be true or false, got {opts['include_usage']!r}")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest(f"'ignore_eos' must be true or false, got {ignore_eos!r}")
+    flags = {}
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        flags[name] = body.get(name, False)
+        if not isinstance(flags[name], bool):
+            raise BadRequest(f"'{name}' must be true or false, got {flags[name]!r}")
+    max_tokens = _int(body, "max_tokens", 16, lo=0 if echo else 1)
+    logprobs = _int(body, "logprobs", None, lo=0)
     d = defaults or {}
     try:
-        params = SamplingParams(max_tokens=_int(body, "max_tokens", 16, lo=1),
+        params = SamplingParams(n=n, max_tokens=max(max_tokens, 1),
                                 temperature=_num(body, "temperature", d.get("temperature", 1.0)),
                                 top_p=_num(body, "top_p", d.get("top_p", 1.0)),
                                 top_k=_int(body, "top_k", d.get("top_k", -1)), seed=_int(body, "seed", None),
-                                logprobs=_int(body, "logprobs", None, lo=0), stop_token_ids=stop_ids,
-                                ignore_eos=ignore_eos, output_kind="delta" if stream else "final_only",
+                                logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                                stop_token_ids=stop_ids, stop=_stop(body), **flags,
+                                output_kind="delta" if stream else "final_only",
                                 min_tokens=_int(body, "min_tokens", 0, lo=0),
                                 min_p=_num(body, "min_p", d.get("min_p", 0.0)),
                                 presence_penalty=_num(body, "presence_penalty", 0.0),
@@ -143,31 +181,41 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (), def
                                 logit_bias=_logit_bias(body))
     except ValueError as e:  # SamplingParams' own range checks (temperature < 0, top_p outside (0, 1])
         raise BadRequest(str(e).replace("SamplingParams.", "")) from None
-    return prompt, params, stream, bool(opts.get("include_usage"))
+    if len(prompts) * n > MAX_CHOICES:
+        raise BadRequest(f"{len(prompts)} prompts x n={n} is {len(prompts) * n} choices; at most {MAX_CHOICES}")
+    return CompletionRequest(prompts, params, stream, bool(opts.get("include_usage")), echo, max_tokens == 0)
 
 
 class Completion:
     """One request's response: the final body (stream false) or SSE chunks (stream true).
-    decode: token id -> its text (for logprobs.tokens); "token_id:N" when there is no tokenizer."""
+    decode: token id -> its text (for logprobs.tokens); "token_id:N" when there is no tokenizer.
+    decode_ids: token ids -> text (an echoed prompt given as ids). n: samples per prompt."""
 
-    def __init__(self, model: str, decode=None):
+    def __init__(self, model: str, decode=None, decode_ids=None, n: int = 1, echo: bool = False,
+                 drop_output: bool = False):
         self.id = f"cmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.decode = decode or (lambda t: f"token_id:{t}")
-        self._offset = 0  # text_offset of the next token (characters into the completion)
+        self.decode_ids = decode_ids or (lambda ids: "")
+        self.n, self.echo, self.drop_output = n, echo, drop_output
+        self._offset: dict[int, int] = {}  # choice index -> text_offset of its next token
+        self._echoed: set[int] = set()     # choices whose prompt was sent (streaming)
 
-    def _logprobs(self, c: CompletionOutput) -> dict | None:
-        if c.logprobs is None:
+    def _logprobs(self, index: int, token_ids: list[int], lps: list | None, first_null: bool = False) -> dict | None:
+        """OpenAI's completions logprobs; first_null: an echoed prompt, whose first token has none."""
+        if lps is None:
             return None
-        toks = [self.decode(t) for t in c.token_ids]
+        toks = [self.decode(t) for t in token_ids]
         offsets = []
         for s in toks:
-            offsets.append(self._offset)
-            self._offset += len(s)
-        return {"tokens": toks, "token_logprobs": [lp.get(t) for t, lp in zip(c.token_ids, c.logprobs)],
-                "top_logprobs": [self._top(lp) for lp in c.logprobs],
-                "text_offset": offsets}
+            offsets.append(self._offset.get(index, 0))
+            self._offset[index] = offsets[-1] + len(s)
+        token_lps = [lp.get(t) if lp is not None else None for t, lp in zip(token_ids, lps)]
+        top = [self._top(lp) if lp is not None else None for lp in lps]
+        if first_null and token_lps:
+            token_lps[0] = top[0] = None
+        return {"tokens": toks, "token_logprobs": token_lps, "top_logprobs": top, "text_offset": offsets}
 
     def _top(self, lp: dict[int, float]) -> dict[str, float]:
         """{token text: logprob}; ids whose text collides with another's (byte tokens that all decode
@@ -178,9 +226,26 @@ class Completion:
             out[s if s not in out else f"token_id:{t}"] = v
         return out
 
-    def _choice(self, c: CompletionOutput, finished: bool) -> dict:
-        return {"index": 0, "text": c.text, "token_ids": list(c.token_ids), "logprobs": self._logprobs(c),
-                "finish_reason": c.finish_reason if finished else None}
+    def _choice(self, out, c: CompletionOutput, prompt_index: int, finished: bool) -> dict:
+        index = prompt_index * self.n + c.index
+        text, ids, lps = c.text, list(c.token_ids), c.logprobs
+        if self.drop_output:
+            text, ids, lps = "", [], [] if lps is not None else None
+        logprobs = None
+        if self.echo and index not in self._echoed:
+            self._echoed.add(index)
+            prompt_ids = list(out.prompt_token_ids)
+            prompt_text = out.prompt if out.prompt is not None else self.decode_ids(prompt_ids)
+            if lps is not None:
+                plps = list(out.prompt_logprobs or [None] * len(prompt_ids))
+                logprobs = self._logprobs(index, prompt_ids, plps, first_null=True)
+            text, ids = prompt_text + text, prompt_ids + ids
+        if lps is not None:
+            gen = self._logprobs(index, list(c.token_ids) if not self.drop_output else [], lps)
+            logprobs = gen if logprobs is None else {k: logprobs[k] + gen[k] for k in logprobs}
+        return {"index": index, "text": text, "token_ids": ids, "logprobs": logprobs,
+                "finish_reason": c.finish_reason if finished else None,
+                "stop_reason": c.stop_reason if finished else None}
 
     def _envelope(self, choices: list, usage: dict | None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
@@ -193,15 +258,23 @@ class Completion:
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
-    def response(self, out) -> dict:
-        """out: the final (cumulative or final_only) RequestOutput."""
-        c = out.outputs[0]
-        return self._envelope([self._choice(c, True)],
-                              self.usage(len(out.prompt_token_ids), len(c.token_ids), cached_tokens(out)))
+    def completion_tokens(self, out) -> int:
+        return 0 if self.drop_output else sum(len(c.token_ids) for c in out.outputs)
 
-    def chunk(self, out) -> dict:
-        """out: a delta RequestOutput; usage stays null (see usage_chunk)."""
-        return self._envelope([self._choice(out.outputs[0], out.finished)], None)
+    def response(self, outs: list) -> dict:
+        """outs: each prompt's final (cumulative or final_only) RequestOutput, in prompt order."""
+        choices = [self._choice(out, c, i, True) for i, out in enumerate(outs) for c in out.outputs]
+        choices.sort(key=lambda ch: ch["index"])
+        return self._envelope(choices, self.usage(sum(len(o.prompt_token_ids) for o in outs),
+                                                  sum(self.completion_tokens(o) for o in outs),
+                                                  sum(cached_tokens(o) for o in outs)))
+
+    def chunk(self, out, prompt_index: int = 0) -> dict:
+        """out: a delta RequestOutput of prompt `prompt_index`; usage stays null (see usage_chunk).
+        A sample's finish_reason comes with its last delta (its RequestOutput is finished only once
+        every sample is)."""
+        return self._envelope([self._choice(out, c, prompt_index, c.finish_reason is not None)
+                               for c in out.outputs], None)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""

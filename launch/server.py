@@ -1,7 +1,8 @@
 """`wideep serve --config x.toml`: an OpenAI-compatible HTTP server (aiohttp) on rank 0; every other
 rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engine.shutdown().
 
-    POST /v1/completions   OpenAI completions, stream true (SSE `data: {...}` chunks, `data: [DONE]`) | false
+    POST /v1/completions   OpenAI completions (a prompt or a batch; n, stop, echo: launch/openai_api.py),
+                           stream true (SSE `data: {...}` chunks, `data: [DONE]`) | false
     GET  /v1/models        the served names (vLLM's model cards: root, created, max_model_len)
     POST /tokenize         vLLM's: {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize       vLLM's: {"tokens"} -> {"prompt"}
@@ -110,6 +111,7 @@ class Server:
         self.decode = (lambda t: tok.decode([t])) if tok is not None else None
         # the checkpoint's generation_config.json sampling defaults, for fields a request leaves out
         self.defaults = generation_defaults(core.model_dir)
+        self.decode_ids = tok.decode if tok is not None else None
 
     def _needs_key(self, path: str) -> bool:
         return self._key is not None and (path.startswith("/v1/") or (self.protect_metrics and path == "/metrics"))
@@ -196,50 +198,82 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
             body = await read_json(request)
-            prompt, params, stream, include_usage = parse_completion(body, self.model_name, self.aliases,
-                                                                     self.defaults)
+            req = parse_completion(body, self.model_name, self.aliases, self.defaults)
         except BadRequest as e:
             return _error(e.status, str(e))
-        comp = Completion(self.model_name, self.decode)
+        comp = Completion(self.model_name, self.decode, self.decode_ids, req.params.n, req.echo, req.drop_output)
         comp.id = self.request_ids.assign(request, "cmpl")
-        gen = self.aengine.generate(prompt, params, request_id=comp.id)
+        one = len(req.prompts) == 1
+        gens = [self.aengine.generate(p, req.params, request_id=comp.id if one else f"{comp.id}-{i}")
+                for i, p in enumerate(req.prompts)]
         try:
-            # The first output proves the engine accepted the request, so bad input (a prompt too long
+            # The first outputs prove the engine accepted every prompt, so bad input (a prompt too long
             # for the context, a token id outside the vocab) is still a 400, not a broken 200 stream.
-            try:
-                first = await gen.__anext__()
-            except ValueError as e:
-                return _error(400, str(e))
-            except EngineDeadError as e:
-                return _error(503, str(e))
-            if not stream:
-                out = first
-                async for out in gen:
-                    pass
-                return web.json_response(comp.response(out))
-            return await self._stream(request, comp, gen, first, include_usage)
+            firsts = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+            for e in firsts:
+                if isinstance(e, ValueError):
+                    return _error(400, str(e) if one else f"prompt {firsts.index(e)}: {e}")
+                if isinstance(e, EngineDeadError):
+                    return _error(503, str(e))
+                if isinstance(e, BaseException):
+                    raise e
+            if not req.stream:
+                outs = await asyncio.gather(*(_last(g, f) for g, f in zip(gens, firsts)))
+                return web.json_response(comp.response(outs))
+            return await self._stream(request, comp, gens, firsts, req.include_usage)
         finally:
-            await gen.aclose()  # not finished (disconnect, failed write): aborts the request
+            for g in gens:
+                await g.aclose()  # not finished (disconnect, failed write, a sibling's error): aborts it
             self.request_ids.release(comp.id)
 
-    async def _stream(self, request, comp: Completion, gen, out, include_usage: bool) -> web.StreamResponse:
+    async def _stream(self, request, comp: Completion, gens: list, firsts: list,
+                      include_usage: bool) -> web.StreamResponse:
+        """Every prompt's deltas as they come, one chunk per delta (its choices name their index)."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        n = 0
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, gen, out):
+            try:
+                while True:
+                    q.put_nowait((i, out))
+                    if out.finished:
+                        return
+                    out = await gen.__anext__()
+            except Exception as e:   # EngineDeadError, or a bug: the writer below must not wait forever
+                q.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(pump(i, g, f)) for i, (g, f) in enumerate(zip(gens, firsts))]
+        prompt_tokens, completion_tokens, cached, live = 0, 0, 0, len(gens)
         try:
-            while True:
-                n += len(out.outputs[0].token_ids)
-                await resp.write(_sse(comp.chunk(out)))
-                if out.finished:
+            while live:
+                i, out = await q.get()
+                if isinstance(out, EngineDeadError):  # the 200 is already sent: report in-band, then end
+                    await resp.write(_sse({"error": {"message": str(out), "type": "server_error", "code": 503}}))
                     break
-                out = await gen.__anext__()
-        except EngineDeadError as e:  # the 200 is already sent: report in-band, then end the stream
-            await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": 503}}))
+                if isinstance(out, Exception):
+                    raise out
+                completion_tokens += comp.completion_tokens(out)
+                await resp.write(_sse(comp.chunk(out, i)))
+                if out.finished:
+                    live -= 1
+                    prompt_tokens += len(out.prompt_token_ids)
+                    cached += cached_tokens(out)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)   # before the caller closes the gens
         if include_usage:
-            await resp.write(_sse(comp.usage_chunk(len(out.prompt_token_ids), n, cached_tokens(out))))
+            await resp.write(_sse(comp.usage_chunk(prompt_tokens, completion_tokens, cached)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+async def _last(gen, out):
+    async for out in gen:
+        pass
+    return out
 
 
 async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,

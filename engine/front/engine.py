@@ -26,6 +26,7 @@ from ..worker.messages import END, SHUTDOWN, NewRequest
 from ..worker.rank_loop import RankHooks, RankLoop
 from .front import Domain, Front
 from .outputs import RequestState
+from .samples import SampleGroup, sample_id, sample_params
 
 
 class EngineDeadError(RuntimeError):
@@ -83,10 +84,36 @@ class Engine:
         """Validate and send a request to its DP rank. Errors leave the engine as it was."""
         request_id, text, ids, params, max_tokens = self._accept(request_id, prompt, params)
         domain = self.front.domains[0]
+        if params.n > 1:
+            self._add_samples(domain, request_id, text, ids, params, max_tokens)
+            return
         rank = self.front.assign(domain, request_id, len(ids) + max_tokens, ids=ids)
         st = RequestState(request_id, text, ids, params, max_tokens, rank)
         self._ensure_worker()
         self.front.add(st, NewRequest(request_id, ids, params, max_tokens, st.arrival_time))
+
+    def _add_samples(self, domain, request_id: str, text, ids: list[int], params: SamplingParams,
+                     max_tokens: int) -> None:
+        """n > 1: n sequences on one rank sharing the prompt's blocks (engine/front/samples.py)."""
+        group = SampleGroup(request_id)
+        msgs = []
+        rank = None
+        for i in range(params.n):
+            sid, sp = sample_id(request_id, i), sample_params(params, i)
+            cost = len(ids) + max_tokens
+            if rank is None:
+                rank = self.front.assign(domain, sid, cost, ids=ids)
+            else:
+                self.front.book(domain, sid, rank, cost)
+            st = RequestState(sid, text, ids, sp, max_tokens, rank, index=i, group=group)
+            group.states.append(st)
+            msgs.append(NewRequest(sid, ids, sp, max_tokens, st.arrival_time))
+        self._ensure_worker()
+        # Sharing needs a full block of prompt to name in the prefix cache. With prompt logprobs the
+        # others wait too: sample 0 carries them, and an echoed prompt's choices must all have them.
+        cfg = self.core.cfg
+        hold = (cfg.enable_prefix_caching and len(ids) > cfg.block_size) or params.prompt_logprobs is not None
+        self.front.add_group(group, msgs, hold=hold)
 
     def validate(self, ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model and cache; -> its max_tokens."""
@@ -97,16 +124,21 @@ class Engine:
         self._front_only("add_request")
         self._check_alive()
         request_id = str(request_id)
-        if request_id in self.front.requests:
+        if self.front.is_live(request_id):
             raise ValueError(f"duplicate request id {request_id!r}")
         params = params if params is not None else SamplingParams()
+        if isinstance(params, SamplingParams) and params.n > 1 and any(
+                self.front.is_live(sample_id(request_id, i)) for i in range(params.n)):
+            raise ValueError(f"duplicate request id: a sample of {request_id!r} has the id of a live request")
+        if isinstance(params, SamplingParams) and params.stop and self.core.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer (no tokenizer.json); use stop_token_ids")
         text, ids = self.core.tokenize(prompt)
         return request_id, text, ids, params, self.validate(ids, params)
 
     def abort(self, request_id: str) -> None:
         self._front_only("abort")
         request_id = str(request_id)
-        if request_id not in self.front.requests:
+        if not self.front.is_live(request_id):
             raise ValueError(f"unknown request id {request_id!r} (never added, or already finished)")
         self.front.abort(request_id)
 

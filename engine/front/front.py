@@ -19,6 +19,7 @@ from kvstore.metrics import tier_totals
 from ..sampling_params import RequestOutput
 from ..worker.messages import Abort, Command, NewRequest, Report, Wake
 from .outputs import RequestState
+from .samples import SampleGroup
 
 
 def least_loaded(load: dict[int, int] | list[int]) -> int:
@@ -48,7 +49,8 @@ class Front:
         self.router = router       # kvstore.PrefixRouter (KV-aware routing) or None (least-loaded)
         self.routing = Counter()   # routing decisions by reason
         self.domain_of = {r: d for d in domains for r in d.ranks}
-        self.requests: dict[str, RequestState] = {}
+        self.requests: dict[str, RequestState] = {}   # by the id on the rank (a sample's, when n > 1)
+        self.groups: dict[str, SampleGroup] = {}       # requests with n > 1, by the client's id
         self.cost: dict[str, list[tuple[Domain, int, int, bool]]] = {}  # request -> [(domain, rank, tokens,
         #                                                                        until its first token)]
         self.rank_stats: dict[int, dict] = {}
@@ -74,9 +76,13 @@ class Front:
         else:
             rank, reason = least_loaded(domain.load), "least_loaded"
         self.routing[reason] += 1
+        self.book(domain, request_id, rank, cost, until_first_token)
+        return rank
+
+    def book(self, domain: Domain, request_id: str, rank: int, cost: int, until_first_token: bool = False) -> None:
+        """Count the request's tokens on a chosen rank (the samples of an n > 1 request share one)."""
         domain.load[rank] += cost
         self.cost.setdefault(request_id, []).append((domain, rank, cost, until_first_token))
-        return rank
 
     def _release(self, request_id: str, first_token_only: bool) -> None:
         kept = []
@@ -103,9 +109,40 @@ class Front:
         self.requests[state.request_id] = state
         self.send(state.dp_rank, msg)
 
+    def add_group(self, group: SampleGroup, msgs: list[NewRequest], hold: bool) -> None:
+        """n > 1 (engine/front/samples.py): sample 0 now; with hold, the others once its first
+        token is back (its prompt is then in its rank's prefix cache)."""
+        self.groups[group.request_id] = group
+        for st in group.states:
+            self.requests[st.request_id] = st
+        group.held = list(zip(group.states[1:], msgs[1:])) if hold else []
+        self.send(group.states[0].dp_rank, msgs[0])
+        if not hold:
+            for st, msg in zip(group.states[1:], msgs[1:]):
+                self.send(st.dp_rank, msg)
+
+    def _release_held(self, group: SampleGroup) -> None:
+        held, group.held = group.held, []
+        for st, msg in held:
+            self.send(st.dp_rank, msg)
+
     def abort(self, request_id: str) -> None:
-        st = self.requests[request_id]
-        self.send(st.dp_rank, Abort(request_id))
+        group = self.groups.get(request_id)
+        if group is None:
+            st = self.requests[request_id]
+            self.send(st.dp_rank, Abort(request_id))
+            return
+        self._release_held(group)   # every sample is on its rank, which reports its abort
+        for st in group.states:
+            if not st.finished:
+                self.send(st.dp_rank, Abort(st.request_id))
+
+    def rank_of(self, request_id: str) -> int:
+        group = self.groups.get(request_id)
+        return (group.states[0] if group is not None else self.requests[request_id]).dp_rank
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self.requests or request_id in self.groups
 
     def command(self, kind: int) -> None:
         """END or SHUTDOWN to every rank; each domain leaves its loop in one step."""
@@ -145,9 +182,18 @@ class Front:
                 advanced = st.apply(d, now)
                 if st.token_ids and not had_token:
                     self._release(st.request_id, first_token_only=True)
+                if st.params.stop and st.detokenize(self.tokenizer):
+                    self.send(st.dp_rank, Abort(st.request_id))   # no more tokens for it on its rank
+                group = st.group
+                if group is not None and group.held and st is group.states[0] and (st.token_ids or st.finished):
+                    self._release_held(group)
                 kind = st.params.output_kind
                 if (advanced and kind != "final_only") or st.finished:
-                    outs.append(st.output(self.tokenizer, delta=kind == "delta"))
+                    out = st.output(self.tokenizer, delta=kind == "delta")
+                    if group is not None:
+                        out = group.merge(out, kind)
+                    if out is not None:
+                        outs.append(out)
                 if st.finished:
                     self._finished(st)
         self.generated += generated
@@ -189,6 +235,8 @@ class Front:
         bookings = self.cost.pop(st.request_id, [])
         domain = next((b[0] for b in bookings if not b[3]), self.domains[0])
         cost = len(st.prompt_token_ids) + st.max_tokens
+        if st.group is not None:   # a held sample goes now, readmitted, and never again when released
+            st.group.held = [(s, m) for s, m in st.group.held if s is not st]
         st.dp_rank = self.assign(domain, st.request_id, cost)
         st.readmitted += 1
         self.readmitted += 1
@@ -199,6 +247,8 @@ class Front:
 
     def _finished(self, st: RequestState) -> None:
         del self.requests[st.request_id]
+        if st.group is not None and st.group.finished:
+            del self.groups[st.group.request_id]
         self._release(st.request_id, first_token_only=False)
         self.finished.append(dict(st.metrics(), request_id=st.request_id))
 

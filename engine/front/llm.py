@@ -76,7 +76,7 @@ class LLM:
         if eng.is_front:
             for rid, p, sp in zip(ids, prompts, params):
                 eng.add_request(rid, p, dataclasses.replace(sp, output_kind="final_only"))
-            self.last_assignment = [eng.front.requests[rid].dp_rank for rid in ids]
+            self.last_assignment = [eng.front.rank_of(rid) for rid in ids]
             index = {rid: i for i, rid in enumerate(ids)}
             while eng.has_unfinished_requests():
                 for out in eng.step():

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..sampling_params import CompletionOutput, RequestOutput, SamplingParams
 from ..worker.messages import Delta
+from .stop_strings import find_stop, hold_back
 
 try:   # tokenizers >= 0.21: incremental decoding in Rust, one call per token
     from tokenizers.decoders import DecodeStream
@@ -50,6 +51,10 @@ class RequestState:
     detok_prefix: int = 0      # text covers the tokens < detok_prefix (a later one may end a character)
     detok_read: int = 0        # tokens already fed to the detokenizer
     detok_stream: Any = None   # tokenizers' DecodeStream, when available
+    index: int = 0             # which of the prompt's n samples (RequestOutput.outputs[i].index)
+    group: Any = None          # engine/front/samples.py's SampleGroup when n > 1
+    stop_reason: int | str | None = None
+    stop_checked: int = 0      # text[:stop_checked] holds no stop string
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
@@ -81,6 +86,9 @@ class RequestState:
             self.generator_state = d.generator_state
         if d.finish_reason is not None and self.finish_reason is None:
             self.finish_reason, self.finish_time = d.finish_reason, now
+            last = self.token_ids[-1] if self.token_ids else None
+            if d.finish_reason == "stop" and last in self.params.stop_token_ids:
+                self.stop_reason = last
         return bool(d.token_ids) or d.finish_reason is not None
 
     def abort(self) -> None:
@@ -105,41 +113,82 @@ class RequestState:
         lps = self.logprobs[start:] if self.logprobs is not None else None
         self.num_sent = len(self.token_ids)
         text = self._text(tokenizer, delta)
-        comp = CompletionOutput(index=0, text=text, token_ids=toks, cumulative_logprob=self.cumulative_logprob,
-                                logprobs=lps, finish_reason=self.finish_reason)
+        comp = CompletionOutput(index=self.index, text=text, token_ids=toks, cumulative_logprob=self.cumulative_logprob,
+                                logprobs=lps, finish_reason=self.finish_reason, stop_reason=self.stop_reason)
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              prompt_logprobs=self.prompt_logprobs, outputs=[comp], finished=self.finished,
                              metrics=self.metrics())
 
-    def _text(self, tokenizer, delta: bool) -> str:
-        """The output text (or, for delta outputs, what was not reported yet), decoded incrementally.
-        A character whose UTF-8 bytes span several tokens is held back until its last token arrives
-        (or, never completed, shown as U+FFFD once the request ends). With tokenizers' DecodeStream
-        each new token is one call; without it, a window of the last few tokens is decoded and the
-        new text is the window's text minus the text of its already-decoded part (so tokenizers that
-        treat a sequence's start specially still concatenate)."""
+    def detokenize(self, tokenizer) -> bool:
+        """Decode the tokens not decoded yet and, with stop strings, look for one after each token.
+        On a match the request finishes here ("stop", stop_reason the string): the text ends at the
+        match (or after it, include_stop_str_in_output) and the tokens after the one that completed
+        it are dropped. -> whether a stop string matched now (the front then aborts it on its rank)."""
         if tokenizer is None:
-            return ""
+            return False
+        stops = self.params.stop
+        if stops and not isinstance(self.stop_reason, str):
+            if self._match_stops(tokenizer, stops):
+                return True
+        self._decode(tokenizer, len(self.token_ids))
+        return False
+
+    def _match_stops(self, tokenizer, stops: list[str]) -> bool:
+        for i in range(self.detok_read, len(self.token_ids)):
+            self._decode(tokenizer, i + 1)
+            hit = find_stop(self.text, self.stop_checked, stops)
+            if hit is None:
+                self.stop_checked = len(self.text)
+                continue
+            pos, matched = hit
+            self.text = self.text[:pos + len(matched) if self.params.include_stop_str_in_output else pos]
+            del self.token_ids[i + 1:]
+            if self.logprobs is not None:
+                del self.logprobs[i + 1:]
+            self.detok_prefix = self.detok_read = len(self.token_ids)   # nothing left to flush
+            self.finish_reason, self.stop_reason = "stop", matched
+            self.finish_time = self.finish_time or time.time()
+            return True
+        return False
+
+    def _decode(self, tokenizer, end: int) -> None:
+        """Advance self.text over token_ids[:end]. A character whose UTF-8 bytes span several tokens
+        is held back until its last token arrives (or, never completed, shown as U+FFFD once the
+        request ends). With tokenizers' DecodeStream each new token is one call; without it, a
+        window of the last few tokens is decoded and the new text is the window's text minus the
+        text of its already-decoded part (so tokenizers that treat a sequence's start specially
+        still concatenate)."""
         ids = self.token_ids
+        done = self.finished and end == len(ids)
         if DecodeStream is not None:
             if self.detok_stream is None:
                 self.detok_stream = DecodeStream(skip_special_tokens=True)
-            for i in range(self.detok_read, len(ids)):
+            for i in range(self.detok_read, end):
                 chunk = self.detok_stream.step(tokenizer, ids[i])
                 if chunk is not None:
                     self.text += chunk
                     self.detok_prefix = i + 1
-            self.detok_read = len(ids)
-            if self.finished and self.detok_prefix < len(ids):   # bytes that never completed a character
+            self.detok_read = max(self.detok_read, end)
+            if done and self.detok_prefix < len(ids):   # bytes that never completed a character
                 self.text += tokenizer.decode(ids[self.detok_prefix:])
                 self.detok_prefix = len(ids)
-        elif len(ids) > self.detok_read:
+        elif end > self.detok_read:
             seen = tokenizer.decode(ids[self.detok_prefix:self.detok_read])
-            window = tokenizer.decode(ids[self.detok_prefix:])
-            if len(window) > len(seen) and (self.finished or not window.endswith("\ufffd")):
+            window = tokenizer.decode(ids[self.detok_prefix:end])
+            if len(window) > len(seen) and (done or not window.endswith("\ufffd")):
                 self.text += window[len(seen):]
-                self.detok_prefix, self.detok_read = self.detok_read, len(ids)
+                self.detok_prefix, self.detok_read = self.detok_read, end
+
+    def _text(self, tokenizer, delta: bool) -> str:
+        """The output text (or, for delta outputs, what was not reported yet). While the request
+        runs, a tail that could still grow into a stop string is withheld."""
+        if tokenizer is None:
+            return ""
+        self.detokenize(tokenizer)
+        end = len(self.text)
+        if self.params.stop and not self.finished:
+            end = max(self.text_sent if delta else 0, end - hold_back(self.params.stop))
         if not delta:
-            return self.text
-        new, self.text_sent = self.text[self.text_sent:], len(self.text)
+            return self.text[:end]
+        new, self.text_sent = self.text[self.text_sent:end], max(self.text_sent, end)
         return new

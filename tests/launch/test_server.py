@@ -267,10 +267,15 @@ BAD = [
     ({"prompt": [1, "a"]}, 400, "list of integer token ids"),
     ({"prompt": {"text": "hi"}}, 400, "'prompt' must be a string or a list"),
     ({"prompt": [1, 10 ** 6]}, 400, "out of range"),
-    ({"prompt": [[1, 2], [3, 4]]}, 400, "batched prompts (2) are not supported"),
+    ({"prompt": [[1, 2], []]}, 400, "'prompt[1]' is empty"),
+    ({"prompt": [1, 2], "stop": ["x"] * 1000}, 400, "at most 128"),
+    ({"prompt": [1, 2], "stop": 5}, 400, "'stop' must be a string or a list"),
+    ({"prompt": [1, 2], "best_of": 3}, 400, "'best_of' is not supported"),
+    ({"prompt": [[1, 2]] * 20, "n": 100}, 400, "2000 choices; at most 1024"),
     ({"prompt": [1, 2], "stream": "yes"}, 400, "'stream' must be true or false"),
     ({"prompt": [1, 2], "stop_token_ids": "1"}, 400, "'stop_token_ids' must be a list"),
-    ({"prompt": [1, 2], "n": 2}, 400, "n = 1"),
+    ({"prompt": [1, 2], "n": 0}, 400, "'n' must be >= 1"),
+    ({"prompt": [1, 2], "n": 10 ** 6}, 400, "n must be in [1, 128]"),
     ({"prompt": [1, 2], "model": "gpt-4"}, 404, "does not exist"),
 ]
 
