@@ -47,6 +47,10 @@ class ServerSection:
     model_name: str | None = None
     api_key: str | None = None
     protect_metrics: bool = False
+    chat_template: str | None = None        # launch/chat_http.OPTIONS
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self):
         for key in ("host", "model_name", "api_key"):

@@ -2,6 +2,7 @@
 rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engine.shutdown().
 
     POST /v1/completions   OpenAI completions, stream true (SSE `data: {...}` chunks, `data: [DONE]`) | false
+    POST /v1/chat/completions  OpenAI chat (launch/chat_http.py: template, reasoning, tool calls)
     GET  /v1/models        the served model
     GET  /health           200 while the engine serves, 503 once it has stopped
     GET  /metrics          Prometheus text (launch/prometheus.py)
@@ -29,7 +30,7 @@ from aiohttp import web
 
 from engine.front.async_engine import AsyncEngine, EngineDeadError
 
-from . import prometheus
+from . import chat_http, prometheus
 from .openai_api import BadRequest, Completion, parse_completion
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
@@ -63,8 +64,9 @@ class Server:
     other names accepted for it); api_key: required on /v1/* (and /metrics when protect_metrics)."""
 
     def __init__(self, aengine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 protect_metrics: bool = False, aliases: tuple[str, ...] = ()):
+                 protect_metrics: bool = False, aliases: tuple[str, ...] = (), chat: dict | None = None):
         self.aengine, self.model_name, self.aliases = aengine, model_name, aliases
+        self.chat = chat_http.make_handler(self, **(chat or {}))
         self._key = f"Bearer {api_key}".encode() if api_key else None
         self.protect_metrics = protect_metrics
         tok = aengine.engine.core.tokenizer
@@ -97,7 +99,8 @@ class Server:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._guard])
-        app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat), web.get("/v1/models", self.models),
                         web.get("/health", self.health), web.get("/metrics", self.metrics)])
         return app
 
@@ -117,7 +120,8 @@ class Server:
             return _error(503, str(e))
         return web.Response(body=prometheus.render(m).encode(), headers={"Content-Type": prometheus.CONTENT_TYPE})
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def read_json(self, request: web.Request):
+        """-> the decoded JSON body, or the error Response to answer (415, 400)."""
         if not _content_type_ok(request):
             return _error(415, f"Content-Type {request.content_type!r} is not supported; send application/json")
         try:
@@ -125,11 +129,16 @@ class Server:
         except UnicodeDecodeError as e:
             return _error(400, f"request body is not valid JSON: not UTF-8 ({e})")
         try:
-            body = json.loads(text, parse_constant=_no_json_constant)
+            return json.loads(text, parse_constant=_no_json_constant)
         except ValueError as e:  # JSONDecodeError, NaN/Infinity, an int too long to convert
             return _error(400, f"request body is not valid JSON: {e}")
         except RecursionError:
             return _error(400, "request body is not valid JSON: nested too deeply")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self.read_json(request)
+        if isinstance(body, web.Response):
+            return body
         try:
             prompt, params, stream, include_usage = parse_completion(body, self.model_name, self.aliases)
         except BadRequest as e:
@@ -175,14 +184,15 @@ class Server:
 
 
 async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, model_name: str | None = None,
-                      api_key: str | None = None, protect_metrics: bool = False, under_torchrun: bool = False) -> int:
+                      api_key: str | None = None, protect_metrics: bool = False, under_torchrun: bool = False,
+                      chat: dict | None = None) -> int:
     """Rank 0: serve until SIGINT/SIGTERM or until the engine stops by itself. -> exit status."""
     aengine = AsyncEngine(engine)
     # Unnamed, the model is its directory's name, and the path as given is accepted too (what clients
     # of `vllm serve PATH` send).
     aliases = () if model_name else (engine.core.model_dir,)
     model_name = model_name or os.path.basename(os.path.normpath(engine.core.model_dir))
-    server = Server(aengine, model_name, api_key, protect_metrics, aliases)
+    server = Server(aengine, model_name, api_key, protect_metrics, aliases, chat)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -242,4 +252,5 @@ def serve(cfg: dict) -> int:
     s = cfg.get("server", {})
     return asyncio.run(serve_front(engine, s.get("host", DEFAULT_HOST), s.get("port", DEFAULT_PORT),
                                    s.get("model_name"), s.get("api_key"), s.get("protect_metrics", False),
-                                   under_torchrun="TORCHELASTIC_RUN_ID" in os.environ))
+                                   under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
+                                   chat={k: s[k] for k in chat_http.OPTIONS if k in s}))
