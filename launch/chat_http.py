@@ -141,7 +141,8 @@ class ChatHandler:
                     pass
                 c = last.outputs[0]
                 d = out.feed(list(c.token_ids), final=True)
-                msg = {"role": "assistant", "content": d["content"] if not (out.calls and not d["content"]) else None}
+                # Whitespace before a tool-call block (DSML's "\n\n") is no answer.
+                msg = {"role": "assistant", "content": None if out.calls and not d["content"].strip() else d["content"]}
                 if in_reasoning or d["reasoning_content"]:
                     msg["reasoning_content"] = msg["reasoning"] = d["reasoning_content"]
                 msg["tool_calls"] = [{k: v for k, v in tc.items() if k != "index"} for tc in d["tool_calls"]]
