@@ -14,11 +14,18 @@ import uuid
 
 from aiohttp import web
 
+from engine.front.async_engine import EngineDeadError
+
 from . import reasoning, tool_parsers
 from .chat import BadRequest, ChatRequest, parse_chat
 from .chat_template import TemplateError
 from .dsv32_encoding import EncodingError
 from .reasoning import ReasoningSplitter, _held
+
+try:   # tokenizers >= 0.21
+    from tokenizers.decoders import DecodeStream
+except ImportError:   # pragma: no cover
+    DecodeStream = None
 
 
 class ChatOutput:
@@ -27,7 +34,8 @@ class ChatOutput:
     def __init__(self, tok, eos_ids: set[int], in_reasoning: bool, tool_parser: str | None):
         self.tok, self.eos_ids, self.tool_parser = tok, eos_ids, tool_parser
         self.ids: list[int] = []
-        self.text = ""  # decoded so far (special tokens kept)
+        self.text = ""  # decoded so far (special tokens kept), without DecodeStream
+        self.stream = DecodeStream(skip_special_tokens=False) if DecodeStream is not None else None
         self.splitter = ReasoningSplitter(in_reasoning)
         self.marker = tool_parsers.start_marker(tool_parser) if tool_parser else None
         self.tool_buf = ""      # content from the tool-call marker on (or a marker's possible start)
@@ -36,11 +44,7 @@ class ChatOutput:
 
     def feed(self, token_ids: list[int], final: bool) -> dict:
         """-> {"reasoning_content": str, "content": str, "tool_calls": [...]}, the new parts only."""
-        self.ids += [t for t in token_ids if t not in self.eos_ids]
-        text = self.tok.decode(self.ids, skip_special_tokens=False)
-        if not final and text.endswith("\ufffd"):  # a character whose bytes have not all arrived
-            text = text[:-1]
-        new, self.text = text[len(self.text):], text
+        new = self._decode([t for t in token_ids if t not in self.eos_ids], final)
         r, c = self.splitter.feed(new, final)
         out = {"reasoning_content": r, "content": self._content(c, final), "tool_calls": []}
         if final and self.in_tools:
@@ -49,6 +53,18 @@ class ChatOutput:
             out["content"] += content
             out["tool_calls"] = [call.openai(i) for i, call in enumerate(calls)]
         return out
+
+    def _decode(self, ids: list[int], final: bool) -> str:
+        """The new text of ids, special tokens kept: tokenizers' incremental DecodeStream (it holds a
+        character back until its bytes are complete), else a decode of everything so far."""
+        self.ids += ids
+        if self.stream is not None:
+            return "".join(self.stream.step(self.tok, t) or "" for t in ids)
+        text = self.tok.decode(self.ids, skip_special_tokens=False)
+        if not final and text.endswith("\ufffd"):  # a character whose bytes have not all arrived
+            text = text[:-1]
+        new, self.text = text[len(self.text):], text
+        return new
 
     def _content(self, c: str, final: bool) -> str:
         if self.marker is None:
@@ -89,8 +105,9 @@ class ChatHandler:
         self.reasoning_parser, self.tool_parser, self.auto_tools = reasoning_parser, tool_parser, auto_tools
         tok = server.aengine.engine.core.tokenizer
         self.tok = tok
-        eos = [tok.token_to_id(s) for s in ("<｜end▁of▁sentence｜>",)] if tok is not None else []
-        self.eos_ids = {t for t in eos if t is not None}
+        # The end-of-sequence token ends the output; it is no part of the answer's text.
+        eos = {"<｜end▁of▁sentence｜>", (template.special.get("eos_token") if template else None) or ""}
+        self.eos_ids = {tok.token_to_id(s) for s in eos if s} - {None} if tok is not None else set()
 
     def prompt(self, req: ChatRequest) -> tuple[str, list[int]]:
         if self.template is None:
@@ -101,6 +118,11 @@ class ChatHandler:
                                         continue_final_message=req.continue_final_message, kwargs=req.template_kwargs)
         except (TemplateError, EncodingError) as e:
             raise BadRequest(str(e)) from None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # "\udcff" is valid JSON, but no text: nothing can tokenize it
+            raise BadRequest(f"the messages contain text that is not valid Unicode (an unpaired UTF-16 "
+                             f"surrogate {text[e.start]!r}); send valid UTF-8 text") from None
         # The template wrote the BOS itself: encoding must not add it a second time.
         return text, self.tok.encode(text, add_special_tokens=False).ids
 
@@ -131,10 +153,8 @@ class ChatHandler:
                 first = await gen.__anext__()
             except ValueError as e:
                 return _error(400, str(e))
-            except Exception as e:  # EngineDeadError
-                if type(e).__name__ == "EngineDeadError":
-                    return _error(503, str(e))
-                raise
+            except EngineDeadError as e:
+                return _error(503, str(e))
             if not req.stream:
                 last = first
                 async for last in gen:
@@ -184,9 +204,7 @@ class ChatHandler:
                 if res.finished:
                     break
                 res = await gen.__anext__()
-        except Exception as e:  # the 200 is already sent: report in-band, then end the stream
-            if type(e).__name__ != "EngineDeadError":
-                raise
+        except EngineDeadError as e:  # the 200 is already sent: report in-band, then end the stream
             await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": 503}}))
         if req.include_usage:
             await resp.write(_sse(dict(env, object="chat.completion.chunk", choices=[],

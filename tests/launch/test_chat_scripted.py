@@ -132,6 +132,11 @@ def test_a_template_that_raises_is_a_400(tmp_path):
     async def fn(client, eng):
         with pytest.raises(openai.BadRequestError, match="unknown role developer"):
             await client.chat.completions.create(model="tiny", messages=[{"role": "developer", "content": "x"}])
+        import aiohttp  # the openai client cannot even send an unpaired surrogate; JSON can
+        async with aiohttp.ClientSession() as h:
+            async with h.post(f"{client.base_url}chat/completions", data=b'{"messages": [{"role": "user", '
+                              b'"content": "a\\udcffb"}]}', headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 400 and "surrogate" in (await r.json())["error"]["message"]
         eng.script = "ok"
         r = await client.chat.completions.create(model="tiny", messages=MSGS)
         assert r.choices[0].message.content == "ok"
