@@ -17,7 +17,7 @@ CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message", "cha
              "response_format")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatRequest:
     messages: list
     params: object                # SamplingParams

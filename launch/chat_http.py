@@ -20,7 +20,7 @@ from . import reasoning, tool_parsers
 from .chat import BadRequest, ChatRequest, parse_chat
 from .chat_template import TemplateError
 from .dsv32_encoding import EncodingError
-from .reasoning import ReasoningSplitter, _held
+from .reasoning import ReasoningSplitter, held_back
 
 try:   # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream
@@ -77,7 +77,7 @@ class ChatOutput:
         if i >= 0:
             self.in_tools, self.tool_buf = True, buf[i:]
             return buf[:i]
-        keep = 0 if final else _held(buf, self.marker)
+        keep = 0 if final else held_back(buf, self.marker)
         self.tool_buf = buf[len(buf) - keep:]
         return buf[:len(buf) - keep]
 

@@ -29,7 +29,7 @@ def starts_in_reasoning(parser: str | None, prompt: str, template_kwargs: dict) 
     return opened
 
 
-def _held(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """How many trailing characters of text could be the start of marker (held back while streaming)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-k:]):
@@ -62,7 +62,7 @@ class ReasoningSplitter:
             reasoning, content = self._buf[:end], self._buf[end + len(END_THINK):]
             self.in_reasoning, self._buf = False, ""
             return reasoning, content
-        keep = 0 if final else _held(self._buf, END_THINK)
+        keep = 0 if final else held_back(self._buf, END_THINK)
         out, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
         return out, ""
 

@@ -70,3 +70,38 @@ def test_chat_output_on_a_token_stream(tmp_path):
             got[k] += d[k]
     assert got["reasoning_content"] == "hmm é" and got["content"] == "Sure."
     assert [c["function"]["name"] for c in got["tool_calls"]] == ["get_weather"]
+
+
+@pytest.mark.parametrize("style", ["v3", "r1", "v31"])
+def test_template_renders_as_transformers_does(style, tmp_path):
+    """transformers' apply_chat_template is the oracle for the rendering (sandbox, globals, tojson)."""
+    transformers = pytest.importorskip("transformers")
+    from launch.chat_template import load_chat_template
+    d = make_tiny_checkpoint(str(tmp_path), chat_template_style=style)
+    tools = [{"type": "function", "function": {"name": "f", "description": "é", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "content": "42"}, {"role": "assistant", "content": "done"}]
+    hf = transformers.AutoTokenizer.from_pretrained(d)
+    ours = load_chat_template(d)
+    for kw in ({}, {"thinking": True}):
+        for gen, cont, m in ((True, False, msgs[:4]), (False, True, msgs)):
+            want = hf.apply_chat_template(m, tools=tools, tokenize=False, add_generation_prompt=gen,
+                                          continue_final_message=cont, **kw)
+            assert ours.render(m, tools=tools, add_generation_prompt=gen, continue_final_message=cont, kwargs=kw) == want
+    ids = hf.apply_chat_template(msgs[:2], add_generation_prompt=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    tok = Tokenizer.from_file(f"{d}/tokenizer.json")
+    assert tok.encode(ours.render(msgs[:2]), add_special_tokens=False).ids == list(ids)  # one BOS
+
+
+def test_chat_template_override(tmp_path):
+    from launch.chat_template import TemplateError, load_chat_template
+    d = make_tiny_checkpoint(str(tmp_path / "m"))
+    f = tmp_path / "t.jinja"
+    f.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{{ strftime_now('%Y')[:0] }}")
+    assert load_chat_template(d, str(f)).render([{"role": "user", "content": "x"}]) == "[user]x"
+    f.write_text("{% for m in messages %}")
+    with pytest.raises(TemplateError, match="does not compile"):
+        load_chat_template(d, str(f))
