@@ -50,7 +50,7 @@ class ScriptedEngine:
             yield RequestOutput(request_id, None, list(ids), None, [c], finished=last)
 
 
-def run(case: str, fn):
+def run(case: str, fn, auto_tools: bool = True):
     from aiohttp.test_utils import TestServer
 
     from launch.server import Server
@@ -59,7 +59,7 @@ def run(case: str, fn):
     async def go(tmp):
         d = make_tiny_checkpoint(tmp, arch=arch, chat_template_style=style)
         eng = ScriptedEngine(d)
-        srv = TestServer(Server(eng, "tiny", chat=dict(opts, enable_auto_tool_choice=True)).app(), host="127.0.0.1")
+        srv = TestServer(Server(eng, "tiny", chat=dict(opts, enable_auto_tool_choice=auto_tools)).app(), host="127.0.0.1")
         await srv.start_server()
         try:
             async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{srv.port}/v1", api_key="x",
@@ -142,3 +142,14 @@ def test_a_template_that_raises_is_a_400(tmp_path):
         assert r.choices[0].message.content == "ok"
         assert eng.prompts[-1].count("<｜begin▁of▁sentence｜>") == 1  # the template's BOS, not doubled
     asyncio.run(run("v31", fn)(str(tmp_path)))
+
+
+def test_tools_without_auto_tool_choice(tmp_path):
+    async def fn(client, eng):
+        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+            await client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS)
+        eng.script = "Checking.</think>" + V3
+        r = await client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="none")
+        assert "get_weather" in eng.prompts[-1] and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop" and "get_weather" in r.choices[0].message.content
+    asyncio.run(run("r1", fn, auto_tools=False)(str(tmp_path)))
