@@ -35,7 +35,9 @@ class ChatOutput:
         self.tok, self.eos_ids, self.tool_parser = tok, eos_ids, tool_parser
         self.ids: list[int] = []
         self.text = ""  # decoded so far (special tokens kept), without DecodeStream
-        self.stream = DecodeStream(skip_special_tokens=False) if DecodeStream is not None else None
+        # Special tokens are kept for the parsers; with none at work they are dropped, as vLLM does.
+        self.skip_special = not in_reasoning and tool_parser is None
+        self.stream = DecodeStream(skip_special_tokens=self.skip_special) if DecodeStream is not None else None
         self.splitter = ReasoningSplitter(in_reasoning)
         self.marker = tool_parsers.start_marker(tool_parser) if tool_parser else None
         self.tool_buf = ""      # content from the tool-call marker on (or a marker's possible start)
@@ -60,7 +62,7 @@ class ChatOutput:
         self.ids += ids
         if self.stream is not None:
             return "".join(self.stream.step(self.tok, t) or "" for t in ids)
-        text = self.tok.decode(self.ids, skip_special_tokens=False)
+        text = self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
         if not final and text.endswith("\ufffd"):  # a character whose bytes have not all arrived
             text = text[:-1]
         new, self.text = text[len(self.text):], text
@@ -142,8 +144,6 @@ class ChatHandler:
             return _error(400, "the chat template rendered an empty prompt")
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.server.model_name
         in_reasoning = reasoning.starts_in_reasoning(self.reasoning_parser, text, req.template_kwargs)
-        if self.reasoning_parser == "deepseek_v3" and not reasoning.wants_thinking(req.template_kwargs):
-            in_reasoning = False
         out = ChatOutput(self.tok, self.eos_ids, in_reasoning, self.tool_parser if req.parse_tools else None)
         decode = lambda t: self.tok.decode([t], skip_special_tokens=False)  # noqa: E731
         gen = self.server.aengine.generate(ids, req.params, request_id=rid)

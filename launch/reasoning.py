@@ -20,12 +20,12 @@ def wants_thinking(kwargs: dict) -> bool:
 
 
 def starts_in_reasoning(parser: str | None, prompt: str, template_kwargs: dict) -> bool:
-    """Does the output begin inside a reasoning block?"""
+    """Does the output begin inside a reasoning block? (Then the parsers need the special tokens.)"""
     opened = prompt.rfind(THINK) > prompt.rfind(END_THINK)
     if parser == "deepseek_r1":
         return True
     if parser == "deepseek_v3":
-        return wants_thinking(template_kwargs) or opened
+        return wants_thinking(template_kwargs)
     return opened
 
 
