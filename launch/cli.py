@@ -156,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(r, RUN)
     r.add_argument("--summary-only", action="store_true", help="print only the throughput summary")
     r.set_defaults(fn=cmd_run)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /health, /metrics) on rank 0: "
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/health, /metrics) on rank 0: "
                                      "wideep serve MODEL_DIR [--config x.toml] [flags]")
     add_options(s, SERVE)
     s.set_defaults(fn=cmd_serve)
