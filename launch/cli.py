@@ -14,7 +14,8 @@ TINY_NAMES = {"v2": "DeepSeek-V2", "v3": "DeepSeek-V3", "v32": "DeepSeek-V3.2", 
 
 def cmd_make_tiny(a) -> None:
     from .tiny import make_tiny_checkpoint
-    path = make_tiny_checkpoint(a.out, arch=a.arch, fp8=a.fp8, seed=a.seed)
+    style = None if a.chat_template_style == "none" else a.chat_template_style
+    path = make_tiny_checkpoint(a.out, arch=a.arch, fp8=a.fp8, seed=a.seed, chat_template_style=style)
     print(f"wrote a tiny {TINY_NAMES[a.arch]}{' FP8' if a.fp8 else ''} checkpoint to {path}")
 
 
@@ -135,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--arch", choices=list(TINY_NAMES), default="v3")
     t.add_argument("--fp8", action="store_true")
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--chat-template-style", choices=["auto", "v3", "r1", "v31", "none"], default="auto",
+                   help="the tokenizer's chat template: DeepSeek-V3 / R1 / V3.1 shapes (auto: v3; none for v32)")
     t.set_defaults(fn=cmd_make_tiny)
     g = sub.add_parser("generate", help="generate from one prompt: wideep generate MODEL_DIR --prompt-ids 1,2,3")
     add_options(g, GENERATE)
@@ -153,7 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(r, RUN)
     r.add_argument("--summary-only", action="store_true", help="print only the throughput summary")
     r.set_defaults(fn=cmd_run)
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /health, /metrics) on rank 0: "
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/health, /metrics) on rank 0: "
                                      "wideep serve MODEL_DIR [--config x.toml] [flags]")
     add_options(s, SERVE)
     s.set_defaults(fn=cmd_serve)

@@ -104,6 +104,13 @@ OPTIONS: tuple[Option, ...] = (
            commands=(SERVE,)),
     Option("server.protect_metrics", "/metrics needs the API key too", commands=(SERVE,),
            spec={"action": "store_const", "const": True}),
+    Option("server.chat_template", "a Jinja chat template FILE instead of the checkpoint's", commands=(SERVE,)),
+    Option("server.reasoning_parser", "split <think> reasoning into reasoning_content", commands=(SERVE,),
+           spec={"choices": ["deepseek_r1", "deepseek_v3"]}),   # = launch/reasoning.PARSERS
+    Option("server.tool_call_parser", "parse tool calls of this format", commands=(SERVE,),
+           spec={"choices": ["deepseek_v3", "deepseek_v31", "deepseek_v32"]}),   # = launch/tool_parsers.PARSERS
+    Option("server.enable_auto_tool_choice", "tool_choice \"auto\": parse the model's tool calls", commands=(SERVE,),
+           spec={"action": "store_const", "const": True}),
     Option("run.prompt_ids", "a prompt as comma-separated token ids (repeat for more prompts)", commands=(RUN,),
            flag="--prompt-ids", spec={"action": "append", "type": token_ids}),
     Option("run.prompts", "a text prompt (repeat for more prompts)", commands=(RUN,), flag="--prompt",

@@ -49,6 +49,10 @@ class ServerSection:
     api_key: str | None = None
     protect_metrics: bool = False
     allowed_origins: list[str] | None = None      # CORS; None: off
+    chat_template: str | None = None        # launch/chat_http.OPTIONS
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self):
         for key in ("model_name", "allowed_origins"):

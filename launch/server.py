@@ -3,6 +3,7 @@ rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engin
 
     POST /v1/completions   OpenAI completions (a prompt or a batch; n, stop, echo: launch/openai_api.py),
                            stream true (SSE `data: {...}` chunks, `data: [DONE]`) | false
+    POST /v1/chat/completions  OpenAI chat (launch/chat_http.py: template, reasoning, tool calls)
     GET  /v1/models        the served names (vLLM's model cards: root, created, max_model_len)
     POST /tokenize         vLLM's: {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize       vLLM's: {"tokens"} -> {"prompt"}
@@ -36,7 +37,7 @@ from aiohttp import web
 from engine.front.async_engine import AsyncEngine, EngineDeadError
 from engine.generation_defaults import generation_defaults
 
-from . import prometheus, tokenize_api
+from . import chat_http, prometheus, tokenize_api
 from .cors import Cors
 from .json_text import lone_surrogate, surrogate_message
 from .openai_api import BadRequest, Completion, cached_tokens, parse_completion
@@ -97,7 +98,8 @@ class Server:
 
     def __init__(self, aengine: AsyncEngine, model_name: str, api_key: str | None = None,
                  protect_metrics: bool = False, aliases: tuple[str, ...] = (),
-                 allowed_origins: tuple[str, ...] = (), unlisted: tuple[str, ...] = ()):
+                 allowed_origins: tuple[str, ...] = (), unlisted: tuple[str, ...] = (),
+                 chat: dict | None = None):
         self.aengine, self.model_name, self.aliases = aengine, model_name, (*aliases, *unlisted)
         self.listed = (model_name, *aliases)
         self._key = f"Bearer {api_key}".encode() if api_key else None
@@ -112,6 +114,7 @@ class Server:
         # the checkpoint's generation_config.json sampling defaults, for fields a request leaves out
         self.defaults = generation_defaults(core.model_dir)
         self.decode_ids = tok.decode if tok is not None else None
+        self.chat = chat_http.make_handler(self, **(chat or {}))
 
     def _needs_key(self, path: str) -> bool:
         return self._key is not None and (path.startswith("/v1/") or (self.protect_metrics and path == "/metrics"))
@@ -143,7 +146,7 @@ class Server:
         app = web.Application(middlewares=[self.cors.preflight, self._guard] if self.cors else [self._guard])
         app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
                         web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
-                        web.get("/version", self.version),
+                        web.get("/version", self.version), web.post("/v1/chat/completions", self.chat),
                         web.get("/health", self.health), web.get("/metrics", self.metrics)])
         app.on_response_prepare.append(self.request_ids.echo)
         if self.cors:
@@ -194,6 +197,13 @@ class Server:
         except EngineDeadError as e:
             return _error(503, str(e))
         return web.Response(body=prometheus.render(m).encode(), headers={"Content-Type": prometheus.CONTENT_TYPE})
+
+    async def read_json(self, request: web.Request):
+        """-> the decoded JSON body, or the error Response to answer (415, 400): the chat handler's form."""
+        try:
+            return await read_json(request)
+        except BadRequest as e:
+            return _error(e.status, str(e))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -279,7 +289,7 @@ async def _last(gen, out):
 async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                       model_name: str | list[str] | None = None, api_key: str | None = None,
                       protect_metrics: bool = False, under_torchrun: bool = False,
-                      allowed_origins: tuple[str, ...] = ()) -> int:
+                      allowed_origins: tuple[str, ...] = (), chat: dict | None = None) -> int:
     """Rank 0: serve until SIGINT/SIGTERM or until the engine stops by itself. -> exit status.
     model_name: one name or several (the first is what responses report; all are accepted)."""
     aengine = AsyncEngine(engine)
@@ -289,7 +299,7 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     unlisted = () if names else (engine.core.model_dir,)
     model_name = names[0] if names else os.path.basename(os.path.normpath(engine.core.model_dir))
     server = Server(aengine, model_name, api_key, protect_metrics, tuple(names[1:]), tuple(allowed_origins or ()),
-                    unlisted)
+                    unlisted, chat)
     runner = web.AppRunner(server.app(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -350,4 +360,5 @@ def serve(cfg: dict) -> int:
     return asyncio.run(serve_front(engine, s.get("host", DEFAULT_HOST), s.get("port", DEFAULT_PORT),
                                    s.get("model_name"), s.get("api_key"), s.get("protect_metrics", False),
                                    under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
-                                   allowed_origins=tuple(s.get("allowed_origins") or ())))
+                                   allowed_origins=tuple(s.get("allowed_origins") or ()),
+                                   chat={k: s[k] for k in chat_http.OPTIONS if k in s}))

@@ -19,6 +19,8 @@ from safetensors.torch import save_file
 
 from moe.fp8 import quantize_fp8_block
 
+from .tiny_chat import SPECIALS, chat_template
+
 _COMMON: dict[str, Any] = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
     num_hidden_layers=4, first_k_dense_replace=1, moe_layer_freq=1,
@@ -212,10 +214,12 @@ def _write_json(out_dir: str, file: str, obj: Any) -> None:
         json.dump(obj, f, indent=2, ensure_ascii=False)
 
 
-def _write_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) -> bool:
-    """Byte-level tokenizer, one token per UTF-8 byte, no merges. Ids bos/eos are the specials; the
-    other ids take bytes in order of usefulness (ASCII first; bytes that never occur in UTF-8
-    last), so any vocab_size >= 245 round-trips all text. Returns False without `tokenizers`."""
+def _write_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int, chat_style: str | None) -> bool:
+    """Byte-level tokenizer, one token per UTF-8 byte, no merges. Ids bos/eos are specials, and
+    DeepSeek's chat tokens (launch/tiny_chat.SPECIALS) take the last ids; the other ids take bytes in
+    order of usefulness (ASCII first; bytes that never occur in UTF-8 last), so vocab_size 256
+    round-trips all text. chat_style: the chat template written (None: none). Returns False without
+    `tokenizers`."""
     try:
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
@@ -230,24 +234,30 @@ def _write_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) -> bool:
     never_in_utf8 = {0xC0, 0xC1, *range(0xF5, 0x100)}
     order = sorted(range(256), key=lambda b: (b in never_in_utf8, not 32 <= b < 127, b))
     free = [i for i in range(vocab_size) if i not in (bos, eos)]
-    vocab = {BOS: bos, EOS: eos} | {gpt2[b]: i for b, i in zip(order, free)}
+    chat = dict(zip(SPECIALS, free[-len(SPECIALS):])) if len(free) >= 245 + len(SPECIALS) else {}
+    free = [i for i in free if i not in chat.values()]
+    vocab = {BOS: bos, EOS: eos} | chat | {gpt2[b]: i for b, i in zip(order, free)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(BOS, special=True), AddedToken(EOS, special=True)])
+    tok.add_special_tokens([AddedToken(t, special=True) for t in (BOS, EOS, *chat)])
     tok.save(os.path.join(out_dir, "tokenizer.json"))
-    _write_json(out_dir, "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast",
-                                                   "bos_token": BOS, "eos_token": EOS, "add_bos_token": False})
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS, "add_bos_token": False}
+    if chat_style is not None:
+        tc["chat_template"] = chat_template(chat_style)
+    _write_json(out_dir, "tokenizer_config.json", tc)
     return True
 
 
 def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed: int = 0, shards: int = 1,
-                         **overrides: Any) -> str:
+                         chat_template_style: str | None = "auto", **overrides: Any) -> str:
     """Write config.json, generation_config.json, model.safetensors (or `shards` files + index) and,
     when `tokenizers` is installed, tokenizer.json into `out_dir`; return `out_dir`.
 
     fp8=True stores every attention/MLP `*_proj.weight` as float8_e4m3fn + `_scale_inv` [128x128
     blocks] and adds DeepSeek-V3's quantization_config. Same arguments, same bytes.
+    chat_template_style: "v3" | "r1" | "v31" (launch/tiny_chat.py), None for no template, "auto": v3,
+    except V3.2, which (as the real one) ships none and is served with its Python encoding.
     """
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
@@ -260,5 +270,7 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed
     _write_json(out_dir, "config.json", config)
     _write_json(out_dir, "generation_config.json",
                 {"bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"]})
-    _write_tokenizer(out_dir, text["vocab_size"], text["bos_token_id"], text["eos_token_id"])
+    if chat_template_style == "auto":
+        chat_template_style = None if arch == "v32" else "v3"
+    _write_tokenizer(out_dir, text["vocab_size"], text["bos_token_id"], text["eos_token_id"], chat_template_style)
     return out_dir
