@@ -35,12 +35,12 @@ class LLM:
         self.max_model_len = core.max_model_len
         self._batch = itertools.count()
         self._defaults = generation_defaults(core.model_dir)
+        self.last_assignment: list[int] = []
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation_config.json defaults (vLLM's name); what
         generate() uses when it is given none."""
         return SamplingParams(**self._defaults)
-        self.last_assignment: list[int] = []
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -36,7 +36,7 @@ class ScriptedEngine:
 
     def __init__(self, model_dir: str):
         tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
-        self.engine = SimpleNamespace(core=SimpleNamespace(tokenizer=tok, model_dir=model_dir))
+        self.engine = SimpleNamespace(core=SimpleNamespace(tokenizer=tok, model_dir=model_dir, max_model_len=4096))
         self.is_running, self.script, self.prompts = True, "", []
 
     async def generate(self, ids, params, request_id):
