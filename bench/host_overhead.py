@@ -9,9 +9,9 @@ median over rounds of the round's median step (wall time, and the thread's CPU t
 round; the profile's top functions with --profile.
 
 --processed (default 256; "" for none) adds the row "256+processing": the same batch with presence, frequency and
-repetition penalties and a two-token logit_bias on every request (different per request), timed in
-the same rounds as the plain rows. Stop strings are not in that row: SamplingParams has none on the
-branch this was written on (the JSON says so under "processed_row").
+repetition penalties, a two-token logit_bias and two stop strings (matched on the front's detokenized
+text every step, never found: the requests run on) on every request, timed in the same rounds as
+the plain rows (the JSON says what under "processed_row").
 
     python bench/host_overhead.py [--batches 64,256,1024] [--processed 256] [--steps 20] [--rounds 3]
                                   [--profile] [--save-as host_overhead]
@@ -47,7 +47,8 @@ class Bench:
                           kv_cache_blocks=2 * batch + 8, enable_prefix_caching=False, progress=False)
         for i in range(batch):
             extra = (dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
-                          logit_bias={10 + i % 100: 1.0, 7: -2.0}) if processed else {})
+                          logit_bias={10 + i % 100: 1.0, 7: -2.0}, stop=["<<never>>", "zq!zq"])
+                     if processed else {})
             sp = SamplingParams(max_tokens=steps * rounds + 8, ignore_eos=True, output_kind="delta", **extra)
             self.eng.add_request(str(i), [2 + i % 200, 3, 4, 5], sp)
         self.eng.step()  # the requests reach the scheduler and their prompts (4 tokens each) prefill; not timed
@@ -118,9 +119,8 @@ def main() -> None:
     if (256, False) in ms and (1024, False) in ms:
         out["ratio_1024_vs_256"] = round(ms[(1024, False)] / ms[(256, False)], 2)
     if any(p for _, p in rows):
-        out["processed_row"] = ("presence_penalty 0.5, frequency_penalty 0.3, repetition_penalty 1.1 and a "
-                                "two-token logit_bias on every request; stop strings not included (not in "
-                                "SamplingParams on this branch)")
+        out["processed_row"] = ("presence_penalty 0.5, frequency_penalty 0.3, repetition_penalty 1.1, a "
+                                "two-token logit_bias and two stop strings (never matched) on every request")
         for b, p in rows:
             if p and (b, False) in ms:
                 out[f"processing_extra_ms_{b}"] = round(ms[(b, True)] - ms[(b, False)], 3)

@@ -10,7 +10,6 @@ with stream_options.include_usage a usage chunk with empty choices, then data: [
 from __future__ import annotations
 
 import time
-import uuid
 
 from aiohttp import web
 
@@ -20,6 +19,7 @@ from . import reasoning, tool_parsers
 from .chat import BadRequest, ChatRequest, parse_chat
 from .chat_template import TemplateError
 from .dsv32_encoding import EncodingError
+from .openai_api import Completion, cached_tokens
 from .reasoning import ReasoningSplitter, held_back
 
 try:   # tokenizers >= 0.21
@@ -111,6 +111,15 @@ class ChatHandler:
         eos = {"<｜end▁of▁sentence｜>", (template.special.get("eos_token") if template else None) or ""}
         self.eos_ids = {tok.token_to_id(s) for s in eos if s} - {None} if tok is not None else set()
 
+    def messages_ids(self, body: dict) -> list[int]:
+        """vLLM's chat form of /tokenize: the prompt ids this endpoint would run for the same messages,
+        tools, add_generation_prompt, continue_final_message and chat_template_kwargs."""
+        if self.tok is None:
+            raise BadRequest("chat needs the checkpoint's tokenizer.json")
+        req = parse_chat({k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs")},
+                         self.server.model_name, self.server.aliases, auto_tools=self.auto_tools)
+        return self.prompt(req)[1]
+
     def prompt(self, req: ChatRequest) -> tuple[str, list[int]]:
         if self.template is None:
             raise BadRequest("this model has no chat template (tokenizer_config.json chat_template or "
@@ -143,11 +152,16 @@ class ChatHandler:
             return _error(e.status, str(e))
         if not ids:
             return _error(400, "the chat template rendered an empty prompt")
-        rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.server.model_name
+        rid = self.server.request_ids.assign(request, "chatcmpl")   # X-Request-Id, echoed by the server
+        created, model = int(time.time()), self.server.model_name
         in_reasoning = reasoning.starts_in_reasoning(self.reasoning_parser, text, req.template_kwargs)
         out = ChatOutput(self.tok, self.eos_ids, in_reasoning, self.tool_parser if req.parse_tools else None)
         decode = lambda t: self.tok.decode([t], skip_special_tokens=False)  # noqa: E731
-        gen = self.server.aengine.generate(ids, req.params, request_id=rid)
+        try:
+            gen = self.server.aengine.generate(ids, req.params, request_id=rid)
+        except BaseException:
+            self.server.request_ids.release(rid)
+            raise
         env = {"id": rid, "created": created, "model": model}
         try:
             try:
@@ -172,10 +186,11 @@ class ChatHandler:
                           "finish_reason": finish}
                 n_prompt = len(last.prompt_token_ids)
                 return web.json_response(dict(env, object="chat.completion", choices=[choice],
-                                              usage=_usage(n_prompt, len(c.token_ids))))
+                                              usage=Completion.usage(n_prompt, len(c.token_ids), cached_tokens(last))))
             return await self._stream(request, req, env, gen, first, out, decode, _sse)
         finally:
             await gen.aclose()
+            self.server.request_ids.release(rid)
 
     async def _stream(self, request, req: ChatRequest, env: dict, gen, res, out: ChatOutput, decode, _sse):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -209,15 +224,10 @@ class ChatHandler:
             await resp.write(_sse({"error": {"message": str(e), "type": "server_error", "code": 503}}))
         if req.include_usage:
             await resp.write(_sse(dict(env, object="chat.completion.chunk", choices=[],
-                                       usage=_usage(len(res.prompt_token_ids), n))))
+                                       usage=Completion.usage(len(res.prompt_token_ids), n, cached_tokens(res)))))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
-
-
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 OPTIONS = ("chat_template", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice")

@@ -160,7 +160,8 @@ class Server:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_call(request, lambda b: tokenize_api.tokenize(b, self.tokenizer,
-                                                                                   self.max_model_len))
+                                                                                   self.max_model_len,
+                                                                                   self.chat.messages_ids))
 
     async def detokenize(self, request: web.Request) -> web.Response:
         return await self._tokenizer_call(request, lambda b: tokenize_api.detokenize(b, self.tokenizer))

@@ -5,7 +5,8 @@
     POST /detokenize  {"tokens": [ids], "model"?} -> {"prompt": str}
 
 tokenizer: a `tokenizers.Tokenizer` (the checkpoint's tokenizer.json). The chat form of /tokenize
-({"messages": ...}) is not served here.
+({"messages": [...], "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
+"tools"}) gives the ids the chat endpoint would run (messages_ids: its template, no second BOS).
 """
 from __future__ import annotations
 
@@ -27,15 +28,20 @@ def _object(body) -> dict:
     return body
 
 
-def tokenize(body, tokenizer, max_model_len: int) -> dict:
+def tokenize(body, tokenizer, max_model_len: int, messages_ids=None) -> dict:
+    """messages_ids(body) -> ids: the chat endpoint's rendering, for the chat form."""
     body = _object(body)
+    want_strs = _bool(body, "return_token_strs", False)
     if "messages" in body:
-        raise BadRequest("'messages' is not supported on /tokenize; send 'prompt' (text)")
+        if messages_ids is None:
+            raise BadRequest("'messages' needs the chat endpoint; send 'prompt' (text)")
+        ids = messages_ids(body)
+        return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                "token_strs": [tokenizer.id_to_token(t) for t in ids] if want_strs else None}
     prompt = body.get("prompt")
     if not isinstance(prompt, str):
         raise BadRequest(f"'prompt' must be a string, got {type(prompt).__name__}")
     add_special = _bool(body, "add_special_tokens", True)
-    want_strs = _bool(body, "return_token_strs", False)
     enc = tokenizer.encode(prompt, add_special_tokens=add_special)
     return {"count": len(enc.ids), "max_model_len": max_model_len, "tokens": list(enc.ids),
             "token_strs": list(enc.tokens) if want_strs else None}

@@ -169,8 +169,7 @@ CASES = [
      "'prompt' holds an unpaired UTF-16 surrogate"),
     ("tokenize without prompt", j({"text": "hi"}), JSON, "POST", "/tokenize", 400, "'prompt' must be a string"),
     ("tokenize token ids", j({"prompt": [1, 2]}), JSON, "POST", "/tokenize", 400, "'prompt' must be a string"),
-    ("tokenize messages", j({"messages": [{"role": "user", "content": "hi"}]}), JSON, "POST", "/tokenize", 400,
-     "'messages' is not supported on /tokenize"),
+    ("tokenize bad messages", j({"messages": "hi"}), JSON, "POST", "/tokenize", 400, "'messages' is required"),
     ("tokenize add_special_tokens string", j({"prompt": "hi", "add_special_tokens": "no"}), JSON, "POST",
      "/tokenize", 400, "'add_special_tokens' must be true or false"),
     ("tokenize another model", j({"prompt": "hi", "model": "other"}), JSON, "POST", "/tokenize", 404,
@@ -318,6 +317,23 @@ def test_tokenize_detokenize_and_version(server, tiny):
     assert status == 200 and json.loads(raw) == {"prompt": ""}
     status, _, raw = send(server.base, b"", None, "GET", "/version")
     assert status == 200 and isinstance(json.loads(raw)["version"], str)
+
+
+def test_tokenize_messages_gives_the_chat_prompt(server, tiny):
+    """The chat form of /tokenize: the ids /v1/chat/completions runs (its usage counts them), one BOS."""
+    msgs = [{"role": "user", "content": "hello there"}]
+    status, _, raw = send(server.base, j({"messages": msgs}), path="/tokenize")
+    assert status == 200, raw
+    ids = json.loads(raw)["tokens"]
+    status, _, raw, h = send(server.base, j({"messages": msgs, "max_tokens": 2, "temperature": 0}),
+                             path="/v1/chat/completions", headers={"X-Request-Id": "chat-7"}, with_headers=True)
+    assert status == 200, raw
+    r = json.loads(raw)
+    assert r["usage"]["prompt_tokens"] == len(ids) and "cached_tokens" in r["usage"]["prompt_tokens_details"]
+    assert h["X-Request-Id"] == "chat-7" and r["id"] == "chatcmpl-chat-7"
+    from tokenizers import Tokenizer
+    bos = Tokenizer.from_file(f"{tiny}/tokenizer.json").token_to_id("<｜begin▁of▁sentence｜>")
+    assert bos is None or ids.count(bos) <= 1
 
 
 def test_x_request_id_is_the_id_and_is_echoed(server):
