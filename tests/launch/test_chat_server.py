@@ -72,6 +72,7 @@ def test_tools_render_and_round_trip(client):
      "not supported yet"),
     ({"messages": MSGS, "n": 2}, "'n' > 1 is not supported on chat"),
     ({"messages": MSGS, "stop": [5]}, "'stop' must be a string or a list of strings"),
+    ({"messages": MSGS, "stop": ["x"]}, "'stop' strings are not supported on chat yet"),
     ({"messages": MSGS, "echo": True}, "'echo' is not supported on chat"),
     ({"messages": MSGS, "chat_template_kwargs": 5}, "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "developer", "content": "y"}]}, "unknown role"),
