@@ -30,12 +30,12 @@ def test_defaults_read_and_filtered(tmp_path):
 
 def test_http_fills_only_absent_fields(tmp_path):
     d = generation_defaults(_checkpoint(tmp_path, temperature=0.6, top_p=0.95, top_k=20, repetition_penalty=1.1))
-    _, p, _, _ = parse_completion({"prompt": [1, 2]}, "m", defaults=d)
+    p = parse_completion({"prompt": [1, 2]}, "m", defaults=d).params
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.95, 20, 1.1)
-    _, p, _, _ = parse_completion({"prompt": [1, 2], "temperature": 0, "top_k": -1, "top_p": None,
-                                   "repetition_penalty": 1.0}, "m", defaults=d)
+    p = parse_completion({"prompt": [1, 2], "temperature": 0, "top_k": -1, "top_p": None,
+                          "repetition_penalty": 1.0}, "m", defaults=d).params
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.0, 0.95, -1, 1.0)
-    _, p, _, _ = parse_completion({"prompt": [1, 2]}, "m")
+    p = parse_completion({"prompt": [1, 2]}, "m").params
     assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, -1)
 
 
