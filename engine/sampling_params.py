@@ -98,6 +98,8 @@ class SamplingParams:
         self.stop_token_ids = list(stop or [])
         self._check_logits_processing()
         self._check_stop_and_n()
+        self._processed = (self.penalised or self.logit_bias is not None or self.min_tokens > 0
+                           or self.min_p > 0)
 
     def _check_logits_processing(self) -> None:
         if self.min_tokens < 0:
@@ -135,8 +137,9 @@ class SamplingParams:
 
     @property
     def processed(self) -> bool:
-        """Any logits processing beyond temperature / top-k / top-p (min_tokens is checked per step)."""
-        return self.penalised or self.logit_bias is not None or self.min_tokens > 0 or self.min_p > 0
+        """Any logits processing beyond temperature / top-k / top-p (min_tokens is checked per step).
+        Asked for every sampling row every step: computed once, when the params are checked."""
+        return self._processed
 
     def _check_stop_and_n(self) -> None:
         """n in [1, MAX_N]; stop: a string or a list of non-empty strings (stored as a list)."""

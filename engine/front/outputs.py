@@ -184,9 +184,13 @@ class RequestState:
         runs, a tail that could still grow into a stop string is withheld."""
         if tokenizer is None:
             return ""
-        self.detokenize(tokenizer)
+        stops = self.params.stop
+        if stops:
+            self.detokenize(tokenizer)
+        else:   # the common case, every request every step: straight to the decoder
+            self._decode(tokenizer, len(self.token_ids))
         end = len(self.text)
-        if self.params.stop and not self.finished:
+        if stops and not self.finished:
             end = max(self.text_sent if delta else 0, end - hold_back(self.params.stop))
         if not delta:
             return self.text[:end]
