@@ -125,7 +125,10 @@ ROWS = (
     Row("host overhead per decode step", "≤ 5 ms / 1024 ÷ 256 ≤ 4.5", (
         Run("host_overhead", "python bench/host_overhead.py",
             lambda r: (f"{n(r['host_ms_per_step']['256'])} ms at batch 256 (rounds "
-                       f"{', '.join(map(n, r['rounds']['256']))}); 1024 ÷ 256 = {n(r['ratio_1024_vs_256'])}"),
+                       f"{', '.join(map(n, r['rounds']['256']))}); 1024 ÷ 256 = {n(r['ratio_1024_vs_256'])}"
+                       + (f"; with penalties, logit_bias and stop strings on every request "
+                          f"{n(r['host_ms_per_step']['256+processing'])} ms"
+                          if "256+processing" in r["host_ms_per_step"] else "")),
             lambda r: [r["host_ms_per_step"]["256"] <= 5, r["ratio_1024_vs_256"] <= 4.5]),)),
     Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
         Run("scale", "python bench/scale.py", _scale, _scale_checks),)),
