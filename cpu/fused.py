@@ -14,7 +14,7 @@ memory); scratch is this thread's, shared by all calls (scratch()).
   mlp_layer(h, x, MlpWeights) -> out                     a dense layer's MLP half, h + MLP(x) (DecoderLayer)
   decode_stack(x, layers, ...) -> out, ids, wts          every layer of a decode step (decode plan)
 Tests: tests/cpu/test_fused.py (each call against torch), test_kernels.py (mla_layer), test_moe_layer.py,
-test_decode_stack.py, test_cpu_e2e.py.
+test_decode_plan.py, test_cpu_e2e.py.
 """
 from __future__ import annotations
 

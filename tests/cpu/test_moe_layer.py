@@ -51,7 +51,7 @@ def _by_operations(layer: MoELayer, h: torch.Tensor, x: torch.Tensor, dispatcher
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("T", [1, 5, MAX_ROWS])
-def test_decode_layer_equals_the_operations(case, T):
+def test_moe_layer_equals_the_operations(case, T):
     layer = _layer(*case)
     E = case[2]
     h, x = torch.randn(T, H), torch.randn(T, H)
