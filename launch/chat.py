@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .openai_api import BadRequest, _int, parse_completion
+from .openai_api import BadRequest, _bool, _int, parse_completion
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
@@ -91,15 +91,6 @@ def _tools(body: dict) -> list | None:
             raise BadRequest(f"'tools[{i}].function.parameters' must be a JSON Schema object, "
                              f"got {type(fn['parameters']).__name__}")
     return tools or None
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be true or false, got {v!r}")
-    return v
 
 
 def parse_chat(body, served_model: str, aliases: tuple[str, ...] = (), *, auto_tools: bool = False,

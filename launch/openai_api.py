@@ -67,6 +67,15 @@ def _int(body: dict, name: str, default, lo: int | None = None):
     return v
 
 
+def _bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise BadRequest(f"'{name}' must be true or false, got {v!r}")
+    return v
+
+
 def _num(body: dict, name: str, default: float) -> float:
     v = body.get(name, default)
     if v is None:

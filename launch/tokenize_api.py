@@ -10,16 +10,7 @@ tokenizer: a `tokenizers.Tokenizer` (the checkpoint's tokenizer.json). The chat 
 """
 from __future__ import annotations
 
-from .openai_api import BadRequest
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be true or false, got {v!r}")
-    return v
+from .openai_api import BadRequest, _bool
 
 
 def _object(body) -> dict:

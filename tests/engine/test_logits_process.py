@@ -115,17 +115,7 @@ def test_logit_bias_clamped():
 
 # ---- end to end --------------------------------------------------------------------------------
 
-PROMPTS = [[5, 9, 77, 3], [100, 2]]
-
-
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    return LLM(make_tiny_checkpoint(str(tmp_path_factory.mktemp("t")), arch="v3", seed=2,
-                                    initializer_range=0.2), progress=False)
-
-
-def _tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
+from tests.engine.test_sampling import PROMPTS, _tokens, llm  # noqa: E402,F401  (the same tiny model and prompts)
 
 
 def test_logit_bias_forces_a_token(llm):
