@@ -19,6 +19,7 @@ from . import reasoning, tool_parsers
 from .chat import BadRequest, ChatRequest, parse_chat
 from .chat_template import TemplateError
 from .dsv32_encoding import EncodingError
+from .http_body import _error, _sse
 from .openai_api import Completion, cached_tokens
 from .reasoning import ReasoningSplitter, held_back
 
@@ -138,7 +139,6 @@ class ChatHandler:
         return text, self.tok.encode(text, add_special_tokens=False).ids
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
-        from .server import _error, _sse
         body = await self.server.read_json(request)
         if isinstance(body, web.Response):
             return body

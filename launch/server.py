@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import os
 import signal
 import sys
@@ -39,55 +38,12 @@ from engine.generation_defaults import generation_defaults
 
 from . import chat_http, prometheus, tokenize_api
 from .cors import Cors
-from .json_text import lone_surrogate, surrogate_message
+from .http_body import _error, _sse, read_json
 from .openai_api import BadRequest, Completion, cached_tokens, parse_completion
 from .request_ids import RequestIds
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 
-
-def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
-                             headers=headers)
-
-
-def _no_json_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")  # Python's json reads NaN/Infinity; JSON has no such values
-
-
-def _content_type_ok(request: web.Request) -> bool:
-    """application/json and */*+json; also no Content-Type and `curl -d`'s default
-    (application/x-www-form-urlencoded): the body is read as JSON either way."""
-    if "Content-Type" not in request.headers:
-        return True
-    ct = request.content_type
-    return ct in ("application/json", "application/x-www-form-urlencoded") or ct.endswith("+json")
-
-
-async def read_json(request: web.Request):
-    """The request body as JSON (any value; the endpoint checks its shape). BadRequest: 415 for a
-    non-JSON Content-Type, 400 for bytes that are not UTF-8 JSON or text no tokenizer can take."""
-    if not _content_type_ok(request):
-        raise BadRequest(f"Content-Type {request.content_type!r} is not supported; send application/json", 415)
-    try:
-        text = (await request.read()).decode("utf-8")  # JSON is UTF-8 (json.loads(bytes) would guess UTF-16/32)
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"request body is not valid JSON: not UTF-8 ({e})") from None
-    try:
-        body = json.loads(text, parse_constant=_no_json_constant)
-    except ValueError as e:  # JSONDecodeError, NaN/Infinity, an int too long to convert
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        raise BadRequest("request body is not valid JSON: nested too deeply") from None
-    field = lone_surrogate(body)
-    if field is not None:
-        raise BadRequest(surrogate_message(field))
-    return body
-
-
-def _sse(obj) -> bytes:
-    return f"data: {json.dumps(obj)}\n\n".encode()
 
 
 class Server:
