@@ -52,7 +52,7 @@ class Experts(nn.Module):
                                                           **f32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(num_local, -(-hidden // br), -(-intermediate // bc), **f32),
                                              requires_grad=False)
-        self.deepgemm, self.kernels, self.kernel = deepgemm, kernels, kernels.experts
+        self.deepgemm, self.kernels = deepgemm, kernels
         self.backend = backend
 
     @property
@@ -62,7 +62,7 @@ class Experts(nn.Module):
     @backend.setter
     def backend(self, name: str) -> None:
         """Binds the forward (at construction; tests switch a built module to compare forwards)."""
-        if name == "cpu" and self.kernel is None:
+        if name == "cpu" and self.kernels.experts is None:
             raise ValueError("experts backend 'cpu' needs a kernel table with an experts kernel (layers/kernels.py)")
         self._forward = {"reference": self.forward_reference, "grouped": self.forward_grouped, "cpu": self.forward_cpu,
                          "triton": self.forward_triton, "deepgemm": self.forward_deepgemm}[name]
@@ -136,7 +136,7 @@ class Experts(nn.Module):
         beyond, forward_grouped."""
         if x.shape[0] * topk_ids.shape[1] > self.CPU_MAX_ROWS * self.num_local or self.fp8_block is not None:
             return self.forward_grouped(x, topk_ids, topk_weights)
-        return self.kernel(x, self.w13, self.w2, topk_ids, topk_weights)
+        return self.kernels.experts(x, self.w13, self.w2, topk_ids, topk_weights)
 
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Fused Triton kernels (moe/triton_moe.py); fp8 weights are dequantised per tile in-kernel."""
