@@ -37,7 +37,10 @@ class SamplingParams:
 
     n: independent samples of the prompt (sample i seeded seed + i). stop: strings matched on the
     detokenized output (cut before the match, or after it with include_stop_str_in_output);
-    CompletionOutput.stop_reason names the string or stop token that ended it."""
+    CompletionOutput.stop_reason names the string or stop token that ended it; the stop token (EOS
+    or one of stop_token_ids) that ends a request is not in its text unless include_stop_str_in_output.
+    skip_special_tokens: the text leaves the tokenizer's special tokens out (vLLM's default, True);
+    the chat endpoint turns it off when its reasoning or tool-call parser needs the markup."""
 
     n: int = 1
     temperature: float = 1.0
@@ -59,6 +62,7 @@ class SamplingParams:
     # -- stop strings (n is the first field, as in vLLM) --
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.output_kind not in ("cumulative", "delta", "final_only"):
@@ -96,6 +100,8 @@ class SamplingParams:
                                  or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop)):
             raise ValueError(f"SamplingParams.stop_token_ids must be a list of ints, got {stop!r}")
         self.stop_token_ids = list(stop or [])
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ValueError(f"SamplingParams.skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         self._check_logits_processing()
         self._check_stop_and_n()
         self._processed = (self.penalised or self.logit_bias is not None or self.min_tokens > 0

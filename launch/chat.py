@@ -127,10 +127,6 @@ def parse_chat(body, served_model: str, aliases: tuple[str, ...] = (), *, auto_t
     parsed = parse_completion(dict(sampling, prompt=[0], logprobs=(top or 0) if want_lp else None), served_model,
                               aliases, defaults)
     params, stream, include_usage = parsed.params, parsed.stream, parsed.include_usage
-    if params.n != 1:   # the chat response is built from one sample
-        raise BadRequest(f"'n' > 1 is not supported on chat yet (got {params.n})")
-    if params.stop:     # the chat output decodes its own text (special tokens kept for the parsers)
-        raise BadRequest("'stop' strings are not supported on chat yet (stop_token_ids are)")
     params.max_tokens = max_tokens
     cont = _bool(body, "continue_final_message", False)
     gen = _bool(body, "add_generation_prompt", not cont)

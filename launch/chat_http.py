@@ -1,14 +1,18 @@
 """The /v1/chat/completions handler (launch/server.py routes it): the prompt from the chat template,
-tokenized without special tokens added a second time, then the engine's tokens turned back into
-OpenAI chat objects. The output is detokenized here with the special tokens kept, because the
-reasoning split and the tool-call parsers need <think>, </think> and the tool-call markup.
+tokenized without special tokens added a second time, then the engine's output turned back into
+OpenAI chat objects. The engine's front detokenizes (one detokenizer for both endpoints, so stop
+strings are cut and held back the same way); chat asks it to keep the special tokens
+(skip_special_tokens false) when the reasoning split or a tool-call parser needs <think>, </think>
+and the tool-call markup. n > 1: one ChatOutput per choice.
 
-Stream: a first chunk with delta {"role": "assistant", "content": ""}, then reasoning_content / content
-deltas, tool calls as one tool_calls delta each once their block has ended, the finish_reason chunk,
-with stream_options.include_usage a usage chunk with empty choices, then data: [DONE].
+Stream: per choice a first chunk with delta {"role": "assistant", "content": ""}, then
+reasoning_content / content deltas, each tool call as a tool_calls delta once it is complete and
+parses, the finish_reason chunk; with stream_options.include_usage a usage chunk with empty choices,
+then data: [DONE].
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from aiohttp import web
@@ -23,51 +27,33 @@ from .http_body import _error, _sse
 from .openai_api import Completion, cached_tokens
 from .reasoning import ReasoningSplitter, held_back
 
-try:   # tokenizers >= 0.21
-    from tokenizers.decoders import DecodeStream
-except ImportError:   # pragma: no cover
-    DecodeStream = None
-
 
 class ChatOutput:
-    """One choice's text as it grows: token ids in, (reasoning, content, tool calls) deltas out."""
+    """One choice's text as it grows: text deltas in (special tokens kept when a parser is at work),
+    (reasoning, content, tool calls) deltas out."""
 
-    def __init__(self, tok, eos_ids: set[int], in_reasoning: bool, tool_parser: str | None):
-        self.tok, self.eos_ids, self.tool_parser = tok, eos_ids, tool_parser
-        self.ids: list[int] = []
-        self.text = ""  # decoded so far (special tokens kept), without DecodeStream
-        # Special tokens are kept for the parsers; with none at work they are dropped, as vLLM does.
-        self.skip_special = not in_reasoning and tool_parser is None
-        self.stream = DecodeStream(skip_special_tokens=self.skip_special) if DecodeStream is not None else None
+    def __init__(self, in_reasoning: bool, tool_parser: str | None):
+        self.tool_parser = tool_parser
         self.splitter = ReasoningSplitter(in_reasoning)
         self.marker = tool_parsers.start_marker(tool_parser) if tool_parser else None
         self.tool_buf = ""      # content from the tool-call marker on (or a marker's possible start)
         self.in_tools = False
-        self.calls: list = []
+        self.calls: list = []   # the calls sent so far
+        self.reasoning_seen = False
 
-    def feed(self, token_ids: list[int], final: bool) -> dict:
+    def feed(self, text: str, final: bool) -> dict:
         """-> {"reasoning_content": str, "content": str, "tool_calls": [...]}, the new parts only."""
-        new = self._decode([t for t in token_ids if t not in self.eos_ids], final)
-        r, c = self.splitter.feed(new, final)
+        r, c = self.splitter.feed(text, final)
+        self.reasoning_seen = self.reasoning_seen or bool(r)
         out = {"reasoning_content": r, "content": self._content(c, final), "tool_calls": []}
-        if final and self.in_tools:
-            content, calls = tool_parsers.parse(self.tool_parser, self.tool_buf)
+        if self.in_tools:
+            content, calls = tool_parsers.parse_partial(self.tool_parser, self.tool_buf, final)
+            new = calls[len(self.calls):]
+            out["tool_calls"] = [call.openai(len(self.calls) + i) for i, call in enumerate(new)]
             self.calls = calls
-            out["content"] += content
-            out["tool_calls"] = [call.openai(i) for i, call in enumerate(calls)]
+            if final:
+                out["content"] += content
         return out
-
-    def _decode(self, ids: list[int], final: bool) -> str:
-        """The new text of ids, special tokens kept: tokenizers' incremental DecodeStream (it holds a
-        character back until its bytes are complete), else a decode of everything so far."""
-        self.ids += ids
-        if self.stream is not None:
-            return "".join(self.stream.step(self.tok, t) or "" for t in ids)
-        text = self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
-        if not final and text.endswith("\ufffd"):  # a character whose bytes have not all arrived
-            text = text[:-1]
-        new, self.text = text[len(self.text):], text
-        return new
 
     def _content(self, c: str, final: bool) -> str:
         if self.marker is None:
@@ -106,11 +92,7 @@ class ChatHandler:
     def __init__(self, server, template, reasoning_parser: str | None, tool_parser: str | None, auto_tools: bool):
         self.server, self.template = server, template
         self.reasoning_parser, self.tool_parser, self.auto_tools = reasoning_parser, tool_parser, auto_tools
-        tok = server.aengine.engine.core.tokenizer
-        self.tok = tok
-        # The end-of-sequence token ends the output; it is no part of the answer's text.
-        eos = {"<｜end▁of▁sentence｜>", (template.special.get("eos_token") if template else None) or ""}
-        self.eos_ids = {tok.token_to_id(s) for s in eos if s} - {None} if tok is not None else set()
+        self.tok = server.aengine.engine.core.tokenizer
 
     def messages_ids(self, body: dict) -> list[int]:
         """vLLM's chat form of /tokenize: the prompt ids this endpoint would run for the same messages,
@@ -155,10 +137,14 @@ class ChatHandler:
         rid = self.server.request_ids.assign(request, "chatcmpl")   # X-Request-Id, echoed by the server
         created, model = int(time.time()), self.server.model_name
         in_reasoning = reasoning.starts_in_reasoning(self.reasoning_parser, text, req.template_kwargs)
-        out = ChatOutput(self.tok, self.eos_ids, in_reasoning, self.tool_parser if req.parse_tools else None)
+        tool_parser = self.tool_parser if req.parse_tools else None
+        params = req.params
+        if in_reasoning or tool_parser is not None:   # the parsers read <think>, </think> and the call markup
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        outs = {i: ChatOutput(in_reasoning, tool_parser) for i in range(params.n)}
         decode = lambda t: self.tok.decode([t], skip_special_tokens=False)  # noqa: E731
         try:
-            gen = self.server.aengine.generate(ids, req.params, request_id=rid)
+            gen = self.server.aengine.generate(ids, params, request_id=rid)
         except BaseException:
             self.server.request_ids.release(rid)
             raise
@@ -174,49 +160,55 @@ class ChatHandler:
                 last = first
                 async for last in gen:
                     pass
-                c = last.outputs[0]
-                d = out.feed(list(c.token_ids), final=True)
-                # Whitespace before a tool-call block (DSML's "\n\n") is no answer.
-                msg = {"role": "assistant", "content": None if out.calls and not d["content"].strip() else d["content"]}
-                if in_reasoning or d["reasoning_content"]:
-                    msg["reasoning_content"] = msg["reasoning"] = d["reasoning_content"]
-                msg["tool_calls"] = [{k: v for k, v in tc.items() if k != "index"} for tc in d["tool_calls"]]
-                finish = "tool_calls" if out.calls and c.finish_reason == "stop" else c.finish_reason
-                choice = {"index": 0, "message": msg, "logprobs": _logprobs(decode, c.token_ids, c.logprobs, req.top_logprobs),
-                          "finish_reason": finish}
-                n_prompt = len(last.prompt_token_ids)
-                return web.json_response(dict(env, object="chat.completion", choices=[choice],
-                                              usage=Completion.usage(n_prompt, len(c.token_ids), cached_tokens(last))))
-            return await self._stream(request, req, env, gen, first, out, decode, _sse)
+                choices = [self._choice(outs[c.index], c, in_reasoning, req.top_logprobs, decode)
+                           for c in last.outputs]
+                n_out = sum(len(c.token_ids) for c in last.outputs)
+                return web.json_response(dict(env, object="chat.completion", choices=choices,
+                                              usage=Completion.usage(len(last.prompt_token_ids), n_out,
+                                                                     cached_tokens(last))))
+            return await self._stream(request, req, env, gen, first, outs, decode)
         finally:
             await gen.aclose()
             self.server.request_ids.release(rid)
 
-    async def _stream(self, request, req: ChatRequest, env: dict, gen, res, out: ChatOutput, decode, _sse):
+    def _choice(self, out: ChatOutput, c, in_reasoning: bool, top: int | None, decode) -> dict:
+        """A finished CompletionOutput -> its chat.completion choice."""
+        d = out.feed(c.text, final=True)
+        # Whitespace before a tool-call block (DSML's "\n\n") is no answer.
+        content = None if out.calls and not d["content"].strip() else d["content"]
+        msg = {"role": "assistant", "content": content}
+        if in_reasoning or d["reasoning_content"]:
+            msg["reasoning_content"] = msg["reasoning"] = d["reasoning_content"]
+        msg["tool_calls"] = [{k: v for k, v in tc.items() if k != "index"} for tc in d["tool_calls"]]
+        return {"index": c.index, "message": msg, "logprobs": _logprobs(decode, c.token_ids, c.logprobs, top),
+                "finish_reason": _finish(out, c), "stop_reason": c.stop_reason}
+
+    async def _stream(self, request, req: ChatRequest, env: dict, gen, res, outs: dict, decode):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         usage_field = {"usage": None} if req.include_usage else {}
 
-        def chunk(delta: dict, finish=None, logprobs=None) -> bytes:
-            return _sse(dict(env, object="chat.completion.chunk", **usage_field,
-                             choices=[{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]))
+        def chunk(index: int, delta: dict, finish=None, logprobs=None, stop_reason=None) -> bytes:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:
+                choice["stop_reason"] = stop_reason
+            return _sse(dict(env, object="chat.completion.chunk", **usage_field, choices=[choice]))
 
-        await resp.write(chunk({"role": "assistant", "content": ""}))
+        for i in outs:
+            await resp.write(chunk(i, {"role": "assistant", "content": ""}))
         n = 0
-        finish = None
         try:
             while True:
-                c = res.outputs[0]
-                n += len(c.token_ids)
-                d = out.feed(list(c.token_ids), final=res.finished)
-                delta = {k: v for k, v in d.items() if v}
-                lp = _logprobs(decode, c.token_ids, c.logprobs, req.top_logprobs)
-                if res.finished:
-                    finish = "tool_calls" if out.calls and c.finish_reason == "stop" else c.finish_reason
-                if delta or lp or res.finished:
-                    if "reasoning_content" in delta:
-                        delta["reasoning"] = delta["reasoning_content"]
-                    await resp.write(chunk(delta, finish, lp))
+                for c in res.outputs:
+                    out, done = outs[c.index], c.finish_reason is not None
+                    n += len(c.token_ids)
+                    d = out.feed(c.text, final=done)
+                    delta = {k: v for k, v in d.items() if v}
+                    lp = _logprobs(decode, c.token_ids, c.logprobs, req.top_logprobs)
+                    if delta or lp or done:
+                        if "reasoning_content" in delta:
+                            delta["reasoning"] = delta["reasoning_content"]
+                        await resp.write(chunk(c.index, delta, _finish(out, c) if done else None, lp, c.stop_reason))
                 if res.finished:
                     break
                 res = await gen.__anext__()
@@ -228,6 +220,11 @@ class ChatHandler:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _finish(out: ChatOutput, c) -> str | None:
+    """OpenAI's finish_reason: "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if out.calls and c.finish_reason == "stop" else c.finish_reason
 
 
 OPTIONS = ("chat_template", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice")

@@ -7,8 +7,9 @@ stop (a string or a list), logprobs (N <= the engine's max_logprobs), echo (the 
 with logprobs, the prompt's token logprobs too, the first null), stream, stream_options.include_usage,
 model (must name the served model when given), presence_penalty, frequency_penalty, logit_bias
 ({"token id": bias}), and wideep/vLLM extensions stop_token_ids, ignore_eos, include_stop_str_in_output,
-repetition_penalty, min_p, min_tokens. Choices carry vLLM's stop_reason (the matched stop string or
-stop token id). Sampling fields left out take the checkpoint's generation_config.json defaults.
+skip_special_tokens, repetition_penalty, min_p, min_tokens. Choices carry vLLM's stop_reason (the
+matched stop string or stop token id). Sampling fields left out take the checkpoint's
+generation_config.json defaults.
 Unknown fields are ignored, as OpenAI clients send many (user, ...); fields that would change the
 result but are not supported (best_of > 1, suffix, prompt_logprobs) are rejected rather than
 silently ignored.
@@ -167,8 +168,8 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (),
     if not isinstance(opts.get("include_usage", False), bool):
         raise BadRequest(f"'stream_options.include_usage' must be true or false, got {opts['include_usage']!r}")
     flags = {}
-    for name in ("ignore_eos", "include_stop_str_in_output"):
-        flags[name] = body.get(name, False)
+    for name, default in (("ignore_eos", False), ("include_stop_str_in_output", False), ("skip_special_tokens", True)):
+        flags[name] = body.get(name, default)
         if not isinstance(flags[name], bool):
             raise BadRequest(f"'{name}' must be true or false, got {flags[name]!r}")
     max_tokens = _int(body, "max_tokens", 16, lo=0 if echo else 1)

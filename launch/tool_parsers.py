@@ -4,8 +4,9 @@
     deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
     deepseek_v32  <｜DSML｜function_calls>\\n<｜DSML｜invoke name="NAME">\\n<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>...</｜DSML｜invoke>...</｜DSML｜function_calls>
 
-A parser returns the text before the calls and the calls; a block that does not parse (bad JSON, a
-missing end marker) is returned as text, never raised.
+A parser returns the text before the calls and the calls. Calls are read one at a time, so a stream
+sends each as soon as it is complete; a call that does not parse (bad JSON, no name, cut off) and
+everything after it is returned as text, never raised (no call parsed: the whole block is text).
 """
 from __future__ import annotations
 
@@ -54,60 +55,74 @@ _PARAM = re.compile(rf'<{DSML}parameter name="(?P<key>[^"]*)" string="(?P<str>tr
                     rf'</{DSML}parameter>', re.S)
 
 
-def _calls_v3(block: str, pattern) -> list[ToolCall] | None:
-    calls, pos = [], 0
-    for m in pattern.finditer(block):
-        if block[pos:m.start()].strip():
-            return None
+def _call(parser: str, m) -> ToolCall | None:
+    """One call's regex match -> the call, or None when it is malformed (bad JSON, no name)."""
+    if parser != "deepseek_v32":
         args = _json_object(m.group("args").strip())
-        if args is None or not m.group("name").strip():
+        name = m.group("name").strip()
+        return ToolCall(name, args) if args is not None and name else None
+    args, pos = {}, 0
+    body = m.group("body")
+    for p in _PARAM.finditer(body):
+        if body[pos:p.start()].strip() or p.group("key") in args:
             return None
-        calls.append(ToolCall(m.group("name").strip(), args))
-        pos = m.end()
-    return calls if calls and not block[pos:].strip() else None
-
-
-def _calls_v32(block: str) -> list[ToolCall] | None:
-    calls, pos = [], 0
-    for m in _INVOKE.finditer(block):
-        if block[pos:m.start()].strip():
-            return None
-        args, body_pos = {}, 0
-        body = m.group("body")
-        for p in _PARAM.finditer(body):
-            if body[body_pos:p.start()].strip() or p.group("key") in args:
+        value = p.group("value")
+        if p.group("str") == "false":
+            try:
+                value = json.loads(value)
+            except ValueError:
                 return None
-            value = p.group("value")
-            if p.group("str") == "false":
-                try:
-                    value = json.loads(value)
-                except ValueError:
-                    return None
-            args[p.group("key")] = value
-            body_pos = p.end()
-        if body[body_pos:].strip() or not m.group("name"):
-            return None
-        calls.append(ToolCall(m.group("name"), json.dumps(args, ensure_ascii=False)))
+        args[p.group("key")] = value
+        pos = p.end()
+    if body[pos:].strip() or not m.group("name"):
+        return None
+    return ToolCall(m.group("name"), json.dumps(args, ensure_ascii=False))
+
+
+_PATTERNS = {"deepseek_v3": _V3, "deepseek_v31": _V31, "deepseek_v32": _INVOKE}
+
+
+def _leading_calls(parser: str, block: str) -> tuple[list[ToolCall], int]:
+    """The complete, well-formed calls at the start of block (the text after the begin marker), and
+    where the text after them starts. A call that is cut off or malformed ends the run."""
+    pattern, calls, pos = _PATTERNS[parser], [], 0
+    while (m := pattern.search(block, pos)) is not None and not block[pos:m.start()].strip():
+        call = _call(parser, m)
+        if call is None:
+            break
+        calls.append(call)
         pos = m.end()
-    return calls if calls and not block[pos:].strip() else None
+    return calls, pos
+
+
+def parse_partial(parser: str, block: str, final: bool) -> tuple[str, list[ToolCall]]:
+    """block: the output from the begin marker on, as far as it has come. -> (text, calls): the calls
+    complete so far (streaming sends each once it is whole and parses) and, when final, the text
+    that is no call — "" when the block ends with its end marker, the block from the first call
+    that is cut off or malformed otherwise (all of it when no call parsed: returned as text)."""
+    begin = start_marker(parser)
+    end = DSML_END if parser == "deepseek_v32" else CALLS_END
+    calls, pos = _leading_calls(parser, block[len(begin):])
+    if not final:
+        return "", calls
+    rest = block[len(begin) + pos:]
+    tail = rest.lstrip()
+    if calls and tail.startswith(end) and not tail[len(end):].replace(EOS, "").strip():
+        return "", calls
+    if calls and end.startswith(tail.replace(EOS, "").strip()):   # cut off after a whole call (max_tokens)
+        return "", calls
+    return (rest if calls else block), calls
 
 
 def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
-    """-> (content before the calls, calls); no calls, or calls that do not parse: (text, [])."""
-    begin = start_marker(parser)
-    end = DSML_END if parser == "deepseek_v32" else CALLS_END
-    i = text.find(begin)
+    """The whole output -> (content, calls); no calls, or none that parse: (text, [])."""
+    i = text.find(start_marker(parser))
     if i < 0:
         return text, []
-    j = text.find(end, i)
-    if j < 0 or text[j + len(end):].replace(EOS, "").strip():
-        return text, []
-    block = text[i + len(begin):j]
-    if parser == "deepseek_v32":
-        calls = _calls_v32(block)
-    else:
-        calls = _calls_v3(block, _V3 if parser == "deepseek_v3" else _V31)
+    rest, calls = parse_partial(parser, text[i:], final=True)
     if not calls:
         return text, []
     content = text[:i]
-    return (content[:-2] if parser == "deepseek_v32" and content.endswith("\n\n") else content), calls
+    if parser == "deepseek_v32" and content.endswith("\n\n"):   # DSML's separator before the block
+        content = content[:-2]
+    return content + rest, calls

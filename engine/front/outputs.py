@@ -159,25 +159,37 @@ class RequestState:
         text of its already-decoded part (so tokenizers that treat a sequence's start specially
         still concatenate)."""
         ids = self.token_ids
-        done = self.finished and end == len(ids)
+        limit = len(ids) if self.finish_reason is None else self._text_end()
+        end = min(end, limit)
+        done = self.finished and end == limit
+        skip = self.params.skip_special_tokens
         if DecodeStream is not None:
             if self.detok_stream is None:
-                self.detok_stream = DecodeStream(skip_special_tokens=True)
+                self.detok_stream = DecodeStream(skip_special_tokens=skip)
             for i in range(self.detok_read, end):
                 chunk = self.detok_stream.step(tokenizer, ids[i])
                 if chunk is not None:
                     self.text += chunk
                     self.detok_prefix = i + 1
             self.detok_read = max(self.detok_read, end)
-            if done and self.detok_prefix < len(ids):   # bytes that never completed a character
-                self.text += tokenizer.decode(ids[self.detok_prefix:])
-                self.detok_prefix = len(ids)
+            if done and self.detok_prefix < limit:   # bytes that never completed a character
+                self.text += tokenizer.decode(ids[self.detok_prefix:limit], skip_special_tokens=skip)
+                self.detok_prefix = limit
         elif end > self.detok_read:
-            seen = tokenizer.decode(ids[self.detok_prefix:self.detok_read])
-            window = tokenizer.decode(ids[self.detok_prefix:end])
+            seen = tokenizer.decode(ids[self.detok_prefix:self.detok_read], skip_special_tokens=skip)
+            window = tokenizer.decode(ids[self.detok_prefix:end], skip_special_tokens=skip)
             if len(window) > len(seen) and (done or not window.endswith("\ufffd")):
                 self.text += window[len(seen):]
                 self.detok_prefix, self.detok_read = self.detok_read, end
+
+    def _text_end(self) -> int:
+        """How many of the tokens have text: all but the stop token (EOS or one of stop_token_ids) that
+        ended the request, unless include_stop_str_in_output (vLLM's rule)."""
+        n = len(self.token_ids)
+        if (self.finish_reason == "stop" and n and not isinstance(self.stop_reason, str)
+                and not self.params.include_stop_str_in_output):
+            return n - 1
+        return n
 
     def _text(self, tokenizer, delta: bool) -> str:
         """The output text (or, for delta outputs, what was not reported yet). While the request

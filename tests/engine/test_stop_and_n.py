@@ -100,6 +100,27 @@ def test_stop_reason_of_a_stop_token_and_none_otherwise(model_dir, first_run):
     assert a.outputs[0].finish_reason == "stop" and a.outputs[0].stop_reason == t
     assert a.outputs[0].token_ids == ids[:ids.index(t) + 1]
     assert b.outputs[0].finish_reason == "length" and b.outputs[0].stop_reason is None
+    # The stop token is no text (vLLM's rule), unless include_stop_str_in_output.
+    tok = llm.tokenizer
+    k = ids.index(t)
+    assert a.outputs[0].text == tok.decode(ids[:k])
+    (c,) = llm.generate([PROMPT], [greedy(stop_token_ids=[t], include_stop_str_in_output=True)])
+    assert c.outputs[0].text == tok.decode(ids[:k + 1]) and c.outputs[0].token_ids == a.outputs[0].token_ids
+    llm.shutdown()
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(model_dir, first_run):
+    """Forced through logit_bias: the output is a special token; the default text drops it, and
+    skip_special_tokens=False keeps it (what the chat endpoint's parsers read)."""
+    llm = LLM(model_dir, progress=False, block_size=16, kv_cache_blocks=32)
+    tok = llm.tokenizer
+    think = tok.token_to_id("<think>")
+    assert think is not None
+    kw = dict(max_tokens=3, logit_bias={think: 100.0})
+    a, b = llm.generate([PROMPT, PROMPT], [greedy(**kw), greedy(skip_special_tokens=False, **kw)])
+    assert a.outputs[0].token_ids == [think] * 3 == b.outputs[0].token_ids
+    assert "<think>" not in a.outputs[0].text and b.outputs[0].text == "<think>" * 3
+    llm.shutdown()
 
 
 def test_find_stop_and_hold_back():
@@ -113,7 +134,8 @@ def test_find_stop_and_hold_back():
 @pytest.mark.parametrize("bad,match", [
     (dict(stop=["x"] * 1000), "at most 128"), (dict(stop="x" * 600), "at most 512"),
     (dict(stop=[""]), "empty string"), (dict(stop=[1]), "a string or a list of strings"),
-    (dict(n=0), r"n must be in \[1, 128\]"), (dict(include_stop_str_in_output=1), "true or false")])
+    (dict(n=0), r"n must be in \[1, 128\]"), (dict(include_stop_str_in_output=1), "true or false"),
+    (dict(skip_special_tokens="no"), "skip_special_tokens must be True or False")])
 def test_bad_stop_and_n_are_clear_errors(bad, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**bad)

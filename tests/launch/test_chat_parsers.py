@@ -1,6 +1,7 @@
 """The chat pieces on scripted text (random weights never write this markup): the reasoning split
 streamed chunk by chunk equals the whole split, tool calls of each DeepSeek format parse (and a
-malformed block stays text), DeepSeek-V3.2's encoding, and ChatOutput on a token stream."""
+malformed block stays text; two calls stream one at a time), DeepSeek-V3.2's encoding, and
+ChatOutput on the front's text."""
 from __future__ import annotations
 
 import json
@@ -40,8 +41,30 @@ def test_tool_calls_parse(parser, markup):
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     broken = "Let me check." + markup.replace("Paris", "Paris\"{").replace("string=\"true\"", "string=\"false\"")
     assert tool_parsers.parse(parser, broken) == (broken, [])  # malformed: returned as text
-    cut = "x" + markup[:-5]
+    cut = "x" + markup[:markup.index("Paris") + 3]   # cut off inside the call: text
     assert tool_parsers.parse(parser, cut) == (cut, [])
+    content, calls = tool_parsers.parse(parser, "x" + markup[:-5])   # cut off after a whole call (max_tokens)
+    assert content == "x" and [c.name for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("parser,markup", [("deepseek_v3", V3), ("deepseek_v31", V31), ("deepseek_v32", V32)])
+def test_two_calls_stream_one_at_a_time(parser, markup):
+    """Each call is sent once it is whole: the first before the second is written; a malformed
+    second call after a good first one comes back as text, the first stays a call."""
+    begin, end = tool_parsers.start_marker(parser), markup[markup.rindex("<"):]
+    call = markup[markup.index(begin) + len(begin):markup.rindex("<")]
+    two = markup[:markup.index(begin)] + begin + call + call.replace("Paris", "Rome") + end
+    out, seen = ChatOutput(False, parser), []
+    for i, ch in enumerate(two):
+        d = out.feed(ch, final=i == len(two) - 1)
+        seen += [(i, tc["index"], json.loads(tc["function"]["arguments"])["city"]) for tc in d["tool_calls"]]
+    assert [s[1:] for s in seen] == [(0, "Paris"), (1, "Rome")]
+    assert seen[0][0] < two.index("Rome")   # the first went out before the second was written
+    bad = markup[:markup.index(begin)] + begin + call + call.replace("Paris", "Rome\"{").replace(
+        'string="true"', 'string="false"') + end
+    content, calls = tool_parsers.parse(parser, "x" + bad)
+    assert [c.name for c in calls] == ["get_weather"] and content.startswith("x")
+    assert "Rome" in content and json.loads(calls[0].arguments) == {"city": "Paris"}
 
 
 def test_dsv32_encoding():
@@ -58,18 +81,25 @@ def test_dsv32_encoding():
     assert encode_messages([{"role": "user", "content": "hi"}], thinking=True).endswith("<｜Assistant｜><think>")
 
 
-def test_chat_output_on_a_token_stream(tmp_path):
+def test_chat_output_on_the_fronts_text(tmp_path):
+    """The chat output reads the front's text deltas (special tokens kept, the ending EOS left out
+    by the front), token by token, a multi-byte character split across tokens included."""
+    from engine.front.outputs import RequestState
+    from engine.sampling_params import SamplingParams
+    from engine.worker.messages import Delta
     d = make_tiny_checkpoint(str(tmp_path), chat_template_style="r1")
     tok = Tokenizer.from_file(f"{d}/tokenizer.json")
-    text = "hmm é</think>Sure." + V3
-    ids = tok.encode(text, add_special_tokens=False).ids + [1]  # + EOS
-    out, got = ChatOutput(tok, {1}, True, "deepseek_v3"), {"reasoning_content": "", "content": "", "tool_calls": []}
-    for i in range(len(ids)):
-        d = out.feed(ids[i:i + 1], final=i == len(ids) - 1)
+    ids = tok.encode("hmm é</think>Sure." + V3, add_special_tokens=False).ids + [tok.token_to_id(tool_parsers.EOS)]
+    st = RequestState("r", None, [1], SamplingParams(skip_special_tokens=False, output_kind="delta"), 4096, 0)
+    out, got = ChatOutput(True, "deepseek_v3"), {"reasoning_content": "", "content": "", "tool_calls": []}
+    for i, t in enumerate(ids):
+        st.apply(Delta("r", [t], None, 0.0, "stop" if i == len(ids) - 1 else None))
+        d = out.feed(st.output(tok, delta=True).outputs[0].text, final=st.finished)
         for k in got:
             got[k] += d[k]
     assert got["reasoning_content"] == "hmm é" and got["content"] == "Sure."
     assert [c["function"]["name"] for c in got["tool_calls"]] == ["get_weather"]
+    assert tool_parsers.EOS not in st.text   # the stop token that ended it is no text
 
 
 @pytest.mark.parametrize("style", ["v3", "r1", "v31"])

@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 from tokenizers import Tokenizer
 
-from engine.sampling_params import CompletionOutput, RequestOutput
+from engine.front.outputs import RequestState
+from engine.sampling_params import RequestOutput
+from engine.worker.messages import Delta
 from launch.tiny import make_tiny_checkpoint
 from tests.launch.test_chat_parsers import V3, V31, V32
 
@@ -31,8 +33,9 @@ CASES = {  # name: (arch, template style, chat options, template kwargs, scripte
 
 
 class ScriptedEngine:
-    """AsyncEngine's surface for the server: generate() replays `script` (text) as tokens, one per
-    delta, and records the prompts it was given."""
+    """AsyncEngine's surface for the server: generate() replays `script` (text; a list: one per
+    sample) as tokens then EOS, one token per delta, through the front's own RequestState (its
+    detokenizer, special-token rule and stop strings), and records the prompts it was given."""
 
     def __init__(self, model_dir: str):
         tok = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
@@ -42,12 +45,26 @@ class ScriptedEngine:
     async def generate(self, ids, params, request_id):
         tok = self.engine.core.tokenizer
         self.prompts.append(tok.decode(ids, skip_special_tokens=False))
-        out = tok.encode(self.script, add_special_tokens=False).ids + [tok.token_to_id(EOS)]
-        steps = [out] if params.output_kind == "final_only" else [[t] for t in out]
-        for i, step in enumerate(steps):
-            last = i == len(steps) - 1
-            c = CompletionOutput(0, "", step, None, None, "stop" if last else None)
-            yield RequestOutput(request_id, None, list(ids), None, [c], finished=last)
+        scripts = self.script if isinstance(self.script, list) else [self.script] * params.n
+        outs = [tok.encode(s, add_special_tokens=False).ids + [tok.token_to_id(EOS)] for s in scripts]
+        states = [RequestState(f"{request_id}#{i}", None, list(ids), params, 4096, 0, index=i) for i in range(params.n)]
+        final_only = params.output_kind == "final_only"
+        while not all(st.finished for st in states):
+            done = []
+            for st, out in zip(states, outs):
+                if st.finished:
+                    continue
+                k = len(st.token_ids)
+                step = out[k:] if final_only else out[k:k + 1]
+                st.apply(Delta(st.request_id, step, None, 0.0, "stop" if k + len(step) == len(out) else None))
+                st.detokenize(tok)   # the front's stop-string check
+                done.append(st.output(tok, delta=params.output_kind == "delta"))
+            if not final_only:
+                for o in done:
+                    yield RequestOutput(request_id, None, list(ids), None, o.outputs, finished=all(st.finished for st in states))
+        if final_only:
+            outputs = [st.output(tok).outputs[0] for st in states]
+            yield RequestOutput(request_id, None, list(ids), None, outputs, finished=True)
 
 
 def run(case: str, fn, auto_tools: bool = True):
@@ -153,3 +170,42 @@ def test_tools_without_auto_tool_choice(tmp_path):
         assert "get_weather" in eng.prompts[-1] and not r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "stop" and "get_weather" in r.choices[0].message.content
     asyncio.run(run("r1", fn, auto_tools=False)(str(tmp_path)))
+
+
+def test_chat_n_and_stop_strings(tmp_path):
+    """n=2: one choice per sample, each with its own reasoning split and tool calls, streamed under
+    its index; stop strings cut the answer (the front matches them on the text it keeps the special
+    tokens in) and the stream never shows a stop string's start."""
+    async def fn(client, eng):
+        eng.script = ["Thinking.</think>Hello there. Bye.", "Hmm.</think>" + V3]
+        r = await client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, n=2)
+        a, b = sorted(r.choices, key=lambda c: c.index)
+        assert a.message.content == "Hello there. Bye." and a.message.model_extra["reasoning_content"] == "Thinking."
+        assert a.finish_reason == "stop" and not a.message.tool_calls
+        assert b.finish_reason == "tool_calls" and b.message.tool_calls[0].function.name == "get_weather"
+        assert b.message.model_extra["reasoning_content"] == "Hmm."
+
+        chunks = [c async for c in await client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS,
+                                                                        n=2, stream=True)]
+        by = {0: [], 1: []}
+        for c in chunks:
+            by[c.choices[0].index].append(c.choices[0])
+        assert all(by[i][0].delta.role == "assistant" for i in by)
+        assert "".join(c.delta.content or "" for c in by[0]) == "Hello there. Bye."
+        assert [tc.function.name for c in by[1] for tc in c.delta.tool_calls or []] == ["get_weather"]
+        assert by[0][-1].finish_reason == "stop" and by[1][-1].finish_reason == "tool_calls"
+
+        eng.script = "Thinking.</think>Hello there. Bye."
+        r = await client.chat.completions.create(model="tiny", messages=MSGS, stop=["zz", "there"])
+        c = r.choices[0]
+        assert c.message.content == "Hello " and c.finish_reason == "stop" and c.model_extra["stop_reason"] == "there"
+        r = await client.chat.completions.create(model="tiny", messages=MSGS, stop="there",
+                                                 extra_body={"include_stop_str_in_output": True})
+        assert r.choices[0].message.content == "Hello there"
+        shown = ""
+        async for ch in await client.chat.completions.create(model="tiny", messages=MSGS, stop=["therefore", "there"],
+                                                             stream=True):
+            shown += ch.choices[0].delta.content or ""
+            assert "Hello ".startswith(shown) or shown == "Hello "
+        assert shown == "Hello " and ch.choices[0].finish_reason == "stop"
+    asyncio.run(run("r1", fn)(str(tmp_path)))

@@ -52,6 +52,34 @@ def test_chat_stream_equals_non_stream(client):
     assert [e.token for e in entries] == [e.token for e in r.choices[0].logprobs.content[:4]]
 
 
+def test_chat_n_and_stop_strings(client):
+    """n=2: two choices, indexed, streamed under their index; a stop string taken from the greedy
+    output cuts it there (finish "stop", stop_reason the string), streamed or not."""
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=6, n=2, temperature=1.0, seed=5)
+    assert sorted(c.index for c in r.choices) == [0, 1] and r.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=6, n=2, temperature=1.0,
+                                                 seed=5, stream=True))
+    for i, c in enumerate(sorted(r.choices, key=lambda c: c.index)):
+        mine = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        text = "".join((m.delta.model_extra or {}).get("reasoning_content") or "" for m in mine)
+        assert text == c.message.model_extra["reasoning_content"]
+    greedy = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0.0)
+    text = greedy.choices[0].message.model_extra["reasoning_content"]
+    stop = text[4:6]
+    if len(text) < 8 or not stop.strip():
+        pytest.skip("the greedy output is too short for a stop string")
+    pos = text.find(stop)
+    r = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12, temperature=0.0, stop=["\x00", stop])
+    c = r.choices[0]
+    assert c.message.model_extra["reasoning_content"] == text[:pos]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == stop
+    shown = "".join((ch.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                    for ch in client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=12,
+                                                             temperature=0.0, stop=stop, stream=True) if ch.choices)
+    assert shown == text[:pos]
+
+
 def test_tools_render_and_round_trip(client):
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     msgs = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
@@ -70,9 +98,10 @@ def test_tools_render_and_round_trip(client):
     ({"messages": MSGS, "tools": "x"}, "'tools'"),
     ({"messages": MSGS, "tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]},
      "not supported yet"),
-    ({"messages": MSGS, "n": 2}, "'n' > 1 is not supported on chat"),
+    ({"messages": MSGS, "n": 0}, "'n'"),
+    ({"messages": MSGS, "n": 10 ** 6}, "n must be in [1, 128]"),
     ({"messages": MSGS, "stop": [5]}, "'stop' must be a string or a list of strings"),
-    ({"messages": MSGS, "stop": ["x"]}, "'stop' strings are not supported on chat yet"),
+    ({"messages": MSGS, "stop": ["x"] * 1000}, "at most 128"),
     ({"messages": MSGS, "echo": True}, "'echo' is not supported on chat"),
     ({"messages": MSGS, "chat_template_kwargs": 5}, "chat_template_kwargs"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "developer", "content": "y"}]}, "unknown role"),

@@ -133,6 +133,8 @@ CASES = [
     ("stream_options list", P(stream_options=[1]), JSON, "POST", None, 400, "'stream_options' must be an object"),
     ("stop ids mixed", P(stop_token_ids=[1, "2"]), JSON, "POST", None, 400, "'stop_token_ids' must be a list"),
     ("ignore_eos string", P(ignore_eos="yes"), JSON, "POST", None, 400, "'ignore_eos' must be true or false"),
+    ("skip_special_tokens string", P(skip_special_tokens="no"), JSON, "POST", None, 400,
+     "'skip_special_tokens' must be true or false"),
     ("negative presence_penalty", P(presence_penalty=-3), JSON, "POST", None, 400,
      "presence_penalty must be in [-2, 2], got -3"),
     ("frequency_penalty string", P(frequency_penalty="x"), JSON, "POST", None, 400,
