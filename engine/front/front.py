@@ -161,6 +161,7 @@ class Front:
         outs: list[RequestOutput] = []
         now = time.time()
         generated = 0
+        get, tokenizer = self.requests.get, self.tokenizer
         for rep in reports:
             if rep.rank in self.lost:
                 continue   # sent before it died: its requests were re-admitted from what we had
@@ -175,26 +176,28 @@ class Front:
                 self.errors.append(f"rank {rep.rank}: {rep.error}")
             generated += rep.generated
             for d in rep.deltas:
-                st = self.requests.get(d.request_id)
+                st = get(d.request_id)
                 if st is None:
                     continue
                 had_token = bool(st.token_ids)
                 advanced = st.apply(d, now)
-                if st.token_ids and not had_token:
+                if not had_token and st.token_ids:
                     self._release(st.request_id, first_token_only=True)
-                if st.params.stop and st.detokenize(self.tokenizer):
+                params = st.params
+                if params.stop and st.detokenize(tokenizer):
                     self.send(st.dp_rank, Abort(st.request_id))   # no more tokens for it on its rank
                 group = st.group
                 if group is not None and group.held and st is group.states[0] and (st.token_ids or st.finished):
                     self._release_held(group)
-                kind = st.params.output_kind
-                if (advanced and kind != "final_only") or st.finished:
-                    out = st.output(self.tokenizer, delta=kind == "delta")
+                finished = st.finish_reason is not None
+                kind = params.output_kind
+                if (advanced and kind != "final_only") or finished:
+                    out = st.output(tokenizer, delta=kind == "delta")
                     if group is not None:
                         out = group.merge(out, kind)
                     if out is not None:
                         outs.append(out)
-                if st.finished:
+                if st.finish_reason is not None:
                     self._finished(st)
         self.generated += generated
         self.tokens_log.append((time.monotonic(), generated))

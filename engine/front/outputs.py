@@ -56,9 +56,13 @@ class RequestState:
     stop_reason: int | str | None = None
     stop_checked: int = 0      # text[:stop_checked] holds no stop string
 
+    stop_hold: int = field(default=0, init=False)   # characters withheld while running (stop strings)
+
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.stop:
+            self.stop_hold = hold_back(self.params.stop)
 
     @property
     def finished(self) -> bool:
@@ -66,10 +70,11 @@ class RequestState:
 
     def apply(self, d: Delta, now: float | None = None) -> bool:
         """Add a rank's delta. -> whether the request advanced (new tokens or finished)."""
-        now = time.time() if now is None else now
-        if d.token_ids and self.first_token_time is None:
-            self.first_token_time = now
-        self.token_ids += d.token_ids
+        toks = d.token_ids
+        if toks:
+            if self.first_token_time is None:
+                self.first_token_time = time.time() if now is None else now
+            self.token_ids += toks
         if d.logprobs and self.logprobs is not None:
             self.logprobs += d.logprobs
         if d.prompt_logprobs is not None:
@@ -77,19 +82,23 @@ class RequestState:
         self.cumulative_logprob = d.cumulative_logprob
         if d.queue_s is not None and self.queue_s is None:
             self.queue_s = d.queue_s
-        self.num_preemptions = max(self.num_preemptions, d.num_preemptions)
+        if d.num_preemptions > self.num_preemptions:
+            self.num_preemptions = d.num_preemptions
         if d.num_cached_tokens is not None and not self.num_cached_tokens:   # a re-admission keeps the first figure
             self.num_cached_tokens = d.num_cached_tokens
         if d.metrics:
             self.extra_metrics.update(d.metrics)
         if d.generator_state is not None:
             self.generator_state = d.generator_state
-        if d.finish_reason is not None and self.finish_reason is None:
-            self.finish_reason, self.finish_time = d.finish_reason, now
+        reason = d.finish_reason
+        if reason is None:
+            return bool(toks)
+        if self.finish_reason is None:
+            self.finish_reason, self.finish_time = reason, time.time() if now is None else now
             last = self.token_ids[-1] if self.token_ids else None
-            if d.finish_reason == "stop" and last in self.params.stop_token_ids:
+            if reason == "stop" and last in self.params.stop_token_ids:
                 self.stop_reason = last
-        return bool(d.token_ids) or d.finish_reason is not None
+        return True
 
     def abort(self) -> None:
         if self.finish_reason is None:
@@ -98,26 +107,32 @@ class RequestState:
     def metrics(self) -> dict:
         """TTFT (arrival at the front -> first token back at the front), TPOT, queue time (s)."""
         n = len(self.token_ids)
-        ttft = None if self.first_token_time is None else self.first_token_time - self.arrival_time
-        tpot = None
-        if self.finish_time is not None and self.first_token_time is not None and n > 1:
-            tpot = (self.finish_time - self.first_token_time) / (n - 1)
-        return {"ttft_s": ttft, "tpot_s": tpot, "queue_s": self.queue_s, "finish_reason": self.finish_reason,
-                "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n,
-                "cached_tokens": self.num_cached_tokens, "preemptions": self.num_preemptions, "readmitted": self.readmitted, **self.extra_metrics}
+        first = self.first_token_time
+        ttft = tpot = None
+        if first is not None:
+            ttft = first - self.arrival_time
+            if self.finish_time is not None and n > 1:
+                tpot = (self.finish_time - first) / (n - 1)
+        m = {"ttft_s": ttft, "tpot_s": tpot, "queue_s": self.queue_s, "finish_reason": self.finish_reason,
+             "prompt_tokens": len(self.prompt_token_ids), "output_tokens": n,
+             "cached_tokens": self.num_cached_tokens, "preemptions": self.num_preemptions,
+             "readmitted": self.readmitted}
+        if self.extra_metrics:
+            m.update(self.extra_metrics)
+        return m
 
     def output(self, tokenizer, delta: bool = False) -> RequestOutput:
         """Cumulative (vLLM's default) or only what was not reported before (streaming)."""
+        ids = self.token_ids
         start = self.num_sent if delta else 0
-        toks = self.token_ids[start:]          # a new list: later tokens never alias into it
+        toks = ids[start:]          # a new list: later tokens never alias into it
         lps = self.logprobs[start:] if self.logprobs is not None else None
-        self.num_sent = len(self.token_ids)
-        text = self._text(tokenizer, delta)
-        comp = CompletionOutput(index=self.index, text=text, token_ids=toks, cumulative_logprob=self.cumulative_logprob,
-                                logprobs=lps, finish_reason=self.finish_reason, stop_reason=self.stop_reason)
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             prompt_logprobs=self.prompt_logprobs, outputs=[comp], finished=self.finished,
-                             metrics=self.metrics())
+        self.num_sent = len(ids)
+        text = self._text(tokenizer, delta) if tokenizer is not None else ""
+        reason = self.finish_reason
+        comp = CompletionOutput(self.index, text, toks, self.cumulative_logprob, lps, reason, self.stop_reason)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.prompt_logprobs, [comp],
+                             reason is not None, self.metrics())
 
     def detokenize(self, tokenizer) -> bool:
         """Decode the tokens not decoded yet and, with stop strings, look for one after each token.
@@ -127,10 +142,11 @@ class RequestState:
         if tokenizer is None:
             return False
         stops = self.params.stop
-        if stops and not isinstance(self.stop_reason, str):
+        if stops and self.detok_read < len(self.token_ids) and not isinstance(self.stop_reason, str):
             if self._match_stops(tokenizer, stops):
                 return True
-        self._decode(tokenizer, len(self.token_ids))
+        if self.detok_read < len(self.token_ids) or self.finish_reason is not None:   # else up to date
+            self._decode(tokenizer, len(self.token_ids))
         return False
 
     def _match_stops(self, tokenizer, stops: list[str]) -> bool:
@@ -161,7 +177,7 @@ class RequestState:
         ids = self.token_ids
         limit = len(ids) if self.finish_reason is None else self._text_end()
         end = min(end, limit)
-        done = self.finished and end == limit
+        done = self.finish_reason is not None and end == limit
         skip = self.params.skip_special_tokens
         if DecodeStream is not None:
             if self.detok_stream is None:
@@ -194,16 +210,15 @@ class RequestState:
     def _text(self, tokenizer, delta: bool) -> str:
         """The output text (or, for delta outputs, what was not reported yet). While the request
         runs, a tail that could still grow into a stop string is withheld."""
-        if tokenizer is None:
-            return ""
-        stops = self.params.stop
-        if stops:
-            self.detokenize(tokenizer)
-        else:   # the common case, every request every step: straight to the decoder
-            self._decode(tokenizer, len(self.token_ids))
+        running = self.finish_reason is None
+        if self.detok_read < len(self.token_ids) or not running:   # else the text is up to date
+            if self.params.stop:   # (the front detokenized it already this step, looking for stops)
+                self.detokenize(tokenizer)
+            else:   # the common case, every request every step: straight to the decoder
+                self._decode(tokenizer, len(self.token_ids))
         end = len(self.text)
-        if stops and not self.finished:
-            end = max(self.text_sent if delta else 0, end - hold_back(self.params.stop))
+        if self.stop_hold and running:
+            end = max(self.text_sent if delta else 0, end - self.stop_hold)
         if not delta:
             return self.text[:end]
         new, self.text_sent = self.text[self.text_sent:end], max(self.text_sent, end)
