@@ -16,15 +16,20 @@ from attention_mla.meta import int64_tensor
 
 
 class TokenCounts:
-    """One pool row per penalised sequence: out_counts [S, V] int32 (times each token was sampled),
-    in_prompt [S, V] bool. A slot is filled from the sequence's tokens when it first samples (a
-    resumed or preempted sequence included) and then grows by one scatter-add per step. Slots of
-    finished sequences are reclaimed when the pool is full, before it grows."""
+    """One pool row per penalised sequence, kept in the form the penalties apply in, so a step reads
+    them as they are and updates only the entries of the tokens it sampled:
+    out_counts [S, V] int32 (times each token was sampled), rep_scale [S, V] fp32 (the sequence's
+    repetition penalty where the token is in its prompt or output, 1 elsewhere), sub [S, V] fp32
+    (frequency_penalty * count + presence_penalty * (count > 0)). A slot is filled from the
+    sequence's tokens when it first samples (a resumed or preempted sequence included) and then takes
+    one scatter per tensor per step. Slots of finished sequences are reclaimed when the pool is full,
+    before it grows. (12 bytes per slot and vocab entry: at V = 129k, 1.6 MB a sequence.)"""
 
     def __init__(self, vocab: int, device):
         self.vocab, self.device = vocab, device
         self.out_counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
-        self.in_prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self.rep_scale = torch.ones(0, vocab, dtype=torch.float32, device=device)
+        self.sub = torch.zeros(0, vocab, dtype=torch.float32, device=device)
         self.slot_of: dict = {}          # Sequence -> slot
         self.free: list[int] = []
 
@@ -45,31 +50,52 @@ class TokenCounts:
             self._grow()
         slot = self.free.pop()
         self.slot_of[s] = slot
-        dev = self.device
-        self.out_counts[slot] = torch.bincount(int64_tensor(s.output_token_ids, dev), minlength=self.vocab)
-        self.in_prompt[slot] = False
-        self.in_prompt[slot, int64_tensor(s.prompt_token_ids, dev)] = True
+        dev, p = self.device, s.params
+        counts = torch.bincount(int64_tensor(s.output_token_ids, dev), minlength=self.vocab)
+        seen = counts > 0
+        self.out_counts[slot] = counts
+        self.sub[slot] = p.frequency_penalty * counts + p.presence_penalty * seen
+        self.rep_scale[slot] = 1.0
+        self.rep_scale[slot, int64_tensor(s.prompt_token_ids, dev)] = p.repetition_penalty
+        self.rep_scale[slot, seen] = p.repetition_penalty
         return slot
 
     def _grow(self) -> None:
         S = self.out_counts.shape[0]
         n = max(8, 2 * S)
-        counts = torch.zeros(n, self.vocab, dtype=torch.int32, device=self.device)
-        prompt = torch.zeros(n, self.vocab, dtype=torch.bool, device=self.device)
-        counts[:S], prompt[:S] = self.out_counts, self.in_prompt
-        self.out_counts, self.in_prompt = counts, prompt
+        grown = []
+        for old, fill in ((self.out_counts, 0), (self.rep_scale, 1.0), (self.sub, 0.0)):
+            t = torch.full((n, self.vocab), fill, dtype=old.dtype, device=self.device)
+            t[:S] = old
+            grown.append(t)
+        self.out_counts, self.rep_scale, self.sub = grown
         self.free.extend(range(n - 1, S - 1, -1))
 
-    def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """slots [P], tokens [P]: this step's samples."""
-        self.out_counts.index_put_((slots, tokens), torch.ones_like(slots, dtype=torch.int32), accumulate=True)
+    def add(self, slots: torch.Tensor, tokens: torch.Tensor, rep: torch.Tensor | None,
+            freq: torch.Tensor | None, pres: torch.Tensor | None) -> None:
+        """slots [P] (distinct), tokens [P]: this step's samples; rep/freq/pres [P, 1]: the rows'
+        penalties (None: neutral in every row, their table needs no update)."""
+        at = (slots, tokens)
+        self.out_counts.index_put_(at, torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
+        if freq is not None or pres is not None:
+            count = self.out_counts[at]                               # [P], >= 1 now
+            value = freq[:, 0] * count if freq is not None else torch.zeros_like(count, dtype=torch.float32)
+            self.sub.index_put_(at, value + pres[:, 0] if pres is not None else value)
+        if rep is not None:
+            self.rep_scale.index_put_(at, rep[:, 0])
+
+    def rows(self, table: torch.Tensor, slots: torch.Tensor | slice) -> torch.Tensor:
+        """table's rows of the slots: a view when they are consecutive (the usual case: a batch's
+        sequences take their slots in order)."""
+        return table[slots] if isinstance(slots, slice) else table.index_select(0, slots)
 
 
 @dataclass
 class LogitsPlan:
     """What one step's rows need, as device tensors built from host lists.
     mask_rows/mask_ids [M]: (row, token) pairs set to -inf (min_tokens); bias_rows/ids/vals [N];
-    pen_rows [P] batch rows, pen_slots [P] pool rows, rep/freq/pres [P]; every_pen: P == B."""
+    pen_rows [P] batch rows, pen_slots [P] pool rows (a slice when consecutive), rep/freq/pres [P, 1];
+    every_pen: P == B."""
     mask_rows: torch.Tensor | None = None
     mask_ids: torch.Tensor | None = None
     bias_rows: torch.Tensor | None = None
@@ -77,6 +103,7 @@ class LogitsPlan:
     bias_vals: torch.Tensor | None = None
     pen_rows: torch.Tensor | None = None
     pen_slots: torch.Tensor | None = None
+    pen_slot_rows: torch.Tensor | slice | None = None
     rep: torch.Tensor | None = None
     freq: torch.Tensor | None = None
     pres: torch.Tensor | None = None
@@ -142,7 +169,10 @@ class LogitsProcessor:
             plan.bias_vals = torch.tensor(bias_vals, dtype=torch.float32, device=dev)
         if pen_rows:
             plan.pen_rows = int64_tensor(pen_rows, dev)
-            plan.pen_slots = int64_tensor(self.counts.slots(pen_seqs), dev)
+            slots = self.counts.slots(pen_seqs)
+            plan.pen_slots = int64_tensor(slots, dev)
+            consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+            plan.pen_slot_rows = slice(slots[0], slots[0] + len(slots)) if consecutive else plan.pen_slots
             # a penalty no row uses is skipped (None), not applied at its neutral value
             plan.rep, plan.freq, plan.pres = (
                 torch.tensor(v, dtype=torch.float32, device=dev)[:, None] if any(x != off for x in v) else None
@@ -160,9 +190,10 @@ class LogitsProcessor:
             if plan.bias_rows is not None:
                 out.index_put_((plan.bias_rows, plan.bias_ids), plan.bias_vals, accumulate=True)
         if plan.pen_rows is not None:
-            rows = apply_penalties(out if plan.every_pen else out[plan.pen_rows],
-                                   self.counts.out_counts[plan.pen_slots], self.counts.in_prompt[plan.pen_slots],
-                                   plan.rep, plan.freq, plan.pres)
+            c, slots = self.counts, plan.pen_slot_rows
+            rows = apply_penalties(out if plan.every_pen else out.index_select(0, plan.pen_rows),
+                                   c.rows(c.rep_scale, slots) if plan.rep is not None else None,
+                                   c.rows(c.sub, slots) if plan.freq is not None or plan.pres is not None else None)
             if plan.every_pen:     # a new tensor already: no scatter back
                 return rows
             if out is logits:
@@ -171,22 +202,21 @@ class LogitsProcessor:
         return out
 
     def record(self, plan: LogitsPlan | None, tokens: torch.Tensor) -> None:
-        """tokens [B]: this step's samples; the penalised rows' counts take theirs."""
+        """tokens [B]: this step's samples; the penalised rows' tables take theirs."""
         if plan is not None and plan.pen_rows is not None:
-            self.counts.add(plan.pen_slots, tokens if plan.every_pen else tokens[plan.pen_rows])
+            self.counts.add(plan.pen_slots, tokens if plan.every_pen else tokens.index_select(0, plan.pen_rows),
+                            plan.rep, plan.freq, plan.pres)
 
 
-def apply_penalties(logits: torch.Tensor, out_counts: torch.Tensor, in_prompt: torch.Tensor,
-                    rep: torch.Tensor | None, freq: torch.Tensor | None, pres: torch.Tensor | None) -> torch.Tensor:
-    """logits [P, V], out_counts [P, V] int, in_prompt [P, V] bool, rep/freq/pres [P, 1] (None: off
-    in every row) -> a new [P, V]. Repetition (over prompt and output) divides positive logits and
-    multiplies negative ones; frequency subtracts freq * count, presence pres * (count > 0), over
-    the output only."""
-    seen = out_counts > 0
-    if rep is not None:
-        logits = torch.where(seen | in_prompt, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    if freq is not None:
-        logits = logits - freq * out_counts
-    if pres is not None:
-        logits = logits - pres * seen
-    return logits if rep is not None or freq is not None or pres is not None else logits.clone()
+def apply_penalties(logits: torch.Tensor, rep_scale: torch.Tensor | None, sub: torch.Tensor | None) -> torch.Tensor:
+    """logits [P, V]; rep_scale [P, V] (the repetition penalty over the tokens of prompt and output, 1
+    elsewhere; None: off in every row); sub [P, V] (frequency * count + presence * (count > 0), over
+    the output; None: off) -> a new [P, V]. Repetition divides positive logits and multiplies
+    negative ones: split at 0 (max(x, 0) / r + min(x, 0) * r: no comparison or select over [P, V],
+    and a logit of -inf stays -inf); then the frequency and presence penalties subtract."""
+    out = logits
+    if rep_scale is not None:
+        out = logits.clamp_min(0).div_(rep_scale).add_(logits.clamp_max(0).mul_(rep_scale))
+    if sub is not None:
+        out = out - sub
+    return out if out is not logits else logits.clone()

@@ -72,6 +72,30 @@ def test_processing_matches_reference(subset):
         torch.testing.assert_close(out[b], _reference(logits[b], s))
 
 
+def test_slots_out_of_batch_order_and_masked_tokens():
+    """Pool rows taken out of batch order (gathered, not a view of consecutive slots), and a -inf
+    (min_tokens) logit of a token in the prompt through the repetition penalty: it stays -inf."""
+    g = torch.Generator().manual_seed(2)
+    kw = dict(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=-0.2, min_tokens=9, stop_token_ids=[5])
+    seqs = [_seq([5] + torch.randint(0, V, (5,), generator=g).tolist(), torch.randint(0, V, (4,), generator=g).tolist(),
+                 **kw) for _ in range(4)]
+    proc = LogitsProcessor(V, "cpu")
+    proc.plan(seqs)                       # slots 0..3 in this order
+    seqs = seqs[::-1]                     # the next batch holds them the other way round
+    for step in range(2):
+        plan = proc.plan(seqs)
+        assert not isinstance(plan.pen_slot_rows, slice)
+        logits = torch.randn(len(seqs), V, generator=g) * 3
+        out = proc.apply(logits, plan)
+        assert torch.isneginf(out[:, 5]).all()
+        for b, s in enumerate(seqs):
+            torch.testing.assert_close(out[b], _reference(logits[b], s))
+        tokens = torch.randint(0, V, (len(seqs),), generator=g)
+        proc.record(plan, tokens)
+        for b, s in enumerate(seqs):
+            s.output_token_ids.append(int(tokens[b]))
+
+
 def test_no_processing_no_plan():
     assert LogitsProcessor(V, "cpu").plan([_seq([2, 3], [4]), _seq([5], [], temperature=0.5)]) is None
 
