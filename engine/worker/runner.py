@@ -13,7 +13,7 @@ from parallel.step_plan import StepPlan
 from ..model.model import DeepseekModel
 from ..sched.scheduler import ScheduledBatch, StepResult
 from .logits_process import LogitsProcessor
-from .sampler import sample, topn_logprobs
+from .sampler import SampleLayout, sample, sample_layout, topn_logprobs
 
 
 class ModelRunner:
@@ -25,6 +25,8 @@ class ModelRunner:
         self.model, self.kv, self.overlap = model, kv, overlap
         self.device = model.device
         self.logits_proc: LogitsProcessor | None = None   # built when a request first needs it
+        self._rows_seqs: list = []                          # the last step's sampling rows (_sampling_rows)
+        self._rows: tuple[SampleLayout, bool] | None = None
 
     def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
                    ) -> tuple[torch.Tensor, AttnMeta]:
@@ -110,7 +112,7 @@ class ModelRunner:
         else:
             hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer,
                                 index_pools=self.kv.index_pools)
-        rows, samplers, params, gens, tops, procs = [], [], [], [], [], []
+        rows, samplers, tops = [], [], []
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             p = s.params
@@ -122,25 +124,23 @@ class ModelRunner:
                     tops.append((len(samplers), b, p.logprobs))
                 rows.append(start - 1)
                 samplers.append(b)
-                params.append(p)
-                gens.append(s.generator)
-                if p.processed:
-                    procs.append(s)
         if not samplers:
             return result
         # every row samples (a decode step): no gather
         every = len(rows) == hidden.shape[0]
-        last = hidden if every else hidden[int64_tensor(rows, self.device)]
+        last = hidden if every else hidden.index_select(0, int64_tensor(rows, self.device))
         logits = self.model.logits(last)
+        seqs = batch.seqs if len(samplers) == B else [batch.seqs[b] for b in samplers]
+        layout, processed = self._sampling_rows(seqs)
         plan = None
-        if procs:
+        if processed:
             if self.logits_proc is None:
                 self.logits_proc = LogitsProcessor(logits.shape[1], self.device)
-            plan = self.logits_proc.plan([batch.seqs[b] for b in samplers])
+            plan = self.logits_proc.plan(seqs)
         if plan is None:
-            tokens, lse = sample(logits, params, gens)
+            tokens, lse = sample(logits, None, None, layout=layout)
         else:
-            tokens, lse = sample(self.logits_proc.apply(logits, plan), params, gens, raw=logits)
+            tokens, lse = sample(self.logits_proc.apply(logits, plan), None, None, raw=logits, layout=layout)
             self.logits_proc.record(plan, tokens)
         chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()  # SYNC: tokens go back to the host
         if len(samplers) == B:
@@ -152,6 +152,16 @@ class ModelRunner:
             row = logits[i:i + 1] - lse[i:i + 1, None]                           # [1, V] raw logprobs
             result.top[b] = topn_logprobs(row, tokens[i:i + 1], n)[0]
         return result
+
+    def _sampling_rows(self, seqs: list) -> tuple[SampleLayout, bool]:
+        """-> (the sampler's layout of these rows, whether any needs logits processing), kept while
+        the same sequences sample in the same order (a decode run): per-row work once, not per step."""
+        if seqs != self._rows_seqs:   # identity comparison (Sequence has eq=False)
+            params = [s.params for s in seqs]
+            self._rows_seqs = list(seqs)
+            self._rows = (sample_layout(params, [s.generator for s in seqs], self.device),
+                          any(p.processed for p in params))
+        return self._rows
 
     def _prompt_logprobs(self, s, hidden: torch.Tensor) -> list:
         """Row i of this chunk (position num_computed + i) predicts token num_computed + i + 1; the

@@ -8,6 +8,8 @@ only on its seed and its own logits, never on what else is in the batch). Greedy
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from attention_mla.meta import int64_tensor
@@ -73,42 +75,73 @@ def _draw(filtered: torch.Tensor, generator: torch.Generator | None) -> tuple[to
     return tokens, (peak + total.log()).squeeze(1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None], raw: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] fp32 -> (token ids [B] int64, logsumexp [B]): row b's raw logprobs are
-    logits[b] - logsumexp[b] (never materialised for the whole batch). raw [B, V]: the model's
-    logits when `logits` were processed (penalties, bias: logits_process.py); the logsumexp is then
-    raw's, since logprobs are of the raw distribution."""
-    B = logits.shape[0]
-    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
-    greedy = 0
+@dataclass
+class RowGroup:
+    """Rows that draw from one generator: rows [G] (None: every row of the batch), their filter
+    parameters as tensors (None: no row filters, the raw distribution)."""
+    generator: torch.Generator | None
+    rows: torch.Tensor | None
+    filters: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None
+
+
+@dataclass
+class SampleLayout:
+    """How a batch's rows sample: `greedy` rows take the argmax, the others draw in `groups`. It
+    depends only on the rows' params and generators, so a decode run (the same rows step after step)
+    builds it once: the runner keeps it while the rows stay (sample_layout)."""
+    greedy: int
+    groups: list[RowGroup]
+
+
+def sample_layout(params: list[SamplingParams], generators: list[torch.Generator | None], device) -> SampleLayout:
+    greedy, by_gen = 0, {}
     for b, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             greedy += 1
         else:
-            groups.setdefault(id(gen), (gen, []))[1].append(b)
-    dev = logits.device
-    out = logits.argmax(-1) if greedy else torch.empty(B, dtype=torch.int64, device=dev)
-    lse = None
-    for gen, rows in groups.values():
+            rows = by_gen.get(id(gen))
+            if rows is None:
+                rows = by_gen[id(gen)] = (gen, [])
+            rows[1].append(b)
+    B, groups = len(params), []
+    for gen, rows in by_gen.values():
         ps = [params[b] for b in rows]
-        every = len(rows) == B                            # the whole batch: no gather, no scatter
-        idx = None if every else int64_tensor(rows, dev)
-        group = logits if every else logits[idx]
+        filters = None
         if any(p.temperature != 1.0 or p.top_p < 1.0 or p.top_k > 0 or p.min_p > 0 for p in ps):
-            min_p = (torch.tensor([p.min_p for p in ps], device=dev) if any(p.min_p > 0 for p in ps)
+            min_p = (torch.tensor([p.min_p for p in ps], device=device) if any(p.min_p > 0 for p in ps)
                      else None)
-            group = filter_logits(group, torch.tensor([p.temperature for p in ps], device=dev),
-                                  int64_tensor([p.top_k for p in ps], dev),
-                                  torch.tensor([p.top_p for p in ps], device=dev), min_p)
+            filters = (torch.tensor([p.temperature for p in ps], device=device),
+                       int64_tensor([p.top_k for p in ps], device),
+                       torch.tensor([p.top_p for p in ps], device=device), min_p)
+        groups.append(RowGroup(gen, None if len(rows) == B else int64_tensor(rows, device), filters))
+    return SampleLayout(greedy, groups)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams] | None,
+           generators: list[torch.Generator | None] | None, raw: torch.Tensor | None = None,
+           layout: SampleLayout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32 -> (token ids [B] int64, logsumexp [B]): row b's raw logprobs are
+    logits[b] - logsumexp[b] (never materialised for the whole batch). raw [B, V]: the model's
+    logits when `logits` were processed (penalties, bias: logits_process.py); the logsumexp is then
+    raw's, since logprobs are of the raw distribution. layout: sample_layout(params, generators), when
+    the caller kept it from an earlier step of the same rows (params and generators are then unused)."""
+    B = logits.shape[0]
+    if layout is None:
+        layout = sample_layout(params, generators, logits.device)
+    out = logits.argmax(-1) if layout.greedy else torch.empty(B, dtype=torch.int64, device=logits.device)
+    lse = None
+    for g in layout.groups:
+        every = g.rows is None                            # the whole batch: no gather, no scatter
+        group = logits if every else logits.index_select(0, g.rows)
+        if g.filters is not None:
+            group = filter_logits(group, *g.filters)
         elif every and raw is None:   # the raw logits of every row: their logsumexp comes with the draw
-            out, lse = _draw(group, gen)
+            out, lse = _draw(group, g.generator)
             continue
         if every:
-            out = draw(group, gen)
+            out = draw(group, g.generator)
         else:
-            out[idx] = draw(group, gen)
+            out[g.rows] = draw(group, g.generator)
     if lse is None:
         lse = (logits if raw is None else raw).logsumexp(-1)
     return out, lse

@@ -59,3 +59,27 @@ def test_mtp_layers_skipped_with_one_log_line(tmp_path, caplog):
         llm = LLM(d, progress=False)
     assert sum("MTP" in r.getMessage() or "multi-token" in r.getMessage() for r in caplog.records) == 1
     assert llm.generate([[3, 4]], SamplingParams(temperature=0.0, max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_kept_layout_samples_as_a_fresh_one():
+    """The runner keeps a batch's sample_layout over a decode run: drawing with it equals drawing with
+    one built from the rows' params that step (greedy, seeded, shared-generator and filtered rows)."""
+    import torch
+
+    from engine.worker.sampler import sample, sample_layout
+    shared, seeded = torch.Generator().manual_seed(5), torch.Generator().manual_seed(9)
+    params = [SamplingParams(temperature=0.0), SamplingParams(seed=1), SamplingParams(),
+              SamplingParams(temperature=0.7, top_k=3), SamplingParams(min_p=0.2, top_p=0.9), SamplingParams()]
+    gens = [None, seeded, shared, shared, shared, shared]
+    kept = sample_layout(params, gens, "cpu")
+    assert kept.greedy == 1 and len(kept.groups) == 2
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        logits = torch.randn(len(params), 40, generator=g) * 2
+        states = [shared.get_state(), seeded.get_state()]
+        fresh = sample(logits, params, gens)
+        shared.set_state(states[0])
+        seeded.set_state(states[1])
+        again = sample(logits, None, None, layout=kept)
+        assert torch.equal(fresh[0], again[0]) and torch.equal(fresh[1], again[1])
+        assert int(fresh[0][0]) == int(logits[0].argmax())
