@@ -130,12 +130,13 @@ class Scheduler:
         num_tokens: list[int] = []
         # 1. running sequences, oldest first; make room by preempting the newest (which leaves the
         #    end of `running`, so index i stays valid and preempted sequences are never visited)
-        i, running = 0, self.running
+        i, running, bs = 0, self.running, self.blocks.block_size
         while i < len(running) and budget > 0:
             s = running[i]
-            n = min(s.num_pending, budget)
+            # num_pending and blocks.missing inlined: this loop visits every running sequence every step
+            n = min(len(s.prompt_token_ids) + len(s.output_token_ids) - s.num_computed, budget)
             # a decode inside its last block needs no block: no checks
-            if self.blocks.missing(s, n) <= 0 or self._grow_or_preempt(s, n):
+            if -(-(s.num_computed + n) // bs) <= len(s.block_ids) or self._grow_or_preempt(s, n):
                 seqs.append(s)
                 num_tokens.append(n)
                 budget -= n
@@ -178,7 +179,9 @@ class Scheduler:
         register = self.blocks.register_computed if self.blocks.enable_prefix_caching else None
         for s, n, tok, lp, top, plp in zip(batch.seqs, batch.num_tokens, result.tokens, result.logprobs, result.top,
                                            result.prompt_logprobs):
-            if s.prefilling:
+            out = s.output_token_ids   # s.prefilling, inlined (every sequence, every step)
+            pending = len(s.prompt_token_ids) + len(out) - s.num_computed
+            if pending > 1 or not out and pending > 0:
                 self.prefill_tokens += n
             s.num_computed += n
             if plp is not None:   # asked for (position 0 has none)
@@ -190,7 +193,7 @@ class Scheduler:
                 advanced.append(s)
             if register is not None:
                 register(s)
-            if s.finished:
+            if s.finish_reason is not None:
                 if s.hold_blocks:
                     self.release(s)
                 else:

@@ -152,7 +152,7 @@ class RankLoop:
             result = core.runner.execute(batch, plan, on_layer=self.hooks.on_layer(batch))
             advanced = sched.apply(batch, result)
             self._deltas += [delta_of(s) for s in self.hooks.after_step(batch, advanced)]
-            self._generated += sum(r is not None for r in result.tokens)
+            self._generated += len(result.tokens) - result.tokens.count(None)
         elif self.ctx.is_single:
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
         else:
@@ -237,17 +237,19 @@ class RankLoop:
 def delta_of(s) -> Delta:
     """A sequence's progress since it was last reported (its first delta carries the prompt logprobs
     and queue time)."""
-    n = s.num_reported
-    s.num_reported = len(s.output_token_ids)
-    first = n == 0 and bool(s.output_token_ids)
+    n, out = s.num_reported, s.output_token_ids
+    s.num_reported = len(out)
     gen = None
-    if s.generator is not None and s.params.seed is not None and len(s.output_token_ids) > n:
+    if s.generator is not None and s.params.seed is not None and len(out) > n:
         gen = bytes(s.generator.get_state().numpy())   # SYNC: host state only (a CPU generator)
-    return Delta(s.request_id, s.output_token_ids[n:], s.logprobs[n:] if s.logprobs is not None else None,
-                 s.cumulative_logprob, s.finish_reason,
-                 prompt_logprobs=s.prompt_logprobs if first else None,
-                 queue_s=(s.first_scheduled_time - s.arrival_time) if first and s.first_scheduled_time else None,
-                 num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens if first else None,
+    lps = s.logprobs[n:] if s.logprobs is not None else None
+    if n or not out:   # not the first delta with tokens (every decode step): no first-delta fields
+        return Delta(s.request_id, out[n:], lps, s.cumulative_logprob, s.finish_reason,
+                     num_preemptions=s.num_preemptions, metrics=s.extra_metrics or None, generator_state=gen)
+    return Delta(s.request_id, out[n:], lps, s.cumulative_logprob, s.finish_reason,
+                 prompt_logprobs=s.prompt_logprobs,
+                 queue_s=(s.first_scheduled_time - s.arrival_time) if s.first_scheduled_time else None,
+                 num_preemptions=s.num_preemptions, num_cached_tokens=s.num_cached_tokens,
                  metrics=s.extra_metrics or None, generator_state=gen)
 
 

@@ -4,6 +4,8 @@ The only part of the engine that touches the device. Legend: T tokens this step,
 """
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 from attention_mla.kv_cache import LatentKVPool
@@ -33,7 +35,7 @@ class ModelRunner:
         """-> input_ids [T], AttnMeta for the batch, or for `parts` of it ((b, lo, hi): tokens lo..hi-1
         of sequence b's tokens this step)."""
         bs, slot_list, seqs = self.kv.block_size, self.kv.slot_list, batch.seqs
-        if parts is None and all(n == 1 for n in batch.num_tokens):
+        if parts is None and batch.num_tokens.count(1) == len(batch.num_tokens):
             return self._decode_meta(seqs)
         if parts is None:
             parts = [(b, 0, n) for b, n in enumerate(batch.num_tokens)]
@@ -64,8 +66,12 @@ class ModelRunner:
         return self._meta(ids, pos, slots, [p + 1 for p in pos], [1] * len(seqs), tables)
 
     def _meta(self, ids, pos, slots, ctx_lens, qlens, tables) -> tuple[torch.Tensor, AttnMeta]:
-        width = max((len(t) for t in tables), default=1)
-        table = [b for t in tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
+        lens = list(map(len, tables))
+        width = max(lens, default=1)
+        if lens and min(lens) == width:   # every table as long (a decode run, mostly): one C-level flatten
+            table = list(chain.from_iterable(tables))
+        else:
+            table = [b for t in tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
         dev = self.device
         meta = AttnMeta(positions=int64_tensor(pos, dev), slot_mapping=int64_tensor(slots, dev),
                         block_table=int64_tensor(table, dev).view(len(tables), width),
@@ -119,7 +125,8 @@ class ModelRunner:
             if p.prompt_logprobs is not None:
                 result.prompt_logprobs[b] = self._prompt_logprobs(s, hidden[start:start + n])
             start += n
-            if s.num_computed + n == s.num_tokens:  # caught up: the last row predicts the next token
+            # caught up (s.num_tokens, inlined): the last row predicts the next token
+            if s.num_computed + n == len(s.prompt_token_ids) + len(s.output_token_ids):
                 if p.logprobs is not None:
                     tops.append((len(samplers), b, p.logprobs))
                 rows.append(start - 1)
