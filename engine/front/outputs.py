@@ -15,7 +15,7 @@ from typing import Any
 
 from ..sampling_params import CompletionOutput, RequestOutput, SamplingParams
 from ..worker.messages import Delta
-from .stop_strings import find_stop, hold_back
+from .stop_strings import StopMatcher
 
 try:   # tokenizers >= 0.21: incremental decoding in Rust, one call per token
     from tokenizers.decoders import DecodeStream
@@ -56,13 +56,15 @@ class RequestState:
     stop_reason: int | str | None = None
     stop_checked: int = 0      # text[:stop_checked] holds no stop string
 
+    stops: StopMatcher | None = field(default=None, init=False)   # built once, with stop strings
     stop_hold: int = field(default=0, init=False)   # characters withheld while running (stop strings)
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.stop:
-            self.stop_hold = hold_back(self.params.stop)
+            self.stops = StopMatcher(self.params.stop)
+            self.stop_hold = self.stops.hold
 
     @property
     def finished(self) -> bool:
@@ -141,18 +143,18 @@ class RequestState:
         it are dropped. -> whether a stop string matched now (the front then aborts it on its rank)."""
         if tokenizer is None:
             return False
-        stops = self.params.stop
-        if stops and self.detok_read < len(self.token_ids) and not isinstance(self.stop_reason, str):
+        stops = self.stops
+        if stops is not None and self.detok_read < len(self.token_ids) and not isinstance(self.stop_reason, str):
             if self._match_stops(tokenizer, stops):
                 return True
         if self.detok_read < len(self.token_ids) or self.finish_reason is not None:   # else up to date
             self._decode(tokenizer, len(self.token_ids))
         return False
 
-    def _match_stops(self, tokenizer, stops: list[str]) -> bool:
+    def _match_stops(self, tokenizer, stops: StopMatcher) -> bool:
         for i in range(self.detok_read, len(self.token_ids)):
             self._decode(tokenizer, i + 1)
-            hit = find_stop(self.text, self.stop_checked, stops)
+            hit = stops.find(self.text, self.stop_checked)
             if hit is None:
                 self.stop_checked = len(self.text)
                 continue
@@ -212,7 +214,7 @@ class RequestState:
         runs, a tail that could still grow into a stop string is withheld."""
         running = self.finish_reason is None
         if self.detok_read < len(self.token_ids) or not running:   # else the text is up to date
-            if self.params.stop:   # (the front detokenized it already this step, looking for stops)
+            if self.stops is not None:   # (the front detokenized it already this step, looking for stops)
                 self.detokenize(tokenizer)
             else:   # the common case, every request every step: straight to the decoder
                 self._decode(tokenizer, len(self.token_ids))

@@ -11,7 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.front.engine import Engine
-from engine.front.stop_strings import find_stop, hold_back
+from engine.front.stop_strings import StopMatcher, find_stop, hold_back
 from launch.tiny import make_tiny_checkpoint
 
 PROMPT = "hello world"
@@ -130,6 +130,26 @@ def test_find_stop_and_hold_back():
     assert find_stop("abcdef", 0, ["de", "bcd"]) == (1, "bcd")  # the earliest
     assert hold_back(["a", "abcd"]) == 3 and hold_back([]) == 0
 
+
+
+def test_stop_matcher_equals_find_stop():
+    """The per-request regex matcher against the reference on text that grows a few characters at a
+    time, searched from where the last miss left off (as the front does), with overlapping strings,
+    one a prefix of another and regex metacharacters."""
+    import random
+    rng = random.Random(0)
+    for trial in range(300):
+        stops = rng.sample(["ab", "abc", "b", "a.c", "c*", "(a", "bca", "zz", "cab", "a" * 5], rng.randint(1, 4))
+        m = StopMatcher(stops)
+        assert m.hold == hold_back(stops)
+        text, checked = "", 0
+        while len(text) < 40:
+            text += "".join(rng.choice("abcz.*(") for _ in range(rng.randint(1, 3)))
+            want = find_stop(text, checked, stops)
+            assert m.find(text, checked) == want, (stops, text, checked)
+            if want is not None:
+                break
+            checked = len(text)
 
 @pytest.mark.parametrize("bad,match", [
     (dict(stop=["x"] * 1000), "at most 128"), (dict(stop="x" * 600), "at most 512"),
