@@ -122,14 +122,17 @@ ROWS = (
     Row("decode vs transformers", "roofline ≥ 0.7 / 0 prefix-cache hits", (
         Run("decode_vs_hf", "python bench/decode_vs_hf.py --trials 3", _decode,
             lambda r: [r["decode_roofline_fraction"] >= 0.7, r["wideep_prefix_cache_hit_tokens"] == 0]),)),
-    Row("host overhead per decode step", "≤ 5 ms / 1024 ÷ 256 ≤ 4.5", (
+    Row("host overhead per decode step", "≤ 5 ms / ≤ 5 ms with processing / 1024 ÷ 256 ≤ 4.5", (
         Run("host_overhead", "python bench/host_overhead.py",
             lambda r: (f"{n(r['host_ms_per_step']['256'])} ms at batch 256 (rounds "
                        f"{', '.join(map(n, r['rounds']['256']))}); 1024 ÷ 256 = {n(r['ratio_1024_vs_256'])}"
                        + (f"; with penalties, logit_bias and stop strings on every request "
-                          f"{n(r['host_ms_per_step']['256+processing'])} ms"
+                          f"{n(r['host_ms_per_step']['256+processing'])} ms (rounds "
+                          f"{', '.join(map(n, r['rounds']['256+processing']))})"
                           if "256+processing" in r["host_ms_per_step"] else "")),
-            lambda r: [r["host_ms_per_step"]["256"] <= 5, r["ratio_1024_vs_256"] <= 4.5]),)),
+            lambda r: [r["host_ms_per_step"]["256"] <= 5,
+                       r["host_ms_per_step"].get("256+processing", float("inf")) <= 5,   # a row not run: not met
+                       r["ratio_1024_vs_256"] <= 4.5]),)),
     Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
         Run("scale", "python bench/scale.py", _scale, _scale_checks),)),
     Row("surviving a lost rank", "≤ 30 s at 16, 0 lost, outputs equal", (
