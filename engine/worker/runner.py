@@ -25,6 +25,7 @@ class ModelRunner:
         self.model, self.kv, self.overlap = model, kv, overlap
         self.device = model.device
         self.logits_proc: LogitsProcessor | None = None   # built when a request first needs it
+        self.grammars = None   # -> the rank's grammar compiler (structured outputs), set by EngineCore
 
     def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
                    ) -> tuple[torch.Tensor, AttnMeta]:
@@ -135,7 +136,7 @@ class ModelRunner:
         plan = None
         if procs:
             if self.logits_proc is None:
-                self.logits_proc = LogitsProcessor(logits.shape[1], self.device)
+                self.logits_proc = LogitsProcessor(logits.shape[1], self.device, self.grammars)
             plan = self.logits_proc.plan([batch.seqs[b] for b in samplers])
         if plan is None:
             tokens, lse = sample(logits, params, gens)
