@@ -22,6 +22,7 @@ from .dsv32_encoding import EncodingError
 from .http_body import _error, _sse
 from .openai_api import Completion, cached_tokens
 from .reasoning import ReasoningSplitter, held_back
+from .structured_api import ForcedToolOutput
 
 try:   # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream
@@ -155,7 +156,8 @@ class ChatHandler:
         rid = self.server.request_ids.assign(request, "chatcmpl")   # X-Request-Id, echoed by the server
         created, model = int(time.time()), self.server.model_name
         in_reasoning = reasoning.starts_in_reasoning(self.reasoning_parser, text, req.template_kwargs)
-        out = ChatOutput(self.tok, self.eos_ids, in_reasoning, self.tool_parser if req.parse_tools else None)
+        out = (ForcedToolOutput(self.tok, self.eos_ids, req.forced_tool) if req.forced_tool else
+               ChatOutput(self.tok, self.eos_ids, in_reasoning, self.tool_parser if req.parse_tools else None))
         decode = lambda t: self.tok.decode([t], skip_special_tokens=False)  # noqa: E731
         try:
             gen = self.server.aengine.generate(ids, req.params, request_id=rid)

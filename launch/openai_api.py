@@ -7,7 +7,8 @@ stop (a string or a list), logprobs (N <= the engine's max_logprobs), echo (the 
 with logprobs, the prompt's token logprobs too, the first null), stream, stream_options.include_usage,
 model (must name the served model when given), presence_penalty, frequency_penalty, logit_bias
 ({"token id": bias}), and wideep/vLLM extensions stop_token_ids, ignore_eos, include_stop_str_in_output,
-repetition_penalty, min_p, min_tokens. Choices carry vLLM's stop_reason (the matched stop string or
+repetition_penalty, min_p, min_tokens; structured outputs (response_format, structured_outputs:
+launch/structured_api.py). Choices carry vLLM's stop_reason (the matched stop string or
 stop token id). Sampling fields left out take the checkpoint's generation_config.json defaults.
 Unknown fields are ignored, as OpenAI clients send many (user, ...); fields that would change the
 result but are not supported (best_of > 1, suffix, prompt_logprobs) are rejected rather than
@@ -124,6 +125,11 @@ def _stop(body: dict):
     raise BadRequest(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
 
 
+def structured_of(body: dict):
+    from .structured_api import structured_of as parse   # it imports BadRequest from here
+    return parse(body)
+
+
 @dataclass
 class CompletionRequest:
     prompts: list                  # each a string or a list of token ids
@@ -187,7 +193,7 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (),
                                 presence_penalty=_num(body, "presence_penalty", 0.0),
                                 frequency_penalty=_num(body, "frequency_penalty", 0.0),
                                 repetition_penalty=_num(body, "repetition_penalty", d.get("repetition_penalty", 1.0)),
-                                logit_bias=_logit_bias(body))
+                                logit_bias=_logit_bias(body), structured_outputs=structured_of(body))
     except ValueError as e:  # SamplingParams' own range checks (temperature < 0, top_p outside (0, 1])
         raise BadRequest(str(e).replace("SamplingParams.", "")) from None
     if len(prompts) * n > MAX_CHOICES:

@@ -24,6 +24,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self):
+        if self.json_object is False:   # vLLM's body may send it false beside the field it means
+            object.__setattr__(self, "json_object", None)
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs needs exactly one of {list(KINDS)}, got "

@@ -16,6 +16,7 @@ import xgrammar as xgr
 from .backend import special_token_ids
 from .params import StructuredOutputsParams
 
+ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")   # "[00:44:01] /project/cpp/x.cc:94: " before xgrammar's text
 
 
@@ -79,8 +80,8 @@ class XGrammarBackend:
         try:
             if kind == "json":
                 return self.compiler.compile_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
-            if kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+            if kind == "json_object":   # an object (xgrammar's builtin JSON grammar is any value)
+                return self.compiler.compile_json_schema(ANY_OBJECT)
             if kind == "regex":
                 return self.compiler.compile_regex(spec.regex)
             if kind == "choice":
