@@ -3,10 +3,9 @@
     params.py           StructuredOutputsParams (vLLM's field names), checked once, with a cache key
     backend.py          the grammar-engine interface (compile, matcher, bitmask) and the backend registry
     xgrammar_backend.py xgrammar (the default, as in vLLM and SGLang)
-    guidance_backend.py llguidance
+    guidance_backend.py llguidance (--structured-outputs-backend guidance)
     compiler.py         GrammarCompiler: a thread pool + cache by spec over one backend, one per process
     rows.py             the rank's per-step part: fill the constrained rows' bitmask, apply, accept tokens
-    tools.py            tool_choice "required" / a named tool as a JSON schema, and its output as tool calls
 
 Imports nothing of wideep's other packages: engine/ uses it (SamplingParams, the rank's logits
 processing), launch/ builds its specs from OpenAI's fields.

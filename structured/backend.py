@@ -1,5 +1,6 @@
-"""The grammar-engine interface: a backend compiles a spec once (per tokenizer) and makes one matcher
-per constrained sequence; a step fills a token bitmask for the constrained rows and applies it.
+"""The grammar-engine interface: a backend compiles a spec once (per tokenizer), makes one matcher per
+constrained sequence and fills a token bitmask for the constrained rows; the bitmask format is the
+one xgrammar and llguidance share, so allocating and applying it live here, once.
 
 Legend: R constrained rows this step, W = ceil(V / 32) int32 words of bitmask per row, V vocab
 (the model's logits width, which may exceed the tokenizer's vocabulary: the ids above it are never
@@ -37,14 +38,60 @@ class Backend(Protocol):
         """stop_ids: the tokens that end the sequence (EOS, stop_token_ids), allowed only where the
         grammar may end; none: the matcher terminates when the grammar completes."""
 
-    def bitmask(self, rows: int) -> torch.Tensor:
-        """-> [rows, W] int32 on the host, every bit set."""
-
     def fill(self, matchers: list[Matcher], bitmask: torch.Tensor) -> None:
-        """Row i of bitmask [R, W] <- matchers[i]'s allowed next tokens."""
+        """Row i of bitmask [R, W] <- matchers[i]'s allowed next tokens (the other bits cleared)."""
 
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """logits [B, V] (any device) in place: row rows[i] masked by bitmask[i] (-inf where not allowed)."""
+
+def words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def allocate(rows: int, vocab_size: int) -> torch.Tensor:
+    """-> a host bitmask [rows, W] int32 with every bit set (every token allowed)."""
+    return torch.full((rows, words(vocab_size)), -1, dtype=torch.int32)
+
+
+def masked(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits [B, V] (left as is) -> a new [B, V]: rows[i] at -inf where bitmask [R, W] row i clears the
+    token, every other row as it was. One pass: the unpacked mask selects between the logits and -inf
+    (this replaces the copy that keeps the raw logits for logprobs). Half the batch or more
+    constrained: the other rows' mask is all ones and the whole batch goes through one torch.where;
+    fewer: a copy, and the R rows alone."""
+    B, V = logits.shape
+    R = len(rows)
+    if R * 2 >= B and R < B:
+        full = allocate(B, V)
+        full[rows] = bitmask
+        bitmask, rows = full, list(range(B))
+    allowed = _unpack(bitmask, V, logits.device)                       # [R, V] bool
+    if len(rows) == B:
+        return torch.where(allowed, logits, float("-inf"))
+    out = logits.clone()
+    idx = torch.tensor(rows, device=logits.device)
+    out[idx] = torch.where(allowed, logits[idx], float("-inf"))
+    return out
+
+
+_SHIFTS: dict = {}
+
+
+def _unpack(bitmask: torch.Tensor, V: int, device) -> torch.Tensor:
+    """[R, W] int32 (bit j of word w: token 32 w + j) -> [R, V] bool on `device`. On the host numpy's
+    unpackbits (little-endian words viewed as bytes, bits little-first); elsewhere shifts on the device."""
+    if torch.device(device).type == "cpu":
+        import numpy as np
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, count=V, bitorder="little")
+        return torch.from_numpy(bits).bool()
+    return unpack_shifts(bitmask.to(device, non_blocking=True), V)
+
+
+def unpack_shifts(words: torch.Tensor, V: int) -> torch.Tensor:
+    """_unpack with torch ops on words' own device ([R, W] int32 -> [R, V] bool)."""
+    dev = words.device
+    shifts = _SHIFTS.get(dev)
+    if shifts is None:
+        shifts = _SHIFTS[dev] = torch.arange(32, dtype=torch.int32, device=dev)
+    return ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :V].bool()
 
 
 def make_backend(name: str, tokenizer, vocab_size: int) -> Backend:

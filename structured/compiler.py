@@ -20,8 +20,8 @@ CACHE_ENTRIES = 1024   # compiled grammars kept per compiler (least recently use
 
 
 class GrammarCompiler:
-    def __init__(self, backend: Backend, threads: int = 2, entries: int = CACHE_ENTRIES):
-        self.backend = backend
+    def __init__(self, backend: Backend, vocab_size: int, threads: int = 2, entries: int = CACHE_ENTRIES):
+        self.backend, self.vocab_size = backend, vocab_size
         self.entries = entries
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="wideep-grammar")
         self.cache: OrderedDict[tuple, Future] = OrderedDict()
@@ -34,7 +34,7 @@ class GrammarCompiler:
     def build(cls, name: str, tokenizer, vocab_size: int) -> "GrammarCompiler":
         if tokenizer is None:
             raise ValueError("structured outputs need the model's tokenizer (tokenizer.json)")
-        return cls(make_backend(name, tokenizer, vocab_size))
+        return cls(make_backend(name, tokenizer, vocab_size), vocab_size)
 
     def submit(self, spec: StructuredOutputsParams) -> Future:
         """-> a Future of the compiled grammar (its exception: ValueError naming the problem). The

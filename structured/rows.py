@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .backend import allocate, masked
 from .compiler import GrammarCompiler
 
 
@@ -62,13 +63,13 @@ class GrammarRows:
     def plan(self, seqs: list, rows: list[int]) -> GrammarPlan:
         """seqs: the step's sampling rows; rows: the constrained ones among them."""
         grammars = [self.grammar_of(seqs[b]) for b in rows]
-        bitmask = self.backend.bitmask(len(rows))
+        bitmask = allocate(len(rows), self.compiler.vocab_size)
         self.backend.fill([g.matcher for g in grammars], bitmask)
         return GrammarPlan(rows, grammars, bitmask)
 
-    def apply(self, logits: torch.Tensor, plan: GrammarPlan) -> None:
-        """logits [B, V] in place: the R rows masked to their grammar's next tokens."""
-        self.backend.apply(logits, plan.bitmask, plan.rows)
+    def apply(self, logits: torch.Tensor, plan: GrammarPlan) -> torch.Tensor:
+        """logits [B, V] (left as is) -> a new [B, V], the R rows masked to their grammar's next tokens."""
+        return masked(logits, plan.bitmask, plan.rows)
 
     def accept(self, plan: GrammarPlan, tokens: torch.Tensor) -> None:
         """tokens [B]: this step's samples."""

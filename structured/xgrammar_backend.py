@@ -8,6 +8,7 @@ strings map to bytes (the decoder: GPT-2 byte-level, SentencePiece byte fallback
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import torch
@@ -67,13 +68,12 @@ class XGrammarMatcher:
 class XGrammarBackend:
     name = "xgrammar"
 
-    def __init__(self, tokenizer, vocab_size: int, threads: int = 4):
+    def __init__(self, tokenizer, vocab_size: int, threads: int = 2):
         self.vocab_size = vocab_size
         self.info = tokenizer_info(tokenizer, vocab_size)
         # xgrammar's own cache is off: structured/compiler.py keeps one per (backend, spec)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads, cache_enabled=False)
-        self.batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self.words = xgr.get_bitmask_shape(1, vocab_size)[1]
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=min(threads, os.cpu_count() or 1),
+                                            cache_enabled=False)
 
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = spec.kind
@@ -97,23 +97,7 @@ class XGrammarBackend:
         # the tokenizer info names no stop token (tokenizer_info): none here either
         return XGrammarMatcher(xgr.GrammarMatcher(grammar, terminate_without_stop_token=True))
 
-    def bitmask(self, rows: int) -> torch.Tensor:
-        return torch.full((rows, self.words), -1, dtype=torch.int32)
-
     def fill(self, matchers: list[XGrammarMatcher], bitmask: torch.Tensor) -> None:
-        if len(matchers) == 1:
-            matchers[0].m.fill_next_token_bitmask(bitmask, 0)
-        else:   # xgrammar's thread pool over the rows
-            self.batch.batch_fill_next_token_bitmask([m.m for m in matchers], bitmask)
-
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        B = logits.shape[0]
-        if len(rows) == B and rows == list(range(B)):
-            xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                            vocab_size=self.vocab_size)
-            return
-        # xgrammar's indices pick rows of both logits and bitmask: scatter the R rows to theirs
-        full = torch.empty((B, self.words), dtype=torch.int32)
-        full[rows] = bitmask
-        xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True),
-                                        vocab_size=self.vocab_size, indices=rows)
+        # one call per row: at batch 64 xgrammar's BatchGrammarMatcher thread pool cost more than it saved
+        for i, m in enumerate(matchers):
+            m.m.fill_next_token_bitmask(bitmask, i)

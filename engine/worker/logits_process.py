@@ -180,10 +180,8 @@ class LogitsProcessor:
             if out is logits:
                 out = logits.clone()
             out[plan.pen_rows] = rows
-        if plan.grammar is not None:
-            if out is logits:
-                out = logits.clone()
-            self.grammar_rows.apply(out, plan.grammar)
+        if plan.grammar is not None:   # a new tensor: the raw logits stay for the logprobs
+            out = self.grammar_rows.apply(out, plan.grammar)
         return out
 
     def record(self, plan: LogitsPlan | None, tokens: torch.Tensor) -> None:

@@ -18,17 +18,20 @@ from structured.params import StructuredOutputsParams
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
+# additionalProperties false, as OpenAI's strict mode asks: llguidance follows JSON Schema's default
+# (other keys allowed), which random weights would fill until max_tokens
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-     "required": ["name", "age"]},
+     "required": ["name", "age"], "additionalProperties": False},
     {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "fish"]},
                                       "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,3}$"},
                                                "minItems": 1, "maxItems": 3}},
-     "required": ["kind", "tags"]},
+     "required": ["kind", "tags"], "additionalProperties": False},
     {"type": "object", "properties": {"point": {"type": "object", "properties": {
-        "x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": {"type": "boolean"}}, "required": ["x", "y"]},
-        "ok": {"type": "boolean"}}, "required": ["point", "ok"]},
+        "x": {"type": "integer", "minimum": -9, "maximum": 9}, "y": {"type": "boolean"}}, "required": ["x", "y"],
+                  "additionalProperties": False},
+        "ok": {"type": "boolean"}}, "required": ["point", "ok"], "additionalProperties": False},
     {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 2, "maxItems": 4},
 ]
 REGEXES = [r"[0-9]{3}-[a-z]{2,4}", r"(yes|no)!", r"[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5})?"]
@@ -46,9 +49,15 @@ def model_dir(tmp_path_factory):
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("so")), arch="v3", seed=3, initializer_range=0.3)
 
 
-@pytest.fixture(scope="module")
-def llm(model_dir):
-    llm = LLM(model_dir, progress=False, block_size=16, kv_cache_blocks=512, max_num_seqs=64)
+BACKENDS = ["xgrammar", pytest.param("guidance", marks=pytest.mark.skipif(
+    __import__("importlib").util.find_spec("llguidance") is None, reason="llguidance is not installed"))]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def llm(model_dir, request):
+    llm = LLM(model_dir, progress=False, block_size=16, kv_cache_blocks=512, max_num_seqs=64,
+              structured_outputs_backend=request.param)
+    llm.backend = request.param
     yield llm
     llm.shutdown()
 
@@ -169,7 +178,7 @@ def test_preemption_recompute_keeps_the_matcher(model_dir):
 
 
 def test_stop_strings_and_streaming_with_a_constraint(llm, model_dir):
-    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=64)
+    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=64, structured_outputs_backend=llm.backend)
     p = SamplingParams(temperature=0.0, max_tokens=MAX, output_kind="delta", structured_outputs=compact(SCHEMAS[0]))
     eng.add_request("s", "stream me", p)
     text = ""
@@ -185,14 +194,16 @@ def test_stop_strings_and_streaming_with_a_constraint(llm, model_dir):
     eng.shutdown()
 
 
-@pytest.mark.parametrize("so,needle", [
-    ({"json": {"type": "objectx"}}, "structured_outputs.json does not compile: Unsupported type"),
-    ({"regex": "a(b"}, "structured_outputs.regex does not compile: .*parenthesis"),
-    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar does not compile: .*not defined"),
-    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}, "structured_outputs.json does not compile"),
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("so,needle", [   # {backend: what its error says}
+    ({"json": {"type": "objectx"}}, {"xgrammar": "Unsupported type", "guidance": "Invalid type"}),
+    ({"regex": "a(b"}, {"xgrammar": "parenthesis", "guidance": "invalid regex"}),
+    ({"grammar": "root ::= undefined_rule"}, {"xgrammar": "not defined", "guidance": "not found"}),
+    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/missing"}}}}, {}),
 ])
-def test_bad_spec_fails_at_add_request(model_dir, so, needle):
-    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32)
+def test_bad_spec_fails_at_add_request(model_dir, so, needle, backend):
+    needle = f"structured_outputs.{next(iter(so))} does not compile: .*{needle.get(backend, '')}"
+    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32, structured_outputs_backend=backend)
     with pytest.raises(ValueError, match=needle):
         eng.add_request("bad", "x", SamplingParams(max_tokens=4, structured_outputs=so))
     assert not eng.has_unfinished_requests() and not eng.core.compiling
@@ -273,7 +284,27 @@ def test_replayed_matcher_continues_where_the_output_is(model_dir):
     seq = Sequence("r", None, [5], p, 8, eos_token_ids=(1,), output_token_ids=tok.encode("ab").ids)
     plan = rows.plan([seq], [0])
     logits = torch.zeros(1, eng.core.config.vocab_size)
-    rows.apply(logits, plan)
+    logits = rows.apply(logits, plan)
     allowed = torch.nonzero(logits[0] > float("-inf")).flatten().tolist()
     assert sorted(allowed) == sorted(tok.encode("c").ids + tok.encode("d").ids)
     eng.shutdown()
+
+
+@pytest.mark.parametrize("B,rows", [(6, [0, 1, 2, 3, 4, 5]), (6, [1, 4, 5]), (6, [2]), (3, [0, 2])])
+def test_masked_against_a_bit_by_bit_reference(B, rows):
+    import torch
+
+    from structured.backend import _unpack, masked, unpack_shifts
+    V = 77   # not a multiple of 32: the last word's high bits are past the vocabulary
+    g = torch.Generator().manual_seed(B + len(rows))
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), (V + 31) // 32), dtype=torch.int32, generator=g)
+    logits = torch.randn(B, V, generator=g)
+    want = logits.clone()
+    for i, r in enumerate(rows):
+        for t in range(V):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    before = logits.clone()
+    assert torch.equal(masked(logits, bitmask, rows), want)
+    assert torch.equal(logits, before)   # left as is
+    assert torch.equal(_unpack(bitmask, V, "cpu"), unpack_shifts(bitmask, V))   # the device path, on the host
