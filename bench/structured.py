@@ -110,8 +110,8 @@ class Bench:
         n = steps * rounds + 8
         for i in range(batch):
             so = {"json": LONG} if i < constrained else None
-            sp = SamplingParams(max_tokens=n, ignore_eos=so is None, output_kind="delta", seed=i,
-                                structured_outputs=so)
+            # unseeded, as bench/host_overhead.py: every row draws from the engine's one generator
+            sp = SamplingParams(max_tokens=n, ignore_eos=so is None, output_kind="delta", structured_outputs=so)
             self.eng.add_request(str(i), [2 + i % 200, 3, 4, 5], sp)
         core = self.eng.core
         self.forward = core.model.forward = Timed(core.model.forward)
