@@ -133,8 +133,8 @@ ROWS = (
     Row("structured outputs at batch 64 (129k vocab)", "100 % constrained ≤ 1.5× of none", (
         Run("structured", "python bench/structured.py",
             lambda r: (f"{n(r['ratio_100_vs_0'])}× at 100 %, {n(r['ratio_50_vs_0'])}× at 50 % "
-                       f"({n(r['host_ms_per_step']['0%'])} → {n(r['host_ms_per_step']['100%'])} ms per step; grammar "
-                       f"{n(r['grammar_ms_per_step']['100%'])} ms of it); compile "
+                       f"({n(r['host_ms_per_step']['0%'])} → {n(r['host_ms_per_step']['100%'])} ms per step; matchers "
+                       f"{n(r['matcher_ms_per_step']['100%'])} ms, mask {n(r['mask_ms_per_step']['100%'])} ms of it); compile "
                        f"{' / '.join(n(v) for v in r['compile_ms'].values())} ms per schema"),
             lambda r: [r["ratio_100_vs_0"] <= 1.5]),)),
     Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
