@@ -9,6 +9,7 @@ import atexit
 import dataclasses
 import gc
 import os
+import threading
 from dataclasses import asdict
 from typing import Sequence as Seq
 
@@ -118,6 +119,7 @@ class EngineCore:
         self.tokenizer = _load_tokenizer(cfg.model)
         self._generator = torch.Generator(device=device).manual_seed(cfg.seed + ctx.rank)
         self._grammars = None            # structured/compiler.GrammarCompiler, built for the first constrained request
+        self._grammars_lock = threading.Lock()
         self.compiling: list[tuple[Sequence, object]] = []   # (sequence, its grammar's Future), not scheduled yet
         freeze_startup_heap()
 
@@ -259,10 +261,11 @@ class EngineCore:
     @property
     def grammars(self):
         """This process's structured/compiler.GrammarCompiler (the front's too, on rank 0)."""
-        if self._grammars is None:
-            from structured.compiler import GrammarCompiler
-            self._grammars = GrammarCompiler.build(self.cfg.structured_outputs_backend, self.tokenizer,
-                                                   self.config.vocab_size)
+        with self._grammars_lock:   # the front's event loop and the engine thread may both ask first
+            if self._grammars is None:
+                from structured.compiler import GrammarCompiler
+                self._grammars = GrammarCompiler.build(self.cfg.structured_outputs_backend, self.tokenizer,
+                                                       self.config.vocab_size)
         return self._grammars
 
     def check_grammar(self, params: SamplingParams) -> None:

@@ -64,3 +64,40 @@ def test_four_ranks_equal_one_process(tmp_path):
     assert front["got"] == want
     assert [r.get("how") for r in results[1:]] == ["shutdown"] * 3
     assert [r["matchers"] for r in results] == [True, False, True, False]
+
+
+DISAGG = {"prefill": {"dp_size": 1, "ep_size": 1, "kv_cache_blocks": 32},
+          "decode": {"dp_size": 1, "ep_size": 1, "kv_cache_blocks": 32}}
+
+
+def _disagg_rank(model_dir: str) -> dict | None:
+    from disagg import make_engine
+    from engine import SamplingParams
+    eng = make_engine(model_dir, DISAGG, progress=False, block_size=16, parallel={"timeout_s": 60.0})
+    if not eng.is_front:
+        eng.run_worker_loop()
+        return None
+    for rid, prompt, kw in requests():
+        eng.add_request(rid, prompt, SamplingParams(**kw))
+    got = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                got[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+    eng.shutdown()
+    return got
+
+
+@pytest.mark.multirank
+def test_disaggregated_prefill_then_decode_equals_one_process(tmp_path):
+    """The prefill pool samples the first token under the grammar; the decode pool's matcher replays
+    it and goes on: the outputs are one process's."""
+    from engine import LLM, SamplingParams
+    from launch.tiny import make_tiny_checkpoint
+    d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=5, initializer_range=0.3)
+    reqs = requests()
+    outs = LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(
+        [p for _, p, _ in reqs], [SamplingParams(**kw) for _, _, kw in reqs])
+    want = {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for (rid, _, _), o in zip(reqs, outs)}
+    got = spawn(_disagg_rank, 2, args=(d,), timeout_s=400)[0]
+    assert got == want
