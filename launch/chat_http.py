@@ -20,7 +20,7 @@ from .chat import BadRequest, ChatRequest, parse_chat
 from .chat_template import TemplateError
 from .dsv32_encoding import EncodingError
 from .http_body import _error, _sse
-from .openai_api import Completion, cached_tokens
+from .openai_api import Completion, cached_tokens, finite
 from .reasoning import ReasoningSplitter, held_back
 from .structured_api import ForcedToolOutput
 
@@ -92,7 +92,7 @@ def _logprobs(decode, token_ids: list[int], lps: list[dict] | None, top: int | N
 
     def entry(t, v):
         s = decode(t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "surrogatepass"))}
+        return {"token": s, "logprob": finite(v), "bytes": list(s.encode("utf-8", "surrogatepass"))}
 
     content = []
     for t, lp in zip(token_ids, lps):

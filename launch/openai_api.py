@@ -226,7 +226,7 @@ class Completion:
         for s in toks:
             offsets.append(self._offset.get(index, 0))
             self._offset[index] = offsets[-1] + len(s)
-        token_lps = [lp.get(t) if lp is not None else None for t, lp in zip(token_ids, lps)]
+        token_lps = [finite(lp.get(t)) if lp is not None else None for t, lp in zip(token_ids, lps)]
         top = [self._top(lp) if lp is not None else None for lp in lps]
         if first_null and token_lps:
             token_lps[0] = top[0] = None
@@ -238,7 +238,7 @@ class Completion:
         out: dict[str, float] = {}
         for t, v in lp.items():
             s = self.decode(t)
-            out[s if s not in out else f"token_id:{t}"] = v
+            out[s if s not in out else f"token_id:{t}"] = finite(v)
         return out
 
     def _choice(self, out, c: CompletionOutput, prompt_index: int, finished: bool) -> dict:
@@ -294,6 +294,12 @@ class Completion:
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""
         return self._envelope([], self.usage(prompt_tokens, completion_tokens, cached_tokens))
+
+
+def finite(logprob: float | None) -> float | None:
+    """JSON has no -Infinity: a token the grammar refused (structured outputs' logprobs are of the
+    constrained distribution) is reported at -9999.0, as vLLM does."""
+    return logprob if logprob is None or logprob > -9999.0 else -9999.0
 
 
 def cached_tokens(out) -> int:

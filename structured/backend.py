@@ -51,25 +51,22 @@ def allocate(rows: int, vocab_size: int) -> torch.Tensor:
     return torch.full((rows, words(vocab_size)), -1, dtype=torch.int32)
 
 
-def masked(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits [B, V] (left as is) -> a new [B, V]: rows[i] at -inf where bitmask [R, W] row i clears the
-    token, every other row as it was. One pass: the unpacked mask selects between the logits and -inf
-    (this replaces the copy that keeps the raw logits for logprobs). Half the batch or more
-    constrained: the other rows' mask is all ones and the whole batch goes through one torch.where;
-    fewer: a copy, and the R rows alone."""
+def mask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """logits [B, V] in place: row rows[i] set to -inf where bitmask [R, W] row i clears the token;
+    the other rows untouched. Half the batch or more constrained: one masked_fill over the batch
+    (the other rows' mask all clear); fewer: row by row."""
     B, V = logits.shape
     R = len(rows)
     if R * 2 >= B and R < B:
         full = allocate(B, V)
         full[rows] = bitmask
         bitmask, rows = full, list(range(B))
-    allowed = _unpack(bitmask, V, logits.device)                       # [R, V] bool
+    refused = _unpack(~bitmask, V, logits.device)                      # [R, V] bool: not allowed
     if len(rows) == B:
-        return torch.where(allowed, logits, float("-inf"))
-    out = logits.clone()
-    idx = torch.tensor(rows, device=logits.device)
-    out[idx] = torch.where(allowed, logits[idx], float("-inf"))
-    return out
+        logits.masked_fill_(refused, float("-inf"))
+        return
+    for i, r in enumerate(rows):
+        logits[r].masked_fill_(refused[i], float("-inf"))
 
 
 _SHIFTS: dict = {}

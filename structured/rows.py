@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import allocate, masked
+from .backend import allocate, mask_
 from .compiler import GrammarCompiler
 
 
@@ -67,9 +67,9 @@ class GrammarRows:
         self.backend.fill([g.matcher for g in grammars], bitmask)
         return GrammarPlan(rows, grammars, bitmask)
 
-    def apply(self, logits: torch.Tensor, plan: GrammarPlan) -> torch.Tensor:
-        """logits [B, V] (left as is) -> a new [B, V], the R rows masked to their grammar's next tokens."""
-        return masked(logits, plan.bitmask, plan.rows)
+    def apply(self, logits: torch.Tensor, plan: GrammarPlan) -> None:
+        """logits [B, V] in place: the R rows masked to their grammar's next tokens."""
+        mask_(logits, plan.bitmask, plan.rows)
 
     def accept(self, plan: GrammarPlan, tokens: torch.Tensor) -> None:
         """tokens [B]: this step's samples."""

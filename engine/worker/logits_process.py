@@ -70,7 +70,8 @@ class LogitsPlan:
     """What one step's rows need, as device tensors built from host lists.
     mask_rows/mask_ids [M]: (row, token) pairs set to -inf (min_tokens); bias_rows/ids/vals [N];
     pen_rows [P] batch rows, pen_slots [P] pool rows, rep/freq/pres [P]; every_pen: P == B;
-    grammar: the constrained rows' bitmask (structured/rows.py), applied last."""
+    grammar: the constrained rows' bitmask (structured/rows.py), applied first and in place
+    (constrain): as in vLLM, logprobs are then those of the constrained distribution."""
     mask_rows: torch.Tensor | None = None
     mask_ids: torch.Tensor | None = None
     bias_rows: torch.Tensor | None = None
@@ -83,6 +84,11 @@ class LogitsPlan:
     pres: torch.Tensor | None = None
     every_pen: bool = False
     grammar: object = None
+
+    @property
+    def grammar_only(self) -> bool:
+        """Nothing but the grammar's mask: the sampler needs no copy of the logits."""
+        return self.mask_rows is None and self.bias_rows is None and self.pen_rows is None
 
 
 class LogitsProcessor:
@@ -180,9 +186,11 @@ class LogitsProcessor:
             if out is logits:
                 out = logits.clone()
             out[plan.pen_rows] = rows
-        if plan.grammar is not None:   # a new tensor: the raw logits stay for the logprobs
-            out = self.grammar_rows.apply(out, plan.grammar)
         return out
+
+    def constrain(self, logits: torch.Tensor, plan: LogitsPlan) -> None:
+        """logits [B, V] in place: the constrained rows masked to their grammar (before all else)."""
+        self.grammar_rows.apply(logits, plan.grammar)
 
     def record(self, plan: LogitsPlan | None, tokens: torch.Tensor) -> None:
         """tokens [B]: this step's samples; the penalised rows' counts take theirs."""

@@ -138,10 +138,13 @@ class ModelRunner:
             if self.logits_proc is None:
                 self.logits_proc = LogitsProcessor(logits.shape[1], self.device, self.grammars)
             plan = self.logits_proc.plan([batch.seqs[b] for b in samplers])
-        if plan is None:
+        if plan is not None and plan.grammar is not None:   # structured outputs: first, in place (vLLM's order)
+            self.logits_proc.constrain(logits, plan)
+        if plan is None or plan.grammar_only:
             tokens, lse = sample(logits, params, gens)
         else:
             tokens, lse = sample(self.logits_proc.apply(logits, plan), params, gens, raw=logits)
+        if plan is not None:
             self.logits_proc.record(plan, tokens)
         chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()  # SYNC: tokens go back to the host
         if len(samplers) == B:

@@ -72,6 +72,14 @@ def test_response_format_json_schema_chat_and_completions(model_dir):
         r = await client.completions.create(model="tiny", prompt="code:", max_tokens=20, temperature=0,
                                             extra_body={"guided_regex": "[0-9]{4}"})
         assert re.fullmatch("[0-9]{4}", r.choices[0].text)
+        # logprobs of the constrained distribution: refused tokens among the top-N come back as -9999.0
+        r = await client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, logprobs=True,
+                                                 top_logprobs=4, extra_body={"structured_outputs": {"choice": ["ab", "cd"]}})
+        first = r.choices[0].logprobs.content[0]
+        assert sorted(e.logprob == -9999.0 for e in first.top_logprobs) == [False, False, True, True]
+        r = await client.completions.create(model="tiny", prompt="x", max_tokens=4, logprobs=3,
+                                            extra_body={"structured_outputs": {"choice": ["ab", "cd"]}})
+        assert -9999.0 in r.choices[0].logprobs.top_logprobs[0].values()
         # streaming: the deltas add up to a valid document
         chunks = await client.chat.completions.create(model="tiny", messages=MSGS, temperature=0, max_tokens=200,
                                                       stream=True, extra_body=COMPACT)

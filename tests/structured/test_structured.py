@@ -144,6 +144,19 @@ def test_eos_only_where_the_grammar_may_end(llm, model_dir):
     assert c.text in ("alpha", "beta") and c.finish_reason == "stop"
 
 
+def test_logprobs_are_of_the_constrained_distribution(llm):
+    """As vLLM: the mask comes before the logprobs, so the top-N are allowed tokens whose
+    probabilities add up to 1 where the grammar leaves two tokens."""
+    import math
+    p = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, structured_outputs={"choice": ["ab", "cd"]})
+    c = llm.generate(["x"], [p])[0].outputs[0]
+    assert c.text in ("ab", "cd")
+    first = c.logprobs[0]
+    allowed = {k: v for k, v in first.items() if v > float("-inf")}
+    assert len(allowed) == 2 and math.isclose(sum(math.exp(v) for v in allowed.values()), 1.0, rel_tol=1e-5)
+    assert c.cumulative_logprob <= 0
+
+
 def test_n_samples_each_constrained(llm):
     p = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=MAX, structured_outputs=compact(SCHEMAS[1]))
     out = llm.generate(["pets"], [p])[0]
@@ -284,7 +297,7 @@ def test_replayed_matcher_continues_where_the_output_is(model_dir):
     seq = Sequence("r", None, [5], p, 8, eos_token_ids=(1,), output_token_ids=tok.encode("ab").ids)
     plan = rows.plan([seq], [0])
     logits = torch.zeros(1, eng.core.config.vocab_size)
-    logits = rows.apply(logits, plan)
+    rows.apply(logits, plan)
     allowed = torch.nonzero(logits[0] > float("-inf")).flatten().tolist()
     assert sorted(allowed) == sorted(tok.encode("c").ids + tok.encode("d").ids)
     eng.shutdown()
@@ -294,7 +307,7 @@ def test_replayed_matcher_continues_where_the_output_is(model_dir):
 def test_masked_against_a_bit_by_bit_reference(B, rows):
     import torch
 
-    from structured.backend import _unpack, masked, unpack_shifts
+    from structured.backend import _unpack, mask_, unpack_shifts
     V = 77   # not a multiple of 32: the last word's high bits are past the vocabulary
     g = torch.Generator().manual_seed(B + len(rows))
     bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), (V + 31) // 32), dtype=torch.int32, generator=g)
@@ -304,7 +317,6 @@ def test_masked_against_a_bit_by_bit_reference(B, rows):
         for t in range(V):
             if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
                 want[r, t] = float("-inf")
-    before = logits.clone()
-    assert torch.equal(masked(logits, bitmask, rows), want)
-    assert torch.equal(logits, before)   # left as is
+    mask_(logits, bitmask, rows)
+    assert torch.equal(logits, want)
     assert torch.equal(_unpack(bitmask, V, "cpu"), unpack_shifts(bitmask, V))   # the device path, on the host
