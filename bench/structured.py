@@ -110,9 +110,10 @@ class Bench:
     def __init__(self, model_dir: str, batch: int, constrained: int, steps: int, rounds: int):
         from engine import Engine, SamplingParams
         self.batch = batch
-        self.eng = Engine(model_dir, max_num_seqs=batch, max_num_batched_tokens=8192, block_size=64,
-                          kv_cache_blocks=2 * batch + 8, enable_prefix_caching=False, progress=False)
         n = steps * rounds + 8
+        # room for every sequence's whole output: a preempted one would drop out of the timed steps
+        self.eng = Engine(model_dir, max_num_seqs=batch, max_num_batched_tokens=8192, block_size=64,
+                          kv_cache_blocks=batch * -(-(4 + n) // 64) + 8, enable_prefix_caching=False, progress=False)
         for i in range(batch):
             so = {"json": LONG} if i < constrained else None
             # unseeded, as bench/host_overhead.py: every row draws from the engine's one generator
@@ -140,7 +141,8 @@ class Bench:
             t0 = time.perf_counter()
             outs = self.eng.step()
             times.append(time.perf_counter() - t0)
-            assert len(outs) == self.batch and not any(o.finished for o in outs), "a request ended mid-run"
+            ended = [(o.request_id, o.outputs[0].finish_reason) for o in outs if o.finished]
+            assert len(outs) == self.batch and not ended, f"requests ended mid-run: {ended}"
         g = [t.take() * 1e3 / steps for t in self.grammar] if self.grammar else [0.0, 0.0, 0.0]
         return statistics.median(times) * 1e3, self.forward.take() * 1e3 / steps, g[0] + g[1], g[2]
 
