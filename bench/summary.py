@@ -133,6 +133,13 @@ ROWS = (
             lambda r: [r["host_ms_per_step"]["256"] <= 5,
                        r["host_ms_per_step"].get("256+processing", float("inf")) <= 5,   # a row not run: not met
                        r["ratio_1024_vs_256"] <= 4.5]),)),
+    Row("structured outputs at batch 64 (129k vocab)", "100 % constrained ≤ 1.5× of none", (
+        Run("structured", "python bench/structured.py",
+            lambda r: (f"{n(r['ratio_100_vs_0'])}× at 100 %, {n(r['ratio_50_vs_0'])}× at 50 % "
+                       f"({n(r['host_ms_per_step']['0%'])} → {n(r['host_ms_per_step']['100%'])} ms per step; matchers "
+                       f"{n(r['matcher_ms_per_step']['100%'])} ms, mask {n(r['mask_ms_per_step']['100%'])} ms of it); compile "
+                       f"{' / '.join(n(v) for v in r['compile_ms'].values())} ms per schema"),
+            lambda r: [r["ratio_100_vs_0"] <= 1.5]),)),
     Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
         Run("scale", "python bench/scale.py", _scale, _scale_checks),)),
     Row("surviving a lost rank", "≤ 30 s at 16, 0 lost, outputs equal", (

@@ -44,6 +44,8 @@ class EngineConfig:
     enable_prefix_caching: bool = _f("engine", True, "reuse cached KV blocks of shared prompt prefixes")
     max_logprobs: int = _f("engine", 20, "the most logprobs / prompt_logprobs a request may ask for")
     seed: int = _f("engine", 0, "sampling seed of requests without their own")
+    structured_outputs_backend: str = _f("engine", "xgrammar", "the grammar engine of structured outputs: "
+                                                              "xgrammar | guidance (llguidance)")
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={"section": "parallel"})
     dbo: DboConfig = field(default_factory=DboConfig, metadata={"section": "dbo"})
     eplb: EplbConfig = field(default_factory=EplbConfig, metadata={"section": "eplb"})
@@ -70,6 +72,10 @@ class EngineConfig:
         if self.kv_cache.tiers and not self.enable_prefix_caching:
             raise ValueError(f"kv_cache.tiers {list(self.kv_cache.tiers)} keep prefix-cache blocks: they need "
                              f"enable_prefix_caching = true")
+        from structured.backend import BACKENDS
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {list(BACKENDS)}, "
+                             f"got {self.structured_outputs_backend!r}")
         from attention_mla.fp8_cache import check_kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)
         from .model.build import DTYPES

@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from structured.params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by a
 # smaller one overflows them to inf, and softmax of inf is NaN.
 GREEDY_BELOW = 1e-5
@@ -40,7 +42,11 @@ class SamplingParams:
     CompletionOutput.stop_reason names the string or stop token that ended it; the stop token (EOS
     or one of stop_token_ids) that ends a request is not in its text unless include_stop_str_in_output.
     skip_special_tokens: the text leaves the tokenizer's special tokens out (vLLM's default, True);
-    the chat endpoint turns it off when its reasoning or tool-call parser needs the markup."""
+    the chat endpoint turns it off when its reasoning or tool-call parser needs the markup.
+
+    structured_outputs: a StructuredOutputsParams (or a dict of its fields: json / regex / choice /
+    grammar / json_object), vLLM's field: the output is constrained to match it (structured/); EOS is
+    allowed only where the grammar may end, and the request finishes ("stop") when the grammar does."""
 
     n: int = 1
     temperature: float = 1.0
@@ -63,6 +69,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
         if self.output_kind not in ("cumulative", "delta", "final_only"):
@@ -104,8 +111,20 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.skip_special_tokens must be True or False, got {self.skip_special_tokens!r}")
         self._check_logits_processing()
         self._check_stop_and_n()
+        self._check_structured()
         self._processed = (self.penalised or self.logit_bias is not None or self.min_tokens > 0
-                           or self.min_p > 0)
+                           or self.min_p > 0 or self.structured_outputs is not None)
+
+    def _check_structured(self) -> None:
+        try:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"SamplingParams.{e}" if str(e).startswith("structured_outputs") else
+                             f"SamplingParams.structured_outputs: {e}") from None
+        if self.structured_outputs is not None and self.min_tokens > 0:
+            # min_tokens masks EOS where the grammar may allow nothing else: no token would remain
+            raise ValueError("SamplingParams.min_tokens cannot be combined with structured_outputs "
+                             "(the grammar decides where the output ends)")
 
     def _check_logits_processing(self) -> None:
         if self.min_tokens < 0:

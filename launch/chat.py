@@ -3,18 +3,21 @@
 The sampling fields are the completions endpoint's (launch/openai_api.parse_completion checks them, so
 both endpoints accept and reject the same ones); chat adds messages, add_generation_prompt,
 continue_final_message, chat_template_kwargs, max_completion_tokens (= max_tokens; unset: up to the
-context), logprobs (bool) + top_logprobs, tools and tool_choice ("auto" | "none").
+context), logprobs (bool) + top_logprobs, tools and tool_choice ("auto" | "none" | "required" | a named
+function: the last two constrain the output to calls of the tools, launch/structured_api.py).
+response_format / structured_outputs are the completions endpoint's.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .openai_api import BadRequest, _bool, _int, parse_completion
+from .structured_api import forced_tool, tool_spec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-             "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-             "response_format")
+             "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class ChatRequest:
     tools: list | None = None
     parse_tools: bool = False     # tool_choice "auto" with tools
     top_logprobs: int | None = None  # None: no logprobs
+    forced_tool: str | None = None   # tool_choice "required" or a tool's name: the output is constrained to calls
 
 
 def _content(i: int, m: dict):
@@ -103,11 +107,8 @@ def parse_chat(body, served_model: str, aliases: tuple[str, ...] = (), *, auto_t
     messages = _messages(body)
     tools = _tools(body)
     choice = body.get("tool_choice")
-    if choice in ("required",) or isinstance(choice, dict):
-        raise BadRequest(f"'tool_choice' {choice!r} is not supported yet (constrained decoding); use \"auto\" or \"none\"")
-    if choice not in (None, "auto", "none"):
-        raise BadRequest(f"'tool_choice' must be \"auto\" or \"none\", got {choice!r}")
-    parse_tools = bool(tools) and choice != "none"
+    forced = forced_tool(choice, tools)
+    parse_tools = bool(tools) and choice in (None, "auto")
     if parse_tools and not auto_tools:
         raise BadRequest("'tool_choice' \"auto\" needs the server started with --enable-auto-tool-choice and "
                          "--tool-call-parser; send tool_choice \"none\" or no tools")
@@ -128,10 +129,18 @@ def parse_chat(body, served_model: str, aliases: tuple[str, ...] = (), *, auto_t
                               aliases, defaults)
     params, stream, include_usage = parsed.params, parsed.stream, parsed.include_usage
     params.max_tokens = max_tokens
+    if forced is not None:
+        if params.structured_outputs is not None:
+            raise BadRequest(f"'tool_choice' {choice!r} constrains the output itself: it cannot be combined "
+                             f"with response_format / structured_outputs")
+        try:
+            params = dataclasses.replace(params, structured_outputs=tool_spec(tools, forced))
+        except ValueError as e:   # SamplingParams' own checks (min_tokens with a constraint)
+            raise BadRequest(str(e).replace("SamplingParams.", "")) from None
     cont = _bool(body, "continue_final_message", False)
     gen = _bool(body, "add_generation_prompt", not cont)
     if cont and (gen or messages[-1]["role"] != "assistant"):
         raise BadRequest("'continue_final_message' needs the last message from the assistant and "
                          "'add_generation_prompt': false")
     return ChatRequest(messages, params, stream, include_usage, gen, cont, kwargs, tools, parse_tools,
-                       (top or 0) if want_lp else None)
+                       (top or 0) if want_lp else None, forced)

@@ -24,8 +24,9 @@ from .chat import BadRequest, ChatRequest, parse_chat
 from .chat_template import TemplateError
 from .dsv32_encoding import EncodingError
 from .http_body import _error, _sse
-from .openai_api import Completion, cached_tokens
+from .openai_api import Completion, cached_tokens, finite
 from .reasoning import ReasoningSplitter, held_back
+from .structured_api import ForcedToolOutput
 
 
 class ChatOutput:
@@ -77,7 +78,7 @@ def _logprobs(decode, token_ids: list[int], lps: list[dict] | None, top: int | N
 
     def entry(t, v):
         s = decode(t)
-        return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8", "surrogatepass"))}
+        return {"token": s, "logprob": finite(v), "bytes": list(s.encode("utf-8", "surrogatepass"))}
 
     content = []
     for t, lp in zip(token_ids, lps):
@@ -137,11 +138,13 @@ class ChatHandler:
         rid = self.server.request_ids.assign(request, "chatcmpl")   # X-Request-Id, echoed by the server
         created, model = int(time.time()), self.server.model_name
         in_reasoning = reasoning.starts_in_reasoning(self.reasoning_parser, text, req.template_kwargs)
-        tool_parser = self.tool_parser if req.parse_tools else None
+        forced = req.forced_tool
+        tool_parser = self.tool_parser if req.parse_tools and not forced else None
         params = req.params
-        if in_reasoning or tool_parser is not None:   # the parsers read <think>, </think> and the call markup
+        if (in_reasoning or tool_parser is not None) and not forced:   # the parsers read <think>, </think>, the markup
             params = dataclasses.replace(params, skip_special_tokens=False)
-        outs = {i: ChatOutput(in_reasoning, tool_parser) for i in range(params.n)}
+        outs = {i: ForcedToolOutput(forced) if forced else ChatOutput(in_reasoning, tool_parser)
+                for i in range(params.n)}
         decode = lambda t: self.tok.decode([t], skip_special_tokens=False)  # noqa: E731
         try:
             gen = self.server.aengine.generate(ids, params, request_id=rid)

@@ -7,9 +7,10 @@ stop (a string or a list), logprobs (N <= the engine's max_logprobs), echo (the 
 with logprobs, the prompt's token logprobs too, the first null), stream, stream_options.include_usage,
 model (must name the served model when given), presence_penalty, frequency_penalty, logit_bias
 ({"token id": bias}), and wideep/vLLM extensions stop_token_ids, ignore_eos, include_stop_str_in_output,
-skip_special_tokens, repetition_penalty, min_p, min_tokens. Choices carry vLLM's stop_reason (the
-matched stop string or stop token id). Sampling fields left out take the checkpoint's
-generation_config.json defaults.
+skip_special_tokens, repetition_penalty, min_p, min_tokens; structured outputs (response_format,
+structured_outputs: launch/structured_api.py). Choices carry vLLM's stop_reason (the matched stop
+string or stop token id). Sampling fields left out take the checkpoint's generation_config.json
+defaults.
 Unknown fields are ignored, as OpenAI clients send many (user, ...); fields that would change the
 result but are not supported (best_of > 1, suffix, prompt_logprobs) are rejected rather than
 silently ignored.
@@ -125,6 +126,11 @@ def _stop(body: dict):
     raise BadRequest(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
 
 
+def structured_of(body: dict):
+    from .structured_api import structured_of as parse   # it imports BadRequest from here
+    return parse(body)
+
+
 @dataclass
 class CompletionRequest:
     prompts: list                  # each a string or a list of token ids
@@ -188,7 +194,7 @@ def parse_completion(body, served_model: str, aliases: tuple[str, ...] = (),
                                 presence_penalty=_num(body, "presence_penalty", 0.0),
                                 frequency_penalty=_num(body, "frequency_penalty", 0.0),
                                 repetition_penalty=_num(body, "repetition_penalty", d.get("repetition_penalty", 1.0)),
-                                logit_bias=_logit_bias(body))
+                                logit_bias=_logit_bias(body), structured_outputs=structured_of(body))
     except ValueError as e:  # SamplingParams' own range checks (temperature < 0, top_p outside (0, 1])
         raise BadRequest(str(e).replace("SamplingParams.", "")) from None
     if len(prompts) * n > MAX_CHOICES:
@@ -221,7 +227,7 @@ class Completion:
         for s in toks:
             offsets.append(self._offset.get(index, 0))
             self._offset[index] = offsets[-1] + len(s)
-        token_lps = [lp.get(t) if lp is not None else None for t, lp in zip(token_ids, lps)]
+        token_lps = [finite(lp.get(t)) if lp is not None else None for t, lp in zip(token_ids, lps)]
         top = [self._top(lp) if lp is not None else None for lp in lps]
         if first_null and token_lps:
             token_lps[0] = top[0] = None
@@ -233,7 +239,7 @@ class Completion:
         out: dict[str, float] = {}
         for t, v in lp.items():
             s = self.decode(t)
-            out[s if s not in out else f"token_id:{t}"] = v
+            out[s if s not in out else f"token_id:{t}"] = finite(v)
         return out
 
     def _choice(self, out, c: CompletionOutput, prompt_index: int, finished: bool) -> dict:
@@ -289,6 +295,12 @@ class Completion:
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
         """The extra last chunk of stream_options.include_usage: no choices, the usage."""
         return self._envelope([], self.usage(prompt_tokens, completion_tokens, cached_tokens))
+
+
+def finite(logprob: float | None) -> float | None:
+    """JSON has no -Infinity: a token the grammar refused (structured outputs' logprobs are of the
+    constrained distribution) is reported at -9999.0, as vLLM does."""
+    return logprob if logprob is None or logprob > -9999.0 else -9999.0
 
 
 def cached_tokens(out) -> int:

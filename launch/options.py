@@ -87,6 +87,8 @@ OPTIONS: tuple[Option, ...] = (
            spec={"action": argparse.BooleanOptionalAction}),
     Option("engine.max_logprobs", "the most logprobs / prompt_logprobs a request may ask for (default 20)",
            spec=INT),
+    Option("engine.structured_outputs_backend", "the grammar engine of structured outputs (default xgrammar)",
+           spec={"choices": ["xgrammar", "guidance"]}),   # = structured/backend.BACKENDS
     Option("engine.seed", "the engine's sampling seed (requests without their own seed)", commands=(SERVE,),
            flag="--seed", spec=INT),
     Option("eplb.enabled", "online expert load balancing ([eplb] enabled)", flag="--enable-eplb",

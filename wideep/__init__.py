@@ -1,6 +1,6 @@
 """wideep's public API under one name of its own:
 
-    from wideep import LLM, SamplingParams, Engine, AsyncEngine
+    from wideep import LLM, SamplingParams, Engine, AsyncEngine, StructuredOutputsParams
 
 The implementation lives in the layout's top-level packages (engine, moe, parallel, ...); this module
 only re-exports what users build on, so their imports do not depend on that layout.
@@ -8,6 +8,7 @@ only re-exports what users build on, so their imports do not depend on that layo
 from importlib.metadata import PackageNotFoundError, version
 
 from engine import AsyncEngine, CompletionOutput, ConfigError, Engine, ModelConfig, RequestOutput, SamplingParams
+from structured import StructuredOutputsParams
 
 from .llm import LLM
 
@@ -17,4 +18,4 @@ except PackageNotFoundError:  # run from a source tree that was not installed
     __version__ = "0+unknown"
 
 __all__ = ["LLM", "Engine", "AsyncEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig",
-           "ConfigError", "__version__"]
+           "ConfigError", "StructuredOutputsParams", "__version__"]

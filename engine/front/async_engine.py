@@ -121,6 +121,9 @@ class AsyncEngine:
         Raises add_request's exception (ValueError for bad input) before yielding anything."""
         self._check_alive()
         rid = str(request_id) if request_id is not None else uuid.uuid4().hex
+        spec = params.structured_outputs if isinstance(params, SamplingParams) else None
+        if spec is not None:   # compiled off the engine thread, which then finds it in the cache
+            await asyncio.wrap_future(self.engine.core.grammars.submit(spec))
         stream = _Stream(asyncio.get_running_loop())
         self._cmds.put(("add", rid, prompt, params, stream))
         done = False

@@ -133,7 +133,9 @@ class Engine:
         if isinstance(params, SamplingParams) and params.stop and self.core.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer (no tokenizer.json); use stop_token_ids")
         text, ids = self.core.tokenize(prompt)
-        return request_id, text, ids, params, self.validate(ids, params)
+        max_tokens = self.validate(ids, params)
+        self.core.check_grammar(params)   # structured outputs: a bad spec fails here, before admission
+        return request_id, text, ids, params, max_tokens
 
     def abort(self, request_id: str) -> None:
         self._front_only("abort")

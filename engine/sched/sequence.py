@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -42,6 +43,7 @@ class Sequence:
     #                                  their owner frees them (a prefill whose KV is still being sent)
     kv_prefetched: bool = False      # its prefix's disk blocks were read once: it never waits for them twice
     extra_metrics: dict = field(default_factory=dict)   # per-request figures of other parts (disaggregation)
+    grammar: Any = None              # structured outputs: structured.rows.SequenceGrammar, made when it first samples
 
     @property
     def token_ids(self) -> list[int]:
@@ -85,6 +87,8 @@ class Sequence:
         p = self.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             self.finish_reason = "stop"
+        elif self.grammar is not None and self.grammar.finish is not None:
+            self.finish_reason = self.grammar.finish   # the grammar ended (or refused the token)
         elif len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = "length"
         if self.finish_reason is not None:

@@ -9,6 +9,7 @@ import atexit
 import dataclasses
 import gc
 import os
+import threading
 from dataclasses import asdict
 from typing import Sequence as Seq
 
@@ -110,12 +111,16 @@ class EngineCore:
                 from dbo.auto import AutoSwitch
                 self.auto = AutoSwitch()
         self.runner = ModelRunner(self.model, self.kv, overlap)
+        self.runner.grammars = lambda: self.grammars
         self.split_steps = 0
         self._nodes_seen = self._nodes_step = None   # routing histograms: cumulative, and of the last step
         d = self.model.dispatcher
         self.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
         self.tokenizer = _load_tokenizer(cfg.model)
         self._generator = torch.Generator(device=device).manual_seed(cfg.seed + ctx.rank)
+        self._grammars = None            # structured/compiler.GrammarCompiler, built for the first constrained request
+        self._grammars_lock = threading.Lock()
+        self.compiling: list[tuple[Sequence, object]] = []   # (sequence, its grammar's Future), not scheduled yet
         freeze_startup_heap()
 
     @classmethod
@@ -173,6 +178,8 @@ class EngineCore:
         if self.store is not None:
             self.store.close(self.blocks.cached_blocks())
             self.store = self.blocks.store = None
+        if self._grammars is not None:
+            self._grammars.close()
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
@@ -243,8 +250,57 @@ class EngineCore:
 
     def add_request(self, req: NewRequest) -> Sequence:
         seq = self.make_sequence(req)
-        self.scheduler.add(seq)
+        spec = seq.params.structured_outputs
+        if spec is not None:   # waits beside the scheduler while its grammar compiles (admit_compiled)
+            self.compiling.append((seq, self.grammars.submit(spec)))
+        else:
+            self.scheduler.add(seq)
         return seq
+
+    # -- structured outputs ---------------------------------------------------------------------------
+    @property
+    def grammars(self):
+        """This process's structured/compiler.GrammarCompiler (the front's too, on rank 0)."""
+        with self._grammars_lock:   # the front's event loop and the engine thread may both ask first
+            if self._grammars is None:
+                from structured.compiler import GrammarCompiler
+                self._grammars = GrammarCompiler.build(self.cfg.structured_outputs_backend, self.tokenizer,
+                                                       self.config.vocab_size)
+        return self._grammars
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """The front, before admitting: compile (or find cached) the request's grammar; ValueError if bad."""
+        if params.structured_outputs is not None:
+            self.grammars.get(params.structured_outputs)
+
+    def admit_compiled(self) -> list[Sequence]:
+        """Before each step: sequences whose grammar is ready join the scheduler. -> those that
+        finished instead (a grammar that failed here: aborted, to be reported)."""
+        if not self.compiling or not any(f.done() for _, f in self.compiling):
+            return []
+        failed, waiting = [], []
+        for seq, fut in self.compiling:
+            if not fut.done():
+                waiting.append((seq, fut))
+            elif fut.exception() is not None:
+                seq.abort()
+                failed.append(seq)
+            else:
+                self.scheduler.add(seq)
+        self.compiling = waiting
+        return failed
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Abort a request held here (scheduled, or waiting for its grammar); None if it is not here."""
+        for i, (seq, _) in enumerate(self.compiling):
+            if seq.request_id == request_id:
+                del self.compiling[i]
+                seq.abort()
+                return seq
+        return self.scheduler.abort(request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self.compiling)
 
     # -- around each step ----------------------------------------------------------------------------
     def split_votes(self, num_tokens: list[int]) -> tuple[bool, bool]:
@@ -284,7 +340,7 @@ class EngineCore:
         parallel/dispatch/routing.py), DBO split steps and EPLB rebalances."""
         b = self.blocks
         out = {"dp_rank": self.ctx.origin_rank, "running": len(self.scheduler.running),
-               "waiting": len(self.scheduler.waiting) + len(self.scheduler.loading),
+               "waiting": len(self.scheduler.waiting) + len(self.scheduler.loading) + len(self.compiling),
                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
                "prefill_tokens": self.scheduler.prefill_tokens, "kv_device_cached_blocks": b.num_cached,

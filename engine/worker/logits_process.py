@@ -95,7 +95,8 @@ class LogitsPlan:
     """What one step's rows need, as device tensors built from host lists.
     mask_rows/mask_ids [M]: (row, token) pairs set to -inf (min_tokens); bias_rows/ids/vals [N];
     pen_rows [P] batch rows, pen_slots [P] pool rows (a slice when consecutive), rep/freq/pres [P, 1];
-    every_pen: P == B."""
+    every_pen: P == B; grammar: the constrained rows' bitmask (structured/rows.py), applied first and
+    in place (constrain): as in vLLM, logprobs are then those of the constrained distribution."""
     mask_rows: torch.Tensor | None = None
     mask_ids: torch.Tensor | None = None
     bias_rows: torch.Tensor | None = None
@@ -108,24 +109,32 @@ class LogitsPlan:
     freq: torch.Tensor | None = None
     pres: torch.Tensor | None = None
     every_pen: bool = False
+    grammar: object = None
+
+    @property
+    def grammar_only(self) -> bool:
+        """Nothing but the grammar's mask: the sampler needs no copy of the logits."""
+        return self.mask_rows is None and self.bias_rows is None and self.pen_rows is None
 
 
 class LogitsProcessor:
     """plan(seqs) -> LogitsPlan | None (None: no row needs anything); apply(logits, plan) -> processed
     copy; record(plan, tokens) after sampling. One per rank, beside the runner."""
 
-    def __init__(self, vocab: int, device):
+    def __init__(self, vocab: int, device, grammars=None):
         self.vocab, self.device = vocab, device
         self.counts = TokenCounts(vocab, device)
         self._last_seqs: list = []
-        self._static: tuple[LogitsPlan | None, list[int]] = (None, [])
+        self._static: tuple[LogitsPlan | None, list[int], list[int]] = (None, [], [])
+        self._grammars = grammars         # -> the rank's structured.compiler.GrammarCompiler (called once)
+        self.grammar_rows = None          # structured.rows.GrammarRows, built for the first constrained row
 
     def plan(self, seqs: list) -> LogitsPlan | None:
         """seqs: the sampling rows, in batch order. A decode run samples the same rows step after step:
         then the bias and penalty tensors of the last step are reused, only min_tokens is re-checked."""
         if seqs != self._last_seqs:        # identity comparison (Sequence has eq=False)
             self._last_seqs, self._static = list(seqs), self._static_plan(seqs)
-        static, min_rows = self._static
+        static, min_rows, guided = self._static
         mask_rows, mask_ids = [], []
         for b in min_rows:
             s = seqs[b]
@@ -134,16 +143,22 @@ class LogitsProcessor:
                 ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
                 mask_rows.extend([b] * len(ids))
                 mask_ids.extend(ids)
-        if not mask_rows:
+        if not mask_rows and not guided:
             return static
         plan = LogitsPlan(**vars(static)) if static is not None else LogitsPlan()
-        plan.mask_rows, plan.mask_ids = int64_tensor(mask_rows, self.device), int64_tensor(mask_ids, self.device)
+        if mask_rows:
+            plan.mask_rows, plan.mask_ids = int64_tensor(mask_rows, self.device), int64_tensor(mask_ids, self.device)
+        if guided:   # structured outputs: the grammars' next tokens, every step
+            if self.grammar_rows is None:
+                from structured.rows import GrammarRows
+                self.grammar_rows = GrammarRows(self._grammars())
+            plan.grammar = self.grammar_rows.plan(seqs, guided)
         return plan
 
-    def _static_plan(self, seqs: list) -> tuple[LogitsPlan | None, list[int]]:
+    def _static_plan(self, seqs: list) -> tuple[LogitsPlan | None, list[int], list[int]]:
         """-> (the plan's parts that stay while the rows stay: bias and penalties; None when no row
-        has any, rows with min_tokens)."""
-        min_rows, bias_rows, bias_ids, bias_vals = [], [], [], []
+        has any, rows with min_tokens, rows with structured outputs)."""
+        min_rows, guided, bias_rows, bias_ids, bias_vals = [], [], [], [], []
         pen_rows, pen_seqs, rep, freq, pres = [], [], [], [], []
         for b, s in enumerate(seqs):
             p = s.params
@@ -151,6 +166,8 @@ class LogitsProcessor:
                 continue
             if p.min_tokens > 0:
                 min_rows.append(b)
+            if p.structured_outputs is not None:
+                guided.append(b)
             if p.logit_bias is not None:
                 bias_rows.extend([b] * len(p.logit_bias))
                 bias_ids.extend(p.logit_bias.keys())
@@ -162,7 +179,7 @@ class LogitsProcessor:
                 freq.append(p.frequency_penalty)
                 pres.append(p.presence_penalty)
         if not (bias_rows or pen_rows):
-            return None, min_rows
+            return None, min_rows, guided
         dev, plan = self.device, LogitsPlan()
         if bias_rows:
             plan.bias_rows, plan.bias_ids = int64_tensor(bias_rows, dev), int64_tensor(bias_ids, dev)
@@ -178,7 +195,7 @@ class LogitsProcessor:
                 torch.tensor(v, dtype=torch.float32, device=dev)[:, None] if any(x != off for x in v) else None
                 for v, off in ((rep, 1.0), (freq, 0.0), (pres, 0.0)))
             plan.every_pen = len(pen_rows) == len(seqs)
-        return plan, min_rows
+        return plan, min_rows, guided
 
     def apply(self, logits: torch.Tensor, plan: LogitsPlan) -> torch.Tensor:
         """logits [B, V] fp32 (left as is) -> processed [B, V]."""
@@ -201,11 +218,17 @@ class LogitsProcessor:
             out[plan.pen_rows] = rows
         return out
 
+    def constrain(self, logits: torch.Tensor, plan: LogitsPlan) -> None:
+        """logits [B, V] in place: the constrained rows masked to their grammar (before all else)."""
+        self.grammar_rows.apply(logits, plan.grammar)
+
     def record(self, plan: LogitsPlan | None, tokens: torch.Tensor) -> None:
         """tokens [B]: this step's samples; the penalised rows' tables take theirs."""
         if plan is not None and plan.pen_rows is not None:
             self.counts.add(plan.pen_slots, tokens if plan.every_pen else tokens.index_select(0, plan.pen_rows),
                             plan.rep, plan.freq, plan.pres)
+        if plan is not None and plan.grammar is not None:
+            self.grammar_rows.accept(plan.grammar, tokens)
 
 
 def apply_penalties(logits: torch.Tensor, rep_scale: torch.Tensor | None, sub: torch.Tensor | None) -> torch.Tensor:

@@ -112,13 +112,13 @@ class RankLoop:
 
     def pending(self) -> bool:
         """One process: is there anything for run_once to do?"""
-        return self.channel.has_messages() or self.core.scheduler.has_work() or self.hooks.has_pending()
+        return self.channel.has_messages() or self.core.has_work() or self.hooks.has_pending()
 
     def run_once(self) -> None:
         """One process (no lockstep, no waves): handle the inbox, then step if there is work."""
         for m in self.channel.recv(0):
             self._handle(m)
-        if self.core.scheduler.has_work() or self.hooks.has_pending():
+        if self.core.has_work() or self.hooks.has_pending():
             self.step()
         else:
             self._report()
@@ -131,8 +131,10 @@ class RankLoop:
         if self.ctx.on_rank_loss == "continue":
             self._check_lost()
         self._deltas += self.hooks.before_schedule()
+        if core.compiling:   # structured outputs: requests whose grammar is ready join the scheduler
+            self._deltas += [delta_of(s) for s in core.admit_compiled()]
         scheduled_work = sched.has_work()
-        has_work = scheduled_work or self.hooks.has_pending()
+        has_work = scheduled_work or self.hooks.has_pending() or bool(core.compiling)
         batch = sched.schedule() if scheduled_work else None
         tokens = batch.num_tokens if batch is not None else []
         can_split, vote = core.split_votes(tokens)
@@ -177,7 +179,7 @@ class RankLoop:
         elif isinstance(m, Abort):
             if self.hooks.handle(m):
                 return
-            seq = self.core.scheduler.abort(m.request_id)
+            seq = self.core.abort(m.request_id)
             if seq is not None:
                 self._deltas.append(delta_of(seq))
                 self._report(force=not self.running)
@@ -209,7 +211,7 @@ class RankLoop:
         self.running = False
         if self.woken_for >= self.wave:      # the front already started the next wave
             self.running = True
-        elif self.core.scheduler.has_work() or self.hooks.has_pending():
+        elif self.core.has_work() or self.hooks.has_pending():
             self.running = True              # work that arrived for the wave that just ended
             self._start_wave = self.wave
         self._report(force=True, idle=True)

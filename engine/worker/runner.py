@@ -29,6 +29,7 @@ class ModelRunner:
         self.logits_proc: LogitsProcessor | None = None   # built when a request first needs it
         self._rows_seqs: list = []                          # the last step's sampling rows (_sampling_rows)
         self._rows: tuple[SampleLayout, bool] | None = None
+        self.grammars = None   # -> the rank's grammar compiler (structured outputs), set by EngineCore
 
     def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
                    ) -> tuple[torch.Tensor, AttnMeta]:
@@ -142,12 +143,15 @@ class ModelRunner:
         plan = None
         if processed:
             if self.logits_proc is None:
-                self.logits_proc = LogitsProcessor(logits.shape[1], self.device)
+                self.logits_proc = LogitsProcessor(logits.shape[1], self.device, self.grammars)
             plan = self.logits_proc.plan(seqs)
-        if plan is None:
+        if plan is not None and plan.grammar is not None:   # structured outputs: first, in place (vLLM's order)
+            self.logits_proc.constrain(logits, plan)
+        if plan is None or plan.grammar_only:
             tokens, lse = sample(logits, None, None, layout=layout)
         else:
             tokens, lse = sample(self.logits_proc.apply(logits, plan), None, None, raw=logits, layout=layout)
+        if plan is not None:
             self.logits_proc.record(plan, tokens)
         chosen = (logits.gather(1, tokens[:, None]).squeeze(1) - lse).tolist()  # SYNC: tokens go back to the host
         if len(samplers) == B:

@@ -1,0 +1,79 @@
+"""The rank's side of structured outputs, one step at a time: each constrained sequence's matcher,
+the bitmask of the constrained rows, and the sampled tokens fed back.
+
+Legend: B rows sampling this step, R of them constrained (R <= B), W bitmask words per row.
+A sequence's matcher is made the first time it samples, from its compiled grammar, and replays the
+output tokens it already has: a request re-admitted after a rank loss, or a decode-pool sequence
+whose first token came from the prefill pool, starts where its output is. Preemption keeps the
+output tokens and the matcher (the recompute samples nothing until it has caught up), so nothing is
+rewound. Unconstrained rows are never touched, and a step without constrained rows never gets here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backend import allocate, mask_
+from .compiler import GrammarCompiler
+
+
+class SequenceGrammar:
+    """Sequence.grammar: finish is None while the output may go on, "stop" once the grammar ended
+    (engine/sched/sequence.py finishes the sequence with it), "abort" if a token was refused."""
+    __slots__ = ("matcher", "finish")
+
+    def __init__(self, matcher):
+        self.matcher, self.finish = matcher, None
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept(token):
+            self.finish = "abort"   # only a token the bitmask allowed is sampled: never expected
+        elif self.matcher.terminated:
+            self.finish = "stop"
+
+
+@dataclass
+class GrammarPlan:
+    rows: list[int]              # [R] batch rows
+    grammars: list               # [R] SequenceGrammar
+    bitmask: torch.Tensor        # [R, W] int32, host
+
+
+def stop_ids(seq) -> list[int]:
+    """The tokens that end seq, which the grammar allows only where it may end."""
+    p = seq.params
+    ids = [] if p.ignore_eos else list(seq.eos_token_ids)
+    return ids + [t for t in p.stop_token_ids if t not in ids]
+
+
+class GrammarRows:
+    def __init__(self, compiler: GrammarCompiler):
+        self.compiler, self.backend = compiler, compiler.backend
+
+    def grammar_of(self, seq) -> SequenceGrammar:
+        g = seq.grammar
+        if g is None:
+            compiled = self.compiler.get(seq.params.structured_outputs)   # ready unless the rank skipped admission
+            g = seq.grammar = SequenceGrammar(self.backend.matcher(compiled, stop_ids(seq)))
+            for t in seq.output_token_ids:
+                g.accept(t)
+        return g
+
+    def plan(self, seqs: list, rows: list[int]) -> GrammarPlan:
+        """seqs: the step's sampling rows; rows: the constrained ones among them."""
+        grammars = [self.grammar_of(seqs[b]) for b in rows]
+        bitmask = allocate(len(rows), self.compiler.vocab_size)
+        self.backend.fill([g.matcher for g in grammars], bitmask)
+        return GrammarPlan(rows, grammars, bitmask)
+
+    def apply(self, logits: torch.Tensor, plan: GrammarPlan) -> None:
+        """logits [B, V] in place: the R rows masked to their grammar's next tokens."""
+        mask_(logits, plan.bitmask, plan.rows)
+
+    def accept(self, plan: GrammarPlan, tokens: torch.Tensor) -> None:
+        """tokens [B]: this step's samples."""
+        rows = plan.rows
+        picked = tokens if len(rows) == tokens.shape[0] else tokens[torch.tensor(rows, device=tokens.device)]
+        for g, t in zip(plan.grammars, picked.tolist()):   # SYNC: the matchers advance on the host
+            g.accept(t)
