@@ -88,7 +88,7 @@ class Engine:
             self._add_samples(domain, request_id, text, ids, params, max_tokens)
             return
         rank = self.front.assign(domain, request_id, len(ids) + max_tokens, ids=ids)
-        st = RequestState(request_id, text, ids, params, max_tokens, rank)
+        st = RequestState(request_id, text, ids, params, max_tokens, rank, eos_token_ids=self.core.config.eos_token_ids)
         self._ensure_worker()
         self.front.add(st, NewRequest(request_id, ids, params, max_tokens, st.arrival_time))
 
@@ -105,7 +105,8 @@ class Engine:
                 rank = self.front.assign(domain, sid, cost, ids=ids)
             else:
                 self.front.book(domain, sid, rank, cost)
-            st = RequestState(sid, text, ids, sp, max_tokens, rank, index=i, group=group)
+            st = RequestState(sid, text, ids, sp, max_tokens, rank, index=i, group=group,
+                              eos_token_ids=self.core.config.eos_token_ids)
             group.states.append(st)
             msgs.append(NewRequest(sid, ids, sp, max_tokens, st.arrival_time))
         self._ensure_worker()

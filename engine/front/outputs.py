@@ -55,6 +55,8 @@ class RequestState:
     group: Any = None          # engine/front/samples.py's SampleGroup when n > 1
     stop_reason: int | str | None = None
     stop_checked: int = 0      # text[:stop_checked] holds no stop string
+    eos_token_ids: tuple = ()  # the model's EOS ids: a "stop" on one of them ends on a stop token
+    stop_token_end: bool = False   # the last token is the EOS / stop token that ended it (no text)
 
     stops: StopMatcher | None = field(default=None, init=False)   # built once, with stop strings
     stop_hold: int = field(default=0, init=False)   # characters withheld while running (stop strings)
@@ -98,8 +100,12 @@ class RequestState:
         if self.finish_reason is None:
             self.finish_reason, self.finish_time = reason, time.time() if now is None else now
             last = self.token_ids[-1] if self.token_ids else None
-            if reason == "stop" and last in self.params.stop_token_ids:
-                self.stop_reason = last
+            if reason == "stop" and last is not None:
+                p = self.params
+                if last in p.stop_token_ids:
+                    self.stop_reason = last
+                # A grammar's end (structured outputs) is a "stop" on whatever token completed it.
+                self.stop_token_end = self.stop_reason == last or (not p.ignore_eos and last in self.eos_token_ids)
         return True
 
     def abort(self) -> None:
@@ -204,7 +210,7 @@ class RequestState:
         """How many of the tokens have text: all but the stop token (EOS or one of stop_token_ids) that
         ended the request, unless include_stop_str_in_output (vLLM's rule)."""
         n = len(self.token_ids)
-        if (self.finish_reason == "stop" and n and not isinstance(self.stop_reason, str)
+        if (self.stop_token_end and not isinstance(self.stop_reason, str)
                 and not self.params.include_stop_str_in_output):
             return n - 1
         return n

@@ -90,7 +90,8 @@ def test_chat_output_on_the_fronts_text(tmp_path):
     d = make_tiny_checkpoint(str(tmp_path), chat_template_style="r1")
     tok = Tokenizer.from_file(f"{d}/tokenizer.json")
     ids = tok.encode("hmm é</think>Sure." + V3, add_special_tokens=False).ids + [tok.token_to_id(tool_parsers.EOS)]
-    st = RequestState("r", None, [1], SamplingParams(skip_special_tokens=False, output_kind="delta"), 4096, 0)
+    st = RequestState("r", None, [1], SamplingParams(skip_special_tokens=False, output_kind="delta"), 4096, 0,
+                      eos_token_ids=(ids[-1],))
     out, got = ChatOutput(True, "deepseek_v3"), {"reasoning_content": "", "content": "", "tool_calls": []}
     for i, t in enumerate(ids):
         st.apply(Delta("r", [t], None, 0.0, "stop" if i == len(ids) - 1 else None))

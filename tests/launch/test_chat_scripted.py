@@ -47,7 +47,9 @@ class ScriptedEngine:
         self.prompts.append(tok.decode(ids, skip_special_tokens=False))
         scripts = self.script if isinstance(self.script, list) else [self.script] * params.n
         outs = [tok.encode(s, add_special_tokens=False).ids + [tok.token_to_id(EOS)] for s in scripts]
-        states = [RequestState(f"{request_id}#{i}", None, list(ids), params, 4096, 0, index=i) for i in range(params.n)]
+        eos = (tok.token_to_id(EOS),)
+        states = [RequestState(f"{request_id}#{i}", None, list(ids), params, 4096, 0, index=i, eos_token_ids=eos)
+                  for i in range(params.n)]
         final_only = params.output_kind == "final_only"
         while not all(st.finished for st in states):
             done = []
