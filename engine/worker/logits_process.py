@@ -118,8 +118,9 @@ class LogitsPlan:
 
 
 class LogitsProcessor:
-    """plan(seqs) -> LogitsPlan | None (None: no row needs anything); apply(logits, plan) -> processed
-    copy; record(plan, tokens) after sampling. One per rank, beside the runner."""
+    """plan(seqs) -> LogitsPlan | None (None: no row needs anything); constrain(logits, plan) in place
+    first when plan.grammar (structured outputs); apply(logits, plan) -> processed copy; record(plan,
+    tokens) after sampling. One per rank, beside the runner."""
 
     def __init__(self, vocab: int, device, grammars=None):
         self.vocab, self.device = vocab, device

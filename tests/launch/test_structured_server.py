@@ -133,6 +133,7 @@ def test_tool_choice_required_and_named(model_dir):
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "only one of"),
     ({"response_format": {"type": "json_object"}, "tools": TOOLS, "tool_choice": "required"},
      "cannot be combined with response_format"),
+    ({"tools": TOOLS, "tool_choice": "required", "min_tokens": 2}, "min_tokens cannot be combined"),
 ])
 def test_bad_structured_requests_are_400(model_dir, extra, needle):
     async def fn(client):

@@ -251,6 +251,12 @@ def test_bad_params_are_named(so, needle):
         SamplingParams(structured_outputs=so)
 
 
+def test_spec_size_is_bounded():
+    from structured.params import MAX_SPEC_CHARS
+    with pytest.raises(ValueError, match=f"structured_outputs.regex is {MAX_SPEC_CHARS + 1} characters"):
+        SamplingParams(structured_outputs={"regex": "a" * (MAX_SPEC_CHARS + 1)})
+
+
 def test_min_tokens_with_a_constraint_is_refused():
     with pytest.raises(ValueError, match="min_tokens cannot be combined with structured_outputs"):
         SamplingParams(min_tokens=2, structured_outputs={"regex": "a+"})
