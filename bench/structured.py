@@ -15,9 +15,9 @@ over rounds of the round's median step, the model's forward time per step (the s
 every row: the constraint is applied to the logits after it), and inside the step the matchers'
 work (bitmask fill + accepting the sampled tokens: what stays on the host when the logits live on a
 GPU) apart from the mask's pass over the [rows, V] logits (on a GPU, device work). On this CPU every
-pass over [64, 129,280] logits is host time, and a constrained batch pays two the plain one does not:
-the mask, and the raw distribution's logsumexp (the logprobs are of the raw distribution; the plain
-path gets it from its draw), both over mostly -inf rows.
+pass over [64, 129,280] logits is host time, and a constrained batch pays one the plain one does not:
+the mask (the logprobs are then those of the constrained distribution, as in vLLM, so the draw's
+logsumexp serves both).
 
     python bench/structured.py [--batch 64] [--steps 20] [--rounds 3] [--corpus-mb 60] [--save-as structured]
 
