@@ -61,6 +61,33 @@ def text_model_rename(name: str) -> str | None:
     return name
 
 
+_V4_TOP = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
+           "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+
+
+def v4_rename(name: str) -> str:
+    """A DeepSeek-V4 checkpoint's tensor name -> DeepSeek's own spelling (`layers.3.attn.wq_a.weight`, `embed.weight`).
+    transformers 5.24 saves V4 in DeepSeek's layer names under a `model.` prefix, with its own names for the
+    embedding and the final hyper-connection head; DeepSeek's checkpoints are already canonical."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    return _V4_TOP.get(name, name)
+
+
+def v4_ignore(owned: Callable[[int, int], bool]) -> Callable[[str], bool]:
+    """ignore predicate for a DeepSeek-V4 checkpoint: other ranks' experts (`layers.{i}.ffn.experts.{e}.*`) and the
+    multi-token-prediction module (`mtp.*`, loaded by the speculative-decoding work, not here)."""
+    expert = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")
+
+    def ignore(name: str) -> bool:
+        if name.startswith("mtp."):
+            return True
+        m = expert.match(name)
+        return m is not None and not owned(int(m.group(1)), int(m.group(2)))
+
+    return ignore
+
+
 class CheckpointReader:
     """Lazy, memory-mapped view of `model.safetensors` or a sharded `model.safetensors.index.json`.
 

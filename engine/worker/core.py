@@ -73,6 +73,9 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True):
         self.cfg = cfg
         mcfg = self.config = ModelConfig.from_dir(cfg.model)
+        if mcfg.v4 is not None:
+            raise ValueError("DeepSeek-V4 does not run through the Engine yet: load it with "
+                             "engine.model.build.load_model and drive attention_v4.streams.V4Meta yourself")
         self.ctx = ctx = ctx if ctx is not None else connect(cfg, mcfg)
         if not ctx.is_single:
             from parallel import check_agreement, fingerprint

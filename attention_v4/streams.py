@@ -1,0 +1,86 @@
+"""What a DeepSeek-V4 layer keeps of one sequence between steps: its streams.
+
+Legend: W sliding_window, D head_dim, DI index_head_dim, S compressed entries (one per m tokens).
+    window      [<= W-1, D]  the raw KV of the sequence's last W-1 tokens (older ones are never read again)
+    compressed  [S, D]       CSA / HCA: the closed windows' entries
+    index_keys  [S, DI]      CSA: the indexer's compressed keys, entry for entry
+    compressor / index_compressor: the open window (attention_v4/compressor.py's CompressorState)
+
+This is the simple per-sequence layout (tensors grown by concatenation), held by the model's caller;
+`nbytes` is what the sequence holds. Paged pools per stream are the next step (docs/models.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .compressor import CompressorState
+from .config import V4AttentionConfig
+
+
+@dataclass
+class LayerStreams:
+    window: torch.Tensor
+    compressed: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    compressor: CompressorState | None = None
+    index_compressor: CompressorState | None = None
+
+    @classmethod
+    def empty(cls, cfg: V4AttentionConfig, kind: str, device, dtype) -> "LayerStreams":
+        D = cfg.head_dim
+        s = cls(torch.zeros(0, D, device=device, dtype=dtype))
+        if kind != "sliding":
+            s.compressed = torch.zeros(0, D, device=device, dtype=dtype)
+            s.compressor = CompressorState.empty(2 * D if kind == "csa" else D, device, dtype)
+        if kind == "csa":
+            s.index_keys = torch.zeros(0, cfg.index_head_dim, device=device, dtype=dtype)
+            s.index_compressor = CompressorState.empty(2 * cfg.index_head_dim, device, dtype)
+        return s
+
+    def nbytes(self) -> int:
+        tensors = [t for t in (self.window, self.compressed, self.index_keys) if t is not None]
+        states = [c for c in (self.compressor, self.index_compressor) if c is not None]
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(c.nbytes() for c in states)
+
+
+@dataclass
+class SequenceStreams:
+    """Every layer's streams of one sequence, and how many of its tokens they hold."""
+    layers: list[LayerStreams]
+    num_tokens: int = 0
+
+    @classmethod
+    def empty(cls, cfg: V4AttentionConfig, kinds: tuple[str, ...], device, dtype) -> "SequenceStreams":
+        return cls([LayerStreams.empty(cfg, k, device, dtype) for k in kinds])
+
+    def nbytes(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+
+@dataclass(frozen=True)
+class V4Meta:
+    """One step's sequences: tokens [starts[i], starts[i] + lens[i]) of the flattened step are sequence i's,
+    at positions streams[i].num_tokens onwards. positions [T]. The model advances num_tokens after the step."""
+    starts: tuple[int, ...]
+    lens: tuple[int, ...]
+    streams: tuple[SequenceStreams, ...]
+    positions: torch.Tensor = field(repr=False)
+
+    @classmethod
+    def build(cls, lens: list[int], streams: list[SequenceStreams], device="cpu") -> "V4Meta":
+        if len(lens) != len(streams):
+            raise ValueError(f"{len(lens)} chunk lengths for {len(streams)} sequences")
+        starts, pos, t = [], [], 0
+        for n, s in zip(lens, streams):
+            if n < 1:
+                raise ValueError(f"a sequence's chunk must have at least one token, got {n}")
+            starts.append(t)
+            pos.append(torch.arange(s.num_tokens, s.num_tokens + n))
+            t += n
+        return cls(tuple(starts), tuple(lens), tuple(streams), torch.cat(pos).to(device))
+
+    @property
+    def ctx_lens(self) -> list[int]:
+        return [s.num_tokens + n for s, n in zip(self.streams, self.lens)]
