@@ -7,7 +7,8 @@ Legend: W sliding_window, D head_dim, DI index_head_dim, S compressed entries (o
     compressor / index_compressor: the open window (attention_v4/compressor.py's CompressorState)
 
 This is the simple per-sequence layout (tensors grown by concatenation), held by the model's caller;
-`nbytes` is what the sequence holds. Paged pools per stream are the next step (docs/models.md).
+`nbytes` is what the sequence holds; growing_bytes / fixed_bytes bound it (the engine admits by them).
+Paged pools per stream are the next step (docs/models.md).
 """
 from __future__ import annotations
 
@@ -59,6 +60,28 @@ class SequenceStreams:
         return sum(layer.nbytes() for layer in self.layers)
 
 
+def growing_bytes(cfg: V4AttentionConfig, kind: str, num_tokens: int, elt: int) -> int:
+    """Bytes of one layer's streams that grow with a sequence's length: its compressed entries (and indexer keys),
+    one per m tokens."""
+    m = cfg.ratio(kind)
+    if not m:
+        return 0
+    width = cfg.head_dim + (cfg.index_head_dim if kind == "csa" else 0)
+    return (num_tokens // m) * width * elt
+
+
+def fixed_bytes(cfg: V4AttentionConfig, kind: str, elt: int) -> int:
+    """Bytes of one layer's streams a sequence holds at most whatever its length: the window's W-1 rows and the
+    compressor states (open window's kv and gate rows, CSA's last closed window's Ca rows), the indexer's too."""
+    D, DI, m = cfg.head_dim, cfg.index_head_dim, cfg.ratio(kind)
+    total = (cfg.sliding_window - 1) * D
+    if kind == "hca":
+        total += 2 * (m - 1) * D
+    if kind == "csa":   # buffers of width 2D (2DI), previous window's Ca of width D (DI)
+        total += 2 * (m - 1) * 2 * D + 2 * m * D + 2 * (m - 1) * 2 * DI + 2 * m * DI
+    return total * elt
+
+
 @dataclass(frozen=True)
 class V4Meta:
     """One step's sequences: tokens [starts[i], starts[i] + lens[i]) of the flattened step are sequence i's,
@@ -72,7 +95,7 @@ class V4Meta:
     def build(cls, lens: list[int], streams: list[SequenceStreams], device="cpu") -> "V4Meta":
         if len(lens) != len(streams):
             raise ValueError(f"{len(lens)} chunk lengths for {len(streams)} sequences")
-        starts, pos, t = [], [], 0
+        starts, pos, t = [], [torch.zeros(0, dtype=torch.int64)], 0
         for n, s in zip(lens, streams):
             if n < 1:
                 raise ValueError(f"a sequence's chunk must have at least one token, got {n}")

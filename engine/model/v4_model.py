@@ -166,9 +166,13 @@ class DeepseekV4Model(nn.Module):
     def op_final_norm(self, s: OpState) -> None:
         s.put(hidden=self.norm(self.hc_head(s.take("x"))))
 
-    def forward(self, input_ids: torch.Tensor, meta: V4Meta, plan: StepPlan = StepPlan()) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, meta: V4Meta, kv_pools=(), plan: StepPlan = StepPlan(), on_layer=None,
+                index_pools=None) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H]. meta: the step's sequences and their streams,
-        which take the new tokens (num_tokens advances)."""
+        which take the new tokens (num_tokens advances). The streams are the cache: kv_pools / index_pools (the
+        MLA models' pools, as the runner passes them) must be empty; on_layer (disaggregation) is refused."""
+        if kv_pools or index_pools or on_layer is not None:
+            raise ValueError("DeepSeek-V4 keeps its KV in the streams of meta: no pools, no per-layer transfer hook")
         if input_ids.shape[0] != sum(meta.lens):
             raise ValueError(f"{input_ids.shape[0]} tokens for chunks of {sum(meta.lens)}")
         if self.dispatcher is None:

@@ -1,0 +1,93 @@
+"""DeepSeek-V4 in the engine: its per-sequence KV streams (attention_v4/streams.py) and the runner that hands
+them to the model.
+
+The streams are the simple layout (per-sequence tensors), not paged pools yet. Admission still counts their real
+bytes: the block manager's blocks (block_size tokens each) are sized by what a block of tokens adds to the growing
+streams (compressed entries, indexer keys), and what a sequence holds whatever its length (window, compressor
+states) is set aside for max_num_seqs sequences before the blocks are counted. A sequence's streams are dropped
+whenever its blocks are freed (preempted: it recomputes them from its tokens; finished; aborted).
+Prefix caching, the KV tiers, disaggregation, fp8 caches and DBO are refused with V4 (engine/worker/core.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from attention_mla.meta import int64_tensor
+from attention_v4.streams import SequenceStreams, V4Meta, fixed_bytes, growing_bytes
+
+from ..sched.scheduler import ScheduledBatch
+from .runner import ModelRunner
+
+
+class V4StreamCache:
+    """This rank's V4 streams, by request id. Has what the engine reads of a KV cache (block_size, num_blocks,
+    pools (none), bytes_per_token, kv_cache_dtype)."""
+
+    pools: list = []
+    index_pools = None
+    fp8 = None
+    kv_cache_dtype = "auto"
+
+    def __init__(self, model, memory: int | None, block_size: int, max_num_seqs: int, max_model_len: int,
+                 num_blocks: int | None = None):
+        v4, elt = model.cfg.v4, torch.empty(0, dtype=model.dtype).element_size()
+        self.model, self.block_size = model, block_size
+        self.per_block = sum(growing_bytes(v4.attention, k, block_size, elt) for k in v4.layer_kinds)
+        self.per_seq = sum(fixed_bytes(v4.attention, k, elt) for k in v4.layer_kinds)
+        self._elt = elt
+        if num_blocks is None:
+            reserved = max_num_seqs * self.per_seq
+            if memory < reserved:
+                raise ValueError(f"kv_cache_memory ({memory} bytes) is less than the DeepSeek-V4 streams every "
+                                 f"sequence holds whatever its length ({self.per_seq} bytes) times max_num_seqs "
+                                 f"({max_num_seqs}) = {reserved}")
+            want = max_num_seqs * -(-max_model_len // block_size)
+            num_blocks = max(1, min(want, (memory - reserved) // max(self.per_block, 1)))
+        self.num_blocks = num_blocks
+        self.streams: dict[str, SequenceStreams] = {}
+
+    def bytes_per_token(self) -> float:
+        """Growing bytes per token, all layers (the fixed per-sequence part is `per_seq`)."""
+        return self.per_block / self.block_size
+
+    def for_seq(self, seq) -> SequenceStreams:
+        """The streams of a sequence about to run from token seq.num_computed (0: new, or recomputing)."""
+        st = self.streams.get(seq.request_id)
+        if seq.num_computed == 0 or st is None:
+            if seq.num_computed:
+                raise RuntimeError(f"request {seq.request_id!r} resumes at token {seq.num_computed} but its "
+                                   f"DeepSeek-V4 streams are gone")
+            st = self.streams[seq.request_id] = self.model.new_streams()
+        if st.num_tokens != seq.num_computed:
+            raise RuntimeError(f"request {seq.request_id!r}: its streams hold {st.num_tokens} tokens, the scheduler "
+                               f"says {seq.num_computed} are computed")
+        return st
+
+    def drop(self, seq) -> None:
+        self.streams.pop(seq.request_id, None)
+
+    def nbytes(self) -> int:
+        """What the streams hold now (a check of the admission's bound)."""
+        return sum(s.nbytes() for s in self.streams.values())
+
+    def all_pools(self):
+        raise ValueError("DeepSeek-V4's streams have no KV tiers yet")
+
+
+class V4Runner(ModelRunner):
+    """ModelRunner whose step metadata is a V4Meta (each sequence's streams) instead of block tables."""
+
+    def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
+                   ) -> tuple[torch.Tensor, V4Meta]:
+        if parts is None:
+            parts = [(b, 0, n) for b, n in enumerate(batch.num_tokens)]
+        ids, lens, streams = [], [], []
+        for b, lo, hi in parts:
+            s = batch.seqs[b]
+            if lo:
+                raise ValueError("DeepSeek-V4 steps are not split (DBO is refused with V4)")
+            st = self.kv.for_seq(s)
+            ids.extend(s.tokens(s.num_computed, s.num_computed + hi))
+            lens.append(hi)
+            streams.append(st)
+        return int64_tensor(ids, self.device), V4Meta.build(lens, streams, self.device)

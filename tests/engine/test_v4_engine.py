@@ -1,0 +1,112 @@
+"""DeepSeek-V4 through the Engine against transformers 5.24, float32: batched requests with chunked prefill
+(chunks that end inside CSA and HCA windows) and decode, prompt logprobs within 1e-4 and greedy tokens equal to
+transformers' generate; preemption recomputes the streams; admission counts the streams' real bytes; and what
+the engine does not do with V4 yet is refused at construction."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attention_v4.streams import V4Meta, fixed_bytes, growing_bytes
+from engine import LLM, SamplingParams
+from tests.oracle import hf_prompt_logprobs
+from tests.oracle_v4 import PRO, YARN, make_v4_model
+
+_rng = random.Random(11)
+PROMPTS = [[_rng.randrange(2, 200) for _ in range(n)] for n in (5, 23, 40, 97)]
+V4 = dict(dtype="float32", progress=False, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module", params=["flash", "pro_yarn"])
+def v4(request, tmp_path_factory):
+    d = str(tmp_path_factory.mktemp(request.param))
+    kw = {} if request.param == "flash" else dict(layer_types=PRO, rope_parameters=YARN, seed=1)
+    return make_v4_model(d, **kw), d
+
+
+@torch.no_grad()
+def _generate(hf, ids: list[int], n: int) -> list[int]:
+    return hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, len(ids):].tolist()
+
+
+def _check(hf, outs, prompts, n):
+    for ids, out in zip(prompts, outs, strict=True):
+        ours = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))])
+        diff = (ours - hf_prompt_logprobs(hf, ids)).abs().max().item()
+        assert diff < 1e-4, f"prompt of {len(ids)} tokens: logprobs differ by {diff}"
+        assert out.outputs[0].token_ids == _generate(hf, ids, n), f"prompt of {len(ids)} tokens"
+
+
+def test_chunked_prefill_and_decode_equal_transformers(v4):
+    hf, d = v4
+    llm = LLM(d, max_num_batched_tokens=19, **V4)   # 19: chunks end mid-window for every ratio
+    params = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=0, ignore_eos=True)
+    _check(hf, llm.generate(PROMPTS, params), PROMPTS, 12)
+    core = llm.engine.core
+    assert core.kv.streams == {}, "finished sequences' streams are dropped"
+    llm.shutdown()
+
+
+def test_preemption_recomputes_the_streams(v4):
+    hf, d = v4
+    # 14 blocks of 16 tokens for four sequences of up to 97 + 24 tokens: some are preempted and recompute
+    llm = LLM(d, block_size=16, kv_cache_blocks=14, max_num_batched_tokens=64, **V4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    assert llm.engine.core.stats()["preemptions"] > 0
+    _check(hf, outs, PROMPTS, 24)
+    llm.shutdown()
+
+
+def test_admission_bounds_the_streams_bytes(v4):
+    """What a sequence's streams hold after n tokens lies between the growing part the blocks count and that
+    plus the fixed part set aside per sequence."""
+    hf, d = v4
+    llm = LLM(d, block_size=16, **V4)
+    model, kv = llm.engine.core.model, llm.engine.core.kv
+    att, kinds = model.cfg.v4.attention, model.cfg.v4.layer_kinds
+    assert kv.per_block == sum(growing_bytes(att, k, 16, 4) for k in kinds) > 0
+    for n in (1, 7, 16, 33, 97):
+        st = model.new_streams()
+        with torch.no_grad():
+            model(torch.tensor(PROMPTS[3][:n]), V4Meta.build([n], [st]))
+        grow = sum(growing_bytes(att, k, n, 4) for k in kinds)
+        assert grow <= st.nbytes() <= grow + kv.per_seq, n
+    assert kv.num_blocks > 0
+    llm.shutdown()
+
+
+def test_too_little_memory_for_the_fixed_streams_is_named(v4):
+    hf, d = v4
+    with pytest.raises(ValueError, match=r"kv_cache_memory \(1000 bytes\) is less than the DeepSeek-V4 streams every "
+                                         r"sequence holds"):
+        LLM(d, kv_cache_memory=1000, **V4)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(enable_prefix_caching=True), r"prefix caching \(pass enable_prefix_caching=False"),
+    (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype 'fp8'"),
+    (dict(dbo=True), r"dual-batch overlap"),
+    (dict(eplb={"enabled": True}), r"online EPLB"),
+    (dict(enable_prefix_caching=True, kv_cache={"tiers": ["host"]}), r"the host/disk KV tiers"),
+])
+def test_what_v4_does_not_do_yet_is_refused(v4, options, match):
+    hf, d = v4
+    kw = dict(V4, **options)
+    with pytest.raises(ValueError, match=r"DeepSeek-V4 does not support .*" + match):
+        LLM(d, **kw)
+
+
+def test_disaggregation_is_refused(v4):
+    from disagg.decode import DecodeHooks
+    from disagg.prefill import PrefillHooks
+    hf, d = v4
+    llm = LLM(d, **V4)
+    for hooks in (PrefillHooks(None, 0), DecodeHooks(None, 0)):
+        with pytest.raises(ValueError, match="does not transfer DeepSeek-V4's KV streams"):
+            hooks.attach(llm.engine.core)
+    llm.shutdown()
