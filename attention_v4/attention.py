@@ -74,7 +74,7 @@ class V4Attention(nn.Module):
         G = cfg.o_groups
         grouped = out.reshape(T, G, N * D // G).transpose(0, 1)                 # [G, T, N*D/G]
         w = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)                       # [G, Lo, N*D/G]
-        low = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)   # [T, G*Lo]
+        low = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, G * cfg.o_lora_rank)   # [T, G*Lo]
         return self.wo_b(low)
 
     def _sequence(self, x, q_lat, q, kv, positions, p0: int, cos, sin, st: LayerStreams) -> torch.Tensor:

@@ -102,3 +102,10 @@ def test_the_oracle_exercises_what_it_should(models):
         for l in model.layers:
             l.ffn.experts.limit = l.ffn.shared_experts.limit = model.cfg.moe.swiglu_limit
     assert diff > 1e-3
+
+
+@torch.no_grad()
+def test_zero_tokens(models):
+    """An idle rank's step: no sequences, no tokens, still every layer's operations (and all-to-alls)."""
+    hf, model = models
+    assert model(torch.zeros(0, dtype=torch.int64), V4Meta.build([], [])).shape == (0, model.cfg.hidden_size)
