@@ -66,9 +66,9 @@ class V4Attention(nn.Module):
         q = apply_rope_tail(unweighted_rmsnorm(self.wq_b(q_lat).view(T, N, D), cfg.rms_norm_eps), cos, sin, self.rope)
         kv = apply_rope_tail(self.norm(self.wkv(x)), cos, sin, self.rope)      # [T, D]
         out = torch.empty_like(q)
-        for start, n, seq in zip(meta.starts, meta.lens, meta.streams):
+        for start, n, p0, seq in zip(meta.starts, meta.lens, meta.first, meta.streams):
             s = slice(start, start + n)
-            out[s] = self._sequence(x[s], q_lat[s], q[s], kv[s], meta.positions[s], seq.num_tokens, cos[s], sin[s],
+            out[s] = self._sequence(x[s], q_lat[s], q[s], kv[s], meta.positions[s], p0, cos[s], sin[s],
                                     seq.layers[layer])
         out = apply_rope_tail(out, cos, -sin, self.rope)                        # undo V's rotation
         G = cfg.o_groups

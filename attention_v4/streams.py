@@ -84,26 +84,34 @@ def fixed_bytes(cfg: V4AttentionConfig, kind: str, elt: int) -> int:
 
 @dataclass(frozen=True)
 class V4Meta:
-    """One step's sequences: tokens [starts[i], starts[i] + lens[i]) of the flattened step are sequence i's,
-    at positions streams[i].num_tokens onwards. positions [T]. The model advances num_tokens after the step."""
+    """One step's (or microbatch's) chunks: tokens [starts[i], starts[i] + lens[i]) of the flattened step are
+    chunk i's, at positions first[i] onwards of the sequence whose streams are streams[i]. positions [T].
+    A DBO microbatch may hold the second part of a sequence whose first part is in the other microbatch:
+    its first[i] is past the streams' num_tokens, and the other microbatch's layer i runs before its own.
+    Whoever runs the step advances num_tokens after it (DeepseekV4Model.forward, or the runner's split step)."""
     starts: tuple[int, ...]
     lens: tuple[int, ...]
+    first: tuple[int, ...]
     streams: tuple[SequenceStreams, ...]
     positions: torch.Tensor = field(repr=False)
 
     @classmethod
-    def build(cls, lens: list[int], streams: list[SequenceStreams], device="cpu") -> "V4Meta":
+    def build(cls, lens: list[int], streams: list[SequenceStreams], device="cpu",
+              offsets: list[int] | None = None) -> "V4Meta":
+        """offsets[i]: chunk i starts that many tokens past streams[i].num_tokens (default 0)."""
         if len(lens) != len(streams):
             raise ValueError(f"{len(lens)} chunk lengths for {len(streams)} sequences")
-        starts, pos, t = [], [torch.zeros(0, dtype=torch.int64)], 0
-        for n, s in zip(lens, streams):
+        offsets = offsets if offsets is not None else [0] * len(lens)
+        starts, first, pos, t = [], [], [torch.zeros(0, dtype=torch.int64)], 0
+        for n, s, off in zip(lens, streams, offsets):
             if n < 1:
                 raise ValueError(f"a sequence's chunk must have at least one token, got {n}")
             starts.append(t)
-            pos.append(torch.arange(s.num_tokens, s.num_tokens + n))
+            first.append(s.num_tokens + off)
+            pos.append(torch.arange(first[-1], first[-1] + n))
             t += n
-        return cls(tuple(starts), tuple(lens), tuple(streams), torch.cat(pos).to(device))
+        return cls(tuple(starts), tuple(lens), tuple(first), tuple(streams), torch.cat(pos).to(device))
 
     @property
     def ctx_lens(self) -> list[int]:
-        return [s.num_tokens + n for s, n in zip(self.streams, self.lens)]
+        return [p + n for p, n in zip(self.first, self.lens)]

@@ -72,7 +72,6 @@ def refuse_v4(cfg: EngineConfig) -> None:
            (bool(cfg.kv_cache.tiers), f"the host/disk KV tiers (kv_cache.tiers {list(cfg.kv_cache.tiers)})"),
            (cfg.kv_cache_dtype != "auto", f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the "
                                           f"model dtype)"),
-           (cfg.dbo.enabled is not False, f"dual-batch overlap (dbo.enabled {cfg.dbo.enabled!r})"),
            (cfg.eplb.enabled, "online EPLB (eplb.enabled)")]
     bad = [w for on, w in why if on]
     if bad:

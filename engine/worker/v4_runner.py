@@ -6,7 +6,9 @@ bytes: the block manager's blocks (block_size tokens each) are sized by what a b
 streams (compressed entries, indexer keys), and what a sequence holds whatever its length (window, compressor
 states) is set aside for max_num_seqs sequences before the blocks are counted. A sequence's streams are dropped
 whenever its blocks are freed (preempted: it recomputes them from its tokens; finished; aborted).
-Prefix caching, the KV tiers, disaggregation, fp8 caches and DBO are refused with V4 (engine/worker/core.py).
+Prefix caching, the KV tiers, disaggregation and fp8 caches are refused with V4 (engine/worker/core.py). A DBO
+step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
+(attention_v4/streams.py V4Meta), and the streams advance once both have run.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class V4StreamCache:
     def for_seq(self, seq) -> SequenceStreams:
         """The streams of a sequence about to run from token seq.num_computed (0: new, or recomputing)."""
         st = self.streams.get(seq.request_id)
-        if seq.num_computed == 0 or st is None:
+        if st is None or (seq.num_computed == 0 and st.num_tokens):   # new, or recomputing from the start
             if seq.num_computed:
                 raise RuntimeError(f"request {seq.request_id!r} resumes at token {seq.num_computed} but its "
                                    f"DeepSeek-V4 streams are gone")
@@ -81,13 +83,17 @@ class V4Runner(ModelRunner):
                    ) -> tuple[torch.Tensor, V4Meta]:
         if parts is None:
             parts = [(b, 0, n) for b, n in enumerate(batch.num_tokens)]
-        ids, lens, streams = [], [], []
+        ids, lens, streams, offsets = [], [], [], []
         for b, lo, hi in parts:
             s = batch.seqs[b]
-            if lo:
-                raise ValueError("DeepSeek-V4 steps are not split (DBO is refused with V4)")
-            st = self.kv.for_seq(s)
-            ids.extend(s.tokens(s.num_computed, s.num_computed + hi))
-            lens.append(hi)
-            streams.append(st)
-        return int64_tensor(ids, self.device), V4Meta.build(lens, streams, self.device)
+            streams.append(self.kv.for_seq(s))
+            ids.extend(s.tokens(s.num_computed + lo, s.num_computed + hi))
+            lens.append(hi - lo)
+            offsets.append(lo)
+        return int64_tensor(ids, self.device), V4Meta.build(lens, streams, self.device, offsets)
+
+    def _forward_split(self, batch: ScheduledBatch, plan) -> torch.Tensor:
+        hidden = super()._forward_split(batch, plan)
+        for s, n in zip(batch.seqs, batch.num_tokens):   # both microbatches' parts are in the streams now
+            self.kv.streams[s.request_id].num_tokens += n
+        return hidden

@@ -90,7 +90,6 @@ def test_too_little_memory_for_the_fixed_streams_is_named(v4):
 @pytest.mark.parametrize("options,match", [
     (dict(enable_prefix_caching=True), r"prefix caching \(pass enable_prefix_caching=False"),
     (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype 'fp8'"),
-    (dict(dbo=True), r"dual-batch overlap"),
     (dict(eplb={"enabled": True}), r"online EPLB"),
     (dict(enable_prefix_caching=True, kv_cache={"tiers": ["host"]}), r"the host/disk KV tiers"),
 ])
@@ -109,4 +108,16 @@ def test_disaggregation_is_refused(v4):
     for hooks in (PrefillHooks(None, 0), DecodeHooks(None, 0)):
         with pytest.raises(ValueError, match="does not transfer DeepSeek-V4's KV streams"):
             hooks.attach(llm.engine.core)
+    llm.shutdown()
+
+
+def test_dbo_equals_plain_steps(v4):
+    """DBO on: steps split in two microbatches (a prefill chunk cut mid-sequence, decodes split by request) give
+    transformers' tokens and logprobs too."""
+    hf, d = v4
+    llm = LLM(d, max_num_batched_tokens=19, dbo={"enabled": True, "prefill_token_threshold": 2}, **V4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    assert llm.engine.core.stats()["dbo_split_steps"] > 0
+    _check(hf, outs, PROMPTS, 12)
     llm.shutdown()
