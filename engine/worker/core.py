@@ -71,8 +71,7 @@ def refuse_v4(cfg: EngineConfig) -> None:
                                        "--no-enable-prefix-caching)"),
            (bool(cfg.kv_cache.tiers), f"the host/disk KV tiers (kv_cache.tiers {list(cfg.kv_cache.tiers)})"),
            (cfg.kv_cache_dtype != "auto", f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the "
-                                          f"model dtype)"),
-           (cfg.eplb.enabled, "online EPLB (eplb.enabled)")]
+                                          f"model dtype)")]
     bad = [w for on, w in why if on]
     if bad:
         raise ValueError("DeepSeek-V4 does not support " + "; ".join(bad) + " yet")

@@ -90,7 +90,6 @@ def test_too_little_memory_for_the_fixed_streams_is_named(v4):
 @pytest.mark.parametrize("options,match", [
     (dict(enable_prefix_caching=True), r"prefix caching \(pass enable_prefix_caching=False"),
     (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype 'fp8'"),
-    (dict(eplb={"enabled": True}), r"online EPLB"),
     (dict(enable_prefix_caching=True, kv_cache={"tiers": ["host"]}), r"the host/disk KV tiers"),
 ])
 def test_what_v4_does_not_do_yet_is_refused(v4, options, match):
@@ -120,4 +119,23 @@ def test_dbo_equals_plain_steps(v4):
     outs = llm.generate(PROMPTS, params)
     assert llm.engine.core.stats()["dbo_split_steps"] > 0
     _check(hf, outs, PROMPTS, 12)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(attention_backend="cpu"), r"DeepSeek-V4 attention runs on the torch backend only, not attention_backend 'cpu'"),
+    (dict(experts_backend="cpu"), r"DeepSeek-V4 experts \(clamped SwiGLU\) run on the torch backend only"),
+])
+def test_backends_without_v4_kernels_are_refused(v4, options, match):
+    hf, d = v4
+    with pytest.raises(ValueError, match=match):
+        LLM(d, **dict(V4, **options))
+
+
+def test_the_cpu_decode_plan_never_sees_v4_layers(v4):
+    """The CPU backend's fused decode (cpu/decode_plan.py) is not built for V4: every step runs the torch ops."""
+    hf, d = v4
+    llm = LLM(d, **V4)
+    assert llm.model.decode_plan is None and llm.model.backends["decode"] == "ops"
+    assert llm.model.backends["attention"] == llm.model.backends["experts"] == "torch"
     llm.shutdown()
