@@ -138,13 +138,30 @@ def _ropes(raw: dict[str, Any], head_dim: int) -> tuple[int, RopeConfig, RopeCon
     return dim, main, compress
 
 
+def _check_quant(raw: dict[str, Any]) -> None:
+    """DeepSeek-V4's releases: FP8 e4m3 linears with ue8m0 128x128 block scales, routed experts FP4 (e2m1, an e8m0
+    scale per 32) or FP8. The loader dequantises them (engine/model/loader.py); wideep keeps no V4 weight packed."""
+    q = raw.get("quantization_config")
+    if not q:
+        return
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        raise mc.ConfigError(f"config field 'quantization_config.quant_method' must be 'fp8' for DeepSeek-V4, "
+                             f"got {q.get('quant_method') if isinstance(q, dict) else q!r}")
+    for key, allowed in (("fmt", ("e4m3",)), ("scale_fmt", ("ue8m0", "float")), ("expert_dtype", ("fp8", "fp4"))):
+        if q.get(key) is not None and q[key] not in allowed:
+            raise mc.ConfigError(f"config field 'quantization_config.{key}' = {q[key]!r} is not supported "
+                                 f"(supported: {', '.join(allowed)})")
+    block = q.get("weight_block_size", [128, 128])
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise mc.ConfigError(f"config field 'quantization_config.weight_block_size' must be two positive ints, "
+                             f"got {block!r}")
+
+
 def parse_v4(raw: dict[str, Any]) -> "mc.ModelConfig":
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise mc.ConfigError(f"config field 'hidden_act' = {act!r} is not supported (supported: silu)")
-    if raw.get("quantization_config"):
-        raise mc.ConfigError("DeepSeek-V4 checkpoints with a 'quantization_config' (FP8 attention / FP4 experts) are "
-                             "not supported yet: wideep loads DeepSeek-V4 in bf16 / fp32 only")
+    _check_quant(raw)
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         raise mc.ConfigError("DeepSeek-V4 with 'attention_bias' or 'mlp_bias' is not supported (the released models "
                              "have neither)")
