@@ -7,7 +7,7 @@ Legend: W sliding_window, D head_dim, DI index_head_dim, S compressed entries (o
     compressor / index_compressor: the open window (attention_v4/compressor.py's CompressorState)
 
 This is the simple per-sequence layout (tensors grown by concatenation), held by the model's caller;
-`nbytes` is what the sequence holds; growing_bytes / fixed_bytes bound it (the engine admits by them).
+`nbytes` is what the sequence holds; block_bytes / fixed_bytes bound it (the engine admits by them).
 Paged pools per stream are the next step (docs/models.md).
 """
 from __future__ import annotations
@@ -68,6 +68,16 @@ def growing_bytes(cfg: V4AttentionConfig, kind: str, num_tokens: int, elt: int) 
         return 0
     width = cfg.head_dim + (cfg.index_head_dim if kind == "csa" else 0)
     return (num_tokens // m) * width * elt
+
+
+def block_bytes(cfg: V4AttentionConfig, kind: str, block_size: int, elt: int) -> int:
+    """An upper bound of what every `block_size` tokens add to one layer's growing streams:
+    growing_bytes(n) <= block_bytes * ceil(n / block_size) for every n, also when block_size < m (HCA)."""
+    m = cfg.ratio(kind)
+    if not m:
+        return 0
+    width = cfg.head_dim + (cfg.index_head_dim if kind == "csa" else 0)
+    return -(-block_size * width * elt // m)
 
 
 def fixed_bytes(cfg: V4AttentionConfig, kind: str, elt: int) -> int:

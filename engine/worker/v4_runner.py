@@ -3,7 +3,7 @@ them to the model.
 
 The streams are the simple layout (per-sequence tensors), not paged pools yet. Admission still counts their real
 bytes: the block manager's blocks (block_size tokens each) are sized by what a block of tokens adds to the growing
-streams (compressed entries, indexer keys), and what a sequence holds whatever its length (window, compressor
+streams at most (compressed entries, indexer keys), and what a sequence holds whatever its length (window, compressor
 states) is set aside for max_num_seqs sequences before the blocks are counted. A sequence's streams are dropped
 whenever its blocks are freed (preempted: it recomputes them from its tokens; finished; aborted).
 Prefix caching, the KV tiers, disaggregation and fp8 caches are refused with V4 (engine/worker/core.py). A DBO
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from attention_mla.meta import int64_tensor
-from attention_v4.streams import SequenceStreams, V4Meta, fixed_bytes, growing_bytes
+from attention_v4.streams import SequenceStreams, V4Meta, block_bytes, fixed_bytes
 
 from ..sched.scheduler import ScheduledBatch
 from .runner import ModelRunner
@@ -34,7 +34,7 @@ class V4StreamCache:
                  num_blocks: int | None = None):
         v4, elt = model.cfg.v4, torch.empty(0, dtype=model.dtype).element_size()
         self.model, self.block_size = model, block_size
-        self.per_block = sum(growing_bytes(v4.attention, k, block_size, elt) for k in v4.layer_kinds)
+        self.per_block = sum(block_bytes(v4.attention, k, block_size, elt) for k in v4.layer_kinds)
         self.per_seq = sum(fixed_bytes(v4.attention, k, elt) for k in v4.layer_kinds)
         self._elt = elt
         if num_blocks is None:

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attention_v4.streams import V4Meta, fixed_bytes, growing_bytes
+from attention_v4.streams import V4Meta, block_bytes, growing_bytes
 from engine import LLM, SamplingParams
 from tests.oracle import hf_prompt_logprobs
 from tests.oracle_v4 import PRO, YARN, make_v4_model
@@ -63,19 +63,24 @@ def test_preemption_recomputes_the_streams(v4):
 
 
 def test_admission_bounds_the_streams_bytes(v4):
-    """What a sequence's streams hold after n tokens lies between the growing part the blocks count and that
-    plus the fixed part set aside per sequence."""
+    """What a sequence's streams hold after n tokens lies between their growing part and that plus the fixed part
+    set aside per sequence; the blocks n tokens take count at least the growing part (HCA's 16:1 entries too,
+    with blocks of 8 tokens)."""
     hf, d = v4
-    llm = LLM(d, block_size=16, **V4)
+    llm = LLM(d, block_size=8, **V4)
     model, kv = llm.engine.core.model, llm.engine.core.kv
     att, kinds = model.cfg.v4.attention, model.cfg.v4.layer_kinds
-    assert kv.per_block == sum(growing_bytes(att, k, 16, 4) for k in kinds) > 0
+    assert kv.per_block == sum(block_bytes(att, k, 8, 4) for k in kinds) > 0
     for n in (1, 7, 16, 33, 97):
         st = model.new_streams()
         with torch.no_grad():
             model(torch.tensor(PROMPTS[3][:n]), V4Meta.build([n], [st]))
         grow = sum(growing_bytes(att, k, n, 4) for k in kinds)
         assert grow <= st.nbytes() <= grow + kv.per_seq, n
+        assert grow <= kv.per_block * -(-n // 8), n
+    for n in range(1, 200):   # per kind: HCA entries (one per 16 tokens) are counted in blocks of 8
+        for k in set(kinds):
+            assert growing_bytes(att, k, n, 4) <= block_bytes(att, k, 8, 4) * -(-n // 8), (k, n)
     assert kv.num_blocks > 0
     llm.shutdown()
 
