@@ -82,21 +82,25 @@ class V4Attention(nn.Module):
         rotated)."""
         cfg = self.cfg
         W, T = cfg.sliding_window, x.shape[0]
-        keys = torch.cat([st.window, kv])                                       # [w0 + T, D]
-        key_pos = torch.arange(p0 - st.window.shape[0], p0 + T, device=x.device)
+        window = st.window_rows(p0)
+        keys = torch.cat([window, kv])                                          # [w0 + T, D]
+        key_pos = torch.arange(p0 - window.shape[0], p0 + T, device=x.device)
         delta = positions[:, None] - key_pos[None, :]
         visible = (delta >= 0) & (delta < W)                                    # [T, w0 + T]
-        st.window = keys[-(W - 1):] if W > 1 else keys[:0]
+        st.write_window(kv, p0)
         if self.compressor is not None:
-            st.compressed = torch.cat([st.compressed, self.compressor(x, st.compressor, self.rope)])
-            S = st.compressed.shape[0]
+            state = st.load_state("compressor", p0)
+            compressed = st.append_entries("compressed", self.compressor(x, state, self.rope), p0)   # [S, D]
+            st.store_state("compressor", state, p0 + T)
+            S = compressed.shape[0]
             if self.indexer is not None:
-                new_keys = self.indexer.compressor(x, st.index_compressor, self.rope)
-                st.index_keys = torch.cat([st.index_keys, new_keys])
-                seen = self.indexer.select(x, q_lat, st.index_keys, positions, cos, sin, self.rope)
+                state = st.load_state("index_compressor", p0)
+                index_keys = st.append_entries("index_keys", self.indexer.compressor(x, state, self.rope), p0)
+                st.store_state("index_compressor", state, p0 + T)
+                seen = self.indexer.select(x, q_lat, index_keys, positions, cos, sin, self.rope)
             else:
                 seen = (torch.arange(S, device=x.device)[None, :] + 1) * self.compressor.ratio <= positions[:, None] + 1
-            keys = torch.cat([keys, st.compressed])
+            keys = torch.cat([keys, compressed])
             visible = torch.cat([visible, seen], dim=1)
         logits = torch.einsum("tnd,sd->tns", q.float(), keys.float()) * cfg.head_dim ** -0.5
         logits = logits.masked_fill(~visible[:, None, :], float("-inf"))

@@ -6,9 +6,9 @@ Legend: W sliding_window, D head_dim, DI index_head_dim, S compressed entries (o
     index_keys  [S, DI]      CSA: the indexer's compressed keys, entry for entry
     compressor / index_compressor: the open window (attention_v4/compressor.py's CompressorState)
 
-This is the simple per-sequence layout (tensors grown by concatenation), held by the model's caller;
-`nbytes` is what the sequence holds; block_bytes / fixed_bytes bound it (the engine admits by them).
-Paged pools per stream are the next step (docs/models.md).
+This is the dense reference layout (per-sequence tensors grown by concatenation), held by the model's caller;
+`nbytes` is what the sequence holds. The engine keeps the streams in pools instead (attention_v4/paged.py),
+the same interface; this layout is the reference it is tested against.
 """
 from __future__ import annotations
 
@@ -22,7 +22,14 @@ from .config import V4AttentionConfig
 
 @dataclass
 class LayerStreams:
+    """The dense reference: per-sequence tensors grown by concatenation (attention_v4/paged.py has the pools).
+    What the attention calls, for a chunk of T new tokens starting at position p0 (the tokens held so far):
+        window_rows(p0) -> [min(p0, W-1), D] oldest first;  write_window(kv [T, D], p0)
+        load_state(name, p0) -> CompressorState;  store_state(name, state, p0 + T)
+        append_entries(name, new [n, ·], p0) -> every entry so far [p0 // m + n, ·]
+    name: "compressor" / "index_compressor" for states, "compressed" / "index_keys" for entries."""
     window: torch.Tensor
+    sliding_window: int
     compressed: torch.Tensor | None = None
     index_keys: torch.Tensor | None = None
     compressor: CompressorState | None = None
@@ -31,7 +38,7 @@ class LayerStreams:
     @classmethod
     def empty(cls, cfg: V4AttentionConfig, kind: str, device, dtype) -> "LayerStreams":
         D = cfg.head_dim
-        s = cls(torch.zeros(0, D, device=device, dtype=dtype))
+        s = cls(torch.zeros(0, D, device=device, dtype=dtype), cfg.sliding_window)
         if kind != "sliding":
             s.compressed = torch.zeros(0, D, device=device, dtype=dtype)
             s.compressor = CompressorState.empty(2 * D if kind == "csa" else D, device, dtype)
@@ -39,6 +46,23 @@ class LayerStreams:
             s.index_keys = torch.zeros(0, cfg.index_head_dim, device=device, dtype=dtype)
             s.index_compressor = CompressorState.empty(2 * cfg.index_head_dim, device, dtype)
         return s
+
+    def window_rows(self, p0: int) -> torch.Tensor:
+        return self.window
+
+    def write_window(self, kv: torch.Tensor, p0: int) -> None:
+        keep = self.sliding_window - 1
+        self.window = torch.cat([self.window, kv])[-keep:] if keep else self.window
+
+    def load_state(self, name: str, p0: int) -> CompressorState:
+        return getattr(self, name)
+
+    def store_state(self, name: str, state: CompressorState, p_end: int) -> None:
+        pass   # advanced in place
+
+    def append_entries(self, name: str, new: torch.Tensor, p0: int) -> torch.Tensor:
+        setattr(self, name, torch.cat([getattr(self, name), new]))
+        return getattr(self, name)
 
     def nbytes(self) -> int:
         tensors = [t for t in (self.window, self.compressed, self.index_keys) if t is not None]
@@ -48,8 +72,9 @@ class LayerStreams:
 
 @dataclass
 class SequenceStreams:
-    """Every layer's streams of one sequence, and how many of its tokens they hold."""
-    layers: list[LayerStreams]
+    """Every layer's streams of one sequence (LayerStreams, or attention_v4/paged.py's views of the pools), and how
+    many of its tokens they hold."""
+    layers: list
     num_tokens: int = 0
 
     @classmethod
@@ -68,28 +93,6 @@ def growing_bytes(cfg: V4AttentionConfig, kind: str, num_tokens: int, elt: int) 
         return 0
     width = cfg.head_dim + (cfg.index_head_dim if kind == "csa" else 0)
     return (num_tokens // m) * width * elt
-
-
-def block_bytes(cfg: V4AttentionConfig, kind: str, block_size: int, elt: int) -> int:
-    """An upper bound of what every `block_size` tokens add to one layer's growing streams:
-    growing_bytes(n) <= block_bytes * ceil(n / block_size) for every n, also when block_size < m (HCA)."""
-    m = cfg.ratio(kind)
-    if not m:
-        return 0
-    width = cfg.head_dim + (cfg.index_head_dim if kind == "csa" else 0)
-    return -(-block_size * width * elt // m)
-
-
-def fixed_bytes(cfg: V4AttentionConfig, kind: str, elt: int) -> int:
-    """Bytes of one layer's streams a sequence holds at most whatever its length: the window's W-1 rows and the
-    compressor states (open window's kv and gate rows, CSA's last closed window's Ca rows), the indexer's too."""
-    D, DI, m = cfg.head_dim, cfg.index_head_dim, cfg.ratio(kind)
-    total = (cfg.sliding_window - 1) * D
-    if kind == "hca":
-        total += 2 * (m - 1) * D
-    if kind == "csa":   # buffers of width 2D (2DI), previous window's Ca of width D (DI)
-        total += 2 * (m - 1) * 2 * D + 2 * m * D + 2 * (m - 1) * 2 * DI + 2 * m * DI
-    return total * elt
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """DeepSeek-V4's KV streams: bytes per sequence at 8k / 128k / 1M tokens (Flash and Pro shapes, vs DeepSeek-V3.2),
 and the decode attention time per step at 8k and 64k (vs V3.2's DSA) — a report, no target.
 
-Bytes: what the engine admits by (engine/worker/v4_runner.py V4StreamCache: its blocks' bytes for the context
-plus the fixed part it sets aside per sequence), for V4-Flash (43 layers: 2 sliding, then CSA / HCA alternating)
+Bytes: what the engine's pools hold for one sequence (attention_v4/paged.py, as engine/worker/v4_runner.py allocates
+and admits them: a slot plus the blocks of the context, blocks of 64 tokens), for V4-Flash (43 layers: 2 sliding, then CSA / HCA alternating)
 and V4-Pro (61 layers, transformers' default order) in bf16; V3.2 as attention_mla's LatentKVPool allocates it
-(61 layers, latent 576 + indexer key 128). The V4 accounting is checked against the streams a run holds: a
-three-layer model (one sliding, one CSA, one HCA layer at the released attention shapes, hidden 512) prefills
-`--measure` tokens and its streams' bytes are compared with the accounting's per layer kind.
+(61 layers, latent 576 + indexer key 128). A run checks the pools: a three-layer model (one sliding, one CSA, one
+HCA layer at the released attention shapes, hidden 512) prefills `--measure` tokens into the pools and into the
+dense reference: outputs equal, and per kind the pool bytes the sequence holds beside the bytes of its data.
 
 Time: one decode token at context L through one V4 attention layer of each kind at the Flash shape (hidden 4096,
 64 heads of 512, q_lora 1024, 8 groups of 1024, indexer 64 x 128 keeping 512), streams filled with random rows
@@ -75,29 +75,38 @@ def v32_bytes(dtype: torch.dtype) -> dict:
 
 @torch.no_grad()
 def measured(n: int) -> dict:
-    """Prefill n tokens through one attention layer of each kind (released shapes, hidden 512, 2 heads):
-    the bytes their streams hold vs the accounting's, per kind."""
-    from attention_v4.streams import fixed_bytes, growing_bytes
+    """Prefill n tokens through one attention layer of each kind (released shapes, hidden 512, 2 heads) into the
+    engine's pools: per kind, what the sequence holds of them (its slot + its blocks) beside the bytes of the
+    data itself (the dense reference's streams after the same tokens)."""
+    from attention_mla.rope import RotaryEmbedding
+    from attention_v4.paged import PagedSequence, V4Pools
     cfg = v4_config(hidden_size=512, num_attention_heads=2, o_groups=1,
                     layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
     att, kinds = cfg.v4.attention, cfg.v4.layer_kinds
-    from attention_mla.rope import RotaryEmbedding
     rope = {"main": RotaryEmbedding(att.rope_main), "compress": RotaryEmbedding(att.rope_compress)}
     layers = [V4Attention(att, k, rope["main" if k == "sliding" else "compress"]) for k in kinds]
     g = torch.Generator().manual_seed(0)
     for layer in layers:
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    st = SequenceStreams.empty(att, kinds, "cpu", torch.float32)
-    chunk = 1024
+    blocks = -(-n // BLOCK)
+    pools = V4Pools(att, kinds, blocks, BLOCK, 1, "cpu", torch.float32)
+    paged = SequenceStreams(PagedSequence(pools, 0, list(range(blocks))).layers)
+    dense = SequenceStreams.empty(att, kinds, "cpu", torch.float32)
+    chunk, same = 1024, True
     for s in range(0, n, chunk):
         x = torch.randn(min(chunk, n - s), 512, generator=g)
-        meta = V4Meta.build([x.shape[0]], [st])
-        for i, layer in enumerate(layers):
-            layer(x, meta, i)
-        st.num_tokens += x.shape[0]
-    return {k: {"held": st.layers[i].nbytes(), "growing": growing_bytes(att, k, n, 4),
-                "fixed_bound": fixed_bytes(att, k, 4)} for i, k in enumerate(kinds)}
+        for st in (paged, dense):
+            meta = V4Meta.build([x.shape[0]], [st])
+            outs = [layer(x, meta, i) for i, layer in enumerate(layers)]
+            st.num_tokens += x.shape[0]
+            if st is paged:
+                first = outs
+            else:
+                same &= all(torch.equal(a, b) for a, b in zip(first, outs))
+    return {"paged_equals_dense": same,
+            **{k: {"pool_bytes_held": paged.layers[i].nbytes(), "data_bytes": dense.layers[i].nbytes()}
+               for i, k in enumerate(kinds)}}
 
 
 def _fill(att, kind: str, L: int, g) -> LayerStreams:
@@ -173,9 +182,7 @@ def main() -> None:
     print(f"decode ms at {ctxs}: {dec}", file=sys.stderr, flush=True)
     out = {"v4_flash_kv_bytes_128k": by["v4_flash"]["128k"], "v4_pro_kv_bytes_128k": by["v4_pro"]["128k"],
            "v32_kv_bytes_128k": by["v32"]["128k"], "bytes": by, "dtype": "bfloat16", "block_size": BLOCK,
-           "measured": {"tokens": a.measure, "per_kind": meas,
-                        "within_bound": all(v["growing"] <= v["held"] <= v["growing"] + v["fixed_bound"]
-                                            for v in meas.values())},
+           "measured": {"tokens": a.measure, **meas},
            "decode_contexts": ctxs, "decode_ms": dec, "threads": a.threads, "time": "cpu"}
     save("v4_kv", out)
     print(json.dumps(out))

@@ -1,11 +1,11 @@
-"""DeepSeek-V4 in the engine: its per-sequence KV streams (attention_v4/streams.py) and the runner that hands
-them to the model.
+"""DeepSeek-V4 in the engine: its KV streams as pools (attention_v4/paged.py) and the runner that hands each
+sequence's view of them to the model.
 
-The streams are the simple layout (per-sequence tensors), not paged pools yet. Admission still counts their real
-bytes: the block manager's blocks (block_size tokens each) are sized by what a block of tokens adds to the growing
-streams at most (compressed entries, indexer keys), and what a sequence holds whatever its length (window, compressor
-states) is set aside for max_num_seqs sequences before the blocks are counted. A sequence's streams are dropped
-whenever its blocks are freed (preempted: it recomputes them from its tokens; finished; aborted).
+The pools are allocated up front: a slot per sequence (max_num_seqs of them: the window ring, the compressor
+states — what a sequence holds whatever its length) and, per token block of the block manager, the rows of the
+compressed entries and indexer keys its tokens close. Admission counts exactly those bytes: kv_cache_memory
+pays the slots first, the rest is blocks. A sequence takes a slot when it first runs and gives it back whenever
+its blocks are freed (preempted: it recomputes every stream from its tokens; finished; aborted).
 Prefix caching, the KV tiers, disaggregation and fp8 caches are refused with V4 (engine/worker/core.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
 (attention_v4/streams.py V4Meta), and the streams advance once both have run.
@@ -15,15 +15,16 @@ from __future__ import annotations
 import torch
 
 from attention_mla.meta import int64_tensor
-from attention_v4.streams import SequenceStreams, V4Meta, block_bytes, fixed_bytes
+from attention_v4.paged import PagedSequence, V4Pools
+from attention_v4.streams import SequenceStreams, V4Meta
 
 from ..sched.scheduler import ScheduledBatch
 from .runner import ModelRunner
 
 
 class V4StreamCache:
-    """This rank's V4 streams, by request id. Has what the engine reads of a KV cache (block_size, num_blocks,
-    pools (none), bytes_per_token, kv_cache_dtype)."""
+    """This rank's V4 pools and the sequences' views, by request id. Has what the engine reads of a KV cache
+    (block_size, num_blocks, pools (the MLA path's: none), bytes_per_token, kv_cache_dtype)."""
 
     pools: list = []
     index_pools = None
@@ -34,9 +35,8 @@ class V4StreamCache:
                  num_blocks: int | None = None):
         v4, elt = model.cfg.v4, torch.empty(0, dtype=model.dtype).element_size()
         self.model, self.block_size = model, block_size
-        self.per_block = sum(block_bytes(v4.attention, k, block_size, elt) for k in v4.layer_kinds)
-        self.per_seq = sum(fixed_bytes(v4.attention, k, elt) for k in v4.layer_kinds)
-        self._elt = elt
+        self.per_block = V4Pools.bytes_per_block(v4.attention, v4.layer_kinds, block_size, elt)
+        self.per_seq = V4Pools.bytes_per_slot(v4.attention, v4.layer_kinds, block_size, elt)
         if num_blocks is None:
             reserved = max_num_seqs * self.per_seq
             if memory < reserved:
@@ -46,10 +46,14 @@ class V4StreamCache:
             want = max_num_seqs * -(-max_model_len // block_size)
             num_blocks = max(1, min(want, (memory - reserved) // max(self.per_block, 1)))
         self.num_blocks = num_blocks
+        self.kv = V4Pools(v4.attention, v4.layer_kinds, num_blocks, block_size, max_num_seqs, model.device,
+                          model.dtype)
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.streams: dict[str, SequenceStreams] = {}
+        self._slot: dict[str, PagedSequence] = {}
 
     def bytes_per_token(self) -> float:
-        """Growing bytes per token, all layers (the fixed per-sequence part is `per_seq`)."""
+        """Block bytes per token, all layers (a sequence's slot is `per_seq` more)."""
         return self.per_block / self.block_size
 
     def for_seq(self, seq) -> SequenceStreams:
@@ -59,17 +63,26 @@ class V4StreamCache:
             if seq.num_computed:
                 raise RuntimeError(f"request {seq.request_id!r} resumes at token {seq.num_computed} but its "
                                    f"DeepSeek-V4 streams are gone")
-            st = self.streams[seq.request_id] = self.model.new_streams()
+            self.drop(seq)
+            if not self._free_slots:
+                raise RuntimeError(f"no free DeepSeek-V4 stream slot for request {seq.request_id!r}: more than "
+                                   f"{self.kv.num_slots} (max_num_seqs) sequences are running")
+            paged = self._slot[seq.request_id] = PagedSequence(self.kv, self._free_slots.pop(), seq.block_ids)
+            st = self.streams[seq.request_id] = SequenceStreams(paged.layers)
         if st.num_tokens != seq.num_computed:
             raise RuntimeError(f"request {seq.request_id!r}: its streams hold {st.num_tokens} tokens, the scheduler "
                                f"says {seq.num_computed} are computed")
+        self._slot[seq.request_id].block_ids = seq.block_ids   # grown by the scheduler for this step's tokens
         return st
 
     def drop(self, seq) -> None:
         self.streams.pop(seq.request_id, None)
+        paged = self._slot.pop(seq.request_id, None)
+        if paged is not None:
+            self._free_slots.append(paged.slot)
 
     def nbytes(self) -> int:
-        """What the streams hold now (a check of the admission's bound)."""
+        """What the running sequences hold of the pools."""
         return sum(s.nbytes() for s in self.streams.values())
 
     def all_pools(self):

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attention_v4.streams import V4Meta, block_bytes, growing_bytes
+from attention_v4.streams import growing_bytes
 from engine import LLM, SamplingParams
 from tests.oracle import hf_prompt_logprobs
 from tests.oracle_v4 import PRO, YARN, make_v4_model
@@ -62,26 +62,24 @@ def test_preemption_recomputes_the_streams(v4):
     llm.shutdown()
 
 
-def test_admission_bounds_the_streams_bytes(v4):
-    """What a sequence's streams hold after n tokens lies between their growing part and that plus the fixed part
-    set aside per sequence; the blocks n tokens take count at least the growing part (HCA's 16:1 entries too,
-    with blocks of 8 tokens)."""
+def test_admission_counts_the_pools_bytes(v4):
+    """The engine admits by what its pools allocate: kv_cache_memory pays max_num_seqs slots, then blocks; the
+    entries n tokens close always fit the blocks n tokens take (HCA's one per 16 tokens with blocks of 8 too); a
+    sequence holds its slot and its blocks."""
     hf, d = v4
-    llm = LLM(d, block_size=8, **V4)
-    model, kv = llm.engine.core.model, llm.engine.core.kv
-    att, kinds = model.cfg.v4.attention, model.cfg.v4.layer_kinds
-    assert kv.per_block == sum(block_bytes(att, k, 8, 4) for k in kinds) > 0
-    for n in (1, 7, 16, 33, 97):
-        st = model.new_streams()
-        with torch.no_grad():
-            model(torch.tensor(PROMPTS[3][:n]), V4Meta.build([n], [st]))
-        grow = sum(growing_bytes(att, k, n, 4) for k in kinds)
-        assert grow <= st.nbytes() <= grow + kv.per_seq, n
-        assert grow <= kv.per_block * -(-n // 8), n
-    for n in range(1, 200):   # per kind: HCA entries (one per 16 tokens) are counted in blocks of 8
-        for k in set(kinds):
-            assert growing_bytes(att, k, n, 4) <= block_bytes(att, k, 8, 4) * -(-n // 8), (k, n)
-    assert kv.num_blocks > 0
+    memory = 3 << 20
+    llm = LLM(d, block_size=8, max_num_seqs=4, kv_cache_memory=memory, **V4)
+    core = llm.engine.core
+    kv, att, kinds = core.kv, core.model.cfg.v4.attention, core.model.cfg.v4.layer_kinds
+    block = sum(t[0].nbytes for layer in kv.kv.layers for n, t in layer.items() if n in ("compressed", "index_keys"))
+    slot = sum(t[0].nbytes for layer in kv.kv.layers for n, t in layer.items() if n not in ("compressed", "index_keys"))
+    assert (kv.per_block, kv.per_seq) == (block, slot) and block > 0 and slot > 0
+    assert kv.kv.nbytes() == kv.num_blocks * block + 4 * slot <= memory
+    assert kv.num_blocks == min(4 * -(-core.max_model_len // 8), (memory - 4 * slot) // block)
+    for n in range(1, 300):
+        assert sum(growing_bytes(att, k, n, 4) for k in kinds) <= block * -(-n // 8), n
+    out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3 and kv.streams == {} and len(kv._free_slots) == 4
     llm.shutdown()
 
 

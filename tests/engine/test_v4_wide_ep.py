@@ -30,7 +30,8 @@ def _rank_main(model_dir: str, ep: int, dbo: bool = False, eplb: bool = False) -
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, progress=False, enable_prefix_caching=False,
               max_num_batched_tokens=24, parallel={"timeout_s": 60.0},
               dbo={"enabled": dbo, "prefill_token_threshold": 2},
-              eplb={"enabled": eplb, "num_redundant_experts": ep, "window_size": 8, "step_interval": 3})
+              eplb={"enabled": True, "num_redundant_experts": ep, "window_size": 8, "step_interval": 3} if eplb
+              else None)
     llm.model.dispatcher.stats.reset()
     out = {"rank": llm.ctx.rank, "param_bytes": llm.model.param_bytes(), "results": _results(llm.generate(PROMPTS, sp)),
            "stats": llm.model.dispatcher.stats.as_dict(), "split_steps": llm.engine.core.split_steps,
