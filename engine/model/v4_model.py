@@ -101,6 +101,12 @@ class DeepseekV4Model(nn.Module):
         _materialize(self, device)
         for layer in self.layers:   # the router keeps fp32 whatever the model dtype
             layer.ffn.gate.float()
+        if dispatcher is None:   # one process, every expert local
+            from parallel.context import ParallelContext
+            from parallel.dispatch import LocalDispatcher
+            if sh.ep_size != 1:
+                raise ValueError(f"a DeepSeek-V4 model on {sh.ep_size} EP ranks needs its EP group's dispatcher")
+            self.dispatcher = LocalDispatcher(ParallelContext.single(device), sh.num_physical, cfg.hidden_size)
         self.step_ops = [self.op_embed, *(op for layer in self.layers for op in layer.ops()), self.op_final_norm]
         self.decode_plan = None   # the CPU fast path does not take V4 layers (cpu/decode_plan.py)
 
@@ -175,11 +181,6 @@ class DeepseekV4Model(nn.Module):
             raise ValueError("DeepSeek-V4 keeps its KV in the streams of meta: no pools, no per-layer transfer hook")
         if input_ids.shape[0] != sum(meta.lens):
             raise ValueError(f"{input_ids.shape[0]} tokens for chunks of {sum(meta.lens)}")
-        if self.dispatcher is None:
-            from parallel.context import ParallelContext
-            from parallel.dispatch import LocalDispatcher
-            self.dispatcher = LocalDispatcher(ParallelContext.single(self.device), self.cfg.moe.n_routed_experts,
-                                              self.cfg.hidden_size)
         s = OpState(Microbatch(0, input_ids, meta, [], plan, self.dispatcher))
         for op in self.step_ops:
             if op is not YIELD:
