@@ -60,12 +60,13 @@ def v4_config(**kw) -> ModelConfig:
 
 
 def engine_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """-> per-sequence bytes at each context, as V4StreamCache admits them."""
-    kv = V4StreamCache(SimpleNamespace(cfg=cfg, dtype=dtype), None, BLOCK, 1, 1, num_blocks=1)
-    out = {name: kv.per_seq + kv.per_block * -(-n // BLOCK) for name, n in CONTEXTS.items()}
-    out["per_token"] = kv.per_block / BLOCK
-    out["per_sequence_fixed"] = kv.per_seq
-    return out
+    """-> the bytes of the pools the engine allocates for one sequence (one slot) at each context (its blocks),
+    allocated on the meta device (shapes and dtypes, no memory)."""
+    model = SimpleNamespace(cfg=cfg, dtype=dtype, device="meta")
+    out = {name: V4StreamCache(model, None, BLOCK, 1, n, num_blocks=-(-n // BLOCK)).kv.nbytes()
+           for name, n in CONTEXTS.items()}
+    kv = V4StreamCache(model, None, BLOCK, 1, 1, num_blocks=1)
+    return out | {"per_token": kv.per_block / BLOCK, "per_sequence_fixed": kv.per_seq}
 
 
 def v32_bytes(dtype: torch.dtype) -> dict:
