@@ -109,3 +109,20 @@ def test_zero_tokens(models):
     """An idle rank's step: no sequences, no tokens, still every layer's operations (and all-to-alls)."""
     hf, model = models
     assert model(torch.zeros(0, dtype=torch.int64), V4Meta.build([], [])).shape == (0, model.cfg.hidden_size)
+
+
+@torch.no_grad()
+def test_hash_layers_load_is_recorded(models):
+    """EPLB's recorder counts the hash layers' experts too: exactly tid2eid's picks for the tokens."""
+    hf, model = models
+    E = model.cfg.moe.n_routed_experts
+    counts = [torch.zeros(E, dtype=torch.int64) for _ in model.layers]
+    model.routing.record_into(counts)
+    try:
+        ids = torch.tensor(PROMPTS[2])
+        model(ids, V4Meta.build([len(ids)], [model.new_streams()]))
+    finally:
+        model.routing.record_into(None)
+    hashed = model.layers[0].ffn.gate.tid2eid[ids].reshape(-1)
+    assert torch.equal(counts[0], torch.bincount(hashed, minlength=E))
+    assert all(int(c.sum()) == len(ids) * model.cfg.moe.top_k for c in counts)
