@@ -12,7 +12,8 @@ Lo o_lora_rank, W sliding_window, S compressed entries of a sequence.
     out   = wo_b( per group g: wo_a_g o_g )      groups of N/G heads -> Lo each -> H
 
 Sliding layers rotate with the main table, CSA/HCA layers (their compressed entries and indexer too) with
-the compress table. This is the torch reference: one sequence at a time, keys gathered densely.
+the compress table. This is the torch reference: one sequence at a time; the window (and HCA's entries) as one
+key set shared by the chunk's queries with a mask, CSA's entries gathered per query (the indexer's top-k).
 """
 from __future__ import annotations
 
@@ -93,17 +94,32 @@ class V4Attention(nn.Module):
             compressed = st.append_entries("compressed", self.compressor(x, state, self.rope), p0)   # [S, D]
             st.store_state("compressor", state, p0 + T)
             S = compressed.shape[0]
-            if self.indexer is not None:
+            if self.indexer is not None:   # each query reads only the entries the indexer keeps
                 state = st.load_state("index_compressor", p0)
                 index_keys = st.append_entries("index_keys", self.indexer.compressor(x, state, self.rope), p0)
                 st.store_state("index_compressor", state, p0 + T)
-                seen = self.indexer.select(x, q_lat, index_keys, positions, cos, sin, self.rope)
-            else:
-                seen = (torch.arange(S, device=x.device)[None, :] + 1) * self.compressor.ratio <= positions[:, None] + 1
+                top, valid = self.indexer.select(x, q_lat, index_keys, positions, cos, sin, self.rope)   # [T, k]
+                return self._attend(q, keys, visible, compressed[top], valid)
+            seen = (torch.arange(S, device=x.device)[None, :] + 1) * self.compressor.ratio <= positions[:, None] + 1
             keys = torch.cat([keys, compressed])
             visible = torch.cat([visible, seen], dim=1)
-        logits = torch.einsum("tnd,sd->tns", q.float(), keys.float()) * cfg.head_dim ** -0.5
-        logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-        sink = self.attn_sink.float().view(1, -1, 1).expand(T, -1, 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]        # [T, N, S']
-        return torch.einsum("tns,sd->tnd", probs, keys.float()).to(q.dtype)
+        return self._attend(q, keys, visible)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, picked: torch.Tensor | None = None,
+                picked_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, N, D] over keys [S', D] shared by the queries (visible [T, S']) and, for CSA, per query picked
+        entries [T, k, D] (picked_valid [T, k]); the sink takes its share -> o [T, N, D]. K = V."""
+        scale = self.cfg.head_dim ** -0.5
+        logits = torch.einsum("tnd,sd->tns", q.float(), keys.float()) * scale
+        parts = [logits.masked_fill(~visible[:, None], float("-inf"))]
+        if picked is not None:
+            own = torch.einsum("tnd,tkd->tnk", q.float(), picked.float()) * scale
+            parts.append(own.masked_fill(~picked_valid[:, None], float("-inf")))
+        T = q.shape[0]
+        parts.append(self.attn_sink.float().view(1, -1, 1).expand(T, -1, 1))
+        probs = torch.cat(parts, dim=-1).softmax(-1)                            # [T, N, S' (+ k) + 1]
+        S = keys.shape[0]
+        out = torch.einsum("tns,sd->tnd", probs[..., :S], keys.float())
+        if picked is not None:
+            out = out + torch.einsum("tnk,tkd->tnd", probs[..., S:-1], picked.float())
+        return out.to(q.dtype)

@@ -28,18 +28,18 @@ class Indexer(nn.Module):
         self.compressor = Compressor(hidden, head_dim, ratio, True, eps, device=device, dtype=dtype)
 
     def select(self, x: torch.Tensor, q_lat: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+               cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], q_lat [T, Q], keys [S, DI] (every entry so far, this chunk's included), positions [T],
-        cos/sin [T, R/2] (compress table) -> visible [T, S] bool: the entries each query attends to."""
+        cos/sin [T, R/2] (compress table) -> (top [T, k'] entry ids, valid [T, k'] bool): the entries each query
+        attends to, k' = min(k, S); a query with fewer than k' visible entries has the rest not valid."""
         T, S = x.shape[0], keys.shape[0]
         visible = (torch.arange(S, device=x.device)[None, :] + 1) * self.ratio <= positions[:, None] + 1  # [T, S]
         if S == 0:
-            return visible
+            return torch.zeros(T, 0, dtype=torch.int64, device=x.device), visible
         q = apply_rope_tail(self.wq_b(q_lat).view(T, self.heads, self.head_dim), cos, sin, rope)
         w = self.weights_proj(x).float() * self.heads ** -0.5                  # [T, NI]
         dots = torch.einsum("thd,sd->ths", q.float(), keys.float()).relu() * self.head_dim ** -0.5
         scores = (dots * w[:, :, None]).sum(1).masked_fill(~visible, float("-inf"))   # [T, S]
         k = min(self.topk, S)
         top = scores.topk(k, dim=-1).indices                                   # [T, k]
-        chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return chosen & visible
+        return top, visible.gather(1, top)

@@ -2,7 +2,8 @@
 and the decode attention time per step at 8k and 64k (vs V3.2's DSA) — a report, no target.
 
 Bytes: what the engine's pools hold for one sequence (attention_v4/paged.py, as engine/worker/v4_runner.py allocates
-and admits them: a slot plus the blocks of the context, blocks of 64 tokens), for V4-Flash (43 layers: 2 sliding, then CSA / HCA alternating)
+and admits them: a slot plus the blocks of the context, blocks of 64 tokens), for V4-Flash (43 layers: 2 sliding,
+then CSA / HCA alternating)
 and V4-Pro (61 layers, transformers' default order) in bf16; V3.2 as attention_mla's LatentKVPool allocates it
 (61 layers, latent 576 + indexer key 128). A run checks the pools: a three-layer model (one sliding, one CSA, one
 HCA layer at the released attention shapes, hidden 512) prefills `--measure` tokens into the pools and into the

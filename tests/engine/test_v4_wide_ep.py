@@ -1,7 +1,7 @@
 """DeepSeek-V4 with DP attention + EP experts over gloo ranks (2 ranks spawned, 4 under torchrun): every rank's
-tokens and prompt logprobs equal the single process's and transformers'; the hash layers' token ids travel
-with their tokens through the all-to-all; experts sharded 1/ep; an idle rank still enters every all-to-all; DBO on gives the
-same, with EPLB rebalancing too."""
+tokens and prompt logprobs equal the single process's and transformers'; the hash layers route by token id on the
+tokens' own rank, before the all-to-all; experts sharded 1/ep; an idle rank still enters every all-to-all; DBO on
+gives the same, with EPLB rebalancing too."""
 from __future__ import annotations
 
 import pytest
