@@ -23,6 +23,7 @@ class RopeConfig:
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
     interleave: bool = True  # DeepSeek's rope channels are (x0, x1), (x2, x3), ... pairs
+    attention_factor: float | None = None  # YaRN's cos/sin scale when the config fixes it (DeepSeek-V4: 1.0)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -38,7 +38,9 @@ def rope_inv_freq(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
     extrapolation_weight = 1.0 - ramp
     inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
     # cos/sin carry mscale(mscale)/mscale(mscale_all_dim); the softmax scale carries the rest.
-    if cfg.mscale_all_dim:
+    if cfg.attention_factor is not None:
+        attn_factor = cfg.attention_factor
+    elif cfg.mscale_all_dim:
         attn_factor = yarn_mscale(cfg.factor, cfg.mscale) / yarn_mscale(cfg.factor, cfg.mscale_all_dim)
     else:
         attn_factor = yarn_mscale(cfg.factor, cfg.mscale)

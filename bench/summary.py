@@ -167,6 +167,11 @@ ROWS = (
                        f"at 8k context"),
             lambda r: [r["dsa_vs_dense_attention_8k"] <= 0.5]),)),
     Row("FP8 latent KV cache", "—", (Run("kv_fp8", "python bench/kv_fp8.py", _kv_fp8),)),
+    Row("DeepSeek-V4 KV streams", "— (report)", (
+        Run("v4_kv", "python bench/v4_kv.py",
+            lambda r: (f"bytes per sequence at 128k: V4-Flash {n(r['v4_flash_kv_bytes_128k'] / 2**20)} MiB, V4-Pro "
+                       f"{n(r['v4_pro_kv_bytes_128k'] / 2**20)} MiB, V3.2 {n(r['v32_kv_bytes_128k'] / 2**20)} MiB; "
+                       f"pools equal the dense streams: {'yes' if r['measured']['paged_equals_dense'] else 'NO'}")),)),
     Row("continuous vs static batching", "3×", (
         Run("serving", "python bench/serving.py",
             lambda r: (f"{n(r['ratio'])}× throughput, {n(r['step_ratio'])}× fewer steps "

@@ -49,6 +49,8 @@ class PrefillHooks(RankHooks):
         self._t0 = 0.0
 
     def attach(self, core) -> None:
+        if core.config.v4 is not None:
+            raise ValueError("disaggregated prefill/decode does not transfer DeepSeek-V4's KV streams yet")
         self.core = core
 
     # -- admission ----------------------------------------------------------------------------------

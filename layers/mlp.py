@@ -7,13 +7,18 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None, linear=nn.Linear):
+    def __init__(self, hidden: int, intermediate: int, device=None, dtype=None, linear=nn.Linear,
+                 limit: float | None = None):
         """linear: nn.Linear or a class with its signature (a backend's, layers/kernels.py; or
-        moe.fp8_linear.Fp8Linear.factory)."""
+        moe.fp8_linear.Fp8Linear.factory). limit: DeepSeek-V4's clamped SwiGLU (gate <= limit, |up| <= limit)."""
         super().__init__()
+        self.limit = limit
         self.gate_proj = linear(hidden, intermediate, bias=False, device=device, dtype=dtype)
         self.up_proj = linear(hidden, intermediate, bias=False, device=device, dtype=dtype)
         self.down_proj = linear(intermediate, hidden, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return self.down_proj(F.silu(gate) * up)

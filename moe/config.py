@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")   # sqrtsoftplus: sqrt(softplus(logit)), DeepSeek-V4
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,11 @@ class MoEConfig:
     scoring_func: str = "softmax"
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
+    swiglu_limit: float | None = None   # DeepSeek-V4: gate clamped to <= limit, up to [-limit, limit] (all experts)
 
     def __post_init__(self) -> None:
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ValueError(f"swiglu_limit must be > 0 or None, got {self.swiglu_limit!r}")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method {self.topk_method!r} is not supported (supported: {TOPK_METHODS})")
         if self.scoring_func not in SCORING_FUNCS:

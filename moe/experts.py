@@ -12,6 +12,7 @@ With `fp8_block` the weights stay float8_e4m3fn as the checkpoint stores them, w
 scales w13_scale_inv [El, 2*ceil(I/br), ceil(H/bc)] (gate's rows, then up's) and
 w2_scale_inv [El, ceil(H/br), ceil(I/bc)]; the torch forwards dequantise per call (slow, for
 checking), the kernels apply the scales per tile.
+`limit` (DeepSeek-V4's clamped SwiGLU: gate <= limit, |up| <= limit) runs on the torch forwards only.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ class Experts(nn.Module):
 
     def __init__(self, num_local: int, hidden: int, intermediate: int, device=None, dtype=None,
                  fp8_block: tuple[int, int] | None = None, backend: str = "grouped", deepgemm=None,
-                 kernels: Kernels = NATIVE):
+                 kernels: Kernels = NATIVE, limit: float | None = None):
         """backend: one of BACKENDS (moe/backend.py resolves the user's choice); deepgemm: the probed
         moe.deepgemm.DeepGemmApi when backend is "deepgemm"; kernels: the backend's table (its experts
         kernel for "cpu")."""
@@ -52,7 +53,7 @@ class Experts(nn.Module):
                                                           **f32), requires_grad=False)
             self.w2_scale_inv = nn.Parameter(torch.empty(num_local, -(-hidden // br), -(-intermediate // bc), **f32),
                                              requires_grad=False)
-        self.deepgemm, self.kernels = deepgemm, kernels
+        self.deepgemm, self.kernels, self.limit = deepgemm, kernels, limit
         self.backend = backend
 
     @property
@@ -62,6 +63,9 @@ class Experts(nn.Module):
     @backend.setter
     def backend(self, name: str) -> None:
         """Binds the forward (at construction; tests switch a built module to compare forwards)."""
+        if self.limit is not None and name not in ("reference", "grouped"):
+            raise ValueError(f"experts backend {name!r} has no clamped SwiGLU (swiglu_limit {self.limit}): "
+                             f"use 'reference' or 'grouped' (torch)")
         if name == "cpu" and self.kernels.experts is None:
             raise ValueError("experts backend 'cpu' needs a kernel table with an experts kernel (layers/kernels.py)")
         self._forward = {"reference": self.forward_reference, "grouped": self.forward_grouped, "cpu": self.forward_cpu,
@@ -75,6 +79,11 @@ class Experts(nn.Module):
         return dequantize_experts_fp8(self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv,
                                       self.fp8_block, dtype)
 
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return F.silu(gate) * up
+
     def forward_reference(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """For-loop over experts and their (row, slot) hits; the readable baseline."""
         w13, w2 = self.dense_weights(x.dtype)
@@ -84,7 +93,7 @@ class Experts(nn.Module):
             if rows.numel() == 0:
                 continue
             gate, up = F.linear(x[rows], w13[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[rows, slots, None].to(x.dtype)
+            y = F.linear(self._act(gate, up), w2[e]) * topk_weights[rows, slots, None].to(x.dtype)
             out.index_add_(0, rows, y)
         return out
 
@@ -112,14 +121,14 @@ class Experts(nn.Module):
             padded = x.new_zeros(self.num_local, max_count, self.hidden)
             padded[sorted_ids, within] = xs
             gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
-            ys = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[sorted_ids, within]   # [M, H]
+            ys = torch.bmm(self._act(gate, up), w2.transpose(1, 2))[sorted_ids, within]   # [M, H]
         else:
             ys = torch.empty_like(xs)
             start = 0
             for e, n in enumerate(counts_host):
                 if n:
                     gate, up = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
-                    torch.mm(F.silu(gate) * up, w2[e].t(), out=ys[start:start + n])
+                    torch.mm(self._act(gate, up), w2[e].t(), out=ys[start:start + n])
                     start += n
         ys *= topk_weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)

@@ -5,6 +5,9 @@ Legend: T tokens, H hidden, E logical experts, k top-k, G groups (n_group).
 - group_limited_greedy (DeepSeek-V2): keep the topk_group groups with the highest max score.
 - noaux_tc (DeepSeek-V3): groups ranked by the sum of their top-2 (score + e_score_correction_bias);
   the bias steers *selection* only; weights come from the unbiased scores.
+- hash (DeepSeek-V4's first layers): the k experts of a token are a frozen table's, tid2eid[token id] [V, k];
+  the scores still weight them.
+Scores: softmax, sigmoid, or sqrtsoftplus (sqrt(softplus(logit)), DeepSeek-V4).
 Weights are renormalised over the k chosen when norm_topk_prob, then times routed_scaling_factor.
 Routing runs in fp32 whatever the model dtype. A backend's route kernel (layers/kernels.py), when it
 has one, is the forward (the CPU backend's: the whole router in one call instead of ~15 ops).
@@ -20,27 +23,46 @@ from .config import MoEConfig
 
 
 class Gate(nn.Module):
-    def __init__(self, cfg: MoEConfig, device=None, kernels: Kernels = NATIVE):
+    def __init__(self, cfg: MoEConfig, device=None, kernels: Kernels = NATIVE, hash_vocab: int | None = None):
+        """hash_vocab: route by token id through a tid2eid table [hash_vocab, k] (filled by the checkpoint)."""
         super().__init__()
         self.cfg, self.kernel = cfg, kernels.route
         E, H = cfg.n_routed_experts, cfg.hidden_size
         self.weight = nn.Parameter(torch.empty(E, H, device=device, dtype=torch.float32))
-        if cfg.topk_method == "noaux_tc":
+        self.register_buffer("tid2eid", None)
+        if hash_vocab is not None:
+            if self.kernel is not None:
+                raise ValueError("a hash-routed gate takes no route kernel (the kernel table's routes by scores)")
+            self.register_buffer("tid2eid", torch.zeros(hash_vocab, cfg.top_k, device=device, dtype=torch.int64))
+            self.e_score_correction_bias = None
+        elif cfg.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(torch.zeros(E, device=device, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> topk_ids [T, k] int64 (logical), topk_weights [T, k] fp32."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (, input_ids [T] for a hash-routed gate) -> topk_ids [T, k] int64 (logical), topk_weights [T, k]
+        fp32."""
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.e_score_correction_bias, self.cfg)
-        return self.forward_native(x)
+        return self.forward_native(x, input_ids)
 
-    def forward_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_native(self, x: torch.Tensor, input_ids: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         logits = x.float() @ self.weight.t()                                   # [T, E]
-        scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+        if cfg.scoring_func == "softmax":
+            scores = logits.softmax(-1)
+        elif cfg.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = torch.nn.functional.softplus(logits).sqrt()
         choice = scores
+        if self.tid2eid is not None:
+            if input_ids is None:
+                raise ValueError("a hash-routed gate needs the tokens' ids")
+            topk_ids = self.tid2eid[input_ids]                                 # [T, k]
+            return self._weights(scores, topk_ids)
         if cfg.topk_method != "greedy" and cfg.n_group > 1:
             T = x.shape[0]
             if self.e_score_correction_bias is not None:
@@ -56,6 +78,10 @@ class Gate(nn.Module):
         elif self.e_score_correction_bias is not None:
             choice = scores + self.e_score_correction_bias
         topk_ids = choice.topk(cfg.top_k, dim=-1).indices                      # [T, k]
+        return self._weights(scores, topk_ids)
+
+    def _weights(self, scores: torch.Tensor, topk_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
         topk_weights = scores.gather(1, topk_ids)
         if cfg.norm_topk_prob:
             topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)

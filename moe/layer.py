@@ -65,20 +65,23 @@ class ExpertShard:
 class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, device=None, dtype=None,
                  fp8_block: tuple[int, int] | None = None, linear=nn.Linear, experts_backend: str = "grouped",
-                 deepgemm=None, kernels: Kernels = NATIVE, routing: LayerRouting | None = None):
+                 deepgemm=None, kernels: Kernels = NATIVE, routing: LayerRouting | None = None,
+                 hash_vocab: int | None = None):
         """fp8_block: routed experts keep fp8 weights in these blocks; linear: the shared experts' class;
         experts_backend, deepgemm: the routed experts' forward (moe/experts.py; resolved by moe/backend.py);
         kernels: the backend's table (layers/kernels.py) for the router and the experts. routing: this
-        layer's placement and load counters (the model's ExpertRouting; default: the identity, not recording)."""
+        layer's placement and load counters (the model's ExpertRouting; default: the identity, not recording).
+        hash_vocab: the gate routes by token id (moe/gate.py; the microbatch's input_ids travel to it)."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ExpertShard(cfg.n_routed_experts)
-        self.gate = Gate(cfg, device=device, kernels=kernels)
+        self.gate = Gate(cfg, device=device, kernels=kernels, hash_vocab=hash_vocab)
         self.experts = Experts(self.shard.num_local, cfg.hidden_size, cfg.moe_intermediate_size,
                                device=device, dtype=dtype, fp8_block=fp8_block, backend=experts_backend,
-                               deepgemm=deepgemm, kernels=kernels)
+                               deepgemm=deepgemm, kernels=kernels, limit=cfg.swiglu_limit)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                   device=device, dtype=dtype, linear=linear) if cfg.n_shared_experts else None)
+                                   device=device, dtype=dtype, linear=linear, limit=cfg.swiglu_limit)
+                               if cfg.n_shared_experts else None)
         self.routing = routing or LayerRouting(self.shard.layout.slots(self.shard.ep_rank))
 
     @property
@@ -96,9 +99,11 @@ class MoELayer(nn.Module):
         """[P] int64 tokens per physical slot, added in place by route(); None = not recording."""
         return self.routing.load_counts
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> physical topk_ids [T, k], topk_weights [T, k] (recorded for EPLB when on)."""
-        topk_ids, topk_weights = self.gate(x)                                  # [T, k] logical
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (, input_ids [T]: a hash-routed gate's) -> physical topk_ids [T, k], topk_weights [T, k]
+        (recorded for EPLB when on, hash layers too)."""
+        topk_ids, topk_weights = (self.gate(x) if self.gate.tid2eid is None
+                                  else self.gate(x, input_ids))                # [T, k] logical
         r = self.routing
         if r.expert_map is not None:
             topk_ids = r.expert_map(topk_ids)                                  # [T, k] physical
@@ -115,7 +120,7 @@ class MoELayer(nn.Module):
                 self.op_combine_wait]
 
     def op_route(self, s: OpState) -> None:
-        topk_ids, topk_weights = self.route(s.peek("mlp_in"))
+        topk_ids, topk_weights = self.route(s.peek("mlp_in"), s.inputs.input_ids)
         s.put(topk_ids=topk_ids, topk_weights=topk_weights)
 
     def op_dispatch_start(self, s: OpState) -> None:

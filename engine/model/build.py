@@ -15,7 +15,7 @@ from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
 
 from .model_config import ModelConfig
-from .loader import CheckpointReader, expert_ignore, load_weights, text_model_rename
+from .loader import CheckpointReader, expert_ignore, load_weights, text_model_rename, v4_ignore, v4_rename
 from .model import DeepseekModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -57,6 +57,9 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     (cpu/kernels.py), with its decode plan (cpu/decode_plan.py; fuse_decode_stack: its whole-stack
     call); torch ops otherwise."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
+    if cfg.v4 is not None:
+        return _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num_redundant_experts, eplb,
+                        experts_backend, attention_backend, kv_cache_dtype, dispatch_options)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
                                        cfg.moe.moe_intermediate_size) if cfg.moe is not None
@@ -96,4 +99,37 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     if kernels.name == "cpu":   # the CPU decode streams the weights: 2 MiB pages stream faster (cpu/huge_pages.py)
         from cpu.huge_pages import collapse_module
         model.huge_page_bytes = collapse_module(model)
+    return model.eval()
+
+
+def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num_redundant_experts, eplb,
+             experts_backend, attention_backend, kv_cache_dtype, dispatch_options):
+    """DeepSeek-V4 (engine/model/v4_model.py): torch attention and experts only, no fp8 cache, no CPU fast path."""
+    from .v4_model import DeepseekV4Model
+    if attention_backend not in ("auto", "torch"):
+        raise ValueError(f"DeepSeek-V4 attention runs on the torch backend only, not attention_backend "
+                         f"{attention_backend!r}")
+    if experts_backend not in ("auto", "torch"):
+        raise ValueError(f"DeepSeek-V4 experts (clamped SwiGLU) run on the torch backend only, not experts_backend "
+                         f"{experts_backend!r}")
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported with DeepSeek-V4 yet (its KV streams "
+                         f"are kept in the model dtype)")
+    eplb = EplbConfig.coerce(eplb)
+    ep_rank, ep_size = (ctx.ep_rank, ctx.ep_size) if ctx is not None else (0, 1)
+    E = cfg.moe.n_routed_experts
+    num_physical = E + eplb.validate(ep_size, E, num_redundant_experts)
+    L = cfg.num_hidden_layers
+    placement = (Placement.load(eplb.initial_placement, L, E, num_physical) if eplb.initial_placement
+                 else Placement.initial(L, E, num_physical))
+    shard = ExpertShard(num_physical, ep_rank, ep_size) if ep_size > 1 or num_physical != E else None
+    dispatcher = make_dispatcher(ctx or ParallelContext.single(device), num_physical, cfg.hidden_size,
+                                 dispatch_backend, dtype=dtype, **(dispatch_options or {}))
+    model = DeepseekV4Model(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher)
+    placement.install(model.routing, ep_rank, ep_size, model.device)
+    model.placement = placement
+    reader = CheckpointReader(model_dir, rename=v4_rename)
+    model.load_report = load_weights(reader, model.checkpoint_targets(), ignore=v4_ignore(model.owns_expert),
+                                     progress=progress)
+    model.copy_local_replicas()
     return model.eval()

@@ -2,8 +2,10 @@
 
 Legend: E routed experts, Im moe_intermediate_size, H hidden. Names are HF tensor names
 (`model.layers.3.mlp.experts.7.gate_proj.weight`). FP8 checkpoints store a linear weight as
-float8_e4m3fn plus a sibling `<name>_scale_inv` [ceil(rows/br), ceil(cols/bc)]; the reader
-dequantises on `get` unless fp8 itself is asked for.
+float8_e4m3fn plus a sibling `<name>_scale_inv` [ceil(rows/br), ceil(cols/bc)] (fp32, or e8m0 as DeepSeek-V4
+stores it); an FP4 weight (DeepSeek-V4's routed experts, moe/fp4.py) as int8 pairs [rows, cols/2] with e8m0
+scales per 1x32 block. The reader dequantises on `get` unless fp8 itself is asked for, and `shape` is the
+dequantised one.
 
 The model decides what it wants: `load_weights` gets `targets` {name -> destination tensor} (a
 destination may be a view into a stacked parameter, e.g. w13[e, :Im] for expert e's gate_proj) and
@@ -25,6 +27,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from moe.fp4 import PACKED_DTYPES, dequantize_fp4, scale_to_float
 from moe.fp8 import FP8_DTYPE, dequantize_fp8_block
 
 log = logging.getLogger("wideep.loader")
@@ -59,6 +62,36 @@ def text_model_rename(name: str) -> str | None:
     if name.startswith(OTHER_MODALITIES):
         return None
     return name
+
+
+_V4_TOP = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight", "hc_head.hc_fn": "hc_head_fn",
+           "hc_head.hc_base": "hc_head_base", "hc_head.hc_scale": "hc_head_scale"}
+
+
+def v4_rename(name: str) -> str:
+    """A DeepSeek-V4 checkpoint's tensor name -> DeepSeek's own spelling (`layers.3.attn.wq_a.weight`, `embed.weight`).
+    transformers 5.24 saves V4 in DeepSeek's layer names under a `model.` prefix, with its own names for the
+    embedding and the final hyper-connection head; DeepSeek's checkpoints are already canonical, except that the block
+    scales of an FP8/FP4 weight `X.weight` are `X.scale` there (the reader's `X.weight_scale_inv` here)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.endswith(".scale"):   # DeepSeek's block scales of `X.weight` are `X.scale`
+        return name[:-len("scale")] + "weight" + SCALE_SUFFIX
+    return _V4_TOP.get(name, name)
+
+
+def v4_ignore(owned: Callable[[int, int], bool]) -> Callable[[str], bool]:
+    """ignore predicate for a DeepSeek-V4 checkpoint: other ranks' experts (`layers.{i}.ffn.experts.{e}.*`) and the
+    multi-token-prediction module (`mtp.*`, loaded by the speculative-decoding work, not here)."""
+    expert = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")
+
+    def ignore(name: str) -> bool:
+        if name.startswith("mtp."):
+            return True
+        m = expert.match(name)
+        return m is not None and not owned(int(m.group(1)), int(m.group(2)))
+
+    return ignore
 
 
 class CheckpointReader:
@@ -134,20 +167,28 @@ class CheckpointReader:
         return self._file_of[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.file_of(name)).get_slice(self._stored.get(name, name)).get_shape())
+        sl = self._handle(self.file_of(name)).get_slice(self._stored.get(name, name))
+        shape = tuple(sl.get_shape())
+        if sl.get_dtype() in ("I8", "U8") and name + SCALE_SUFFIX in self._file_of:   # FP4 pairs
+            shape = shape[:-1] + (2 * shape[-1],)
+        return shape
+
+    def _scale(self, name: str) -> torch.Tensor:
+        scale_name = name + SCALE_SUFFIX
+        if scale_name not in self._file_of:
+            raise CheckpointError(f"{name!r} is quantised but the checkpoint has no {scale_name!r} to dequantise it with")
+        return scale_to_float(self._handle(self._file_of[scale_name]).get_tensor(self._stored.get(scale_name,
+                                                                                                 scale_name)))
 
     def get(self, name: str, dtype: torch.dtype, block_size: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor in `dtype`. An fp8 weight is dequantised with `<name>_scale_inv`; asking for
         `dtype=float8_e4m3fn` returns the stored fp8 values untouched (load the scale separately)."""
         t = self._handle(self.file_of(name)).get_tensor(self._stored.get(name, name))
+        if t.dtype in PACKED_DTYPES and dtype.is_floating_point:
+            return dequantize_fp4(t, self._scale(name), dtype)
         if t.dtype != FP8_DTYPE or dtype == FP8_DTYPE:
             return t.to(dtype)
-        scale_name = name + SCALE_SUFFIX
-        if scale_name not in self._file_of:
-            raise CheckpointError(f"{name!r} is float8_e4m3fn but the checkpoint has no {scale_name!r} "
-                                  f"to dequantise it with")
-        scale = self._handle(self._file_of[scale_name]).get_tensor(self._stored.get(scale_name, scale_name))
-        return dequantize_fp8_block(t, scale, block_size or self.block_size, dtype)
+        return dequantize_fp8_block(t, self._scale(name), block_size or self.block_size, dtype)
 
 
 @dataclass(frozen=True)

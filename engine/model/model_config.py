@@ -1,6 +1,7 @@
 """Model config parsed from a HF `config.json`: DeepSeek-V2/V3 (Kimi-K2, Moonlight use V3), DeepSeek-V3.2
-(V3 + DeepSeek Sparse Attention), GLM-4.x-MoE-lite (MLA + V3-style routing) and Kimi-K2.5 (a V3 text
-model under a multimodal config's `text_config`; wideep serves the text part)."""
+(V3 + DeepSeek Sparse Attention), GLM-4.x-MoE-lite (MLA + V3-style routing), Kimi-K2.5 (a V3 text
+model under a multimodal config's `text_config`; wideep serves the text part) and DeepSeek-V4 (not MLA:
+v4_config.py parses it into `v4`, with `mla` None)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,20 +15,15 @@ from moe.config import MoEConfig
 
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "v2", "DeepseekV3ForCausalLM": "v3", "DeepseekV32ForCausalLM": "v32",
                  "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "KimiK25ForConditionalGeneration": "kimi_k25",
-                 "Kimi_K25ForConditionalGeneration": "kimi_k25"}   # the second spelling is transformers'
+                 "Kimi_K25ForConditionalGeneration": "kimi_k25",   # the second spelling is transformers'
+                 "DeepseekV4ForCausalLM": "v4"}
 MODEL_TYPES = {"deepseek_v2": "v2", "deepseek_v3": "v3", "kimi_k2": "v3", "deepseek_v32": "v32",
-               "glm4_moe_lite": "glm4_moe_lite", "kimi_k25": "kimi_k25"}
+               "glm4_moe_lite": "glm4_moe_lite", "kimi_k25": "kimi_k25", "deepseek_v4": "v4"}
 V3_ROUTING = ("v3", "v32", "glm4_moe_lite")         # sigmoid + noaux_tc when the config does not say
 FIRST_DENSE_DEFAULT = {"v32": 3, "glm4_moe_lite": 1}  # transformers' defaults (mlp_layer_types)
-# Configs that name these get an error that says why, not the generic "not supported".
-OUT_OF_SCOPE = {
-    "deepseek_v4": "DeepSeek-V4 (DeepseekV4ForCausalLM) is not supported yet: its attention is not MLA over one "
-                   "latent cache but sliding-window plus compressed sparse (CSA) and heavily compressed (HCA) "
-                   "attention over KV compressed along the sequence, with manifold-constrained hyper-connections "
-                   "in place of the residual stream and hash-routed MoE layers; wideep's paged latent cache, "
-                   "attention and layer operations model none of these",
-}
-OUT_OF_SCOPE_ARCHS = {"DeepseekV4ForCausalLM": "deepseek_v4"}
+# Configs that name these get an error that says why, not the generic "not supported" (none at present).
+OUT_OF_SCOPE: dict[str, str] = {}
+OUT_OF_SCOPE_ARCHS: dict[str, str] = {}
 
 
 class ConfigError(ValueError):
@@ -42,7 +38,7 @@ class QuantConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str  # the text model: "v2" | "v3" | "v32" | "glm4_moe_lite"
+    arch: str  # the text model: "v2" | "v3" | "v32" | "glm4_moe_lite" | "v4"
     vocab_size: int
     hidden_size: int
     intermediate_size: int  # dense MLP layers
@@ -52,7 +48,7 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    mla: MLAConfig
+    mla: MLAConfig | None  # None for DeepSeek-V4 (its attention is `v4.attention`)
     moe: MoEConfig | None  # None: a dense model (n_routed_experts null)
     quant: QuantConfig | None
     num_nextn_predict_layers: int = 0
@@ -61,6 +57,7 @@ class ModelConfig:
     dsa: DSAConfig | None = None        # DeepSeek Sparse Attention (V3.2): every layer's MLA gets an indexer
     mlp_layer_types: tuple[str, ...] | None = None   # "dense" | "sparse" per layer when config.json lists them
     wrapper: str | None = None          # "kimi_k25": the checkpoint is a multimodal model's, text under a prefix
+    v4: "V4Config | None" = None        # DeepSeek-V4's attention kinds, hash layers, hyper-connections (v4_config.py)
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.moe is None:
@@ -94,6 +91,8 @@ class ModelConfig:
         arch = _arch(raw)
         if arch == "kimi_k25":
             return _parse_kimi_k25(raw)
+        if arch == "v4":
+            return parse_v4(raw)
         return _parse(raw, arch)
 
 
@@ -282,3 +281,6 @@ def _parse(raw: dict[str, Any], arch: str) -> ModelConfig:
         num_nextn_predict_layers=_int(raw, "num_nextn_predict_layers", 0, lo=0) or 0,
         eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id"),
         dsa=_dsa(raw, rope_dim, q_lora) if arch == "v32" else None, mlp_layer_types=mlp_types)
+
+
+from .v4_config import V4Config, parse_v4  # noqa: E402  (v4_config reads this module's helpers at call time)

@@ -35,7 +35,10 @@ class PrefixMatch:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, store=None,
-                 log: HeldLog | None = None):
+                 log: HeldLog | None = None, on_free=None):
+        """on_free(seq): called whenever a sequence's blocks are freed (preempted, finished, aborted): a cache that
+        keeps more than the blocks per sequence (DeepSeek-V4's streams, engine/worker/v4_runner.py) drops it."""
+        self.on_free = on_free
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -170,6 +173,8 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_ids)
         seq.block_ids, seq.block_hashes = [], []
+        if self.on_free is not None:
+            self.on_free(seq)
 
     # -- what the rank holds -------------------------------------------------------------------------
     def holds(self, h: int) -> bool:

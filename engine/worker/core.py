@@ -29,6 +29,7 @@ from ..sched.scheduler import Scheduler
 from ..sched.sequence import Sequence
 from .messages import NewRequest
 from .runner import ModelRunner
+from .v4_runner import V4Runner, V4StreamCache
 from .step_sync import StepSync
 
 
@@ -65,6 +66,18 @@ def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
     return ParallelContext.single("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def refuse_v4(cfg: EngineConfig) -> None:
+    """What the engine does not do with DeepSeek-V4's KV streams yet: an error now, not wrong tokens later."""
+    why = [(cfg.enable_prefix_caching, "prefix caching (pass enable_prefix_caching=False, "
+                                       "--no-enable-prefix-caching)"),
+           (bool(cfg.kv_cache.tiers), f"the host/disk KV tiers (kv_cache.tiers {list(cfg.kv_cache.tiers)})"),
+           (cfg.kv_cache_dtype != "auto", f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the "
+                                          f"model dtype)")]
+    bad = [w for on, w in why if on]
+    if bad:
+        raise ValueError("DeepSeek-V4 does not support " + "; ".join(bad) + " yet")
+
+
 def _is_decode(num_tokens: list[int]) -> bool:
     """A step of decodes only (one token per sequence): the DBO auto switch times these apart."""
     return bool(num_tokens) and all(n == 1 for n in num_tokens)
@@ -74,6 +87,8 @@ class EngineCore:
     def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True):
         self.cfg = cfg
         mcfg = self.config = ModelConfig.from_dir(cfg.model)
+        if mcfg.v4 is not None:
+            refuse_v4(cfg)
         self.ctx = ctx = ctx if ctx is not None else connect(cfg, mcfg)
         if not ctx.is_single:
             from parallel import check_agreement, fingerprint
@@ -101,7 +116,8 @@ class EngineCore:
         self.kv = self._kv_cache(device)
         log = HeldLog(enabled=cfg.enable_prefix_caching and cfg.kv_cache.routing == "kv_aware")
         self.store = self._kv_store(log) if cfg.kv_cache.tiers else None
-        self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.store, log)
+        self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.store, log,
+                                   on_free=self.kv.drop if mcfg.v4 is not None else None)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         overlap, self.auto = None, None
         if cfg.dbo.enabled and mcfg.moe is not None:
@@ -110,7 +126,7 @@ class EngineCore:
             if cfg.dbo.enabled == "auto":
                 from dbo.auto import AutoSwitch
                 self.auto = AutoSwitch()
-        self.runner = ModelRunner(self.model, self.kv, overlap)
+        self.runner = (ModelRunner if mcfg.v4 is None else V4Runner)(self.model, self.kv, overlap)
         self.runner.grammars = lambda: self.grammars
         self.split_steps = 0
         self._nodes_seen = self._nodes_step = None   # routing histograms: cumulative, and of the last step
@@ -136,8 +152,11 @@ class EngineCore:
         world = ctx.world_size if ctx is not None else None
         return cls(EngineConfig.from_options(model, world_size=world, **options), ctx, progress)
 
-    def _kv_cache(self, device) -> LatentKVPool:
+    def _kv_cache(self, device) -> LatentKVPool | V4StreamCache:
         cfg, mcfg, dt = self.cfg, self.config, self.model.dtype
+        if mcfg.v4 is not None:
+            return V4StreamCache(self.model, cfg.kv_cache_memory, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
+                                 cfg.kv_cache_blocks)
         index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
         fp8 = latent_layout(cfg.kv_cache_dtype, mcfg.mla.kv_lora_rank, mcfg.mla.qk_rope_head_dim, dt)
         blocks = cfg.kv_cache_blocks

@@ -1,5 +1,5 @@
 """config.json of DeepSeek-V3.2, GLM-4.x-MoE-lite and Kimi-K2.5 (as published and as transformers writes
-them), DeepSeek-V4 refused with the reason, every bad field named; the loader reads a multimodal
+them), every bad field named (DeepSeek-V4's: tests/engine/test_v4_config.py); the loader reads a multimodal
 checkpoint's text model under either prefix and never its vision tower; make-tiny for each arch."""
 from __future__ import annotations
 
@@ -86,14 +86,6 @@ def test_bad_kimi_k25_configs(edit, match):
     c.update(edit)
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_dict(c)
-
-
-@pytest.mark.parametrize("raw", [{"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"},
-                                 {"model_type": "deepseek_v4"}, {"architectures": ["DeepseekV4ForCausalLM"]}])
-def test_deepseek_v4_is_refused_with_the_reason(raw):
-    with pytest.raises(ConfigError, match=r"DeepSeek-V4 \(DeepseekV4ForCausalLM\) is not supported yet: its attention "
-                                          r"is not MLA over one latent cache.*hyper-connections.*hash-routed MoE"):
-        ModelConfig.from_dict(dict(tiny_config("v3"), **raw))
 
 
 def test_text_model_rename():

@@ -1,0 +1,125 @@
+"""DeepSeek-V4 attention: one core for sliding-window, CSA and HCA layers (attention_v4/config.py).
+
+Legend: T tokens of the step, H hidden, N heads, D head_dim, R rope dim, Q q_lora_rank, G o_groups,
+Lo o_lora_rank, W sliding_window, S compressed entries of a sequence.
+
+    q_lat = q_norm(wq_a x)                       [T, Q]   (also the indexer's input)
+    q     = rope(rmsnorm_per_head(wq_b q_lat))   [T, N, D]  (unweighted norm; rope on the trailing R channels)
+    kv    = rope(norm(wkv x))                    [T, D]   one head, used as both K and V
+    keys  = the sequence's last W raw kv (window) ++ its compressed entries (CSA: only the indexer's top-k)
+    o     = softmax([q.keys * D^-1/2, sink_h]) without the sink column @ keys        [T, N, D]
+    o     = rope^-1(o)   (the rope slice of V carried rotation; undo it at the query's position)
+    out   = wo_b( per group g: wo_a_g o_g )      groups of N/G heads -> Lo each -> H
+
+Sliding layers rotate with the main table, CSA/HCA layers (their compressed entries and indexer too) with
+the compress table. This is the torch reference: one sequence at a time; the window (and HCA's entries) as one
+key set shared by the chunk's queries with a mask, CSA's entries gathered per query (the indexer's top-k).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention_mla.rope import RotaryEmbedding
+from layers import RMSNorm
+
+from .compressor import Compressor, apply_rope_tail
+from .config import V4AttentionConfig
+from .indexer import Indexer
+from .streams import LayerStreams, V4Meta
+
+
+def unweighted_rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+class V4Attention(nn.Module):
+    """Parameters as DeepSeek's checkpoints name them: wq_a, q_norm, wq_b, wkv, norm, wo_a, wo_b, attn_sink,
+    compressor (CSA/HCA), indexer (CSA)."""
+
+    def __init__(self, cfg: V4AttentionConfig, kind: str, rope: RotaryEmbedding, device=None, dtype=None):
+        super().__init__()
+        self.cfg, self.kind, self.rope = cfg, kind, rope
+        H, N, D, Q, G = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.wq_a = nn.Linear(H, Q, **kw)
+        self.q_norm = RMSNorm(Q, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.wq_b = nn.Linear(Q, N * D, **kw)
+        self.wkv = nn.Linear(H, D, **kw)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.wo_a = nn.Linear(N * D // G, G * cfg.o_lora_rank, **kw)   # G blocks [Lo, N*D/G], stacked
+        self.wo_b = nn.Linear(G * cfg.o_lora_rank, H, **kw)
+        self.attn_sink = nn.Parameter(torch.empty(N, device=device, dtype=torch.float32))
+        ratio = cfg.ratio(kind)
+        self.compressor = (Compressor(H, D, ratio, kind == "csa", cfg.rms_norm_eps, device=device, dtype=dtype)
+                           if ratio else None)
+        self.indexer = (Indexer(H, Q, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, ratio, cfg.rms_norm_eps,
+                                device=device, dtype=dtype) if kind == "csa" else None)
+
+    def forward(self, x: torch.Tensor, meta: V4Meta, layer: int) -> torch.Tensor:
+        """x [T, H] (the step's tokens, sequences one after another) -> [T, H]; each sequence's streams of
+        this layer (meta.streams[i].layers[layer]) take its new tokens."""
+        cfg = self.cfg
+        T, N, D = x.shape[0], cfg.num_heads, cfg.head_dim
+        max_pos = max(meta.ctx_lens) - 1 if meta.lens else 0
+        cos, sin = self.rope.cos_sin(meta.positions, max_position=max_pos)     # [T, R/2]
+        q_lat = self.q_norm(self.wq_a(x))                                       # [T, Q]
+        q = apply_rope_tail(unweighted_rmsnorm(self.wq_b(q_lat).view(T, N, D), cfg.rms_norm_eps), cos, sin, self.rope)
+        kv = apply_rope_tail(self.norm(self.wkv(x)), cos, sin, self.rope)      # [T, D]
+        out = torch.empty_like(q)
+        for start, n, p0, seq in zip(meta.starts, meta.lens, meta.first, meta.streams):
+            s = slice(start, start + n)
+            out[s] = self._sequence(x[s], q_lat[s], q[s], kv[s], meta.positions[s], p0, cos[s], sin[s],
+                                    seq.layers[layer])
+        out = apply_rope_tail(out, cos, -sin, self.rope)                        # undo V's rotation
+        G = cfg.o_groups
+        grouped = out.reshape(T, G, N * D // G).transpose(0, 1)                 # [G, T, N*D/G]
+        w = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)                       # [G, Lo, N*D/G]
+        low = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, G * cfg.o_lora_rank)   # [T, G*Lo]
+        return self.wo_b(low)
+
+    def _sequence(self, x, q_lat, q, kv, positions, p0: int, cos, sin, st: LayerStreams) -> torch.Tensor:
+        """One sequence's T new tokens at positions p0.. ([T]): q [T, N, D], kv [T, D] -> o [T, N, D] (still
+        rotated)."""
+        cfg = self.cfg
+        W, T = cfg.sliding_window, x.shape[0]
+        window = st.window_rows(p0)
+        keys = torch.cat([window, kv])                                          # [w0 + T, D]
+        key_pos = torch.arange(p0 - window.shape[0], p0 + T, device=x.device)
+        delta = positions[:, None] - key_pos[None, :]
+        visible = (delta >= 0) & (delta < W)                                    # [T, w0 + T]
+        st.write_window(kv, p0)
+        if self.compressor is not None:
+            state = st.load_state("compressor", p0)
+            compressed = st.append_entries("compressed", self.compressor(x, state, self.rope), p0)   # [S, D]
+            st.store_state("compressor", state, p0 + T)
+            S = compressed.shape[0]
+            if self.indexer is not None:   # each query reads only the entries the indexer keeps
+                state = st.load_state("index_compressor", p0)
+                index_keys = st.append_entries("index_keys", self.indexer.compressor(x, state, self.rope), p0)
+                st.store_state("index_compressor", state, p0 + T)
+                top, valid = self.indexer.select(x, q_lat, index_keys, positions, cos, sin, self.rope)   # [T, k]
+                return self._attend(q, keys, visible, compressed[top], valid)
+            seen = (torch.arange(S, device=x.device)[None, :] + 1) * self.compressor.ratio <= positions[:, None] + 1
+            keys = torch.cat([keys, compressed])
+            visible = torch.cat([visible, seen], dim=1)
+        return self._attend(q, keys, visible)
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, picked: torch.Tensor | None = None,
+                picked_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, N, D] over keys [S', D] shared by the queries (visible [T, S']) and, for CSA, per query picked
+        entries [T, k, D] (picked_valid [T, k]); the sink takes its share -> o [T, N, D]. K = V."""
+        scale = self.cfg.head_dim ** -0.5
+        logits = torch.einsum("tnd,sd->tns", q.float(), keys.float()) * scale
+        parts = [logits.masked_fill(~visible[:, None], float("-inf"))]
+        if picked is not None:
+            own = torch.einsum("tnd,tkd->tnk", q.float(), picked.float()) * scale
+            parts.append(own.masked_fill(~picked_valid[:, None], float("-inf")))
+        T = q.shape[0]
+        parts.append(self.attn_sink.float().view(1, -1, 1).expand(T, -1, 1))
+        probs = torch.cat(parts, dim=-1).softmax(-1)                            # [T, N, S' (+ k) + 1]
+        S = keys.shape[0]
+        out = torch.einsum("tns,sd->tnd", probs[..., :S], keys.float())
+        if picked is not None:
+            out = out + torch.einsum("tnk,tkd->tnd", probs[..., S:-1], picked.float())
+        return out.to(q.dtype)

@@ -1,0 +1,195 @@
+"""DeepSeek-V4 decoder assembled from attention_v4/ (sliding / CSA / HCA attention), layers/ (RMSNorm,
+hyper-connections) and moe/ (sqrtsoftplus or hash-routed MoE with clamped SwiGLU, through the dispatcher).
+
+Legend: T tokens in the step (sequences flattened), n hc_mult, H hidden, V vocab.
+Per layer, on n residual streams x [T, n, H]:
+    attention:  pre, post, comb = hc_attn(x);  x = post * attn(attn_norm(collapse(x, pre))) + comb^T x
+    MoE:        pre, post, comb = hc_ffn(x);   x = post * moe(ffn_norm(collapse(x, pre))) + comb^T x
+then  hidden = norm(hc_head(x)),  logits = head(hidden). The embedding starts all n streams equal.
+Every layer is MoE; hash layers route by the token ids, which travel in the microbatch (dbo/state.py).
+
+Parameter names are DeepSeek's checkpoint names (embed, layers.i.attn.wq_a, ffn.experts.e.w1, ...), except the
+hyper-connections' (layers.i.hc_attn.fn for hc_attn_fn), the gate bias (gate.e_score_correction_bias for
+gate.bias) and the stacked experts: `checkpoint_targets` maps them.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention_mla.rope import RotaryEmbedding
+from attention_v4.attention import V4Attention
+from attention_v4.streams import SequenceStreams, V4Meta
+from dbo.schedule import YIELD
+from dbo.state import Microbatch, OpState
+from layers import RMSNorm
+from layers.hyper_connection import HyperConnection, HyperHead
+from moe.backend import ExpertsChoice
+from moe.layer import ExpertShard, MoELayer
+from parallel.expert_routing import ExpertRouting
+from parallel.step_plan import StepPlan
+
+from .model import _materialize, _skip_init
+from .model_config import ModelConfig
+
+CARRY = ("x",)   # what one layer hands the next: the residual streams [T, n, H]
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rope: dict[str, RotaryEmbedding], shard, experts: ExpertsChoice,
+                 routing, device=None, dtype=None):
+        super().__init__()
+        v4, H = cfg.v4, cfg.hidden_size
+        self.index, self.kind = layer, v4.layer_kinds[layer]
+        hc = dict(n=v4.hc_mult, sinkhorn_iters=v4.hc_sinkhorn_iters, eps=v4.hc_eps, norm_eps=cfg.rms_norm_eps,
+                  device=device)
+        self.hc_attn, self.hc_ffn = HyperConnection(H, **hc), HyperConnection(H, **hc)
+        self.attn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.attn = V4Attention(v4.attention, self.kind, rope["main" if self.kind == "sliding" else "compress"],
+                                device=device, dtype=dtype)
+        self.ffn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.ffn = MoELayer(cfg.moe, shard, device=device, dtype=dtype, experts_backend=experts.backend,
+                            routing=routing, hash_vocab=cfg.vocab_size if v4.hash_layers[layer] else None)
+
+    def ops(self) -> list:
+        return [self.op_attention, *self.ffn.ops(), self.op_residual]
+
+    def op_attention(self, s: OpState) -> None:
+        x = s.take("x")
+        pre, post, comb = self.hc_attn.weights(x)
+        out = self.attn(self.attn_norm(HyperConnection.collapse(x, pre)), s.inputs.meta, self.index)
+        x = HyperConnection.expand(x, out, post, comb)
+        pre, post, comb = self.hc_ffn.weights(x)
+        s.put(streams=x, hc_post=post, hc_comb=comb, mlp_in=self.ffn_norm(HyperConnection.collapse(x, pre)))
+
+    def op_residual(self, s: OpState) -> None:
+        s.put(x=HyperConnection.expand(s.take("streams"), s.take("mlp_out"), s.take("hc_post"), s.take("hc_comb")))
+        s.end_layer(self.index, CARRY)
+
+
+class DeepseekV4Model(nn.Module):
+    """One rank's DeepSeek-V4: `shard` (this rank's experts) and `dispatcher` serve the MoE layers as in
+    engine/model/model.py; everything else is replicated. The forward is `step_ops` on an OpState per
+    microbatch; the attention's per-sequence streams come in the step's V4Meta (attention_v4/streams.py)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 shard: ExpertShard | None = None, dispatcher=None, experts: ExpertsChoice | None = None):
+        super().__init__()
+        if cfg.v4 is None:
+            raise ValueError(f"DeepseekV4Model needs a DeepSeek-V4 config, got arch {cfg.arch!r}")
+        experts = experts or ExpertsChoice("grouped", keep_fp8=False)
+        if experts.backend not in ("grouped", "reference"):
+            raise ValueError(f"DeepSeek-V4 runs its experts on the torch backend only (clamped SwiGLU), "
+                             f"not {experts.backend!r}")
+        self.cfg, self.dtype, self.shard, self.dispatcher = cfg, dtype, shard, dispatcher
+        self.placement = None
+        sh = shard or ExpertShard(cfg.moe.n_routed_experts)
+        self.routing = ExpertRouting(cfg.num_hidden_layers, list(sh.layout.slots(sh.ep_rank)))
+        self.backends = {"experts": "torch", "fp8_weights": False, "attention": "torch", "kernels": "torch",
+                         "decode": "ops"}
+        att = cfg.v4.attention
+        self.rope = {"main": RotaryEmbedding(att.rope_main, device=device),
+                     "compress": RotaryEmbedding(att.rope_compress, device=device)}
+        H, n = cfg.hidden_size, cfg.v4.hc_mult
+        with torch.device("meta"), _skip_init():
+            self.embed = nn.Embedding(cfg.vocab_size, H, dtype=dtype)
+            self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, self.rope, shard, experts, self.routing.layers[i],
+                                                       dtype=dtype) for i in range(cfg.num_hidden_layers))
+            self.hc_head = HyperHead(H, n, cfg.v4.hc_eps, cfg.rms_norm_eps)
+            self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
+            self.head = None if cfg.tie_word_embeddings else nn.Linear(H, cfg.vocab_size, bias=False, dtype=dtype)
+        _materialize(self, device)
+        for layer in self.layers:   # the router keeps fp32 whatever the model dtype
+            layer.ffn.gate.float()
+        if dispatcher is None:   # one process, every expert local
+            from parallel.context import ParallelContext
+            from parallel.dispatch import LocalDispatcher
+            if sh.ep_size != 1:
+                raise ValueError(f"a DeepSeek-V4 model on {sh.ep_size} EP ranks needs its EP group's dispatcher")
+            self.dispatcher = LocalDispatcher(ParallelContext.single(device), sh.num_physical, cfg.hidden_size)
+        self.step_ops = [self.op_embed, *(op for layer in self.layers for op in layer.ops()), self.op_final_norm]
+        self.decode_plan = None   # the CPU fast path does not take V4 layers (cpu/decode_plan.py)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_streams(self) -> SequenceStreams:
+        """An empty sequence's streams, every layer's."""
+        return SequenceStreams.empty(self.cfg.v4.attention, self.cfg.v4.layer_kinds, self.device, self.dtype)
+
+    # -- checkpoint ----------------------------------------------------------------------------------
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        """DeepSeek checkpoint name -> destination tensor (a view for stacked experts)."""
+        targets: dict[str, torch.Tensor] = {}
+        for name, t in [*self.named_parameters(), *self.named_buffers()]:
+            if ".ffn.experts.w" in name:
+                continue
+            for ours, theirs in ((".hc_attn.", ".hc_attn_"), (".hc_ffn.", ".hc_ffn_"), ("hc_head.", "hc_head_"),
+                                 (".gate.e_score_correction_bias", ".gate.bias")):
+                name = name.replace(ours, theirs)
+            targets[name] = t.data
+        for i, layer in enumerate(self.layers):
+            ex, I = layer.ffn.experts, layer.ffn.experts.intermediate
+            for slot, e in enumerate(layer.ffn.local_phy2log):
+                pre = f"layers.{i}.ffn.experts.{e}."
+                if pre + "w2.weight" in targets:
+                    continue   # a second local replica: copy_local_replicas fills it
+                targets |= {pre + "w1.weight": ex.w13.data[slot, :I], pre + "w3.weight": ex.w13.data[slot, I:],
+                            pre + "w2.weight": ex.w2.data[slot]}
+        for i, layer in enumerate(self.layers):   # the shared expert: w1 / w3 / w2 as DeepSeek names them
+            for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+                targets[f"layers.{i}.ffn.shared_experts.{theirs}.weight"] = targets.pop(
+                    f"layers.{i}.ffn.shared_experts.{ours}.weight")
+        return targets
+
+    def owns_expert(self, layer: int, expert: int) -> bool:
+        return layer < len(self.layers) and expert in self.layers[layer].ffn.local_phy2log
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [layer.ffn for layer in self.layers]
+
+    @torch.no_grad()
+    def copy_local_replicas(self) -> None:
+        for moe in self.moe_layers():
+            first: dict[int, int] = {}
+            for slot, e in enumerate(moe.local_phy2log):
+                if e in first:
+                    for p in moe.experts.parameters():
+                        p.data[slot] = p.data[first[e]]
+                first.setdefault(e, slot)
+
+    def param_bytes(self) -> dict[str, int]:
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        experts = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if ".ffn.experts." in n)
+        return {"total": total, "experts": experts}
+
+    # -- forward -------------------------------------------------------------------------------------
+    def op_embed(self, s: OpState) -> None:
+        e = self.embed(s.inputs.input_ids)                                      # [T, H]
+        s.put(x=e[:, None, :].expand(-1, self.cfg.v4.hc_mult, -1).contiguous())
+
+    def op_final_norm(self, s: OpState) -> None:
+        s.put(hidden=self.norm(self.hc_head(s.take("x"))))
+
+    def forward(self, input_ids: torch.Tensor, meta: V4Meta, kv_pools=(), plan: StepPlan = StepPlan(), on_layer=None,
+                index_pools=None) -> torch.Tensor:
+        """input_ids [T] -> final-normed hidden states [T, H]. meta: the step's sequences and their streams,
+        which take the new tokens (num_tokens advances). The streams are the cache: kv_pools / index_pools (the
+        MLA models' pools, as the runner passes them) must be empty; on_layer (disaggregation) is refused."""
+        if kv_pools or index_pools or on_layer is not None:
+            raise ValueError("DeepSeek-V4 keeps its KV in the streams of meta: no pools, no per-layer transfer hook")
+        if input_ids.shape[0] != sum(meta.lens):
+            raise ValueError(f"{input_ids.shape[0]} tokens for chunks of {sum(meta.lens)}")
+        s = OpState(Microbatch(0, input_ids, meta, [], plan, self.dispatcher))
+        for op in self.step_ops:
+            if op is not YIELD:
+                op(s)
+        for seq, n in zip(meta.streams, meta.lens):
+            seq.num_tokens += n
+        return s.result("hidden")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> logits [n, V] fp32."""
+        w = self.embed.weight if self.head is None else self.head.weight
+        return (hidden @ w.t()).float()

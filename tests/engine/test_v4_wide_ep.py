@@ -1,0 +1,91 @@
+"""DeepSeek-V4 with DP attention + EP experts over gloo ranks (2 ranks spawned, 4 under torchrun): every rank's
+tokens and prompt logprobs equal the single process's and transformers'; the hash layers route by token id on the
+tokens' own rank, before the all-to-all; experts sharded 1/ep; an idle rank still enters every all-to-all; DBO on
+gives the same, with EPLB rebalancing too."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.oracle import hf_prompt_logprobs
+from tests.oracle_v4 import make_v4_model
+from tests.parallel.spawn import spawn
+
+pytest.importorskip("transformers")
+
+# 3 prompts on 4 ranks leaves one idle; lengths 2 .. 90 (11 windows)
+PROMPTS = [[3, 17, 42, 99, 5, 150, 23, 8, 64, 11, 190, 7], [5, 6], [100 + (i * 7) % 90 for i in range(90)]]
+MAX_TOKENS = 8
+
+
+def _results(outs) -> list[dict]:
+    return [{"tokens": o.outputs[0].token_ids,
+             "prompt_lp": [o.prompt_logprobs[j][o.prompt_token_ids[j]] for j in range(1, len(o.prompt_token_ids))]}
+            for o in outs]
+
+
+def _rank_main(model_dir: str, ep: int, dbo: bool = False, eplb: bool = False) -> dict:
+    from engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True)
+    llm = LLM(model_dir, dp_size=ep, ep_size=ep, progress=False, enable_prefix_caching=False,
+              max_num_batched_tokens=24, parallel={"timeout_s": 60.0},
+              dbo={"enabled": dbo, "prefill_token_threshold": 2},
+              eplb={"enabled": True, "num_redundant_experts": ep, "window_size": 8, "step_interval": 3} if eplb
+              else None)
+    llm.model.dispatcher.stats.reset()
+    out = {"rank": llm.ctx.rank, "param_bytes": llm.model.param_bytes(), "results": _results(llm.generate(PROMPTS, sp)),
+           "stats": llm.model.dispatcher.stats.as_dict(), "split_steps": llm.engine.core.split_steps,
+           "rebalances": llm.engine.core.eplb.metrics["rebalances"] if eplb else 0}
+    llm.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from engine import LLM, SamplingParams
+    d = str(tmp_path_factory.mktemp("v4_wide_ep"))
+    hf = make_v4_model(d, n_routed_experts=8, num_experts_per_tok=2)
+    with torch.no_grad():
+        hf_res = [{"tokens": hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                         do_sample=False)[0, len(p):].tolist(),
+                   "prompt_lp": hf_prompt_logprobs(hf, p).tolist()} for p in PROMPTS]
+    llm = LLM(d, progress=False, enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True)
+    single = _results(llm.generate(PROMPTS, sp))
+    bytes_ = llm.model.param_bytes()
+    llm.shutdown()
+    return d, hf_res, single, bytes_
+
+
+def _check(ranks, ep, hf, single, single_bytes, calls: bool = True):
+    for r in ranks:
+        for g, s, h in zip(r["results"], single, hf, strict=True):
+            assert g["tokens"] == s["tokens"] == h["tokens"]
+            ours = torch.tensor(g["prompt_lp"])
+            assert (ours - torch.tensor(s["prompt_lp"])).abs().max() < 1e-4
+            assert (ours - torch.tensor(h["prompt_lp"])).abs().max() < 1e-4
+        assert r["param_bytes"]["experts"] * ep == single_bytes["experts"] or not calls   # EPLB: redundant slots
+        assert r["stats"]["dispatch_calls"] > 0 or not calls
+    assert len({r["stats"]["dispatch_calls"] for r in ranks}) == 1, "every rank entered every all-to-all"
+
+
+@pytest.mark.multirank
+def test_v4_on_2_ep_ranks(reference):
+    d, hf, single, single_bytes = reference
+    _check(spawn(_rank_main, 2, args=(d, 2), timeout_s=300), 2, hf, single, single_bytes)
+
+
+@pytest.mark.multirank
+def test_v4_on_2_ep_ranks_with_dbo_and_eplb(reference):
+    """EPLB rebalances while serving (the hash layers' experts move too: their load is recorded like the others')."""
+    d, hf, single, single_bytes = reference
+    ranks = spawn(_rank_main, 2, args=(d, 2, True, True), timeout_s=300)
+    assert all(r["split_steps"] > 0 and r["rebalances"] > 0 for r in ranks)
+    _check(ranks, 2, hf, single, single_bytes, calls=False)   # the microbatches have their own dispatchers
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_v4_on_4_ep_ranks_under_torchrun(reference):
+    d, hf, single, single_bytes = reference
+    _check(spawn(_rank_main, 4, args=(d, 4), timeout_s=400, launcher="torchrun"), 4, hf, single, single_bytes)
