@@ -1,4 +1,4 @@
-/* The absorbed MLA decode over the paged latent cache, float32 or packed fp8 rows (cpu/layers.py
+/* The absorbed MLA decode over the paged latent cache, float32, bfloat16 or packed fp8 rows (cpu/layers.py
    mla_decode): read through the block table, never gathered. */
 #include "wideep.h"
 
@@ -25,8 +25,9 @@ static inline float e4m3(uint8_t b, float scale) {
 }
 
 /* Rows [first, first + n) of a packed fp8 pool (attention_mla/fp8_cache.py: W bytes a row, e4m3 c [C],
-   float32 scales at soff, one per `group` values, fp32 k_pe [D - C] at roff) as floats kb [n, D]. */
-static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
+   float32 scales at soff, one per `group` values, k_pe [D - C] at roff, float32 or, rdt WD_BF16, bfloat16)
+   as floats kb [n, D]. */
+static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t rdt, int64_t group,
                              int64_t C, int64_t D, int64_t first, int64_t n, float *kb) {
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *r = pool8 + (first + i) * W;
@@ -39,7 +40,26 @@ static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int6
             for (; c + 16 <= g + group; c += 16) st(o + c, e4m3x16(r + c, bc(sg)));
             for (; c < g + group; c++) o[c] = e4m3(r[c], sg);
         }
-        memcpy(o + C, r + roff, (D - C) * sizeof(float));
+        if (rdt == WD_BF16)
+            for (int64_t c = 0; c < D - C; c++) {
+                uint16_t b;
+                memcpy(&b, r + roff + 2 * c, 2);
+                o[C + c] = from_bf16(b);
+            }
+        else
+            memcpy(o + C, r + roff, (D - C) * sizeof(float));
+    }
+    return kb;
+}
+
+/* Rows [first, first + n) of a bfloat16 pool [S, D] widened to floats kb [n, D] (exact) */
+static const float *bf16_rows(const uint16_t *pool, int64_t D, int64_t first, int64_t n, float *kb) {
+    int64_t D16 = D & ~(int64_t)15;
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *r = pool + (first + i) * D;
+        float *o = kb + i * D;
+        for (int64_t c = 0; c < D16; c += 16) st(o + c, ld_bf16(r + c));
+        for (int64_t c = D16; c < D; c++) o[c] = from_bf16(r[c]);
     }
     return kb;
 }
@@ -68,9 +88,11 @@ PV_TILE(4, 4) PV_TILE(4, 1) PV_TILE(1, 4) PV_TILE(1, 1)
    over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
    p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. pool8 (else NULL): the cache is packed fp8
    rows instead of pool, and each block is dequantised into kb [bs, D] as it is read, once for the
-   scores and once for the output. Returns 0, or -1 (nothing computed) when a
+   scores and once for the output; a bfloat16 pool (pdt WD_BF16) is widened through kb the same way
+   (16 rows at a time). Returns 0, or -1 (nothing computed) when a
    length is outside 1 .. max_len or a block id it needs is outside the pool. */
-int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool, int64_t num_blocks,
+int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const void *pool, int64_t pdt,
+                   int64_t num_blocks,
                    const int64_t *table, int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs,
                    float scale, float *out, float *scratch, const uint8_t *pool8, int64_t W, int64_t soff,
                    int64_t roff, int64_t group, float *kb) {
@@ -86,10 +108,11 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
         const float *qb = q + b * Nh * D;
         float *ob = out + b * Nh * C, *sc = scratch;
         /* rows j0 .. j0 + n - 1 (never past their block): in place, or dequantised into kb (in L1) */
-#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, group, C, D, table[b * max_blocks + (j0) / bs] * bs \
-                                      + (j0) % bs, n, kb) : pool + (table[b * max_blocks + (j0) / bs] * bs + (j0) % bs) * D)
+#define ROW0(j0) (table[b * max_blocks + (j0) / bs] * bs + (j0) % bs)
+#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, pdt, group, C, D, ROW0(j0), n, kb)                      \
+                     : pdt == WD_BF16 ? bf16_rows(pool, D, ROW0(j0), n, kb) : (const float *)pool + ROW0(j0) * D)
 #define CHUNK(j0) (L - (j0) < step - (j0) % step ? L - (j0) : step - (j0) % step)
-        int64_t step = pool8 && bs > FP8_ROWS ? FP8_ROWS : bs;
+        int64_t step = (pool8 || pdt == WD_BF16) && bs > FP8_ROWS ? FP8_ROWS : bs;
         for (int64_t j0 = 0; j0 < L; j0 += CHUNK(j0)) linear(qb, D, ROWS(j0, CHUNK(j0)), D, sc + j0, L, Nh, CHUNK(j0), D);
         for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
             float *s = sc + n * L, mx = -INFINITY, sum = 0;
@@ -126,6 +149,7 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
                     for (int64_t c = C16; c < C; c++) ob[n * C + c] += sc[n * L + j] * blk[(j - j0) * D + c];
         }
 #undef ROWS
+#undef ROW0
 #undef CHUNK
         for (int64_t n = 0; n < Nh; n++)
             for (int64_t c = 0; c < C; c++) ob[n * C + c] *= inv[n];
@@ -134,7 +158,7 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
 }
 
 int64_t wd_mla_decode(const wd_mla_decode_args *a) {
-    return mla_decode(a->q, a->B, a->Nh, a->D, a->C, a->pool, a->num_blocks, a->table, a->max_blocks, a->lens,
+    return mla_decode(a->q, a->B, a->Nh, a->D, a->C, a->pool, a->pdt, a->num_blocks, a->table, a->max_blocks, a->lens,
                       a->max_len, a->bs, a->scale, a->out, a->scratch, a->pool8, a->W, a->soff, a->roff, a->group,
                       a->kb);
 }
