@@ -40,8 +40,8 @@ def _ref_x(x: torch.Tensor, dot: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 9, 33, 70])
-@pytest.mark.parametrize("N,K", [(1, 1), (3, 17), (5, 31), (37, 33), (64, 100), (130, 257)])
-def test_linear_bf16_weights(dot, M, N, K):
+@pytest.mark.parametrize("N,K", [(1, 1), (3, 17), (5, 31), (37, 33), (64, 100), (130, 257), (2051, 1031)])
+def test_linear_bf16_weights(dot, M, N, K):   # 2051 x 1031: past ROWS4_MIN (gemm_bf16dp.c) with 1-3 rows too
     torch.manual_seed(M * 1000 + N + K)
     x, w = torch.randn(M, K), torch.randn(N, K).to(BF)
     got = gemm.linear(x, w)
