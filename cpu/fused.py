@@ -56,11 +56,10 @@ def mla_layer_weights(in_norm, post_norm, mla) -> MlaWeights:
 
 
 def mla_layer_buffer(w: MlaWeights, T: int, max_len: int) -> int:
-    """Floats of scratch mla_layer needs for T tokens and contexts of up to max_len (the last 16 (C+R): a
-    bfloat16 cache's rows widened)."""
+    """Floats of scratch mla_layer needs for T tokens and contexts of up to max_len."""
     D = w.C + w.R
     return (T * (2 * w.H + w.Q + w.N * (w.dn + w.R) + 2 * D + w.R + w.N * w.R + w.N * D + w.N * w.C + w.N * w.dv)
-            + w.N * (max_len + 1) + 16 * D)
+            + w.N * (max_len + 1))
 
 
 def f32_rows(t: torch.Tensor, rows: int, cols: int) -> bool:

@@ -94,9 +94,6 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     if fp8 is None:
         check_float("kv_pool", kv_pool, 2)
         width, fp8_args = D, dict(pdt=WDT[kv_pool.dtype])
-        if kv_pool.dtype == torch.bfloat16:   # widened 16 rows at a time (FP8_ROWS) as they are read
-            kb = torch.empty(min(block_size, 16) * D)
-            fp8_args["kb"] = kb.data_ptr()
     else:
         if kv_pool.dtype != torch.uint8 or kv_pool.dim() != 2 or kv_pool.shape[1] != fp8.row_bytes or kv_pool.is_cuda \
                 or (fp8.kv_lora_rank, fp8.kv_lora_rank + fp8.rope_dim) != (kv_lora_rank, D) or fp8.rope_dtype not in WDT:

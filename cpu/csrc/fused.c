@@ -9,9 +9,8 @@
    The layer's weights and sizes in a struct made once (cpu/fused.py MlaWeights): wq is q_b_proj
    [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj [N (dn+dv), C];
    wuk_t [N, C, dn] apart (MLA.w_uk_t, made again when kv_b_proj changes). buf: T (2H + Q + N(dn+R) +
-   2(C+R) + R + NR + N(C+R) + NC + N dv) + N (max_len + 1) + 16 (C+R) floats. The weights (and W_UK^T)
-   of dtype w->wdt, the pool of dtype pdt (a bfloat16 pool is written rounded to nearest even, read
-   widened through the last 16 (C+R) floats of buf). Returns 0; -1 (mla_decode's: a length or block id
+   2(C+R) + R + NR + N(C+R) + NC + N dv) + N (max_len + 1) floats. The weights (and W_UK^T) of dtype
+   w->wdt, the pool of dtype pdt (a bfloat16 pool is written rounded to nearest even). Returns 0; -1 (mla_decode's: a length or block id
    out of range, nothing attended); -2 - t when token t's slot is outside the pool's S rows (nothing
    written). */
 static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float *x, int64_t T, const float *cos,
@@ -25,7 +24,7 @@ static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float
         if (slots[t] < 0 || slots[t] >= S) return -2 - t;
     float *xn = buf, *qa = xn + T * H, *q = qa + T * Q, *kv = q + T * N * dq, *lat = kv + T * D,
           *kpe = lat + T * D, *qpe = kpe + T * R, *qabs = qpe + T * N * R, *olat = qabs + T * N * D,
-          *o = olat + T * N * C, *y = o + T * N * dv, *msc = y + T * H, *kb = msc + N * (max_len + 1);
+          *o = olat + T * N * C, *y = o + T * N * dv, *msc = y + T * H;
     rmsnorm(x, H, w->in_w, wdt, xn, H, T, H, w->in_eps);
     if (Q) {
         linear_w(xn, H, w->wqa, wdt, H, qa, Q, T, Q, H);
@@ -48,7 +47,7 @@ static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float
     bmm_nt(N, q, dq, N * dq, wuk_t, wdt, C * dn, dn, qabs, D, N * D, T, C, dn);   /* q_nope W_UK per head */
     for (int64_t t = 0; t < T * N; t++) memcpy(qabs + t * D + C, qpe + t * R, R * sizeof(float));
     int64_t rc = mla_decode(qabs, T, N, D, C, pool, pdt, S / bs, table, max_blocks, lens, max_len, bs, w->scale, olat,
-                            msc, NULL, 0, 0, 0, 0, kb);
+                            msc, NULL, 0, 0, 0, 0, NULL);
     if (rc) return rc;
     bmm_nt(N, olat, C, N * C, (const char *)w->wkvb + dn * C * esz, wdt, (dn + dv) * C, C, o, dv, N * dv, T, dv,
            C);   /* W_UV */

@@ -52,29 +52,17 @@ static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int6
     return kb;
 }
 
-/* Rows [first, first + n) of a bfloat16 pool [S, D] widened to floats kb [n, D] (exact) */
-static const float *bf16_rows(const uint16_t *pool, int64_t D, int64_t first, int64_t n, float *kb) {
-    int64_t D16 = D & ~(int64_t)15;
-    for (int64_t i = 0; i < n; i++) {
-        const uint16_t *r = pool + (first + i) * D;
-        float *o = kb + i * D;
-        for (int64_t c = 0; c < D16; c += 16) st(o + c, ld_bf16(r + c));
-        for (int64_t c = D16; c < D; c++) o[c] = from_bf16(r[c]);
-    }
-    return kb;
-}
-
 /* o[h, :16 NV] += sum over the nj rows j of p[h * L + j] * row_j[:16 NV], for NH heads (rows D apart,
    heads' scores L apart, outputs C apart): a tile of NH x NV accumulators stays in registers for the
    whole run of rows, each row's vectors loaded once for all NH heads. */
-#define PV_TILE(NH, NV)                                                                            \
-static inline void pv_##NH##_##NV(const float *rows, int64_t D, int64_t nj, const float *p, int64_t L, \
-                                  float *o, int64_t C) {                                           \
+#define PV_TILE(NH, NV, SFX, RT, LDR)                                                              \
+static inline void pv##SFX##_##NH##_##NV(const RT *rows, int64_t D, int64_t nj, const float *p, int64_t L, \
+                                         float *o, int64_t C) {                                    \
     v16 acc[NH][NV];                                                                               \
     for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) acc[h][v] = ld(o + h * C + 16 * v);  \
     for (int64_t j = 0; j < nj; j++) {                                                             \
         v16 r[NV];                                                                                 \
-        for (int v = 0; v < NV; v++) r[v] = ld(rows + j * D + 16 * v);                             \
+        for (int v = 0; v < NV; v++) r[v] = LDR(rows + j * D + 16 * v);                            \
         for (int h = 0; h < NH; h++) {                                                             \
             v16 pv = bc(p[h * L + j]);                                                             \
             for (int v = 0; v < NV; v++) acc[h][v] += pv * r[v];                                   \
@@ -82,14 +70,18 @@ static inline void pv_##NH##_##NV(const float *rows, int64_t D, int64_t nj, cons
     }                                                                                              \
     for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) st(o + h * C + 16 * v, acc[h][v]);   \
 }
-PV_TILE(4, 4) PV_TILE(4, 1) PV_TILE(1, 4) PV_TILE(1, 1)
+PV_TILE(4, 4, , float, ld) PV_TILE(4, 1, , float, ld) PV_TILE(1, 4, , float, ld) PV_TILE(1, 1, , float, ld)
+/* the same over bfloat16 rows, widened as they are loaded */
+PV_TILE(4, 4, b, uint16_t, ld_bf16) PV_TILE(4, 1, b, uint16_t, ld_bf16) PV_TILE(1, 4, b, uint16_t, ld_bf16)
+PV_TILE(1, 1, b, uint16_t, ld_bf16)
 
 /* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
    over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
    p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. pool8 (else NULL): the cache is packed fp8
    rows instead of pool, and each block is dequantised into kb [bs, D] as it is read, once for the
-   scores and once for the output; a bfloat16 pool (pdt WD_BF16) is widened through kb the same way
-   (16 rows at a time). Returns 0, or -1 (nothing computed) when a
+   scores and once for the output. A bfloat16 pool (pdt WD_BF16) is read in place: the scores by the
+   bfloat16 GEMM (linear_bf16: with the dot products on, q is rounded to bfloat16 for them), the output
+   by tiles that widen each row as they load it (kb unused). Returns 0, or -1 (nothing computed) when a
    length is outside 1 .. max_len or a block id it needs is outside the pool. */
 int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const void *pool, int64_t pdt,
                    int64_t num_blocks,
@@ -109,11 +101,15 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
         float *ob = out + b * Nh * C, *sc = scratch;
         /* rows j0 .. j0 + n - 1 (never past their block): in place, or dequantised into kb (in L1) */
 #define ROW0(j0) (table[b * max_blocks + (j0) / bs] * bs + (j0) % bs)
-#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, pdt, group, C, D, ROW0(j0), n, kb)                      \
-                     : pdt == WD_BF16 ? bf16_rows(pool, D, ROW0(j0), n, kb) : (const float *)pool + ROW0(j0) * D)
+#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, pdt, group, C, D, ROW0(j0), n, kb)               \
+                     : (const float *)pool + ROW0(j0) * D)
 #define CHUNK(j0) (L - (j0) < step - (j0) % step ? L - (j0) : step - (j0) % step)
-        int64_t step = (pool8 || pdt == WD_BF16) && bs > FP8_ROWS ? FP8_ROWS : bs;
-        for (int64_t j0 = 0; j0 < L; j0 += CHUNK(j0)) linear(qb, D, ROWS(j0, CHUNK(j0)), D, sc + j0, L, Nh, CHUNK(j0), D);
+        int64_t step = pool8 && bs > FP8_ROWS ? FP8_ROWS : bs, bf = !pool8 && pdt == WD_BF16;
+        const uint16_t *p16 = pool;
+        for (int64_t j0 = 0; j0 < L; j0 += CHUNK(j0)) {
+            if (bf) linear_bf16(qb, D, p16 + ROW0(j0) * D, D, sc + j0, L, Nh, CHUNK(j0), D);
+            else linear(qb, D, ROWS(j0, CHUNK(j0)), D, sc + j0, L, Nh, CHUNK(j0), D);
+        }
         for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
             float *s = sc + n * L, mx = -INFINITY, sum = 0;
             for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
@@ -131,14 +127,20 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
         memset(ob, 0, Nh * C * sizeof(float));
         for (int64_t j0 = 0, nj; j0 < L; j0 += nj) {
             nj = CHUNK(j0);
-            const float *blk = ROWS(j0, nj);
+            const float *blk = bf ? NULL : ROWS(j0, nj);
+            const uint16_t *blk16 = bf ? p16 + ROW0(j0) * D : NULL;
             for (int64_t c0 = 0, wide; c0 < C16; c0 += wide ? 64 : 16) {
                 wide = C16 - c0 >= 64;
                 for (int64_t n0 = 0, four; n0 < Nh; n0 += four ? 4 : 1) {
                     four = Nh - n0 >= 4;
                     const float *p = sc + n0 * L + j0;
                     float *o = ob + n0 * C + c0;
-                    if (four && wide) pv_4_4(blk + c0, D, nj, p, L, o, C);
+                    if (bf) {
+                        if (four && wide) pvb_4_4(blk16 + c0, D, nj, p, L, o, C);
+                        else if (four) pvb_4_1(blk16 + c0, D, nj, p, L, o, C);
+                        else if (wide) pvb_1_4(blk16 + c0, D, nj, p, L, o, C);
+                        else pvb_1_1(blk16 + c0, D, nj, p, L, o, C);
+                    } else if (four && wide) pv_4_4(blk + c0, D, nj, p, L, o, C);
                     else if (four) pv_4_1(blk + c0, D, nj, p, L, o, C);
                     else if (wide) pv_1_4(blk + c0, D, nj, p, L, o, C);
                     else pv_1_1(blk + c0, D, nj, p, L, o, C);
@@ -146,7 +148,8 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
             }
             for (int64_t j = j0; j < j0 + nj; j++)
                 for (int64_t n = 0; n < Nh; n++)
-                    for (int64_t c = C16; c < C; c++) ob[n * C + c] += sc[n * L + j] * blk[(j - j0) * D + c];
+                    for (int64_t c = C16; c < C; c++)
+                        ob[n * C + c] += sc[n * L + j] * (bf ? from_bf16(blk16[(j - j0) * D + c]) : blk[(j - j0) * D + c]);
         }
 #undef ROWS
 #undef ROW0

@@ -253,8 +253,8 @@ int64_t wd_experts(const wd_experts_args *a);
 /* Absorbed MLA decode over the paged latent cache: out [B, Nh, C] from q [B, Nh, D], pool [num_blocks bs,
    D], table [B, max_blocks], lens [B] (1 .. max_len). scratch: Nh (max_len + 1) floats. pool8 (else NULL):
    the cache as packed fp8 rows of W bytes (scales at soff, one per `group` values, the RoPE at roff),
-   dequantised through kb [min(bs, 16), D], its RoPE part of dtype pdt; else pool of dtype pdt (a bfloat16 pool is widened through kb
-   too). Returns 0, or -1 (nothing computed) for a length or block id out of range. */
+   dequantised through kb [min(bs, 16), D], its RoPE part of dtype pdt; else pool of dtype pdt (read in
+   place). Returns 0, or -1 (nothing computed) for a length or block id out of range. */
 typedef struct {
     const float *q;
     const void *pool;
