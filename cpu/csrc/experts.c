@@ -72,6 +72,12 @@ void swiglu(const float *x, int64_t T, int64_t H, const void *sg, const void *su
     float *g = scratch, *u = g + T * Is;
     linear_w(x, H, sg, wdt, H, g, Is, T, Is, H);
     linear_w(x, H, su, wdt, H, u, Is, T, Is, H);
-    for (int64_t i = 0; i < T * Is; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    int64_t i = 0;   /* 16 lanes at a time, as the routed experts' (measured, 16 tokens, Is 256, H 512, median of 40:
+                        0.34 -> 0.28 ms on float32 weights, 0.24 -> 0.19 on bfloat16; noisy machine) */
+    for (; i + 16 <= T * Is; i += 16) {
+        v16 gv = ld(g + i);
+        st(g + i, gv / (bc(1.0f) + vexp(-gv)) * ld(u + i));
+    }
+    for (; i < T * Is; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     linear_w(g, Is, sd, wdt, Is, y, H, T, H, Is);
 }
