@@ -161,3 +161,18 @@ def test_bad_bf16_inputs_raise():
                           torch.tensor([3], dtype=torch.int32), 4, 6, 1.0, 3)
     with pytest.raises(ValueError, match="rmsnorm: .* must be float32 or bfloat16"):
         layers.rmsnorm(x, torch.ones(8).half(), 1e-6)
+
+
+def test_the_environment_starts_the_library_on_the_widening_path():
+    """WIDEEP_CPU_BF16_DOT=0 (cpu/build.py): the dot products are off from the first call, in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    code = "from cpu import gemm; print(gemm.bf16_dot(), gemm.bf16_dot_supported())"
+    env = dict(os.environ, WIDEEP_CPU_BF16_DOT="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", str(gemm.bf16_dot_supported())]
+    env["WIDEEP_CPU_BF16_DOT"] = "1"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == [str(gemm.bf16_dot_supported())] * 2
