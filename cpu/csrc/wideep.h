@@ -28,8 +28,13 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
 static inline void st(float *p, v16 v) { memcpy(p, &v, 64); }
 static inline v16 bc(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-/* keeps v in a register: without it GCC reloads a vector for every FMA that uses it */
+/* keeps v in a register: without it GCC reloads a vector for every FMA that uses it. Only where a 16-float
+   vector fits one register (AVX-512): elsewhere no register can hold it, and the constraint would not compile. */
+#ifdef __AVX512F__
 #define KEEP(v) __asm__("" : "+v"(v))
+#else
+#define KEEP(v) ((void)0)
+#endif
 #ifdef __clang__
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else

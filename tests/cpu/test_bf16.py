@@ -176,3 +176,26 @@ def test_the_environment_starts_the_library_on_the_widening_path():
     env["WIDEEP_CPU_BF16_DOT"] = "1"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.stdout.split() == [str(gemm.bf16_dot_supported())] * 2
+
+
+@pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86-64 builds only")
+@pytest.mark.parametrize("march", ["x86-64-v3", "skylake-avx512"])
+def test_a_build_for_a_cpu_without_avx512_bf16(march, monkeypatch, tmp_path):
+    """The library built for an older x86-64 (AVX2; AVX-512 without BF16), as a CI machine's -march=native
+    would: both paths still compile (the dot products by target attribute) and, run here, compute right."""
+    import ctypes
+    from cpu import build
+    monkeypatch.setattr(build, "FLAGS", ("-O3", f"-march={march}", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"))
+    monkeypatch.setenv("WIDEEP_CACHE_DIR", str(tmp_path))
+    lib = build.build("wideep_cpu_" + march.replace("-", "_"), build.sources())
+    lib.wd_bmm_nt.argtypes, lib.wd_bmm_nt.restype = [ctypes.POINTER(gemm.BmmNtArgs)], None
+    lib.wd_bf16_dot.argtypes, lib.wd_bf16_dot.restype = [ctypes.POINTER(gemm.Bf16DotArgs)], ctypes.c_int64
+    torch.manual_seed(4)
+    x, w = torch.randn(5, 77), torch.randn(37, 77).to(BF)
+    for dot in (True, False):
+        on = lib.wd_bf16_dot(gemm.Bf16DotArgs(want=int(dot)))
+        assert on == (dot and gemm.bf16_dot_supported())
+        y = torch.empty(5, 37)
+        lib.wd_bmm_nt(gemm.BmmNtArgs(x=x.data_ptr(), w=w.data_ptr(), y=y.data_ptr(), B=1, ldx=77, ldw=77, ldy=37, M=5,
+                                     N=37, K=77, wdt=gemm.WDT[BF]))
+        torch.testing.assert_close(y, (_ref_x(x, bool(on)) @ w.double().t()).float(), atol=1e-4, rtol=1e-5)
