@@ -26,7 +26,8 @@ The same engine on the torch backends (experts_backend / attention_backend "torc
 paths) runs beside it: "torch_backends" has its prefill and decode step ms; "prefill_ms" and
 "prefill_vs_torch_backends" compare the best prefill of each (one thread, same trials).
 Printed: a table, one line per thread count (step ms, GB/s streamed, both ceilings, the fraction).
-Kept: bench/results/decode_vs_hf.json (decode_vs_hf_quick.json with --quick; bench/results.py).
+Kept: bench/results/decode_vs_hf.json (decode_vs_hf_quick.json with --quick, ..._bf16.json with --bf16;
+bench/results.py).
 Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf_eager_tok_s,
 ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,
 decode_roofline_fraction (1 thread), decode_roofline_fraction_2t (2 threads: the same single-threaded
@@ -38,7 +39,13 @@ steps): "breakdown" = ms per decode step in each kernel and the rest ("other": P
 ops, sampling, scheduling); the decoder layers are one C call (decode_stack) on these steps, so one
 more run with that call off gives "breakdown_per_layer_half" (each layer's attention half, mla_layer,
 and MoE half, moe_layer, one call each).
-    python bench/decode_vs_hf.py [--quick] [--threads 1,2] [--breakdown]
+--bf16 (issue #28): the same engine in bfloat16 (weights and latent cache bfloat16, read as stored by the C
+kernels) beside the float32 one, each trial running float32 then bfloat16 at the first thread count: "bf16"
+has its decode step and prefill ms, decode_vs_float32 (the float32 decode step / the bfloat16 one: best of
+each, the median of the per-trial ratios, and in this thread's CPU time: _cpu_time), its greedy agreement with the float32 engine, its decode
+plan's path counts, and rss_bytes_per_param: a fresh process's resident set grown by loading the model
+alone (engine.model.load_model, no KV cache), per parameter, for bfloat16 and float32.
+    python bench/decode_vs_hf.py [--quick] [--threads 1,2] [--breakdown] [--bf16]
 """
 from __future__ import annotations
 
@@ -55,6 +62,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.results import save  # noqa: E402
+from cpu.gemm import bf16_dot  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from launch.tiny import make_tiny_checkpoint  # noqa: E402
 
@@ -218,6 +226,36 @@ class DecodeMeter:
                 "fraction_cpu": round(total / cpu_ms / bw[ceiling_cpu]["median"], 3)}
 
 
+def rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def rss_per_param(model_dir: str, dtype: str) -> dict:
+    """Loads the model alone in a fresh process (this one holds other engines) -> its RSS growth per parameter."""
+    import subprocess
+    r = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss", model_dir, dtype], capture_output=True,
+                       text=True, timeout=900)
+    if r.returncode:
+        raise SystemExit(f"the RSS measurement failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _rss_child(model_dir: str, dtype: str) -> None:
+    from engine.model.build import load_model, parse_dtype
+    before = rss_kib()
+    model = load_model(model_dir, dtype=parse_dtype(dtype), progress=False)
+    after = rss_kib()
+    params = sum(p.numel() for p in model.parameters())
+    stored = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(json.dumps({"dtype": dtype, "params": params, "rss_growth_mb": round((after - before) * 1024 / 1e6, 1),
+                      "bytes_per_param": round((after - before) * 1024 / params, 3),
+                      "stored_bytes_per_param": round(stored / params, 3)}))
+
+
 def hit_tokens(llm: LLM) -> int:
     """Prompt tokens the engine took from its prefix cache, as its own metrics count them."""
     return sum(r.get("prefix_hit_tokens", 0) for r in llm.engine.metrics()["per_rank"])
@@ -248,7 +286,12 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="thread counts for the roofline (the first runs hf too)")
     ap.add_argument("--quick", action="store_true", help="smaller shape for a smoke run")
     ap.add_argument("--breakdown", action="store_true", help="one more run with every C kernel timed")
+    ap.add_argument("--bf16", action="store_true", help="a bfloat16 engine beside the float32 one, interleaved")
+    ap.add_argument("--rss", nargs=2, metavar=("DIR", "DTYPE"), help=argparse.SUPPRESS)   # rss_per_param's child
     a = ap.parse_args()
+    if a.rss:
+        _rss_child(*a.rss)
+        return
     if a.quick:
         a.hidden, a.layers, a.batch, a.prompt, a.new, a.trials = 256, 4, 8, 64, 16, 1
     threads = [int(t) for t in a.threads.split(",")]
@@ -273,6 +316,8 @@ def main() -> None:
         ref = LLM(d, dtype="float32", progress=False, experts_backend="torch", attention_backend="torch",
                   enable_prefix_caching=False)
         ref_meter = DecodeMeter(ref)
+        llm16 = LLM(d, dtype="bfloat16", progress=False, enable_prefix_caching=False) if a.bf16 else None
+        meter16 = DecodeMeter(llm16) if a.bf16 else None
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
         hf_eager = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32, experts_implementation="eager").eval()
         hf_forward_s: list[float] = []
@@ -295,6 +340,9 @@ def main() -> None:
             return time.perf_counter() - t0, out[:, a.prompt:].tolist()
 
         llm.generate(prompts[:2, :8].tolist(), SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+        if a.bf16:
+            llm16.generate(prompts[:2, :8].tolist(), SamplingParams(temperature=0.0, max_tokens=2))
+        bf16_trials: list[dict] = []
         hf.generate(prompts[:2, :8], max_new_tokens=2, do_sample=False, pad_token_id=0)
         roof: dict[int, dict] = {}
         tw, th, te, hf_steps, torch_ms, prefill_ms = [], [], [], [], [], []
@@ -309,6 +357,15 @@ def main() -> None:
                     best = summ
                 if n_threads != threads[0]:
                     continue
+                if a.bf16:   # right after the float32 run of the same trial
+                    prefill32 = meter.step_ms()[0]
+                    _, ours16 = run_wideep(llm16, meter16)
+                    s16 = meter16.summary(times, x.numel() * x.element_size())
+                    bf16_trials.append({"decode_step_ms": s16["decode_step_ms"],
+                                        "decode_step_cpu_ms": s16["decode_step_cpu_ms"], "prefill_ms": s16["prefill_ms"],
+                                        "float32_decode_step_ms": summ["decode_step_ms"],
+                                        "float32_decode_step_cpu_ms": summ["decode_step_cpu_ms"],
+                                        "float32_prefill_ms": prefill32})
                 tw.append(t)
                 prefill_ms.append(meter.step_ms()[0])
                 _, ref_ours = run_wideep(ref, ref_meter)
@@ -332,6 +389,28 @@ def main() -> None:
             llm.model.decode_plan.fuse_stack = True
         agree = sum(p == q for p, q in zip(ours, theirs)) / len(ours)
         hits = {"wideep": hit_tokens(llm), "torch_backends": hit_tokens(ref)}
+        bf16 = None
+        if a.bf16:
+            hits["bf16"] = hit_tokens(llm16)
+            best16 = min(t["decode_step_ms"] for t in bf16_trials)
+            best32 = min(t["float32_decode_step_ms"] for t in bf16_trials)
+            bf16 = {"decode_step_ms": best16, "float32_decode_step_ms": best32,
+                    "decode_vs_float32": round(best32 / best16, 2),
+                    "decode_vs_float32_median_of_trials": round(statistics.median(
+                        t["float32_decode_step_ms"] / t["decode_step_ms"] for t in bf16_trials), 2),
+                    "decode_step_cpu_ms": min(t["decode_step_cpu_ms"] for t in bf16_trials),
+                    "float32_decode_step_cpu_ms": min(t["float32_decode_step_cpu_ms"] for t in bf16_trials),
+                    "decode_vs_float32_cpu_time": round(min(t["float32_decode_step_cpu_ms"] for t in bf16_trials)
+                                                        / min(t["decode_step_cpu_ms"] for t in bf16_trials), 2),
+                    "prefill_ms": min(t["prefill_ms"] for t in bf16_trials),
+                    "float32_prefill_ms": min(t["float32_prefill_ms"] for t in bf16_trials),
+                    "trials": bf16_trials,
+                    "greedy_sequences_equal_float32": sum(p == q for p, q in zip(ours, ours16)) / len(ours),
+                    "backends": llm16.model.backends,
+                    "decode_plan_steps": dict(llm16.model.decode_plan.steps),
+                    "bf16_dot": bf16_dot(),
+                    "rss": {dt: rss_per_param(d, dt) for dt in ("bfloat16", "float32")}}
+            bf16["rss_bytes_per_param"] = bf16["rss"]["bfloat16"]["bytes_per_param"]
     if any(hits.values()):
         raise SystemExit(f"prefix-cache hit tokens {hits}: a trial reused cached prompt KV, so wideep did less "
                          f"work than transformers; the figures would not compare")
@@ -362,10 +441,16 @@ def main() -> None:
                           "ceiling_mb": round(huge_ceiling / 1e6, 1)},
            "roofline": {f"{t}t": r for t, r in roof.items()}, "breakdown_ms": breakdown,
            "breakdown_per_layer_half_ms": breakdown_layers,
-           "backends": llm.model.backends,
+           "backends": llm.model.backends, "bf16": bf16,
            "torch": torch.__version__, "threads": threads, "trials": a.trials}
     print(table(res), flush=True)
-    save("decode_vs_hf_quick" if a.quick else "decode_vs_hf", res)
+    if bf16:
+        print(f"bfloat16: decode step {bf16['decode_step_ms']} ms vs float32 {bf16['float32_decode_step_ms']} ms "
+              f"({bf16['decode_vs_float32']}x; median of trials {bf16['decode_vs_float32_median_of_trials']}x; "
+              f"in CPU time {bf16['decode_vs_float32_cpu_time']}x), "
+              f"prefill {bf16['prefill_ms']} vs {bf16['float32_prefill_ms']} ms, RSS "
+              f"{bf16['rss_bytes_per_param']} bytes/param", flush=True)
+    save("decode_vs_hf" + ("_quick" if a.quick else "") + ("_bf16" if a.bf16 else ""), res)
     print(json.dumps(res))
 
 

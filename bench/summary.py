@@ -67,6 +67,23 @@ def _decode(r: dict) -> str:
                   f"prefix-cache hit tokens {r['wideep_prefix_cache_hit_tokens']}")
 
 
+def _bf16(r: dict) -> str:
+    b = r["bf16"]
+    return (f"decode step {n(b['decode_step_ms'])} ms vs float32 {n(b['float32_decode_step_ms'])} ms: "
+            f"**{n(b['decode_vs_float32'])}×** (median of trials {n(b['decode_vs_float32_median_of_trials'])}×, "
+            f"in CPU time {n(b['decode_vs_float32_cpu_time'])}×); prefill {n(b['prefill_ms'])} vs "
+            f"{n(b['float32_prefill_ms'])} ms; RSS after load **{n(b['rss_bytes_per_param'])}** bytes/param "
+            f"(float32 {n(b['rss']['float32']['bytes_per_param'])}); {len(b['trials'])} trials")
+
+
+def _bf16_gemm(r: dict) -> str:
+    s = {(x["M"], x["N"], x["K"]): x for x in r["shapes"]}
+    one, big = s[(1, 4096, 4096)], s[(512, 2048, 2048)]
+    return (f"AVX512-BF16 kernel ÷ float32 kernel: {n(one['f32_over_dot'])}× at 1 row (4096²), "
+            f"{n(s[(16, 4096, 4096)]['f32_over_dot'])}× at 16; torch's bf16 GEMM ÷ ours at 512 rows "
+            f"{n(big['torch_bf16_over_dot'])}× (prefill past 64 rows uses torch's)")
+
+
 def _scale(r: dict) -> str:
     cb, so = set(r["control_bytes_per_sync"].values()), set(r["store_ops_per_rank_s"].values())
     sizes = sorted(r["startup_s"], key=int)
@@ -122,6 +139,10 @@ ROWS = (
     Row("decode vs transformers", "roofline ≥ 0.7 / 0 prefix-cache hits", (
         Run("decode_vs_hf", "python bench/decode_vs_hf.py --trials 3", _decode,
             lambda r: [r["decode_roofline_fraction"] >= 0.7, r["wideep_prefix_cache_hit_tokens"] == 0]),)),
+    Row("bfloat16 on CPU (weights read as stored)", "decode ≥ 1.7× float32 / RSS ≤ 2.2 bytes per param", (
+        Run("decode_vs_hf_bf16", "python bench/decode_vs_hf.py --bf16 --threads 1 --trials 6", _bf16,
+            lambda r: [r["bf16"]["decode_vs_float32"] >= 1.7, r["bf16"]["rss_bytes_per_param"] <= 2.2]),)),
+    Row("bfloat16 GEMM, one thread", "—", (Run("bf16_gemm", "python bench/bf16_gemm.py", _bf16_gemm),)),
     Row("host overhead per decode step", "≤ 5 ms / ≤ 5 ms with processing / 1024 ÷ 256 ≤ 4.5", (
         Run("host_overhead", "python bench/host_overhead.py",
             lambda r: (f"{n(r['host_ms_per_step']['256'])} ms at batch 256 (rounds "

@@ -14,6 +14,9 @@ registers its ctypes twins. At load, wd_layouts() (csrc/layouts.c) gives the C o
 field and each struct's sizeof, and a ctypes Structure that differs in any of them is a LayoutError naming
 the struct and the field: a struct edited on one side only fails at load, never passes garbage.
 
+bfloat16 weights run on AVX512-BF16 dot products where the CPU has them (checked at run time, csrc/gemm_bf16dp.c);
+WIDEEP_CPU_BF16_DOT=0 starts the library with them off (the widening path; gemm.bf16_dot switches at run time).
+
 WIDEEP_CPU_SANITIZE=1 builds with AddressSanitizer and UBSan instead (a library of its own in the cache);
 the process must preload the ASan runtime (.ci/sanitize shows how).
 """
@@ -203,6 +206,8 @@ def unusable() -> str | None:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = [ctypes.POINTER(cls)], restype
         _lib = lib
+        if os.environ.get("WIDEEP_CPU_BF16_DOT", "1") in ("0", ""):
+            lib.wd_bf16_dot(_structs["wd_bf16_dot_args"](want=0))
     return _error
 
 
@@ -211,8 +216,8 @@ def unusable_for(device: torch.device | str, dtype: torch.dtype) -> str | None:
     device = torch.device(device)
     if device.type != "cpu":
         return f"the device is {device}, not the CPU"
-    if dtype != torch.float32:
-        return f"the model dtype is {dtype}; the CPU kernels take float32"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"the model dtype is {dtype}; the CPU kernels take float32 or bfloat16"
     return unusable()
 
 

@@ -16,6 +16,9 @@ Paths (the model's backends["decode"] names the one the last step took; stats() 
   ops     the model's step_ops (big steps, DSA, an fp8 cache, ...), its reason counted.
 Each fused call runs the kernels the operations run, in their order: the outputs, caches, EPLB load
 counts and dispatcher counters equal the operations' (tests/cpu/test_decode_plan.py).
+A float32 model or a bfloat16 one (every weight of the layers in one dtype, the router's float32 as
+moe/gate.py keeps it; the latent cache float32 or bfloat16): the C reads bfloat16 weights as stored and
+keeps the activations float32 inside each call (the stack path: from the first layer to the last).
 
 The plan reads the model by its fields only (cpu/ imports no other package of wideep): model.model.layers
 (DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp, is_moe, op_kv_written,
@@ -40,8 +43,16 @@ REASONS = ("no_tokens", "too_many_rows", "sparse_attention", "fp8_kv_cache", "we
 STACK_REASONS = ("disabled", "layer_hook", "ep_group", "expert_map", "moe_unfit")
 
 
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)   # what the fused calls read as stored (fused.WDT)
+
+
 def _f32(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous())
+
+
+def _fits(dtype: torch.dtype, *ts: torch.Tensor) -> bool:
+    """Every tensor is a contiguous CPU tensor of `dtype` (the layer's weight dtype)."""
+    return all(t.dtype == dtype and not t.is_cuda and t.is_contiguous() for t in ts)
 
 
 def _no_bias(*linears) -> bool:
@@ -109,7 +120,7 @@ class DecodePlan:
         if mb.meta.paged_decode_tables(self._mode) is None:
             return "not_all_decode"
         D = self._latent_width
-        if not all(p.dtype == torch.float32 and p.dim() == 2 and p.shape[1] == D and p.is_contiguous()
+        if not all(p.dtype in WEIGHT_DTYPES and p.dim() == 2 and p.shape[1] == D and p.is_contiguous()
                    and not p.is_cuda for p in mb.kv_pools[:len(layers)]):
             return "kv_pool"
         return None
@@ -196,9 +207,10 @@ class DecodePlan:
                 w.moe_op = self._moe_op(i, m, w.moe)
         else:
             mlp = layer.mlp
-            if not (_no_bias(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-                    and all(_f32(p) for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))):
-                self.unfit[f"layer {i} mlp"] = "its projections are not bias-free float32 CPU weights"
+            g = mlp.gate_proj.weight
+            if not (_no_bias(mlp.gate_proj, mlp.up_proj, mlp.down_proj) and g.dtype in WEIGHT_DTYPES
+                    and _fits(g.dtype, g, mlp.up_proj.weight, mlp.down_proj.weight)):
+                self.unfit[f"layer {i} mlp"] = "its projections are not bias-free float32 or bfloat16 CPU weights"
             else:
                 w.mlp = fused.mlp_layer_weights(mlp)
                 w.keep += list(mlp.parameters())
@@ -221,9 +233,13 @@ class DecodePlan:
                                                                                     a.o_proj]
         if not _no_bias(*projs):
             return "projection biases"
-        if not all(hasattr(p, "weight") and _f32(p.weight) for p in projs) \
-                or not all(_f32(n.weight) for n in (layer.input_layernorm, layer.post_attention_layernorm)):
-            return "weights that are not float32 contiguous CPU tensors"
+        if not all(hasattr(p, "weight") for p in projs):
+            return "projections without a weight"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, a.kv_a_layernorm]
+        norms += [a.q_a_layernorm] if a.cfg.q_lora_rank else []
+        dtype = projs[0].weight.dtype
+        if dtype not in WEIGHT_DTYPES or not _fits(dtype, *(p.weight for p in projs), *(n.weight for n in norms)):
+            return "weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
         return None
 
     @staticmethod
@@ -238,9 +254,10 @@ class DecodePlan:
         linears = [sh.gate_proj, sh.up_proj, sh.down_proj] if sh is not None else []
         if not _no_bias(*linears):
             return "shared-expert biases"
-        if not all(_f32(t) for t in (m.gate.weight, m.gate.e_score_correction_bias, ex.w13, ex.w2,
-                                      *(lin.weight for lin in linears))):
-            return "weights that are not float32 contiguous CPU tensors"
+        if not (_f32(m.gate.weight) and _f32(m.gate.e_score_correction_bias)):
+            return "a router whose weights are not float32 contiguous CPU tensors"
+        if ex.w13.dtype not in WEIGHT_DTYPES or not _fits(ex.w13.dtype, ex.w13, ex.w2, *(lin.weight for lin in linears)):
+            return "expert weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
         return None
 
     def _attention_op(self, i: int, layer, w):
@@ -295,6 +312,7 @@ class DecodePlan:
         table, lens, max_len = meta.paged_decode_tables(self._mode)
         for d, layer, pool in zip(descs, layers, mb.kv_pools):
             d.wuk_t, d.pool, d.S = layer.self_attn.w_uk_t().data_ptr(), pool.data_ptr(), pool.shape[0]
+            d.pdt = fused.WDT[pool.dtype]
             lc = layer.mlp.load_counts if layer.is_moe else None
             d.load = lc.data_ptr() if lc is not None else None
         ws = self._layers

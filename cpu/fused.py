@@ -6,7 +6,9 @@ interpreter runs from). They make exactly the kernel calls of the operation-by-o
 order (docs/kernels.md).
 
 Legend: T tokens (each the only query of its sequence on decode steps), H hidden, E experts, k top-k,
-I moe_intermediate_size, Is a SwiGLU's intermediate size. Float32 CPU tensors, contiguous. A layer's
+I moe_intermediate_size, Is a SwiGLU's intermediate size. CPU tensors, contiguous; a layer's weights all
+float32 or all bfloat16 (the router's float32 either way: moe/gate.py), the latent cache float32 or bfloat16,
+activations float32 inside (a bfloat16 x in gives bfloat16 outputs, rounded once at the end). A layer's
 weights go to C as a struct made once (…_weights, kept by the module while its weights are the same
 memory); scratch is this thread's, shared by all calls (scratch()).
   mla_layer(x, MlaWeights, w_uk_t, cos, sin, pool, ...) -> h, mlp_in   the attention half (decode plan)
@@ -24,6 +26,7 @@ import threading
 import torch
 
 from .build import fields, library, register
+from .gemm import WDT, as_f32
 from .layers import _METHODS, _bad_tables
 
 P, I = ctypes.c_void_p, ctypes.c_int64
@@ -34,7 +37,7 @@ class MlaWeights(ctypes.Structure):
     mla_layer_weights, kept by the caller while the weights are the same memory."""
     _fields_ = (fields("in_w post_w wqa qa_w wq wkva kva_w wkvb wo", P)
                 + fields("in_eps post_eps qa_eps kva_eps scale", ctypes.c_float)
-                + fields("H Q N dn R C dv interleave", I))
+                + fields("H Q N dn R C dv interleave wdt", I))
 
 
 def mla_layer_weights(in_norm, post_norm, mla) -> MlaWeights:
@@ -49,7 +52,7 @@ def mla_layer_weights(in_norm, post_norm, mla) -> MlaWeights:
         mla.kv_a_layernorm.weight.data_ptr(), mla.kv_b_proj.weight.data_ptr(), mla.o_proj.weight.data_ptr(),
         in_norm.eps, post_norm.eps, mla.q_a_layernorm.eps if Q else 0.0, mla.kv_a_layernorm.eps, cfg.softmax_scale,
         in_norm.weight.shape[0], Q, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
-        cfg.v_head_dim, int(mla.rope.cfg.interleave))
+        cfg.v_head_dim, int(mla.rope.cfg.interleave), WDT[wq.dtype])
 
 
 def mla_layer_buffer(w: MlaWeights, T: int, max_len: int) -> int:
@@ -62,6 +65,10 @@ def mla_layer_buffer(w: MlaWeights, T: int, max_len: int) -> int:
 def f32_rows(t: torch.Tensor, rows: int, cols: int) -> bool:
     """Whether t is what the fused calls read as [rows, cols]: float32, on the CPU, contiguous."""
     return t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous() and t.shape == (rows, cols)
+
+
+def _out(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 _scratch = threading.local()   # this thread's scratch for the fused layers: one buffer for all of them
@@ -81,43 +88,44 @@ def scratch(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 class MlaLayerArgs(ctypes.Structure):
     """wd_mla_layer_args (csrc/wideep.h)."""
     _fields_ = (fields("w wuk_t x cos sin pool slots table lens h mlp_in buf", P)
-                + fields("T S max_blocks max_len bs", I))
+                + fields("T S max_blocks max_len bs pdt", I))
 
 
 def mla_layer(x: torch.Tensor, w: MlaWeights, w_uk_t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               kv_pool: torch.Tensor, slots: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, max_len: int,
               block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] (each token the only query of its sequence), the layer's weights (mla_layer_weights)
-    and W_UK^T (MLA.w_uk_t), cos/sin [T, R/2], a float32 pool [S, C+R], slots [T], table [T, M], lens [T]
-    int32 (AttnMeta.seq_tables) -> (h [T, H], mlp_in [T, H]): the decoder layer's attention half in one
-    call (cpu/decode_plan.py checks that every weight and input fits)."""
+    and W_UK^T (MLA.w_uk_t), cos/sin [T, R/2], a float32 or bfloat16 pool [S, C+R], slots [T], table [T, M],
+    lens [T] int32 (AttnMeta.seq_tables) -> (h [T, H], mlp_in [T, H]) in x's dtype: the decoder layer's
+    attention half in one call (cpu/decode_plan.py checks that every weight and input fits)."""
     T, H = x.shape
+    dtype, x = x.dtype, as_f32(x)
     h, mlp_in = torch.empty(T, H), torch.empty(T, H)
     buf = scratch(mla_layer_buffer(w, T, max_len))
     rc = library().wd_mla_layer(MlaLayerArgs(
         w=ctypes.addressof(w), wuk_t=w_uk_t.data_ptr(), x=x.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
         pool=kv_pool.data_ptr(), slots=slots.data_ptr(), table=table.data_ptr(), lens=lens.data_ptr(), h=h.data_ptr(),
         mlp_in=mlp_in.data_ptr(), buf=buf.data_ptr(), T=T, S=kv_pool.shape[0], max_blocks=table.shape[1],
-        max_len=max_len, bs=block_size))
+        max_len=max_len, bs=block_size, pdt=WDT[kv_pool.dtype]))
     if rc <= -2:
         raise ValueError(f"mla_layer: token {-2 - rc}'s slot {int(slots[-2 - rc])} is outside the pool's "
                          f"{kv_pool.shape[0]} rows")
     if rc:
         raise _bad_tables("mla_layer", lens, table, max_len, block_size, kv_pool.shape[0] // block_size)
-    return h, mlp_in
+    return _out(h, dtype), _out(mlp_in, dtype)
 
 
 class MoeWeights(ctypes.Structure):
     """wd_moe_weights (csrc/wideep.h), an MoE half's per-layer arguments: made once by moe_layer_weights,
     kept by the caller while the weights are the same memory."""
     _fields_ = (fields("gw gbias w13 w2 sg su sd", P) + [("scale", ctypes.c_float)]
-                + fields("H E I Is k G topk_group sigmoid method norm", I))
+                + fields("H E I Is k G topk_group sigmoid method norm wdt", I))
 
 
 def moe_layer_weights(gate, w13: torch.Tensor, w2: torch.Tensor, shared) -> MoeWeights:
     """The router (moe/gate.py Gate, read by its fields), w13 [E, 2I, H], w2 [E, H, I] with every
-    expert local, the shared experts (a layers/mlp.py MLP read by its fields, or None) -> the struct
-    moe_layer takes."""
+    expert local, the shared experts (a layers/mlp.py MLP read by its fields, or None; its weights of
+    w13's dtype) -> the struct moe_layer takes."""
     cfg, bias = gate.cfg, gate.e_score_correction_bias
     E, I2, H = w13.shape
     sw = ((shared.gate_proj.weight.data_ptr(), shared.up_proj.weight.data_ptr(), shared.down_proj.weight.data_ptr())
@@ -126,7 +134,7 @@ def moe_layer_weights(gate, w13: torch.Tensor, w2: torch.Tensor, shared) -> MoeW
                       *sw, cfg.routed_scaling_factor, H, E, I2 // 2,
                       shared.gate_proj.weight.shape[0] if shared is not None else 0, cfg.top_k, cfg.n_group,
                       cfg.topk_group, int(cfg.scoring_func == "sigmoid"), _METHODS[cfg.topk_method],
-                      int(cfg.norm_topk_prob))
+                      int(cfg.norm_topk_prob), WDT[w13.dtype])
 
 
 def moe_layer_scratch(w: MoeWeights, T: int) -> tuple[int, int]:
@@ -144,8 +152,9 @@ def moe_layer(h: torch.Tensor, x: torch.Tensor, w: MoeWeights, load_counts: torc
     """h, x [T, H] (the residual and the post-attention-normed mlp_in), the layer's weights
     (moe_layer_weights), load_counts [E] int64 or None -> (h + MoE(x) [T, H], topk_ids [T, k],
     topk_weights [T, k]): route, routed and shared experts, residual in one call (cpu/decode_plan.py
-    checks that every weight and input fits)."""
+    checks that every weight and input fits); out in h's dtype."""
     T, H = x.shape
+    dtype, h, x = h.dtype, as_f32(h), as_f32(x)
     out, ids, wts = torch.empty(T, H), torch.empty(T, w.k, dtype=torch.int64), torch.empty(T, w.k)
     ni, nf = moe_layer_scratch(w, T)
     rc = library().wd_moe_layer(MoeLayerArgs(
@@ -155,20 +164,20 @@ def moe_layer(h: torch.Tensor, x: torch.Tensor, w: MoeWeights, load_counts: torc
         scratch=scratch(nf).data_ptr(), T=T))
     if rc:
         raise RuntimeError(f"moe_layer: the router chose an expert past the {w.E} local ones (kernel code {rc})")
-    return out, ids, wts
+    return _out(out, dtype), ids, wts
 
 
 class MlpWeights(ctypes.Structure):
     """wd_mlp_weights (csrc/wideep.h), a dense layer's SwiGLU MLP for mlp_layer and decode_stack:
     mlp_layer_weights."""
-    _fields_ = fields("sg su sd", P) + fields("H Is", I)
+    _fields_ = fields("sg su sd", P) + fields("H Is wdt", I)
 
 
 def mlp_layer_weights(mlp) -> MlpWeights:
     """A layers/mlp.py MLP (read by its fields) -> the struct decode_stack takes for a dense layer."""
     g = mlp.gate_proj.weight
     return MlpWeights(g.data_ptr(), mlp.up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(), g.shape[1],
-                      g.shape[0])
+                      g.shape[0], WDT[g.dtype])
 
 
 def mlp_layer_scratch(w: MlpWeights, T: int) -> int:
@@ -183,18 +192,19 @@ class MlpLayerArgs(ctypes.Structure):
 
 def mlp_layer(h: torch.Tensor, x: torch.Tensor, w: MlpWeights) -> torch.Tensor:
     """h, x [T, H] (the residual and the post-attention-normed mlp_in), a dense layer's MLP
-    (mlp_layer_weights) -> h + MLP(x) [T, H] in one call (the SwiGLU of the shared experts)."""
+    (mlp_layer_weights) -> h + MLP(x) [T, H] in one call (the SwiGLU of the shared experts), in h's dtype."""
     T, H = x.shape
+    dtype, h, x = h.dtype, as_f32(h), as_f32(x)
     out = torch.empty(T, H)
     library().wd_mlp_layer(MlpLayerArgs(w=ctypes.addressof(w), h=h.data_ptr(), x=x.data_ptr(), out=out.data_ptr(),
                                         scratch=scratch(mlp_layer_scratch(w, T)).data_ptr(), T=T))
-    return out
+    return _out(out, dtype)
 
 
 class LayerDesc(ctypes.Structure):
     """wd_layer_desc (csrc/wideep.h), one decoder layer for decode_stack: its structs (by address; the
-    caller keeps them alive), its W_UK^T, its cache pool and EPLB counts."""
-    _fields_ = fields("mla wuk_t pool", P) + fields("S", I) + fields("moe mlp load", P)
+    caller keeps them alive), its W_UK^T, its cache pool (float32 or bfloat16: pdt) and EPLB counts."""
+    _fields_ = fields("mla wuk_t pool", P) + fields("S pdt", I) + fields("moe mlp load", P)
 
 
 class DecodeStackArgs(ctypes.Structure):
@@ -210,10 +220,11 @@ def decode_stack(x: torch.Tensor, layers, mla: list[MlaWeights], moe: list[MoeWe
     """A decode step's decoder layers in one call: x [T, H] (the embeddings), `layers` a ctypes array of
     LayerDesc (one a layer, in order; mla/moe/mlp the structs they point at, for the scratch sizes),
     cos/sin [T, R/2], slots [T], table [T, M], lens [T] int32 (AttnMeta.paged_decode_tables) -> (the last
-    layer's output [T, H], the MoE layers' topk_ids and topk_weights [n_moe, T, k]). Every layer runs
-    what mla_layer and moe_layer (or the dense MLP) run, in order (cpu/decode_plan.py checks that
-    every layer fits)."""
+    layer's output [T, H] in x's dtype, the MoE layers' topk_ids and topk_weights [n_moe, T, k]). Every
+    layer runs what mla_layer and moe_layer (or the dense MLP) run, in order, the activations float32 from
+    the first layer to the last (cpu/decode_plan.py checks that every layer fits)."""
     T, H = x.shape
+    dtype, x = x.dtype, as_f32(x)
     moes = [w for w in moe if w is not None]
     k = moes[0].k if moes else 1
     need = max([mla_layer_buffer(w, T, max_len) for w in mla] + [moe_layer_scratch(w, T)[1] for w in moes]
@@ -234,7 +245,7 @@ def decode_stack(x: torch.Tensor, layers, mla: list[MlaWeights], moe: list[MoeWe
     if rc:
         raise _bad_tables(f"decode_stack: layer {failed.value}", lens, table, max_len, block_size,
                           layers[failed.value].S // block_size)
-    return out, ids, wts
+    return _out(out, dtype), ids, wts
 
 
 register({"wd_mla_layer": (MlaLayerArgs, I), "wd_moe_layer": (MoeLayerArgs, I), "wd_mlp_layer": (MlpLayerArgs, None),

@@ -8,8 +8,11 @@ of a matrix at once is slower than reading one after the other. These kernels re
 once, front to back, doing all of the row's work while it is in L1.
 
 Legend: M rows of activations (tokens, pairs, heads), N output features, K input features, T tokens,
-H hidden, I moe_intermediate_size, El local experts, k top-k. Float32 CPU tensors, last dim contiguous.
-  linear(x [M, K], w [N, K]) -> [M, N]                    = F.linear(x, w)
+H hidden, I moe_intermediate_size, El local experts, k top-k. CPU tensors, last dim contiguous; weights
+float32 or bfloat16 (read as stored: bfloat16 by AVX512-BF16 dot products where the CPU has them, bf16_dot(),
+else widened to float32 as they are loaded), activations float32 or bfloat16 (computed in float32), sums
+float32.
+  linear(x [M, K], w [N, K]) -> [M, N] float32            = F.linear(x, w)
   bmm_nt(x [B, M, K], w [B, N, K]) -> [B, M, N]           = x @ w.transpose(1, 2)
   experts(x, w13, w2, topk_ids, topk_weights) -> [T, H]   = Experts.forward_reference (moe/experts.py)
 Tests: tests/cpu/.
@@ -25,50 +28,91 @@ from .build import fields, library, register
 P, I = ctypes.c_void_p, ctypes.c_int64
 
 
+WDT = {torch.float32: 0, torch.bfloat16: 1}   # the C kernels' weight / cache dtype codes (wideep.h WD_F32, WD_BF16)
+
+
 def check_float32(name: str, t: torch.Tensor, dim: int) -> None:
     if t.dtype != torch.float32 or t.device.type != "cpu" or t.dim() != dim or (t.numel() and t.stride(-1) != 1):
         raise ValueError(f"{name} must be a float32 CPU tensor with {dim} dims and a contiguous last dim, got "
                          f"{t.dtype} {t.device.type} shape {tuple(t.shape)} strides {t.stride()}")
 
 
+def check_float(name: str, t: torch.Tensor, dim: int) -> None:
+    """t is a float32 or bfloat16 CPU tensor with `dim` dims and a contiguous last dim."""
+    if t.dtype not in WDT or t.device.type != "cpu" or t.dim() != dim or (t.numel() and t.stride(-1) != 1):
+        raise ValueError(f"{name} must be a float32 or bfloat16 CPU tensor with {dim} dims and a contiguous last dim, "
+                         f"got {t.dtype} {t.device.type} shape {tuple(t.shape)} strides {t.stride()}")
+
+
+def as_f32(t: torch.Tensor) -> torch.Tensor:
+    """Activations for the kernels: float32 (a bfloat16 tensor widened, exactly; strides kept)."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+class Bf16DotArgs(ctypes.Structure):
+    """wd_bf16_dot_args (csrc/wideep.h)."""
+    _fields_ = fields("want supported", I)
+
+
+def bf16_dot(on: bool | None = None) -> bool:
+    """Whether bfloat16 weights run on AVX512-BF16 dot products (activations rounded to bfloat16) rather than
+    widened to float32 (activations exact). on: turn them on (where this CPU has them) or off; None: ask.
+    On by default where the CPU has them; WIDEEP_CPU_BF16_DOT=0 in the environment starts with them off."""
+    a = Bf16DotArgs(want=-1 if on is None else int(bool(on)))
+    return bool(library().wd_bf16_dot(a))
+
+
+def bf16_dot_supported() -> bool:
+    """Whether this CPU has AVX512-BF16 (CPUID, at run time)."""
+    a = Bf16DotArgs(want=-1)
+    library().wd_bf16_dot(a)
+    return bool(a.supported)
+
+
 class BmmNtArgs(ctypes.Structure):
     """wd_bmm_nt_args (csrc/wideep.h)."""
-    _fields_ = fields("x w y", P) + fields("B sxb ldx swb ldw syb ldy M N K", I)
+    _fields_ = fields("x w y", P) + fields("B sxb ldx swb ldw syb ldy M N K wdt", I)
 
 
 def bmm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [B, M, K], w [B, N, K] (any batch and row strides) -> [B, M, N] = x @ w^T."""
-    check_float32("x", x, 3)
-    check_float32("w", w, 3)
+    """x [B, M, K], w [B, N, K] (any batch and row strides; float32 or bfloat16 each) -> [B, M, N] = x @ w^T,
+    float32 (or out's dtype: a bfloat16 out gets the float32 result rounded)."""
+    check_float("x", x, 3)
+    check_float("w", w, 3)
     B, M, K = x.shape
     if w.shape[0] != B or w.shape[2] != K:
         raise ValueError(f"bmm_nt: x {tuple(x.shape)} and w {tuple(w.shape)} need the same batch and K")
     N = w.shape[1]
-    out = torch.empty(B, M, N, dtype=x.dtype) if out is None else out
-    check_float32("out", out, 3)
+    out = torch.empty(B, M, N) if out is None else out
+    check_float("out", out, 3)
     if tuple(out.shape) != (B, M, N):
         raise ValueError(f"bmm_nt: out is {tuple(out.shape)}, expected {(B, M, N)}")
+    x, y = as_f32(x), out if out.dtype == torch.float32 else torch.empty(B, M, N)
     if out.numel() and K:
-        library().wd_bmm_nt(BmmNtArgs(x=x.data_ptr(), w=w.data_ptr(), y=out.data_ptr(), B=B, sxb=x.stride(0),
-                                      ldx=x.stride(1), swb=w.stride(0), ldw=w.stride(1), syb=out.stride(0),
-                                      ldy=out.stride(1), M=M, N=N, K=K))
+        library().wd_bmm_nt(BmmNtArgs(x=x.data_ptr(), w=w.data_ptr(), y=y.data_ptr(), B=B, sxb=x.stride(0),
+                                      ldx=x.stride(1), swb=w.stride(0), ldw=w.stride(1), syb=y.stride(0),
+                                      ldy=y.stride(1), M=M, N=N, K=K, wdt=WDT[w.dtype]))
     elif out.numel():
-        out.zero_()
+        y.zero_()
+    if y is not out:
+        out.copy_(y)
     return out
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K], w [N, K] -> [M, N] = F.linear(x, w). Lean: decode calls it for every projection."""
+    """x [M, K], w [N, K] (float32 or bfloat16 each) -> [M, N] float32 = F.linear(x, w) in float32 sums.
+    Lean: decode calls it for every projection."""
     (M, K), (N, K2) = x.shape, w.shape
-    if not (x.dtype == w.dtype == torch.float32 and K == K2 and x.stride(1) == 1 and w.stride(1) == 1
+    if not (x.dtype in WDT and w.dtype in WDT and K == K2 and x.stride(1) == 1 and w.stride(1) == 1
             and not x.is_cuda and not w.is_cuda):
-        check_float32("x", x, 2)
-        check_float32("w", w, 2)
+        check_float("x", x, 2)
+        check_float("w", w, 2)
         raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} need the same K")
+    x = as_f32(x)
     out = torch.empty(M, N)
     if M and N and K:
         library().wd_bmm_nt(BmmNtArgs(x=x.data_ptr(), w=w.data_ptr(), y=out.data_ptr(), B=1, ldx=x.stride(0),
-                                      ldw=w.stride(0), ldy=N, M=M, N=N, K=K))
+                                      ldw=w.stride(0), ldy=N, M=M, N=N, K=K, wdt=WDT[w.dtype]))
     elif M and N:
         out.zero_()
     return out
@@ -76,38 +120,43 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 class ExpertsArgs(ctypes.Structure):
     """wd_experts_args (csrc/wideep.h)."""
-    _fields_ = fields("x w13 w2 wts ids out scratch iscratch", P) + fields("T H I El k", I)
+    _fields_ = fields("x w13 w2 wts ids out scratch iscratch", P) + fields("T H I El k wdt", I)
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [El, 2I, H], w2 [El, H, I] (contiguous), topk_ids [T, k] local ids (-1: elsewhere),
-    topk_weights [T, k] -> [T, H]: only the experts that have tokens are read. No host sync."""
-    check_float32("x", x, 2)
-    check_float32("w13", w13, 3)
-    check_float32("w2", w2, 3)
+    """x [T, H], w13 [El, 2I, H], w2 [El, H, I] (contiguous, one dtype: float32 or bfloat16), topk_ids [T, k]
+    local ids (-1: elsewhere), topk_weights [T, k] -> [T, H] in x's dtype (float32 sums): only the experts
+    that have tokens are read. No host sync."""
+    check_float("x", x, 2)
+    check_float("w13", w13, 3)
+    check_float("w2", w2, 3)
     T, H = x.shape
     El, I2, H2 = w13.shape
     if H2 != H or tuple(w2.shape) != (El, H, I2 // 2) or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError(f"experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} must be "
                          f"[T, H], [El, 2I, H], [El, H, I], weights contiguous")
+    if w13.dtype != w2.dtype:
+        raise ValueError(f"experts: w13 is {w13.dtype}, w2 {w2.dtype}: the kernel takes one weight dtype")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
         raise ValueError(f"experts: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T={T}, k]")
     if topk_ids.dtype != torch.int64:
         raise ValueError(f"experts: topk_ids must be int64, got {topk_ids.dtype}")
-    x, ids, wts = x.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous()
+    dtype = x.dtype
+    x, ids, wts = as_f32(x).contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous()
     I, k = I2 // 2, ids.shape[1]
     out = torch.zeros_like(x)
     if T and k:
         iscratch, scratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64), torch.empty(T * (2 * H + 3 * I))
         rc = library().wd_experts(ExpertsArgs(x=x.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), wts=wts.data_ptr(),
                                               ids=ids.data_ptr(), out=out.data_ptr(), scratch=scratch.data_ptr(),
-                                              iscratch=iscratch.data_ptr(), T=T, H=H, I=I, El=El, k=k))
+                                              iscratch=iscratch.data_ptr(), T=T, H=H, I=I, El=El, k=k,
+                                              wdt=WDT[w13.dtype]))
         if rc < 0:   # an id past the last local expert: the kernel would have read past the weights
             raise ValueError(f"experts: topk_ids holds local id {int(ids.view(-1)[-1 - rc])}, there are {El} "
                              f"local experts")
-    return out
+    return out.to(dtype)
 
 
-register({"wd_bmm_nt": (BmmNtArgs, None), "wd_experts": (ExpertsArgs, I)})
+register({"wd_bmm_nt": (BmmNtArgs, None), "wd_experts": (ExpertsArgs, I), "wd_bf16_dot": (Bf16DotArgs, I)})

@@ -1,6 +1,7 @@
 """The CPU backend's per-op kernels, as the table the model's modules bind at build time
 (layers/kernels.py names each entry's contract; engine's builder turns this into a Kernels).
-Float32 CPU tensors: the backend is chosen only for float32 models on the CPU (build.unusable_for)."""
+CPU tensors: the backend is chosen for float32 and bfloat16 models on the CPU (build.unusable_for); bfloat16
+weights are read as stored, activations computed in float32 and returned in their own dtype."""
 from __future__ import annotations
 
 

@@ -4,7 +4,8 @@ before it passes one struct to its kernel. They replace several torch ops per ca
 six or ten) and read the latent cache through the block table instead of gathering it.
 
 Legend: T tokens, Hh heads of a tensor, R rope dim, B decode sequences, Nh heads, D = C + R latent
-width, C kv_lora_rank, S cache slots. Float32 CPU tensors, last dim contiguous.
+width, C kv_lora_rank, S cache slots. CPU tensors, last dim contiguous, float32 or bfloat16: activations are
+computed in float32 and returned in their own dtype, weights and a latent cache are read as stored.
   rmsnorm(x [..., N], weight [N], eps) -> [..., N]             = RMSNorm (layers/norm.py)
   rope(x [T, (Hh,) R], cos, sin [T, R/2], interleave)          = RotaryEmbedding.apply (attention_mla/rope.py)
   mla_decode(q [B, Nh, D], kv_pool [S, D], ...) -> [B, Nh, C]  = paged_decode_reference (attention_mla/paged_decode.py)
@@ -20,31 +21,33 @@ import ctypes
 import torch
 
 from .build import fields, library, register
-from .gemm import check_float32
+from .gemm import WDT, as_f32, check_float, check_float32
 
 P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 class RmsnormArgs(ctypes.Structure):
     """wd_rmsnorm_args (csrc/wideep.h)."""
-    _fields_ = fields("x w y", P) + fields("ldx ldy M N", I) + [("eps", F)]
+    _fields_ = fields("x w y", P) + fields("ldx ldy M N wdt", I) + [("eps", F)]
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N], weight [N] -> weight * x * rsqrt(mean(x^2, -1) + eps) (layers/norm.py RMSNorm)."""
+    """x [..., N], weight [N] -> weight * x * rsqrt(mean(x^2, -1) + eps) (layers/norm.py RMSNorm), in float32,
+    returned in the dtype RMSNorm's would have (x's, promoted with weight's)."""
     N = x.shape[-1]
-    if not (x.dtype == weight.dtype == torch.float32 and not x.is_cuda and weight.shape == (N,)
+    if not (x.dtype in WDT and weight.dtype in WDT and not x.is_cuda and weight.shape == (N,)
             and weight.is_contiguous()):
         raise ValueError(f"rmsnorm: x {x.dtype} {tuple(x.shape)} and weight {weight.dtype} {tuple(weight.shape)} must "
-                         f"be float32 CPU tensors with weight [N={N}] contiguous")
-    x2 = x.reshape(-1, N)
+                         f"be float32 or bfloat16 CPU tensors with weight [N={N}] contiguous")
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    x2 = as_f32(x.reshape(-1, N))
     if N and x2.shape[0] and x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty(x2.shape)
     if out.numel():
         library().wd_rmsnorm(RmsnormArgs(x=x2.data_ptr(), w=weight.data_ptr(), y=out.data_ptr(), ldx=x2.stride(0),
-                                         ldy=N, M=x2.shape[0], N=N, eps=eps))
-    return out.view(x.shape)
+                                         ldy=N, M=x2.shape[0], N=N, eps=eps, wdt=WDT[weight.dtype]))
+    return out.view(x.shape).to(dtype)
 
 
 class RopeArgs(ctypes.Structure):
@@ -56,47 +59,51 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     """x [T, R] or [T, Hh, R], cos/sin [T, R/2] -> rotated x, contiguous (RotaryEmbedding.apply)."""
     T, R = x.shape[0], x.shape[-1]
     x3 = x[:, None] if x.dim() == 2 else x
-    if not (x.dtype == cos.dtype == sin.dtype == torch.float32 and not x.is_cuda and x3.dim() == 3 and R % 2 == 0
-            and tuple(cos.shape) == tuple(sin.shape) == (T, R // 2) and cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError(f"rope: x {x.dtype} {tuple(x.shape)} ([T, R] or [T, Hh, R], R even) and cos/sin "
-                         f"{tuple(cos.shape)} (contiguous [T, R/2]) must be float32 CPU tensors")
+    if not (x.dtype in WDT and cos.dtype == sin.dtype == torch.float32 and not x.is_cuda and x3.dim() == 3
+            and R % 2 == 0 and tuple(cos.shape) == tuple(sin.shape) == (T, R // 2) and cos.is_contiguous()
+            and sin.is_contiguous()):
+        raise ValueError(f"rope: x {x.dtype} {tuple(x.shape)} ([T, R] or [T, Hh, R], R even; float32 or bfloat16) "
+                         f"and cos/sin {cos.dtype} {tuple(cos.shape)} (contiguous float32 [T, R/2]) must be CPU tensors")
+    dtype, x3 = x.dtype, as_f32(x3)
     if x3.numel() and x3.stride(2) != 1:
         x3 = x3.contiguous()
     out = torch.empty(x.shape)
     if out.numel():
         library().wd_rope(RopeArgs(x=x3.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), y=out.data_ptr(), T=T,
                                    Hh=x3.shape[1], R=R, sxt=x3.stride(0), sxh=x3.stride(1), interleave=int(interleave)))
-    return out
+    return out.to(dtype)
 
 
 class MlaDecodeArgs(ctypes.Structure):
     """wd_mla_decode_args (csrc/wideep.h)."""
     _fields_ = (fields("q pool table lens out scratch pool8 kb", P)
-                + fields("B Nh D C num_blocks max_blocks max_len bs W soff roff group", I) + [("scale", F)])
+                + fields("B Nh D C num_blocks max_blocks max_len bs W soff roff group pdt", I) + [("scale", F)])
 
 
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                block_size: int, kv_lora_rank: int, scale: float, max_len: int,
                fp8=None) -> torch.Tensor:
-    """q [B, Nh, D] (absorbed: [q_nope W_UK, q_pe]), kv_pool [S, D], block_table [B, M] int64 block ids,
-    seq_lens [B] int32 (each in 1 .. max_len; max_len a host int; AttnMeta.seq_tables gives all three)
-    -> [B, Nh, C] (fp32 softmax). fp8: an fp8 cache's row layout (attention_mla/fp8_cache.py Fp8Latent,
-    read by its fields only, so cpu/ needs nothing above it): kv_pool is then its packed uint8 rows
-    [S, fp8.row_bytes] (RoPE part float32), read in place: 1 byte a latent value instead of 4."""
-    check_float32("q", q, 3)
+    """q [B, Nh, D] (absorbed: [q_nope W_UK, q_pe]), kv_pool [S, D] float32 or bfloat16, block_table [B, M]
+    int64 block ids, seq_lens [B] int32 (each in 1 .. max_len; max_len a host int; AttnMeta.seq_tables gives
+    all three) -> [B, Nh, C] float32 (fp32 softmax). fp8: an fp8 cache's row layout (attention_mla/fp8_cache.py
+    Fp8Latent, read by its fields only, so cpu/ needs nothing above it): kv_pool is then its packed uint8 rows
+    [S, fp8.row_bytes] (RoPE part float32 or bfloat16), read in place: 1 byte a latent value instead of 4."""
+    check_float("q", q, 3)
+    q = as_f32(q)
     B, Nh, D = q.shape
     if fp8 is None:
-        check_float32("kv_pool", kv_pool, 2)
-        width, fp8_args = D, {}
+        check_float("kv_pool", kv_pool, 2)
+        width, fp8_args = D, dict(pdt=WDT[kv_pool.dtype])
     else:
         if kv_pool.dtype != torch.uint8 or kv_pool.dim() != 2 or kv_pool.shape[1] != fp8.row_bytes or kv_pool.is_cuda \
-                or (fp8.kv_lora_rank, fp8.kv_lora_rank + fp8.rope_dim, fp8.rope_dtype) != (kv_lora_rank, D, torch.float32):
-            raise ValueError(f"mla_decode: an fp8 pool must be uint8 [S, {fp8.row_bytes}] on CPU with a float32 RoPE "
-                             f"part and kv_lora_rank + rope_dim = D ({D}), got {kv_pool.dtype} {tuple(kv_pool.shape)}, "
-                             f"{fp8}")
+                or (fp8.kv_lora_rank, fp8.kv_lora_rank + fp8.rope_dim) != (kv_lora_rank, D) or fp8.rope_dtype not in WDT:
+            raise ValueError(f"mla_decode: an fp8 pool must be uint8 [S, {fp8.row_bytes}] on CPU with a float32 or "
+                             f"bfloat16 RoPE part and kv_lora_rank + rope_dim = D ({D}), got {kv_pool.dtype} "
+                             f"{tuple(kv_pool.shape)}, {fp8}")
         kb = torch.empty(min(block_size, 16) * D)   # FP8_ROWS rows
         width, fp8_args = fp8.row_bytes, dict(pool8=kv_pool.data_ptr(), W=fp8.row_bytes, soff=fp8.scale_offset,
-                                              roff=fp8.rope_offset, group=fp8.group, kb=kb.data_ptr())
+                                              roff=fp8.rope_offset, group=fp8.group, kb=kb.data_ptr(),
+                                              pdt=WDT[fp8.rope_dtype])
     if kv_pool.shape[1] != width or not 0 < kv_lora_rank <= D or not kv_pool.is_contiguous():
         raise ValueError(f"mla_decode: q {tuple(q.shape)}, kv_pool {tuple(kv_pool.shape)} (contiguous) and "
                          f"kv_lora_rank {kv_lora_rank} do not fit")
@@ -135,10 +142,12 @@ _METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H], weight [E, H], bias [E] or None, cfg a moe.config.MoEConfig (read by its fields) ->
+    """x [T, H] (float32 or bfloat16), weight [E, H] float32, bias [E] float32 or None, cfg a moe.config.MoEConfig
+    (read by its fields) ->
     topk_ids [T, k] int64, topk_weights [T, k] (moe/gate.py Gate.forward: one call instead of ~15 ops)."""
-    check_float32("x", x, 2)
+    check_float("x", x, 2)
     check_float32("weight", weight, 2)
+    x = as_f32(x)
     (T, H), (E, H2) = x.shape, weight.shape
     k, G = cfg.top_k, cfg.n_group
     if H2 != H or not weight.is_contiguous() or E != cfg.n_routed_experts or not 1 <= k <= E or E % G:

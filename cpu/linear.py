@@ -3,6 +3,8 @@
 A decode step multiplies each weight by a handful of rows: then reading the weight is the cost, and
 the kernel reads it at close to memory speed where BLAS small-M GEMMs reach about a third of it.
 Past MAX_ROWS rows the work per weight byte is high enough that BLAS (MKL) is as fast or faster.
+bfloat16 weights: the kernel reads them as stored (float32 activations and sums) up to MAX_ROWS rows; past
+it, torch's bfloat16 F.linear (oneDNN's AVX512-BF16 GEMM: bench/bf16_gemm.py measures it against ours).
 """
 from __future__ import annotations
 
@@ -16,17 +18,18 @@ MAX_ROWS = 64
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K], weight [N, K] -> [..., N] = F.linear(x, weight, bias), the kernel when x has at most
-    MAX_ROWS rows and everything is float32 on the CPU."""
+    """x [..., K], weight [N, K] -> [..., N] = F.linear(x, weight, bias) in x's dtype, the kernel when x has
+    at most MAX_ROWS rows and x and weight are float32 or bfloat16 CPU tensors (float32 sums, the bias added
+    in float32, one rounding to a bfloat16 x's dtype at the end)."""
     K = x.shape[-1]
     rows = x.numel() // K if K else 0
-    if (rows > MAX_ROWS or rows == 0 or x.dtype != torch.float32 or weight.dtype != torch.float32
+    if (rows > MAX_ROWS or rows == 0 or x.dtype not in gemm.WDT or weight.dtype not in gemm.WDT
             or x.device.type != "cpu" or weight.stride(-1) != 1):
         return F.linear(x, weight, bias)
     y = gemm.linear(x.reshape(rows, K), weight)
     if bias is not None:
         y += bias
-    return y.view(*x.shape[:-1], weight.shape[0])
+    return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
 
 class Linear(nn.Linear):

@@ -9,45 +9,51 @@
    The layer's weights and sizes in a struct made once (cpu/fused.py MlaWeights): wq is q_b_proj
    [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj [N (dn+dv), C];
    wuk_t [N, C, dn] apart (MLA.w_uk_t, made again when kv_b_proj changes). buf: T (2H + Q + N(dn+R) +
-   2(C+R) + R + NR + N(C+R) + NC + N dv) + N (max_len + 1) floats. Returns 0; -1 (mla_decode's: a
-   length or block id out of range, nothing attended); -2 - t when token t's slot is outside the pool's
-   S rows (nothing written). */
-static int64_t mla_layer(const wd_mla_weights *w, const float *wuk_t, const float *x, int64_t T, const float *cos,
-                         const float *sin, float *pool, int64_t S, const int64_t *slots, const int64_t *table,
-                         int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs, float *h,
-                         float *mlp_in, float *buf) {
-    int64_t H = w->H, Q = w->Q, N = w->N, dn = w->dn, R = w->R, C = w->C, dv = w->dv;
+   2(C+R) + R + NR + N(C+R) + NC + N dv) + N (max_len + 1) floats. The weights (and W_UK^T) of dtype
+   w->wdt, the pool of dtype pdt (a bfloat16 pool is written rounded to nearest even). Returns 0; -1 (mla_decode's: a length or block id
+   out of range, nothing attended); -2 - t when token t's slot is outside the pool's S rows (nothing
+   written). */
+static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float *x, int64_t T, const float *cos,
+                         const float *sin, void *pool, int64_t pdt, int64_t S, const int64_t *slots,
+                         const int64_t *table, int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs,
+                         float *h, float *mlp_in, float *buf) {
+    int64_t H = w->H, Q = w->Q, N = w->N, dn = w->dn, R = w->R, C = w->C, dv = w->dv, wdt = w->wdt;
+    int64_t esz = wdt == WD_BF16 ? 2 : 4;
     int64_t D = C + R, dq = dn + R;
     for (int64_t t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= S) return -2 - t;
     float *xn = buf, *qa = xn + T * H, *q = qa + T * Q, *kv = q + T * N * dq, *lat = kv + T * D,
           *kpe = lat + T * D, *qpe = kpe + T * R, *qabs = qpe + T * N * R, *olat = qabs + T * N * D,
           *o = olat + T * N * C, *y = o + T * N * dv, *msc = y + T * H;
-    rmsnorm(x, H, w->in_w, xn, H, T, H, w->in_eps);
+    rmsnorm(x, H, w->in_w, wdt, xn, H, T, H, w->in_eps);
     if (Q) {
-        linear(xn, H, w->wqa, H, qa, Q, T, Q, H);
-        rmsnorm(qa, Q, w->qa_w, qa, Q, T, Q, w->qa_eps);
-        linear(qa, Q, w->wq, Q, q, N * dq, T, N * dq, Q);
+        linear_w(xn, H, w->wqa, wdt, H, qa, Q, T, Q, H);
+        rmsnorm(qa, Q, w->qa_w, wdt, qa, Q, T, Q, w->qa_eps);
+        linear_w(qa, Q, w->wq, wdt, Q, q, N * dq, T, N * dq, Q);
     } else {
-        linear(xn, H, w->wq, H, q, N * dq, T, N * dq, H);
+        linear_w(xn, H, w->wq, wdt, H, q, N * dq, T, N * dq, H);
     }
-    linear(xn, H, w->wkva, H, kv, D, T, D, H);
-    rmsnorm(kv, D, w->kva_w, lat, D, T, C, w->kva_eps);                 /* the normed latent c */
+    linear_w(xn, H, w->wkva, wdt, H, kv, D, T, D, H);
+    rmsnorm(kv, D, w->kva_w, wdt, lat, D, T, C, w->kva_eps);            /* the normed latent c */
     rope(kv + C, T, 1, R, D, R, cos, sin, kpe, (int)w->interleave);      /* k_pe */
     for (int64_t t = 0; t < T; t++) {
         memcpy(lat + t * D + C, kpe + t * R, R * sizeof(float));
-        memcpy(pool + slots[t] * D, lat + t * D, D * sizeof(float));
+        if (pdt == WD_BF16)
+            for (int64_t c = 0; c < D; c++) ((uint16_t *)pool)[slots[t] * D + c] = to_bf16(lat[t * D + c]);
+        else
+            memcpy((float *)pool + slots[t] * D, lat + t * D, D * sizeof(float));
     }
     rope(q + dn, T, N, R, N * dq, dq, cos, sin, qpe, (int)w->interleave);  /* q_pe [T, N, R] */
-    bmm_nt(N, q, dq, N * dq, wuk_t, C * dn, dn, qabs, D, N * D, T, C, dn);   /* q_nope W_UK per head */
+    bmm_nt(N, q, dq, N * dq, wuk_t, wdt, C * dn, dn, qabs, D, N * D, T, C, dn);   /* q_nope W_UK per head */
     for (int64_t t = 0; t < T * N; t++) memcpy(qabs + t * D + C, qpe + t * R, R * sizeof(float));
-    int64_t rc = mla_decode(qabs, T, N, D, C, pool, S / bs, table, max_blocks, lens, max_len, bs, w->scale, olat, msc,
-                            NULL, 0, 0, 0, 0, NULL);
+    int64_t rc = mla_decode(qabs, T, N, D, C, pool, pdt, S / bs, table, max_blocks, lens, max_len, bs, w->scale, olat,
+                            msc, NULL, 0, 0, 0, 0, NULL);
     if (rc) return rc;
-    bmm_nt(N, olat, C, N * C, w->wkvb + dn * C, (dn + dv) * C, C, o, dv, N * dv, T, dv, C);   /* W_UV */
-    linear(o, N * dv, w->wo, N * dv, y, H, T, H, N * dv);
+    bmm_nt(N, olat, C, N * C, (const char *)w->wkvb + dn * C * esz, wdt, (dn + dv) * C, C, o, dv, N * dv, T, dv,
+           C);   /* W_UV */
+    linear_w(o, N * dv, w->wo, wdt, N * dv, y, H, T, H, N * dv);
     for (int64_t i = 0; i < T * H; i++) h[i] = x[i] + y[i];
-    rmsnorm(h, H, w->post_w, mlp_in, H, T, H, w->post_eps);
+    rmsnorm(h, H, w->post_w, wdt, mlp_in, H, T, H, w->post_eps);
     return 0;
 }
 
@@ -68,14 +74,14 @@ static int64_t moe_layer(const wd_moe_weights *w, const float *h, const float *x
     if (load)
         for (int64_t p = 0; p < T * k; p++) load[ids[p]]++;
     memset(ye, 0, T * H * sizeof(float));
-    int64_t rc = experts(x, T, H, I, E, w->w13, w->w2, ids, wts, k, ye, iscratch, rest);
+    int64_t rc = experts(x, T, H, I, E, w->w13, w->w2, w->wdt, ids, wts, k, ye, iscratch, rest);
     if (rc) return rc;
     if (!w->sg) {
         for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + ye[i];
         return 0;
     }
     float *y = rest;
-    swiglu(x, T, H, w->sg, w->su, w->sd, Is, y, y + T * H);
+    swiglu(x, T, H, w->sg, w->su, w->sd, w->wdt, Is, y, y + T * H);
     for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + (ye[i] + y[i]);
     return 0;
 }
@@ -84,7 +90,7 @@ static int64_t moe_layer(const wd_moe_weights *w, const float *h, const float *x
 static void mlp_half(const wd_mlp_weights *w, const float *h, const float *x, int64_t T, float *out, float *scratch) {
     int64_t H = w->H;
     float *y = scratch;
-    swiglu(x, T, H, w->sg, w->su, w->sd, w->Is, y, y + T * H);
+    swiglu(x, T, H, w->sg, w->su, w->sd, w->wdt, w->Is, y, y + T * H);
     for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + y[i];
 }
 
@@ -104,8 +110,8 @@ static int64_t decode_stack(const wd_layer_desc *layers, int64_t L, const float 
     const float *x = x0;
     for (int64_t l = 0, m = 0; l < L; l++) {
         const wd_layer_desc *d = layers + l;
-        int64_t rc = mla_layer(d->mla, d->wuk_t, x, T, cos, sin, d->pool, d->S, slots, table, max_blocks, lens, max_len,
-                               bs, h, mlp_in, scratch);
+        int64_t rc = mla_layer(d->mla, d->wuk_t, x, T, cos, sin, d->pool, d->pdt, d->S, slots, table, max_blocks, lens,
+                               max_len, bs, h, mlp_in, scratch);
         if (rc) { *failed = l; return rc; }
         float *dst = l == L - 1 ? out : (l % 2 ? xb : xa);
         if (d->moe) {
@@ -121,7 +127,7 @@ static int64_t decode_stack(const wd_layer_desc *layers, int64_t L, const float 
 }
 
 int64_t wd_mla_layer(const wd_mla_layer_args *a) {
-    return mla_layer(a->w, a->wuk_t, a->x, a->T, a->cos, a->sin, a->pool, a->S, a->slots, a->table, a->max_blocks,
+    return mla_layer(a->w, a->wuk_t, a->x, a->T, a->cos, a->sin, a->pool, a->pdt, a->S, a->slots, a->table, a->max_blocks,
                      a->lens, a->max_len, a->bs, a->h, a->mlp_in, a->buf);
 }
 

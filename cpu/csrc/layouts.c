@@ -9,6 +9,7 @@
 
 static const wd_layout table[] = {
     SIZE(wd_mla_weights)
+    FIELD(wd_mla_weights, wdt)
     FIELD(wd_mla_weights, in_w) FIELD(wd_mla_weights, post_w) FIELD(wd_mla_weights, wqa) FIELD(wd_mla_weights, qa_w)
     FIELD(wd_mla_weights, wq) FIELD(wd_mla_weights, wkva) FIELD(wd_mla_weights, kva_w) FIELD(wd_mla_weights, wkvb)
     FIELD(wd_mla_weights, wo) FIELD(wd_mla_weights, in_eps) FIELD(wd_mla_weights, post_eps)
@@ -17,6 +18,7 @@ static const wd_layout table[] = {
     FIELD(wd_mla_weights, R) FIELD(wd_mla_weights, C) FIELD(wd_mla_weights, dv) FIELD(wd_mla_weights, interleave)
 
     SIZE(wd_moe_weights)
+    FIELD(wd_moe_weights, wdt)
     FIELD(wd_moe_weights, gw) FIELD(wd_moe_weights, gbias) FIELD(wd_moe_weights, w13) FIELD(wd_moe_weights, w2)
     FIELD(wd_moe_weights, sg) FIELD(wd_moe_weights, su) FIELD(wd_moe_weights, sd) FIELD(wd_moe_weights, scale)
     FIELD(wd_moe_weights, H) FIELD(wd_moe_weights, E) FIELD(wd_moe_weights, I) FIELD(wd_moe_weights, Is)
@@ -24,14 +26,17 @@ static const wd_layout table[] = {
     FIELD(wd_moe_weights, sigmoid) FIELD(wd_moe_weights, method) FIELD(wd_moe_weights, norm)
 
     SIZE(wd_mlp_weights)
+    FIELD(wd_mlp_weights, wdt)
     FIELD(wd_mlp_weights, sg) FIELD(wd_mlp_weights, su) FIELD(wd_mlp_weights, sd) FIELD(wd_mlp_weights, H)
     FIELD(wd_mlp_weights, Is)
 
     SIZE(wd_layer_desc)
+    FIELD(wd_layer_desc, pdt)
     FIELD(wd_layer_desc, mla) FIELD(wd_layer_desc, wuk_t) FIELD(wd_layer_desc, pool) FIELD(wd_layer_desc, S)
     FIELD(wd_layer_desc, moe) FIELD(wd_layer_desc, mlp) FIELD(wd_layer_desc, load)
 
     SIZE(wd_rmsnorm_args)
+    FIELD(wd_rmsnorm_args, wdt)
     FIELD(wd_rmsnorm_args, x) FIELD(wd_rmsnorm_args, w) FIELD(wd_rmsnorm_args, y) FIELD(wd_rmsnorm_args, ldx)
     FIELD(wd_rmsnorm_args, ldy) FIELD(wd_rmsnorm_args, M) FIELD(wd_rmsnorm_args, N) FIELD(wd_rmsnorm_args, eps)
 
@@ -41,18 +46,21 @@ static const wd_layout table[] = {
     FIELD(wd_rope_args, sxh) FIELD(wd_rope_args, interleave)
 
     SIZE(wd_bmm_nt_args)
+    FIELD(wd_bmm_nt_args, wdt)
     FIELD(wd_bmm_nt_args, x) FIELD(wd_bmm_nt_args, w) FIELD(wd_bmm_nt_args, y) FIELD(wd_bmm_nt_args, B)
     FIELD(wd_bmm_nt_args, sxb) FIELD(wd_bmm_nt_args, ldx) FIELD(wd_bmm_nt_args, swb) FIELD(wd_bmm_nt_args, ldw)
     FIELD(wd_bmm_nt_args, syb) FIELD(wd_bmm_nt_args, ldy) FIELD(wd_bmm_nt_args, M) FIELD(wd_bmm_nt_args, N)
     FIELD(wd_bmm_nt_args, K)
 
     SIZE(wd_experts_args)
+    FIELD(wd_experts_args, wdt)
     FIELD(wd_experts_args, x) FIELD(wd_experts_args, w13) FIELD(wd_experts_args, w2) FIELD(wd_experts_args, wts)
     FIELD(wd_experts_args, ids) FIELD(wd_experts_args, out) FIELD(wd_experts_args, scratch)
     FIELD(wd_experts_args, iscratch) FIELD(wd_experts_args, T) FIELD(wd_experts_args, H) FIELD(wd_experts_args, I)
     FIELD(wd_experts_args, El) FIELD(wd_experts_args, k)
 
     SIZE(wd_mla_decode_args)
+    FIELD(wd_mla_decode_args, pdt)
     FIELD(wd_mla_decode_args, q) FIELD(wd_mla_decode_args, pool) FIELD(wd_mla_decode_args, table)
     FIELD(wd_mla_decode_args, lens) FIELD(wd_mla_decode_args, out) FIELD(wd_mla_decode_args, scratch)
     FIELD(wd_mla_decode_args, pool8) FIELD(wd_mla_decode_args, kb) FIELD(wd_mla_decode_args, B)
@@ -61,6 +69,9 @@ static const wd_layout table[] = {
     FIELD(wd_mla_decode_args, bs) FIELD(wd_mla_decode_args, W) FIELD(wd_mla_decode_args, soff)
     FIELD(wd_mla_decode_args, roff) FIELD(wd_mla_decode_args, group) FIELD(wd_mla_decode_args, scale)
 
+    SIZE(wd_bf16_dot_args)
+    FIELD(wd_bf16_dot_args, want) FIELD(wd_bf16_dot_args, supported)
+
     SIZE(wd_route_args)
     FIELD(wd_route_args, x) FIELD(wd_route_args, w) FIELD(wd_route_args, bias) FIELD(wd_route_args, logits)
     FIELD(wd_route_args, wts) FIELD(wd_route_args, ids) FIELD(wd_route_args, T) FIELD(wd_route_args, H)
@@ -68,6 +79,7 @@ static const wd_layout table[] = {
     FIELD(wd_route_args, sigmoid) FIELD(wd_route_args, method) FIELD(wd_route_args, norm) FIELD(wd_route_args, scale)
 
     SIZE(wd_mla_layer_args)
+    FIELD(wd_mla_layer_args, pdt)
     FIELD(wd_mla_layer_args, w) FIELD(wd_mla_layer_args, wuk_t) FIELD(wd_mla_layer_args, x)
     FIELD(wd_mla_layer_args, cos) FIELD(wd_mla_layer_args, sin) FIELD(wd_mla_layer_args, pool)
     FIELD(wd_mla_layer_args, slots) FIELD(wd_mla_layer_args, table) FIELD(wd_mla_layer_args, lens)

@@ -1,4 +1,4 @@
-/* The absorbed MLA decode over the paged latent cache, float32 or packed fp8 rows (cpu/layers.py
+/* The absorbed MLA decode over the paged latent cache, float32, bfloat16 or packed fp8 rows (cpu/layers.py
    mla_decode): read through the block table, never gathered. */
 #include "wideep.h"
 
@@ -25,8 +25,9 @@ static inline float e4m3(uint8_t b, float scale) {
 }
 
 /* Rows [first, first + n) of a packed fp8 pool (attention_mla/fp8_cache.py: W bytes a row, e4m3 c [C],
-   float32 scales at soff, one per `group` values, fp32 k_pe [D - C] at roff) as floats kb [n, D]. */
-static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
+   float32 scales at soff, one per `group` values, k_pe [D - C] at roff, float32 or, rdt WD_BF16, bfloat16)
+   as floats kb [n, D]. */
+static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t rdt, int64_t group,
                              int64_t C, int64_t D, int64_t first, int64_t n, float *kb) {
     for (int64_t i = 0; i < n; i++) {
         const uint8_t *r = pool8 + (first + i) * W;
@@ -39,7 +40,14 @@ static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int6
             for (; c + 16 <= g + group; c += 16) st(o + c, e4m3x16(r + c, bc(sg)));
             for (; c < g + group; c++) o[c] = e4m3(r[c], sg);
         }
-        memcpy(o + C, r + roff, (D - C) * sizeof(float));
+        if (rdt == WD_BF16)
+            for (int64_t c = 0; c < D - C; c++) {
+                uint16_t b;
+                memcpy(&b, r + roff + 2 * c, 2);
+                o[C + c] = from_bf16(b);
+            }
+        else
+            memcpy(o + C, r + roff, (D - C) * sizeof(float));
     }
     return kb;
 }
@@ -47,14 +55,14 @@ static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int6
 /* o[h, :16 NV] += sum over the nj rows j of p[h * L + j] * row_j[:16 NV], for NH heads (rows D apart,
    heads' scores L apart, outputs C apart): a tile of NH x NV accumulators stays in registers for the
    whole run of rows, each row's vectors loaded once for all NH heads. */
-#define PV_TILE(NH, NV)                                                                            \
-static inline void pv_##NH##_##NV(const float *rows, int64_t D, int64_t nj, const float *p, int64_t L, \
-                                  float *o, int64_t C) {                                           \
+#define PV_TILE(NH, NV, SFX, RT, LDR)                                                              \
+static inline void pv##SFX##_##NH##_##NV(const RT *rows, int64_t D, int64_t nj, const float *p, int64_t L, \
+                                         float *o, int64_t C) {                                    \
     v16 acc[NH][NV];                                                                               \
     for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) acc[h][v] = ld(o + h * C + 16 * v);  \
     for (int64_t j = 0; j < nj; j++) {                                                             \
         v16 r[NV];                                                                                 \
-        for (int v = 0; v < NV; v++) r[v] = ld(rows + j * D + 16 * v);                             \
+        for (int v = 0; v < NV; v++) r[v] = LDR(rows + j * D + 16 * v);                            \
         for (int h = 0; h < NH; h++) {                                                             \
             v16 pv = bc(p[h * L + j]);                                                             \
             for (int v = 0; v < NV; v++) acc[h][v] += pv * r[v];                                   \
@@ -62,15 +70,21 @@ static inline void pv_##NH##_##NV(const float *rows, int64_t D, int64_t nj, cons
     }                                                                                              \
     for (int h = 0; h < NH; h++) for (int v = 0; v < NV; v++) st(o + h * C + 16 * v, acc[h][v]);   \
 }
-PV_TILE(4, 4) PV_TILE(4, 1) PV_TILE(1, 4) PV_TILE(1, 1)
+PV_TILE(4, 4, , float, ld) PV_TILE(4, 1, , float, ld) PV_TILE(1, 4, , float, ld) PV_TILE(1, 1, , float, ld)
+/* the same over bfloat16 rows, widened as they are loaded */
+PV_TILE(4, 4, b, uint16_t, ld_bf16) PV_TILE(4, 1, b, uint16_t, ld_bf16) PV_TILE(1, 4, b, uint16_t, ld_bf16)
+PV_TILE(1, 1, b, uint16_t, ld_bf16)
 
 /* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
    over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
    p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. pool8 (else NULL): the cache is packed fp8
    rows instead of pool, and each block is dequantised into kb [bs, D] as it is read, once for the
-   scores and once for the output. Returns 0, or -1 (nothing computed) when a
+   scores and once for the output. A bfloat16 pool (pdt WD_BF16) is read in place: the scores by the
+   bfloat16 GEMM (linear_bf16: with the dot products on, q is rounded to bfloat16 for them), the output
+   by tiles that widen each row as they load it (kb unused). Returns 0, or -1 (nothing computed) when a
    length is outside 1 .. max_len or a block id it needs is outside the pool. */
-int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool, int64_t num_blocks,
+int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const void *pool, int64_t pdt,
+                   int64_t num_blocks,
                    const int64_t *table, int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs,
                    float scale, float *out, float *scratch, const uint8_t *pool8, int64_t W, int64_t soff,
                    int64_t roff, int64_t group, float *kb) {
@@ -86,11 +100,16 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
         const float *qb = q + b * Nh * D;
         float *ob = out + b * Nh * C, *sc = scratch;
         /* rows j0 .. j0 + n - 1 (never past their block): in place, or dequantised into kb (in L1) */
-#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, group, C, D, table[b * max_blocks + (j0) / bs] * bs \
-                                      + (j0) % bs, n, kb) : pool + (table[b * max_blocks + (j0) / bs] * bs + (j0) % bs) * D)
+#define ROW0(j0) (table[b * max_blocks + (j0) / bs] * bs + (j0) % bs)
+#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, pdt, group, C, D, ROW0(j0), n, kb)               \
+                     : (const float *)pool + ROW0(j0) * D)
 #define CHUNK(j0) (L - (j0) < step - (j0) % step ? L - (j0) : step - (j0) % step)
-        int64_t step = pool8 && bs > FP8_ROWS ? FP8_ROWS : bs;
-        for (int64_t j0 = 0; j0 < L; j0 += CHUNK(j0)) linear(qb, D, ROWS(j0, CHUNK(j0)), D, sc + j0, L, Nh, CHUNK(j0), D);
+        int64_t step = pool8 && bs > FP8_ROWS ? FP8_ROWS : bs, bf = !pool8 && pdt == WD_BF16;
+        const uint16_t *p16 = pool;
+        for (int64_t j0 = 0; j0 < L; j0 += CHUNK(j0)) {
+            if (bf) linear_bf16(qb, D, p16 + ROW0(j0) * D, D, sc + j0, L, Nh, CHUNK(j0), D);
+            else linear(qb, D, ROWS(j0, CHUNK(j0)), D, sc + j0, L, Nh, CHUNK(j0), D);
+        }
         for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
             float *s = sc + n * L, mx = -INFINITY, sum = 0;
             for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
@@ -108,14 +127,20 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
         memset(ob, 0, Nh * C * sizeof(float));
         for (int64_t j0 = 0, nj; j0 < L; j0 += nj) {
             nj = CHUNK(j0);
-            const float *blk = ROWS(j0, nj);
+            const float *blk = bf ? NULL : ROWS(j0, nj);
+            const uint16_t *blk16 = bf ? p16 + ROW0(j0) * D : NULL;
             for (int64_t c0 = 0, wide; c0 < C16; c0 += wide ? 64 : 16) {
                 wide = C16 - c0 >= 64;
                 for (int64_t n0 = 0, four; n0 < Nh; n0 += four ? 4 : 1) {
                     four = Nh - n0 >= 4;
                     const float *p = sc + n0 * L + j0;
                     float *o = ob + n0 * C + c0;
-                    if (four && wide) pv_4_4(blk + c0, D, nj, p, L, o, C);
+                    if (bf) {
+                        if (four && wide) pvb_4_4(blk16 + c0, D, nj, p, L, o, C);
+                        else if (four) pvb_4_1(blk16 + c0, D, nj, p, L, o, C);
+                        else if (wide) pvb_1_4(blk16 + c0, D, nj, p, L, o, C);
+                        else pvb_1_1(blk16 + c0, D, nj, p, L, o, C);
+                    } else if (four && wide) pv_4_4(blk + c0, D, nj, p, L, o, C);
                     else if (four) pv_4_1(blk + c0, D, nj, p, L, o, C);
                     else if (wide) pv_1_4(blk + c0, D, nj, p, L, o, C);
                     else pv_1_1(blk + c0, D, nj, p, L, o, C);
@@ -123,9 +148,11 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
             }
             for (int64_t j = j0; j < j0 + nj; j++)
                 for (int64_t n = 0; n < Nh; n++)
-                    for (int64_t c = C16; c < C; c++) ob[n * C + c] += sc[n * L + j] * blk[(j - j0) * D + c];
+                    for (int64_t c = C16; c < C; c++)
+                        ob[n * C + c] += sc[n * L + j] * (bf ? from_bf16(blk16[(j - j0) * D + c]) : blk[(j - j0) * D + c]);
         }
 #undef ROWS
+#undef ROW0
 #undef CHUNK
         for (int64_t n = 0; n < Nh; n++)
             for (int64_t c = 0; c < C; c++) ob[n * C + c] *= inv[n];
@@ -134,7 +161,7 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
 }
 
 int64_t wd_mla_decode(const wd_mla_decode_args *a) {
-    return mla_decode(a->q, a->B, a->Nh, a->D, a->C, a->pool, a->num_blocks, a->table, a->max_blocks, a->lens,
+    return mla_decode(a->q, a->B, a->Nh, a->D, a->C, a->pool, a->pdt, a->num_blocks, a->table, a->max_blocks, a->lens,
                       a->max_len, a->bs, a->scale, a->out, a->scratch, a->pool8, a->W, a->soff, a->roff, a->group,
                       a->kb);
 }

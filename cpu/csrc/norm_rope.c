@@ -1,8 +1,9 @@
 /* RMSNorm and the rotary embedding (cpu/layers.py rmsnorm, rope): one pass instead of six or ten torch ops. */
 #include "wideep.h"
 
-/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row (rows ldx / ldy apart) */
-void rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t N, float eps) {
+/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row (rows ldx / ldy apart; w float32 or, wdt WD_BF16, bfloat16) */
+void rmsnorm(const float *x, int64_t ldx, const void *wv, int64_t wdt, float *y, int64_t ldy, int64_t M, int64_t N,
+             float eps) {
     int64_t N16 = N & ~(int64_t)15;
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * ldx;
@@ -13,8 +14,14 @@ void rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy,
         float ss = 0;
         for (int l = 0; l < 16; l++) ss += acc[l];
         v16 r = bc(1.0f / sqrtf(ss / N + eps));
-        for (int64_t n = 0; n < N16; n += 16) st(yr + n, ld(w + n) * (ld(xr + n) * r));
-        for (int64_t n = N16; n < N; n++) yr[n] = w[n] * (xr[n] * r[0]);
+        if (wdt == WD_BF16) {
+            const uint16_t *w = wv;
+            for (int64_t n = 0; n < N16; n += 16) st(yr + n, ld_bf16(w + n) * (ld(xr + n) * r));
+        } else {
+            const float *w = wv;
+            for (int64_t n = 0; n < N16; n += 16) st(yr + n, ld(w + n) * (ld(xr + n) * r));
+        }
+        for (int64_t n = N16; n < N; n++) yr[n] = wget(wv, wdt, n) * (xr[n] * r[0]);
     }
 }
 
@@ -38,7 +45,7 @@ void rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int64_t
     }
 }
 
-void wd_rmsnorm(const wd_rmsnorm_args *a) { rmsnorm(a->x, a->ldx, a->w, a->y, a->ldy, a->M, a->N, a->eps); }
+void wd_rmsnorm(const wd_rmsnorm_args *a) { rmsnorm(a->x, a->ldx, a->w, a->wdt, a->y, a->ldy, a->M, a->N, a->eps); }
 
 void wd_rope(const wd_rope_args *a) {
     rope(a->x, a->T, a->Hh, a->R, a->sxt, a->sxh, a->cos, a->sin, a->y, (int)a->interleave);

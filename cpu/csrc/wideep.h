@@ -7,7 +7,9 @@
    Legend: M rows of activations, N output features, K input features, T tokens, H hidden, B decode
    sequences, Nh heads, C kv_lora_rank, R rope dim, D = C + R latent width, S cache rows, E experts,
    El local experts, k top-k, I moe_intermediate_size, Is a SwiGLU's intermediate size. Float32, row
-   major, rows ld* floats apart where a stride is given. */
+   major, rows ld* elements apart where a stride is given. Weights (and the latent cache) may instead be
+   bfloat16 where a struct has a dtype field (wdt, pdt: WD_F32 or WD_BF16): activations, norms, router
+   scores and softmax stay float32 whatever the weights are. */
 #ifndef WIDEEP_H
 #define WIDEEP_H
 
@@ -26,8 +28,13 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 static inline v16 ld(const float *p) { v16 v; memcpy(&v, p, 64); return v; }
 static inline void st(float *p, v16 v) { memcpy(p, &v, 64); }
 static inline v16 bc(float s) { return (v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-/* keeps v in a register: without it GCC reloads a vector for every FMA that uses it */
+/* keeps v in a register: without it GCC reloads a vector for every FMA that uses it. Only where a 16-float
+   vector fits one register (AVX-512): elsewhere no register can hold it, and the constraint would not compile. */
+#ifdef __AVX512F__
 #define KEEP(v) __asm__("" : "+v"(v))
+#else
+#define KEEP(v) ((void)0)
+#endif
 #ifdef __clang__
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -72,6 +79,43 @@ static inline v16 ld_part(const float *p, int64_t n) {
 #endif
 }
 
+/* ---- bfloat16: the top 16 bits of a float32 ---- */
+
+enum { WD_F32 = 0, WD_BF16 = 1 };
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+/* 16 bfloat16 at p widened to floats: zero-extend, shift into the high half (exact) */
+static inline v16 ld_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, 32);
+    i16 w = __builtin_convertvector(h, i16) << 16;
+    v16 f;
+    memcpy(&f, &w, 64);
+    return f;
+}
+/* the first n (< 16) bfloat16 at p as floats, zero-padded (never reading past p + n) */
+static inline v16 ld_bf16_part(const uint16_t *p, int64_t n) {
+    uint16_t t[16] = {0};
+    memcpy(t, p, n * sizeof(uint16_t));
+    return ld_bf16(t);
+}
+/* float -> bfloat16, rounding to nearest even (torch's .to(torch.bfloat16)); a NaN stays a quiet NaN */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
+}
+static inline float from_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+/* element i of a weight vector of dtype wdt (WD_F32 / WD_BF16), for the vectors read once per row (norms) */
+static inline float wget(const void *w, int64_t wdt, int64_t i) {
+    return wdt == WD_BF16 ? from_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
 /* ---- the kernels one file calls in another: positional, not exported from the library ---- */
 
 #define WD_INTERNAL __attribute__((visibility("hidden")))
@@ -79,22 +123,40 @@ static inline v16 ld_part(const float *p, int64_t n) {
 /* gemm.c: y [M, N] = x [M, K] @ w [N, K]^T; per batch b of B, x, w, y advance by sxb, swb, syb */
 WD_INTERNAL void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K);
-WD_INTERNAL void bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const float *w, int64_t swb,
+/* gemm.c, gemm_bf16dp.c: the same with bfloat16 w, and w of dtype wdt (WD_F32 / WD_BF16). linear_bf16 runs
+   the AVX512-BF16 dot products (activations rounded to bfloat16) when bf16_dot() is on, else widens w to
+   float32 and runs the float32 FMAs (activations exact). */
+WD_INTERNAL void linear_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+                             int64_t M, int64_t N, int64_t K);
+WD_INTERNAL void linear_w(const float *x, int64_t ldx, const void *w, int64_t wdt, int64_t ldw, float *y, int64_t ldy,
+                          int64_t M, int64_t N, int64_t K);
+WD_INTERNAL void bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const void *w, int64_t wdt, int64_t swb,
                         int64_t ldw, float *y, int64_t syb, int64_t ldy, int64_t M, int64_t N, int64_t K);
+/* gemm_bf16dp.c: whether this CPU has AVX512-BF16, whether its kernel is on, and the kernel (built for x86-64
+   by compilers that know the instructions, whatever -march says; called only where the CPU has them) */
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 11 : __GNUC__ >= 10)
+#define WD_BF16DP 1
+#else
+#define WD_BF16DP 0
+#endif
+WD_INTERNAL int bf16dp_supported(void);
+WD_INTERNAL int bf16_dot(void);
+WD_INTERNAL void linear_bf16dp(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+                               int64_t M, int64_t N, int64_t K);
 /* experts.c */
-WD_INTERNAL int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const float *w13,
-                            const float *w2, const int64_t *ids, const float *wts, int64_t k, float *out,
+WD_INTERNAL int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13,
+                            const void *w2, int64_t wdt, const int64_t *ids, const float *wts, int64_t k, float *out,
                             int64_t *iscratch, float *scratch);
-WD_INTERNAL void swiglu(const float *x, int64_t T, int64_t H, const float *sg, const float *su, const float *sd,
-                        int64_t Is, float *y, float *scratch);
+WD_INTERNAL void swiglu(const float *x, int64_t T, int64_t H, const void *sg, const void *su, const void *sd,
+                        int64_t wdt, int64_t Is, float *y, float *scratch);
 /* norm_rope.c */
-WD_INTERNAL void rmsnorm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t M, int64_t N,
-                         float eps);
+WD_INTERNAL void rmsnorm(const float *x, int64_t ldx, const void *w, int64_t wdt, float *y, int64_t ldy, int64_t M,
+                         int64_t N, float eps);
 WD_INTERNAL void rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int64_t sxh, const float *cos,
                       const float *sin, float *y, int interleave);
 /* mla_decode.c */
-WD_INTERNAL int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const float *pool,
-                               int64_t num_blocks, const int64_t *table, int64_t max_blocks, const int32_t *lens,
+WD_INTERNAL int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const void *pool,
+                               int64_t pdt, int64_t num_blocks, const int64_t *table, int64_t max_blocks, const int32_t *lens,
                                int64_t max_len, int64_t bs, float scale, float *out, float *scratch,
                                const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
                                float *kb);
@@ -106,34 +168,36 @@ WD_INTERNAL void route(const float *x, int64_t T, int64_t H, const float *w, int
 /* ---- a decoder layer's weights, made once per layer (cpu/fused.py MlaWeights, MoeWeights, MlpWeights) ---- */
 
 /* wq is q_b_proj [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj
-   [N (dn+dv), C]; the norms' weights in_w, post_w [H], qa_w [Q], kva_w [C]. */
+   [N (dn+dv), C]; the norms' weights in_w, post_w [H], qa_w [Q], kva_w [C]. All of dtype wdt (and W_UK^T). */
 typedef struct {
-    const float *in_w, *post_w, *wqa, *qa_w, *wq, *wkva, *kva_w, *wkvb, *wo;
+    const void *in_w, *post_w, *wqa, *qa_w, *wq, *wkva, *kva_w, *wkvb, *wo;
     float in_eps, post_eps, qa_eps, kva_eps, scale;
-    int64_t H, Q, N, dn, R, C, dv, interleave;
+    int64_t H, Q, N, dn, R, C, dv, interleave, wdt;
 } wd_mla_weights;
 
-/* the router (gw [E, H], gbias [E] or NULL, its settings as wd_route_args'), the experts (w13 [E, 2I, H],
-   w2 [E, H, I], every one local) and the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg NULL: none) */
+/* the router (gw [E, H], gbias [E] or NULL, float32, its settings as wd_route_args'), the experts (w13
+   [E, 2I, H], w2 [E, H, I], every one local) and the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg
+   NULL: none), the experts' and shared experts' of dtype wdt */
 typedef struct {
-    const float *gw, *gbias, *w13, *w2, *sg, *su, *sd;
+    const float *gw, *gbias;
+    const void *w13, *w2, *sg, *su, *sd;
     float scale;
-    int64_t H, E, I, Is, k, G, topk_group, sigmoid, method, norm;
+    int64_t H, E, I, Is, k, G, topk_group, sigmoid, method, norm, wdt;
 } wd_moe_weights;
 
-/* a dense layer's SwiGLU MLP */
+/* a dense layer's SwiGLU MLP (weights of dtype wdt) */
 typedef struct {
-    const float *sg, *su, *sd;
-    int64_t H, Is;
+    const void *sg, *su, *sd;
+    int64_t H, Is, wdt;
 } wd_mlp_weights;
 
 /* one decoder layer of wd_decode_stack: its structs (mlp NULL for an MoE layer, moe NULL for a dense one),
-   W_UK^T [N, C, dn], its cache pool [S, D] and EPLB counts [E] (or NULL) */
+   W_UK^T [N, C, dn], its cache pool [S, D] of dtype pdt and EPLB counts [E] (or NULL) */
 typedef struct {
     const wd_mla_weights *mla;
-    const float *wuk_t;
-    float *pool;
-    int64_t S;
+    const void *wuk_t;
+    void *pool;
+    int64_t S, pdt;
     const wd_moe_weights *moe;
     const wd_mlp_weights *mlp;
     int64_t *load;
@@ -141,11 +205,12 @@ typedef struct {
 
 /* ---- the exported kernels: one argument struct each ---- */
 
-/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row */
+/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row (w of dtype wdt) */
 typedef struct {
-    const float *x, *w;
+    const float *x;
+    const void *w;
     float *y;
-    int64_t ldx, ldy, M, N;
+    int64_t ldx, ldy, M, N, wdt;
     float eps;
 } wd_rmsnorm_args;
 void wd_rmsnorm(const wd_rmsnorm_args *a);
@@ -159,39 +224,51 @@ typedef struct {
 } wd_rope_args;
 void wd_rope(const wd_rope_args *a);
 
-/* y [B, M, N] = x [B, M, K] @ w [B, N, K]^T (batch strides sxb, swb, syb; row strides ldx, ldw, ldy) */
+/* y [B, M, N] = x [B, M, K] @ w [B, N, K]^T (batch strides sxb, swb, syb; row strides ldx, ldw, ldy), w of
+   dtype wdt */
 typedef struct {
-    const float *x, *w;
+    const float *x;
+    const void *w;
     float *y;
-    int64_t B, sxb, ldx, swb, ldw, syb, ldy, M, N, K;
+    int64_t B, sxb, ldx, swb, ldw, syb, ldy, M, N, K, wdt;
 } wd_bmm_nt_args;
 void wd_bmm_nt(const wd_bmm_nt_args *a);
 
+/* The bfloat16 dot products (AVX512-BF16) for bfloat16 weights: want 1 on (when the CPU has them), 0 off
+   (the widening path: tests force it), -1 unchanged. Returns whether they are on. */
+typedef struct {
+    int64_t want, supported;
+} wd_bf16_dot_args;
+int64_t wd_bf16_dot(wd_bf16_dot_args *a);
+
 /* Routed experts: out [T, H] += sum over slots of wts * expert(x). ids [T, k] local ids (-1: on another
    rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats. Returns 0, or -1 - p for the first
-   pair p whose id is >= El (nothing is computed then). */
+   pair p whose id is >= El (nothing is computed then). w13, w2 of dtype wdt. */
 typedef struct {
-    const float *x, *w13, *w2, *wts;
+    const float *x;
+    const void *w13, *w2;
+    const float *wts;
     const int64_t *ids;
     float *out, *scratch;
     int64_t *iscratch;
-    int64_t T, H, I, El, k;
+    int64_t T, H, I, El, k, wdt;
 } wd_experts_args;
 int64_t wd_experts(const wd_experts_args *a);
 
 /* Absorbed MLA decode over the paged latent cache: out [B, Nh, C] from q [B, Nh, D], pool [num_blocks bs,
    D], table [B, max_blocks], lens [B] (1 .. max_len). scratch: Nh (max_len + 1) floats. pool8 (else NULL):
-   the cache as packed fp8 rows of W bytes (scales at soff, one per `group` values, fp32 RoPE at roff),
-   dequantised through kb [min(bs, 16), D]. Returns 0, or -1 (nothing computed) for a length or block id
-   out of range. */
+   the cache as packed fp8 rows of W bytes (scales at soff, one per `group` values, the RoPE at roff),
+   dequantised through kb [min(bs, 16), D], its RoPE part of dtype pdt; else pool of dtype pdt (read in
+   place). Returns 0, or -1 (nothing computed) for a length or block id out of range. */
 typedef struct {
-    const float *q, *pool;
+    const float *q;
+    const void *pool;
     const int64_t *table;
     const int32_t *lens;
     float *out, *scratch;
     const uint8_t *pool8;
     float *kb;
-    int64_t B, Nh, D, C, num_blocks, max_blocks, max_len, bs, W, soff, roff, group;
+    int64_t B, Nh, D, C, num_blocks, max_blocks, max_len, bs, W, soff, roff, group, pdt;
     float scale;
 } wd_mla_decode_args;
 int64_t wd_mla_decode(const wd_mla_decode_args *a);
@@ -208,17 +285,19 @@ typedef struct {
 } wd_route_args;
 void wd_route(const wd_route_args *a);
 
-/* One decode step of an MLA layer around its attention (fused.c). x [T, H], cos/sin [T, R/2], pool [S, D],
-   slots [T], table [T, max_blocks], lens [T] -> h, mlp_in [T, H]. buf: see fused.c. Returns 0, -1 (a length
-   or block id out of range, nothing attended), -2 - t (token t's slot outside the pool, nothing written). */
+/* One decode step of an MLA layer around its attention (fused.c). x [T, H], cos/sin [T, R/2], pool [S, D]
+   of dtype pdt, slots [T], table [T, max_blocks], lens [T] -> h, mlp_in [T, H]. buf: see fused.c. Returns 0,
+   -1 (a length or block id out of range, nothing attended), -2 - t (token t's slot outside the pool,
+   nothing written). */
 typedef struct {
     const wd_mla_weights *w;
-    const float *wuk_t, *x, *cos, *sin;
-    float *pool;
+    const void *wuk_t;
+    const float *x, *cos, *sin;
+    void *pool;
     const int64_t *slots, *table;
     const int32_t *lens;
     float *h, *mlp_in, *buf;
-    int64_t T, S, max_blocks, max_len, bs;
+    int64_t T, S, max_blocks, max_len, bs, pdt;
 } wd_mla_layer_args;
 int64_t wd_mla_layer(const wd_mla_layer_args *a);
 

@@ -75,16 +75,18 @@ def test_cpu_backends_match_torch(tmp_path, monkeypatch):
 
 
 def test_resolution():
-    f32, bf16 = torch.float32, torch.bfloat16
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     assert resolve_experts_backend("auto", "cpu", f32, None, 64, 32).backend == "cpu"
-    assert resolve_experts_backend("auto", "cpu", bf16, None, 64, 32).backend == "grouped"
+    assert resolve_experts_backend("auto", "cpu", bf16, None, 64, 32).backend == "cpu"
+    assert resolve_experts_backend("auto", "cpu", f16, None, 64, 32).backend == "grouped"
     assert resolve_experts_backend("torch", "cpu", f32, None, 64, 32).backend == "grouped"
     fp8 = resolve_experts_backend("cpu", "cpu", f32, (128, 128), 64, 32)
     assert (fp8.backend, fp8.keep_fp8) == ("cpu", False)       # fp8 checkpoints are dequantised at load
     assert resolve_attention_backend("auto", "cpu", f32) == "cpu"
-    assert resolve_attention_backend("auto", "cpu", bf16) == "torch"
+    assert resolve_attention_backend("auto", "cpu", bf16) == "cpu"
+    assert resolve_attention_backend("auto", "cpu", f16) == "torch"
     assert resolve_attention_backend("torch", "cpu", f32) == "torch"
-    with pytest.raises(ValueError, match="experts_backend 'cpu' is not usable: the model dtype is torch.bfloat16"):
-        resolve_experts_backend("cpu", "cpu", bf16, None, 64, 32)
+    with pytest.raises(ValueError, match="experts_backend 'cpu' is not usable: the model dtype is torch.float16"):
+        resolve_experts_backend("cpu", "cpu", f16, None, 64, 32)
     with pytest.raises(ValueError, match="attention_backend 'cpu' is not usable: the device is meta, not the CPU"):
         resolve_attention_backend("cpu", "meta", f32)

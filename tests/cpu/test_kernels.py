@@ -133,7 +133,7 @@ def test_bad_inputs_raise():
     x, w = torch.randn(2, 8), torch.randn(3, 8)
     with pytest.raises(ValueError, match="same K"):
         gemm.linear(x, torch.randn(3, 9))
-    with pytest.raises(ValueError, match="float32 CPU tensor"):
+    with pytest.raises(ValueError, match="float32 or bfloat16 CPU tensor"):
         gemm.linear(x.double(), w.double())
     with pytest.raises(ValueError, match="contiguous last dim"):
         gemm.linear(torch.randn(8, 2).t(), w)
@@ -142,6 +142,8 @@ def test_bad_inputs_raise():
         gemm.experts(x, w13, w2, torch.tensor([[5], [0]]), torch.ones(2, 1))
     with pytest.raises(ValueError, match=r"\[El, 2I, H\]"):
         gemm.experts(x, w13, torch.randn(4, 8, 7), torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
+    with pytest.raises(ValueError, match="w13 is torch.bfloat16, w2 torch.float32: the kernel takes one weight dtype"):
+        gemm.experts(x, w13.bfloat16(), w2, torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
     with pytest.raises(ValueError, match=r"must both be \[T=2, k\]"):
         gemm.experts(x, w13, w2, torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1))
     pool, q, table = torch.randn(32, 8), torch.randn(2, 2, 8), torch.tensor([[0, 1], [2, 3]])
@@ -175,7 +177,8 @@ def test_compile_error_is_explained(monkeypatch, tmp_path):
 
 def test_unusable_for_device_and_dtype():
     assert "not the CPU" in unusable_for("meta", torch.float32)
-    assert "take float32" in unusable_for("cpu", torch.bfloat16)
+    assert "take float32 or bfloat16" in unusable_for("cpu", torch.float16)
+    assert unusable_for("cpu", torch.bfloat16) is None
     assert unusable_for("cpu", torch.float32) is None
 
 

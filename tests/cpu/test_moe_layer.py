@@ -85,8 +85,16 @@ def test_what_the_plan_leaves_to_the_operations():
     layer.experts.backend = "grouped"
     assert "experts backend 'grouped'" in DecodePlan._moe_unfit(layer)
     layer.experts.backend = "cpu"
-    layer.experts.w13.data = layer.experts.w13.data.transpose(1, 2).contiguous().transpose(1, 2)
-    assert "not float32 contiguous" in DecodePlan._moe_unfit(layer)
+    w13 = layer.experts.w13.data
+    layer.experts.w13.data = w13.transpose(1, 2).contiguous().transpose(1, 2)
+    assert "not contiguous CPU tensors of one dtype" in DecodePlan._moe_unfit(layer)
+    layer.experts.w13.data = w13.bfloat16()                                      # w2 still float32
+    assert "not contiguous CPU tensors of one dtype" in DecodePlan._moe_unfit(layer)
+    layer.experts.w13.data = w13.half()
+    assert "float32 or bfloat16" in DecodePlan._moe_unfit(layer)
+    layer.experts.w13.data = w13
+    layer.gate.weight.data = layer.gate.weight.data.bfloat16()                   # the router stays float32
+    assert DecodePlan._moe_unfit(layer) == "a router whose weights are not float32 contiguous CPU tensors"
 
 
 def test_redundant_slots_on_one_rank_run_the_operations():
