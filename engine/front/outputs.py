@@ -74,10 +74,11 @@ class RequestState:
 
     def apply(self, d: Delta, now: float | None = None) -> bool:
         """Add a rank's delta. -> whether the request advanced (new tokens or finished)."""
+        now = time.time() if now is None else now
         toks = d.token_ids
         if toks:
             if self.first_token_time is None:
-                self.first_token_time = time.time() if now is None else now
+                self.first_token_time = now
             self.token_ids += toks
         if d.logprobs and self.logprobs is not None:
             self.logprobs += d.logprobs
@@ -98,7 +99,7 @@ class RequestState:
         if reason is None:
             return bool(toks)
         if self.finish_reason is None:
-            self.finish_reason, self.finish_time = reason, time.time() if now is None else now
+            self.finish_reason, self.finish_time = reason, now
             last = self.token_ids[-1] if self.token_ids else None
             if reason == "stop" and last is not None:
                 p = self.params
