@@ -87,8 +87,8 @@ def _mtp_kinds(raw: dict[str, Any], n: int, csa: int, hca: int) -> tuple[str, ..
     extra = (raw.get("compress_ratios") or [])[n:]
     bad = [r for r in extra if r not in (0, csa, hca)]
     if bad:
-        raise mc.ConfigError(f"config field 'compress_ratios': the MTP entries {extra} must be 0, the CSA ratio ({csa}) "
-                             f"or the HCA ratio ({hca}), got {bad}")
+        raise mc.ConfigError(f"config field 'compress_ratios': the MTP entries {extra} must be 0, the CSA ratio "
+                             f"({csa}) or the HCA ratio ({hca}), got {bad}")
     return tuple("sliding" if r == 0 else "csa" if r == csa else "hca" for r in extra)
 
 

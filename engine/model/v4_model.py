@@ -182,7 +182,8 @@ class DeepseekV4Model(nn.Module):
         total = sum(p.numel() * p.element_size() for p in self.parameters())
         experts = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
                       if n.startswith("layers.") and ".ffn.experts." in n)
-        return {"total": total, "experts": experts, "mtp": sum(p.numel() * p.element_size() for p in self.mtp.parameters())}
+        mtp = sum(p.numel() * p.element_size() for p in self.mtp.parameters())
+        return {"total": total, "experts": experts, "mtp": mtp}
 
     def mtp_num_params(self) -> int:
         """Parameters of the MTP blocks (not counted by the forward's layers)."""

@@ -158,7 +158,8 @@ def test_v4_loads_in_transformers_and_generates_through_llm(tmp_path, capsys):
         assert saved[name].abs().min() > 0, f"{name} kept transformers' zeros"
     ids = [0, 5, 6, 7, 100, 200, 31, 9, 77, 150, 12]
     with torch.no_grad():
-        want = hf.float().generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, len(ids):]
+        want = hf.float().generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = want[0, len(ids):]
     with pytest.raises(ValueError, match="enable_prefix_caching=False"):
         LLM(str(tmp_path), dtype="float32", progress=False)
     llm = LLM(str(tmp_path), dtype="float32", progress=False, enable_prefix_caching=False)
