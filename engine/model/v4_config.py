@@ -34,8 +34,8 @@ class V4Config:
     hc_mult: int = 4                     # residual streams (manifold-constrained hyper-connections)
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
-    # the MTP blocks' attention kinds, as DeepSeek's compress_ratios lists them past the L layers; a block it does
-    # not list is sliding-window only (as V4-Flash's is)
+    # [num_nextn_predict_layers] the MTP blocks' attention kinds, as DeepSeek's compress_ratios lists them past the
+    # L layers; a block it does not list is sliding-window only (as V4-Flash's is)
     mtp_layer_kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -81,15 +81,16 @@ def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], int, int
 
 
 def _mtp_kinds(raw: dict[str, Any], n: int, csa: int, hca: int) -> tuple[str, ...]:
-    """The MTP blocks' kinds from DeepSeek's compress_ratios entries past the n layers (none in transformers')."""
-    if raw.get("layer_types") is not None:
-        return ()
-    extra = (raw.get("compress_ratios") or [])[n:]
+    """[num_nextn_predict_layers] the MTP blocks' kinds: DeepSeek's compress_ratios entries past the n layers, and
+    sliding-window for a block they do not list (transformers' spelling lists none)."""
+    nextn = mc._int(raw, "num_nextn_predict_layers", 0, lo=0) or 0
+    extra = [] if raw.get("layer_types") is not None else (raw.get("compress_ratios") or [])[n:n + nextn]
     bad = [r for r in extra if r not in (0, csa, hca)]
     if bad:
         raise mc.ConfigError(f"config field 'compress_ratios': the MTP entries {extra} must be 0, the CSA ratio "
                              f"({csa}) or the HCA ratio ({hca}), got {bad}")
-    return tuple("sliding" if r == 0 else "csa" if r == csa else "hca" for r in extra)
+    kinds = ["sliding" if r == 0 else "csa" if r == csa else "hca" for r in extra]
+    return tuple(kinds + ["sliding"] * (nextn - len(kinds)))
 
 
 def _hash_layers(raw: dict[str, Any], n: int) -> tuple[bool, ...]:

@@ -25,9 +25,8 @@ class V4MTPBlock(V4DecoderLayer):
 
     def __init__(self, cfg, k: int, rope, shard, experts, routing, device=None, dtype=None):
         v4, H = cfg.v4, cfg.hidden_size
-        kind = v4.mtp_layer_kinds[k] if k < len(v4.mtp_layer_kinds) else "sliding"
         super().__init__(cfg, cfg.num_hidden_layers + k, rope, shard, experts, routing, device=device, dtype=dtype,
-                         kind=kind, hash_moe=False)
+                         kind=v4.mtp_layer_kinds[k], hash_moe=False)
         self.e_proj = nn.Linear(H, H, bias=False, device=device, dtype=dtype)
         self.h_proj = nn.Linear(H, H, bias=False, device=device, dtype=dtype)
         self.enorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)

@@ -123,5 +123,8 @@ def test_mtp_kinds_from_compress_ratios():
                compress_ratios=[0, 4, 128, 4, 0])
     v4 = ModelConfig.from_dict(raw).v4
     assert v4.layer_kinds == ("sliding", "csa", "hca") and v4.mtp_layer_kinds == ("csa", "sliding")
+    # a block compress_ratios does not list is sliding-window, as in transformers' spelling (which lists none)
+    assert ModelConfig.from_dict(dict(raw, compress_ratios=[0, 4, 128, 128])).v4.mtp_layer_kinds == ("hca", "sliding")
+    assert ModelConfig.from_dict(dict(raw, num_nextn_predict_layers=0)).v4.mtp_layer_kinds == ()
     with pytest.raises(ConfigError, match=r"MTP entries \[4, 7\].*got \[7\]"):
         ModelConfig.from_dict(dict(raw, compress_ratios=[0, 4, 128, 4, 7]))
