@@ -131,6 +131,8 @@ def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num
                             num_mtp=v4_mtp_blocks(reader.names, cfg.num_nextn_predict_layers))
     placement.install(model.routing, ep_rank, ep_size, model.device)
     model.placement = placement
+    if model.mtp:   # their own initial placement, which EPLB leaves alone
+        Placement.initial(len(model.mtp), E, num_physical).install(model.mtp_routing, ep_rank, ep_size, model.device)
     model.load_report = load_weights(reader, model.checkpoint_targets(), ignore=v4_ignore(model.owns_expert, L),
                                      progress=progress)
     model.copy_local_replicas()

@@ -94,7 +94,8 @@ class DeepseekV4Model(nn.Module):
         self.placement = None
         sh = shard or ExpertShard(cfg.moe.n_routed_experts)
         self.routing = ExpertRouting(cfg.num_hidden_layers, list(sh.layout.slots(sh.ep_rank)))
-        self.mtp_routing = ExpertRouting(num_mtp, list(sh.layout.slots(sh.ep_rank)))   # initial placement, no EPLB
+        # the MTP blocks keep the initial placement (slot p holds expert p % E; eplb.Placement.initial), no EPLB
+        self.mtp_routing = ExpertRouting(num_mtp, [p % cfg.moe.n_routed_experts for p in sh.layout.slots(sh.ep_rank)])
         self.backends = {"experts": "torch", "fp8_weights": False, "attention": "torch", "kernels": "torch",
                          "decode": "ops"}
         att = cfg.v4.attention

@@ -93,6 +93,18 @@ def test_mtp_tensors_land_in_the_mtp_block(ckpts):
     assert torch.equal(_logits(model), _logits(plain)), "the MTP block changed the forward"
 
 
+def test_mtp_experts_with_redundant_slots(ckpts):
+    """Redundant slots replicate experts 0, 1, ...: the MTP block's hold copies of the logical experts."""
+    _, with_mtp, _, mtp = ckpts
+    model = load_model(with_mtp, progress=False, num_redundant_experts=2)
+    ffn = model.mtp[0].ffn
+    assert ffn.local_phy2log == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    I = ffn.experts.intermediate
+    for slot, e in enumerate(ffn.local_phy2log):
+        assert torch.equal(ffn.experts.w13.data[slot, :I], mtp[f"mtp.0.ffn.experts.{e}.w1.weight"])
+        assert torch.equal(ffn.experts.w2.data[slot], mtp[f"mtp.0.ffn.experts.{e}.w2.weight"])
+
+
 def test_incomplete_or_extra_mtp_blocks_are_refused(ckpts, tmp_path):
     base, _, ckpt, mtp = ckpts
     with pytest.raises(CheckpointError, match=r"not in the checkpoint.*mtp\.0\.e_proj\.weight"):
