@@ -9,7 +9,7 @@ import time
 
 
 TINY_NAMES = {"v2": "DeepSeek-V2", "v3": "DeepSeek-V3", "v32": "DeepSeek-V3.2", "glm4_moe_lite": "GLM-4.x-MoE-lite",
-              "kimi_k25": "Kimi-K2.5"}
+              "kimi_k25": "Kimi-K2.5", "v4": "DeepSeek-V4"}
 
 
 def cmd_make_tiny(a) -> None:

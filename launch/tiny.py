@@ -1,6 +1,6 @@
 """Random-weight checkpoints in HF format, small enough for CPU tests and demos: DeepSeek-V2, V3, V3.2
 (with DSA's indexer), GLM-4.x-MoE-lite and Kimi-K2.5 (a V3 text model under a multimodal config, with a
-tiny vision tower and projector that wideep never reads).
+tiny vision tower and projector that wideep never reads); DeepSeek-V4 through transformers (launch/tiny_v4.py).
 
 Written without transformers, tensor names and config fields as their makers publish them, so the
 same files load in wideep and in transformers' classes of the same names (the reference).
@@ -61,6 +61,7 @@ KIMI_K25 = dict(architectures=["KimiK25ForConditionalGeneration"], model_type="k
                                    intermediate_size=64, merge_kernel_size=[2, 2]),
                 projection_hidden_size=32, media_placeholder_token_id=255)
 ARCHS = (*DEFAULTS, "kimi_k25")
+V4_VOCAB = 256   # make-tiny's V4: every byte gets a token (the tests' V4 models use 200)
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 
@@ -68,8 +69,11 @@ BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 def tiny_config(arch: str = "v3", **overrides: Any) -> dict[str, Any]:
     """The config.json dict; `overrides` replace fields (of the text model, for kimi_k25) and must name
     existing ones."""
+    if arch == "v4":
+        raise ValueError("arch 'v4' has no hand-written config here: transformers' DeepseekV4Config makes it "
+                         "(make_tiny_checkpoint(arch='v4'), launch/tiny_v4.py)")
     if arch not in ARCHS:
-        raise ValueError(f"arch {arch!r} is not one of {sorted(ARCHS)}")
+        raise ValueError(f"arch {arch!r} is not one of {sorted(ARCHS)} (or 'v4')")
     config = dict(DEFAULTS["v3" if arch == "kimi_k25" else arch])
     unknown = sorted(set(overrides) - set(config))
     if unknown:
@@ -258,9 +262,13 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed
     blocks] and adds DeepSeek-V3's quantization_config. Same arguments, same bytes.
     chat_template_style: "v3" | "r1" | "v31" (launch/tiny_chat.py), None for no template, "auto": v3,
     except V3.2, which (as the real one) ships none and is served with its Python encoding.
+    arch "v4": transformers' DeepseekV4ForCausalLM of launch/tiny_v4.py (needs transformers >= 5.24), overrides
+    are DeepseekV4Config fields; one shard, no fp8. wideep serves it with enable_prefix_caching=False.
     """
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
+    if arch == "v4":
+        return _make_tiny_v4(out_dir, fp8, seed, shards, chat_template_style, overrides)
     config = tiny_config(arch, **overrides)
     if fp8:
         config["quantization_config"] = dict(FP8_QUANT)
@@ -273,4 +281,19 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed
     if chat_template_style == "auto":
         chat_template_style = None if arch == "v32" else "v3"
     _write_tokenizer(out_dir, text["vocab_size"], text["bos_token_id"], text["eos_token_id"], chat_template_style)
+    return out_dir
+
+
+def _make_tiny_v4(out_dir: str, fp8: bool, seed: int, shards: int, chat_template_style: str | None,
+                  overrides: dict[str, Any]) -> str:
+    from .tiny_v4 import tiny_v4_model
+    if fp8 or shards != 1:
+        raise ValueError(f"a tiny DeepSeek-V4 is written by transformers' save_pretrained as one float32 file: fp8 "
+                         f"({fp8}) and shards ({shards}) other than 1 are not available for arch 'v4'")
+    model = tiny_v4_model(seed, **dict({"vocab_size": V4_VOCAB}, **overrides))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir)   # config.json, generation_config.json, model.safetensors
+    c = model.config
+    _write_tokenizer(out_dir, c.vocab_size, c.bos_token_id, c.eos_token_id,
+                     "v3" if chat_template_style == "auto" else chat_template_style)
     return out_dir

@@ -15,7 +15,8 @@ from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
 
 from .model_config import ModelConfig
-from .loader import CheckpointReader, expert_ignore, load_weights, text_model_rename, v4_ignore, v4_rename
+from .loader import (CheckpointReader, expert_ignore, load_weights, text_model_rename, v4_ignore, v4_mtp_blocks,
+                     v4_rename)
 from .model import DeepseekModel
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -125,11 +126,14 @@ def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num
     shard = ExpertShard(num_physical, ep_rank, ep_size) if ep_size > 1 or num_physical != E else None
     dispatcher = make_dispatcher(ctx or ParallelContext.single(device), num_physical, cfg.hidden_size,
                                  dispatch_backend, dtype=dtype, **(dispatch_options or {}))
-    model = DeepseekV4Model(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher)
+    reader = CheckpointReader(model_dir, rename=v4_rename)
+    model = DeepseekV4Model(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
+                            num_mtp=v4_mtp_blocks(reader.names, cfg.num_nextn_predict_layers))
     placement.install(model.routing, ep_rank, ep_size, model.device)
     model.placement = placement
-    reader = CheckpointReader(model_dir, rename=v4_rename)
-    model.load_report = load_weights(reader, model.checkpoint_targets(), ignore=v4_ignore(model.owns_expert),
+    if model.mtp:   # their own initial placement, which EPLB leaves alone
+        Placement.initial(len(model.mtp), E, num_physical).install(model.mtp_routing, ep_rank, ep_size, model.device)
+    model.load_report = load_weights(reader, model.checkpoint_targets(), ignore=v4_ignore(model.owns_expert, L),
                                      progress=progress)
     model.copy_local_replicas()
     return model.eval()

@@ -10,7 +10,8 @@ dequantised one.
 The model decides what it wants: `load_weights` gets `targets` {name -> destination tensor} (a
 destination may be a view into a stacked parameter, e.g. w13[e, :Im] for expert e's gate_proj) and
 an `ignore` predicate for names it deliberately leaves out (other EP ranks' experts). Everything
-else in the checkpoint is an error, except multi-token-prediction layers, which are skipped.
+else in the checkpoint is an error, except DeepSeek-V3-family multi-token-prediction layers (`model.layers.{L}`),
+which are skipped; DeepSeek-V4's MTP blocks (`mtp.{k}.*`) are the model's own targets (engine/model/v4_mtp.py).
 A multimodal checkpoint (Kimi-K2.5) is read through `text_model_rename`: its language model's tensors
 under their text-model names, its vision tower and projector never read.
 """
@@ -80,18 +81,30 @@ def v4_rename(name: str) -> str:
     return _V4_TOP.get(name, name)
 
 
-def v4_ignore(owned: Callable[[int, int], bool]) -> Callable[[str], bool]:
-    """ignore predicate for a DeepSeek-V4 checkpoint: other ranks' experts (`layers.{i}.ffn.experts.{e}.*`) and the
-    multi-token-prediction module (`mtp.*`, loaded by the speculative-decoding work, not here)."""
-    expert = re.compile(r"^layers\.(\d+)\.ffn\.experts\.(\d+)\.")
+def v4_ignore(owned: Callable[[int, int], bool], num_hidden_layers: int) -> Callable[[str], bool]:
+    """ignore predicate for a DeepSeek-V4 checkpoint: other ranks' experts, of the decoder layers
+    (`layers.{i}.ffn.experts.{e}.*`, owned(i, e)) and of the multi-token-prediction blocks (`mtp.{k}.ffn.experts.{e}.*`,
+    owned(num_hidden_layers + k, e))."""
+    expert = re.compile(r"^(layers|mtp)\.(\d+)\.ffn\.experts\.(\d+)\.")
 
     def ignore(name: str) -> bool:
-        if name.startswith("mtp."):
-            return True
         m = expert.match(name)
-        return m is not None and not owned(int(m.group(1)), int(m.group(2)))
+        if m is None:
+            return False
+        layer = int(m.group(2)) + (num_hidden_layers if m.group(1) == "mtp" else 0)
+        return not owned(layer, int(m.group(3)))
 
     return ignore
+
+
+def v4_mtp_blocks(names, num_nextn_predict_layers: int) -> int:
+    """How many MTP blocks (`mtp.{k}.*`, k = 0, 1, ...) a V4 checkpoint's tensor names hold; they must be the first
+    ones and at most the config's num_nextn_predict_layers (transformers saves none)."""
+    ks = sorted({int(m.group(1)) for m in map(re.compile(r"^mtp\.(\d+)\.").match, names) if m})
+    if ks != list(range(len(ks))) or len(ks) > num_nextn_predict_layers:
+        raise CheckpointError(f"the checkpoint holds MTP blocks {ks}, but the config's num_nextn_predict_layers "
+                              f"{num_nextn_predict_layers} allows blocks 0..{num_nextn_predict_layers - 1}")
+    return len(ks)
 
 
 class CheckpointReader:

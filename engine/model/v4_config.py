@@ -34,11 +34,14 @@ class V4Config:
     hc_mult: int = 4                     # residual streams (manifold-constrained hyper-connections)
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
+    # [num_nextn_predict_layers] the MTP blocks' attention kinds, as DeepSeek's compress_ratios lists them past the
+    # L layers; a block it does not list is sliding-window only (as V4-Flash's is)
+    mtp_layer_kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.layer_kinds) != len(self.hash_layers):
             raise ValueError(f"{len(self.layer_kinds)} layer kinds for {len(self.hash_layers)} MLP kinds")
-        bad = [k for k in self.layer_kinds if k not in KINDS]
+        bad = [k for k in (*self.layer_kinds, *self.mtp_layer_kinds) if k not in KINDS]
         if bad:
             raise ValueError(f"layer kinds {bad} are not among {KINDS}")
 
@@ -75,6 +78,19 @@ def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], int, int
                              f"got {others}")
     hca = others[0] if others else hca
     return tuple("sliding" if r == 0 else "csa" if r == csa else "hca" for r in ratios[:n]), csa, hca
+
+
+def _mtp_kinds(raw: dict[str, Any], n: int, csa: int, hca: int) -> tuple[str, ...]:
+    """[num_nextn_predict_layers] the MTP blocks' kinds: DeepSeek's compress_ratios entries past the n layers, and
+    sliding-window for a block they do not list (transformers' spelling lists none)."""
+    nextn = mc._int(raw, "num_nextn_predict_layers", 0, lo=0) or 0
+    extra = [] if raw.get("layer_types") is not None else (raw.get("compress_ratios") or [])[n:n + nextn]
+    bad = [r for r in extra if r not in (0, csa, hca)]
+    if bad:
+        raise mc.ConfigError(f"config field 'compress_ratios': the MTP entries {extra} must be 0, the CSA ratio "
+                             f"({csa}) or the HCA ratio ({hca}), got {bad}")
+    kinds = ["sliding" if r == 0 else "csa" if r == csa else "hca" for r in extra]
+    return tuple(kinds + ["sliding"] * (nextn - len(kinds)))
 
 
 def _hash_layers(raw: dict[str, Any], n: int) -> tuple[bool, ...]:
@@ -198,7 +214,7 @@ def parse_v4(raw: dict[str, Any]) -> "mc.ModelConfig":
                         swiglu_limit=None if limit is None else float(limit))
         v4 = V4Config(attention=attention, layer_kinds=kinds, hash_layers=_hash_layers(raw, n),
                       hc_mult=mc._int(raw, "hc_mult", 4), hc_sinkhorn_iters=mc._int(raw, "hc_sinkhorn_iters", 20),
-                      hc_eps=float(raw.get("hc_eps", 1e-6)))
+                      hc_eps=float(raw.get("hc_eps", 1e-6)), mtp_layer_kinds=_mtp_kinds(raw, n, csa, hca))
     except ValueError as e:
         if isinstance(e, mc.ConfigError):
             raise

@@ -37,10 +37,12 @@ CARRY = ("x",)   # what one layer hands the next: the residual streams [T, n, H]
 
 class V4DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: dict[str, RotaryEmbedding], shard, experts: ExpertsChoice,
-                 routing, device=None, dtype=None):
+                 routing, device=None, dtype=None, kind: str | None = None, hash_moe: bool | None = None):
+        """kind / hash_moe: the attention kind and hash routing, by default the config's for `layer`."""
         super().__init__()
         v4, H = cfg.v4, cfg.hidden_size
-        self.index, self.kind = layer, v4.layer_kinds[layer]
+        self.index, self.kind = layer, v4.layer_kinds[layer] if kind is None else kind
+        hash_moe = v4.hash_layers[layer] if hash_moe is None else hash_moe
         hc = dict(n=v4.hc_mult, sinkhorn_iters=v4.hc_sinkhorn_iters, eps=v4.hc_eps, norm_eps=cfg.rms_norm_eps,
                   device=device)
         self.hc_attn, self.hc_ffn = HyperConnection(H, **hc), HyperConnection(H, **hc)
@@ -49,7 +51,7 @@ class V4DecoderLayer(nn.Module):
                                 device=device, dtype=dtype)
         self.ffn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.ffn = MoELayer(cfg.moe, shard, device=device, dtype=dtype, experts_backend=experts.backend,
-                            routing=routing, hash_vocab=cfg.vocab_size if v4.hash_layers[layer] else None)
+                            routing=routing, hash_vocab=cfg.vocab_size if hash_moe else None)
 
     def ops(self) -> list:
         return [self.op_attention, *self.ffn.ops(), self.op_residual]
@@ -70,13 +72,20 @@ class V4DecoderLayer(nn.Module):
 class DeepseekV4Model(nn.Module):
     """One rank's DeepSeek-V4: `shard` (this rank's experts) and `dispatcher` serve the MoE layers as in
     engine/model/model.py; everything else is replicated. The forward is `step_ops` on an OpState per
-    microbatch; the attention's per-sequence streams come in the step's V4Meta (attention_v4/streams.py)."""
+    microbatch; the attention's per-sequence streams come in the step's V4Meta (attention_v4/streams.py).
+    num_mtp: how many multi-token-prediction blocks (engine/model/v4_mtp.py) to hold in `mtp`, loaded with the rest
+    and never run by the forward; at most the config's num_nextn_predict_layers."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 shard: ExpertShard | None = None, dispatcher=None, experts: ExpertsChoice | None = None):
+                 shard: ExpertShard | None = None, dispatcher=None, experts: ExpertsChoice | None = None,
+                 num_mtp: int = 0):
         super().__init__()
         if cfg.v4 is None:
             raise ValueError(f"DeepseekV4Model needs a DeepSeek-V4 config, got arch {cfg.arch!r}")
+        if not 0 <= num_mtp <= cfg.num_nextn_predict_layers:
+            raise ValueError(f"num_mtp {num_mtp} MTP blocks, but the config's num_nextn_predict_layers is "
+                             f"{cfg.num_nextn_predict_layers}")
+        from .v4_mtp import V4MTPBlock
         experts = experts or ExpertsChoice("grouped", keep_fp8=False)
         if experts.backend not in ("grouped", "reference"):
             raise ValueError(f"DeepSeek-V4 runs its experts on the torch backend only (clamped SwiGLU), "
@@ -85,6 +94,8 @@ class DeepseekV4Model(nn.Module):
         self.placement = None
         sh = shard or ExpertShard(cfg.moe.n_routed_experts)
         self.routing = ExpertRouting(cfg.num_hidden_layers, list(sh.layout.slots(sh.ep_rank)))
+        # the MTP blocks keep the initial placement (slot p holds expert p % E; eplb.Placement.initial), no EPLB
+        self.mtp_routing = ExpertRouting(num_mtp, [p % cfg.moe.n_routed_experts for p in sh.layout.slots(sh.ep_rank)])
         self.backends = {"experts": "torch", "fp8_weights": False, "attention": "torch", "kernels": "torch",
                          "decode": "ops"}
         att = cfg.v4.attention
@@ -98,8 +109,10 @@ class DeepseekV4Model(nn.Module):
             self.hc_head = HyperHead(H, n, cfg.v4.hc_eps, cfg.rms_norm_eps)
             self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
             self.head = None if cfg.tie_word_embeddings else nn.Linear(H, cfg.vocab_size, bias=False, dtype=dtype)
+            self.mtp = nn.ModuleList(V4MTPBlock(cfg, k, self.rope, shard, experts, self.mtp_routing.layers[k],
+                                                dtype=dtype) for k in range(num_mtp))
         _materialize(self, device)
-        for layer in self.layers:   # the router keeps fp32 whatever the model dtype
+        for layer in [*self.layers, *self.mtp]:   # the router keeps fp32 whatever the model dtype
             layer.ffn.gate.float()
         if dispatcher is None:   # one process, every expert local
             from parallel.context import ParallelContext
@@ -129,29 +142,34 @@ class DeepseekV4Model(nn.Module):
                                  (".gate.e_score_correction_bias", ".gate.bias")):
                 name = name.replace(ours, theirs)
             targets[name] = t.data
-        for i, layer in enumerate(self.layers):
+        blocks = [(f"layers.{i}.", layer) for i, layer in enumerate(self.layers)]
+        blocks += [(f"mtp.{k}.", block) for k, block in enumerate(self.mtp)]
+        for prefix, layer in blocks:
             ex, I = layer.ffn.experts, layer.ffn.experts.intermediate
             for slot, e in enumerate(layer.ffn.local_phy2log):
-                pre = f"layers.{i}.ffn.experts.{e}."
+                pre = f"{prefix}ffn.experts.{e}."
                 if pre + "w2.weight" in targets:
                     continue   # a second local replica: copy_local_replicas fills it
                 targets |= {pre + "w1.weight": ex.w13.data[slot, :I], pre + "w3.weight": ex.w13.data[slot, I:],
                             pre + "w2.weight": ex.w2.data[slot]}
-        for i, layer in enumerate(self.layers):   # the shared expert: w1 / w3 / w2 as DeepSeek names them
+        for prefix, _ in blocks:   # the shared expert: w1 / w3 / w2 as DeepSeek names them
             for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
-                targets[f"layers.{i}.ffn.shared_experts.{theirs}.weight"] = targets.pop(
-                    f"layers.{i}.ffn.shared_experts.{ours}.weight")
+                targets[f"{prefix}ffn.shared_experts.{theirs}.weight"] = targets.pop(
+                    f"{prefix}ffn.shared_experts.{ours}.weight")
         return targets
 
     def owns_expert(self, layer: int, expert: int) -> bool:
-        return layer < len(self.layers) and expert in self.layers[layer].ffn.local_phy2log
+        """layer: a decoder layer, or L + k for MTP block k; expert: logical id."""
+        L = len(self.layers)
+        block = self.layers[layer] if layer < L else self.mtp[layer - L] if layer < L + len(self.mtp) else None
+        return block is not None and expert in block.ffn.local_phy2log
 
     def moe_layers(self) -> list[MoELayer]:
         return [layer.ffn for layer in self.layers]
 
     @torch.no_grad()
     def copy_local_replicas(self) -> None:
-        for moe in self.moe_layers():
+        for moe in [*self.moe_layers(), *(block.ffn for block in self.mtp)]:
             first: dict[int, int] = {}
             for slot, e in enumerate(moe.local_phy2log):
                 if e in first:
@@ -160,9 +178,17 @@ class DeepseekV4Model(nn.Module):
                 first.setdefault(e, slot)
 
     def param_bytes(self) -> dict[str, int]:
+        """total: every parameter held; experts: the decoder layers' routed experts; mtp: the MTP blocks' (all of
+        theirs, experts included; part of total)."""
         total = sum(p.numel() * p.element_size() for p in self.parameters())
-        experts = sum(p.numel() * p.element_size() for n, p in self.named_parameters() if ".ffn.experts." in n)
-        return {"total": total, "experts": experts}
+        experts = sum(p.numel() * p.element_size() for n, p in self.named_parameters()
+                      if n.startswith("layers.") and ".ffn.experts." in n)
+        mtp = sum(p.numel() * p.element_size() for p in self.mtp.parameters())
+        return {"total": total, "experts": experts, "mtp": mtp}
+
+    def mtp_num_params(self) -> int:
+        """Parameters of the MTP blocks (not counted by the forward's layers)."""
+        return sum(p.numel() for p in self.mtp.parameters())
 
     # -- forward -------------------------------------------------------------------------------------
     def op_embed(self, s: OpState) -> None:

@@ -136,3 +136,48 @@ def test_tokenizer_round_trips(tmp_path):
     assert max(ids) < 256 and tok.decode(ids) == text
     assert tok.token_to_id("<｜begin▁of▁sentence｜>") == 0 and tok.token_to_id("<｜end▁of▁sentence｜>") == 1
     assert tok.encode("<｜end▁of▁sentence｜>").ids == [1]
+
+
+def test_v4_loads_in_transformers_and_generates_through_llm(tmp_path, capsys):
+    """`wideep make-tiny --arch v4`: transformers loads every tensor, the degenerate initial values are randomised,
+    and wideep's LLM (prefix caching off, as V4 needs today) generates transformers' greedy tokens."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip("transformers without DeepSeek-V4")
+    from engine import LLM, SamplingParams
+    from launch.cli import main
+    main(["make-tiny", "--out", str(tmp_path), "--arch", "v4"])
+    assert "wrote a tiny DeepSeek-V4 checkpoint" in capsys.readouterr().out
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)
+    assert type(hf).__name__ == "DeepseekV4ForCausalLM" and hf.config.vocab_size == 256
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    saved = _all_tensors(str(tmp_path))
+    tid2eid = saved["model.layers.0.ffn.gate.tid2eid"]
+    assert tid2eid.shape == (256, 2) and (tid2eid[:, 0] != tid2eid[:, 1]).all() and tid2eid.unique().numel() == 8
+    for name in ("model.layers.2.ffn.gate.bias", "model.layers.2.attn.attn_sink", "model.layers.0.hc_attn_base"):
+        assert saved[name].abs().min() > 0, f"{name} kept transformers' zeros"
+    ids = [0, 5, 6, 7, 100, 200, 31, 9, 77, 150, 12]
+    with torch.no_grad():
+        want = hf.float().generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    want = want[0, len(ids):]
+    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
+        LLM(str(tmp_path), dtype="float32", progress=False)
+    llm = LLM(str(tmp_path), dtype="float32", progress=False, enable_prefix_caching=False)
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == want.tolist()
+    assert llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0].outputs[0].text
+    llm.shutdown()
+
+
+def test_v4_bad_arguments(tmp_path):
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=r"fp8 \(True\) and shards \(1\).*arch 'v4'"):
+        make_tiny_checkpoint(str(tmp_path), arch="v4", fp8=True)
+    with pytest.raises(ValueError, match=r"shards \(2\)"):
+        make_tiny_checkpoint(str(tmp_path), arch="v4", shards=2)
+    with pytest.raises(ValueError, match=r"unknown DeepseekV4Config fields \['hiden_size'\]"):
+        make_tiny_checkpoint(str(tmp_path), arch="v4", hiden_size=3)
+    with pytest.raises(ValueError, match="arch 'v4' has no hand-written config"):
+        tiny_config("v4")
+    with pytest.raises(ValueError, match=r"arch 'v5' is not one of .*\(or 'v4'\)"):
+        tiny_config("v5")
