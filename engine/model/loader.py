@@ -73,9 +73,12 @@ def v4_rename(name: str) -> str:
     """A DeepSeek-V4 checkpoint's tensor name -> DeepSeek's own spelling (`layers.3.attn.wq_a.weight`, `embed.weight`).
     transformers 5.24 saves V4 in DeepSeek's layer names under a `model.` prefix, with its own names for the
     embedding and the final hyper-connection head; DeepSeek's checkpoints are already canonical, except that the block
-    scales of an FP8/FP4 weight `X.weight` are `X.scale` there (the reader's `X.weight_scale_inv` here)."""
+    scales of an FP8/FP4 weight `X.weight` are `X.scale` there (the reader's `X.weight_scale_inv` here), and the
+    attention's KV norm is `attn.kv_norm` there (transformers' save writes it `attn.norm`, its reverse of the
+    compressor's `norm` -> `kv_norm` renaming)."""
     if name.startswith("model."):
         name = name[len("model."):]
+    name = name.replace(".attn.kv_norm.", ".attn.norm.")
     if name.endswith(".scale"):   # DeepSeek's block scales of `X.weight` are `X.scale`
         return name[:-len("scale")] + "weight" + SCALE_SUFFIX
     return _V4_TOP.get(name, name)

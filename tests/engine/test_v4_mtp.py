@@ -140,3 +140,18 @@ def test_mtp_kinds_from_compress_ratios():
     assert ModelConfig.from_dict(dict(raw, num_nextn_predict_layers=0)).v4.mtp_layer_kinds == ()
     with pytest.raises(ConfigError, match=r"MTP entries \[4, 7\].*got \[7\]"):
         ModelConfig.from_dict(dict(raw, compress_ratios=[0, 4, 128, 4, 7]))
+
+
+def test_deepseeks_own_kv_norm_name_loads(ckpts, tmp_path):
+    """DeepSeek's V4 checkpoints name the attention's KV norm `attn.kv_norm` (layers and MTP blocks alike);
+    transformers' save writes `attn.norm`. Both spellings load to the same model."""
+    base, with_mtp, ckpt, mtp = ckpts
+    tensors = ckpt | mtp
+    renamed = {n.replace(".attn.norm.", ".attn.kv_norm."): t for n, t in tensors.items()}
+    assert sum(".attn.kv_norm." in n for n in renamed) >= 6   # every layer and the MTP block
+    real = _with(base, str(tmp_path / "ds"), renamed, drop=tuple(n for n in tensors if ".attn.norm." in n))
+    a, b = load_model(with_mtp, progress=False), load_model(real, progress=False)
+    assert b.load_report.ignored == 0
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa, pb), na
+    assert torch.equal(_logits(a), _logits(b))
