@@ -43,8 +43,9 @@ class Bench:
     def __init__(self, model_dir: str, batch: int, steps: int, rounds: int, processed: bool = False):
         from engine import Engine, SamplingParams
         self.batch = batch
+        per_seq = -(-(4 + steps * rounds + 8) // 64)   # blocks a sequence's prompt and outputs fill: no preemption
         self.eng = Engine(model_dir, max_num_seqs=batch, max_num_batched_tokens=max(8192, 4 * batch), block_size=64,
-                          kv_cache_blocks=2 * batch + 8, enable_prefix_caching=False, progress=False)
+                          kv_cache_blocks=per_seq * batch + 8, enable_prefix_caching=False, progress=False)
         for i in range(batch):
             extra = (dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1,
                           logit_bias={10 + i % 100: 1.0, 7: -2.0}, stop=["<<never>>", "zq!zq"])
