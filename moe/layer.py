@@ -99,6 +99,17 @@ class MoELayer(nn.Module):
         """[P] int64 tokens per physical slot, added in place by route(); None = not recording."""
         return self.routing.load_counts
 
+    @torch.no_grad()
+    def copy_local_replicas(self) -> None:
+        """Slots holding an expert this rank already holds in an earlier slot (one EP rank with
+        redundant slots) get that slot's weights; the checkpoint is read into the first only."""
+        first: dict[int, int] = {}
+        for slot, e in enumerate(self.local_phy2log):
+            if e in first:
+                for p in self.experts.parameters():
+                    p.data[slot] = p.data[first[e]]
+            first.setdefault(e, slot)
+
     def route(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] (, input_ids [T]: a hash-routed gate's) -> physical topk_ids [T, k], topk_weights [T, k]
         (recorded for EPLB when on, hash layers too)."""

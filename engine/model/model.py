@@ -221,12 +221,7 @@ class DeepseekModel(nn.Module):
         """Slots holding an expert this rank already holds in an earlier slot (one EP rank with
         redundant slots) get that slot's weights; checkpoint_targets loads only the first."""
         for moe in self.moe_layers():
-            first: dict[int, int] = {}
-            for slot, e in enumerate(moe.local_phy2log):
-                if e in first:
-                    for p in moe.experts.parameters():
-                        p.data[slot] = p.data[first[e]]
-                first.setdefault(e, slot)
+            moe.copy_local_replicas()
 
     def owns_expert(self, layer: int, expert: int) -> bool:
         """Whether this rank loads logical `expert` of `layer` (the loader skips the others unread)."""

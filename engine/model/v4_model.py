@@ -170,12 +170,7 @@ class DeepseekV4Model(nn.Module):
     @torch.no_grad()
     def copy_local_replicas(self) -> None:
         for moe in [*self.moe_layers(), *(block.ffn for block in self.mtp)]:
-            first: dict[int, int] = {}
-            for slot, e in enumerate(moe.local_phy2log):
-                if e in first:
-                    for p in moe.experts.parameters():
-                        p.data[slot] = p.data[first[e]]
-                first.setdefault(e, slot)
+            moe.copy_local_replicas()
 
     def param_bytes(self) -> dict[str, int]:
         """total: every parameter held; experts: the decoder layers' routed experts; mtp: the MTP blocks' (all of
