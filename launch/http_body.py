@@ -7,7 +7,7 @@ import json
 from aiohttp import web
 
 from .json_text import lone_surrogate, surrogate_message
-from .openai_api import BadRequest
+from .errors import BadRequest
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> web.Response:

@@ -23,16 +23,11 @@ from dataclasses import dataclass
 
 from engine.sampling_params import CompletionOutput, SamplingParams
 
+from .errors import BadRequest
+from .structured_api import structured_of
+
 MAX_PROMPTS = 256   # prompts in one batched request
 MAX_CHOICES = 1024  # prompts x n: the sequences one request may start
-
-
-class BadRequest(ValueError):
-    """-> HTTP `status` with {"error": {"message", "type", "code"}}."""
-
-    def __init__(self, message: str, status: int = 400):
-        super().__init__(message)
-        self.status = status
 
 
 # Fields that would change the result, accepted only at their no-op values.
@@ -124,11 +119,6 @@ def _stop(body: dict):
     if isinstance(stop, str) or (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         return stop
     raise BadRequest(f"'stop' must be a string or a list of strings, got {type(stop).__name__}")
-
-
-def structured_of(body: dict):
-    from .structured_api import structured_of as parse   # it imports BadRequest from here
-    return parse(body)
 
 
 @dataclass

@@ -19,7 +19,7 @@ import uuid
 
 from structured.params import StructuredOutputsParams
 
-from .openai_api import BadRequest
+from .errors import BadRequest
 
 LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 

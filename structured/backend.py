@@ -91,17 +91,6 @@ def unpack_shifts(words: torch.Tensor, V: int) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :V].bool()
 
 
-def make_backend(name: str, tokenizer, vocab_size: int) -> Backend:
-    """tokenizer: the checkpoint's tokenizers.Tokenizer; vocab_size: the model's logits width."""
-    if name == "xgrammar":
-        from .xgrammar_backend import XGrammarBackend
-        return XGrammarBackend(tokenizer, vocab_size)
-    if name == "guidance":
-        from .guidance_backend import GuidanceBackend
-        return GuidanceBackend(tokenizer, vocab_size)
-    raise ValueError(f"structured outputs backend must be one of {list(BACKENDS)}, got {name!r}")
-
-
 def special_token_ids(tokenizer) -> set[int]:
     """The tokenizer's special added tokens (BOS, EOS, chat markup): never part of constrained text."""
     return {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}

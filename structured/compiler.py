@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .backend import Backend, make_backend
+from .backend import BACKENDS, Backend
 from .params import StructuredOutputsParams
 
 CACHE_ENTRIES = 1024   # compiled grammars kept per compiler (least recently used leaves first)
@@ -72,3 +72,14 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_backend(name: str, tokenizer, vocab_size: int) -> Backend:
+    """tokenizer: the checkpoint's tokenizers.Tokenizer; vocab_size: the model's logits width."""
+    if name == "xgrammar":
+        from .xgrammar_backend import XGrammarBackend
+        return XGrammarBackend(tokenizer, vocab_size)
+    if name == "guidance":
+        from .guidance_backend import GuidanceBackend
+        return GuidanceBackend(tokenizer, vocab_size)
+    raise ValueError(f"structured outputs backend must be one of {list(BACKENDS)}, got {name!r}")

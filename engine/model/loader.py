@@ -11,7 +11,7 @@ The model decides what it wants: `load_weights` gets `targets` {name -> destinat
 destination may be a view into a stacked parameter, e.g. w13[e, :Im] for expert e's gate_proj) and
 an `ignore` predicate for names it deliberately leaves out (other EP ranks' experts). Everything
 else in the checkpoint is an error, except DeepSeek-V3-family multi-token-prediction layers (`model.layers.{L}`),
-which are skipped; DeepSeek-V4's MTP blocks (`mtp.{k}.*`) are the model's own targets (engine/model/v4_mtp.py).
+which are skipped; DeepSeek-V4's MTP blocks (`mtp.{k}.*`) are the model's own targets (engine/model/v4_model.py V4MTPBlock).
 A multimodal checkpoint (Kimi-K2.5) is read through `text_model_rename`: its language model's tensors
 under their text-model names, its vision tower and projector never read.
 """

@@ -13,6 +13,9 @@ from typing import Any
 from attention_mla.config import DSAConfig, MLAConfig, RopeConfig
 from moe.config import MoEConfig
 
+from .config_fields import ConfigError, config_int as _int
+from .v4_config import V4Config, parse_v4
+
 ARCHITECTURES = {"DeepseekV2ForCausalLM": "v2", "DeepseekV3ForCausalLM": "v3", "DeepseekV32ForCausalLM": "v32",
                  "Glm4MoeLiteForCausalLM": "glm4_moe_lite", "KimiK25ForConditionalGeneration": "kimi_k25",
                  "Kimi_K25ForConditionalGeneration": "kimi_k25",   # the second spelling is transformers'
@@ -24,10 +27,6 @@ FIRST_DENSE_DEFAULT = {"v32": 3, "glm4_moe_lite": 1}  # transformers' defaults (
 # Configs that name these get an error that says why, not the generic "not supported" (none at present).
 OUT_OF_SCOPE: dict[str, str] = {}
 OUT_OF_SCOPE_ARCHS: dict[str, str] = {}
-
-
-class ConfigError(ValueError):
-    """A config.json value wideep cannot serve; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ class ModelConfig:
         if arch == "kimi_k25":
             return _parse_kimi_k25(raw)
         if arch == "v4":
-            return parse_v4(raw)
+            return cls(**parse_v4(raw))
         return _parse(raw, arch)
 
 
@@ -111,19 +110,6 @@ def _arch(raw: dict[str, Any]) -> str:
         return MODEL_TYPES[mt]
     raise ConfigError(f"config has no supported 'architectures' (got {archs}) or 'model_type' (got {mt!r}); "
                       f"wideep serves {sorted(ARCHITECTURES)}")
-
-
-def _int(raw: dict[str, Any], key: str, default: Any = ..., *, lo: int = 1, allow_none: bool = False) -> Any:
-    if key not in raw or (raw[key] is None and not allow_none):
-        if default is ...:
-            raise ConfigError(f"config field '{key}' is missing")
-        return default
-    v = raw[key]
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ConfigError(f"config field '{key}' must be an int >= {lo}, got {v!r}")
-    return v
 
 
 def _rope(raw: dict[str, Any], arch: str, rope_dim: int, max_pos: int) -> RopeConfig:
@@ -282,5 +268,3 @@ def _parse(raw: dict[str, Any], arch: str) -> ModelConfig:
         eos_token_ids=eos_ids, bos_token_id=raw.get("bos_token_id"),
         dsa=_dsa(raw, rope_dim, q_lora) if arch == "v32" else None, mlp_layer_types=mlp_types)
 
-
-from .v4_config import V4Config, parse_v4  # noqa: E402  (v4_config reads this module's helpers at call time)

@@ -18,7 +18,7 @@ from attention_mla.config import RopeConfig
 from attention_v4.config import KINDS, V4AttentionConfig
 from moe.config import MoEConfig
 
-from . import model_config as mc
+from .config_fields import ConfigError, config_int
 
 LAYER_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
                "heavily_compressed_attention": "hca"}
@@ -50,17 +50,17 @@ def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], int, int
     """-> (kinds [n], csa ratio, hca ratio)."""
     rates = raw.get("compress_rates")
     if rates is not None and not isinstance(rates, dict):
-        raise mc.ConfigError(f"config field 'compress_rates' must be an object, got {rates!r}")
+        raise ConfigError(f"config field 'compress_rates' must be an object, got {rates!r}")
     rates = dict(rates or {})
     csa = rates.get("compressed_sparse_attention", raw.get("compress_rate_csa", 4))
     hca = rates.get("heavily_compressed_attention", raw.get("compress_rate_hca", 128))
     for name, v in (("compressed_sparse_attention", csa), ("heavily_compressed_attention", hca)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise mc.ConfigError(f"config field 'compress_rates.{name}' must be an int >= 1, got {v!r}")
+            raise ConfigError(f"config field 'compress_rates.{name}' must be an int >= 1, got {v!r}")
     types = raw.get("layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != n or any(t not in LAYER_TYPES for t in types):
-            raise mc.ConfigError(f"config field 'layer_types' must list one of {sorted(LAYER_TYPES)} for each of "
+            raise ConfigError(f"config field 'layer_types' must list one of {sorted(LAYER_TYPES)} for each of "
                                  f"the {n} layers, got {types!r}")
         return tuple(LAYER_TYPES[t] for t in types), csa, hca
     ratios = raw.get("compress_ratios")
@@ -68,12 +68,12 @@ def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], int, int
         return tuple(["hca"] * min(n, 2) + ["csa" if i % 2 else "hca" for i in range(max(n - 2, 0))]), csa, hca
     if not isinstance(ratios, list) or len(ratios) < n or any(isinstance(r, bool) or not isinstance(r, int)
                                                               for r in ratios):
-        raise mc.ConfigError(f"config field 'compress_ratios' must list an int for each of the {n} layers, "
+        raise ConfigError(f"config field 'compress_ratios' must list an int for each of the {n} layers, "
                              f"got {ratios!r}")
     # entries past num_hidden_layers are the MTP layers'
     others = sorted({r for r in ratios[:n] if r not in (0, csa)})
     if len(others) > 1 or (others and "compress_rate_hca" in raw and others[0] != hca):
-        raise mc.ConfigError(f"config field 'compress_ratios' {ratios[:n]}: every compressed layer must use the CSA "
+        raise ConfigError(f"config field 'compress_ratios' {ratios[:n]}: every compressed layer must use the CSA "
                              f"ratio ({csa}) or one HCA ratio ({hca if 'compress_rate_hca' in raw else 'any'}), "
                              f"got {others}")
     hca = others[0] if others else hca
@@ -83,11 +83,11 @@ def _layer_kinds(raw: dict[str, Any], n: int) -> tuple[tuple[str, ...], int, int
 def _mtp_kinds(raw: dict[str, Any], n: int, csa: int, hca: int) -> tuple[str, ...]:
     """[num_nextn_predict_layers] the MTP blocks' kinds: DeepSeek's compress_ratios entries past the n layers, and
     sliding-window for a block they do not list (transformers' spelling lists none)."""
-    nextn = mc._int(raw, "num_nextn_predict_layers", 0, lo=0) or 0
+    nextn = config_int(raw, "num_nextn_predict_layers", 0, lo=0) or 0
     extra = [] if raw.get("layer_types") is not None else (raw.get("compress_ratios") or [])[n:n + nextn]
     bad = [r for r in extra if r not in (0, csa, hca)]
     if bad:
-        raise mc.ConfigError(f"config field 'compress_ratios': the MTP entries {extra} must be 0, the CSA ratio "
+        raise ConfigError(f"config field 'compress_ratios': the MTP entries {extra} must be 0, the CSA ratio "
                              f"({csa}) or the HCA ratio ({hca}), got {bad}")
     kinds = ["sliding" if r == 0 else "csa" if r == csa else "hca" for r in extra]
     return tuple(kinds + ["sliding"] * (nextn - len(kinds)))
@@ -97,10 +97,10 @@ def _hash_layers(raw: dict[str, Any], n: int) -> tuple[bool, ...]:
     types = raw.get("mlp_layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) != n or any(t not in MLP_TYPES for t in types):
-            raise mc.ConfigError(f"config field 'mlp_layer_types' must list 'hash_moe' or 'moe' for each of the "
+            raise ConfigError(f"config field 'mlp_layer_types' must list 'hash_moe' or 'moe' for each of the "
                                  f"{n} layers, got {types!r}")
         return tuple(t == "hash_moe" for t in types)
-    k = mc._int(raw, "num_hash_layers", 3, lo=0)
+    k = config_int(raw, "num_hash_layers", 3, lo=0)
     return tuple(i < k for i in range(n))
 
 
@@ -109,9 +109,9 @@ def _table(params: dict[str, Any], where: str, dim: int, theta: float, legacy_ya
     if kind == "default":
         return RopeConfig(dim=dim, theta=theta)
     if kind != "yarn":
-        raise mc.ConfigError(f"config field '{where}.rope_type' = {kind!r} is not supported (supported: default, yarn)")
+        raise ConfigError(f"config field '{where}.rope_type' = {kind!r} is not supported (supported: default, yarn)")
     if "original_max_position_embeddings" not in params or params.get("factor") is None:
-        raise mc.ConfigError(f"config field '{where}' needs 'factor' and 'original_max_position_embeddings' for yarn")
+        raise ConfigError(f"config field '{where}' needs 'factor' and 'original_max_position_embeddings' for yarn")
     af = params.get("attention_factor")
     # DeepSeek's reference leaves cos/sin unscaled; transformers writes attention_factor 1.0 for it
     af = 1.0 if af is None and legacy_yarn else af
@@ -126,29 +126,29 @@ def _table(params: dict[str, Any], where: str, dim: int, theta: float, legacy_ya
 def _ropes(raw: dict[str, Any], head_dim: int) -> tuple[int, RopeConfig, RopeConfig]:
     """-> (rope dim, main table, compress table)."""
     if "qk_rope_head_dim" in raw:
-        dim = mc._int(raw, "qk_rope_head_dim")
+        dim = config_int(raw, "qk_rope_head_dim")
     else:
         prf = raw.get("partial_rotary_factor")
         prf = 64 / 512 if prf is None else prf
         if not isinstance(prf, (int, float)) or not 0 < prf <= 1:
-            raise mc.ConfigError(f"config field 'partial_rotary_factor' must be in (0, 1], got {prf!r}")
+            raise ConfigError(f"config field 'partial_rotary_factor' must be in (0, 1], got {prf!r}")
         dim = int(head_dim * prf)
     rp = raw.get("rope_parameters") or {}
     if not isinstance(rp, dict):
-        raise mc.ConfigError(f"config field 'rope_parameters' must be an object, got {rp!r}")
+        raise ConfigError(f"config field 'rope_parameters' must be an object, got {rp!r}")
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         tables = []
         for name in ("main", "compress"):
             p = rp[name]
             prf = p.get("partial_rotary_factor")
             if prf is not None and int(head_dim * prf) != dim:
-                raise mc.ConfigError(f"config field 'rope_parameters.{name}.partial_rotary_factor' ({prf}) rotates "
+                raise ConfigError(f"config field 'rope_parameters.{name}.partial_rotary_factor' ({prf}) rotates "
                                      f"{int(head_dim * prf)} channels, the model {dim}")
             tables.append(_table(p, f"rope_parameters.{name}", dim, float(p.get("rope_theta", 10000.0)), False))
         return dim, tables[0], tables[1]
     scaling = raw.get("rope_scaling") or {k: v for k, v in rp.items() if k not in ("main", "compress")}
     if not isinstance(scaling, dict):
-        raise mc.ConfigError(f"config field 'rope_scaling' must be an object, got {scaling!r}")
+        raise ConfigError(f"config field 'rope_scaling' must be an object, got {scaling!r}")
     main = RopeConfig(dim=dim, theta=float(raw.get("rope_theta", 10000.0)))
     compress = _table(scaling, "rope_scaling", dim, float(raw.get("compress_rope_theta", 160000.0)), True)
     return dim, main, compress
@@ -161,70 +161,71 @@ def _check_quant(raw: dict[str, Any]) -> None:
     if not q:
         return
     if not isinstance(q, dict) or q.get("quant_method") != "fp8":
-        raise mc.ConfigError(f"config field 'quantization_config.quant_method' must be 'fp8' for DeepSeek-V4, "
+        raise ConfigError(f"config field 'quantization_config.quant_method' must be 'fp8' for DeepSeek-V4, "
                              f"got {q.get('quant_method') if isinstance(q, dict) else q!r}")
     for key, allowed in (("fmt", ("e4m3",)), ("scale_fmt", ("ue8m0", "float")), ("expert_dtype", ("fp8", "fp4"))):
         if q.get(key) is not None and q[key] not in allowed:
-            raise mc.ConfigError(f"config field 'quantization_config.{key}' = {q[key]!r} is not supported "
+            raise ConfigError(f"config field 'quantization_config.{key}' = {q[key]!r} is not supported "
                                  f"(supported: {', '.join(allowed)})")
     block = q.get("weight_block_size", [128, 128])
     if not (isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-        raise mc.ConfigError(f"config field 'quantization_config.weight_block_size' must be two positive ints, "
+        raise ConfigError(f"config field 'quantization_config.weight_block_size' must be two positive ints, "
                              f"got {block!r}")
 
 
-def parse_v4(raw: dict[str, Any]) -> "mc.ModelConfig":
+def parse_v4(raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json -> the ModelConfig fields of a DeepSeek-V4 checkpoint (model_config.ModelConfig.from_dict builds it)."""
     act = raw.get("hidden_act", "silu")
     if act != "silu":
-        raise mc.ConfigError(f"config field 'hidden_act' = {act!r} is not supported (supported: silu)")
+        raise ConfigError(f"config field 'hidden_act' = {act!r} is not supported (supported: silu)")
     _check_quant(raw)
     if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise mc.ConfigError("DeepSeek-V4 with 'attention_bias' or 'mlp_bias' is not supported (the released models "
+        raise ConfigError("DeepSeek-V4 with 'attention_bias' or 'mlp_bias' is not supported (the released models "
                              "have neither)")
-    if mc._int(raw, "num_key_value_heads", 1) != 1:
-        raise mc.ConfigError(f"DeepSeek-V4 attention has one shared KV head: config field 'num_key_value_heads' must "
+    if config_int(raw, "num_key_value_heads", 1) != 1:
+        raise ConfigError(f"DeepSeek-V4 attention has one shared KV head: config field 'num_key_value_heads' must "
                              f"be 1, got {raw['num_key_value_heads']!r}")
-    n = mc._int(raw, "num_hidden_layers")
-    hidden, head_dim = mc._int(raw, "hidden_size"), mc._int(raw, "head_dim", 512)
+    n = config_int(raw, "num_hidden_layers")
+    hidden, head_dim = config_int(raw, "hidden_size"), config_int(raw, "head_dim", 512)
     eps = float(raw.get("rms_norm_eps", 1e-6))
     rope_dim, main, compress = _ropes(raw, head_dim)
     kinds, csa, hca = _layer_kinds(raw, n)
     scoring = raw.get("scoring_func") or "sqrtsoftplus"
-    shared = mc._int(raw, "n_shared_experts", 1, lo=0)
+    shared = config_int(raw, "n_shared_experts", 1, lo=0)
     if shared != 1:
-        raise mc.ConfigError(f"DeepSeek-V4 has one shared expert: config field 'n_shared_experts' must be 1, "
+        raise ConfigError(f"DeepSeek-V4 has one shared expert: config field 'n_shared_experts' must be 1, "
                              f"got {shared}")
     limit = raw.get("swiglu_limit", 10.0)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0):
-        raise mc.ConfigError(f"config field 'swiglu_limit' must be a number > 0 or null, got {limit!r}")
+        raise ConfigError(f"config field 'swiglu_limit' must be a number > 0 or null, got {limit!r}")
     try:
         attention = V4AttentionConfig(
-            hidden_size=hidden, num_heads=mc._int(raw, "num_attention_heads"), head_dim=head_dim, rope_dim=rope_dim,
-            q_lora_rank=mc._int(raw, "q_lora_rank"), o_groups=mc._int(raw, "o_groups"),
-            o_lora_rank=mc._int(raw, "o_lora_rank"), sliding_window=mc._int(raw, "sliding_window", 128),
+            hidden_size=hidden, num_heads=config_int(raw, "num_attention_heads"), head_dim=head_dim, rope_dim=rope_dim,
+            q_lora_rank=config_int(raw, "q_lora_rank"), o_groups=config_int(raw, "o_groups"),
+            o_lora_rank=config_int(raw, "o_lora_rank"), sliding_window=config_int(raw, "sliding_window", 128),
             rope_main=main, rope_compress=compress, csa_ratio=csa, hca_ratio=hca,
-            index_n_heads=mc._int(raw, "index_n_heads", 64), index_head_dim=mc._int(raw, "index_head_dim", 128),
-            index_topk=mc._int(raw, "index_topk", 512), rms_norm_eps=eps)
-        moe = MoEConfig(hidden_size=hidden, moe_intermediate_size=mc._int(raw, "moe_intermediate_size"),
-                        n_routed_experts=mc._int(raw, "n_routed_experts"), n_shared_experts=1,
-                        top_k=mc._int(raw, "num_experts_per_tok"), n_group=1, topk_group=1,
+            index_n_heads=config_int(raw, "index_n_heads", 64), index_head_dim=config_int(raw, "index_head_dim", 128),
+            index_topk=config_int(raw, "index_topk", 512), rms_norm_eps=eps)
+        moe = MoEConfig(hidden_size=hidden, moe_intermediate_size=config_int(raw, "moe_intermediate_size"),
+                        n_routed_experts=config_int(raw, "n_routed_experts"), n_shared_experts=1,
+                        top_k=config_int(raw, "num_experts_per_tok"), n_group=1, topk_group=1,
                         topk_method="noaux_tc", scoring_func=scoring,
                         # transformers' and DeepSeek's V4 routers renormalise the top-k whatever norm_topk_prob says
                         norm_topk_prob=True, routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.5)),
                         swiglu_limit=None if limit is None else float(limit))
         v4 = V4Config(attention=attention, layer_kinds=kinds, hash_layers=_hash_layers(raw, n),
-                      hc_mult=mc._int(raw, "hc_mult", 4), hc_sinkhorn_iters=mc._int(raw, "hc_sinkhorn_iters", 20),
+                      hc_mult=config_int(raw, "hc_mult", 4), hc_sinkhorn_iters=config_int(raw, "hc_sinkhorn_iters", 20),
                       hc_eps=float(raw.get("hc_eps", 1e-6)), mtp_layer_kinds=_mtp_kinds(raw, n, csa, hca))
     except ValueError as e:
-        if isinstance(e, mc.ConfigError):
+        if isinstance(e, ConfigError):
             raise
-        raise mc.ConfigError(f"config: {e}") from None
+        raise ConfigError(f"config: {e}") from None
     eos = raw.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-    return mc.ModelConfig(
-        arch="v4", vocab_size=mc._int(raw, "vocab_size"), hidden_size=hidden,
+    return dict(
+        arch="v4", vocab_size=config_int(raw, "vocab_size"), hidden_size=hidden,
         intermediate_size=moe.moe_intermediate_size, num_hidden_layers=n, first_k_dense_replace=0, moe_layer_freq=1,
-        max_position_embeddings=mc._int(raw, "max_position_embeddings", 1048576), rms_norm_eps=eps,
+        max_position_embeddings=config_int(raw, "max_position_embeddings", 1048576), rms_norm_eps=eps,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), mla=None, moe=moe, quant=None,
-        num_nextn_predict_layers=mc._int(raw, "num_nextn_predict_layers", 0, lo=0) or 0, eos_token_ids=eos_ids,
+        num_nextn_predict_layers=config_int(raw, "num_nextn_predict_layers", 0, lo=0) or 0, eos_token_ids=eos_ids,
         bos_token_id=raw.get("bos_token_id"), v4=v4)

@@ -69,11 +69,40 @@ class V4DecoderLayer(nn.Module):
         s.end_layer(self.index, CARRY)
 
 
+# -- multi-token prediction ---------------------------------------------------------------------------------
+# DeepSeek-V4's multi-token-prediction (MTP) blocks, loaded with the model and not run by its forward: the
+# speculative-decoding work drives them. Checkpoint names `mtp.{k}.*` (DeepSeek's; transformers 5.24 has no MTP
+# module and drops them on load).
+#
+# Legend: T tokens, n hc_mult, H hidden. Block k is a full V4 decoder layer (attention, hyper-connections, MoE with
+# one shared expert; never hash-routed; its attention kind from compress_ratios past the L layers, sliding-window by
+# default) plus what turns the main model's streams and the next token into its input and its output into logits:
+#     x [T, n, H] = e_proj(enorm(embed(next_ids)))[:, None] + h_proj(hnorm(streams))     (streams: the main model's)
+#     x = layer(x);   logits = head(norm(hc_head(x)))
+# embed and head are the main model's (shared, not stored in the block).
+
+
+class V4MTPBlock(V4DecoderLayer):
+    """A V4 decoder layer with the MTP input projections e_proj / h_proj [H, H], their norms enorm / hnorm [H], and
+    its own output head: hc_head (HyperHead) and norm [H]. `index` is L + k (the layer after the main stack)."""
+
+    def __init__(self, cfg, k: int, rope, shard, experts, routing, device=None, dtype=None):
+        v4, H = cfg.v4, cfg.hidden_size
+        super().__init__(cfg, cfg.num_hidden_layers + k, rope, shard, experts, routing, device=device, dtype=dtype,
+                         kind=v4.mtp_layer_kinds[k], hash_moe=False)
+        self.e_proj = nn.Linear(H, H, bias=False, device=device, dtype=dtype)
+        self.h_proj = nn.Linear(H, H, bias=False, device=device, dtype=dtype)
+        self.enorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.hnorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.hc_head = HyperHead(H, v4.hc_mult, v4.hc_eps, cfg.rms_norm_eps, device=device)
+
+
 class DeepseekV4Model(nn.Module):
     """One rank's DeepSeek-V4: `shard` (this rank's experts) and `dispatcher` serve the MoE layers as in
     engine/model/model.py; everything else is replicated. The forward is `step_ops` on an OpState per
     microbatch; the attention's per-sequence streams come in the step's V4Meta (attention_v4/streams.py).
-    num_mtp: how many multi-token-prediction blocks (engine/model/v4_mtp.py) to hold in `mtp`, loaded with the rest
+    num_mtp: how many multi-token-prediction blocks (V4MTPBlock below) to hold in `mtp`, loaded with the rest
     and never run by the forward; at most the config's num_nextn_predict_layers."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -85,7 +114,6 @@ class DeepseekV4Model(nn.Module):
         if not 0 <= num_mtp <= cfg.num_nextn_predict_layers:
             raise ValueError(f"num_mtp {num_mtp} MTP blocks, but the config's num_nextn_predict_layers is "
                              f"{cfg.num_nextn_predict_layers}")
-        from .v4_mtp import V4MTPBlock
         experts = experts or ExpertsChoice("grouped", keep_fp8=False)
         if experts.backend not in ("grouped", "reference"):
             raise ValueError(f"DeepSeek-V4 runs its experts on the torch backend only (clamped SwiGLU), "

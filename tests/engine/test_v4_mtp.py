@@ -1,4 +1,4 @@
-"""DeepSeek-V4's MTP blocks (engine/model/v4_mtp.py): a checkpoint with `mtp.0.*` tensors in DeepSeek's naming
+"""DeepSeek-V4's MTP blocks (engine/model/v4_model.py V4MTPBlock): a checkpoint with `mtp.0.*` tensors in DeepSeek's naming
 (transformers' save_pretrained writes none, so the test adds them: one sliding-window block whose attention, MoE
 and hyper-connection tensors are named and shaped like a decoder layer's, plus e_proj / h_proj / enorm / hnorm /
 norm / hc_head_*) loads; every MTP tensor lands in a parameter of model.mtp, value for value, and the parameter
