@@ -46,6 +46,14 @@ CASES = [dict(),
          dict(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4, logit_bias={3: 2.0})]
 
 
+def _sample_step(proc, plan, seqs, g) -> None:
+    """A step's random samples recorded by the processor and appended to the sequences' outputs."""
+    tokens = torch.randint(0, V, (len(seqs),), generator=g)
+    proc.record(plan, tokens)
+    for b, s in enumerate(seqs):
+        s.output_token_ids.append(int(tokens[b]))
+
+
 @pytest.mark.parametrize("subset", [False, True])
 def test_processing_matches_reference(subset):
     g = torch.Generator().manual_seed(0)
@@ -60,10 +68,7 @@ def test_processing_matches_reference(subset):
     for b, s in enumerate(seqs):
         torch.testing.assert_close(out[b], _reference(logits[b], s))
     # counts grow incrementally with this step's samples, and match a rebuild from the tokens
-    tokens = torch.randint(0, V, (len(seqs),), generator=g)
-    proc.record(plan, tokens)
-    for b, s in enumerate(seqs):
-        s.output_token_ids.append(int(tokens[b]))
+    _sample_step(proc, plan, seqs, g)
     logits = torch.randn(len(seqs), V, generator=g)
     out = proc.apply(logits, proc.plan(seqs))
     fresh = LogitsProcessor(V, "cpu")
@@ -90,10 +95,7 @@ def test_slots_out_of_batch_order_and_masked_tokens():
         assert torch.isneginf(out[:, 5]).all()
         for b, s in enumerate(seqs):
             torch.testing.assert_close(out[b], _reference(logits[b], s))
-        tokens = torch.randint(0, V, (len(seqs),), generator=g)
-        proc.record(plan, tokens)
-        for b, s in enumerate(seqs):
-            s.output_token_ids.append(int(tokens[b]))
+        _sample_step(proc, plan, seqs, g)
 
 
 def test_no_processing_no_plan():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parallel.spawn import spawn
+from tests.request_runs import run_in_one_process, run_on_front
 
 
 def requests() -> list[tuple[str, list[int], dict]]:
@@ -17,19 +18,12 @@ def requests() -> list[tuple[str, list[int], dict]]:
 
 
 def _rank(model_dir: str) -> dict:
-    from engine import SamplingParams
     from engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:
         how = eng.run_worker_loop()
         return {"how": how, "processed": eng.core.runner.logits_proc is not None}
-    for rid, prompt, kw in requests():
-        eng.add_request(rid, prompt, SamplingParams(**kw))
-    got = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
+    got = {rid: c.token_ids for rid, c in run_on_front(eng, requests()).items()}
     processed = eng.core.runner.logits_proc is not None
     eng.shutdown()
     return {"got": got, "processed": processed}
@@ -37,13 +31,9 @@ def _rank(model_dir: str) -> dict:
 
 @pytest.mark.multirank
 def test_two_ranks_equal_one_process(tmp_path):
-    from engine import LLM, SamplingParams
     from launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=5, initializer_range=0.3)
-    reqs = requests()
-    outs = LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(
-        [p for _, p, _ in reqs], [SamplingParams(**kw) for _, _, kw in reqs])
-    want = {rid: o.outputs[0].token_ids for (rid, _, _), o in zip(reqs, outs)}
+    want = {rid: c.token_ids for rid, c in run_in_one_process(d, requests(), block_size=16, kv_cache_blocks=64).items()}
     front, worker = spawn(_rank, 2, args=(d,), timeout_s=300)
     assert front["got"] == want
     assert worker["how"] == "shutdown"

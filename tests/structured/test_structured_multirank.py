@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.parallel.spawn import spawn
+from tests.request_runs import run_in_one_process, run_on_front
 
 SCHEMA = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
                                            "tag": {"enum": ["x", "y", "z"]}}, "required": ["id", "tag"]}
@@ -27,7 +28,6 @@ def requests() -> list[tuple[str, list[int], dict]]:
 
 
 def _rank(model_dir: str) -> dict:
-    from engine import SamplingParams
     from engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:
@@ -35,14 +35,7 @@ def _rank(model_dir: str) -> dict:
         proc = eng.core.runner.logits_proc
         return {"how": how, "matchers": proc is not None and proc.grammar_rows is not None}
     ranks = {}
-    for rid, prompt, kw in requests():
-        eng.add_request(rid, prompt, SamplingParams(**kw))
-        ranks[rid] = eng.front.rank_of(rid)
-    got = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                got[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+    got = {rid: (c.token_ids, c.finish_reason) for rid, c in run_on_front(eng, requests(), ranks).items()}
     proc = eng.core.runner.logits_proc
     eng.shutdown()
     return {"got": got, "ranks": ranks, "matchers": proc is not None and proc.grammar_rows is not None}
@@ -50,13 +43,11 @@ def _rank(model_dir: str) -> dict:
 
 @pytest.mark.multirank
 def test_four_ranks_equal_one_process(tmp_path):
-    from engine import LLM, SamplingParams
     from launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=5, initializer_range=0.3)
     reqs = requests()
-    outs = LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(
-        [p for _, p, _ in reqs], [SamplingParams(**kw) for _, _, kw in reqs])
-    want = {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for (rid, _, _), o in zip(reqs, outs)}
+    want = {rid: (c.token_ids, c.finish_reason)
+            for rid, c in run_in_one_process(d, reqs, block_size=16, kv_cache_blocks=64).items()}
     assert all(want[rid][1] == "stop" for rid, _, kw in reqs if "structured_outputs" in kw)
     results = spawn(_rank, 4, args=(d,), timeout_s=400)
     front = results[0]
@@ -72,18 +63,11 @@ DISAGG = {"prefill": {"dp_size": 1, "ep_size": 1, "kv_cache_blocks": 32},
 
 def _disagg_rank(model_dir: str) -> dict | None:
     from disagg import make_engine
-    from engine import SamplingParams
     eng = make_engine(model_dir, DISAGG, progress=False, block_size=16, parallel={"timeout_s": 60.0})
     if not eng.is_front:
         eng.run_worker_loop()
         return None
-    for rid, prompt, kw in requests():
-        eng.add_request(rid, prompt, SamplingParams(**kw))
-    got = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                got[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+    got = {rid: (c.token_ids, c.finish_reason) for rid, c in run_on_front(eng, requests()).items()}
     eng.shutdown()
     return got
 
@@ -92,12 +76,9 @@ def _disagg_rank(model_dir: str) -> dict | None:
 def test_disaggregated_prefill_then_decode_equals_one_process(tmp_path):
     """The prefill pool samples the first token under the grammar; the decode pool's matcher replays
     it and goes on: the outputs are one process's."""
-    from engine import LLM, SamplingParams
     from launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=5, initializer_range=0.3)
-    reqs = requests()
-    outs = LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(
-        [p for _, p, _ in reqs], [SamplingParams(**kw) for _, _, kw in reqs])
-    want = {rid: (o.outputs[0].token_ids, o.outputs[0].finish_reason) for (rid, _, _), o in zip(reqs, outs)}
+    want = {rid: (c.token_ids, c.finish_reason)
+            for rid, c in run_in_one_process(d, requests(), block_size=16, kv_cache_blocks=64).items()}
     got = spawn(_disagg_rank, 2, args=(d,), timeout_s=400)[0]
     assert got == want
