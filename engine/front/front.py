@@ -197,7 +197,7 @@ class Front:
                         out = group.merge(out, kind)
                     if out is not None:
                         outs.append(out)
-                if st.finish_reason is not None:
+                if finished:
                     self._finished(st)
         self.generated += generated
         self.tokens_log.append((time.monotonic(), generated))

@@ -59,14 +59,12 @@ class RequestState:
     stop_token_end: bool = False   # the last token is the EOS / stop token that ended it (no text)
 
     stops: StopMatcher | None = field(default=None, init=False)   # built once, with stop strings
-    stop_hold: int = field(default=0, init=False)   # characters withheld while running (stop strings)
 
     def __post_init__(self):
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.stop:
             self.stops = StopMatcher(self.params.stop)
-            self.stop_hold = self.stops.hold
 
     @property
     def finished(self) -> bool:
@@ -172,6 +170,7 @@ class RequestState:
                 del self.logprobs[i + 1:]
             self.detok_prefix = self.detok_read = len(self.token_ids)   # nothing left to flush
             self.finish_reason, self.stop_reason = "stop", matched
+            self.stop_token_end = False   # it ends on the string, not on a stop token
             self.finish_time = self.finish_time or time.time()
             return True
         return False
@@ -211,8 +210,7 @@ class RequestState:
         """How many of the tokens have text: all but the stop token (EOS or one of stop_token_ids) that
         ended the request, unless include_stop_str_in_output (vLLM's rule)."""
         n = len(self.token_ids)
-        if (self.stop_token_end and not isinstance(self.stop_reason, str)
-                and not self.params.include_stop_str_in_output):
+        if self.stop_token_end and not self.params.include_stop_str_in_output:
             return n - 1
         return n
 
@@ -226,8 +224,8 @@ class RequestState:
             else:   # the common case, every request every step: straight to the decoder
                 self._decode(tokenizer, len(self.token_ids))
         end = len(self.text)
-        if self.stop_hold and running:
-            end = max(self.text_sent if delta else 0, end - self.stop_hold)
+        if running and self.stops is not None:
+            end = max(self.text_sent if delta else 0, end - self.stops.hold)
         if not delta:
             return self.text[:end]
         new, self.text_sent = self.text[self.text_sent:end], max(self.text_sent, end)
