@@ -69,14 +69,14 @@ def _draw(filtered: torch.Tensor, generator: torch.Generator | None) -> tuple[to
     mask, top-k) runs ~2x slower than over finite values; softmax takes the same time on both."""
     peak = filtered.amax(-1, keepdim=True)
     probs = filtered.softmax(-1)
-    lse_ = peak - probs.amax(-1, keepdim=True).log()
+    lse = peak - probs.amax(-1, keepdim=True).log()
     cdf = probs.cumsum_(-1)                                                   # CDF (total ~ 1)
     total = cdf[:, -1:]
     u = 1.0 - torch.rand(filtered.shape[0], 1, generator=generator, device=filtered.device)
     # first index whose CDF reaches u * total: a cumulative sum of non-negative terms never
     # decreases, so a binary search finds it (the same index as counting the entries below)
     tokens = torch.searchsorted(cdf, u * total).squeeze(1)
-    return tokens, lse_.squeeze(1)
+    return tokens, lse.squeeze(1)
 
 
 @dataclass
