@@ -19,9 +19,9 @@ the plain rows (the JSON says what under "processed_row").
 Last line (JSON): {"host_ms_per_step": {"64": ..., "256": ..., "1024": ..., "256+processing": ...},
 "host_ms_best_round": {...}, "cpu_ms_per_step": {...}, "per_seq_us": {...}, "ratio_1024_vs_256": ...,
 "processing_extra_ms_256": ..., "processed_row": "what the row runs", "rounds": [...],
-"machine": {"cpu": ..., "python_ns_per_iter": ...}} (python_ns_per_iter: a plain Python loop timed before each
-round, the interpreter's speed that every row's ms scales with; the ≤ 5 ms target at batch 256 was set on an
-AMD EPYC VM)
+"python_ns_per_iter": ..., "python_ns_per_iter_rounds": [...]} (a plain Python loop timed before each round: the
+interpreter's speed, which every row's ms scales with; the file's "machine" names the CPU. The ≤ 5 ms target at
+batch 256 was set on an AMD EPYC VM)
 """
 from __future__ import annotations
 
@@ -86,14 +86,6 @@ def python_ns_per_iter(n: int = 2_000_000) -> float:
     return (time.perf_counter() - t0) * 1e9 / n
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="64,256,1024")
@@ -140,8 +132,8 @@ def main() -> None:
            "cpu_ms_per_step": {name[b]: round(statistics.median(c for _, c in rs), 3) for b, rs in rounds.items()},
            "per_seq_us": {name[b]: round(v * 1e3 / b[0], 2) for b, v in ms.items()},
            "rounds": {name[b]: [round(w, 3) for w, _ in rs] for b, rs in rounds.items()},
-           "machine": {"cpu": cpu_model(), "python_ns_per_iter": round(statistics.median(calib), 1),
-                       "python_ns_per_iter_rounds": [round(c, 1) for c in calib]}}
+           "python_ns_per_iter": round(statistics.median(calib), 1),
+           "python_ns_per_iter_rounds": [round(c, 1) for c in calib]}
     if (256, False) in ms and (1024, False) in ms:
         out["ratio_1024_vs_256"] = round(ms[(1024, False)] / ms[(256, False)], 2)
     if any(p for _, p in rows):
