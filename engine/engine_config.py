@@ -1,7 +1,7 @@
 """EngineConfig: every option of an engine, frozen and validated once, fingerprinted whole.
 
 One source for three readers: `Engine(model, **options)` / `LLM(...)` keywords, the run-config file
-(each field names its section: [model] or [engine]; [parallel], [dbo], [eplb], [kv_cache] are the nested
+(each field names its section: [model] or [engine]; [parallel], [dbo], [eplb], [kv_cache], [speculative] are the nested
 configs' own fields) and the cross-rank agreement check (every rank must hold an equal config).
 Keys are derived from the dataclass fields, never listed by hand.
 
@@ -17,6 +17,8 @@ from dbo.overlap import DboConfig
 from eplb.config import EplbConfig
 from kvstore.config import KVCacheConfig
 from parallel.config import ParallelConfig
+
+from .spec.config import SpeculativeConfig
 
 
 def _f(section: str, default: Any, doc: str):
@@ -50,6 +52,7 @@ class EngineConfig:
     dbo: DboConfig = field(default_factory=DboConfig, metadata={"section": "dbo"})
     eplb: EplbConfig = field(default_factory=EplbConfig, metadata={"section": "eplb"})
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig, metadata={"section": "kv_cache"})
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig, metadata={"section": "speculative"})
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -120,7 +123,7 @@ class EngineConfig:
     def from_options(cls, model: str, world_size: int | None = None, **options) -> "EngineConfig":
         """From Engine/LLM keywords: the fields, plus dp_size / ep_size / dispatch_backend as
         shortcuts into `parallel` (a ParallelConfig or dict), dbo as True/False/"auto" or a dict,
-        eplb / kv_cache as their config or a dict.
+        eplb / kv_cache / speculative as their config or a dict (speculative_config: vLLM's name).
         dp_size / ep_size not given (or "auto"): world_size (default: the launcher's)."""
         options = dict(options)
         par = options.pop("parallel", None)
@@ -129,10 +132,14 @@ class EngineConfig:
             v = options.pop(key, None)
             if v is not None:
                 par[key] = v
+        if "speculative_config" in options:
+            if "speculative" in options:
+                raise ValueError("give speculative or speculative_config, not both")
+            options["speculative"] = options.pop("speculative_config")
         known = {f.name for f in dataclasses.fields(cls)} - {"model", "parallel"}
         unknown = sorted(set(options) - known)
         if unknown:
-            shortcuts = {"parallel", "dp_size", "ep_size", "dispatch_backend"}
+            shortcuts = {"parallel", "dp_size", "ep_size", "dispatch_backend", "speculative_config"}
             raise ValueError(f"unknown engine options {unknown}; known: {sorted(known | shortcuts)}")
         if "dbo" in options:
             options["dbo"] = DboConfig.coerce(options["dbo"])
@@ -140,6 +147,8 @@ class EngineConfig:
             options["eplb"] = EplbConfig.coerce(options["eplb"])
         if "kv_cache" in options:
             options["kv_cache"] = KVCacheConfig.coerce(options["kv_cache"])
+        if "speculative" in options:
+            options["speculative"] = SpeculativeConfig.coerce(options["speculative"])
         if "dtype" in options and not isinstance(options["dtype"], str):  # a torch.dtype
             options["dtype"] = _dtype_name(options["dtype"])
         return cls(model=model, parallel=_build(ParallelConfig, _sizes(par, world_size), "parallel"), **options)
@@ -151,7 +160,8 @@ class EngineConfig:
         return dataclasses.asdict(self)
 
 
-_NESTED = {"parallel": ParallelConfig, "dbo": DboConfig, "eplb": EplbConfig, "kv_cache": KVCacheConfig}
+_NESTED = {"parallel": ParallelConfig, "dbo": DboConfig, "eplb": EplbConfig, "kv_cache": KVCacheConfig,
+           "speculative": SpeculativeConfig}
 
 
 def _sizes(par: dict, world_size: int | None) -> dict:

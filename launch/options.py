@@ -48,9 +48,20 @@ def origins(text: str) -> list[str]:
     return v
 
 
+def json_table(text: str) -> dict:
+    """A JSON object (vLLM's --speculative-config '{"method": "ngram", ...}')."""
+    try:
+        v = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"is not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class Option:
-    key: str                     # "section.key" in the run config
+    key: str                     # "section.key" in the run config; "section.*": a JSON object of the section's keys
     help: str
     commands: tuple[str, ...] = ENGINE
     flag: str = ""               # default: --key, "_" -> "-"
@@ -95,6 +106,9 @@ OPTIONS: tuple[Option, ...] = (
            spec={"action": "store_const", "const": True}),
     Option("dbo.enabled", "dual-batch overlap ([dbo] enabled); 'auto': split only where it measured faster",
            flag="--enable-dbo", spec={"nargs": "?", "const": True, "type": _dbo}),
+    Option("speculative.*", "speculative decoding as JSON, vLLM's keys: method (ngram), num_speculative_tokens, "
+           "prompt_lookup_min/max, disable_by_batch_size ([speculative] in the run config)",
+           flag="--speculative-config", spec={"type": json_table}),
     Option("server.host", "bind address (default 127.0.0.1: this host only)", commands=(SERVE,)),
     Option("server.port", "default 8000; 0 picks a free port (printed)", commands=(SERVE,), spec=INT),
     Option("server.model_name", "the `model` names clients may pass; the first is the one responses report "
@@ -132,7 +146,8 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
     for o in OPTIONS:
         if command in o.commands:
             takes_value = o.spec.get("action") in (None, "append")
-            meta = {"metavar": o.key.split(".", 1)[1].upper()} if takes_value and "choices" not in o.spec else {}
+            name = o.key.split(".", 1)[1]
+            meta = {"metavar": "JSON" if name == "*" else name.upper()} if takes_value and "choices" not in o.spec else {}
             parser.add_argument(o.name, *o.aliases, dest=o.dest, default=None, help=o.help, **meta, **o.spec)
 
 

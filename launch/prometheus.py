@@ -25,6 +25,22 @@ _SCALARS = [
      "Transfers waiting for free KV blocks on their decode rank (back-pressure)."),
     ("wideep_prefill_prompt_tokens_in_flight", "prefill_prompt_tokens_in_flight", "gauge",
      "Prompt tokens sent to the prefill pool whose first token is not back yet."),
+    # speculative decoding (engine/spec/), all DP ranks: vLLM's spec_decode families
+    ("wideep_spec_decode_num_drafts_total", "spec_decode_num_drafts", "counter",
+     "Verifications of a sequence's drafts (sequences x steps that drafted)."),
+    ("wideep_spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens", "counter", "Draft tokens verified."),
+    ("wideep_spec_decode_num_accepted_tokens_total", "spec_decode_num_accepted_tokens", "counter",
+     "Draft tokens accepted."),
+    ("wideep_spec_decode_acceptance_rate", "spec_decode_acceptance_rate", "gauge",
+     "Accepted / draft tokens, since start."),
+    ("wideep_spec_decode_mean_acceptance_length", "spec_decode_mean_acceptance_length", "gauge",
+     "Tokens per verification (1 + accepted / drafts), since start."),
+    ("wideep_spec_decode_backoffs_total", "spec_decode_backoffs", "counter",
+     "Times a sequence stopped drafting for a while because its drafts were rarely accepted."),
+    ("wideep_spec_decode_paused_sequences", "spec_decode_paused_seqs", "gauge",
+     "Sequences not drafting in the last step because they are backing off."),
+    ("wideep_spec_decode_steps_batch_off_total", "spec_decode_steps_batch_off", "counter",
+     "Rank steps without drafts because more sequences ran than disable_by_batch_size."),
     # surviving lost ranks (on_rank_loss = "continue")
     ("wideep_rank_losses_total", "rank_losses", "counter", "Ranks lost and survived (the ranks re-formed)."),
     ("wideep_requests_readmitted_total", "requests_readmitted", "counter",
@@ -135,6 +151,11 @@ def render(m: dict) -> str:
         if samples:
             head(name, "counter", help_)
             lines.extend(f'{name}{{dp_rank="{r}",{label}="{k}"}} {_num(v)}' for r, k, v in samples)
+    per_pos = m.get("spec_decode_num_accepted_tokens_per_pos")
+    if per_pos:
+        name = "wideep_spec_decode_num_accepted_tokens_per_pos_total"
+        head(name, "counter", "Draft tokens accepted, by draft position (0: the first draft).")
+        lines.extend(f'{name}{{position="{i}"}} {n}' for i, n in enumerate(per_pos))
     tiers = m.get("kv_tiers", {})
     for name, key, kind, help_ in _TIER_FAMILIES:
         samples = [(t, f[key]) for t, f in tiers.items() if key in f]

@@ -16,6 +16,8 @@ with a model given on the command line may leave out [model] path.
     [eplb]     enabled, window_size, step_interval, num_redundant_experts, policy, initial_placement,
                migration_aware, transfer_layers_per_step (eplb/config.py)
     [dbo]      enabled (true | false | "auto"), decode_token_threshold, prefill_token_threshold
+    [speculative] method ("ngram"), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max,
+               disable_by_batch_size, min_acceptance, backoff_steps (engine/spec/config.py)
     [kv_cache] tiers ([] | ["host"] | ["host", "disk"]), host_bytes, disk_bytes, disk_dir, persist_on_close,
                routing ("kv_aware" | "least_loaded"), route_prefix_weight, route_load_weight (kvstore/config.py)
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed
@@ -145,7 +147,10 @@ def override(cfg: dict[str, Any], **flags: Any) -> dict[str, Any]:
         if value is None:
             continue
         section, key = name.split("__", 1)
-        out.setdefault(section, {})[key] = value
+        if key == "*":   # a whole section's keys (--speculative-config JSON)
+            out.setdefault(section, {}).update(value)
+        else:
+            out.setdefault(section, {})[key] = value
     return validate(out, "run config + flags")
 
 
@@ -165,7 +170,7 @@ def llm_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
         for k, v in cfg.get(section, {}).items():
             kw["model" if k == "path" else k] = v
     kw["parallel"] = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
-    for section in ("eplb", "dbo", "disagg"):
+    for section in ("eplb", "dbo", "disagg", "speculative"):
         if cfg.get(section) or (section == "disagg" and section in cfg):
             kw[section] = dict(cfg[section])
     return kw

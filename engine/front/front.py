@@ -291,7 +291,27 @@ class Front:
                 "recovery_s_last": self.recoveries[-1]["recovery_s"] if self.recoveries else 0.0,
                 "expert_bytes_refetched_peer": sum(r.get("expert_bytes_peer", 0) for r in self.recoveries),
                 "expert_bytes_refetched_checkpoint": sum(r.get("expert_bytes_checkpoint", 0) for r in self.recoveries),
-                "routing_decisions": dict(self.routing), "decode_plan": _decode_plan_totals(st), **tier_totals(st)}
+                "routing_decisions": dict(self.routing), "decode_plan": _decode_plan_totals(st), **tier_totals(st),
+                **_spec_totals(st)}
+
+
+def _spec_totals(per_rank: list[dict]) -> dict:
+    """Speculative decoding summed over the ranks (vLLM's spec_decode metrics): drafts (verifications that
+    had drafts), draft tokens, accepted tokens, accepted per draft position, acceptance rate, mean accepted
+    length (1 + accepted / drafts: tokens a verification step gives), backoffs. Empty when it is off."""
+    ranks = [s for s in per_rank if "spec_num_drafts" in s]
+    if not ranks:
+        return {}
+    n, d, a = (sum(s[k] for s in ranks) for k in ("spec_num_drafts", "spec_num_draft_tokens",
+                                                  "spec_num_accepted_tokens"))
+    per_pos = [sum(x) for x in zip(*(s["spec_accepted_per_pos"] for s in ranks))]
+    return {"spec_decode_num_drafts": n, "spec_decode_num_draft_tokens": d, "spec_decode_num_accepted_tokens": a,
+            "spec_decode_num_accepted_tokens_per_pos": per_pos,
+            "spec_decode_acceptance_rate": a / d if d else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + a / n if n else 0.0,
+            "spec_decode_backoffs": sum(s["spec_backoffs"] for s in ranks),
+            "spec_decode_paused_seqs": sum(s["spec_paused_seqs"] for s in ranks),
+            "spec_decode_steps_batch_off": sum(s["spec_steps_batch_off"] for s in ranks)}
 
 
 def _decode_plan_totals(per_rank: list[dict]) -> dict:

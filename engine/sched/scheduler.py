@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
 
 from .block_manager import BlockManager
 from .sequence import Sequence
@@ -41,6 +42,15 @@ class StepResult:
     top: list[dict[int, float] | None]       # [B] top-N logprobs, for sequences that asked
     prompt_logprobs: list[list | None]       # [B] prompt-logprob entries for positions not recorded yet
     #                                          (None: the sequence did not ask for them)
+    accepted: list[Accepted | None] | None = None   # [B] speculative steps: the drafts accepted before `tokens`
+
+
+@dataclass(slots=True)
+class Accepted:
+    """A sequence's accepted drafts this step, in order, each with its logprob (and top-N when asked)."""
+    tokens: list[int]
+    logprobs: list[float]
+    top: list[dict[int, float] | None]
 
 
 READ_TIMEOUT_S = 30.0   # the longest a step waits for disk reads when it has nothing else to run
@@ -59,6 +69,8 @@ class Scheduler:
         self.by_id: dict[str, Sequence] = {}      # every sequence held here, waiting, loading or running
         self.num_preemptions = 0
         self.prefill_tokens = 0                   # prompt (or recomputed) tokens computed, all steps
+        self.speculator = None                    # engine/spec/speculator.Speculator when drafting is on
+        self.spec_extra_tokens = 0                # tokens verification steps appended beyond one per sequence
 
     def add(self, seq: Sequence) -> None:
         need = self.blocks.blocks_for(len(seq.prompt_token_ids) + seq.max_tokens - 1)
@@ -122,6 +134,15 @@ class Scheduler:
         self.blocks.grow(s, n)
         return True
 
+    def _drafts(self, s: Sequence, room: int) -> int:
+        """Set s's drafts for this step (they fit the budget, its max_tokens and its blocks without
+        preempting anyone) -> how many."""
+        room = min(room, s.max_tokens - len(s.output_token_ids) - 1)   # the step appends drafts + 1 at most
+        drafts = s.draft_token_ids = self.speculator.propose(s, room) if room > 0 else []
+        if drafts and not self.blocks.can_grow(s, 1 + len(drafts)):
+            drafts = s.draft_token_ids = []   # drafts never preempt a sequence
+        return len(drafts)
+
     def schedule(self) -> ScheduledBatch:
         if self.loading:
             self._loaded()
@@ -131,10 +152,15 @@ class Scheduler:
         # 1. running sequences, oldest first; make room by preempting the newest (which leaves the
         #    end of `running`, so index i stays valid and preempted sequences are never visited)
         i, running, bs = 0, self.running, self.blocks.block_size
+        spec = self.speculator
+        if spec is not None:
+            spec.begin(len(running))
         while i < len(running) and budget > 0:
             s = running[i]
             # num_pending and blocks.missing inlined: this loop visits every running sequence every step
             n = min(len(s.prompt_token_ids) + len(s.output_token_ids) - s.num_computed, budget)
+            if spec is not None and n == 1 and s.num_computed + 1 == s.num_tokens and s.output_token_ids:
+                n += self._drafts(s, budget - 1)   # a decode: its drafts ride after its token
             # a decode inside its last block needs no block: no checks
             if -(-(s.num_computed + n) // bs) <= len(s.block_ids) or self._grow_or_preempt(s, n):
                 seqs.append(s)
@@ -177,8 +203,16 @@ class Scheduler:
         advanced = []
         now = time.time()
         register = self.blocks.register_computed if self.blocks.enable_prefix_caching else None
-        for s, n, tok, lp, top, plp in zip(batch.seqs, batch.num_tokens, result.tokens, result.logprobs, result.top,
-                                           result.prompt_logprobs):
+        for s, n, tok, lp, top, plp, acc in zip(batch.seqs, batch.num_tokens, result.tokens, result.logprobs,
+                                                result.top, result.prompt_logprobs, result.accepted or repeat(None)):
+            if s.draft_token_ids:   # a verification: the last token and the accepted drafts are now computed
+                self._verified(s, acc, tok, lp, top, now)
+                advanced.append(s)
+                if register is not None:
+                    register(s)
+                if s.finish_reason is not None:
+                    self.release(s) if s.hold_blocks else self.finish(s)
+                continue
             out = s.output_token_ids   # s.prefilling, inlined (every sequence, every step)
             pending = len(s.prompt_token_ids) + len(out) - s.num_computed
             if pending > 1 or not out and pending > 0:
@@ -199,6 +233,23 @@ class Scheduler:
                 else:
                     self.finish(s)
         return advanced
+
+    def _verified(self, s: Sequence, acc: Accepted | None, tok: int, lp: float, top, now: float) -> None:
+        """Apply a verification step of s (its last token + its drafts ran): the accepted drafts, then the
+        target's own next token, each through the finish checks (a stop token among the accepted ends
+        it there). The rejected drafts' cache slots lie past num_computed: the next step overwrites them."""
+        drafted = len(s.draft_token_ids)
+        s.draft_token_ids = []
+        a = len(acc.tokens) if acc is not None else 0
+        s.num_computed += 1 + a
+        self.speculator.record(s, drafted, a)
+        for i in range(a):
+            s.append(acc.tokens[i], acc.logprobs[i], acc.top[i], now)
+            if s.finish_reason is not None:
+                self.spec_extra_tokens += i
+                return
+        s.append(tok, lp, top, now)
+        self.spec_extra_tokens += a
 
     def finish(self, seq: Sequence) -> None:
         """Release a finished (or aborted) sequence's blocks."""

@@ -44,6 +44,9 @@ class Sequence:
     kv_prefetched: bool = False      # its prefix's disk blocks were read once: it never waits for them twice
     extra_metrics: dict = field(default_factory=dict)   # per-request figures of other parts (disaggregation)
     grammar: Any = None              # structured outputs: structured.rows.SequenceGrammar, made when it first samples
+    draft_token_ids: list[int] = field(default_factory=list)   # speculative decoding: this step's drafts, verified
+    #                                  after the last token (the scheduler sets them, apply clears them)
+    spec: Any = None                 # the speculator's per-sequence state (engine/spec/speculator.py SeqSpec)
 
     @property
     def token_ids(self) -> list[int]:

@@ -72,7 +72,9 @@ def refuse_v4(cfg: EngineConfig) -> None:
                                        "--no-enable-prefix-caching)"),
            (bool(cfg.kv_cache.tiers), f"the host/disk KV tiers (kv_cache.tiers {list(cfg.kv_cache.tiers)})"),
            (cfg.kv_cache_dtype != "auto", f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the "
-                                          f"model dtype)")]
+                                          f"model dtype)"),
+           (cfg.speculative.enabled, f"speculative decoding (speculative method {cfg.speculative.method!r}: the "
+                                     f"compressor state of rejected drafts is not rolled back)")]
     bad = [w for on, w in why if on]
     if bad:
         raise ValueError("DeepSeek-V4 does not support " + "; ".join(bad) + " yet")
@@ -89,6 +91,9 @@ class EngineCore:
         mcfg = self.config = ModelConfig.from_dir(cfg.model)
         if mcfg.v4 is not None:
             refuse_v4(cfg)
+        if cfg.speculative.method == "mtp":
+            raise ValueError("speculative method 'mtp' is not available yet: the checkpoint's MTP layer is not loaded "
+                             "as a drafter (use method 'ngram')")
         self.ctx = ctx = ctx if ctx is not None else connect(cfg, mcfg)
         if not ctx.is_single:
             from parallel import check_agreement, fingerprint
@@ -119,6 +124,9 @@ class EngineCore:
         self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.store, log,
                                    on_free=self.kv.drop if mcfg.v4 is not None else None)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        if cfg.speculative.enabled:
+            from ..spec.speculator import Speculator
+            self.scheduler.speculator = Speculator(cfg.speculative)
         overlap, self.auto = None, None
         if cfg.dbo.enabled and mcfg.moe is not None:
             from dbo.overlap import Overlap
@@ -379,6 +387,8 @@ class EngineCore:
                 out["moe_nodes_per_token_step"] = self._nodes_step.tolist()
         if self.model.decode_plan is not None:
             out.update(self.model.decode_plan.stats())
+        if self.scheduler.speculator is not None:
+            out.update(self.scheduler.speculator.stats())
         if self.eplb is not None:
             m = self.eplb.metrics
             out["eplb_rebalances"] = m["rebalances"]

@@ -152,9 +152,10 @@ class RankLoop:
         t0 = time.perf_counter()
         if batch is not None and batch.seqs:
             result = core.runner.execute(batch, plan, on_layer=self.hooks.on_layer(batch))
+            extra = sched.spec_extra_tokens
             advanced = sched.apply(batch, result)
             self._deltas += [delta_of(s) for s in self.hooks.after_step(batch, advanced)]
-            self._generated += len(result.tokens) - result.tokens.count(None)
+            self._generated += len(result.tokens) - result.tokens.count(None) + sched.spec_extra_tokens - extra
         elif self.ctx.is_single:
             raise RuntimeError("scheduler made no progress (KV cache too small for any waiting request)")
         else:

@@ -16,6 +16,7 @@ from ..model.model import DeepseekModel
 from ..sched.scheduler import ScheduledBatch, StepResult
 from .logits_process import LogitsProcessor
 from .sampler import SampleLayout, sample, sample_layout, topn_logprobs
+from .verify import verify
 
 
 class ModelRunner:
@@ -45,6 +46,17 @@ class ModelRunner:
             s = seqs[b]
             start = s.num_computed + lo
             end = start + hi - lo
+            if s.draft_token_ids:   # a verification: its token and each draft a decode row of its own
+                toks = s.tokens(s.num_computed, s.num_computed + 1) + s.draft_token_ids
+                for j in range(lo, hi):
+                    p = s.num_computed + j
+                    ids.append(toks[j])
+                    pos.append(p)
+                    slots.append(s.block_ids[p // bs] * bs + p % bs)
+                    ctx_lens.append(p + 1)
+                    qlens.append(1)
+                    tables.append(s.block_ids)
+                continue
             ids.extend(s.tokens(start, end))
             pos.extend(range(start, end))
             slots.extend(slot_list(s.block_ids, start, end))
@@ -119,25 +131,42 @@ class ModelRunner:
         else:
             hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer,
                                 index_pools=self.kv.index_pools)
-        rows, samplers, tops = [], [], []
+        rows, samplers, tops, specs = [], [], [], []
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             p = s.params
             if p.prompt_logprobs is not None:
                 result.prompt_logprobs[b] = self._prompt_logprobs(s, hidden[start:start + n])
             start += n
+            if s.draft_token_ids:        # a verification: every row of it samples
+                specs.append((b, start - n, n))
+                continue
             # caught up (s.num_tokens, inlined): the last row predicts the next token
             if s.num_computed + n == len(s.prompt_token_ids) + len(s.output_token_ids):
                 if p.logprobs is not None:
                     tops.append((len(samplers), b, p.logprobs))
                 rows.append(start - 1)
                 samplers.append(b)
+        if specs:
+            spec_rows = [r for _, lo, n in specs for r in range(lo, lo + n)]
+            logits = self.model.logits(hidden.index_select(0, int64_tensor(rows + spec_rows, self.device)))
+            verify(logits[len(rows):], [batch.seqs[b] for b, _, _ in specs], [n - 1 for _, _, n in specs],
+                   [b for b, _, _ in specs], result)
+            if samplers:
+                self._sample(batch, logits[:len(rows)], samplers, tops, result)
+            return result
         if not samplers:
             return result
         # every row samples (a decode step): no gather
         every = len(rows) == hidden.shape[0]
         last = hidden if every else hidden.index_select(0, int64_tensor(rows, self.device))
-        logits = self.model.logits(last)
+        self._sample(batch, self.model.logits(last), samplers, tops, result)
+        return result
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor, samplers: list[int], tops: list, result: StepResult
+                ) -> None:
+        """Sample the rows of `logits` [len(samplers), V]: row i is sequence samplers[i]'s next token."""
+        B = len(batch.seqs)
         seqs = batch.seqs if len(samplers) == B else [batch.seqs[b] for b in samplers]
         layout, processed = self._sampling_rows(seqs)
         plan = None
@@ -162,7 +191,6 @@ class ModelRunner:
         for i, b, n in tops:
             row = logits[i:i + 1] - lse[i:i + 1, None]                           # [1, V] raw logprobs
             result.top[b] = topn_logprobs(row, tokens[i:i + 1], n)[0]
-        return result
 
     def _sampling_rows(self, seqs: list) -> tuple[SampleLayout, bool]:
         """-> (the sampler's layout of these rows, whether any needs logits processing), kept while

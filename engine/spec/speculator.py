@@ -1,0 +1,100 @@
+"""The rank's speculator: which sequences draft this step and how many tokens, what was accepted
+(vLLM's metrics), and the turn-down when drafting does not pay. Never touches the device.
+
+Drafting is per sequence: a sequence decodes (one pending token), its requests need no logits
+processing (penalties, logit bias, min_p, min_tokens, a grammar: those rows sample as before) and
+it is not backing off. Backing off: after each verification, a sequence whose recent drafts were
+accepted at less than `min_acceptance` pauses for `backoff_steps` steps, doubling (up to 64x) each
+time it fails again; an accepted run resets the pause. A rank running more than
+`disable_by_batch_size` sequences drafts nothing (vLLM's knob).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import SpeculativeConfig
+from .ngram import NgramIndex
+
+WINDOW = 4        # verifications per acceptance judgement
+MAX_PAUSE = 64    # the longest pause, in multiples of backoff_steps
+
+
+@dataclass(slots=True)
+class SeqSpec:
+    """One sequence's drafting state."""
+    index: NgramIndex | None = None
+    drafted: int = 0          # draft tokens in the current window
+    accepted: int = 0
+    checks: int = 0           # verifications in the current window
+    pause: int = 0            # the next pause's length (steps); 0: none yet
+    resume_at: int = 0        # the step it may draft again
+    mtp_drafts: list[int] = field(default_factory=list)   # MTP: the drafter's tokens for the next step
+
+
+class Speculator:
+    def __init__(self, cfg: SpeculativeConfig):
+        self.cfg, self.k = cfg, cfg.num_speculative_tokens
+        self.step = 0
+        self.drafting = True       # this step (disable_by_batch_size)
+        # metrics, cumulative (vLLM: spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens[_per_pos])
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k
+        self.num_backoffs = 0      # times a sequence stopped drafting for low acceptance
+        self.paused = 0            # sequences skipped this step because they are backing off
+        self.steps_batch_off = 0   # steps without drafts because of disable_by_batch_size
+
+    def begin(self, num_running: int) -> None:
+        self.step += 1
+        self.paused = 0
+        b = self.cfg.disable_by_batch_size
+        self.drafting = b is None or num_running <= b
+        if not self.drafting:
+            self.steps_batch_off += 1
+
+    def propose(self, s, room: int) -> list[int]:
+        """Drafts for decoding sequence s this step: at most room (and k) tokens."""
+        if not self.drafting or s.params.processed or room <= 0:
+            return []
+        st = s.spec
+        if st is None:
+            st = s.spec = SeqSpec()
+        if st.resume_at > self.step:
+            self.paused += 1
+            return []
+        k = min(self.k, room)
+        if self.cfg.method == "ngram":
+            if st.index is None:
+                st.index = NgramIndex(self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
+            return st.index.propose(s.token_ids, k)
+        return st.mtp_drafts[:k]
+
+    def record(self, s, drafted: int, accepted: int) -> None:
+        """After verification: s drafted `drafted` tokens and `accepted` of them were accepted."""
+        if not drafted:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+        st = s.spec
+        st.drafted += drafted
+        st.accepted += accepted
+        st.checks += 1
+        if st.checks < WINDOW:
+            return
+        if st.accepted < self.cfg.min_acceptance * st.drafted:
+            st.pause = min(2 * st.pause, MAX_PAUSE * self.cfg.backoff_steps) if st.pause else self.cfg.backoff_steps
+            st.resume_at = self.step + st.pause
+            self.num_backoffs += 1
+        else:
+            st.pause = 0
+        st.drafted = st.accepted = st.checks = 0
+
+    def stats(self) -> dict:
+        n, d, a = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
+        return {"spec_num_drafts": n, "spec_num_draft_tokens": d, "spec_num_accepted_tokens": a,
+                "spec_accepted_per_pos": list(self.accepted_per_pos), "spec_backoffs": self.num_backoffs,
+                "spec_paused_seqs": self.paused, "spec_steps_batch_off": self.steps_batch_off}

@@ -1,0 +1,67 @@
+"""Speculative decoding on DP/EP ranks (gloo): n-gram drafts verified across 2 ranks with dual-batch
+overlap and on 4 ranks, under KV pressure; every greedy output equals the request run alone without
+speculation, the ranks' draft counters add up in the front's metrics, and no rank leaks a block."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine.test_engine import drive, workload
+from tests.parallel.spawn import spawn
+
+SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4)
+
+
+def requests(nxt) -> list[dict]:
+    rng = random.Random(8)
+    reqs = workload(36, seed=11, max_prompt=40, max_new=30, last_arrival=30)
+    for r in reqs:
+        t, p = rng.randrange(len(nxt)), []
+        for _ in range(len(r["prompt"]) + 4):
+            p.append(t if rng.random() < 0.9 else rng.randrange(len(nxt)))
+            t = nxt[p[-1]]
+        r["prompt"] = p
+    return reqs
+
+
+def _rank(model_dir: str, nxt: list[int], dbo: bool) -> dict:
+    from engine.front.engine import Engine
+    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=20, max_num_seqs=8,
+                 max_num_batched_tokens=64, speculative_config=SPEC, dbo=dbo, parallel={"timeout_s": 60.0})
+    if eng.ctx.rank != 0:
+        how = eng.run_worker_loop()
+        b = eng.core.blocks
+        return {"how": how, "free": b.num_free, "total": b.allocator.num_blocks,
+                "split": eng.core.split_steps}
+    got = drive(eng, requests(nxt))
+    m = eng.metrics()
+    eng.shutdown()
+    return {"got": got, "accepted": m["spec_decode_num_accepted_tokens"],
+            "per_rank_accepted": [s["spec_num_accepted_tokens"] for s in m["per_rank"]],
+            "free": eng.core.blocks.num_free, "total": eng.core.blocks.allocator.num_blocks,
+            "split": eng.core.split_steps, "preemptions": m["preemptions"]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from launch.tiny_cycle import make_cycle_checkpoint
+    from tests.engine.test_engine import alone
+    d, nxt = make_cycle_checkpoint(str(tmp_path_factory.mktemp("spec_mr")), period=12, mix=6.0, gain=20.0, seed=1)
+    return d, nxt, alone(d, requests(nxt))
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,dbo", [(2, True), (4, False)])
+def test_speculative_on_dp_ranks_equals_alone(reference, dp, dbo):
+    d, nxt, ref = reference
+    ranks = spawn(_rank, dp, args=(d, nxt, dbo), timeout_s=400)
+    front = ranks[0]
+    assert front["got"] == ref
+    assert front["accepted"] == sum(front["per_rank_accepted"]) and all(front["per_rank_accepted"])
+    if dbo:
+        assert front["split"] > 0, "DBO was meant to split some verification steps"
+    for r in ranks:
+        assert r["free"] == r["total"]
+    assert all(r["how"] == "shutdown" for r in ranks[1:])
