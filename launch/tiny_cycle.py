@@ -10,6 +10,7 @@ cycle(t); the layers still run (attention over the paged cache, routing, experts
 """
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -29,12 +30,21 @@ def cycle_of(vocab_size: int, period: int, seed: int = 0) -> list[int]:
 
 
 def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gain: float = 1.0, seed: int = 0,
+                          mtp: bool = False, mtp_hidden: float = 0.05, mtp_mix: float | None = None,
                           **overrides) -> tuple[str, list[int]]:
-    """-> (the checkpoint directory, nxt [V] as cycle_of gives it). overrides: launch/tiny.tiny_config's."""
+    """-> (the checkpoint directory, nxt [V] as cycle_of gives it). overrides: launch/tiny.tiny_config's.
+
+    mtp: also a DeepSeek-V3 MTP layer (`model.layers.{L}.*`, num_nextn_predict_layers = 1) built to predict
+    the token after next the same way: its eh_proj passes the normed embedding of token i + 1 through (the
+    identity on that half) plus `mtp_hidden` x a random map of the target's hidden state, its decoder
+    layer's outputs are scaled by `mtp_mix` (default `mix`; its input is RMS-normed, so the same scale perturbs it
+    more than the target's layers), and its shared head is lm_head: its argmax is then
+    cycle(token i + 1), the target's own next prediction, wherever the layers' perturbation is small."""
     from safetensors.torch import load_file, save_file
 
-    from .tiny import make_tiny_checkpoint
-    make_tiny_checkpoint(out_dir, arch="v3", seed=seed, **overrides)
+    from .tiny import make_tiny_checkpoint, tiny_config
+    L = tiny_config("v3", **overrides)["num_hidden_layers"]
+    make_tiny_checkpoint(out_dir, arch="v3", seed=seed, **dict(overrides, num_hidden_layers=L + mtp))
     path = os.path.join(out_dir, "model.safetensors")
     t = load_file(path)
     emb = t["model.embed_tokens.weight"]
@@ -45,6 +55,23 @@ def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gai
     t["lm_head.weight"] = (emb[prev] * gain).contiguous()
     for name in list(t):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
-            t[name] = (t[name] * mix).contiguous()
+            scale = mtp_mix if mtp and mtp_mix is not None and name.startswith(f"model.layers.{L}.") else mix
+            t[name] = (t[name] * scale).contiguous()
+    if mtp:
+        H = emb.shape[1]
+        g = torch.Generator().manual_seed(seed + 1)
+        pre = f"model.layers.{L}."
+        t[pre + "enorm.weight"] = torch.ones(H)
+        t[pre + "hnorm.weight"] = torch.ones(H)
+        t[pre + "eh_proj.weight"] = torch.cat([torch.eye(H), torch.randn(H, H, generator=g) * mtp_hidden / H ** 0.5], 1)
+        t[pre + "shared_head.norm.weight"] = torch.ones(H)
+        t[pre + "shared_head.head.weight"] = t["lm_head.weight"].clone()
+        t[pre + "embed_tokens.weight"] = emb.clone()   # as published checkpoints carry it (not read)
+        cfg_path = os.path.join(out_dir, "config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"] = L, 1
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=2)
     save_file(t, path, metadata={"format": "pt"})
     return out_dir, nxt

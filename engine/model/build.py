@@ -36,7 +36,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                cfg: ModelConfig | None = None, num_redundant_experts: int = 0,
                eplb: EplbConfig | dict | None = None, experts_backend: str = "auto",
                attention_backend: str = "auto", dispatch_options: dict | None = None,
-               kv_cache_dtype: str = "auto", fuse_decode_stack: bool = True) -> DeepseekModel:
+               kv_cache_dtype: str = "auto", fuse_decode_stack: bool = True, mtp: bool = False) -> DeepseekModel:
     """Single process when ctx is None or has ep_size 1 (the MoE layers' dispatcher is then the
     LocalDispatcher); otherwise this rank's expert slice plus everything replicated, with a
     dispatcher for the MoE all-to-all.
@@ -93,10 +93,23 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         placement.install(model.routing, ep_rank, ep_size, model.device)
         model.placement = placement
     reader = CheckpointReader(model_dir, rename=text_model_rename if cfg.wrapper is not None else None)
-    model.load_report = load_weights(reader, model.checkpoint_targets(),
-                                     ignore=expert_ignore(model.owns_expert),
+    targets = model.checkpoint_targets()
+    drafter = None
+    if mtp:   # the MTP layer as speculative decoding's drafter (engine/model/mtp.py)
+        if cfg.num_nextn_predict_layers < 1:
+            raise ValueError(f"speculative method 'mtp' needs the checkpoint's MTP layer, but {model_dir!r} has "
+                             f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} (use method 'ngram')")
+        from .mtp import MTPLayer
+        drafter = MTPLayer(model)
+        targets.update(drafter.checkpoint_targets())
+    model.load_report = load_weights(reader, targets, ignore=expert_ignore(model.owns_expert),
                                      num_hidden_layers=cfg.num_hidden_layers, progress=progress)
     model.copy_local_replicas()
+    if drafter is not None:
+        if drafter.layer.is_moe:
+            drafter.layer.mlp.copy_local_replicas()
+        drafter.eval()
+    object.__setattr__(model, "drafter", drafter)   # not a submodule: the target's parameters and targets stay its own
     if kernels.name == "cpu":   # the CPU decode streams the weights: 2 MiB pages stream faster (cpu/huge_pages.py)
         from cpu.huge_pages import collapse_module
         model.huge_page_bytes = collapse_module(model)

@@ -163,6 +163,9 @@ class DeepseekModel(nn.Module):
         super().__init__()
         experts = experts or ExpertsChoice("grouped", keep_fp8=False)
         self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
+        # how the layers were built: an MTP drafter's layer (engine/model/mtp.py) is built the same way
+        self.layer_options = dict(experts=experts, attention=attention, fp8_block=fp8_block, kv_cache_dtype=kv_cache_dtype)
+        self.drafter = None   # engine/model/mtp.MTPLayer when speculative decoding drafts with it (build.load_model)
         self.shard, self.dispatcher = shard, dispatcher
         self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
         # the routed experts' placement and load counters as the MoE layers read them, updated in place by

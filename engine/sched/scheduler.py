@@ -71,6 +71,7 @@ class Scheduler:
         self.prefill_tokens = 0                   # prompt (or recomputed) tokens computed, all steps
         self.speculator = None                    # engine/spec/speculator.Speculator when drafting is on
         self.spec_extra_tokens = 0                # tokens verification steps appended beyond one per sequence
+        self.lookahead = 0                        # slots grown past a step's tokens (MTP drafting: k - 1)
 
     def add(self, seq: Sequence) -> None:
         need = self.blocks.blocks_for(len(seq.prompt_token_ids) + seq.max_tokens - 1)
@@ -166,6 +167,8 @@ class Scheduler:
                 seqs.append(s)
                 num_tokens.append(n)
                 budget -= n
+                if self.lookahead and self.blocks.can_grow(s, n + self.lookahead):
+                    self.blocks.grow(s, n + self.lookahead)   # the MTP drafter's later passes write there
             i += 1
         # 2. admit waiting sequences FCFS (a preempted one is back at the front)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -91,9 +91,6 @@ class EngineCore:
         mcfg = self.config = ModelConfig.from_dir(cfg.model)
         if mcfg.v4 is not None:
             refuse_v4(cfg)
-        if cfg.speculative.method == "mtp":
-            raise ValueError("speculative method 'mtp' is not available yet: the checkpoint's MTP layer is not loaded "
-                             "as a drafter (use method 'ngram')")
         self.ctx = ctx = ctx if ctx is not None else connect(cfg, mcfg)
         if not ctx.is_single:
             from parallel import check_agreement, fingerprint
@@ -109,7 +106,8 @@ class EngineCore:
                                 pcfg.dispatch_backend, mcfg, num_redundant_experts=pcfg.num_redundant_experts,
                                 eplb=cfg.eplb, experts_backend=cfg.experts_backend,
                                 attention_backend=cfg.attention_backend, dispatch_options=self.dispatch_options,
-                                kv_cache_dtype=cfg.kv_cache_dtype, fuse_decode_stack=cfg.fuse_decode_stack)
+                                kv_cache_dtype=cfg.kv_cache_dtype, fuse_decode_stack=cfg.fuse_decode_stack,
+                                mtp=cfg.speculative.method == "mtp")
         self.eplb = None
         if cfg.eplb.enabled and mcfg.moe is not None:
             from eplb.controller import EplbController
@@ -136,6 +134,11 @@ class EngineCore:
                 self.auto = AutoSwitch()
         self.runner = (ModelRunner if mcfg.v4 is None else V4Runner)(self.model, self.kv, overlap)
         self.runner.grammars = lambda: self.grammars
+        if getattr(self.model, "drafter", None) is not None:   # (DeepSeek-V4 has none)
+            from .mtp_drafter import MTPDrafter
+            k = cfg.speculative.num_speculative_tokens
+            self.runner.drafter = MTPDrafter(self.model.drafter, self.kv, k)
+            self.scheduler.lookahead = k - 1
         self.split_steps = 0
         self._nodes_seen = self._nodes_step = None   # routing histograms: cumulative, and of the last step
         d = self.model.dispatcher
@@ -166,14 +169,15 @@ class EngineCore:
             return V4StreamCache(self.model, cfg.kv_cache_memory, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                                  cfg.kv_cache_blocks)
         index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
+        layers = mcfg.num_hidden_layers + (self.model.drafter is not None)   # the MTP drafter's own latents last
         fp8 = latent_layout(cfg.kv_cache_dtype, mcfg.mla.kv_lora_rank, mcfg.mla.qk_rope_head_dim, dt)
         blocks = cfg.kv_cache_blocks
         if blocks is None:
-            per_block = LatentKVPool.bytes_per_block(mcfg.num_hidden_layers, cfg.block_size, mcfg.mla.latent_dim, dt,
+            per_block = LatentKVPool.bytes_per_block(layers, cfg.block_size, mcfg.mla.latent_dim, dt,
                                                      index_dim, fp8)
             want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
             blocks = max(1, min(want, cfg.kv_cache_memory // per_block))
-        return LatentKVPool(mcfg.num_hidden_layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dt, device,
+        return LatentKVPool(layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dt, device,
                             index_dim=index_dim, fp8=fp8)
 
     def _kv_store(self, log: HeldLog):

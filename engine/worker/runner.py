@@ -31,6 +31,7 @@ class ModelRunner:
         self._rows_seqs: list = []                          # the last step's sampling rows (_sampling_rows)
         self._rows: tuple[SampleLayout, bool] | None = None
         self.grammars = None   # -> the rank's grammar compiler (structured outputs), set by EngineCore
+        self.drafter = None    # engine/worker/mtp_drafter.MTPDrafter (speculative method "mtp"), set by EngineCore
 
     def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
                    ) -> tuple[torch.Tensor, AttnMeta]:
@@ -101,6 +102,8 @@ class ModelRunner:
                                  self.kv.index_pools)
         else:
             self.model(*self.build_meta(empty, []), self.kv.pools, plan, index_pools=self.kv.index_pools)
+        if self.drafter is not None:
+            self.drafter.dummy(plan)
 
     def _forward_split(self, batch: ScheduledBatch, plan: StepPlan) -> torch.Tensor:
         from dbo.split import split
@@ -120,17 +123,27 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, plan: StepPlan, on_layer=None) -> StepResult:
         """Run one step as `plan` says (plan.split: two microbatches) -> what it computed for each
-        sequence: the sampled token of those that caught up with their tokens, prompt logprobs.
-        on_layer(i): called once layer i's latents are in the cache (not with split)."""
+        sequence: the sampled token of those that caught up with their tokens (and the drafts a verification
+        accepted before it), prompt logprobs. on_layer(i): called once layer i's latents are in the cache
+        (not with split). With an MTP drafter, its passes follow (every rank, every step)."""
         B = len(batch.seqs)
         result = StepResult([None] * B, [None] * B, [None] * B, [None] * B)
         if not B:
+            if self.drafter is not None:
+                self.drafter.dummy(plan)
             return result
         if plan.split:
             hidden = self._forward_split(batch, plan)
         else:
             hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer,
                                 index_pools=self.kv.index_pools)
+        self._results(batch, hidden, result)
+        if self.drafter is not None:
+            self.drafter.draft(batch, hidden, result, plan)
+        return result
+
+    def _results(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult) -> None:
+        """Sample (or verify) the rows of `hidden` [T, H] that predict a next token; prompt logprobs."""
         rows, samplers, tops, specs = [], [], [], []
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -154,14 +167,13 @@ class ModelRunner:
                    [b for b, _, _ in specs], result)
             if samplers:
                 self._sample(batch, logits[:len(rows)], samplers, tops, result)
-            return result
+            return
         if not samplers:
-            return result
+            return
         # every row samples (a decode step): no gather
         every = len(rows) == hidden.shape[0]
         last = hidden if every else hidden.index_select(0, int64_tensor(rows, self.device))
         self._sample(batch, self.model.logits(last), samplers, tops, result)
-        return result
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor, samplers: list[int], tops: list, result: StepResult
                 ) -> None:

@@ -78,11 +78,6 @@ def test_lookup_defaults_are_vllms():
     assert cfg.speculative.num_speculative_tokens == 2
 
 
-def test_mtp_is_refused_until_its_drafter_exists(model_dir):
-    with pytest.raises(ValueError, match="'mtp' is not available yet"):
-        LLM(model_dir, progress=False, speculative_config=dict(method="mtp", num_speculative_tokens=1))
-
-
 # -- rejection sampling is exact -------------------------------------------------------------------------
 class _Seq:
     def __init__(self, drafts, params, gen):

@@ -1,5 +1,6 @@
-"""Speculative decoding on DP/EP ranks (gloo): n-gram drafts verified across 2 ranks with dual-batch
-overlap and on 4 ranks, under KV pressure; every greedy output equals the request run alone without
+"""Speculative decoding on DP/EP ranks (gloo): n-gram and MTP drafts verified across 2 ranks with dual-batch
+overlap and on 4 ranks, under KV pressure (the MTP layer's MoE dispatches over the EP group every step, on
+idle ranks too); every greedy output equals the request run alone without
 speculation, the ranks' draft counters add up in the front's metrics, and no rank leaks a block."""
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 from tests.engine.test_engine import drive, workload
 from tests.parallel.spawn import spawn
 
-SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4)
+SPECS = {"ngram": dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4),
+         "mtp": dict(method="mtp", num_speculative_tokens=2)}
 
 
 def requests(nxt) -> list[dict]:
@@ -25,10 +27,10 @@ def requests(nxt) -> list[dict]:
     return reqs
 
 
-def _rank(model_dir: str, nxt: list[int], dbo: bool) -> dict:
+def _rank(model_dir: str, nxt: list[int], dbo: bool, method: str) -> dict:
     from engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=20, max_num_seqs=8,
-                 max_num_batched_tokens=64, speculative_config=SPEC, dbo=dbo, parallel={"timeout_s": 60.0})
+                 max_num_batched_tokens=64, speculative_config=SPECS[method], dbo=dbo, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:
         how = eng.run_worker_loop()
         b = eng.core.blocks
@@ -47,16 +49,18 @@ def _rank(model_dir: str, nxt: list[int], dbo: bool) -> dict:
 def reference(tmp_path_factory):
     from launch.tiny_cycle import make_cycle_checkpoint
     from tests.engine.test_engine import alone
-    d, nxt = make_cycle_checkpoint(str(tmp_path_factory.mktemp("spec_mr")), period=12, mix=6.0, gain=20.0, seed=1)
+    d, nxt = make_cycle_checkpoint(str(tmp_path_factory.mktemp("spec_mr")), period=12, mix=2.0, gain=20.0, seed=1,
+                                   mtp=True, mtp_mix=0.1)
     return d, nxt, alone(d, requests(nxt))
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
 @pytest.mark.parametrize("dp,dbo", [(2, True), (4, False)])
-def test_speculative_on_dp_ranks_equals_alone(reference, dp, dbo):
+def test_speculative_on_dp_ranks_equals_alone(reference, dp, dbo, method):
     d, nxt, ref = reference
-    ranks = spawn(_rank, dp, args=(d, nxt, dbo), timeout_s=400)
+    ranks = spawn(_rank, dp, args=(d, nxt, dbo, method), timeout_s=400)
     front = ranks[0]
     assert front["got"] == ref
     assert front["accepted"] == sum(front["per_rank_accepted"]) and all(front["per_rank_accepted"])

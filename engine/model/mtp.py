@@ -1,0 +1,81 @@
+"""DeepSeek-V3's multi-token-prediction (MTP) module as a drafter: checkpoint layer `model.layers.{L}` (L =
+num_hidden_layers) with `enorm`, `hnorm`, `eh_proj`, a full decoder layer (MLA + MoE) and `shared_head`.
+
+Legend: T rows, H hidden, V vocab. Row i takes the target's final-normed hidden state at position i
+and the token at position i + 1, and predicts the token at position i + 2 (DeepSeek-V3 report, 2.2):
+
+    x = eh_proj([enorm(embed(token_{i+1})) ; hnorm(h_i)])       # [T, 2H] -> [T, H] (vLLM's order)
+    x = decoder_layer(x) at position i                           # its own latent cache: kv_pools[L]
+    logits = shared_head.head(shared_head.norm(x))               # [T, V]
+
+The embeddings are the target's (the checkpoint's `model.layers.{L}.embed_tokens` copy is not read). The
+layer's MoE runs through the model's dispatcher with its own initial placement (EPLB does not move it).
+Drafting k > 1 tokens feeds the layer's output back as h for the next position, as vLLM does.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dbo.schedule import YIELD
+from dbo.state import Microbatch, OpState
+
+from .model import DecoderLayer, _materialize, _skip_init, expert_targets
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, model, device=None):
+        """model: the target DeepseekModel (its config, backends, rope, embeddings and dispatcher are shared)."""
+        super().__init__()
+        cfg = model.cfg
+        self.index = L = cfg.num_hidden_layers
+        if cfg.mlp_layer_types is not None or cfg.dsa is not None:
+            raise ValueError("an MTP drafter is built for DeepSeek-V3-style layers (MLA, first_k_dense_replace); "
+                             "this checkpoint's layers are given by mlp_layer_types or use sparse attention")
+        self.embed, self.dispatcher, self.rope = model.model.embed_tokens, model.dispatcher, model.rope
+        dt, opt = model.dtype, model.layer_options
+        from layers import RMSNorm
+        with torch.device("meta"), _skip_init():
+            H, eps, k = cfg.hidden_size, cfg.rms_norm_eps, model.kernels
+            self.enorm = RMSNorm(H, eps, dtype=dt, kernels=k)
+            self.hnorm = RMSNorm(H, eps, dtype=dt, kernels=k)
+            self.eh_proj = nn.Linear(2 * H, H, bias=False, dtype=dt)
+            self.layer = DecoderLayer(cfg, L, model.rope, model.shard, opt["experts"], opt["attention"], dtype=dt,
+                                      fp8_block=opt["fp8_block"], kv_cache_dtype=opt["kv_cache_dtype"], kernels=k)
+            self.norm = RMSNorm(H, eps, dtype=dt, kernels=k)
+            self.head = nn.Linear(H, cfg.vocab_size, bias=False, dtype=dt)
+        _materialize(self, device if device is not None else model.device)
+        if self.layer.is_moe:
+            self.layer.mlp.gate.float()
+        self.ops = [op for op in self.layer.ops() if op is not YIELD]
+
+    def checkpoint_targets(self) -> dict[str, torch.Tensor]:
+        pre = f"model.layers.{self.index}."
+        out = {pre + "enorm.weight": self.enorm.weight.data, pre + "hnorm.weight": self.hnorm.weight.data,
+               pre + "eh_proj.weight": self.eh_proj.weight.data, pre + "shared_head.norm.weight": self.norm.weight.data,
+               pre + "shared_head.head.weight": self.head.weight.data}
+        for name, p in self.layer.named_parameters():
+            if ".experts.w" not in name:
+                out[pre + name] = p.data
+        if self.layer.is_moe:
+            for slot, e in enumerate(self.layer.mlp.local_phy2log):
+                if f"{pre}mlp.experts.{e}.down_proj.weight" not in out:
+                    out.update(expert_targets(self.layer.mlp.experts, self.index, e, slot))
+        return out
+
+    def forward(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, meta, kv_pools: list, plan
+                ) -> torch.Tensor:
+        """token_ids [T] (each row's next token), prev_hidden [T, H] -> the layer's output [T, H] (collective:
+        every rank calls it, T may be 0). meta: the rows' positions and slots in kv_pools[L]."""
+        mb = Microbatch(0, token_ids, meta, kv_pools, plan, self.dispatcher)
+        x = self.eh_proj(torch.cat([self.enorm(self.embed(token_ids)), self.hnorm(prev_hidden)], dim=-1))
+        max_pos = max(meta.ctx_lens) - 1 if meta.ctx_lens else 0
+        s = OpState(mb, x=x, rope=self.rope.cos_sin(meta.positions, max_position=max_pos))
+        for op in self.ops:
+            op(s)
+        s.take("rope")
+        return s.result("x")
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """out [T, H] (forward's) -> [T, V] fp32."""
+        return self.head(self.norm(out)).float()

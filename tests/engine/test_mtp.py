@@ -1,0 +1,156 @@
+"""Speculative decoding with the checkpoint's MTP layer (engine/model/mtp.py, engine/worker/mtp_drafter.py).
+
+- The drafter equals a reference built from transformers: the MTP layer's decoder layer is transformers'
+  DeepseekV3DecoderLayer (loaded from the same checkpoint with the layer counted as a normal one),
+  around it enorm/hnorm/eh_proj/shared_head as DeepSeek-V3 defines them, fed transformers' own final
+  hidden states: the engine's first and second drafts after a prefill are that reference's argmaxes.
+- Greedy outputs equal no speculation (k = 1 and 3), under preemption, with stop tokens; the MTP model of
+  launch/tiny_cycle.py accepts part of its drafts; a checkpoint without an MTP layer is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.front.engine import Engine
+from launch.tiny_cycle import make_cycle_checkpoint
+from tests.engine.test_engine import drive, workload
+
+pytest.importorskip("transformers")
+
+
+def mtp(k):
+    return dict(method="mtp", num_speculative_tokens=k)
+
+
+@pytest.fixture(scope="module")
+def cycle(tmp_path_factory):
+    """Its target follows the cycle most of the time (mix 2), its MTP layer predicts the cycle (mtp_mix 0.1):
+    some drafts right, some wrong."""
+    return make_cycle_checkpoint(str(tmp_path_factory.mktemp("mtp_cycle")), period=12, mix=2.0, gain=20.0, seed=1,
+                                 mtp=True, mtp_mix=0.1)
+
+
+def cycle_prompts(nxt, n, length=20, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        t, p = rng.randrange(len(nxt)), []
+        for _ in range(length):
+            p.append(t if rng.random() < 0.9 else rng.randrange(len(nxt)))
+            t = nxt[p[-1]]
+        out.append(p)
+    return out
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@torch.no_grad()
+def test_drafts_equal_a_transformers_reference(tmp_path):
+    from safetensors.torch import load_file
+
+    d, _ = make_cycle_checkpoint(str(tmp_path / "m"), period=12, mix=1.0, seed=3, mtp=True, mtp_hidden=2.0,
+                                 initializer_range=0.3)
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    L, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
+    t = load_file(os.path.join(d, "model.safetensors"))
+    pre = f"model.layers.{L}."
+    # transformers' model of the target, and one that holds the MTP layer's decoder layer as layer L
+    import transformers
+    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(d, attn_implementation="eager").eval().float()
+    d2 = str(tmp_path / "with_layer")
+    shutil.copytree(d, d2)
+    json.dump(dict(cfg, num_hidden_layers=L + 1), open(os.path.join(d2, "config.json"), "w"))
+    hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(d2, attn_implementation="eager").eval().float()
+    layer, rotary = hf2.model.layers[L], hf2.model.rotary_emb
+
+    def reference(tokens, prev_hidden):
+        """rows i = 0..T-1: token tokens[i] (position i + 1's), hidden prev_hidden[i] -> (layer out, logits)."""
+        T = len(tokens)
+        e = _rms(hf.model.embed_tokens(torch.tensor(tokens)), t[pre + "enorm.weight"], eps)
+        h = _rms(prev_hidden, t[pre + "hnorm.weight"], eps)
+        x = torch.cat([e, h], -1) @ t[pre + "eh_proj.weight"].t()
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        out = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=rotary(x[None], pos))
+        out = (out[0] if isinstance(out, tuple) else out)[0]
+        return out, _rms(out, t[pre + "shared_head.norm.weight"], eps) @ t[pre + "shared_head.head.weight"].t()
+
+    prompt = [7, 120, 33, 71, 2, 88, 14, 160, 99, 5, 42]
+    eng = Engine(d, progress=False, block_size=16, kv_cache_blocks=16, speculative_config=mtp(2))
+    eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    eng.step()   # the prefill: the first token, and the drafts after it
+    seq = eng.core.scheduler.running[0]
+    first = seq.output_token_ids[0]
+    hidden = hf.model(torch.tensor([prompt])).last_hidden_state[0]           # final-normed, [T, H]
+    out, logits = reference(prompt[1:] + [first], hidden)
+    d1 = int(logits[-1].argmax())
+    # the second draft: one more row at position T, its token d1 and its hidden the layer's output at T - 1
+    _, logits2 = reference(prompt[1:] + [first, d1], torch.cat([hidden, out[-1:]]))
+    assert seq.spec.mtp_drafts == [d1, int(logits2[-1].argmax())]
+    # and the drafter's own logits at every prompt row against the reference's
+    drafter = eng.core.model.drafter
+    from attention_mla.meta import AttnMeta, int64_tensor
+    from parallel.step_plan import StepPlan
+    T, bs = len(prompt), 16
+    meta = AttnMeta(positions=torch.arange(T), slot_mapping=torch.arange(T) + 5 * bs,
+                    block_table=int64_tensor([5], None).view(1, 1), query_lens=[T], ctx_lens=[T], block_size=bs)
+    ours = drafter.logits(drafter(torch.tensor(prompt[1:] + [first]), hidden, meta, eng.core.kv.pools, StepPlan(T)))
+    assert (ours - logits).abs().max() < 1e-4
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equal_and_drafts_partly_accepted(cycle, k):
+    d, nxt = cycle
+    prompts = cycle_prompts(nxt, 5)
+    sp = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True, logprobs=0)
+    ref = [o.outputs[0] for o in LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(prompts, sp)]
+    llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=mtp(k))
+    got = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for x, y in zip(got, ref):
+        assert [list(e.values())[0] for e in x.logprobs] == pytest.approx([list(e.values())[0] for e in y.logprobs],
+                                                                          abs=1e-4)
+    m = llm.engine.metrics()
+    assert 0.2 < m["spec_decode_acceptance_rate"] < 1.0, m["spec_decode_acceptance_rate"]
+    assert llm.engine.core.runner.drafter.passes % k == 0
+
+
+def test_greedy_equal_under_preemption_and_stop_tokens(cycle):
+    d, nxt = cycle
+    reqs = workload(30, seed=5, max_prompt=40, max_new=30, last_arrival=20)
+    for r, p in zip(reqs, cycle_prompts(nxt, 30, length=40, seed=4)):
+        r["prompt"] = p[:max(2, len(r["prompt"]))]
+    eng = Engine(d, progress=False, block_size=16, kv_cache_blocks=20, max_num_seqs=10, max_num_batched_tokens=80,
+                 speculative_config=mtp(2))
+    got = drive(eng, reqs)
+    assert eng.core.scheduler.num_preemptions > 0
+    assert eng.metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert eng.core.blocks.num_free == eng.core.blocks.allocator.num_blocks
+    llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, enable_prefix_caching=False)
+    for r in reqs:
+        want = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
+        assert got[r["id"]] == want[0].outputs[0].token_ids, r["id"]
+    prompt = cycle_prompts(nxt, 1, seed=8)[0]
+    base = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))[0].outputs[0]
+    spec = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=mtp(3))
+    for i in (4, 11):
+        stop = base.token_ids[i]
+        out = spec.generate([prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                                                     stop_token_ids=[stop]))[0].outputs[0]
+        assert out.token_ids == base.token_ids[:base.token_ids.index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_checkpoint_without_an_mtp_layer_is_refused(tmp_path):
+    d, _ = make_cycle_checkpoint(str(tmp_path / "plain"), period=12)
+    with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
+        LLM(d, progress=False, speculative_config=mtp(1))
