@@ -27,6 +27,13 @@ class Matcher(Protocol):
     def terminated(self) -> bool:
         """The grammar accepted a stop token (or, with no stop token, reached its end): nothing may follow."""
 
+    def accept_prefix(self, tokens: list[int]) -> int:
+        """Advance by the longest prefix of tokens the grammar allows (stopping at its end) -> its length;
+        the state is then as if only those were accepted (speculative decoding's drafts)."""
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens (speculative decoding checks drafts, then backs out)."""
+
 
 class Backend(Protocol):
     name: str

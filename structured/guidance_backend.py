@@ -31,6 +31,14 @@ class GuidanceMatcher:
     def terminated(self) -> bool:
         return self.m.is_stopped()
 
+    def accept_prefix(self, tokens: list[int]) -> int:
+        # consume_token of a refused token would leave the matcher in its error state: try_ consumes the valid prefix
+        return self.m.try_consume_tokens(tokens) if not self.m.is_stopped() else 0
+
+    def rollback(self, n: int) -> None:
+        if n and not self.m.rollback(n):
+            raise RuntimeError(f"llguidance could not roll back {n} tokens: {self.m.get_error()}")
+
 
 class GuidanceBackend:
     name = "guidance"

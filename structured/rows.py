@@ -32,6 +32,23 @@ class SequenceGrammar:
         elif self.matcher.terminated:
             self.finish = "stop"
 
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """Speculative decoding: how many leading drafts the grammar allows (it stops before a token that
+        would follow its end); the matcher is left as it was."""
+        n = self.matcher.accept_prefix(drafts)
+        self.matcher.rollback(n)
+        return n
+
+    def fill_drafts(self, drafts: list[int], backend, bitmask: torch.Tensor) -> None:
+        """bitmask [k+1, W] <- row j: the allowed tokens after the first j drafts (which the grammar allows:
+        valid_prefix); the matcher is left as it was."""
+        m = self.matcher
+        for j in range(len(drafts) + 1):
+            backend.fill([m], bitmask[j:j + 1])
+            if j < len(drafts) and m.accept_prefix(drafts[j:j + 1]) != 1:
+                raise RuntimeError(f"draft {j} ({drafts[j]}) is not allowed by the grammar it was checked against")
+        m.rollback(len(drafts))
+
 
 @dataclass
 class GrammarPlan:
@@ -70,6 +87,13 @@ class GrammarRows:
     def apply(self, logits: torch.Tensor, plan: GrammarPlan) -> None:
         """logits [B, V] in place: the R rows masked to their grammar's next tokens."""
         mask_(logits, plan.bitmask, plan.rows)
+
+    def mask_drafts(self, logits: torch.Tensor, seq) -> None:
+        """A verification's rows logits [k+1, V] in place: row j masked to the grammar after seq's first j drafts."""
+        g = self.grammar_of(seq)
+        bitmask = allocate(logits.shape[0], self.compiler.vocab_size)
+        g.fill_drafts(seq.draft_token_ids, self.backend, bitmask)
+        mask_(logits, bitmask, list(range(logits.shape[0])))
 
     def accept(self, plan: GrammarPlan, tokens: torch.Tensor) -> None:
         """tokens [B]: this step's samples."""

@@ -64,6 +64,16 @@ class XGrammarMatcher:
     def terminated(self) -> bool:
         return self.m.is_terminated()
 
+    def accept_prefix(self, tokens: list[int]) -> int:
+        n = 0
+        while n < len(tokens) and not self.m.is_terminated() and self.m.accept_token(tokens[n]):
+            n += 1   # a refused token leaves xgrammar's state as it was
+        return n
+
+    def rollback(self, n: int) -> None:
+        if n:
+            self.m.rollback(n)
+
 
 class XGrammarBackend:
     name = "xgrammar"

@@ -1,9 +1,10 @@
 """The rank's speculator: which sequences draft this step and how many tokens, what was accepted
 (vLLM's metrics), and the turn-down when drafting does not pay. Never touches the device.
 
-Drafting is per sequence: a sequence decodes (one pending token), its requests need no logits
-processing (penalties, logit bias, min_p, min_tokens, a grammar: those rows sample as before) and
-it is not backing off. Backing off: after each verification, a sequence whose recent drafts were
+Drafting is per sequence: a sequence decodes (one pending token), its request needs no logits
+processing other than a grammar (penalties, logit bias, min_p, min_tokens: those rows sample as before;
+a grammar's drafts are cut at the first token it does not allow, and each verification row is masked to
+the grammar's state after the drafts before it) and it is not backing off. Backing off: after each verification, a sequence whose recent drafts were
 accepted at less than `min_acceptance` pauses for `backoff_steps` steps, doubling (up to 64x) each
 time it fails again; an accepted run resets the pause. A rank running more than
 `disable_by_batch_size` sequences drafts nothing (vLLM's knob).
@@ -16,6 +17,11 @@ from .config import SpeculativeConfig
 from .ngram import NgramIndex
 
 WINDOW = 4        # verifications per acceptance judgement
+
+
+def can_draft(p) -> bool:
+    """Its rows need nothing but (at most) a grammar's mask: the verification rows can be processed exactly."""
+    return not p.processed or not (p.penalised or p.logit_bias is not None or p.min_tokens > 0 or p.min_p > 0)
 MAX_PAUSE = 64    # the longest pause, in multiples of backoff_steps
 
 
@@ -55,7 +61,7 @@ class Speculator:
 
     def propose(self, s, room: int) -> list[int]:
         """Drafts for decoding sequence s this step: at most room (and k) tokens."""
-        if not self.drafting or s.params.processed or room <= 0:
+        if not self.drafting or room <= 0 or (s.params.processed and not can_draft(s.params)):
             return []
         st = s.spec
         if st is None:
@@ -67,8 +73,14 @@ class Speculator:
         if self.cfg.method == "ngram":
             if st.index is None:
                 st.index = NgramIndex(self.cfg.prompt_lookup_min, self.cfg.prompt_lookup_max)
-            return st.index.propose(s.token_ids, k)
-        return st.mtp_drafts[:k]
+            drafts = st.index.propose(s.token_ids, k)
+        else:
+            drafts = st.mtp_drafts[:k]
+        if drafts and s.params.structured_outputs is not None:
+            if s.grammar is None or s.grammar.finish is not None:
+                return []
+            drafts = drafts[:s.grammar.valid_prefix(drafts)]
+        return drafts
 
     def record(self, s, drafted: int, accepted: int) -> None:
         """After verification: s drafted `drafted` tokens and `accepted` of them were accepted."""

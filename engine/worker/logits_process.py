@@ -150,10 +150,7 @@ class LogitsProcessor:
         if mask_rows:
             plan.mask_rows, plan.mask_ids = int64_tensor(mask_rows, self.device), int64_tensor(mask_ids, self.device)
         if guided:   # structured outputs: the grammars' next tokens, every step
-            if self.grammar_rows is None:
-                from structured.rows import GrammarRows
-                self.grammar_rows = GrammarRows(self._grammars())
-            plan.grammar = self.grammar_rows.plan(seqs, guided)
+            plan.grammar = self.grammar_rows_().plan(seqs, guided)
         return plan
 
     def _static_plan(self, seqs: list) -> tuple[LogitsPlan | None, list[int], list[int]]:
@@ -218,6 +215,13 @@ class LogitsProcessor:
                 out = logits.clone()
             out[plan.pen_rows] = rows
         return out
+
+    def grammar_rows_(self):
+        """structured.rows.GrammarRows, built when first needed."""
+        if self.grammar_rows is None:
+            from structured.rows import GrammarRows
+            self.grammar_rows = GrammarRows(self._grammars())
+        return self.grammar_rows
 
     def constrain(self, logits: torch.Tensor, plan: LogitsPlan) -> None:
         """logits [B, V] in place: the constrained rows masked to their grammar (before all else)."""

@@ -21,7 +21,7 @@ import torch
 
 from attention_mla.meta import AttnMeta, int64_tensor
 
-from ..spec.speculator import SeqSpec
+from ..spec.speculator import SeqSpec, can_draft
 
 
 class MTPDrafter:
@@ -67,7 +67,7 @@ class MTPDrafter:
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c, r0 = s.num_computed, start
             start += n
-            if s.params.processed:   # never drafts (engine/spec/speculator.py): no latents needed
+            if s.params.processed and not can_draft(s.params):   # never drafts: no latents needed
                 continue
             tok = result.tokens[b]
             if s.draft_token_ids:    # a verification: its token and the accepted drafts

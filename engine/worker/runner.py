@@ -163,8 +163,20 @@ class ModelRunner:
         if specs:
             spec_rows = [r for _, lo, n in specs for r in range(lo, lo + n)]
             logits = self.model.logits(hidden.index_select(0, int64_tensor(rows + spec_rows, self.device)))
-            verify(logits[len(rows):], [batch.seqs[b] for b, _, _ in specs], [n - 1 for _, _, n in specs],
-                   [b for b, _, _ in specs], result)
+            vseqs = [batch.seqs[b] for b, _, _ in specs]
+            guided = [j for j, s in enumerate(vseqs) if s.params.structured_outputs is not None]
+            if guided:   # each row masked to the grammar after the drafts before it (in place, as for sampling)
+                r = len(rows)
+                offsets = []
+                for _, _, n in specs:
+                    offsets.append(r)
+                    r += n
+                grammar = self._logits_proc(logits.shape[1]).grammar_rows_()
+                for j in guided:
+                    grammar.mask_drafts(logits[offsets[j]:offsets[j] + specs[j][2]], vseqs[j])
+            verify(logits[len(rows):], vseqs, [n - 1 for _, _, n in specs], [b for b, _, _ in specs], result)
+            for j in guided:
+                self._grammar_accept(vseqs[j], specs[j][0], result)
             if samplers:
                 self._sample(batch, logits[:len(rows)], samplers, tops, result)
             return
@@ -183,9 +195,7 @@ class ModelRunner:
         layout, processed = self._sampling_rows(seqs)
         plan = None
         if processed:
-            if self.logits_proc is None:
-                self.logits_proc = LogitsProcessor(logits.shape[1], self.device, self.grammars)
-            plan = self.logits_proc.plan(seqs)
+            plan = self._logits_proc(logits.shape[1]).plan(seqs)
         if plan is not None and plan.grammar is not None:   # structured outputs: first, in place (vLLM's order)
             self.logits_proc.constrain(logits, plan)
         if plan is None or plan.grammar_only:
@@ -203,6 +213,26 @@ class ModelRunner:
         for i, b, n in tops:
             row = logits[i:i + 1] - lse[i:i + 1, None]                           # [1, V] raw logprobs
             result.top[b] = topn_logprobs(row, tokens[i:i + 1], n)[0]
+
+    def _logits_proc(self, vocab: int) -> LogitsProcessor:
+        if self.logits_proc is None:
+            self.logits_proc = LogitsProcessor(vocab, self.device, self.grammars)
+        return self.logits_proc
+
+    @staticmethod
+    def _grammar_accept(s, b: int, result: StepResult) -> None:
+        """A verified sequence's grammar takes its tokens; if it ends on one of the accepted drafts, that
+        draft becomes the step's last token (the ones after it are dropped)."""
+        acc, g = result.accepted[b], s.grammar
+        toks = acc.tokens + [result.tokens[b]]
+        for i, t in enumerate(toks):
+            g.accept(t)
+            if g.finish is not None and i < len(acc.tokens):
+                result.tokens[b], result.logprobs[b], result.top[b] = t, acc.logprobs[i], acc.top[i]
+                del acc.tokens[i:], acc.logprobs[i:], acc.top[i:]
+                return
+            if g.finish is not None:
+                return
 
     def _sampling_rows(self, seqs: list) -> tuple[SampleLayout, bool]:
         """-> (the sampler's layout of these rows, whether any needs logits processing), kept while

@@ -326,3 +326,29 @@ def test_masked_against_a_bit_by_bit_reference(B, rows):
     mask_(logits, bitmask, rows)
     assert torch.equal(logits, want)
     assert torch.equal(_unpack(bitmask, V, "cpu"), unpack_shifts(bitmask, V))   # the device path, on the host
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculative_drafts_are_checked_against_the_grammar(model_dir, backend):
+    """n-gram drafts (engine/spec/) on constrained requests: cut at the first token the grammar refuses,
+    each verification row masked to the grammar after the drafts before it. Greedy outputs equal the
+    run without drafts; sampled ones stay valid; drafts were accepted."""
+    suite = specs()
+    prompts = [f"request {i}: answer" for i in range(len(suite))]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=MAX, structured_outputs=so) for so, _ in suite]
+    sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=MAX, structured_outputs=so)
+               for i, (so, _) in enumerate(suite)]
+    kw = dict(progress=False, block_size=16, kv_cache_blocks=512, max_num_seqs=64, structured_outputs_backend=backend)
+    plain = LLM(model_dir, **kw)
+    spec = LLM(model_dir, speculative_config=dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                                                  prompt_lookup_max=3), **kw)
+    want = [o.outputs[0] for o in plain.generate(prompts, greedy)]
+    got = [o.outputs[0] for o in spec.generate(prompts, greedy)]
+    assert [(g.token_ids, g.finish_reason) for g in got] == [(w.token_ids, w.finish_reason) for w in want]
+    for o, (_, chk) in zip(spec.generate(prompts, sampled), suite):
+        assert o.outputs[0].finish_reason == "stop"
+        check(chk, o.outputs[0].text)
+    m = spec.engine.metrics()
+    assert m["spec_decode_num_accepted_tokens"] > 0, m["spec_decode_num_draft_tokens"]
+    plain.shutdown()
+    spec.shutdown()
