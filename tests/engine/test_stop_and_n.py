@@ -60,11 +60,16 @@ def spanning_stop(ids, texts) -> tuple[str, int, int]:
     pytest.skip("the greedy text has no clean token boundary")
 
 
+# speculative decoding (n-gram drafts) must not change what stop strings do: a step may then add several tokens
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_string_across_tokens_ends_the_request_on_its_rank(model_dir, first_run, include):
+def test_stop_string_across_tokens_ends_the_request_on_its_rank(model_dir, first_run, include, spec):
     ids, texts = first_run
     stop, k, pos = spanning_stop(ids, texts)
-    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32)
+    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32, speculative_config=spec)
     out = run(eng, greedy(stop=["never seen", stop], include_stop_str_in_output=include,
                           output_kind="final_only"))[-1]
     c = out.outputs[0]
@@ -73,15 +78,17 @@ def test_stop_string_across_tokens_ends_the_request_on_its_rank(model_dir, first
     assert c.token_ids == ids[:k]              # the token that completed the stop string is the last
     assert not eng.core.scheduler.has_work()   # the front aborted it on its rank
     assert eng.core.blocks.num_used == eng.core.blocks.num_cached
-    assert eng.front.generated <= k + 1 < MAX  # at most one token past the stop string
+    extra = spec["num_speculative_tokens"] if spec else 0
+    assert eng.front.generated <= k + 1 + extra < MAX  # at most one step's tokens past the stop string
     eng.shutdown()
 
 
-def test_streamed_text_never_shows_a_partial_stop_string(model_dir, first_run):
+@pytest.mark.parametrize("spec", [None, NGRAM], ids=["plain", "ngram"])
+def test_streamed_text_never_shows_a_partial_stop_string(model_dir, first_run, spec):
     ids, texts = first_run
     stop, k, pos = spanning_stop(ids, texts)
     longer = stop + "\x00never"                # a long stop string: a long tail is held back
-    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32)
+    eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32, speculative_config=spec)
     outs = run(eng, greedy(stop=[longer, stop], output_kind="delta"))
     shown = ""
     for o in outs:

@@ -94,6 +94,7 @@ def test_too_little_memory_for_the_fixed_streams_is_named(v4):
     (dict(enable_prefix_caching=True), r"prefix caching \(pass enable_prefix_caching=False"),
     (dict(kv_cache_dtype="fp8"), r"kv_cache_dtype 'fp8'"),
     (dict(enable_prefix_caching=True, kv_cache={"tiers": ["host"]}), r"the host/disk KV tiers"),
+    (dict(speculative_config=dict(method="ngram", num_speculative_tokens=2)), r"speculative decoding"),
 ])
 def test_what_v4_does_not_do_yet_is_refused(v4, options, match):
     hf, d = v4
