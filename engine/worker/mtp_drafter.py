@@ -10,8 +10,11 @@ feed the layer's output and the previous draft back in, one row per drafting seq
 positions after it: their latents sit in the lookahead slots the scheduler grew (k - 1 past the
 step's tokens) and are rewritten by the next step's pass 1 when those positions become real.
 
-Every rank runs the k passes every step, with zero rows when it has none: the layer's MoE dispatch is
-collective. Drafts are the layer's argmax (deterministic: verification treats them as one-hot).
+Every rank runs the same number of passes, with zero rows when it has none: the layer's MoE dispatch is
+collective. The step sync agrees on it (StepPlan.draft_passes, the most any rank asked for): 1 when no
+sequence of any rank will draft next step (backing off, too many running, logits processing: pass 1
+still keeps the latents complete), k otherwise. Drafts are the layer's argmax (deterministic:
+verification treats them as one-hot).
 """
 from __future__ import annotations
 
@@ -49,19 +52,32 @@ class MTPDrafter:
         self.passes += 1
         return self.layer(int64_tensor(ids, self.device), prev, self._meta(pos, qlens, tables), self.kv.pools, plan)
 
+    def wanted(self, batch, speculator) -> int:
+        """The passes this rank asks for this step: k if a sequence of its batch may draft next step, else 1."""
+        if batch is None or not batch.seqs:
+            return 1
+        if speculator.drafting:
+            nxt = speculator.step + 1
+            for s in batch.seqs:
+                if (not s.params.processed or can_draft(s.params)) and (s.spec is None or s.spec.resume_at <= nxt):
+                    return self.k
+        return 1
+
     def dummy(self, plan) -> None:
-        """A rank with nothing this step: the k passes with zero rows (their MoE all-to-alls)."""
+        """A rank with nothing this step: the step's passes with zero rows (their MoE all-to-alls)."""
         plan = dataclasses.replace(plan, split=False)
         empty = torch.empty(0, self.layer.eh_proj.in_features // 2, dtype=self.layer.eh_proj.weight.dtype,
                             device=self.device)
-        for _ in range(self.k):
+        for _ in range(plan.draft_passes):
             self._forward([], empty, [], [], [], plan)
 
     @torch.inference_mode()
     def draft(self, batch, hidden: torch.Tensor, result, plan) -> None:
         """After the target's step (before the scheduler applies result): pass 1 and the draft passes; each
         sequence that sampled gets its drafts in s.spec.mtp_drafts."""
-        plan = dataclasses.replace(plan, split=False)
+        passes, plan = plan.draft_passes, dataclasses.replace(plan, split=False)
+        if not passes:
+            return
         rows, ids, pos, qlens, tables, seqs = [], [], [], [], [], []
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -94,7 +110,7 @@ class MTPDrafter:
             s.spec.mtp_drafts = []
         last = out.index_select(0, int64_tensor([i for _, _, i in live], out.device)) if live else out[:0]
         bs = self.kv.block_size
-        for j in range(self.k):
+        for j in range(passes):
             if j:
                 # the next position, where its lookahead slot exists
                 live = [(s, q + 1, i) for (s, q, _), i in zip(live, range(len(live)))

@@ -21,14 +21,15 @@ class SyncResult:
 
 
 class StepSync:
-    """One all-reduce (MAX) of five int64s per step, whatever the world size and the batch: has work,
-    cannot split, rank 0's split vote, tokens this step, and a pending command (seq * 4 + kind). Ranks
+    """One all-reduce (MAX) of six int64s per step, whatever the world size and the batch: has work,
+    cannot split, rank 0's split vote, tokens this step, a pending command (seq * 4 + kind) and the MTP
+    drafter's forwards this step (speculative decoding; 0 without it). Ranks
     without work then run a zero-token dummy step so that every rank enters every MoE all-to-all (of
     both microbatches when split). low_latency_max_tokens: the dispatcher's (0 = no low-latency
     mode), so every rank's plan picks the same dispatch mode. group: the domain's host-side group
     (default ctx.cpu_group)."""
 
-    WIDTH = 5
+    WIDTH = 6
 
     def __init__(self, ctx: ParallelContext, low_latency_max_tokens: int = 0, group=None):
         self.ctx, self.low_latency_max_tokens = ctx, low_latency_max_tokens
@@ -37,19 +38,19 @@ class StepSync:
         self.bytes = 0          # payload all-reduced so far (not the transport's own copies)
 
     def sync(self, has_work: bool, can_split: bool = False, vote: bool = False, num_tokens: int = 0,
-             command: int = 0) -> SyncResult:
+             command: int = 0, draft_passes: int = 0) -> SyncResult:
         if self.ctx.is_single:
-            any_work, split, max_tokens, code = has_work, can_split and vote, num_tokens, command
+            any_work, split, max_tokens, code, passes = has_work, can_split and vote, num_tokens, command, draft_passes
         else:
             flags = torch.tensor([int(has_work), int(not can_split), int(vote and self.ctx.rank == 0), num_tokens,
-                                  command], dtype=torch.int64)
+                                  command, draft_passes], dtype=torch.int64)
             with guard_collective(self.ctx):
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             self.calls += 1
             self.bytes += flags.numel() * flags.element_size()
-            any_work, cannot, vote_0, max_tokens, code = flags.tolist()  # SYNC: the step loop's control flow
+            any_work, cannot, vote_0, max_tokens, code, passes = flags.tolist()  # SYNC: the step loop's control flow
             split = bool(vote_0) and not cannot
-        plan = StepPlan.make(max_tokens, split, self.low_latency_max_tokens) if any_work else StepPlan()
+        plan = StepPlan.make(max_tokens, split, self.low_latency_max_tokens, passes) if any_work else StepPlan()
         return SyncResult(bool(any_work), plan, code % 4, code // 4)
 
 

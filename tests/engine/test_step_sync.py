@@ -18,7 +18,8 @@ def _sync(n: int) -> list:
            s.sync(ctx.rank == 1, num_tokens=n + 1 + 5 * ctx.rank),           # max 9: normal mode
            s.sync(False, can_split=True, vote=True),                         # nobody has work
            s.sync(True, can_split=True, vote=ctx.rank == 0, num_tokens=2),   # rank 0's vote counts
-           s.sync(False, command=(3 * 4 + 1) if ctx.rank == 1 else 0)]       # one rank's command (#3, END)
+           s.sync(False, command=(3 * 4 + 1) if ctx.rank == 1 else 0),       # one rank's command (#3, END)
+           s.sync(True, num_tokens=1, draft_passes=3 if ctx.rank else 1)]    # the MTP drafter's passes: the most
     shutdown(ctx)
     return [(r.any_work, r.plan, r.command, r.command_seq) for r in res] + [(s.calls, s.bytes)]
 
@@ -57,8 +58,8 @@ def test_sync_gives_every_rank_the_same_plan():
     for plans in spawn(_sync, 2, args=(3,), timeout_s=60):
         assert plans == [(True, StepPlan(8, False, True), 0, 0), (True, StepPlan(9, False, False), 0, 0),
                          (False, StepPlan(), 0, 0), (True, StepPlan(2, True, True), 0, 0),
-                         (False, StepPlan(), 1, 3),
-                         (5, 5 * 5 * 8)]   # five all-reduces of five int64s: 40 bytes a step, any batch
+                         (False, StepPlan(), 1, 3), (True, StepPlan(1, False, True, 3), 0, 0),
+                         (6, 6 * 6 * 8)]   # six all-reduces of six int64s: 48 bytes a step, any batch
 
 
 @pytest.mark.multirank
