@@ -70,6 +70,7 @@ class _Layer:
     moe_op: object = None      # the MoE half in one call (None: the layer's MoE operations)
     mlp_op: object = None      # a dense layer's MLP half in one call
     moe_ops: list = field(default_factory=list)
+    fits: bool = True          # (extra layers) both halves fused
 
 
 class DecodePlan:
@@ -83,6 +84,7 @@ class DecodePlan:
         self.unfit: dict[str, str] = {}       # "layer 3 attention" -> why that half cannot be fused (no fused step)
         self.moe_unfit: dict[int, str] = {}   # MoE layer -> why its half runs as its operations
         self._layers: list[_Layer] | None = None
+        self._extra: dict[int, _Layer] = {}   # layers outside the stack (extra_layer_ops), by id
 
     # -- the decision -------------------------------------------------------------------------------
     def ops_for(self, mb) -> list:
@@ -159,6 +161,33 @@ class DecodePlan:
                 ops += w.moe_ops
         ops.append(model.op_final_norm)
         return ops
+
+    def extra_layer_ops(self, layer, mb) -> list | None:
+        """The fused halves of a decoder layer outside the model's stack (speculative decoding's MTP layer,
+        its latents in kv_pools[layer.index]) for microbatch mb, or None (then it runs its own operations):
+        every row a decode row of at most MAX_ROWS, and the layer's halves fit as the stack's would."""
+        T = mb.input_ids.shape[0]
+        if T == 0 or T > MAX_ROWS or mb.index_pools is not None:
+            return None
+        self._built()
+        if mb.meta.paged_decode_tables(self._mode) is None:
+            return None
+        w = self._extra.get(id(layer))
+        if w is None:
+            saved = self.unfit, self.moe_unfit
+            self.unfit, self.moe_unfit = {}, {}
+            w = self._layer(layer.index, layer)
+            w.fits = not self.unfit
+            self.unfit, self.moe_unfit = saved
+            self._extra[id(layer)] = w
+        if not w.fits:
+            return None
+        local = getattr(mb.dispatcher, "local_only", False)
+        if not layer.is_moe:
+            return [w.attn_op, layer.op_kv_written, w.mlp_op]
+        if w.moe_op is not None and local and layer.mlp.expert_map is None and self._counts_fit(layer.mlp):
+            return [w.attn_op, layer.op_kv_written, w.moe_op]
+        return [w.attn_op, layer.op_kv_written, *w.moe_ops]
 
     def stats(self) -> dict:
         """Flat counters for the rank's stats: decode_steps_<path>, decode_declined_<reason>,

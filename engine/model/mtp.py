@@ -48,6 +48,7 @@ class MTPLayer(nn.Module):
         if self.layer.is_moe:
             self.layer.mlp.gate.float()
         self.ops = [op for op in self.layer.ops() if op is not YIELD]
+        self.decode_plan = model.decode_plan   # the CPU fast path: fused halves for decode rows (cpu/decode_plan.py)
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         pre = f"model.layers.{self.index}."
@@ -71,8 +72,10 @@ class MTPLayer(nn.Module):
         x = self.eh_proj(torch.cat([self.enorm(self.embed(token_ids)), self.hnorm(prev_hidden)], dim=-1))
         max_pos = max(meta.ctx_lens) - 1 if meta.ctx_lens else 0
         s = OpState(mb, x=x, rope=self.rope.cos_sin(meta.positions, max_position=max_pos))
-        for op in self.ops:
-            op(s)
+        ops = self.decode_plan.extra_layer_ops(self.layer, mb) if self.decode_plan is not None else None
+        for op in ops or self.ops:
+            if op is not YIELD:
+                op(s)
         s.take("rope")
         return s.result("x")
 

@@ -16,7 +16,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None   # no drafts while more sequences than this run on the rank
     min_acceptance: float = 0.2            # a sequence whose recent drafts were accepted less than this stops
     #                                        drafting for a while (backing off, doubling), and the metrics count it
-    backoff_steps: int = 8                 # the first pause (steps); doubles each time up to 64x
+    backoff_steps: int = 16                # the first pause (steps); doubles each time up to 64x
 
     def __post_init__(self):
         if self.method is None:

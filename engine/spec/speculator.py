@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from .config import SpeculativeConfig
 from .ngram import NgramIndex
 
-WINDOW = 4        # verifications per acceptance judgement
+WINDOW = 2        # verifications per acceptance judgement
 
 
 def can_draft(p) -> bool:

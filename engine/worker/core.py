@@ -138,6 +138,7 @@ class EngineCore:
             from .mtp_drafter import MTPDrafter
             k = cfg.speculative.num_speculative_tokens
             self.runner.drafter = MTPDrafter(self.model.drafter, self.kv, k)
+            self.runner.speculator = self.scheduler.speculator
             self.scheduler.lookahead = k - 1
         self.split_steps = 0
         self._nodes_seen = self._nodes_step = None   # routing histograms: cumulative, and of the last step

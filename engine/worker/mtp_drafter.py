@@ -27,6 +27,9 @@ from attention_mla.meta import AttnMeta, int64_tensor
 from ..spec.speculator import SeqSpec, can_draft
 
 
+ROWS_AS_DECODES = 16   # a sequence's first-pass rows up to this many run as decode rows, more as one chunk
+
+
 class MTPDrafter:
     def __init__(self, layer, kv, k: int):
         self.layer, self.kv, self.k = layer, kv, k
@@ -72,7 +75,7 @@ class MTPDrafter:
             self._forward([], empty, [], [], [], plan)
 
     @torch.inference_mode()
-    def draft(self, batch, hidden: torch.Tensor, result, plan) -> None:
+    def draft(self, batch, hidden: torch.Tensor, result, plan, speculator) -> None:
         """After the target's step (before the scheduler applies result): pass 1 and the draft passes; each
         sequence that sampled gets its drafts in s.spec.mtp_drafts."""
         passes, plan = plan.draft_passes, dataclasses.replace(plan, split=False)
@@ -98,12 +101,19 @@ class MTPDrafter:
             rows.extend(range(r0, r0 + m))
             ids.extend(nxt)
             pos.extend(range(c, c + m))
-            qlens.append(m)
-            tables.append(s.block_ids)
+            if m <= ROWS_AS_DECODES:   # each its own decode row (the CPU's fused decode halves take them)
+                qlens.extend([1] * m)
+                tables.extend([s.block_ids] * m)
+            else:
+                qlens.append(m)
+                tables.append(s.block_ids)
             seqs.append((s, tok, c + m - 1, len(rows) - 1))   # (seq, sampled token, last row's position, its row)
         prev = hidden.index_select(0, int64_tensor(rows, hidden.device)) if rows else hidden[:0]
         out = self._forward(ids, prev, pos, qlens, tables, plan)
-        live = [(s, q, i) for s, tok, q, i in seqs if tok is not None]   # sampled this step: they draft next
+        # sampled this step and not backing off next step: they draft next (the others' rows only keep latents)
+        nxt_step = speculator.step + 1
+        live = [(s, q, i) for s, tok, q, i in seqs if tok is not None and speculator.drafting
+                and (s.spec is None or s.spec.resume_at <= nxt_step)]
         for s, _, _, _ in seqs:
             if s.spec is None:
                 s.spec = SeqSpec()

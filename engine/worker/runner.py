@@ -32,6 +32,7 @@ class ModelRunner:
         self._rows: tuple[SampleLayout, bool] | None = None
         self.grammars = None   # -> the rank's grammar compiler (structured outputs), set by EngineCore
         self.drafter = None    # engine/worker/mtp_drafter.MTPDrafter (speculative method "mtp"), set by EngineCore
+        self.speculator = None  # the scheduler's engine/spec/speculator.Speculator, with the drafter
 
     def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
                    ) -> tuple[torch.Tensor, AttnMeta]:
@@ -139,7 +140,7 @@ class ModelRunner:
                                 index_pools=self.kv.index_pools)
         self._results(batch, hidden, result)
         if self.drafter is not None:
-            self.drafter.draft(batch, hidden, result, plan)
+            self.drafter.draft(batch, hidden, result, plan, self.speculator)
         return result
 
     def _results(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult) -> None:
