@@ -74,7 +74,7 @@ static int64_t moe_layer(const wd_moe_weights *w, const float *h, const float *x
     if (load)
         for (int64_t p = 0; p < T * k; p++) load[ids[p]]++;
     memset(ye, 0, T * H * sizeof(float));
-    int64_t rc = experts(x, T, H, I, E, w->w13, w->w2, w->wdt, ids, wts, k, ye, iscratch, rest);
+    int64_t rc = experts(x, T, H, I, E, w->w13, w->w2, w->wdt, NULL, NULL, 0, 0, ids, wts, k, ye, iscratch, rest);
     if (rc) return rc;
     if (!w->sg) {
         for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + ye[i];

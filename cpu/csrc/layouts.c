@@ -57,7 +57,15 @@ static const wd_layout table[] = {
     FIELD(wd_experts_args, x) FIELD(wd_experts_args, w13) FIELD(wd_experts_args, w2) FIELD(wd_experts_args, wts)
     FIELD(wd_experts_args, ids) FIELD(wd_experts_args, out) FIELD(wd_experts_args, scratch)
     FIELD(wd_experts_args, iscratch) FIELD(wd_experts_args, T) FIELD(wd_experts_args, H) FIELD(wd_experts_args, I)
-    FIELD(wd_experts_args, El) FIELD(wd_experts_args, k)
+    FIELD(wd_experts_args, El) FIELD(wd_experts_args, k) FIELD(wd_experts_args, s13) FIELD(wd_experts_args, s2)
+    FIELD(wd_experts_args, br) FIELD(wd_experts_args, bk)
+
+    SIZE(wd_linear_fp8_args)
+    FIELD(wd_linear_fp8_args, x) FIELD(wd_linear_fp8_args, w) FIELD(wd_linear_fp8_args, s) FIELD(wd_linear_fp8_args, y)
+    FIELD(wd_linear_fp8_args, M) FIELD(wd_linear_fp8_args, N) FIELD(wd_linear_fp8_args, K)
+    FIELD(wd_linear_fp8_args, ldx) FIELD(wd_linear_fp8_args, ldw) FIELD(wd_linear_fp8_args, lds)
+    FIELD(wd_linear_fp8_args, ldy) FIELD(wd_linear_fp8_args, br) FIELD(wd_linear_fp8_args, bk)
+    FIELD(wd_linear_fp8_args, odt)
 
     SIZE(wd_mla_decode_args)
     FIELD(wd_mla_decode_args, pdt)
