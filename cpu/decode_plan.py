@@ -19,6 +19,9 @@ counts and dispatcher counters equal the operations' (tests/cpu/test_decode_plan
 A float32 model or a bfloat16 one (every weight of the layers in one dtype, the router's float32 as
 moe/gate.py keeps it; the latent cache float32 or bfloat16): the C reads bfloat16 weights as stored and
 keeps the activations float32 inside each call (the stack path: from the first layer to the last).
+An fp8 checkpoint kept as stored (quantization "auto"/"fp8" on the CPU kernels) is not fused yet: its
+projections and experts carry block scales the fused structs have no field for, so every step runs the
+operations (weights_unfit; unfit names the halves), each on the fp8 C GEMM / experts kernel.
 
 The plan reads the model by its fields only (cpu/ imports no other package of wideep): model.model.layers
 (DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp, is_moe, op_kv_written,
@@ -208,7 +211,9 @@ class DecodePlan:
         else:
             mlp = layer.mlp
             g = mlp.gate_proj.weight
-            if not (_no_bias(mlp.gate_proj, mlp.up_proj, mlp.down_proj) and g.dtype in WEIGHT_DTYPES
+            if hasattr(mlp.gate_proj, "weight_scale_inv"):
+                self.unfit[f"layer {i} mlp"] = "fp8 projections: the fused MLP half reads float32 or bfloat16 weights"
+            elif not (_no_bias(mlp.gate_proj, mlp.up_proj, mlp.down_proj) and g.dtype in WEIGHT_DTYPES
                     and _fits(g.dtype, g, mlp.up_proj.weight, mlp.down_proj.weight)):
                 self.unfit[f"layer {i} mlp"] = "its projections are not bias-free float32 or bfloat16 CPU weights"
             else:
@@ -238,6 +243,9 @@ class DecodePlan:
         norms = [layer.input_layernorm, layer.post_attention_layernorm, a.kv_a_layernorm]
         norms += [a.q_a_layernorm] if a.cfg.q_lora_rank else []
         dtype = projs[0].weight.dtype
+        if any(hasattr(p, "weight_scale_inv") for p in projs):
+            return ("fp8 projections (an fp8 checkpoint kept as stored): the fused attention half reads float32 or "
+                    "bfloat16 weights; the step's operations run the fp8 GEMM per projection")
         if dtype not in WEIGHT_DTYPES or not _fits(dtype, *(p.weight for p in projs), *(n.weight for n in norms)):
             return "weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
         return None
@@ -245,8 +253,11 @@ class DecodePlan:
     @staticmethod
     def _moe_unfit(m) -> str | None:
         ex, sh = m.experts, m.shared_experts
-        if ex.backend != "cpu" or ex.fp8_block is not None:
-            return f"experts backend {ex.backend!r}" + (" with fp8 weights" if ex.fp8_block else "")
+        if ex.backend != "cpu":
+            return f"experts backend {ex.backend!r}"
+        if ex.fp8_block is not None:
+            return ("fp8 experts: the fused MoE half takes float32 or bfloat16 weights (the layer's operations run "
+                    "the fp8 experts kernel)")
         if m.gate.kernel is None:
             return "a router without the C kernel"
         if ex.num_local != m.cfg.n_routed_experts:
