@@ -124,7 +124,16 @@ static inline float wget(const void *w, int64_t wdt, int64_t i) {
 /* gemm.c: y [M, N] = x [M, K] @ w [N, K]^T; per batch b of B, x, w, y advance by sxb, swb, syb */
 WD_INTERNAL void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K);
-/* gemm.c, gemm_bf16dp.c: the same with bfloat16 w, and w of dtype wdt (WD_F32 / WD_BF16). linear_bf16 runs
+/* An FP8 block-quantised matrix as the fused calls pass it: where a weight of dtype WD_FP8 is given to
+   linear_w (or to swiglu, or as an MLA projection), the pointer is to one of these (cpu/fused.py Fp8Mat). */
+typedef struct {
+    const uint8_t *q;
+    const float *s;
+    int64_t lds, br, bk;
+} wd_fp8_mat;
+
+/* gemm.c, gemm_bf16dp.c: the same with bfloat16 w, and w of dtype wdt (WD_F32 / WD_BF16, or WD_FP8: w a
+   const wd_fp8_mat *, ldw its rows' stride). linear_bf16 runs
    the AVX512-BF16 dot products (activations rounded to bfloat16) when bf16_dot() is on, else widens w to
    float32 and runs the float32 FMAs (activations exact). */
 WD_INTERNAL void linear_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
@@ -175,24 +184,28 @@ WD_INTERNAL void route(const float *x, int64_t T, int64_t H, const float *w, int
 /* ---- a decoder layer's weights, made once per layer (cpu/fused.py MlaWeights, MoeWeights, MlpWeights) ---- */
 
 /* wq is q_b_proj [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj
-   [N (dn+dv), C]; the norms' weights in_w, post_w [H], qa_w [Q], kva_w [C]. All of dtype wdt (and W_UK^T). */
+   [N (dn+dv), C]; the norms' weights in_w, post_w [H], qa_w [Q], kva_w [C]. The norms, wkvb (and W_UK^T) of
+   dtype wdt; the projections wqa, wq, wkva, wo of dtype pwdt (wdt, or WD_FP8: wd_fp8_mat pointers). */
 typedef struct {
     const void *in_w, *post_w, *wqa, *qa_w, *wq, *wkva, *kva_w, *wkvb, *wo;
     float in_eps, post_eps, qa_eps, kva_eps, scale;
-    int64_t H, Q, N, dn, R, C, dv, interleave, wdt;
+    int64_t H, Q, N, dn, R, C, dv, interleave, wdt, pwdt;
 } wd_mla_weights;
 
 /* the router (gw [E, H], gbias [E] or NULL, float32, its settings as wd_route_args'), the experts (w13
    [E, 2I, H], w2 [E, H, I], every one local) and the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg
-   NULL: none), the experts' and shared experts' of dtype wdt */
+   NULL: none), the experts of dtype wdt (WD_FP8: with their block scales s13, s2 in br x bk blocks, as
+   wd_experts_args), the shared experts' of dtype sdt (WD_FP8: wd_fp8_mat pointers) */
 typedef struct {
     const float *gw, *gbias;
     const void *w13, *w2, *sg, *su, *sd;
     float scale;
     int64_t H, E, I, Is, k, G, topk_group, sigmoid, method, norm, wdt;
+    const float *s13, *s2;
+    int64_t br, bk, sdt;
 } wd_moe_weights;
 
-/* a dense layer's SwiGLU MLP (weights of dtype wdt) */
+/* a dense layer's SwiGLU MLP (weights of dtype wdt; WD_FP8: wd_fp8_mat pointers) */
 typedef struct {
     const void *sg, *su, *sd;
     int64_t H, Is, wdt;

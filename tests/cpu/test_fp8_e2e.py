@@ -1,7 +1,8 @@
 """An FP8 block-quantised checkpoint (DeepSeek-V3's format: e4m3 weights + a float32 `weight_scale_inv` per
 128 x 128 block, dims that are not multiples of 128 included) kept as stored on the CPU kernels
 (quantization "auto") against the same checkpoint dequantised at load into float32 (quantization "none"):
-prompt logprobs within float32 rounding, greedy tokens equal; the weights' bytes counted exactly from the
+prompt logprobs within float32 rounding, greedy tokens equal, every decode step on the fused C path (the
+whole stack, then layer by layer); the weights' bytes counted exactly from the
 modules' tensors (one byte a weight plus the scales); the option's errors."""
 from __future__ import annotations
 
@@ -57,16 +58,23 @@ def fp8_dir(tmp_path_factory):
     return d
 
 
-def _run(d: str, quantization: str):
-    llm = LLM(d, dtype="float32", device="cpu", progress=False, quantization=quantization)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW, prompt_logprobs=0, ignore_eos=True))
+def _run(d: str, quantization: str, **kw):
+    llm = LLM(d, dtype="float32", device="cpu", progress=False, quantization=quantization, **kw)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW, prompt_logprobs=0, logprobs=3,
+                                                ignore_eos=True))
     lps = [torch.tensor([o.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))]) for ids, o in zip(PROMPTS, outs)]
-    return llm, lps, [o.outputs[0].token_ids for o in outs]
+    return llm, lps, [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-def test_fp8_kept_equals_dequantised_at_load(fp8_dir):
-    kept, lps8, toks8 = _run(fp8_dir, "auto")
-    deq, lps32, toks32 = _run(fp8_dir, "none")
+@pytest.fixture(scope="module")
+def dequantised(fp8_dir):
+    return _run(fp8_dir, "none")
+
+
+@pytest.mark.parametrize("stack", [True, False], ids=["stack", "layers"])
+def test_fp8_kept_equals_dequantised_at_load(fp8_dir, dequantised, stack):
+    kept, lps8, toks8 = _run(fp8_dir, "auto", fuse_decode_stack=stack)
+    deq, lps32, toks32 = dequantised
     m8, m32 = kept.model, deq.model
     assert m8.backends["fp8_weights"] and m8.backends["experts"] == "cpu" and m8.backends["kernels"] == "cpu"
     assert not m32.backends["fp8_weights"]
@@ -76,11 +84,15 @@ def test_fp8_kept_equals_dequantised_at_load(fp8_dir):
     assert m8.model.layers[3].mlp.experts.w13.dtype == FP8_DTYPE
     for a, b in zip(lps8, lps32):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    assert toks8 == toks32
-    # the fused decode plan has no fp8 structs yet: every step ran the operations, and it says why
+    for (t8, d8), (t32, d32) in zip(toks8, toks32):   # greedy tokens and each decode step's top-3 logprobs
+        assert t8 == t32
+        for a, b in zip(d8, d32):
+            assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-4
+    # every decode step ran fused over the fp8 weights (fused.Fp8Mat), the prefills as operations
     plan = m8.decode_plan
-    assert plan.steps["ops"] > 0 and plan.steps["stack"] == plan.steps["layers"] == 0
-    assert plan.declined["weights_unfit"] > 0 and any("fp8" in why for why in plan.unfit.values())
+    assert not plan.unfit and not plan.moe_unfit
+    path = "stack" if stack else "layers"
+    assert plan.steps[path] == NEW - 1 and plan.steps["ops"] + plan.steps["mlp_halves"] == 1, plan.steps
 
 
 def _fp8_bytes(model) -> tuple[int, int, int]:
