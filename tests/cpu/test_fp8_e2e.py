@@ -138,3 +138,30 @@ def test_the_quantization_option_errors(fp8_dir, tmp_path):
     with pytest.raises(ValueError, match="no quantization_config with quant_method 'fp8'"):
         load_model(plain, progress=False, quantization="fp8")
     assert load_model(plain, progress=False, quantization="none").backends["fp8_weights"] is False
+
+
+def _ep_rank(model_dir: str, ep: int) -> dict:
+    llm = LLM(model_dir, dtype="float32", dp_size=ep, ep_size=ep, progress=False, quantization="auto",
+              parallel={"timeout_s": 60.0})
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW, prompt_logprobs=0, ignore_eos=True))
+    res = {"fp8": llm.model.backends["fp8_weights"], "experts_bytes": llm.model.param_bytes()["experts"],
+           "tokens": [o.outputs[0].token_ids for o in outs],
+           "lps": [[o.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))] for ids, o in zip(PROMPTS, outs)],
+           "plan": dict(llm.model.decode_plan.steps)}
+    llm.shutdown()
+    return res
+
+
+@pytest.mark.multirank
+def test_fp8_experts_sharded_over_two_ep_ranks(fp8_dir, dequantised):
+    """Two gloo ranks, each holding half the fp8 experts (and their scales): the single process's results, the
+    decode steps on the fused attention halves with the all-to-all between them."""
+    from tests.parallel.spawn import spawn
+    single = load_model(fp8_dir, progress=False, quantization="auto").param_bytes()["experts"]
+    _, lps32, toks32 = dequantised
+    for r in spawn(_ep_rank, 2, args=(fp8_dir, 2), timeout_s=240):
+        assert r["fp8"] and 2 * r["experts_bytes"] == single
+        assert r["tokens"] == [t for t, _ in toks32]
+        for a, b in zip(r["lps"], lps32):
+            torch.testing.assert_close(torch.tensor(a), b, atol=1e-4, rtol=1e-4)
+        assert r["plan"]["layers"] > 0 and r["plan"]["stack"] == 0
