@@ -39,10 +39,15 @@ def _quantised(name: str, t: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
-    from safetensors.torch import load_file, save_file
     d = str(tmp_path_factory.mktemp("fp8"))
     make_hf_model("v3", d, bias_std=0.1, hidden_size=192, intermediate_size=320, moe_intermediate_size=80,
                   kv_lora_rank=160, q_lora_rank=136, num_attention_heads=4)
+    return _quantise(d)
+
+
+def _quantise(d: str) -> str:
+    """The checkpoint in d (one model.safetensors) rewritten in DeepSeek-V3's fp8 format, 128 x 128 blocks."""
+    from safetensors.torch import load_file, save_file
     path = os.path.join(d, "model.safetensors")
     out = {}
     for name, t in load_file(path).items():
@@ -165,3 +170,22 @@ def test_fp8_experts_sharded_over_two_ep_ranks(fp8_dir, dequantised):
         for a, b in zip(r["lps"], lps32):
             torch.testing.assert_close(torch.tensor(a), b, atol=1e-4, rtol=1e-4)
         assert r["plan"]["layers"] > 0 and r["plan"]["stack"] == 0
+
+
+def test_fp8_mtp_drafter_keeps_fp8_and_greedy_equals_no_speculation(tmp_path):
+    """An fp8 checkpoint with an MTP layer (launch/tiny_cycle.py): the drafter's decoder layer keeps fp8 too, and
+    speculative decoding with its drafts gives the tokens of no speculation."""
+    from launch.tiny_cycle import make_cycle_checkpoint
+    from tests.engine.test_mtp import cycle_prompts
+    d, nxt = make_cycle_checkpoint(str(tmp_path), period=12, mix=2.0, gain=20.0, seed=1, mtp=True, mtp_mix=0.1)
+    _quantise(d)
+    prompts = cycle_prompts(nxt, 3)
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(prompts, sp)
+    llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    assert llm.model.backends["fp8_weights"]
+    assert isinstance(llm.model.drafter.layer.self_attn.o_proj, Fp8Linear)
+    got = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    assert llm.engine.metrics()["spec_decode_acceptance_rate"] > 0
