@@ -19,6 +19,9 @@ counts and dispatcher counters equal the operations' (tests/cpu/test_decode_plan
 A float32 model or a bfloat16 one (every weight of the layers in one dtype, the router's float32 as
 moe/gate.py keeps it; the latent cache float32 or bfloat16): the C reads bfloat16 weights as stored and
 keeps the activations float32 inside each call (the stack path: from the first layer to the last).
+An fp8 checkpoint kept as stored (quantization "auto"/"fp8" on the CPU kernels) is fused too: its projections
+and routed / shared experts go to C as e4m3 bytes + block scales (fused.Fp8Mat, the MoE struct's scales), read
+as stored by the fp8 GEMM; the norms, kv_b_proj and W_UK^T stay in the model dtype.
 
 The plan reads the model by its fields only (cpu/ imports no other package of wideep): model.model.layers
 (DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp, is_moe, op_kv_written,
@@ -53,6 +56,30 @@ def _f32(t: torch.Tensor | None) -> bool:
 def _fits(dtype: torch.dtype, *ts: torch.Tensor) -> bool:
     """Every tensor is a contiguous CPU tensor of `dtype` (the layer's weight dtype)."""
     return all(t.dtype == dtype and not t.is_cuda and t.is_contiguous() for t in ts)
+
+
+def _fp8_fits(linear) -> bool:
+    """An fp8 projection (moe/fp8_linear.py Fp8Linear) the fused calls read as stored: contiguous e4m3 weight and
+    float32 scales on the CPU, in a block whose K side is whole 16-float vectors."""
+    return (fused.is_fp8(linear) and _fits(linear.weight.dtype, linear.weight)
+            and _fits(torch.float32, linear.weight_scale_inv))
+
+
+def _fp8_moe_unfit(ex, shared: list) -> str | None:
+    """Why an MoE half with fp8 routed experts or fp8 shared experts cannot be fused, or None."""
+    if ex.fp8_block is not None:
+        if ex.fp8_block[1] % 16 or not (_fits(ex.w13.dtype, ex.w13, ex.w2)
+                                        and _fits(torch.float32, ex.w13_scale_inv, ex.w2_scale_inv)):
+            return "fp8 experts in a block the C does not take, or not contiguous CPU tensors"
+    elif ex.w13.dtype not in WEIGHT_DTYPES or not _fits(ex.w13.dtype, ex.w13, ex.w2):
+        return "expert weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
+    if any(hasattr(lin, "weight_scale_inv") for lin in shared):
+        if not all(_fp8_fits(lin) for lin in shared):
+            return "shared experts partly fp8, or fp8 in a block the C does not take"
+    elif shared and not (shared[0].weight.dtype in WEIGHT_DTYPES
+                         and _fits(shared[0].weight.dtype, *(lin.weight for lin in shared))):
+        return "shared-expert weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
+    return None
 
 
 def _no_bias(*linears) -> bool:
@@ -231,13 +258,24 @@ class DecodePlan:
                 self.moe_unfit[i] = why
             else:
                 m = layer.mlp
-                w.moe = fused.moe_layer_weights(m.gate, m.experts.w13, m.experts.w2, m.shared_experts)
+                ex = m.experts
+                scales = (ex.w13_scale_inv, ex.w2_scale_inv, ex.fp8_block) if ex.fp8_block is not None else None
+                w.moe = fused.moe_layer_weights(m.gate, ex.w13, ex.w2, m.shared_experts, scales)
                 w.keep += list(m.parameters())
                 w.moe_op = self._moe_op(i, m, w.moe)
         else:
             mlp = layer.mlp
             g = mlp.gate_proj.weight
-            if not (_no_bias(mlp.gate_proj, mlp.up_proj, mlp.down_proj) and g.dtype in WEIGHT_DTYPES
+            lins = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            if any(hasattr(lin, "weight_scale_inv") for lin in lins):
+                if not (_no_bias(*lins) and all(_fp8_fits(lin) for lin in lins)):
+                    self.unfit[f"layer {i} mlp"] = "fp8 projections with biases, beside plain ones or in a block " \
+                                                   "the C does not take"
+                else:
+                    w.mlp = fused.mlp_layer_weights(mlp)
+                    w.keep += list(mlp.parameters())
+                    w.mlp_op = self._mlp_op(i, w.mlp)
+            elif not (_no_bias(mlp.gate_proj, mlp.up_proj, mlp.down_proj) and g.dtype in WEIGHT_DTYPES
                     and _fits(g.dtype, g, mlp.up_proj.weight, mlp.down_proj.weight)):
                 self.unfit[f"layer {i} mlp"] = "its projections are not bias-free float32 or bfloat16 CPU weights"
             else:
@@ -266,16 +304,22 @@ class DecodePlan:
             return "projections without a weight"
         norms = [layer.input_layernorm, layer.post_attention_layernorm, a.kv_a_layernorm]
         norms += [a.q_a_layernorm] if a.cfg.q_lora_rank else []
-        dtype = projs[0].weight.dtype
+        dtype = a.kv_b_proj.weight.dtype
+        quantised = [p for p in projs if hasattr(p, "weight_scale_inv")]
+        if quantised:   # an fp8 checkpoint kept as stored: the C reads them as they are (fused.Fp8Mat)
+            if len(quantised) != len(projs) - 1 or not all(_fp8_fits(p) for p in quantised):
+                return ("fp8 projections beside plain ones, or in a block the C does not take (K side a multiple "
+                        "of 16)")
+            projs = [a.kv_b_proj]
         if dtype not in WEIGHT_DTYPES or not _fits(dtype, *(p.weight for p in projs), *(n.weight for n in norms)):
-            return "weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
+            return "weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16 (or fp8 blocks)"
         return None
 
     @staticmethod
     def _moe_unfit(m) -> str | None:
         ex, sh = m.experts, m.shared_experts
-        if ex.backend != "cpu" or ex.fp8_block is not None:
-            return f"experts backend {ex.backend!r}" + (" with fp8 weights" if ex.fp8_block else "")
+        if ex.backend != "cpu":
+            return f"experts backend {ex.backend!r}"
         if m.gate.kernel is None:
             return "a router without the C kernel"
         if ex.num_local != m.cfg.n_routed_experts:
@@ -285,6 +329,8 @@ class DecodePlan:
             return "shared-expert biases"
         if not (_f32(m.gate.weight) and _f32(m.gate.e_score_correction_bias)):
             return "a router whose weights are not float32 contiguous CPU tensors"
+        if ex.fp8_block is not None or any(hasattr(lin, "weight_scale_inv") for lin in linears):
+            return _fp8_moe_unfit(ex, linears)
         if ex.w13.dtype not in WEIGHT_DTYPES or not _fits(ex.w13.dtype, ex.w13, ex.w2, *(lin.weight for lin in linears)):
             return "expert weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
         return None

@@ -7,7 +7,9 @@ order (docs/kernels.md).
 
 Legend: T tokens (each the only query of its sequence on decode steps), H hidden, E experts, k top-k,
 I moe_intermediate_size, Is a SwiGLU's intermediate size. CPU tensors, contiguous; a layer's weights all
-float32 or all bfloat16 (the router's float32 either way: moe/gate.py), the latent cache float32 or bfloat16,
+float32 or all bfloat16 (the router's float32 either way: moe/gate.py), or an fp8 checkpoint's projections and
+routed experts kept as stored (e4m3 + block scales: Fp8Mat; the norms and kv_b_proj in the model dtype), the
+latent cache float32 or bfloat16,
 activations float32 inside (a bfloat16 x in gives bfloat16 outputs, rounded once at the end). A layer's
 weights go to C as a struct made once (…_weights, kept by the module while its weights are the same
 memory); scratch is this thread's, shared by all calls (scratch()).
@@ -26,10 +28,33 @@ import threading
 import torch
 
 from .build import fields, library, register
-from .gemm import WDT, as_f32
+from .gemm import FP8, WD_FP8, WDT, as_f32
 from .layers import _METHODS, _bad_tables
 
 P, I = ctypes.c_void_p, ctypes.c_int64
+
+
+class Fp8Mat(ctypes.Structure):
+    """wd_fp8_mat (csrc/wideep.h): an FP8 block-quantised matrix (e4m3 bytes, float32 block scales) for the
+    fused calls, which take its address where a weight of dtype WD_FP8 goes."""
+    _fields_ = fields("q s", P) + fields("lds br bk", I)
+
+
+def is_fp8(linear) -> bool:
+    """Whether a projection keeps an fp8 checkpoint's weight as stored (moe/fp8_linear.py Fp8Linear, read by its
+    fields: weight float8_e4m3fn, weight_scale_inv, block) in a block the C takes (K side a multiple of 16)."""
+    return (getattr(linear, "weight_scale_inv", None) is not None and linear.weight.dtype == FP8
+            and linear.block[1] % 16 == 0)
+
+
+def weight_arg(linear, mats: list) -> tuple[int, int]:
+    """(pointer, dtype code) of a projection's weight as the fused structs take it: the tensor's data, or for an
+    fp8 one the address of an Fp8Mat appended to `mats` (which the caller keeps alive with the struct)."""
+    if getattr(linear, "weight_scale_inv", None) is None:
+        return linear.weight.data_ptr(), WDT[linear.weight.dtype]
+    s = linear.weight_scale_inv
+    mats.append(Fp8Mat(linear.weight.data_ptr(), s.data_ptr(), s.shape[1], linear.block[0], linear.block[1]))
+    return ctypes.addressof(mats[-1]), WD_FP8
 
 
 class MlaWeights(ctypes.Structure):
@@ -37,22 +62,28 @@ class MlaWeights(ctypes.Structure):
     mla_layer_weights, kept by the caller while the weights are the same memory."""
     _fields_ = (fields("in_w post_w wqa qa_w wq wkva kva_w wkvb wo", P)
                 + fields("in_eps post_eps qa_eps kva_eps scale", ctypes.c_float)
-                + fields("H Q N dn R C dv interleave wdt", I))
+                + fields("H Q N dn R C dv interleave wdt pwdt", I))
 
 
 def mla_layer_weights(in_norm, post_norm, mla) -> MlaWeights:
     """The layer's RMSNorm modules and its MLA (attention_mla/mla.py, read by its fields) -> the
-    struct mla_layer takes (pointers to the weights, their sizes, eps, the softmax scale)."""
+    struct mla_layer takes (pointers to the weights, their sizes, eps, the softmax scale). The projections
+    q_a/q_b (or q), kv_a and o may be fp8 (Fp8Mat structs, kept on the returned struct as `fp8_mats`)."""
     cfg = mla.cfg
     Q = cfg.q_lora_rank or 0
-    wq = mla.q_b_proj.weight if Q else mla.q_proj.weight
-    return MlaWeights(
-        in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), mla.q_a_proj.weight.data_ptr() if Q else None,
-        mla.q_a_layernorm.weight.data_ptr() if Q else None, wq.data_ptr(), mla.kv_a_proj_with_mqa.weight.data_ptr(),
-        mla.kv_a_layernorm.weight.data_ptr(), mla.kv_b_proj.weight.data_ptr(), mla.o_proj.weight.data_ptr(),
+    mats: list[Fp8Mat] = []
+    wqa, _ = weight_arg(mla.q_a_proj, mats) if Q else (None, None)
+    wq, pwdt = weight_arg(mla.q_b_proj if Q else mla.q_proj, mats)
+    (wkva, _), (wo, _) = weight_arg(mla.kv_a_proj_with_mqa, mats), weight_arg(mla.o_proj, mats)
+    w = MlaWeights(
+        in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), wqa,
+        mla.q_a_layernorm.weight.data_ptr() if Q else None, wq, wkva,
+        mla.kv_a_layernorm.weight.data_ptr(), mla.kv_b_proj.weight.data_ptr(), wo,
         in_norm.eps, post_norm.eps, mla.q_a_layernorm.eps if Q else 0.0, mla.kv_a_layernorm.eps, cfg.softmax_scale,
         in_norm.weight.shape[0], Q, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
-        cfg.v_head_dim, int(mla.rope.cfg.interleave), WDT[wq.dtype])
+        cfg.v_head_dim, int(mla.rope.cfg.interleave), WDT[mla.kv_b_proj.weight.dtype], pwdt)
+    w.fp8_mats = mats
+    return w
 
 
 def mla_layer_buffer(w: MlaWeights, T: int, max_len: int) -> int:
@@ -119,22 +150,33 @@ class MoeWeights(ctypes.Structure):
     """wd_moe_weights (csrc/wideep.h), an MoE half's per-layer arguments: made once by moe_layer_weights,
     kept by the caller while the weights are the same memory."""
     _fields_ = (fields("gw gbias w13 w2 sg su sd", P) + [("scale", ctypes.c_float)]
-                + fields("H E I Is k G topk_group sigmoid method norm wdt", I))
+                + fields("H E I Is k G topk_group sigmoid method norm wdt", I) + fields("s13 s2", P)
+                + fields("br bk sdt", I))
 
 
-def moe_layer_weights(gate, w13: torch.Tensor, w2: torch.Tensor, shared) -> MoeWeights:
+def moe_layer_weights(gate, w13: torch.Tensor, w2: torch.Tensor, shared, scales=None) -> MoeWeights:
     """The router (moe/gate.py Gate, read by its fields), w13 [E, 2I, H], w2 [E, H, I] with every
-    expert local, the shared experts (a layers/mlp.py MLP read by its fields, or None; its weights of
-    w13's dtype) -> the struct moe_layer takes."""
+    expert local (float32 or bfloat16, or float8_e4m3fn with scales = (w13_scale_inv, w2_scale_inv, block) as
+    moe/experts.py keeps them), the shared experts (a layers/mlp.py MLP read by its fields, or None; float32,
+    bfloat16 or fp8 projections) -> the struct moe_layer takes (fp8 shared experts' Fp8Mat structs kept on it
+    as `fp8_mats`)."""
     cfg, bias = gate.cfg, gate.e_score_correction_bias
     E, I2, H = w13.shape
-    sw = ((shared.gate_proj.weight.data_ptr(), shared.up_proj.weight.data_ptr(), shared.down_proj.weight.data_ptr())
-          if shared is not None else (None, None, None))
-    return MoeWeights(gate.weight.data_ptr(), None if bias is None else bias.data_ptr(), w13.data_ptr(), w2.data_ptr(),
-                      *sw, cfg.routed_scaling_factor, H, E, I2 // 2,
-                      shared.gate_proj.weight.shape[0] if shared is not None else 0, cfg.top_k, cfg.n_group,
-                      cfg.topk_group, int(cfg.scoring_func == "sigmoid"), _METHODS[cfg.topk_method],
-                      int(cfg.norm_topk_prob), WDT[w13.dtype])
+    mats: list[Fp8Mat] = []
+    sw, sdt = (None, None, None), 0
+    if shared is not None:
+        (sg, sdt), (su, _), (sd, _) = (weight_arg(m, mats) for m in (shared.gate_proj, shared.up_proj,
+                                                                     shared.down_proj))
+        sw = (sg, su, sd)
+    fp8 = w13.dtype == FP8
+    s13, s2, (br, bk) = (scales[0].data_ptr(), scales[1].data_ptr(), scales[2]) if fp8 else (None, None, (0, 0))
+    w = MoeWeights(gate.weight.data_ptr(), None if bias is None else bias.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                   *sw, cfg.routed_scaling_factor, H, E, I2 // 2,
+                   shared.gate_proj.weight.shape[0] if shared is not None else 0, cfg.top_k, cfg.n_group,
+                   cfg.topk_group, int(cfg.scoring_func == "sigmoid"), _METHODS[cfg.topk_method],
+                   int(cfg.norm_topk_prob), WD_FP8 if fp8 else WDT[w13.dtype], s13, s2, br, bk, sdt)
+    w.fp8_mats = mats
+    return w
 
 
 def moe_layer_scratch(w: MoeWeights, T: int) -> tuple[int, int]:
@@ -174,10 +216,14 @@ class MlpWeights(ctypes.Structure):
 
 
 def mlp_layer_weights(mlp) -> MlpWeights:
-    """A layers/mlp.py MLP (read by its fields) -> the struct decode_stack takes for a dense layer."""
+    """A layers/mlp.py MLP (read by its fields; float32, bfloat16 or fp8 projections) -> the struct decode_stack
+    takes for a dense layer (fp8 ones' Fp8Mat structs kept on it as `fp8_mats`)."""
+    mats: list[Fp8Mat] = []
+    (sg, wdt), (su, _), (sd, _) = (weight_arg(m, mats) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
     g = mlp.gate_proj.weight
-    return MlpWeights(g.data_ptr(), mlp.up_proj.weight.data_ptr(), mlp.down_proj.weight.data_ptr(), g.shape[1],
-                      g.shape[0], WDT[g.dtype])
+    w = MlpWeights(sg, su, sd, g.shape[1], g.shape[0], wdt)
+    w.fp8_mats = mats
+    return w
 
 
 def mlp_layer_scratch(w: MlpWeights, T: int) -> int:
@@ -251,4 +297,4 @@ def decode_stack(x: torch.Tensor, layers, mla: list[MlaWeights], moe: list[MoeWe
 register({"wd_mla_layer": (MlaLayerArgs, I), "wd_moe_layer": (MoeLayerArgs, I), "wd_mlp_layer": (MlpLayerArgs, None),
           "wd_decode_stack": (DecodeStackArgs, I)},
          {"wd_mla_weights": MlaWeights, "wd_moe_weights": MoeWeights, "wd_mlp_weights": MlpWeights,
-          "wd_layer_desc": LayerDesc})
+          "wd_layer_desc": LayerDesc, "wd_fp8_mat": Fp8Mat})

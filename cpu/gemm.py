@@ -15,6 +15,11 @@ float32.
   linear(x [M, K], w [N, K]) -> [M, N] float32            = F.linear(x, w)
   bmm_nt(x [B, M, K], w [B, N, K]) -> [B, M, N]           = x @ w.transpose(1, 2)
   experts(x, w13, w2, topk_ids, topk_weights) -> [T, H]   = Experts.forward_reference (moe/experts.py)
+FP8 block-quantised weights (float8_e4m3fn + float32 block scales, moe/fp8.py; csrc/gemm_fp8.c), read as stored
+and widened to float32 in registers, times their block's scale:
+  linear_fp8(x [M, K], w [N, K], scale_inv, block) -> [M, N] float32 = F.linear(x, dequantize_fp8_block(w, ...))
+  dequantize_fp8(w, scale_inv, block, dtype) -> [N, K]    = dequantize_fp8_block (for BLAS on big batches)
+  experts(..., w13_scale=, w2_scale=, block=)             fp8 routed experts
 Tests: tests/cpu/.
 """
 from __future__ import annotations
@@ -29,6 +34,8 @@ P, I = ctypes.c_void_p, ctypes.c_int64
 
 
 WDT = {torch.float32: 0, torch.bfloat16: 1}   # the C kernels' weight / cache dtype codes (wideep.h WD_F32, WD_BF16)
+WD_FP8 = 2                                     # wideep.h WD_FP8: e4m3 bytes + float32 block scales
+FP8 = torch.float8_e4m3fn
 
 
 def check_float32(name: str, t: torch.Tensor, dim: int) -> None:
@@ -118,19 +125,101 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
+class LinearFp8Args(ctypes.Structure):
+    """wd_linear_fp8_args (csrc/wideep.h)."""
+    _fields_ = fields("x w s y", P) + fields("M N K ldx ldw lds ldy br bk odt", I)
+
+
+def check_fp8(name: str, w: torch.Tensor, scale: torch.Tensor, block) -> tuple[int, int]:
+    """w [..., N, K] float8_e4m3fn and scale [..., ceil(N/br), ceil(K/bk)] float32, contiguous CPU tensors, in a
+    block (br, bk) the kernels take (bk a multiple of 16) -> (br, bk); ValueError naming what does not fit."""
+    if len(tuple(block)) != 2 or min(block) < 1:
+        raise ValueError(f"{name}: block must be two positive ints, got {block}")
+    br, bk = int(block[0]), int(block[1])
+    if bk % 16:
+        raise ValueError(f"{name}: the fp8 kernels need the block along K to be a multiple of 16, got block {[br, bk]}")
+    if w.dtype != FP8 or w.device.type != "cpu" or w.dim() < 2 or not w.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous float8_e4m3fn CPU tensor, got {w.dtype} {w.device.type} "
+                         f"shape {tuple(w.shape)}")
+    want = (*w.shape[:-2], -(-w.shape[-2] // br), -(-w.shape[-1] // bk))
+    if (scale.dtype != torch.float32 or scale.device.type != "cpu" or not scale.is_contiguous()
+            or tuple(scale.shape) != want):
+        raise ValueError(f"{name}'s scales must be a contiguous float32 CPU tensor of shape {want} for weight "
+                         f"{tuple(w.shape)} in {br}x{bk} blocks, got {scale.dtype} {tuple(scale.shape)}")
+    return br, bk
+
+
+def linear_fp8(x: torch.Tensor, w: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16, last dim contiguous), w [N, K] float8_e4m3fn, scale_inv [ceil(N/br),
+    ceil(K/bk)] float32 -> [M, N] float32 = x @ dequantize_fp8_block(w, scale_inv, block)^T, the weights read
+    as stored (one byte each)."""
+    check_float("x", x, 2)
+    br, bk = check_fp8("linear_fp8: w", w, scale_inv, block)
+    (M, K), (N, K2) = x.shape, w.shape
+    if K != K2:
+        raise ValueError(f"linear_fp8: x {tuple(x.shape)} and w {tuple(w.shape)} need the same K")
+    x = as_f32(x)
+    out = torch.empty(M, N)
+    if M and N and K:
+        library().wd_linear_fp8(LinearFp8Args(x=x.data_ptr(), w=w.data_ptr(), s=scale_inv.data_ptr(),
+                                              y=out.data_ptr(), M=M, N=N, K=K, ldx=x.stride(0), ldw=K,
+                                              lds=scale_inv.shape[1], ldy=N, br=br, bk=bk))
+    elif M and N:
+        out.zero_()
+    return out
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [N, K] float8_e4m3fn + scale_inv -> [N, K] in dtype (float32 or bfloat16) = moe/fp8.py's
+    dequantize_fp8_block, in one pass of C (the big-batch GEMMs run on BLAS over this copy)."""
+    br, bk = check_fp8("dequantize_fp8: w", w, scale_inv, block)
+    if dtype not in WDT or w.dim() != 2:
+        raise ValueError(f"dequantize_fp8: a 2-D weight to float32 or bfloat16, got shape {tuple(w.shape)} to {dtype}")
+    N, K = w.shape
+    out = torch.empty(N, K, dtype=dtype)
+    if N and K:
+        library().wd_linear_fp8(LinearFp8Args(x=None, w=w.data_ptr(), s=scale_inv.data_ptr(), y=out.data_ptr(),
+                                              N=N, K=K, ldw=K, lds=scale_inv.shape[1], ldy=K, br=br, bk=bk,
+                                              odt=WDT[dtype]))
+    return out
+
+
 class ExpertsArgs(ctypes.Structure):
     """wd_experts_args (csrc/wideep.h)."""
-    _fields_ = fields("x w13 w2 wts ids out scratch iscratch", P) + fields("T H I El k wdt", I)
+    _fields_ = (fields("x w13 w2 wts ids out scratch iscratch s13 s2", P)
+                + fields("T H I El k wdt br bk", I))
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-            topk_weights: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [El, 2I, H], w2 [El, H, I] (contiguous, one dtype: float32 or bfloat16), topk_ids [T, k]
-    local ids (-1: elsewhere), topk_weights [T, k] -> [T, H] in x's dtype (float32 sums): only the experts
-    that have tokens are read. No host sync."""
+            topk_weights: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+            block=None) -> torch.Tensor:
+    """x [T, H], w13 [El, 2I, H], w2 [El, H, I] (contiguous, one dtype: float32 or bfloat16, or float8_e4m3fn
+    with w13_scale [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale rows, then up's) and w2_scale [El, ceil(H/br),
+    ceil(I/bk)] in `block` (br, bk): moe/fp8.py quantize_experts_fp8), topk_ids [T, k] local ids (-1:
+    elsewhere), topk_weights [T, k] -> [T, H] in x's dtype (float32 sums): only the experts that have tokens
+    are read. No host sync."""
     check_float("x", x, 2)
-    check_float("w13", w13, 3)
-    check_float("w2", w2, 3)
+    fp8 = w13.dtype == FP8
+    if fp8:
+        if w13_scale is None or w2_scale is None or block is None:
+            raise ValueError("experts: float8_e4m3fn weights need w13_scale, w2_scale and block")
+        br, bk = check_fp8("experts: w2", w2, w2_scale, block)
+        El_, I2_, H_ = w13.shape
+        half = -(-(I2_ // 2) // br)
+        want = (El_, 2 * half, -(-H_ // bk))
+        if tuple(w13_scale.shape) != want:
+            raise ValueError(f"experts: w13_scale is {tuple(w13_scale.shape)}, expected {want} (gate's and up's "
+                             f"scale rows) for w13 {tuple(w13.shape)} in {br}x{bk} blocks")
+        if (w13.device.type != "cpu" or not w13.is_contiguous() or w13_scale.dtype != torch.float32
+                or not w13_scale.is_contiguous()):
+            raise ValueError("experts: w13 and w13_scale must be contiguous float8_e4m3fn and float32 CPU tensors")
+    else:
+        if w13_scale is not None or w2_scale is not None:
+            raise ValueError(f"experts: scales are for float8_e4m3fn weights, w13 is {w13.dtype}")
+        check_float("w13", w13, 3)
+        check_float("w2", w2, 3)
+        br = bk = 0
     T, H = x.shape
     El, I2, H2 = w13.shape
     if H2 != H or tuple(w2.shape) != (El, H, I2 // 2) or not (w13.is_contiguous() and w2.is_contiguous()):
@@ -152,11 +241,14 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
         rc = library().wd_experts(ExpertsArgs(x=x.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), wts=wts.data_ptr(),
                                               ids=ids.data_ptr(), out=out.data_ptr(), scratch=scratch.data_ptr(),
                                               iscratch=iscratch.data_ptr(), T=T, H=H, I=I, El=El, k=k,
-                                              wdt=WDT[w13.dtype]))
+                                              wdt=WD_FP8 if fp8 else WDT[w13.dtype],
+                                              s13=w13_scale.data_ptr() if fp8 else None,
+                                              s2=w2_scale.data_ptr() if fp8 else None, br=br, bk=bk))
         if rc < 0:   # an id past the last local expert: the kernel would have read past the weights
             raise ValueError(f"experts: topk_ids holds local id {int(ids.view(-1)[-1 - rc])}, there are {El} "
                              f"local experts")
     return out.to(dtype)
 
 
-register({"wd_bmm_nt": (BmmNtArgs, None), "wd_experts": (ExpertsArgs, I), "wd_bf16_dot": (Bf16DotArgs, I)})
+register({"wd_bmm_nt": (BmmNtArgs, None), "wd_experts": (ExpertsArgs, I), "wd_bf16_dot": (Bf16DotArgs, I),
+          "wd_linear_fp8": (LinearFp8Args, I)})

@@ -1,7 +1,8 @@
 """The CPU backend's per-op kernels, as the table the model's modules bind at build time
 (layers/kernels.py names each entry's contract; engine's builder turns this into a Kernels).
 CPU tensors: the backend is chosen for float32 and bfloat16 models on the CPU (build.unusable_for); bfloat16
-weights are read as stored, activations computed in float32 and returned in their own dtype."""
+weights and FP8 block-quantised ones (an fp8 checkpoint kept as stored) are read as stored, activations
+computed in float32 and returned in their own dtype."""
 from __future__ import annotations
 
 
@@ -10,6 +11,7 @@ def table() -> dict:
     plan's, cpu/decode_plan.py, not per-op)."""
     from .gemm import bmm_nt, experts
     from .layers import mla_decode, rmsnorm, rope, route
-    from .linear import Linear, small_linear
+    from .linear import Linear, small_linear, small_linear_fp8
     return {"rmsnorm": rmsnorm, "rope": rope, "linear": Linear, "matmul": small_linear, "route": route,
-            "experts": experts, "mla_decode": mla_decode, "bmm_nt": bmm_nt}
+            "experts": experts, "mla_decode": mla_decode, "bmm_nt": bmm_nt,
+            "fp8_linear": small_linear_fp8}

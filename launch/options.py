@@ -84,6 +84,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.max_model_len", "context length (default: the model's max_position_embeddings)", spec=INT),
     Option("model.experts_backend", "auto | torch | cpu | triton | deepgemm"),
     Option("model.attention_backend", "auto | torch | cpu | triton"),
+    Option("model.quantization", "an fp8 checkpoint's weights in memory: auto (fp8 where the backend computes on "
+           "fp8) | fp8 | none (dequantised at load)",
+           spec={"choices": ["auto", "fp8", "none"]}),   # = engine/model/build.py QUANTIZATION
     Option("parallel.dp_size", "data-parallel ranks (default: the launcher's world size)", spec=INT),
     Option("parallel.ep_size", "expert-parallel ranks (default: the launcher's world size)", spec=INT),
     Option("parallel.dispatch_backend", "MoE all-to-all backend",

@@ -5,7 +5,7 @@ The same file works single-process and under torchrun/mpirun: dp_size/ep_size de
 with a model given on the command line may leave out [model] path.
 
     [model]    path, dtype, max_model_len, experts_backend (auto|torch|triton|deepgemm),
-               attention_backend (auto|torch|triton)
+               attention_backend (auto|torch|triton), quantization (auto|fp8|none)
     [parallel] dp_size, ep_size ("auto" | int), backend, dispatch_backend, num_redundant_experts, timeout_s,
                heartbeat_s, ranks_per_node, torch_low_latency_max_tokens, deepep_low_latency_max_tokens,
                simulated_latency_us, simulated_gbps, simulated_inter_node_latency_us,

@@ -8,6 +8,10 @@ backend it is on: the choice was made once, here. `NATIVE` (every entry None) is
     RotaryEmbedding:  rope(x [T, (N,) R], cos, sin [T, R/2], interleave) -> [T, (N,) R]
     projections:      linear, an nn.Linear subclass (same parameters, so checkpoints load unchanged)
     lm_head:          matmul(x [n, H], weight [V, H]) -> [n, V] (= F.linear)
+    fp8 projections:  fp8_linear(x [..., K], weight [N, K] e4m3, scale_inv [ceil(N/br), ceil(K/bk)], block)
+                      -> [..., N] in x's dtype (= F.linear on moe/fp8.py's dequantize_fp8_block), for
+                      moe/fp8_linear.py Fp8Linear; the experts kernel then takes fp8 weights too
+                      (experts(..., w13_scale=, w2_scale=, block=))
     Gate:             route(x [T, H], weight [E, H], bias [E] | None, MoEConfig) -> ids, weights [T, k]
     Experts:          experts(x [R, H], w13, w2, ids [R, k] local, weights [R, k]) -> [R, H]
     MLA paged decode: mla_decode(q [B, N, C+R], pool, table, lens, block_size, C, scale, max_len, fp8) -> [B, N, C]
@@ -29,6 +33,7 @@ class Kernels:
     rope: Callable | None = None
     linear: type = nn.Linear
     matmul: Callable | None = None
+    fp8_linear: Callable | None = None
     route: Callable | None = None
     experts: Callable | None = None
     mla_decode: Callable | None = None

@@ -2,8 +2,10 @@
 
   torch     the torch grouped forward (Experts.forward_grouped); fp8 checkpoints dequantised at load
   cpu       the CPU backend's C kernels for small batches (cpu/kernels.py): routed experts with tokens only, and the
-            dense / shared / attention projections and lm_head of decode-sized steps; float32 on CPU,
-            built with the system C compiler at first use; big batches (prefill) stay on torch
+            dense / shared / attention projections and lm_head of decode-sized steps; float32 or bfloat16 on CPU,
+            built with the system C compiler at first use; big batches (prefill) stay on torch. An fp8
+            checkpoint's routed experts and projections stay fp8 (read as stored, csrc/gemm_fp8.c) when the
+            block along K is a multiple of 16
   triton    the fused Triton kernels (moe/triton_moe.py); fp8 weights stay fp8 on the device
   deepgemm  DeepGEMM's grouped FP8 GEMMs (moe/deepgemm.py): fp8 checkpoints, bf16, CUDA, dims % 128
   auto      CPU: cpu when the model is float32 and the kernels build, else torch (interpreted Triton is
@@ -58,7 +60,10 @@ def resolve_experts_backend(name: str, device: torch.device | str, dtype: torch.
         why_not_cpu = unusable_for(dev, dtype)
         if name == "cpu" and why_not_cpu is not None:
             raise ValueError(f"experts_backend 'cpu' is not usable: {why_not_cpu}")
-        return ExpertsChoice("cpu" if why_not_cpu is None else "grouped", keep_fp8=False)
+        if why_not_cpu is not None:
+            return ExpertsChoice("grouped", keep_fp8=False)
+        # the C kernels read fp8 blocks as stored when a block's K side is whole vectors (gemm_fp8.c)
+        return ExpertsChoice("cpu", keep_fp8=fp8_block is not None and fp8_block[1] % 16 == 0)
     if name == "torch":
         return ExpertsChoice("grouped", keep_fp8=False)
     if name in ("auto", "deepgemm") and deepgemm_api is None and fp8_block is not None and dev.type == "cuda":

@@ -140,11 +140,15 @@ class Experts(nn.Module):
 
     def forward_cpu(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """The backend's kernel (the CPU one: cpu/gemm.py): only the experts that have tokens are read, each weight row once, with gate-up,
-        SiLU·mul, down and the weighted sum fused (no padded copies, no transposed views). Faster than
+        SiLU·mul, down and the weighted sum fused (no padded copies, no transposed views); fp8 weights read as
+        stored (one byte each) with their block scales. Faster than
         forward_grouped's BLAS GEMMs up to a few hundred rows per expert (prefill chunks included);
         beyond, forward_grouped."""
-        if x.shape[0] * topk_ids.shape[1] > self.CPU_MAX_ROWS * self.num_local or self.fp8_block is not None:
+        if x.shape[0] * topk_ids.shape[1] > self.CPU_MAX_ROWS * self.num_local:
             return self.forward_grouped(x, topk_ids, topk_weights)
+        if self.fp8_block is not None:   # read as stored, the block scales applied per tile
+            return self.kernels.experts(x, self.w13, self.w2, topk_ids, topk_weights, w13_scale=self.w13_scale_inv,
+                                        w2_scale=self.w2_scale_inv, block=self.fp8_block)
         return self.kernels.experts(x, self.w13, self.w2, topk_ids, topk_weights)
 
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 A weight W [rows, cols] is stored as q = float8_e4m3fn(W / s) with one fp32 `weight_scale_inv`
 s per (block_rows x block_cols) tile: scale_inv [ceil(rows/br), ceil(cols/bc)]. Edge tiles may be
 partial (DeepSeek-V3's kv_a_proj_with_mqa has 576 rows = 4.5 tiles of 128).
-On CPU FP8 is a storage format only: dequantise at load. On GPU (or any non-torch experts backend)
-routed experts stay fp8 and the kernels apply the scales per tile (quantize_experts_fp8 layout).
+With a kernel backend (the CPU's C kernels, Triton, DeepGEMM) the routed experts and the projections stay
+fp8 and the kernels apply the scales per tile (quantize_experts_fp8 layout; on CPU cpu/csrc/gemm_fp8.c); the
+torch backend, or quantization "none" (engine/model/build.py), dequantises at load.
 """
 from __future__ import annotations
 

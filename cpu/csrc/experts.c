@@ -14,13 +14,17 @@ static inline void prefetch_head(const void *w, int64_t bytes) {
 /* Routed experts. ids [T, k] local expert ids (-1: on another rank), wts [T, k]. The (token, slot)
    pairs are counting-sorted by expert (stable: the reference's order); per expert with tokens: gather
    them, h = x @ w13[e]^T, a = silu(gate) * up, y = a @ w2[e]^T, out[token] += weight * y.
-   iscratch: 2 * (El + 1) + T * k ints; scratch: T * (2H + 3I) floats. w13, w2 of dtype wdt. Returns 0,
+   iscratch: 2 * (El + 1) + T * k ints; scratch: T * (2H + 3I) floats. w13, w2 of dtype wdt (WD_FP8: with
+   their block scales s13, s2, read in place by linear_fp8). Returns 0,
    or -1 - p for the first pair p whose id is >= El (nothing is computed then). */
 int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13, const void *w2,
-                int64_t wdt, const int64_t *ids, const float *wts, int64_t k, float *out, int64_t *iscratch,
-                float *scratch) {
+                int64_t wdt, const float *s13, const float *s2, int64_t br, int64_t bk, const int64_t *ids,
+                const float *wts, int64_t k, float *out, int64_t *iscratch, float *scratch) {
     int64_t P = T * k, *start = iscratch, *fill = start + El + 1, *order = fill + El + 1;
-    int64_t esz = wdt == WD_BF16 ? 2 : 4;
+    int64_t esz = wdt == WD_FP8 ? 1 : wdt == WD_BF16 ? 2 : 4;
+    /* fp8: per expert, gate's scale rows then up's ([2 Ib, Hb]), and down's [Hb, Ib] */
+    int64_t Ib = wdt == WD_FP8 ? (I + br - 1) / br : 0, Hb = wdt == WD_FP8 ? (H + br - 1) / br : 0;
+    int64_t Hk = wdt == WD_FP8 ? (H + bk - 1) / bk : 0, Ik = wdt == WD_FP8 ? (I + bk - 1) / bk : 0;
     const char *w13b = w13, *w2b = w2;
     memset(start, 0, (El + 1) * sizeof(int64_t));
     for (int64_t p = 0; p < P; p++) {
@@ -37,7 +41,14 @@ int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, con
         float *xs = scratch, *h = xs + np * H, *a = h + np * 2 * I, *y = a + np * I;
         for (int64_t p = 0; p < np; p++) memcpy(xs + p * H, x + order[p0 + p] / k * H, H * sizeof(float));
         prefetch_head(w2b + e * H * I * esz, H * I * esz);
-        linear_w(xs, H, w13b + e * 2 * I * H * esz, wdt, H, h, 2 * I, np, 2 * I, H);
+        if (wdt == WD_FP8) {   /* gate and up are quantised apart: their blocks restart at row I */
+            const uint8_t *we = (const uint8_t *)w13b + e * 2 * I * H;
+            const float *se = s13 + e * 2 * Ib * Hk;
+            linear_fp8(xs, H, we, H, se, Hk, br, bk, h, 2 * I, np, I, H);
+            linear_fp8(xs, H, we + I * H, H, se + Ib * Hk, Hk, br, bk, h + I, 2 * I, np, I, H);
+        } else {
+            linear_w(xs, H, w13b + e * 2 * I * H * esz, wdt, H, h, 2 * I, np, 2 * I, H);
+        }
         for (int64_t p = 0; p < np; p++) {
             const float *g = h + p * 2 * I, *u = g + I;
             float *ap = a + p * I;
@@ -51,7 +62,10 @@ int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, con
         int64_t next = e + 1;
         while (next < El && start[next + 1] == start[next]) next++;
         if (next < El) prefetch_head(w13b + next * 2 * I * H * esz, 2 * I * H * esz);
-        linear_w(a, I, w2b + e * H * I * esz, wdt, I, y, H, np, H, I);
+        if (wdt == WD_FP8)
+            linear_fp8(a, I, (const uint8_t *)w2b + e * H * I, I, s2 + e * Hb * Ik, Ik, br, bk, y, H, np, H, I);
+        else
+            linear_w(a, I, w2b + e * H * I * esz, wdt, I, y, H, np, H, I);
         for (int64_t p = 0; p < np; p++) {
             float wt = wts[order[p0 + p]], *o = out + order[p0 + p] / k * H;
             for (int64_t c = 0; c < H; c++) o[c] += wt * y[p * H + c];
@@ -61,8 +75,9 @@ int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, con
 }
 
 int64_t wd_experts(const wd_experts_args *a) {
-    return experts(a->x, a->T, a->H, a->I, a->El, a->w13, a->w2, a->wdt, a->ids, a->wts, a->k, a->out, a->iscratch,
-                   a->scratch);
+    if (a->wdt == WD_FP8 && (a->br <= 0 || a->bk <= 0 || a->bk % 16 || !a->s13 || !a->s2)) return INT64_MIN;
+    return experts(a->x, a->T, a->H, a->I, a->El, a->w13, a->w2, a->wdt, a->s13, a->s2, a->br, a->bk, a->ids, a->wts,
+                   a->k, a->out, a->iscratch, a->scratch);
 }
 
 /* y [T, H] = sd @ (silu(sg @ x) * (su @ x)) for x [T, H], sg, su [Is, H], sd [H, Is] (layers/mlp.py MLP), of

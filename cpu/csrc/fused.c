@@ -10,7 +10,7 @@
    [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj [N (dn+dv), C];
    wuk_t [N, C, dn] apart (MLA.w_uk_t, made again when kv_b_proj changes). buf: T (2H + Q + N(dn+R) +
    2(C+R) + R + NR + N(C+R) + NC + N dv) + N (max_len + 1) floats. The weights (and W_UK^T) of dtype
-   w->wdt, the pool of dtype pdt (a bfloat16 pool is written rounded to nearest even). Returns 0; -1 (mla_decode's: a length or block id
+   w->wdt (the projections wqa, wq, wkva, wo of w->pwdt), the pool of dtype pdt (a bfloat16 pool is written rounded to nearest even). Returns 0; -1 (mla_decode's: a length or block id
    out of range, nothing attended); -2 - t when token t's slot is outside the pool's S rows (nothing
    written). */
 static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float *x, int64_t T, const float *cos,
@@ -18,6 +18,7 @@ static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float
                          const int64_t *table, int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs,
                          float *h, float *mlp_in, float *buf) {
     int64_t H = w->H, Q = w->Q, N = w->N, dn = w->dn, R = w->R, C = w->C, dv = w->dv, wdt = w->wdt;
+    int64_t pwdt = w->pwdt;
     int64_t esz = wdt == WD_BF16 ? 2 : 4;
     int64_t D = C + R, dq = dn + R;
     for (int64_t t = 0; t < T; t++)
@@ -27,13 +28,13 @@ static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float
           *o = olat + T * N * C, *y = o + T * N * dv, *msc = y + T * H;
     rmsnorm(x, H, w->in_w, wdt, xn, H, T, H, w->in_eps);
     if (Q) {
-        linear_w(xn, H, w->wqa, wdt, H, qa, Q, T, Q, H);
+        linear_w(xn, H, w->wqa, pwdt, H, qa, Q, T, Q, H);
         rmsnorm(qa, Q, w->qa_w, wdt, qa, Q, T, Q, w->qa_eps);
-        linear_w(qa, Q, w->wq, wdt, Q, q, N * dq, T, N * dq, Q);
+        linear_w(qa, Q, w->wq, pwdt, Q, q, N * dq, T, N * dq, Q);
     } else {
-        linear_w(xn, H, w->wq, wdt, H, q, N * dq, T, N * dq, H);
+        linear_w(xn, H, w->wq, pwdt, H, q, N * dq, T, N * dq, H);
     }
-    linear_w(xn, H, w->wkva, wdt, H, kv, D, T, D, H);
+    linear_w(xn, H, w->wkva, pwdt, H, kv, D, T, D, H);
     rmsnorm(kv, D, w->kva_w, wdt, lat, D, T, C, w->kva_eps);            /* the normed latent c */
     rope(kv + C, T, 1, R, D, R, cos, sin, kpe, (int)w->interleave);      /* k_pe */
     for (int64_t t = 0; t < T; t++) {
@@ -51,7 +52,7 @@ static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float
     if (rc) return rc;
     bmm_nt(N, olat, C, N * C, (const char *)w->wkvb + dn * C * esz, wdt, (dn + dv) * C, C, o, dv, N * dv, T, dv,
            C);   /* W_UV */
-    linear_w(o, N * dv, w->wo, wdt, N * dv, y, H, T, H, N * dv);
+    linear_w(o, N * dv, w->wo, pwdt, N * dv, y, H, T, H, N * dv);
     for (int64_t i = 0; i < T * H; i++) h[i] = x[i] + y[i];
     rmsnorm(h, H, w->post_w, wdt, mlp_in, H, T, H, w->post_eps);
     return 0;
@@ -74,14 +75,15 @@ static int64_t moe_layer(const wd_moe_weights *w, const float *h, const float *x
     if (load)
         for (int64_t p = 0; p < T * k; p++) load[ids[p]]++;
     memset(ye, 0, T * H * sizeof(float));
-    int64_t rc = experts(x, T, H, I, E, w->w13, w->w2, w->wdt, ids, wts, k, ye, iscratch, rest);
+    int64_t rc = experts(x, T, H, I, E, w->w13, w->w2, w->wdt, w->s13, w->s2, w->br, w->bk, ids, wts, k, ye, iscratch,
+                         rest);
     if (rc) return rc;
     if (!w->sg) {
         for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + ye[i];
         return 0;
     }
     float *y = rest;
-    swiglu(x, T, H, w->sg, w->su, w->sd, w->wdt, Is, y, y + T * H);
+    swiglu(x, T, H, w->sg, w->su, w->sd, w->sdt, Is, y, y + T * H);
     for (int64_t i = 0; i < T * H; i++) out[i] = h[i] + (ye[i] + y[i]);
     return 0;
 }

@@ -55,8 +55,14 @@ void linear_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, fl
 
 void linear_w(const float *x, int64_t ldx, const void *w, int64_t wdt, int64_t ldw, float *y, int64_t ldy, int64_t M,
               int64_t N, int64_t K) {
-    if (wdt == WD_BF16) linear_bf16(x, ldx, (const uint16_t *)w, ldw, y, ldy, M, N, K);
-    else linear_f32(x, ldx, (const float *)w, ldw, y, ldy, M, N, K);
+    if (wdt == WD_BF16) {
+        linear_bf16(x, ldx, (const uint16_t *)w, ldw, y, ldy, M, N, K);
+    } else if (wdt == WD_FP8) {
+        const wd_fp8_mat *m = w;
+        linear_fp8(x, ldx, m->q, ldw, m->s, m->lds, m->br, m->bk, y, ldy, M, N, K);
+    } else {
+        linear_f32(x, ldx, (const float *)w, ldw, y, ldy, M, N, K);
+    }
 }
 
 void bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const void *w, int64_t wdt, int64_t swb, int64_t ldw,

@@ -16,6 +16,7 @@ static const wd_layout table[] = {
     FIELD(wd_mla_weights, qa_eps) FIELD(wd_mla_weights, kva_eps) FIELD(wd_mla_weights, scale)
     FIELD(wd_mla_weights, H) FIELD(wd_mla_weights, Q) FIELD(wd_mla_weights, N) FIELD(wd_mla_weights, dn)
     FIELD(wd_mla_weights, R) FIELD(wd_mla_weights, C) FIELD(wd_mla_weights, dv) FIELD(wd_mla_weights, interleave)
+    FIELD(wd_mla_weights, pwdt)
 
     SIZE(wd_moe_weights)
     FIELD(wd_moe_weights, wdt)
@@ -24,6 +25,11 @@ static const wd_layout table[] = {
     FIELD(wd_moe_weights, H) FIELD(wd_moe_weights, E) FIELD(wd_moe_weights, I) FIELD(wd_moe_weights, Is)
     FIELD(wd_moe_weights, k) FIELD(wd_moe_weights, G) FIELD(wd_moe_weights, topk_group)
     FIELD(wd_moe_weights, sigmoid) FIELD(wd_moe_weights, method) FIELD(wd_moe_weights, norm)
+    FIELD(wd_moe_weights, s13) FIELD(wd_moe_weights, s2) FIELD(wd_moe_weights, br) FIELD(wd_moe_weights, bk)
+    FIELD(wd_moe_weights, sdt)
+
+    SIZE(wd_fp8_mat)
+    FIELD(wd_fp8_mat, q) FIELD(wd_fp8_mat, s) FIELD(wd_fp8_mat, lds) FIELD(wd_fp8_mat, br) FIELD(wd_fp8_mat, bk)
 
     SIZE(wd_mlp_weights)
     FIELD(wd_mlp_weights, wdt)
@@ -57,7 +63,15 @@ static const wd_layout table[] = {
     FIELD(wd_experts_args, x) FIELD(wd_experts_args, w13) FIELD(wd_experts_args, w2) FIELD(wd_experts_args, wts)
     FIELD(wd_experts_args, ids) FIELD(wd_experts_args, out) FIELD(wd_experts_args, scratch)
     FIELD(wd_experts_args, iscratch) FIELD(wd_experts_args, T) FIELD(wd_experts_args, H) FIELD(wd_experts_args, I)
-    FIELD(wd_experts_args, El) FIELD(wd_experts_args, k)
+    FIELD(wd_experts_args, El) FIELD(wd_experts_args, k) FIELD(wd_experts_args, s13) FIELD(wd_experts_args, s2)
+    FIELD(wd_experts_args, br) FIELD(wd_experts_args, bk)
+
+    SIZE(wd_linear_fp8_args)
+    FIELD(wd_linear_fp8_args, x) FIELD(wd_linear_fp8_args, w) FIELD(wd_linear_fp8_args, s) FIELD(wd_linear_fp8_args, y)
+    FIELD(wd_linear_fp8_args, M) FIELD(wd_linear_fp8_args, N) FIELD(wd_linear_fp8_args, K)
+    FIELD(wd_linear_fp8_args, ldx) FIELD(wd_linear_fp8_args, ldw) FIELD(wd_linear_fp8_args, lds)
+    FIELD(wd_linear_fp8_args, ldy) FIELD(wd_linear_fp8_args, br) FIELD(wd_linear_fp8_args, bk)
+    FIELD(wd_linear_fp8_args, odt)
 
     SIZE(wd_mla_decode_args)
     FIELD(wd_mla_decode_args, pdt)

@@ -8,8 +8,9 @@
    sequences, Nh heads, C kv_lora_rank, R rope dim, D = C + R latent width, S cache rows, E experts,
    El local experts, k top-k, I moe_intermediate_size, Is a SwiGLU's intermediate size. Float32, row
    major, rows ld* elements apart where a stride is given. Weights (and the latent cache) may instead be
-   bfloat16 where a struct has a dtype field (wdt, pdt: WD_F32 or WD_BF16): activations, norms, router
-   scores and softmax stay float32 whatever the weights are. */
+   bfloat16 where a struct has a dtype field (wdt, pdt: WD_F32 or WD_BF16), and the routed experts and
+   wd_linear_fp8 FP8 blocks (WD_FP8: e4m3 bytes + a float32 scale per br x bk block, gemm_fp8.c):
+   activations, norms, router scores and softmax stay float32 whatever the weights are. */
 #ifndef WIDEEP_H
 #define WIDEEP_H
 
@@ -81,7 +82,7 @@ static inline v16 ld_part(const float *p, int64_t n) {
 
 /* ---- bfloat16: the top 16 bits of a float32 ---- */
 
-enum { WD_F32 = 0, WD_BF16 = 1 };
+enum { WD_F32 = 0, WD_BF16 = 1, WD_FP8 = 2 };
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 /* 16 bfloat16 at p widened to floats: zero-extend, shift into the high half (exact) */
 static inline v16 ld_bf16(const uint16_t *p) {
@@ -123,7 +124,16 @@ static inline float wget(const void *w, int64_t wdt, int64_t i) {
 /* gemm.c: y [M, N] = x [M, K] @ w [N, K]^T; per batch b of B, x, w, y advance by sxb, swb, syb */
 WD_INTERNAL void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
                         int64_t M, int64_t N, int64_t K);
-/* gemm.c, gemm_bf16dp.c: the same with bfloat16 w, and w of dtype wdt (WD_F32 / WD_BF16). linear_bf16 runs
+/* An FP8 block-quantised matrix as the fused calls pass it: where a weight of dtype WD_FP8 is given to
+   linear_w (or to swiglu, or as an MLA projection), the pointer is to one of these (cpu/fused.py Fp8Mat). */
+typedef struct {
+    const uint8_t *q;
+    const float *s;
+    int64_t lds, br, bk;
+} wd_fp8_mat;
+
+/* gemm.c, gemm_bf16dp.c: the same with bfloat16 w, and w of dtype wdt (WD_F32 / WD_BF16, or WD_FP8: w a
+   const wd_fp8_mat *, ldw its rows' stride). linear_bf16 runs
    the AVX512-BF16 dot products (activations rounded to bfloat16) when bf16_dot() is on, else widens w to
    float32 and runs the float32 FMAs (activations exact). */
 WD_INTERNAL void linear_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
@@ -143,10 +153,16 @@ WD_INTERNAL int bf16dp_supported(void);
 WD_INTERNAL int bf16_dot(void);
 WD_INTERNAL void linear_bf16dp(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                                int64_t M, int64_t N, int64_t K);
-/* experts.c */
+/* gemm_fp8.c: y = x @ W^T for W [N, K] e4m3 bytes w (rows ldw apart) times the block scales s
+   [ceil(N/br), ceil(K/bk)] (rows lds apart); bk a multiple of 16 */
+WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
+                            int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
+/* experts.c; wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale rows, then up's), s2 [El, ceil(H/br),
+   ceil(I/bk)] (moe/fp8.py quantize_experts_fp8), else s13, s2 NULL */
 WD_INTERNAL int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13,
-                            const void *w2, int64_t wdt, const int64_t *ids, const float *wts, int64_t k, float *out,
-                            int64_t *iscratch, float *scratch);
+                            const void *w2, int64_t wdt, const float *s13, const float *s2, int64_t br, int64_t bk,
+                            const int64_t *ids, const float *wts, int64_t k, float *out, int64_t *iscratch,
+                            float *scratch);
 WD_INTERNAL void swiglu(const float *x, int64_t T, int64_t H, const void *sg, const void *su, const void *sd,
                         int64_t wdt, int64_t Is, float *y, float *scratch);
 /* norm_rope.c */
@@ -168,24 +184,28 @@ WD_INTERNAL void route(const float *x, int64_t T, int64_t H, const float *w, int
 /* ---- a decoder layer's weights, made once per layer (cpu/fused.py MlaWeights, MoeWeights, MlpWeights) ---- */
 
 /* wq is q_b_proj [N (dn+R), Q] (Q > 0, after wqa [Q, H]) or q_proj [N (dn+R), H] (Q = 0); wkvb kv_b_proj
-   [N (dn+dv), C]; the norms' weights in_w, post_w [H], qa_w [Q], kva_w [C]. All of dtype wdt (and W_UK^T). */
+   [N (dn+dv), C]; the norms' weights in_w, post_w [H], qa_w [Q], kva_w [C]. The norms, wkvb (and W_UK^T) of
+   dtype wdt; the projections wqa, wq, wkva, wo of dtype pwdt (wdt, or WD_FP8: wd_fp8_mat pointers). */
 typedef struct {
     const void *in_w, *post_w, *wqa, *qa_w, *wq, *wkva, *kva_w, *wkvb, *wo;
     float in_eps, post_eps, qa_eps, kva_eps, scale;
-    int64_t H, Q, N, dn, R, C, dv, interleave, wdt;
+    int64_t H, Q, N, dn, R, C, dv, interleave, wdt, pwdt;
 } wd_mla_weights;
 
 /* the router (gw [E, H], gbias [E] or NULL, float32, its settings as wd_route_args'), the experts (w13
    [E, 2I, H], w2 [E, H, I], every one local) and the shared experts' SwiGLU (sg, su [Is, H], sd [H, Is]; sg
-   NULL: none), the experts' and shared experts' of dtype wdt */
+   NULL: none), the experts of dtype wdt (WD_FP8: with their block scales s13, s2 in br x bk blocks, as
+   wd_experts_args), the shared experts' of dtype sdt (WD_FP8: wd_fp8_mat pointers) */
 typedef struct {
     const float *gw, *gbias;
     const void *w13, *w2, *sg, *su, *sd;
     float scale;
     int64_t H, E, I, Is, k, G, topk_group, sigmoid, method, norm, wdt;
+    const float *s13, *s2;
+    int64_t br, bk, sdt;
 } wd_moe_weights;
 
-/* a dense layer's SwiGLU MLP (weights of dtype wdt) */
+/* a dense layer's SwiGLU MLP (weights of dtype wdt; WD_FP8: wd_fp8_mat pointers) */
 typedef struct {
     const void *sg, *su, *sd;
     int64_t H, Is, wdt;
@@ -243,7 +263,9 @@ int64_t wd_bf16_dot(wd_bf16_dot_args *a);
 
 /* Routed experts: out [T, H] += sum over slots of wts * expert(x). ids [T, k] local ids (-1: on another
    rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats. Returns 0, or -1 - p for the first
-   pair p whose id is >= El (nothing is computed then). w13, w2 of dtype wdt. */
+   pair p whose id is >= El (nothing is computed then). w13, w2 of dtype wdt; WD_FP8: their block scales s13,
+   s2 in br x bk blocks (the experts() prototype above gives their shapes; bk a multiple of 16; else, or
+   without them: INT64_MIN, nothing computed). */
 typedef struct {
     const float *x;
     const void *w13, *w2;
@@ -251,9 +273,23 @@ typedef struct {
     const int64_t *ids;
     float *out, *scratch;
     int64_t *iscratch;
-    int64_t T, H, I, El, k, wdt;
+    const float *s13, *s2;
+    int64_t T, H, I, El, k, wdt, br, bk;
 } wd_experts_args;
 int64_t wd_experts(const wd_experts_args *a);
+
+/* FP8 block-quantised weights (gemm_fp8.c): W [N, K] = w (e4m3 bytes, rows ldw apart) times s [ceil(N/br),
+   ceil(K/bk)] (rows lds apart), bk a multiple of 16. x given: y [M, N] float32 (rows ldy apart) = x [M, K]
+   (rows ldx apart) @ W^T. x NULL: y = W [N, K] itself, rows ldy apart, float32 or bfloat16 (odt: WD_F32,
+   WD_BF16), for the big-batch GEMMs that run on BLAS. Returns 0, or -1 (nothing done) for a bad block. */
+typedef struct {
+    const float *x;
+    const uint8_t *w;
+    const float *s;
+    void *y;
+    int64_t M, N, K, ldx, ldw, lds, ldy, br, bk, odt;
+} wd_linear_fp8_args;
+int64_t wd_linear_fp8(const wd_linear_fp8_args *a);
 
 /* Absorbed MLA decode over the paged latent cache: out [B, Nh, C] from q [B, Nh, D], pool [num_blocks bs,
    D], table [B, max_blocks], lens [B] (1 .. max_len). scratch: Nh (max_len + 1) floats. pool8 (else NULL):

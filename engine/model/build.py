@@ -1,6 +1,7 @@
 """Build a model on this rank: config, expert shard, dispatcher, weights (only this rank's experts)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -10,6 +11,7 @@ from eplb.config import EplbConfig
 from eplb.placement import Placement
 from layers import NATIVE, Kernels
 from moe.backend import ExpertsChoice, resolve_experts_backend
+from moe.fp8_linear import Fp8Linear
 from moe.layer import ExpertShard
 from parallel.context import ParallelContext
 from parallel.dispatch import make_dispatcher
@@ -17,7 +19,7 @@ from parallel.dispatch import make_dispatcher
 from .model_config import ModelConfig
 from .loader import (CheckpointReader, expert_ignore, load_weights, text_model_rename, v4_ignore, v4_mtp_blocks,
                      v4_rename)
-from .model import DeepseekModel
+from .model import DeepseekModel, _skip_init
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -31,12 +33,51 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+QUANTIZATION = ("auto", "fp8", "none")
+
+
+def _apply_quantization(quantization: str, experts: ExpertsChoice, fp8_block) -> ExpertsChoice:
+    """The experts choice with keep_fp8 as `quantization` asks (load_model's docstring says what each means)."""
+    if quantization not in QUANTIZATION:
+        raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATION}")
+    if quantization == "none":
+        return dataclasses.replace(experts, keep_fp8=False) if experts.backend != "deepgemm" else _no_dequant()
+    if quantization == "fp8":
+        if fp8_block is None:
+            raise ValueError("quantization 'fp8' keeps an fp8 checkpoint's weights as stored, but the checkpoint has "
+                             "no quantization_config with quant_method 'fp8'")
+        if not experts.keep_fp8:
+            raise ValueError(f"quantization 'fp8': the experts backend {experts.backend!r} computes on dequantised "
+                             f"weights (fp8 is kept by cpu, triton and deepgemm; the block along K, "
+                             f"{fp8_block[1]}, must be a multiple of 16)")
+    return experts
+
+
+def _no_dequant():
+    raise ValueError("quantization 'none' dequantises the weights at load, but the deepgemm experts backend computes "
+                     "on fp8 weights only: choose another experts_backend")
+
+
+def _unquantised_as_plain(model, names, linear, dtype: torch.dtype, prefix: str = "") -> None:
+    """Every Fp8Linear whose weight the checkpoint stores unquantised (no `<weight>_scale_inv`: a checkpoint may
+    leave some projections out of its fp8 blocks) becomes the backend's plain linear in `dtype`, before loading.
+    prefix: the checkpoint's name of `model` (a drafter's layer), "" for the whole model."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, Fp8Linear) and f"{prefix}{name}.weight_scale_inv" not in names:
+            parent, _, attr = name.rpartition(".")
+            with _skip_init():
+                plain = linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.weight.device,
+                               dtype=dtype)
+            setattr(model.get_submodule(parent), attr, plain.requires_grad_(False))
+
+
 def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                progress: bool = True, ctx: ParallelContext | None = None, dispatch_backend: str = "auto",
                cfg: ModelConfig | None = None, num_redundant_experts: int = 0,
                eplb: EplbConfig | dict | None = None, experts_backend: str = "auto",
                attention_backend: str = "auto", dispatch_options: dict | None = None,
-               kv_cache_dtype: str = "auto", fuse_decode_stack: bool = True, mtp: bool = False) -> DeepseekModel:
+               kv_cache_dtype: str = "auto", fuse_decode_stack: bool = True, mtp: bool = False,
+               quantization: str = "auto") -> DeepseekModel:
     """Single process when ctx is None or has ep_size 1 (the MoE layers' dispatcher is then the
     LocalDispatcher); otherwise this rank's expert slice plus everything replicated, with a
     dispatcher for the MoE all-to-all.
@@ -54,17 +95,27 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     thresholds, the simulated link). kv_cache_dtype: "auto" | "fp8" (attention_mla/fp8_cache.py): what
     the attention layers write to and read from the latent cache.
 
+    quantization (QUANTIZATION; what an fp8 checkpoint's weights are in memory, docs/kernels.md): "auto" keeps
+    them fp8 where the experts backend computes on fp8 (cpu, triton, deepgemm) and dequantises them at load
+    into `dtype` elsewhere; "fp8" keeps them fp8 or raises saying why it cannot; "none" dequantises at load
+    whatever the backend (the float32 / bfloat16 model of the same weights). The checkpoint's
+    quantization_config says whether it is fp8 (vLLM's and SGLang's `quantization` detect it the same way).
+
     The per-op kernels (layers/kernels.py) are the CPU backend's when either backend resolved to "cpu"
     (cpu/kernels.py), with its decode plan (cpu/decode_plan.py; fuse_decode_stack: its whole-stack
     call); torch ops otherwise."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if cfg.v4 is not None:
+        if quantization == "fp8":
+            raise ValueError("quantization 'fp8': DeepSeek-V4's FP8/FP4 weights are dequantised at load (no V4 kernel "
+                             "reads them as stored yet)")
         return _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num_redundant_experts, eplb,
                         experts_backend, attention_backend, kv_cache_dtype, dispatch_options)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
                                        cfg.moe.moe_intermediate_size) if cfg.moe is not None
                else ExpertsChoice("grouped", keep_fp8=False))
+    experts = _apply_quantization(quantization, experts, fp8_block)
     attention = resolve_attention_backend(attention_backend, device, dtype)
     eplb = EplbConfig.coerce(eplb)
     shard, dispatcher, placement = None, None, None
@@ -93,6 +144,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         placement.install(model.routing, ep_rank, ep_size, model.device)
         model.placement = placement
     reader = CheckpointReader(model_dir, rename=text_model_rename if cfg.wrapper is not None else None)
+    if experts.keep_fp8:
+        _unquantised_as_plain(model, reader.names, kernels.linear, dtype)
     targets = model.checkpoint_targets()
     drafter = None
     if mtp:   # the MTP layer as speculative decoding's drafter (engine/model/mtp.py)
@@ -101,6 +154,9 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                              f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} (use method 'ngram')")
         from .mtp import MTPLayer
         drafter = MTPLayer(model)
+        if experts.keep_fp8:
+            _unquantised_as_plain(drafter.layer, reader.names, kernels.linear, dtype,
+                                  prefix=f"model.layers.{drafter.index}.")
         targets.update(drafter.checkpoint_targets())
     model.load_report = load_weights(reader, targets, ignore=expert_ignore(model.owns_expert),
                                      num_hidden_layers=cfg.num_hidden_layers, progress=progress)

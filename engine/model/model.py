@@ -5,7 +5,8 @@ Legend: T tokens in the step (all sequences flattened), H hidden, V vocab.
 Parameter names follow the HF checkpoint, so `checkpoint_targets` is mostly the identity; routed
 experts are stacked per layer (w13 [El, 2I, H], w2 [El, H, I]) and the checkpoint's
 per-expert tensors are views into them. With `fp8_block` the routed experts and the attention/MLP
-projections keep the fp8 checkpoint's values and block scales (`*_scale_inv` become targets too);
+projections keep the fp8 checkpoint's values and block scales (`*_scale_inv` become targets too), computed
+on by the backend's fp8 kernels (Triton on the GPU, the C GEMM of the CPU kernel table: kernels.fp8_linear);
 kv_b_proj, norms, router, embeddings and lm_head are dequantised / high precision as usual.
 """
 from __future__ import annotations
@@ -85,7 +86,7 @@ class DecoderLayer(nn.Module):
         """routing: this layer's view of the model's ExpertRouting (parallel/expert_routing.py), MoE layers."""
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        linear = Fp8Linear.factory(fp8_block) if fp8_block is not None else kernels.linear
+        linear = Fp8Linear.factory(fp8_block, kernel=kernels.fp8_linear) if fp8_block is not None else kernels.linear
         self.index = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels=kernels, **kw)
         kw_attn = dict(kw, linear=linear, backend=attention, kv_cache_dtype=kv_cache_dtype, kernels=kernels)

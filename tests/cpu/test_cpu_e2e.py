@@ -81,7 +81,7 @@ def test_resolution():
     assert resolve_experts_backend("auto", "cpu", f16, None, 64, 32).backend == "grouped"
     assert resolve_experts_backend("torch", "cpu", f32, None, 64, 32).backend == "grouped"
     fp8 = resolve_experts_backend("cpu", "cpu", f32, (128, 128), 64, 32)
-    assert (fp8.backend, fp8.keep_fp8) == ("cpu", False)       # fp8 checkpoints are dequantised at load
+    assert (fp8.backend, fp8.keep_fp8) == ("cpu", True)        # fp8 checkpoints stay fp8 (csrc/gemm_fp8.c)
     assert resolve_attention_backend("auto", "cpu", f32) == "cpu"
     assert resolve_attention_backend("auto", "cpu", bf16) == "cpu"
     assert resolve_attention_backend("auto", "cpu", f16) == "torch"

@@ -46,6 +46,27 @@ def test_mlp_layer_equals_torch(T, h, i):
     torch.testing.assert_close(fused.mlp_layer(res, x, w), ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("T,h,i,block", [(1, 200, 136, (128, 128)), (3, 40, 22, (16, 16)), (17, 64, 48, (32, 32))])
+def test_mlp_layer_with_fp8_weights_equals_torch_on_the_dequantised(T, h, i, block):
+    """An fp8 checkpoint's MLP kept as stored (Fp8Linear: e4m3 + block scales, given to C as fused.Fp8Mat)."""
+    from moe.fp8 import quantize_fp8_block
+    from moe.fp8_linear import Fp8Linear
+    torch.manual_seed(T + h + i)
+    lin = SimpleNamespace(gate_proj=Fp8Linear(h, i, block=block, backend="torch"),
+                          up_proj=Fp8Linear(h, i, block=block, backend="torch"),
+                          down_proj=Fp8Linear(i, h, block=block, backend="torch"))
+    for m in vars(lin).values():
+        q, sc = quantize_fp8_block(_rand(m.out_features, m.in_features), block)
+        m.weight.data.copy_(q)
+        m.weight_scale_inv.data.copy_(sc)
+    res, x = torch.randn(T, h), torch.randn(T, h)
+    w = fused.mlp_layer_weights(lin)
+    assert w.wdt == 2 and len(w.fp8_mats) == 3
+    with torch.no_grad():
+        ref = res + lin.down_proj(F.silu(lin.gate_proj(x)) * lin.up_proj(x))   # torch: dequantise, F.linear
+    torch.testing.assert_close(fused.mlp_layer(res, x, w), ref, atol=1e-5, rtol=1e-5)
+
+
 def _attention_layer(Q, interleave):
     t = {"in_w": 1 + _rand(H), "post_w": 1 + _rand(H), "wkva": _rand(C + R, H), "kva_w": 1 + _rand(C),
          "wkvb": _rand(N * (DN + DV), C), "wo": _rand(H, N * DV), "wq": _rand(N * (DN + R), Q or H)}

@@ -67,7 +67,9 @@ def test_resolution_rules(monkeypatch):
     f32, bf16 = torch.float32, torch.bfloat16
     cpu_kernels = unusable() is None     # CPU auto: the C kernels (cpu/) when they build, never Triton
     assert resolve_experts_backend("auto", "cpu", f32, None, 64, 32).backend == ("cpu" if cpu_kernels else "grouped")
-    assert resolve_experts_backend("auto", "cpu", bf16, (128, 128), 7168, 2048).keep_fp8 is False
+    # the C kernels read fp8 blocks as stored (csrc/gemm_fp8.c) when the block's K side is whole 16-float vectors
+    assert resolve_experts_backend("auto", "cpu", bf16, (128, 128), 7168, 2048).keep_fp8 is cpu_kernels
+    assert resolve_experts_backend("auto", "cpu", f32, (128, 8), 64, 32).keep_fp8 is False
     assert resolve_experts_backend("torch", "cpu", f32, (128, 128), 64, 32).keep_fp8 is False
     tri = resolve_experts_backend("triton", "cpu", f32, (128, 128), 64, 32)
     assert (tri.backend, tri.keep_fp8) == ("triton", True)

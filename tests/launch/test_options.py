@@ -61,6 +61,14 @@ def test_kv_cache_dtype_choices_are_the_caches():
         == "fp8"
 
 
+def test_quantization_choices_are_the_loaders():
+    from engine.model.build import QUANTIZATION
+    [opt] = [o for o in OPTIONS if o.key == "model.quantization"]
+    assert opt.spec["choices"] == list(QUANTIZATION)
+    args = build_parser().parse_args(["generate", "m", "--quantization", "none"])
+    assert resolve(args, "generate")["model"]["quantization"] == "none"
+
+
 def test_engine_section_keys_are_engine_options():
     """[engine] is passed to the engine as keywords: a key EngineConfig does not have would fail only at serve time."""
     import inspect
