@@ -21,10 +21,6 @@
 #include "wideep.h"
 
 #ifdef __AVX512F__
-/* 16 floats at p by one 64-byte load. wideep.h's ld() is a memcpy, which GCC 12 tuned for Sapphire Rapids
-   (-march=native, 256-bit preferred) splits into two 32-byte stores to the stack and one 64-byte reload, a
-   failed store forward per vector (measured here: a dot product of one row ran ~20x slower than this). */
-static inline v16 ldv(const float *p) { return (v16)_mm512_loadu_ps(p); }
 /* 16 e4m3 bytes at p -> their values times 2^-8 (exact) */
 static inline v16 ld_e4m3(const uint8_t *p) {
     __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
@@ -44,8 +40,8 @@ static inline v16 ld_e4m3(const uint8_t *p) {
     return (v16)(bits | sign);
 }
 #define E4M3_UNIT 1.0f
-#define ldv ld
 #endif
+#define ldv ld
 
 /* the first n (< 16) weights at p, zero-padded (never reading past p + n) */
 static inline v16 ld_e4m3_part(const uint8_t *p, int64_t n) {
