@@ -144,6 +144,13 @@ class Scheduler:
             drafts = s.draft_token_ids = []   # drafts never preempt a sequence
         return len(drafts)
 
+    def _lookahead(self, s: Sequence, n: int, others: int) -> None:
+        """Grow s's blocks `lookahead` slots past this step's n tokens if that leaves a free block for each of
+        the `others` running sequences still to be scheduled (lookahead slots are optional: no preemption)."""
+        need = self.blocks.missing(s, n + self.lookahead)
+        if need > 0 and self.blocks.num_free - need >= others:
+            self.blocks.grow(s, n + self.lookahead)
+
     def schedule(self) -> ScheduledBatch:
         if self.loading:
             self._loaded()
@@ -167,8 +174,8 @@ class Scheduler:
                 seqs.append(s)
                 num_tokens.append(n)
                 budget -= n
-                if self.lookahead and self.blocks.can_grow(s, n + self.lookahead):
-                    self.blocks.grow(s, n + self.lookahead)   # the MTP drafter's later passes write there
+                if self.lookahead:   # the MTP drafter's later passes write there; never at the others' expense
+                    self._lookahead(s, n, len(running) - i - 1)
             i += 1
         # 2. admit waiting sequences FCFS (a preempted one is back at the front)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
