@@ -27,6 +27,7 @@ Last line (JSON): {"workloads": {name: {"batch": {B: {"k": {k: {"tpot_ms", "deco
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -114,12 +115,13 @@ def main() -> None:
                                               ("ngram_rejected", "ngram", rnd, "alphabet"),
                                               ("mtp_rejected", "mtp", bad, "repeats")):
             rows = {}
+            spec = {"ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4), "mtp": dict(method="mtp")}
+            engines = {k: LLM(model, progress=False, enable_prefix_caching=False, max_num_seqs=max(batches),
+                              block_size=64, kv_cache_blocks=max(batches) * (-(-(a.prompt + a.new) // 64) + 1),
+                              speculative_config=None if k == 0 else dict(spec[method], num_speculative_tokens=k))
+                       for k in ks}
             for B in batches:
-                spec = {"ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4), "mtp": dict(method="mtp")}
-                engines = {k: LLM(model, progress=False, enable_prefix_caching=False, max_num_seqs=max(batches),
-                                  block_size=64, kv_cache_blocks=max(batches) * (-(-(a.prompt + a.new) // 64) + 1),
-                                  speculative_config=None if k == 0 else dict(spec[method], num_speculative_tokens=k))
-                           for k in ks}
+                before = {k: engines[k].engine.metrics() for k in ks}   # the counters are cumulative: this batch's
                 ps = prompts(kind, nxt, B, a.prompt, seed=B)
                 for k in ks:   # warm-up (kernels, first allocations)
                     run(engines[k], ps, 4)
@@ -134,18 +136,23 @@ def main() -> None:
                 row = {}
                 for k in ks:
                     assert toks[k] == toks[0], f"{workload} batch {B} k={k}: greedy tokens differ from no speculation"
-                    m = engines[k].engine.metrics()
                     t = statistics.median(tp[k])
                     row[k] = {"tpot_ms": round(1e3 * t, 3), "decode_tok_s": round(B / statistics.median(mean[k]), 1)}
                     if k:
-                        row[k].update(acceptance=round(m["spec_decode_acceptance_rate"], 3),
-                                      mean_acceptance_length=round(m["spec_decode_mean_acceptance_length"], 3),
-                                      backoffs=m["spec_decode_backoffs"], drafts=m["spec_decode_num_drafts"])
+                        m, m0 = engines[k].engine.metrics(), before[k]
+                        n, d, acc = (m[f"spec_decode_num_{x}"] - m0[f"spec_decode_num_{x}"]
+                                     for x in ("drafts", "draft_tokens", "accepted_tokens"))
+                        row[k].update(acceptance=round(acc / d, 3) if d else 0.0,
+                                      mean_acceptance_length=round(1 + acc / n, 3) if n else 1.0,
+                                      backoffs=m["spec_decode_backoffs"] - m0["spec_decode_backoffs"], drafts=n)
                 for k in ks:
                     row[k]["speedup"] = round(row[k]["decode_tok_s"] / row[0]["decode_tok_s"], 3)
                 rows[B] = {"k": row}
                 print(workload, B, json.dumps(row), flush=True)
-                del engines
+            for llm in engines.values():
+                llm.shutdown()
+            del engines, llm
+            gc.collect()
             result["workloads"][workload] = {"batch": rows}
     b1 = min(batches)
     result["targets"] = {}
