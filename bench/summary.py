@@ -135,6 +135,29 @@ def _disagg(r: dict) -> str:
             f"goodput {n(r['disagg_goodput_rps'])} vs {n(r['colocated_goodput_rps'])} req/s)")
 
 
+def _spec(r: dict) -> str:
+    w, t = r["workloads"], r["targets"]
+
+    def at(m, B):   # the best k at batch B
+        row = w[m]["batch"][B]["k"]
+        k = max((k for k in row if k != "0"), key=lambda k: row[k]["speedup"])
+        return f"{n(row[k]['speedup'])}× (k {k}, {n(100 * row[k]['acceptance'])} %)"
+    sizes = sorted(w["ngram"]["batch"], key=int)
+    L = r["model"]["num_hidden_layers"]
+    return (f"decode tok/s vs none at batch {' / '.join(sizes)}: n-gram {' / '.join(at('ngram', B) for B in sizes)}; "
+            f"MTP {' / '.join(at('mtp', B) for B in sizes)}; drafts rejected, worst: n-gram "
+            f"{n(t['ngram']['rejected_worst_speedup'])}×, MTP {n(t['mtp']['rejected_worst_speedup'])}× "
+            f"({L}-layer model: the MTP layer is 1 of {L + 1})")
+
+
+def _fp8_weights(r: dict) -> str:
+    d, c = r["decode"], r["cold"]
+    return (f"resident {n(r['rss_bytes_per_param_fp8'])} bytes per parameter (bf16 {n(r['rss']['bfloat16']['bytes_per_param'])}); "
+            f"decode step {n(d['fp8_decode_step_ms'])} vs {n(d['bf16_decode_step_ms'])} ms bf16 ({n(d['bf16_over_fp8'])}×, "
+            f"batch {d['batch']}); 1 GiB GEMM sweep bf16 ÷ fp8 {' / '.join(n(x['bf16_over_fp8']) for x in c)} at "
+            f"{' / '.join(str(x['M']) for x in c)} rows")
+
+
 ROWS = (
     Row("decode vs transformers", "roofline ≥ 0.7 / 0 prefix-cache hits", (
         Run("decode_vs_hf", "python bench/decode_vs_hf.py --trials 3", _decode,
@@ -161,6 +184,15 @@ ROWS = (
                        f"{n(r['matcher_ms_per_step']['100%'])} ms, mask {n(r['mask_ms_per_step']['100%'])} ms of it); compile "
                        f"{' / '.join(n(v) for v in r['compile_ms'].values())} ms per schema"),
             lambda r: [r["ratio_100_vs_0"] <= 1.5]),)),
+    Row("speculative decoding (n-gram, MTP), float32", "≥ 1.5× at batch 1 with ≥ 70 % acceptance: n-gram / MTP; "
+        "rejected drafts ≥ 0.95×: n-gram / MTP", (
+        Run("speculative", "python bench/speculative.py", _spec,
+            lambda r: [r["targets"]["ngram"]["met_1p5x_at_70pct"], r["targets"]["mtp"]["met_1p5x_at_70pct"],
+                       r["targets"]["ngram"]["met_within_5pct_when_rejected"],
+                       r["targets"]["mtp"]["met_within_5pct_when_rejected"]]),)),
+    Row("FP8 weights kept on CPU", "RSS ≤ 1.2 bytes per param", (
+        Run("fp8_weights", "python bench/fp8_weights.py", _fp8_weights,
+            lambda r: [r["rss_bytes_per_param_fp8"] <= 1.2]),)),
     Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
         Run("scale", "python bench/scale.py", _scale, _scale_checks),)),
     Row("surviving a lost rank", "≤ 30 s at 16, 0 lost, outputs equal", (

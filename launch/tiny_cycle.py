@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 
 import torch
 
@@ -27,6 +28,20 @@ def cycle_of(vocab_size: int, period: int, seed: int = 0) -> list[int]:
         for i, t in enumerate(ring):
             nxt[t] = ring[(i + 1) % period]
     return nxt   # the last vocab % period tokens map to themselves
+
+
+def cycle_prompts(nxt: list[int], n: int, length: int, seed: int = 0, noise: float = 0.1) -> list[list[int]]:
+    """n prompts of `length` tokens that follow the cycle nxt (cycle_of), each token replaced by a random one
+    with probability `noise` (the cycle then goes on from it)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        t, p = rng.randrange(len(nxt)), []
+        for _ in range(length):
+            p.append(t if rng.random() >= noise else rng.randrange(len(nxt)))
+            t = nxt[p[-1]]
+        out.append(p)
+    return out
 
 
 def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gain: float = 1.0, seed: int = 0,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.front.engine import Engine
+from launch import tiny_cycle
 from launch.tiny_cycle import make_cycle_checkpoint
 from tests.engine.test_engine import drive, workload
 
@@ -38,15 +38,7 @@ def cycle(tmp_path_factory):
 
 
 def cycle_prompts(nxt, n, length=20, seed=0):
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        t, p = rng.randrange(len(nxt)), []
-        for _ in range(length):
-            p.append(t if rng.random() < 0.9 else rng.randrange(len(nxt)))
-            t = nxt[p[-1]]
-        out.append(p)
-    return out
+    return tiny_cycle.cycle_prompts(nxt, n, length, seed)
 
 
 def _rms(x, w, eps):

@@ -23,6 +23,7 @@ from engine.spec.ngram import NgramIndex, propose_reference
 from engine.worker.sampler import filter_logits
 from engine.worker.verify import verify
 from launch.tiny import make_tiny_checkpoint
+from launch import tiny_cycle
 from launch.tiny_cycle import make_cycle_checkpoint
 from tests.engine.test_engine import drive, workload
 
@@ -140,15 +141,7 @@ def cycle(tmp_path_factory):
 
 
 def cycle_prompts(nxt, n, length=30, seed=0):
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        t, p = rng.randrange(len(nxt)), []
-        for _ in range(length):
-            p.append(t if rng.random() < 0.9 else rng.randrange(len(nxt)))
-            t = nxt[p[-1]]
-        out.append(p)
-    return out
+    return tiny_cycle.cycle_prompts(nxt, n, length, seed)
 
 
 def generate(model, prompts, spec=None, max_tokens=40, **kw):
