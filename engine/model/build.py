@@ -168,7 +168,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     object.__setattr__(model, "drafter", drafter)   # not a submodule: the target's parameters and targets stay its own
     if kernels.name == "cpu":   # the CPU decode streams the weights: 2 MiB pages stream faster (cpu/huge_pages.py)
         from cpu.huge_pages import collapse_module
-        model.huge_page_bytes = collapse_module(model)
+        model.huge_page_bytes = collapse_module(model) + (collapse_module(drafter) if drafter is not None else 0)
     return model.eval()
 
 
