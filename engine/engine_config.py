@@ -18,7 +18,7 @@ from eplb.config import EplbConfig
 from kvstore.config import KVCacheConfig
 from parallel.config import ParallelConfig
 
-from .spec.config import SpeculativeConfig
+from .spec_decode.config import SpeculativeConfig
 
 
 def _f(section: str, default: Any, doc: str):

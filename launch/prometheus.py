@@ -25,7 +25,7 @@ _SCALARS = [
      "Transfers waiting for free KV blocks on their decode rank (back-pressure)."),
     ("wideep_prefill_prompt_tokens_in_flight", "prefill_prompt_tokens_in_flight", "gauge",
      "Prompt tokens sent to the prefill pool whose first token is not back yet."),
-    # speculative decoding (engine/spec/), all DP ranks: vLLM's spec_decode families
+    # speculative decoding (engine/spec_decode/), all DP ranks: vLLM's spec_decode families
     ("wideep_spec_decode_num_drafts_total", "spec_decode_num_drafts", "counter",
      "Verifications of a sequence's drafts (sequences x steps that drafted)."),
     ("wideep_spec_decode_num_draft_tokens_total", "spec_decode_num_draft_tokens", "counter", "Draft tokens verified."),

@@ -17,7 +17,7 @@ with a model given on the command line may leave out [model] path.
                migration_aware, transfer_layers_per_step (eplb/config.py)
     [dbo]      enabled (true | false | "auto"), decode_token_threshold, prefill_token_threshold
     [speculative] method ("ngram"), num_speculative_tokens, prompt_lookup_min, prompt_lookup_max,
-               disable_by_batch_size, min_acceptance, backoff_steps (engine/spec/config.py)
+               disable_by_batch_size, min_acceptance, backoff_steps (engine/spec_decode/config.py)
     [kv_cache] tiers ([] | ["host"] | ["host", "disk"]), host_bytes, disk_bytes, disk_dir, persist_on_close,
                routing ("kv_aware" | "least_loaded"), route_prefix_weight, route_load_weight (kvstore/config.py)
     [run]      prompt_ids (list of lists), prompts (list of strings), max_tokens, temperature, top_p, top_k, seed

@@ -69,7 +69,7 @@ class Scheduler:
         self.by_id: dict[str, Sequence] = {}      # every sequence held here, waiting, loading or running
         self.num_preemptions = 0
         self.prefill_tokens = 0                   # prompt (or recomputed) tokens computed, all steps
-        self.speculator = None                    # engine/spec/speculator.Speculator when drafting is on
+        self.speculator = None                    # engine/spec_decode/speculator.Speculator when drafting is on
         self.spec_extra_tokens = 0                # tokens verification steps appended beyond one per sequence
         self.lookahead = 0                        # slots grown past a step's tokens (MTP drafting: k - 1)
 

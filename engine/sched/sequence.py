@@ -46,7 +46,7 @@ class Sequence:
     grammar: Any = None              # structured outputs: structured.rows.SequenceGrammar, made when it first samples
     draft_token_ids: list[int] = field(default_factory=list)   # speculative decoding: this step's drafts, verified
     #                                  after the last token (the scheduler sets them, apply clears them)
-    spec: Any = None                 # the speculator's per-sequence state (engine/spec/speculator.py SeqSpec)
+    spec: Any = None                 # the speculator's per-sequence state (engine/spec_decode/speculator.py SeqSpec)
 
     @property
     def token_ids(self) -> list[int]:

@@ -123,7 +123,7 @@ class EngineCore:
                                    on_free=self.kv.drop if mcfg.v4 is not None else None)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         if cfg.speculative.enabled:
-            from ..spec.speculator import Speculator
+            from ..spec_decode.speculator import Speculator
             self.scheduler.speculator = Speculator(cfg.speculative)
         overlap, self.auto = None, None
         if cfg.dbo.enabled and mcfg.moe is not None:

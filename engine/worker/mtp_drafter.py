@@ -24,7 +24,7 @@ import torch
 
 from attention_mla.meta import AttnMeta, int64_tensor
 
-from ..spec.speculator import SeqSpec, can_draft
+from ..spec_decode.speculator import SeqSpec, can_draft
 
 
 ROWS_AS_DECODES = 16   # a sequence's first-pass rows up to this many run as decode rows, more as one chunk

@@ -32,7 +32,7 @@ class ModelRunner:
         self._rows: tuple[SampleLayout, bool] | None = None
         self.grammars = None   # -> the rank's grammar compiler (structured outputs), set by EngineCore
         self.drafter = None    # engine/worker/mtp_drafter.MTPDrafter (speculative method "mtp"), set by EngineCore
-        self.speculator = None  # the scheduler's engine/spec/speculator.Speculator, with the drafter
+        self.speculator = None  # the scheduler's engine/spec_decode/speculator.Speculator, with the drafter
 
     def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
                    ) -> tuple[torch.Tensor, AttnMeta]:

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/spec/, engine/worker/verify.py): n-gram drafts verified in one forward.
+"""Speculative decoding (engine/spec_decode/, engine/worker/verify.py): n-gram drafts verified in one forward.
 
 - The n-gram index proposes what a scan of the history proposes.
 - Rejection sampling is exact: the tokens verify() emits are distributed as plain sampling's (many
@@ -18,8 +18,8 @@ import torch
 from engine import LLM, SamplingParams
 from engine.engine_config import EngineConfig
 from engine.sched.scheduler import StepResult
-from engine.spec.config import SpeculativeConfig
-from engine.spec.ngram import NgramIndex, propose_reference
+from engine.spec_decode.config import SpeculativeConfig
+from engine.spec_decode.ngram import NgramIndex, propose_reference
 from engine.worker.sampler import filter_logits
 from engine.worker.verify import verify
 from launch.tiny import make_tiny_checkpoint

@@ -330,7 +330,7 @@ def test_masked_against_a_bit_by_bit_reference(B, rows):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_speculative_drafts_are_checked_against_the_grammar(model_dir, backend):
-    """n-gram drafts (engine/spec/) on constrained requests: cut at the first token the grammar refuses,
+    """n-gram drafts (engine/spec_decode/) on constrained requests: cut at the first token the grammar refuses,
     each verification row masked to the grammar after the drafts before it. Greedy outputs equal the
     run without drafts; sampled ones stay valid; drafts were accepted."""
     suite = specs()
