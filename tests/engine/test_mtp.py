@@ -149,12 +149,7 @@ def test_checkpoint_without_an_mtp_layer_is_refused(tmp_path):
 
 
 def test_sampling_with_mtp_drafts_is_seeded_and_accepts(cycle):
+    from tests.engine.test_speculative import seeded_twice
     d, nxt = cycle
-    prompts = cycle_prompts(nxt, 3, seed=5)
-    sp = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True)
-    runs = []
-    for _ in range(2):
-        llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=mtp(2))
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
-        assert llm.engine.metrics()["spec_decode_num_accepted_tokens"] > 0
-    assert runs[0] == runs[1] and all(len(t) == 24 for t in runs[0])
+    seeded_twice(d, cycle_prompts(nxt, 3, seed=5),
+                 SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True), mtp(2))

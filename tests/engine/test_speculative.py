@@ -224,16 +224,21 @@ def test_stop_tokens_and_max_tokens_inside_accepted_drafts(cycle):
     assert llm.engine.core.blocks.num_free == llm.engine.core.blocks.allocator.num_blocks
 
 
-def test_sampling_with_drafts_is_seeded_and_valid(cycle):
-    d, nxt = cycle
-    prompts = cycle_prompts(nxt, 4, seed=5)
-    sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=7, ignore_eos=True)
+def seeded_twice(model, prompts, sp: SamplingParams, spec: dict) -> None:
+    """Sampling with drafts: two engines give the same seeded outputs, of full length, with drafts accepted."""
     runs = []
     for _ in range(2):
-        llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=ngram(2))
+        llm = LLM(model, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=spec)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
         assert llm.engine.metrics()["spec_decode_num_accepted_tokens"] > 0
-    assert runs[0] == runs[1] and all(len(t) == 30 for t in runs[0])
+        assert llm.engine.core.blocks.num_free == llm.engine.core.blocks.allocator.num_blocks
+    assert runs[0] == runs[1] and all(len(t) == sp.max_tokens for t in runs[0])
+
+
+def test_sampling_with_drafts_is_seeded_and_valid(cycle):
+    d, nxt = cycle
+    seeded_twice(d, cycle_prompts(nxt, 4, seed=5),
+                 SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=7, ignore_eos=True), ngram(2))
 
 
 def test_requests_with_logits_processing_do_not_draft(cycle):
