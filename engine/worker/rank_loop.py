@@ -24,6 +24,8 @@ from parallel.watchdog import RankLostError, raise_if_lost
 
 from .messages import END, SHUTDOWN, Abort, Command, Delta, NewRequest, Report, Wake
 
+COMMAND_WAIT_S = 10.0   # the longest a rank waits for a command's message once the step sync brought it
+
 
 class RankHooks:
     """Seams around a rank's steps; every default does nothing."""
@@ -200,6 +202,7 @@ class RankLoop:
         return self.command_seq * 4 + self.command if self.command else 0
 
     def _obey(self, kind: int, seq: int) -> str:
+        self._receive_command(seq)
         self.done_seq = max(self.done_seq, seq)
         if self.command_seq <= self.done_seq:
             self.command, self.command_seq = 0, 0
@@ -207,6 +210,16 @@ class RankLoop:
         self.running = False
         self._report(force=True, idle=True)
         return "shutdown" if kind == SHUTDOWN else "end"
+
+    def _receive_command(self, seq: int) -> None:
+        """The step sync can bring command `seq` here before its message (another rank had it first): what the
+        front sent this rank before it — an abort of a request that hit a stop string, say — is in the inbox
+        ahead of it, so take messages until the command's own has come (bounded: a lost front is the
+        watchdog's business)."""
+        deadline = time.monotonic() + COMMAND_WAIT_S
+        while self.command_seq < seq and time.monotonic() < deadline:
+            for m in self.channel.recv(min(self.poll_s, 0.05)):
+                self._handle(m)
 
     def _go_idle(self) -> None:
         self.wave += 1
