@@ -37,6 +37,8 @@ _SCALARS = [
      "Tokens per verification (1 + accepted / drafts), since start."),
     ("wideep_spec_decode_backoffs_total", "spec_decode_backoffs", "counter",
      "Times a sequence stopped drafting for a while because its drafts were rarely accepted."),
+    ("wideep_spec_decode_retired_total", "spec_decode_retired", "counter",
+     "MTP: sequences that stopped drafting for good (their drafts kept failing): the drafter skips them."),
     ("wideep_spec_decode_paused_sequences", "spec_decode_paused_seqs", "gauge",
      "Sequences not drafting in the last step because they are backing off."),
     ("wideep_spec_decode_steps_batch_off_total", "spec_decode_steps_batch_off", "counter",

@@ -298,7 +298,7 @@ class Front:
 def _spec_totals(per_rank: list[dict]) -> dict:
     """Speculative decoding summed over the ranks (vLLM's spec_decode metrics): drafts (verifications that
     had drafts), draft tokens, accepted tokens, accepted per draft position, acceptance rate, mean accepted
-    length (1 + accepted / drafts: tokens a verification step gives), backoffs. Empty when it is off."""
+    length (1 + accepted / drafts: tokens a verification step gives), backoffs, MTP retirements. Empty when off."""
     ranks = [s for s in per_rank if "spec_num_drafts" in s]
     if not ranks:
         return {}
@@ -311,7 +311,8 @@ def _spec_totals(per_rank: list[dict]) -> dict:
             "spec_decode_mean_acceptance_length": 1 + a / n if n else 0.0,
             "spec_decode_backoffs": sum(s["spec_backoffs"] for s in ranks),
             "spec_decode_paused_seqs": sum(s["spec_paused_seqs"] for s in ranks),
-            "spec_decode_steps_batch_off": sum(s["spec_steps_batch_off"] for s in ranks)}
+            "spec_decode_steps_batch_off": sum(s["spec_steps_batch_off"] for s in ranks),
+            "spec_decode_retired": sum(s.get("spec_retired_seqs", 0) for s in ranks)}
 
 
 def _decode_plan_totals(per_rank: list[dict]) -> dict:

@@ -4,9 +4,12 @@
 Drafting is per sequence: a sequence decodes (one pending token), its request needs no logits
 processing other than a grammar (penalties, logit bias, min_p, min_tokens: those rows sample as before;
 a grammar's drafts are cut at the first token it does not allow, and each verification row is masked to
-the grammar's state after the drafts before it) and it is not backing off. Backing off: after each verification, a sequence whose recent drafts were
-accepted at less than `min_acceptance` pauses for `backoff_steps` steps, doubling (up to 64x) each
-time it fails again; an accepted run resets the pause. A rank running more than
+the grammar's state after the drafts before it) and it is not backing off.
+
+Backing off: after every two verifications, a sequence whose drafts were accepted at less than
+`min_acceptance` pauses for `backoff_steps` steps, doubling (up to 64x) each time it fails again; an
+accepted run resets the pause. With the MTP drafter, a sequence that fails RETIRE_AFTER times in a row
+retires: it drafts no more and the drafter stops running its rows. A rank running more than
 `disable_by_batch_size` sequences drafts nothing (vLLM's knob).
 """
 from __future__ import annotations
@@ -17,12 +20,13 @@ from .config import SpeculativeConfig
 from .ngram import NgramIndex
 
 WINDOW = 2        # verifications per acceptance judgement
+MAX_PAUSE = 64    # the longest pause, in multiples of backoff_steps
+RETIRE_AFTER = 3  # MTP: backoffs in a row after which a sequence stops drafting for good (its MTP rows stop too)
 
 
 def can_draft(p) -> bool:
     """Its rows need nothing but (at most) a grammar's mask: the verification rows can be processed exactly."""
     return not p.processed or not (p.penalised or p.logit_bias is not None or p.min_tokens > 0 or p.min_p > 0)
-MAX_PAUSE = 64    # the longest pause, in multiples of backoff_steps
 
 
 @dataclass(slots=True)
@@ -34,6 +38,8 @@ class SeqSpec:
     checks: int = 0           # verifications in the current window
     pause: int = 0            # the next pause's length (steps); 0: none yet
     resume_at: int = 0        # the step it may draft again
+    failed: int = 0           # backoffs in a row
+    retired: bool = False     # MTP: drafts no more, and the drafter no longer keeps its latents
     mtp_drafts: list[int] = field(default_factory=list)   # MTP: the drafter's tokens for the next step
 
 
@@ -50,6 +56,7 @@ class Speculator:
         self.num_backoffs = 0      # times a sequence stopped drafting for low acceptance
         self.paused = 0            # sequences skipped this step because they are backing off
         self.steps_batch_off = 0   # steps without drafts because of disable_by_batch_size
+        self.num_retired = 0       # MTP: sequences that stopped drafting for good
 
     def begin(self, num_running: int) -> None:
         self.step += 1
@@ -66,7 +73,7 @@ class Speculator:
         st = s.spec
         if st is None:
             st = s.spec = SeqSpec()
-        if st.resume_at > self.step:
+        if st.resume_at > self.step or st.retired:
             self.paused += 1
             return []
         k = min(self.k, room)
@@ -100,13 +107,20 @@ class Speculator:
         if st.accepted < self.cfg.min_acceptance * st.drafted:
             st.pause = min(2 * st.pause, MAX_PAUSE * self.cfg.backoff_steps) if st.pause else self.cfg.backoff_steps
             st.resume_at = self.step + st.pause
+            st.failed += 1
             self.num_backoffs += 1
+            # the MTP layer runs every step for a sequence that may draft again (its latents): one whose drafts
+            # keep failing stops costing that
+            if self.cfg.method == "mtp" and st.failed >= RETIRE_AFTER:
+                st.retired = True
+                self.num_retired += 1
         else:
-            st.pause = 0
+            st.pause = st.failed = 0
         st.drafted = st.accepted = st.checks = 0
 
     def stats(self) -> dict:
         n, d, a = self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
         return {"spec_num_drafts": n, "spec_num_draft_tokens": d, "spec_num_accepted_tokens": a,
                 "spec_accepted_per_pos": list(self.accepted_per_pos), "spec_backoffs": self.num_backoffs,
-                "spec_paused_seqs": self.paused, "spec_steps_batch_off": self.steps_batch_off}
+                "spec_paused_seqs": self.paused, "spec_steps_batch_off": self.steps_batch_off,
+                "spec_retired_seqs": self.num_retired}

@@ -11,9 +11,10 @@ positions after it: their latents sit in the lookahead slots the scheduler grew 
 step's tokens) and are rewritten by the next step's pass 1 when those positions become real.
 
 Every rank runs the same number of passes, with zero rows when it has none: the layer's MoE dispatch is
-collective. The step sync agrees on it (StepPlan.draft_passes, the most any rank asked for): 1 when no
-sequence of any rank will draft next step (backing off, too many running, logits processing: pass 1
-still keeps the latents complete), k otherwise. Drafts are the layer's argmax (deterministic:
+collective. The step sync agrees on it (StepPlan.draft_passes, the most any rank asked for): k when a
+sequence may draft next step, 1 when they only keep their latents (backing off, too many running), 0
+when none may draft again (logits processing; retired after failing again and again,
+engine/spec_decode/speculator.py). Drafts are the layer's argmax (deterministic:
 verification treats them as one-hot).
 """
 from __future__ import annotations
@@ -28,6 +29,11 @@ from ..spec_decode.speculator import SeqSpec, can_draft
 
 
 ROWS_AS_DECODES = 16   # a sequence's first-pass rows up to this many run as decode rows, more as one chunk
+
+
+def _keeps(s) -> bool:
+    """Whether the drafter keeps s's latents: it may draft (now or later)."""
+    return (not s.params.processed or can_draft(s.params)) and (s.spec is None or not s.spec.retired)
 
 
 class MTPDrafter:
@@ -56,15 +62,17 @@ class MTPDrafter:
         return self.layer(int64_tensor(ids, self.device), prev, self._meta(pos, qlens, tables), self.kv.pools, plan)
 
     def wanted(self, batch, speculator) -> int:
-        """The passes this rank asks for this step: k if a sequence of its batch may draft next step, else 1."""
+        """The passes this rank asks for this step: k if a sequence of its batch may draft next step, 1 if one
+        only keeps its latents (backing off, or not drafting at this batch size), 0 if none has rows."""
         if batch is None or not batch.seqs:
-            return 1
-        if speculator.drafting:
-            nxt = speculator.step + 1
-            for s in batch.seqs:
-                if (not s.params.processed or can_draft(s.params)) and (s.spec is None or s.spec.resume_at <= nxt):
+            return 0
+        want, nxt = 0, speculator.step + 1
+        for s in batch.seqs:
+            if _keeps(s):
+                if speculator.drafting and (s.spec is None or s.spec.resume_at <= nxt):
                     return self.k
-        return 1
+                want = 1
+        return want
 
     def dummy(self, plan) -> None:
         """A rank with nothing this step: the step's passes with zero rows (their MoE all-to-alls)."""
@@ -86,7 +94,7 @@ class MTPDrafter:
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c, r0 = s.num_computed, start
             start += n
-            if s.params.processed and not can_draft(s.params):   # never drafts: no latents needed
+            if not _keeps(s):   # never drafts (again): no latents needed
                 continue
             tok = result.tokens[b]
             if s.draft_token_ids:    # a verification: its token and the accepted drafts

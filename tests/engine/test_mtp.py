@@ -153,3 +153,21 @@ def test_sampling_with_mtp_drafts_is_seeded_and_accepts(cycle):
     d, nxt = cycle
     seeded_twice(d, cycle_prompts(nxt, 3, seed=5),
                  SamplingParams(temperature=0.7, top_p=0.9, max_tokens=24, seed=3, ignore_eos=True), mtp(2))
+
+
+def test_an_mtp_layer_whose_drafts_fail_stops_running(tmp_path):
+    """Drafts almost never right (the MTP layer reads mostly a random map of the hidden state): the sequences
+    back off, then retire, and the drafter stops its passes; outputs equal no speculation."""
+    d, nxt = make_cycle_checkpoint(str(tmp_path / "bad"), period=12, mix=2.0, gain=20.0, seed=1, mtp=True,
+                                   mtp_mix=0.1, mtp_hidden=20.0)
+    prompts = cycle_prompts(nxt, 2, seed=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(prompts, sp)]
+    llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=dict(
+        method="mtp", num_speculative_tokens=2, backoff_steps=4))
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
+    m = llm.engine.metrics()
+    assert m["spec_decode_acceptance_rate"] < 0.2 and m["spec_decode_retired"] == 2, m
+    passes = llm.engine.core.runner.drafter.passes
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert llm.engine.core.runner.drafter.passes > passes   # a new sequence gets the drafter again
