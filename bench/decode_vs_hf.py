@@ -61,7 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.results import save  # noqa: E402
+from bench.results import rss_kib, save  # noqa: E402
 from cpu.gemm import bf16_dot  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 from launch.tiny import make_tiny_checkpoint  # noqa: E402
@@ -224,14 +224,6 @@ class DecodeMeter:
                 "fraction_read": round(total / ms / bw["read"]["median"], 3),
                 "fraction_huge": round(total / ms / bw["read_huge"]["median"], 3),
                 "fraction_cpu": round(total / cpu_ms / bw[ceiling_cpu]["median"], 3)}
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def rss_per_param(model_dir: str, dtype: str) -> dict:

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.results import save  # noqa: E402
+from bench.results import rss_kib, save  # noqa: E402
 from cpu import gemm  # noqa: E402
 from moe.fp8 import quantize_experts_fp8, quantize_fp8_block  # noqa: E402
 
@@ -138,19 +138,11 @@ def decode_rows(model_dir: str, trials: int, batch: int = 8, prompt: int = 32, n
     return r
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def _rss_child(model_dir: str, dtype: str, quantization: str) -> None:
     from engine.model.build import load_model, parse_dtype
-    before = _rss_kib()
+    before = rss_kib()
     model = load_model(model_dir, dtype=parse_dtype(dtype), progress=False, quantization=quantization)
-    after = _rss_kib()
+    after = rss_kib()
     params = sum(p.numel() for p in model.parameters())
     scales = sum(p.numel() for n, p in model.named_parameters() if n.endswith("scale_inv"))
     weights = params - scales   # the block scales are the weights' metadata, not parameters of the model

@@ -52,6 +52,15 @@ def machine() -> dict:
             "load_avg_1_5_15m": [round(x, 2) if x is not None else None for x in load]}
 
 
+def rss_kib() -> int:
+    """This process's resident set (VmRSS), KiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
 def command(argv: list[str] | None = None) -> str:
     """The argv as a reader would type it: `python bench/x.py --flag`, the script relative to the repo."""
     argv = list(sys.argv if argv is None else argv)
