@@ -179,15 +179,19 @@ class DecodePlan:
         model, local = self.model, getattr(mb.dispatcher, "local_only", False)
         ops = [model.op_embed]
         for layer, w in zip(model.model.layers, self._layers):
-            ops += (w.attn_op if attention else layer.op_attention, layer.op_kv_written)
-            if not layer.is_moe:
-                ops.append(w.mlp_op)
-            elif (w.moe_op is not None and local and layer.mlp.expert_map is None and self._counts_fit(layer.mlp)):
-                ops.append(w.moe_op)
-            else:
-                ops += w.moe_ops
+            ops += self._halves(layer, w, local, attention)
         ops.append(model.op_final_norm)
         return ops
+
+    def _halves(self, layer, w: _Layer, local: bool, attention: bool = True) -> list:
+        """One layer's operations: its fused attention half (or its own), then its fused MLP / MoE half where
+        every expert is local and unmapped, else the MoE's own operations."""
+        ops = [w.attn_op if attention else layer.op_attention, layer.op_kv_written]
+        if not layer.is_moe:
+            return ops + [w.mlp_op]
+        if w.moe_op is not None and local and layer.mlp.expert_map is None and self._counts_fit(layer.mlp):
+            return ops + [w.moe_op]
+        return ops + w.moe_ops
 
     def extra_layer_ops(self, layer, mb) -> list | None:
         """The fused halves of a decoder layer outside the model's stack (speculative decoding's MTP layer,
@@ -209,12 +213,7 @@ class DecodePlan:
             self._extra[id(layer)] = w
         if not w.fits:
             return None
-        local = getattr(mb.dispatcher, "local_only", False)
-        if not layer.is_moe:
-            return [w.attn_op, layer.op_kv_written, w.mlp_op]
-        if w.moe_op is not None and local and layer.mlp.expert_map is None and self._counts_fit(layer.mlp):
-            return [w.attn_op, layer.op_kv_written, w.moe_op]
-        return [w.attn_op, layer.op_kv_written, *w.moe_ops]
+        return self._halves(layer, w, getattr(mb.dispatcher, "local_only", False))
 
     def stats(self) -> dict:
         """Flat counters for the rank's stats: decode_steps_<path>, decode_declined_<reason>,
