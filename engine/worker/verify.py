@@ -20,20 +20,13 @@ import torch
 from attention_mla.meta import int64_tensor
 
 from ..sched.scheduler import Accepted, StepResult
-from .sampler import draw, filter_logits, topn_logprobs
-
-
-def _filters(p, n: int, device):
-    if p.temperature == 1.0 and p.top_p >= 1.0 and p.top_k <= 0:
-        return None
-    return (torch.full((n,), float(p.temperature), device=device), int64_tensor([p.top_k] * n, device),
-            torch.full((n,), float(p.top_p), device=device), None)
+from .sampler import draw, filter_logits, sample_layout, topn_logprobs
 
 
 def _sample_row(logits: torch.Tensor, drafts: list[int], p, gen) -> tuple[int, int]:
     """logits [k+1, V] of one sampling sequence -> (drafts kept, the token after them)."""
     k = len(drafts)
-    f = _filters(p, k + 1, logits.device)
+    f = sample_layout([p] * (k + 1), [gen] * (k + 1), logits.device).groups[0].filters   # the sampler's filters
     filtered = filter_logits(logits, *f) if f is not None else logits
     probs = filtered.softmax(-1)                                                      # [k+1, V]
     d = int64_tensor(drafts, logits.device)
