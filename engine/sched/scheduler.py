@@ -253,17 +253,11 @@ class Scheduler:
         a = len(acc.tokens) if acc is not None else 0
         s.num_computed += 1 + a
         self.speculator.record(s, drafted, a)
-        g = s.grammar   # its matcher took all of the step's tokens already (the runner): its end is the last one's
-        end = g.finish if g is not None else None
-        if g is not None:
-            g.finish = None
         for i in range(a):
-            s.append(acc.tokens[i], acc.logprobs[i], acc.top[i], now)
+            s.append(acc.tokens[i], acc.logprobs[i], acc.top[i], now, grammar_end=False)
             if s.finish_reason is not None:
                 self.spec_extra_tokens += i
                 return
-        if g is not None:
-            g.finish = end
         s.append(tok, lp, top, now)
         self.spec_extra_tokens += a
 

@@ -78,8 +78,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def append(self, token: int, logprob: float, top: dict[int, float] | None, now: float | None = None) -> None:
-        """now: the step's wall clock (one time.time() per step, not per token)."""
+    def append(self, token: int, logprob: float, top: dict[int, float] | None, now: float | None = None,
+               grammar_end: bool = True) -> None:
+        """now: the step's wall clock (one time.time() per step, not per token). grammar_end=False: the grammar
+        took this token among a verification's (the runner fed it the step's tokens at once): its end, if any,
+        is the step's last token's."""
         now = time.time() if now is None else now
         if self.first_token_time is None:
             self.first_token_time = now
@@ -90,7 +93,7 @@ class Sequence:
         p = self.params
         if (not p.ignore_eos and token in self.eos_token_ids) or token in p.stop_token_ids:
             self.finish_reason = "stop"
-        elif self.grammar is not None and self.grammar.finish is not None:
+        elif grammar_end and self.grammar is not None and self.grammar.finish is not None:
             self.finish_reason = self.grammar.finish   # the grammar ended (or refused the token)
         elif len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = "length"

@@ -89,6 +89,11 @@ class Speculator:
             drafts = drafts[:s.grammar.valid_prefix(drafts)]
         return drafts
 
+    def may_draft_next(self, s) -> bool:
+        """Whether s may draft at the next step, as far as this step knows (batch size, backoff, retirement)."""
+        st = s.spec
+        return self.drafting and (st is None or (st.resume_at <= self.step + 1 and not st.retired))
+
     def record(self, s, drafted: int, accepted: int) -> None:
         """After verification: s drafted `drafted` tokens and `accepted` of them were accepted."""
         if not drafted:

@@ -26,6 +26,7 @@ import torch
 from attention_mla.meta import AttnMeta, int64_tensor
 
 from ..spec_decode.speculator import SeqSpec, can_draft
+from .runner import attn_meta
 
 
 ROWS_AS_DECODES = 16   # a sequence's first-pass rows up to this many run as decode rows, more as one chunk
@@ -50,12 +51,7 @@ class MTPDrafter:
                 slots.append(t[p // bs] * bs + p % bs)
             ctx.append(pos[r + q - 1] + 1 if q else 0)
             r += q
-        width = max(map(len, tables), default=1)
-        table = [b for t in tables for b in t + [0] * (width - len(t))]
-        dev = self.device
-        return AttnMeta(positions=int64_tensor(pos, dev), slot_mapping=int64_tensor(slots, dev),
-                        block_table=int64_tensor(table, dev).view(len(tables), width), query_lens=qlens, ctx_lens=ctx,
-                        block_size=bs)
+        return attn_meta(pos, slots, ctx, qlens, tables, bs, self.device)
 
     def _forward(self, ids: list[int], prev: torch.Tensor, pos, qlens, tables, plan) -> torch.Tensor:
         self.passes += 1
@@ -66,10 +62,10 @@ class MTPDrafter:
         only keeps its latents (backing off, or not drafting at this batch size), 0 if none has rows."""
         if batch is None or not batch.seqs:
             return 0
-        want, nxt = 0, speculator.step + 1
+        want = 0
         for s in batch.seqs:
             if _keeps(s):
-                if speculator.drafting and (s.spec is None or s.spec.resume_at <= nxt):
+                if speculator.may_draft_next(s):
                     return self.k
                 want = 1
         return want
@@ -119,9 +115,7 @@ class MTPDrafter:
         prev = hidden.index_select(0, int64_tensor(rows, hidden.device)) if rows else hidden[:0]
         out = self._forward(ids, prev, pos, qlens, tables, plan)
         # sampled this step and not backing off next step: they draft next (the others' rows only keep latents)
-        nxt_step = speculator.step + 1
-        live = [(s, q, i) for s, tok, q, i in seqs if tok is not None and speculator.drafting
-                and (s.spec is None or s.spec.resume_at <= nxt_step)]
+        live = [(s, q, i) for s, tok, q, i in seqs if tok is not None and speculator.may_draft_next(s)]
         for s, _, _, _ in seqs:
             if s.spec is None:
                 s.spec = SeqSpec()

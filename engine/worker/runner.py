@@ -19,6 +19,19 @@ from .sampler import SampleLayout, sample, sample_layout, topn_logprobs
 from .verify import verify
 
 
+def attn_meta(pos, slots, ctx_lens, qlens, tables, block_size: int, device) -> AttnMeta:
+    """Host lists -> AttnMeta (tables padded to the longest with block 0)."""
+    lens = list(map(len, tables))
+    width = max(lens, default=1)
+    if lens and min(lens) == width:   # every table as long (a decode run, mostly): one C-level flatten
+        table = list(chain.from_iterable(tables))
+    else:
+        table = [b for t in tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
+    return AttnMeta(positions=int64_tensor(pos, device), slot_mapping=int64_tensor(slots, device),
+                    block_table=int64_tensor(table, device).view(len(tables), width),
+                    query_lens=qlens, ctx_lens=ctx_lens, block_size=block_size)
+
+
 class ModelRunner:
     """overlap: a dbo.overlap.Overlap when dual-batch overlap is on; execute(batch, plan) with
     plan.split then runs the step as two microbatches whose all-to-alls hide behind each other's
@@ -81,17 +94,8 @@ class ModelRunner:
         return self._meta(ids, pos, slots, [p + 1 for p in pos], [1] * len(seqs), tables)
 
     def _meta(self, ids, pos, slots, ctx_lens, qlens, tables) -> tuple[torch.Tensor, AttnMeta]:
-        lens = list(map(len, tables))
-        width = max(lens, default=1)
-        if lens and min(lens) == width:   # every table as long (a decode run, mostly): one C-level flatten
-            table = list(chain.from_iterable(tables))
-        else:
-            table = [b for t in tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
-        dev = self.device
-        meta = AttnMeta(positions=int64_tensor(pos, dev), slot_mapping=int64_tensor(slots, dev),
-                        block_table=int64_tensor(table, dev).view(len(tables), width),
-                        query_lens=qlens, ctx_lens=ctx_lens, block_size=self.kv.block_size)
-        return int64_tensor(ids, dev), meta
+        return (int64_tensor(ids, self.device),
+                attn_meta(pos, slots, ctx_lens, qlens, tables, self.kv.block_size, self.device))
 
     @torch.inference_mode()
     def dummy_step(self, plan: StepPlan) -> None:
