@@ -19,7 +19,8 @@ Each k runs on its own engine, trials interleaved across k (median). TPOT: each 
 between output tokens after the first (engine metrics), median over requests; decode tok/s =
 batch / mean TPOT. Greedy outputs of every k are checked equal to k = 0's.
 
-    python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 3] [--threads 1] [--quick]
+    python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 3] [--threads 1]
+                                [--workloads ngram,mtp,ngram_rejected,mtp_rejected] [--quick]
 
 Last line (JSON): {"workloads": {name: {"batch": {B: {"k": {k: {"tpot_ms", "decode_tok_s", "speedup",
 "acceptance", "mean_acceptance_length", "backoffs"}}}}}}, "targets": {...}, "model": {...}}
@@ -87,6 +88,8 @@ def main() -> None:
     ap.add_argument("--ngram-mix", type=float, default=0.03,
                     help="the n-gram workload's cycle model: small enough that its greedy output stays on the prompt's "
                          "cycle (a token off it leaves the prompt's n-grams behind)")
+    ap.add_argument("--workloads", default="ngram,mtp,ngram_rejected,mtp_rejected",
+                    help="which workloads run (the targets need all four; a partial run saves as speculative_partial)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     if a.quick:
@@ -114,6 +117,8 @@ def main() -> None:
         for workload, method, model, kind in (("ngram", "ngram", exact, "repeats"), ("mtp", "mtp", cyc, "repeats"),
                                               ("ngram_rejected", "ngram", rnd, "alphabet"),
                                               ("mtp_rejected", "mtp", bad, "repeats")):
+            if workload not in a.workloads.split(","):
+                continue
             rows = {}
             spec = {"ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4), "mtp": dict(method="mtp")}
             engines = {k: LLM(model, progress=False, enable_prefix_caching=False, max_num_seqs=max(batches),
@@ -156,6 +161,10 @@ def main() -> None:
             result["workloads"][workload] = {"batch": rows}
     b1 = min(batches)
     result["targets"] = {}
+    if len(result["workloads"]) < 4:
+        save("speculative_partial", result)
+        print(json.dumps(result))
+        return
     for name in ("ngram", "mtp"):
         rep = result["workloads"][name]["batch"][b1]["k"]
         best = max((k for k in ks if k), key=lambda k: rep[k]["speedup"])

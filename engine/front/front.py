@@ -312,7 +312,9 @@ def _spec_totals(per_rank: list[dict]) -> dict:
             "spec_decode_backoffs": sum(s["spec_backoffs"] for s in ranks),
             "spec_decode_paused_seqs": sum(s["spec_paused_seqs"] for s in ranks),
             "spec_decode_steps_batch_off": sum(s["spec_steps_batch_off"] for s in ranks),
-            "spec_decode_retired": sum(s.get("spec_retired_seqs", 0) for s in ranks)}
+            "spec_decode_retired": sum(s.get("spec_retired_seqs", 0) for s in ranks),
+            "spec_decode_started_paused": sum(s.get("spec_started_paused", 0) for s in ranks),
+            "spec_decode_rank_pause_max": max(s.get("spec_rank_pause", 0) for s in ranks)}
 
 
 def _decode_plan_totals(per_rank: list[dict]) -> dict:

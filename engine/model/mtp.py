@@ -33,13 +33,14 @@ class MTPLayer(nn.Module):
             raise ValueError("an MTP drafter is built for DeepSeek-V3-style layers (MLA, first_k_dense_replace); "
                              "this checkpoint's layers are given by mlp_layer_types or use sparse attention")
         self.embed, self.dispatcher, self.rope = model.model.embed_tokens, model.dispatcher, model.rope
+        self.kernels = model.kernels
         dt, opt = model.dtype, model.layer_options
         from layers import RMSNorm
         with torch.device("meta"), _skip_init():
             H, eps, k = cfg.hidden_size, cfg.rms_norm_eps, model.kernels
             self.enorm = RMSNorm(H, eps, dtype=dt, kernels=k)
             self.hnorm = RMSNorm(H, eps, dtype=dt, kernels=k)
-            self.eh_proj = nn.Linear(2 * H, H, bias=False, dtype=dt)
+            self.eh_proj = k.linear(2 * H, H, bias=False, dtype=dt)   # the backend's (decode rows: the C kernel)
             self.layer = DecoderLayer(cfg, L, model.rope, model.shard, opt["experts"], opt["attention"], dtype=dt,
                                       fp8_block=opt["fp8_block"], kv_cache_dtype=opt["kv_cache_dtype"], kernels=k)
             self.norm = RMSNorm(H, eps, dtype=dt, kernels=k)
@@ -81,4 +82,5 @@ class MTPLayer(nn.Module):
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H] (forward's) -> [T, V] fp32."""
-        return self.head(self.norm(out)).float()
+        x, w = self.norm(out), self.head.weight
+        return (x @ w.t() if self.kernels.matmul is None else self.kernels.matmul(x, w)).float()

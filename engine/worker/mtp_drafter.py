@@ -12,10 +12,12 @@ step's tokens) and are rewritten by the next step's pass 1 when those positions 
 
 Every rank runs the same number of passes, with zero rows when it has none: the layer's MoE dispatch is
 collective. The step sync agrees on it (StepPlan.draft_passes, the most any rank asked for): k when a
-sequence may draft next step, 1 when they only keep their latents (backing off, too many running), 0
-when none may draft again (logits processing; retired after failing again and again,
-engine/spec_decode/speculator.py). Drafts are the layer's argmax (deterministic:
-verification treats them as one-hot).
+sequence may draft next step, 1 when one must run its first-pass rows without drafting, 0 otherwise.
+A sequence that will not draft next step (backing off, too many running) defers its first-pass rows to a
+Stash, a few views of the step's hidden states, and runs them in the pass before it drafts again (or
+when STASH_ROWS have gathered): a backed-off sequence costs no pass, its latents are complete when it
+drafts. Retired sequences and logits-processed ones have no rows at all (engine/spec_decode/speculator.py).
+Drafts are the layer's argmax (deterministic: verification treats them as one-hot).
 """
 from __future__ import annotations
 
@@ -25,11 +27,35 @@ import torch
 
 from attention_mla.meta import AttnMeta, int64_tensor
 
-from ..spec_decode.speculator import SeqSpec, can_draft
+from ..spec_decode.speculator import can_draft
 from .runner import attn_meta
 
 
 ROWS_AS_DECODES = 16   # a sequence's first-pass rows up to this many run as decode rows, more as one chunk
+STASH_ROWS = 64        # a backing-off sequence's deferred first-pass rows: past this many they run
+
+
+class Stash:
+    """A sequence's first-pass rows deferred while it backs off: positions start .. end - 1, the tokens after
+    them and the target's hidden states there (views of each step's gather). They run, oldest first, in the
+    first pass of the step before it drafts again, or when they reach STASH_ROWS; a stash that no longer ends
+    where the sequence's next rows begin (preempted, recomputed) is dropped."""
+
+    __slots__ = ("start", "end", "ids", "parts")
+
+    def __init__(self, start: int):
+        self.start = self.end = start
+        self.ids: list[int] = []
+        self.parts: list[torch.Tensor] = []
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+    def add(self, ids: list[int], hidden: torch.Tensor) -> None:
+        self.ids.extend(ids)
+        self.parts.append(hidden)
+        self.end += len(ids)
 
 
 def _keeps(s) -> bool:
@@ -57,18 +83,29 @@ class MTPDrafter:
         self.passes += 1
         return self.layer(int64_tensor(ids, self.device), prev, self._meta(pos, qlens, tables), self.kv.pools, plan)
 
-    def wanted(self, batch, speculator) -> int:
-        """The passes this rank asks for this step: k if a sequence of its batch may draft next step, 1 if one
-        only keeps its latents (backing off, or not drafting at this batch size), 0 if none has rows."""
+    def wanted(self, batch, speculator) -> tuple[int, int]:
+        """-> (the passes this rank asks for this step, the stashed rows its first pass adds to the step's tokens).
+        Passes: k if a sequence of its batch may draft next step, 1 if one must run its first-pass rows though it
+        will not draft (its stash is full, or it verified), else 0 (rows of sequences backing off wait in their
+        stash: see draft). The rows go into the step sync's token count: the first pass dispatches the step's
+        rows plus those, and every rank's dispatch is planned for the largest count."""
         if batch is None or not batch.seqs:
-            return 0
-        want = 0
-        for s in batch.seqs:
-            if _keeps(s):
-                if speculator.may_draft_next(s):
-                    return self.k
-                want = 1
-        return want
+            return 0, 0
+        want = extra = 0
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            if not _keeps(s):
+                continue
+            nxt_ok = speculator.may_draft_next(s)   # (makes s.spec)
+            st = s.spec.stash
+            stashed = st.rows if st is not None and st.end == s.num_computed else 0
+            if nxt_ok:
+                want = self.k
+            elif s.draft_token_ids or stashed + n > STASH_ROWS:
+                want = max(want, 1)
+            else:
+                continue   # its rows go to its stash
+            extra += stashed
+        return want, extra
 
     def dummy(self, plan) -> None:
         """A rank with nothing this step: the step's passes with zero rows (their MoE all-to-alls)."""
@@ -83,9 +120,7 @@ class MTPDrafter:
         """After the target's step (before the scheduler applies result): pass 1 and the draft passes; each
         sequence that sampled gets its drafts in s.spec.mtp_drafts."""
         passes, plan = plan.draft_passes, dataclasses.replace(plan, split=False)
-        if not passes:
-            return
-        rows, ids, pos, qlens, tables, seqs = [], [], [], [], [], []
+        seqs, stashing = [], []   # (s, sampled token, first row in hidden, rows, its stash or None, drafts next)
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c, r0 = s.num_computed, start
@@ -94,32 +129,57 @@ class MTPDrafter:
                 continue
             tok = result.tokens[b]
             if s.draft_token_ids:    # a verification: its token and the accepted drafts
-                acc = result.accepted[b]
-                nxt = list(acc.tokens) + [tok]
+                nxt = list(result.accepted[b].tokens) + [tok]
             else:
                 N = s.num_tokens
                 nxt = s.tokens(c + 1, min(c + n + 1, N)) + ([tok] if tok is not None and c + n == N else [])
-            m = len(nxt)
-            if not m:
+            if not nxt:
                 continue
-            rows.extend(range(r0, r0 + m))
+            st, nxt_ok = speculator.state(s), speculator.may_draft_next(s)
+            st.mtp_drafts = []
+            stash = st.stash if st.stash is not None and st.stash.end == c else None
+            if not nxt_ok and not s.draft_token_ids and (stash.rows if stash else 0) + len(nxt) <= STASH_ROWS:
+                if stash is None:
+                    stash = Stash(c)
+                stashing.append((stash, r0, nxt))
+                st.stash = stash
+                continue
+            st.stash = None
+            seqs.append((s, tok, r0, nxt, stash, nxt_ok))
+        if stashing:   # one gather for every row this step defers
+            g = hidden.index_select(0, int64_tensor([r for _, r0, nxt in stashing for r in range(r0, r0 + len(nxt))],
+                                                    hidden.device))
+            o = 0
+            for stash, _, nxt in stashing:
+                stash.add(nxt, g[o:o + len(nxt)])
+                o += len(nxt)
+        if not passes:
+            if seqs:
+                raise RuntimeError("MTP drafter: rows to run but the step agreed on no pass (wanted() and draft() "
+                                   "disagree)")
+            return
+        ids, pos, qlens, tables, pieces, live = [], [], [], [], [], []
+        rows = 0
+        for s, tok, r0, nxt, stash, nxt_ok in seqs:
+            m, p0 = len(nxt), s.num_computed
+            if stash is not None:   # the deferred rows first: positions stash.start .. c - 1
+                ids.extend(stash.ids)
+                pieces.extend(stash.parts)
+                p0, m = stash.start, m + stash.rows
             ids.extend(nxt)
-            pos.extend(range(c, c + m))
+            pieces.append(hidden[r0:r0 + len(nxt)])
+            pos.extend(range(p0, p0 + m))
             if m <= ROWS_AS_DECODES:   # each its own decode row (the CPU's fused decode halves take them)
                 qlens.extend([1] * m)
                 tables.extend([s.block_ids] * m)
             else:
                 qlens.append(m)
                 tables.append(s.block_ids)
-            seqs.append((s, tok, c + m - 1, len(rows) - 1))   # (seq, sampled token, last row's position, its row)
-        prev = hidden.index_select(0, int64_tensor(rows, hidden.device)) if rows else hidden[:0]
+            rows += m
+            if tok is not None and nxt_ok:   # sampled this step and not backing off next step: it drafts next
+                live.append((s, p0 + m - 1, rows - 1))   # (seq, last row's position, its row)
+        prev = torch.cat(pieces) if pieces else hidden[:0]
         out = self._forward(ids, prev, pos, qlens, tables, plan)
-        # sampled this step and not backing off next step: they draft next (the others' rows only keep latents)
-        live = [(s, q, i) for s, tok, q, i in seqs if tok is not None and speculator.may_draft_next(s)]
-        for s, _, _, _ in seqs:
-            if s.spec is None:
-                s.spec = SeqSpec()
-            s.spec.mtp_drafts = []
         last = out.index_select(0, int64_tensor([i for _, _, i in live], out.device)) if live else out[:0]
         bs = self.kv.block_size
         for j in range(passes):

@@ -140,8 +140,9 @@ class RankLoop:
         batch = sched.schedule() if scheduled_work else None
         tokens = batch.num_tokens if batch is not None else []
         can_split, vote = core.split_votes(tokens)
-        passes = core.runner.drafter.wanted(batch, sched.speculator) if core.runner.drafter is not None and has_work else 0
-        sync = core.sync.sync(has_work, can_split, vote, sum(tokens), self._command_code(), passes)
+        passes, stashed = (core.runner.drafter.wanted(batch, sched.speculator) if core.runner.drafter is not None
+                           and has_work else (0, 0))
+        sync = core.sync.sync(has_work, can_split, vote, sum(tokens) + stashed, self._command_code(), passes)
         if sync.command:
             return self._obey(sync.command, sync.command_seq)
         if not sync.any_work:

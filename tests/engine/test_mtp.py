@@ -157,7 +157,8 @@ def test_sampling_with_mtp_drafts_is_seeded_and_accepts(cycle):
 
 def test_an_mtp_layer_whose_drafts_fail_stops_running(tmp_path):
     """Drafts almost never right (the MTP layer reads mostly a random map of the hidden state): the sequences
-    back off, then retire, and the drafter stops its passes; outputs equal no speculation."""
+    back off, then retire, and the drafter stops its passes; outputs equal no speculation. Later sequences of
+    the rank start retired, except its probe."""
     d, nxt = make_cycle_checkpoint(str(tmp_path / "bad"), period=12, mix=2.0, gain=20.0, seed=1, mtp=True,
                                    mtp_mix=0.1, mtp_hidden=20.0)
     prompts = cycle_prompts(nxt, 2, seed=3)
@@ -168,6 +169,63 @@ def test_an_mtp_layer_whose_drafts_fail_stops_running(tmp_path):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp)] == ref
     m = llm.engine.metrics()
     assert m["spec_decode_acceptance_rate"] < 0.2 and m["spec_decode_retired"] == 2, m
-    passes = llm.engine.core.runner.drafter.passes
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-    assert llm.engine.core.runner.drafter.passes > passes   # a new sequence gets the drafter again
+    drafts = m["spec_decode_num_drafts"]
+    # the rank remembers: new sequences start backed off (retired: the drafter never runs them) ...
+    drafter, sp = llm.engine.core.runner.drafter, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    passes = drafter.passes
+    for _ in range(5):   # sequences 3..7 of the rank
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp)] == [ref[0][:40]]
+    m = llm.engine.metrics()
+    assert drafter.passes == passes and m["spec_decode_started_paused"] == 5, m
+    assert m["spec_decode_num_drafts"] == drafts and m["spec_decode_rank_pause_max"] >= 16, m
+    # ... except the rank's probe (its 8th sequence), which gets the drafter again
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts[:1], sp)] == [ref[0][:40]]
+    assert drafter.passes > passes and llm.engine.metrics()["spec_decode_started_paused"] == 5
+
+
+def test_backed_off_rows_wait_in_a_stash_and_drafts_are_unchanged(cycle, monkeypatch):
+    """A sequence backing off defers its first-pass rows and runs them before it drafts again: whenever it is
+    about to draft, the MTP layer's latents of all its positions equal those of a drafter that ran every row
+    at once, its drafts are the same, and it took fewer passes."""
+    from engine.spec_decode import speculator as spec_mod
+    from engine.worker import mtp_drafter
+    d, nxt = cycle
+    prompts = cycle_prompts(nxt, 1, seed=7)   # one sequence: its backed-off steps have no other rows
+    sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
+    runs, default = {}, mtp_drafter.STASH_ROWS
+    for rows in (default, 0):
+        monkeypatch.setattr(mtp_drafter, "STASH_ROWS", rows)
+        proposed = []
+        real = spec_mod.Speculator.propose
+
+        def propose(self, s, room, _real=real, _log=proposed):
+            out = _real(self, s, room)
+            _log.append((self.step, s.request_id, tuple(out)))
+            return out
+        monkeypatch.setattr(spec_mod.Speculator, "propose", propose)
+        latents = []   # when a sequence is about to draft: the MTP layer's latents of its positions so far
+        real_draft = mtp_drafter.MTPDrafter.draft
+
+        def draft(self, batch, *a, _real=real_draft, _log=latents):
+            _real(self, batch, *a)
+            pool, bs = self.kv.pools[self.layer.index], self.kv.block_size
+            for s in batch.seqs:
+                if s.spec is not None and s.spec.mtp_drafts:
+                    slots = [s.block_ids[p // bs] * bs + p % bs for p in range(s.num_computed)]
+                    _log.append((s.request_id, s.num_computed, pool[slots].clone()))
+        monkeypatch.setattr(mtp_drafter.MTPDrafter, "draft", draft)
+        llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64,
+                  speculative_config=dict(mtp(2), backoff_steps=4))
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
+        runs[rows] = toks, proposed, llm.engine.core.runner.drafter.passes, llm.engine.metrics(), latents
+        llm.shutdown()
+        monkeypatch.setattr(spec_mod.Speculator, "propose", real)
+        monkeypatch.setattr(mtp_drafter.MTPDrafter, "draft", real_draft)
+    (t1, p1, n1, m1, l1), (t0, p0, n0, _, l0) = runs[default], runs[0]
+    assert t1 == t0
+    assert [(r, c) for r, c, _ in l1] == [(r, c) for r, c, _ in l0]
+    for (_, c, x), (_, _, y) in zip(l1, l0):   # complete when it drafts: every position's latent as computed at once
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=f"latents at {c} positions")
+    assert m1["spec_decode_backoffs"] > 0 and any(d for _, _, d in p1), m1   # it backed off, and drafted
+    assert p1 == p0   # the same drafts, step by step
+    assert n1 < n0, (n1, n0)   # backed-off steps ran no pass

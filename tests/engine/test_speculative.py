@@ -32,6 +32,52 @@ def ngram(k=3, lo=2, hi=4, **kw):
     return dict(method="ngram", num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi, **kw)
 
 
+# -- the turn-down ------------------------------------------------------------------------------------
+class _SpecSeq:
+    """What the speculator reads of a sequence."""
+
+    def __init__(self):
+        self.spec, self.params, self.token_ids = None, SamplingParams(), [1, 2, 3, 1, 2]
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_the_rank_remembers_failing_drafts_and_probes(method):
+    """Sequences whose drafts fail raise the rank's pause; while its recent acceptance is low, new sequences
+    start backed off (MTP: retired) except one in PROBE_EVERY; a probe that succeeds lowers the pause again
+    and new sequences draft at once."""
+    from engine.spec_decode import speculator as sm
+    sp = sm.Speculator(SpeculativeConfig(method=method, num_speculative_tokens=2, backoff_steps=4))
+    sp.begin(1)
+    first = _SpecSeq()
+    for _ in range(sm.WINDOW):
+        sp.state(first)
+        sp.record(first, 2, 0)
+    assert first.spec.pause == 4 and first.spec.resume_at == sp.step + 4 and sp.rank_pause == 4
+    assert sp.recent == 0.0
+    news = [_SpecSeq() for _ in range(sm.PROBE_EVERY)]   # the rank's sequences 2 .. PROBE_EVERY + 1
+    for s in news:
+        st = sp.state(s)
+    paused = [s for s in news if s.spec.resume_at > sp.step]
+    probe = [s for s in news if s.spec.resume_at <= sp.step]
+    assert len(paused) == sm.PROBE_EVERY - 1 and len(probe) == 1 and news.index(probe[0]) == sm.PROBE_EVERY - 2
+    assert all(s.spec.retired == (method == "mtp") and s.spec.pause == 4 for s in paused)
+    assert sp.stats()["spec_started_paused"] == sm.PROBE_EVERY - 1
+    assert not sp.may_draft_next(paused[0]) and sp.may_draft_next(probe[0])
+    # a paused sequence that fails again doubles from the rank's pause (n-gram: it was not retired)
+    st = paused[0].spec
+    st.retired, st.resume_at = False, 0
+    for _ in range(sm.WINDOW):
+        sp.record(paused[0], 2, 0)
+    assert st.pause == 8 and sp.rank_pause == 8
+    # the probe's drafts are right: the rank's average recovers and its pause halves per good judgement
+    for _ in range(3 * sm.WINDOW):
+        sp.record(probe[0], 2, 2)
+    assert sp.recent >= sp.cfg.min_acceptance and sp.rank_pause == 0
+    later = _SpecSeq()
+    sp.state(later)
+    assert later.spec.resume_at == 0 and not later.spec.retired and sp.may_draft_next(later)
+
+
 # -- the n-gram index ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("lo,hi", [(1, 1), (2, 4), (3, 5)])
 def test_ngram_index_proposes_what_a_scan_proposes(lo, hi):
