@@ -10,8 +10,10 @@ engine, the same threads, dtype and batch for every k):
 - "ngram_rejected": a random model and prompts over a 12-token alphabet, so n-gram drafts are proposed
   often and almost always rejected (the worst case for drafting's cost: the backoff must hold it).
 - "mtp_rejected": the cycle target with an MTP layer that mostly reads a random map of the hidden state
-  (`mtp_hidden` 20): its drafts are almost always wrong; backing off, the drafter still runs its first
-  pass every step (it keeps the layer's latents), not the later ones.
+  (`mtp_hidden` 20): its drafts are almost always wrong; backing off, a sequence's MTP rows wait in its
+  stash, and once the rank has seen drafts fail new sequences start retired (one probe in eight).
+  Engines are reused across batch sizes and trials, so a rank's memory of failing drafts carries over,
+  as it does on a server.
 Targets (issue 29): >= 1.5x decode tok/s at batch 1 with >= 70 % acceptance; within 5 % of no
 speculation where acceptance is near zero. The MTP layer's cost is one decoder layer + the head per
 pass: here one layer beside 12 (DeepSeek-V3: beside 61), so MTP's share of a step is ~5x V3's.
