@@ -43,6 +43,8 @@ _SCALARS = [
      "Sequences not drafting in the last step because they are backing off."),
     ("wideep_spec_decode_steps_batch_off_total", "spec_decode_steps_batch_off", "counter",
      "Rank steps without drafts because more sequences ran than disable_by_batch_size."),
+    ("wideep_spec_decode_started_paused_total", "spec_decode_started_paused", "counter",
+     "New sequences that started backed off because their rank's recent drafts were rarely accepted."),
     # surviving lost ranks (on_rank_loss = "continue")
     ("wideep_rank_losses_total", "rank_losses", "counter", "Ranks lost and survived (the ranks re-formed)."),
     ("wideep_requests_readmitted_total", "requests_readmitted", "counter",

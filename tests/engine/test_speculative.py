@@ -310,5 +310,5 @@ def test_prometheus_has_the_spec_decode_families(cycle):
     _, m = generate(d, cycle_prompts(nxt, 2), ngram(2), max_tokens=12)
     text = render(m)
     for name in ("wideep_spec_decode_num_drafts_total", "wideep_spec_decode_num_accepted_tokens_total",
-                 "wideep_spec_decode_acceptance_rate", 'wideep_spec_decode_num_accepted_tokens_per_pos_total{position="1"}'):
+                 "wideep_spec_decode_acceptance_rate", "wideep_spec_decode_started_paused_total", 'wideep_spec_decode_num_accepted_tokens_per_pos_total{position="1"}'):
         assert name in text
