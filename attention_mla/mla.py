@@ -96,6 +96,12 @@ class MLA(nn.Module):
         q_pe, k_pe = self.rope.apply(q_pe, cos, sin), self.rope.apply(k_pe, cos, sin)
         return q_nope, q_pe, torch.cat((self.kv_a_layernorm(c), k_pe), dim=-1)
 
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the rows' latents [T, C+R] (normed c, rotated k_pe): what project() caches, without the
+        queries (a row whose attention output nobody reads still leaves its latent for the rows after it)."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
+        return torch.cat((self.kv_a_layernorm(c), self.rope.apply(k_pe, cos, sin)), dim=-1)
+
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> W_UK [N, dn, C], W_UV [N, dv, C] (views of kv_b_proj.weight)."""
         cfg = self.cfg

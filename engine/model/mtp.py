@@ -69,8 +69,33 @@ class MTPLayer(nn.Module):
                 ) -> torch.Tensor:
         """token_ids [T] (each row's next token), prev_hidden [T, H] -> the layer's output [T, H] (collective:
         every rank calls it, T may be 0). meta: the rows' positions and slots in kv_pools[L]."""
+        return self._layer(token_ids, self._input(token_ids, prev_hidden), meta, kv_pools, plan)
+
+    def first_pass(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
+                   slots: torch.Tensor, max_position: int, out_rows: torch.Tensor, meta, kv_pools: list, plan
+                   ) -> torch.Tensor:
+        """Rows at positions [T] (cache slots [T], the largest position max_position); only out_rows [T'] (each
+        its sequence's last row) need an output -> [T', H]. A single decoder layer's cache entry at a position depends on its input there only,
+        so the other rows stop at their latent (eh_proj, the attention norm, kv_a_proj: no queries, attention
+        or MoE), written first; then the layer runs over out_rows, meta describing them (collective)."""
+        x = self._input(token_ids, prev_hidden)
+        T = x.shape[0]
+        if out_rows.numel() < T:
+            rest = torch.ones(T, dtype=torch.bool, device=x.device)
+            rest[out_rows] = False
+            rest = rest.nonzero().squeeze(1)
+            attn = self.layer.self_attn
+            cos, sin = self.rope.cos_sin(positions[rest], max_position=max_position)
+            attn.write_cache(kv_pools[self.index], slots[rest],
+                             attn.latent(self.layer.input_layernorm(x[rest]), cos, sin))
+            x, token_ids = x[out_rows], token_ids[out_rows]
+        return self._layer(token_ids, x, meta, kv_pools, plan)
+
+    def _input(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(self.embed(token_ids)), self.hnorm(prev_hidden)], dim=-1))
+
+    def _layer(self, token_ids: torch.Tensor, x: torch.Tensor, meta, kv_pools: list, plan) -> torch.Tensor:
         mb = Microbatch(0, token_ids, meta, kv_pools, plan, self.dispatcher)
-        x = self.eh_proj(torch.cat([self.enorm(self.embed(token_ids)), self.hnorm(prev_hidden)], dim=-1))
         max_pos = max(meta.ctx_lens) - 1 if meta.ctx_lens else 0
         s = OpState(mb, x=x, rope=self.rope.cos_sin(meta.positions, max_position=max_pos))
         ops = self.decode_plan.extra_layer_ops(self.layer, mb) if self.decode_plan is not None else None

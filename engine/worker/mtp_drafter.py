@@ -5,7 +5,9 @@ Legend: M rows of the first pass, D sequences drafting, k drafts per step.
 Pass 1 keeps the layer's latent cache (kv_pools[L]) complete: row i is position i with the token at
 i + 1 and the target's hidden state at i — every prefill row, a decode's row, and a verification's
 rows up to its last accepted draft (the rejected drafts' rows are dropped; their slots are rewritten
-later). The last row of each sequence that sampled this step predicts its first draft. Passes 2..k
+later). The last row of each sequence that sampled this step predicts its first draft; the other rows
+only write their latents (a single layer's cache entry depends on its input alone: no queries, attention
+or MoE for them, MTPLayer.first_pass). Passes 2..k
 feed the layer's output and the previous draft back in, one row per drafting sequence, at the
 positions after it: their latents sit in the lookahead slots the scheduler grew (k - 1 past the
 step's tokens) and are rewritten by the next step's pass 1 when those positions become real.
@@ -31,7 +33,6 @@ from ..spec_decode.speculator import can_draft
 from .runner import attn_meta
 
 
-ROWS_AS_DECODES = 16   # a sequence's first-pass rows up to this many run as decode rows, more as one chunk
 STASH_ROWS = 64        # a backing-off sequence's deferred first-pass rows: past this many they run
 
 
@@ -158,7 +159,8 @@ class MTPDrafter:
                 raise RuntimeError("MTP drafter: rows to run but the step agreed on no pass (wanted() and draft() "
                                    "disagree)")
             return
-        ids, pos, qlens, tables, pieces, live = [], [], [], [], [], []
+        bs = self.kv.block_size
+        ids, pos, slots, pieces, live = [], [], [], [], []
         rows = 0
         for s, tok, r0, nxt, stash, nxt_ok in seqs:
             m, p0 = len(nxt), s.num_computed
@@ -168,20 +170,22 @@ class MTPDrafter:
                 p0, m = stash.start, m + stash.rows
             ids.extend(nxt)
             pieces.append(hidden[r0:r0 + len(nxt)])
+            t = s.block_ids
             pos.extend(range(p0, p0 + m))
-            if m <= ROWS_AS_DECODES:   # each its own decode row (the CPU's fused decode halves take them)
-                qlens.extend([1] * m)
-                tables.extend([s.block_ids] * m)
-            else:
-                qlens.append(m)
-                tables.append(s.block_ids)
+            slots.extend(t[p // bs] * bs + p % bs for p in range(p0, p0 + m))
             rows += m
             if tok is not None and nxt_ok:   # sampled this step and not backing off next step: it drafts next
                 live.append((s, p0 + m - 1, rows - 1))   # (seq, last row's position, its row)
         prev = torch.cat(pieces) if pieces else hidden[:0]
-        out = self._forward(ids, prev, pos, qlens, tables, plan)
-        last = out.index_select(0, int64_tensor([i for _, _, i in live], out.device)) if live else out[:0]
-        bs = self.kv.block_size
+        # only the drafting sequences' last rows need the layer's output: the others stop at their latents
+        qs = [q for _, q, _ in live]
+        meta = attn_meta(qs, [slots[i] for _, _, i in live], [q + 1 for q in qs], [1] * len(live),
+                         [s.block_ids for s, _, _ in live], bs, self.device)
+        self.passes += 1
+        last = self.layer.first_pass(int64_tensor(ids, self.device), prev, int64_tensor(pos, self.device),
+                                     int64_tensor(slots, self.device), max(pos, default=0),
+                                     int64_tensor([i for _, _, i in live], self.device), meta, self.kv.pools, plan)
+        live = [(s, q, j) for j, (s, q, _) in enumerate(live)]
         for j in range(passes):
             if j:
                 # the next position, where its lookahead slot exists
