@@ -9,8 +9,9 @@ and PV products are [BH, D] x [D, BN] GEMMs). Reference: attention_mla.paged_dec
 An fp8 cache (attention_mla/fp8_cache.py) is read as packed uint8 rows: the e4m3 bytes and their group's
 float32 scale are loaded and dequantised to q's dtype in registers, the RoPE part read as stored; the
 dots and the softmax are then the same as over a full-precision cache. An fp4 cache (attention_mla/fp4_cache.py)
-likewise: each latent value's nibble is picked from its byte, decoded to its e2m1 value, and multiplied by
-its group's e4m3 scale times the token's float32 scale (the dequantiser's order of products).
+likewise: each byte is loaded once and split into its two nibbles (interleaved back in registers), each
+decoded to its e2m1 value and multiplied by its group's e4m3 scale times the token's float32 scale (the
+dequantiser's order of products).
 """
 from __future__ import annotations
 
@@ -102,12 +103,13 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
         kc_ok = j_ok[:, None] & c_ok[None, :]
         kr_ok = j_ok[:, None] & r_ok[None, :]
         if FP4:   # GROUP values per e4m3 scale, relative to the token's float32 scale at tok_off
-            byte = tl.load(row + c[None, :] // 2, mask=kc_ok, other=0)
-            nib = (byte >> ((c[None, :] % 2) * 4).to(tl.uint8)) & 15
-            code = (nib & 7).to(tl.int32)   # magnitude index: 0, 0.5 below 2, else 2^(exponent - 1) * 1.mantissa
-            mant = (code & 1).to(tl.float32)
-            mag = tl.where(code < 2, mant * 0.5, tl.exp2((code >> 1).to(tl.float32) - 1.0) * (1.0 + 0.5 * mant))
-            k4 = tl.where((nib & 8) != 0, -mag, mag)                                              # [BN, BC]
+            cb = tl.arange(0, BC // 2)
+            byte = tl.load(row + cb[None, :], mask=j_ok[:, None] & (cb[None, :] * 2 < C), other=0)   # [BN, BC/2]
+            nib = tl.reshape(tl.join(byte & 15, byte >> 4), (BN, BC))          # value 2i: low nibble, 2i+1: high
+            # twice the magnitude of code m (0..7 -> 0, 1, 2, 3, 4, 6, 8, 12) = m + max(m - 4, 0) + 2 max(m - 6, 0)
+            code = (nib & 7).to(tl.int32)
+            twice = code + tl.maximum(code - 4, 0) + 2 * tl.maximum(code - 6, 0)
+            k4 = (tl.where((nib & 8) != 0, -twice, twice)).to(tl.float32) * 0.5                   # [BN, BC]
             tok = tl.load((row + tok_off).to(tl.pointer_type(tl.float32)), mask=j_ok[:, None], other=0.0)
             g = tl.arange(0, BC // GROUP)
             s8 = tl.load(row + scale_off + g[None, :], mask=j_ok[:, None] & (g[None, :] * GROUP < C), other=0)
