@@ -27,16 +27,19 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")   # auto = the model dtype; fp8 is fp8_e4m3
+from .fp4_cache import Fp4Latent
+
+# auto = the model dtype; fp8 is fp8_e4m3, fp4 is fp4_e2m1 (attention_mla/fp4_cache.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp4", "fp4_e2m1")
 E4M3_MAX = 448.0
 GROUP = 128
 
 
 def check_kv_cache_dtype(name) -> str:
-    """-> "auto" | "fp8_e4m3" (the canonical name); anything else is a ValueError naming it."""
+    """-> "auto" | "fp8_e4m3" | "fp4_e2m1" (the canonical name); anything else is a ValueError naming it."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
-    return "auto" if name == "auto" else "fp8_e4m3"
+    return {"fp8": "fp8_e4m3", "fp4": "fp4_e2m1"}.get(name, name)
 
 
 def _align4(n: int) -> int:
@@ -49,6 +52,7 @@ class Fp8Latent:
     kv_lora_rank: int
     rope_dim: int
     rope_dtype: torch.dtype = torch.float32
+    name = "fp8_e4m3"      # the canonical kv_cache_dtype (LatentKVPool.kv_cache_dtype)
 
     def __post_init__(self):
         if self.kv_lora_rank < 1 or self.rope_dim < 0:
@@ -114,6 +118,12 @@ class Fp8Latent:
         pool.index_copy_(0, slots, self.quantize(latent))
 
 
-def latent_layout(kv_cache_dtype: str, kv_lora_rank: int, rope_dim: int, dtype: torch.dtype) -> Fp8Latent | None:
-    """The packed layout for kv_cache_dtype "fp8"/"fp8_e4m3", None for "auto" (rows of the model dtype)."""
-    return None if check_kv_cache_dtype(kv_cache_dtype) == "auto" else Fp8Latent(kv_lora_rank, rope_dim, dtype)
+def latent_layout(kv_cache_dtype: str, kv_lora_rank: int, rope_dim: int,
+                  dtype: torch.dtype) -> Fp8Latent | Fp4Latent | None:
+    """The packed layout for kv_cache_dtype "fp8"/"fp8_e4m3" or "fp4"/"fp4_e2m1", None for "auto" (rows of the
+    model dtype). Both layouts have the same fields (kv_lora_rank, rope_dim, rope_dtype, name, row_bytes,
+    scale_offset, rope_offset, group, num_groups) and methods (quantize, dequantize, write)."""
+    kind = check_kv_cache_dtype(kv_cache_dtype)
+    if kind == "auto":
+        return None
+    return (Fp8Latent if kind == "fp8_e4m3" else Fp4Latent)(kv_lora_rank, rope_dim, dtype)

@@ -3,7 +3,8 @@
 MLA caches the compressed latent, not per-head K/V: per token per layer C + R values
 (kv_lora_rank + qk_rope_head_dim; 576 for DeepSeek-V3). With kv_cache_dtype "fp8" a token's latent is
 one packed uint8 row instead (attention_mla/fp8_cache.py: e4m3 no-RoPE part, float32 scales, RoPE part
-in the model dtype): 656 bytes for DeepSeek-V3 in bf16 instead of 1152.
+in the model dtype): 656 bytes for DeepSeek-V3 in bf16 instead of 1152; with "fp4" (attention_mla/fp4_cache.py:
+e2m1 no-RoPE part, an e4m3 scale per 16 values and a float32 one per token, RoPE part in the model dtype) 420.
 Legend: S slots = num_blocks * block_size, D = C + R. A token at position j of a sequence lives in
 slot block_table[j // block_size] * block_size + j % block_size.
 """
@@ -13,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 
+from .fp4_cache import Fp4Latent
 from .fp8_cache import Fp8Latent
 
 
@@ -21,13 +23,14 @@ class LatentKVPool:
     index_dim > 0 (DeepSeek Sparse Attention) adds index_pools[layer]: [S, Dk], the indexer's key of
     each token in the same slot as its latent (so one block table, prefix cache and transfer serve both);
     index_pools is None otherwise.
-    fp8: the packed layout (kv_cache_dtype "fp8"): pools[layer] is then uint8 [S, fp8.row_bytes]; the
+    fp8: the packed layout (kv_cache_dtype "fp8", or "fp4": an Fp4Latent, the same fields): pools[layer] is
+    then uint8 [S, fp8.row_bytes]; the
     indexer keys stay in `dtype` (they are 128 values against the latent's 576 and pick the top-k, where
     a flipped choice costs more than the bytes saved)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, latent_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", index_dim: int = 0,
-                 fp8: Fp8Latent | None = None):
+                 fp8: Fp8Latent | Fp4Latent | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"KV cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         if fp8 is not None and fp8.kv_lora_rank + fp8.rope_dim != latent_dim:
@@ -49,16 +52,16 @@ class LatentKVPool:
         return [t for layer in range(len(self.pools)) for t in self.layer_pools(layer)]
 
     def bytes_per_token(self) -> dict[str, int]:
-        """Cache bytes one token takes over all layers: the latent's (packed rows with fp8: e4m3 values,
-        scales, RoPE part) and the indexer keys' (0 without DSA)."""
+        """Cache bytes one token takes over all layers: the latent's (packed rows with fp8 / fp4: the
+        quantised values, scales, RoPE part) and the indexer keys' (0 without DSA)."""
         L = len(self.pools)
         index = L * self.index_dim * self.index_pools[0].element_size() if self.index_pools is not None else 0
         return {"latent": L * self.pools[0].shape[1] * self.pools[0].element_size(), "index_keys": index}
 
     @property
     def kv_cache_dtype(self) -> str:
-        """The canonical name of the latent cache's format: "auto" | "fp8_e4m3" (from `fp8`)."""
-        return "auto" if self.fp8 is None else "fp8_e4m3"
+        """The canonical name of the latent cache's format: "auto" | "fp8_e4m3" | "fp4_e2m1" (from `fp8`)."""
+        return "auto" if self.fp8 is None else self.fp8.name
 
     @property
     def device(self) -> torch.device:
@@ -75,7 +78,7 @@ class LatentKVPool:
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, latent_dim: int, dtype: torch.dtype,
-                        index_dim: int = 0, fp8: Fp8Latent | None = None) -> int:
+                        index_dim: int = 0, fp8: Fp8Latent | Fp4Latent | None = None) -> int:
         """The bytes a block takes over all layers (what sizes the cache from kv_cache_memory)."""
         size = torch.empty(0, dtype=dtype).element_size()
         latent = latent_dim * size if fp8 is None else fp8.row_bytes

@@ -11,7 +11,8 @@ L context length. Two mathematically equal forms, kept side by side:
 "cpu" does the same in the backend's kernels (layers/kernels.py mla_decode), with the query absorption
 and the output projection as streamed per-head GEMMs over weights laid out once (attend_paged_cpu).
 kv_cache_dtype "fp8": the cache holds packed e4m3 rows (attention_mla/fp8_cache.py); write_cache quantises,
-cache_rows dequantises for the torch forms, and both paged kernels read the packed rows themselves.
+cache_rows dequantises for the torch forms, and both paged kernels read the packed rows themselves; "fp4" the
+same with packed e2m1 rows (attention_mla/fp4_cache.py; kv_fp8 then holds that layout, of the same fields).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class MLA(nn.Module):
         stored). kv_b_proj is always nn.Linear: both forms read its weight directly. backend: "torch" |
         "cpu" | "triton" (decode sequences; resolved by attention_mla/paged_decode.py). mode: one of FORMS
         ("naive" / "absorbed" force one form, for checking them against each other). kv_cache_dtype:
-        "auto" (pools of the model dtype [S, C+R]) | "fp8" (packed uint8 pools [S, kv_fp8.row_bytes]).
+        "auto" (pools of the model dtype [S, C+R]) | "fp8" | "fp4" (packed uint8 pools [S, kv_fp8.row_bytes]).
         kernels: the backend's table (layers/kernels.py): the norms' kernel, and for backend "cpu" its
         paged decode and per-head GEMMs."""
         if backend not in BACKENDS or mode not in FORMS:
@@ -114,19 +115,19 @@ class MLA(nn.Module):
         fp8 = self.kv_fp8
         width = fp8.row_bytes if fp8 is not None else self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
         if kv_pool.dim() != 2 or kv_pool.shape[1] != width or (kv_pool.dtype == torch.uint8) != (fp8 is not None):
-            raise ValueError(f"MLA with kv_cache_dtype {'fp8' if fp8 else 'auto'} needs a "
+            raise ValueError(f"MLA with kv_cache_dtype {fp8.name.split('_')[0] if fp8 else 'auto'} needs a "
                              f"{'uint8' if fp8 else 'floating'} [S, {width}] pool (a LatentKVPool with the same "
                              f"kv_cache_dtype), got {kv_pool.dtype} {tuple(kv_pool.shape)}")
 
     def write_cache(self, kv_pool: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        """latent [T, C+R] into rows slots [T] of kv_pool (quantised when the cache is fp8)."""
+        """latent [T, C+R] into rows slots [T] of kv_pool (quantised when the cache is fp8 / fp4)."""
         if self.kv_fp8 is None:
             kv_pool.index_copy_(0, slots, latent.to(kv_pool.dtype))
         else:
             self.kv_fp8.write(kv_pool, slots, latent)
 
     def cache_rows(self, kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The latents at slots [...] -> [..., C+R] in the model dtype (dequantised when the cache is fp8)."""
+        """The latents at slots [...] -> [..., C+R] in the model dtype (dequantised when the cache is fp8 / fp4)."""
         rows = kv_pool[slots]
         return rows if self.kv_fp8 is None else self.kv_fp8.dequantize(rows, self.kv_b_proj.weight.dtype)
 
@@ -187,7 +188,7 @@ class MLA(nn.Module):
         return torch.bmm(out_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def cache_dtype(self, kv_pool: torch.Tensor) -> torch.dtype:
-        """The dtype a paged kernel's query takes: the pool's, or the RoPE part's for a packed fp8 pool."""
+        """The dtype a paged kernel's query takes: the pool's, or the RoPE part's for a packed fp8 / fp4 pool."""
         return kv_pool.dtype if self.kv_fp8 is None else self.kv_fp8.rope_dtype
 
     # -- CPU decode (backend "cpu") -----------------------------------------------------------

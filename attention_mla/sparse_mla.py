@@ -30,7 +30,7 @@ from .rope import RotaryEmbedding
 class SparseMLA(MLA):
     """MLA plus `indexer` (checkpoint names `self_attn.indexer.*`). mode as MLA's: "auto" attends
     one-query sequences absorbed and the others naive; "naive"/"absorbed" force one form (tests).
-    kv_cache_dtype "fp8" quantises the latent cache only: the indexer keys stay in the model dtype."""
+    kv_cache_dtype "fp8" / "fp4" quantises the latent cache only: the indexer keys stay in the model dtype."""
 
     def __init__(self, cfg: MLAConfig, dsa: DSAConfig, rope: RotaryEmbedding, device=None, dtype=None,
                  linear=nn.Linear, backend: str = "torch", mode: str = "auto", kv_cache_dtype: str = "auto",

@@ -8,7 +8,10 @@ All heads of a sequence share one latent stream, so a program takes BH heads at 
 and PV products are [BH, D] x [D, BN] GEMMs). Reference: attention_mla.paged_decode.paged_decode_reference.
 An fp8 cache (attention_mla/fp8_cache.py) is read as packed uint8 rows: the e4m3 bytes and their group's
 float32 scale are loaded and dequantised to q's dtype in registers, the RoPE part read as stored; the
-dots and the softmax are then the same as over a full-precision cache.
+dots and the softmax are then the same as over a full-precision cache. An fp4 cache (attention_mla/fp4_cache.py)
+likewise: each byte is loaded once and split into its two nibbles (interleaved back in registers), each
+decoded to its e2m1 value and multiplied by its group's e4m3 scale times the token's float32 scale (the
+dequantiser's order of products).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import triton.language as tl
 
 from parallel.device import triton_interpreting
 
+from .fp4_cache import Fp4Latent
 from .fp8_cache import Fp8Latent
 
 LOG2E = 1.4426950408889634
@@ -66,9 +70,10 @@ def _dot(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
                          N, C, R, block_size, qk_scale,
                          stride_qb, stride_qh, stride_kv, stride_bt, stride_pb, stride_ph, stride_ps,
-                         stride_lb, stride_lh, scale_off, rope_off,
+                         stride_lb, stride_lh, scale_off, rope_off, tok_off,
                          BH: tl.constexpr, BN: tl.constexpr, BC: tl.constexpr, BR: tl.constexpr,
-                         PREC: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr):
+                         PREC: tl.constexpr, UPCAST: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
+                         FP4: tl.constexpr):
     hb = tl.program_id(0)  # fastest-varying: a sequence's head blocks run together and share its latents in L2
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -97,7 +102,22 @@ def _decode_split_kernel(q_ptr, kv_ptr, bt_ptr, lens_ptr, part_ptr, lse_ptr,
         row = kv_ptr + slot[:, None] * stride_kv           # [BN, 1]: the latents' rows (bytes when FP8)
         kc_ok = j_ok[:, None] & c_ok[None, :]
         kr_ok = j_ok[:, None] & r_ok[None, :]
-        if FP8:   # GROUP 0: one scale per token; else one per GROUP values (a power of two dividing BC)
+        if FP4:   # GROUP values per e4m3 scale, relative to the token's float32 scale at tok_off
+            cb = tl.arange(0, BC // 2)
+            byte = tl.load(row + cb[None, :], mask=j_ok[:, None] & (cb[None, :] * 2 < C), other=0)   # [BN, BC/2]
+            nib = tl.reshape(tl.join(byte & 15, byte >> 4), (BN, BC))          # value 2i: low nibble, 2i+1: high
+            # twice the magnitude of code m (0..7 -> 0, 1, 2, 3, 4, 6, 8, 12) = m + max(m - 4, 0) + 2 max(m - 6, 0)
+            code = (nib & 7).to(tl.int32)
+            twice = code + tl.maximum(code - 4, 0) + 2 * tl.maximum(code - 6, 0)
+            k4 = (tl.where((nib & 8) != 0, -twice, twice)).to(tl.float32) * 0.5                   # [BN, BC]
+            tok = tl.load((row + tok_off).to(tl.pointer_type(tl.float32)), mask=j_ok[:, None], other=0.0)
+            g = tl.arange(0, BC // GROUP)
+            s8 = tl.load(row + scale_off + g[None, :], mask=j_ok[:, None] & (g[None, :] * GROUP < C), other=0)
+            sc = s8.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tok                         # [BN, BC/GROUP]
+            k_c = tl.reshape(tl.reshape(k4, (BN, BC // GROUP, GROUP)) * sc[:, :, None], (BN, BC)).to(q_c.dtype)
+            k_r = tl.load((row + rope_off).to(tl.pointer_type(q_ptr.dtype.element_ty)) + r[None, :], mask=kr_ok,
+                          other=0.0)
+        elif FP8:   # GROUP 0: one scale per token; else one per GROUP values (a power of two dividing BC)
             k8 = tl.load(row + c[None, :], mask=kc_ok, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
             scales = (row + scale_off).to(tl.pointer_type(tl.float32))
             if GROUP == 0:
@@ -175,10 +195,10 @@ def check_tables(block_table: torch.Tensor, seq_lens: torch.Tensor, B: int, bloc
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                block_size: int, kv_lora_rank: int, sm_scale: float, max_seq_len: int,
                num_splits: int | None = None, tiles: DecodeTiles | None = None,
-               out: torch.Tensor | None = None, fp8: Fp8Latent | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, fp8: Fp8Latent | Fp4Latent | None = None) -> torch.Tensor:
     """q [B, N, D], kv_pool [S, D] (same dtype), block_table [B, M] int, seq_lens [B] int32 (>= 1)
     -> [B, N, C] in q's dtype. max_seq_len: a host bound on seq_lens (sizes the split, no sync).
-    fp8: the pool's packed layout (kv_pool uint8 [S, fp8.row_bytes], q in fp8.rope_dtype)."""
+    fp8: the pool's packed layout, fp8 or fp4 (kv_pool uint8 [S, fp8.row_bytes], q in fp8.rope_dtype)."""
     tiles = tiles or DecodeTiles()
     need(q.dim() == 3 and q.stride(-1) == 1, f"q must be [B, N, D] with unit stride on D, got {tuple(q.shape)} "
                                              f"strides {q.stride()}")
@@ -187,12 +207,12 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     need(0 < C < D, f"kv_lora_rank ({C}) must be in (0, D={D})")
     W, kv_dtype = (D, q.dtype) if fp8 is None else (fp8.row_bytes, torch.uint8)
     need(fp8 is None or (fp8.kv_lora_rank, fp8.rope_dim, fp8.rope_dtype) == (C, D - C, q.dtype),
-         f"the fp8 layout ({fp8}) does not fit q {tuple(q.shape)} {q.dtype} with kv_lora_rank {C}")
+         f"the {fp8.name if fp8 else ''} layout ({fp8}) does not fit q {tuple(q.shape)} {q.dtype} with kv_lora_rank {C}")
     need(kv_pool.dim() == 2 and kv_pool.shape[1] == W and kv_pool.stride(1) == 1,
          f"kv_pool must be [S, {W}] with unit stride, got {tuple(kv_pool.shape)} strides {kv_pool.stride()}")
     need(kv_pool.dtype == kv_dtype and q.dtype in (torch.float32, torch.bfloat16, torch.float16),
          f"q ({q.dtype}) and kv_pool ({kv_pool.dtype}) must share one of fp32/bf16/fp16" if fp8 is None else
-         f"an fp8 cache's kv_pool must be uint8 (got {kv_pool.dtype}) and q fp32/bf16/fp16 (got {q.dtype})")
+         f"an {fp8.name.split('_')[0]} cache's kv_pool must be uint8 (got {kv_pool.dtype}) and q fp32/bf16/fp16 (got {q.dtype})")
     check_tables(block_table, seq_lens, B, block_size, max_seq_len, "max_seq_len")
     devices = {t.device for t in (q, kv_pool, block_table, seq_lens)}
     need(len(devices) == 1, f"q, kv_pool, block_table, seq_lens are on different devices: {sorted(map(str, devices))}")
@@ -208,14 +228,15 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     lse = torch.empty(B, N, K, dtype=torch.float32, device=q.device)
     BC, BR = triton.next_power_of_2(C), triton.next_power_of_2(D - C)
     upcast = triton_interpreting() and q.dtype == torch.bfloat16
+    fp4 = isinstance(fp8, Fp4Latent)
     _decode_split_kernel[(triton.cdiv(N, tiles.block_h), B, K)](
         q, kv_pool, block_table, seq_lens, part, lse, N, C, D - C, block_size, sm_scale * LOG2E,  # exp2 domain
         q.stride(0), q.stride(1), kv_pool.stride(0), block_table.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        *((0, 0) if fp8 is None else (fp8.scale_offset, fp8.rope_offset)),
+        *((0, 0) if fp8 is None else (fp8.scale_offset, fp8.rope_offset)), getattr(fp8, "token_offset", 0),
         BH=tiles.block_h, BN=tiles.block_n, BC=BC, BR=BR,
-        PREC="ieee" if q.dtype == torch.float32 else None, UPCAST=upcast, FP8=fp8 is not None,
-        GROUP=fp8.group if fp8 is not None and fp8.num_groups > 1 else 0,
+        PREC="ieee" if q.dtype == torch.float32 else None, UPCAST=upcast, FP8=isinstance(fp8, Fp8Latent),
+        GROUP=fp8.group if fp8 is not None and (fp4 or fp8.num_groups > 1) else 0, FP4=fp4,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     _decode_reduce_kernel[(B, N)](part, lse, out, C, K, part.stride(0), part.stride(1), part.stride(2),
                                   lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), BC=BC)

@@ -125,9 +125,11 @@ def _eplb(r: dict) -> str:
 
 def _kv_fp8(r: dict) -> str:
     b = r["bytes_per_token"]["bf16"]
+    fp4 = (f"; fp4 {b['fp4'] / 1000:.0f} KB ({n(r['cache_ratio_fp4']['bf16'])}×), decode ÷ fp32 "
+           f"{' / '.join(map(n, r['fp4_vs_fp32']))}" if "fp4_vs_fp32" in r else "")
     return (f"DeepSeek-V3: {b['fp8'] / 1000:.0f} KB per token vs {b['auto'] / 1000:.0f} KB bf16 "
             f"({n(r['cache_ratio']['bf16'])}×); paged decode fp8 ÷ fp32 {' / '.join(map(n, r['fp8_vs_fp32']))} at "
-            f"{' / '.join(f'{c // 1024}k' for c in r['contexts'])} context")
+            f"{' / '.join(f'{c // 1024}k' for c in r['contexts'])} context{fp4}")
 
 
 def _disagg(r: dict) -> str:

@@ -13,7 +13,9 @@ Paths (the model's backends["decode"] names the one the last step took; stats() 
           (fused.mlp_layer).
   mlp_halves  a step that is not all decodes (a prefill chunk, a mixed step) of at most MAX_ROWS tokens:
           the attention as its operations, the MoE / MLP halves as in `layers`.
-  ops     the model's step_ops (big steps, DSA, an fp8 cache, ...), its reason counted.
+  ops     the model's step_ops (big steps, DSA, an fp8 or fp4 cache, ...), its reason counted. A packed
+          latent cache (fp8 / fp4) is declined: the fused layer call writes and reads float32 / bfloat16
+          rows; its attention runs on the C paged decode (mla_decode reads both packed layouts) instead.
 Each fused call runs the kernels the operations run, in their order: the outputs, caches, EPLB load
 counts and dispatcher counters equal the operations' (tests/cpu/test_decode_plan.py).
 A float32 model or a bfloat16 one (every weight of the layers in one dtype, the router's float32 as
@@ -40,8 +42,8 @@ from . import fused
 from .linear import MAX_ROWS
 
 # why a step ran its operations (every plain step is counted once: a path, or one of these)
-REASONS = ("no_tokens", "too_many_rows", "sparse_attention", "fp8_kv_cache", "weights_unfit", "not_all_decode",
-           "kv_pool")
+REASONS = ("no_tokens", "too_many_rows", "sparse_attention", "fp8_kv_cache", "fp4_kv_cache", "weights_unfit",
+           "not_all_decode", "kv_pool")
 # why a fused step ran layer by layer instead of as one stack call
 STACK_REASONS = ("disabled", "layer_hook", "ep_group", "expert_map", "moe_unfit")
 
@@ -235,7 +237,8 @@ class DecodePlan:
             self._mode = attn.mode
             self._latent_width = attn.cfg.kv_lora_rank + attn.cfg.qk_rope_head_dim
             self._layers = [self._layer(i, layer) for i, layer in enumerate(layers)]
-            self._unfit_reason = ("fp8_kv_cache" if any(a.self_attn.kv_fp8 is not None for a in layers)
+            packed = {a.self_attn.kv_fp8.name for a in layers if a.self_attn.kv_fp8 is not None}
+            self._unfit_reason = ("fp4_kv_cache" if "fp4_e2m1" in packed else "fp8_kv_cache" if packed
                                   else "weights_unfit")
             self._descs = self._stack_descs()
             self._stack_ops = [self.model.op_embed, self._op_stack, self.model.op_final_norm]
@@ -289,7 +292,7 @@ class DecodePlan:
         if a.backend != "cpu":
             return f"attention backend {a.backend!r}"
         if a.kv_fp8 is not None:
-            return "an fp8 latent cache"
+            return f"an {a.kv_fp8.name.split('_')[0]} latent cache"
         if hasattr(a, "indexer"):
             return "sparse attention (DSA)"
         if layer.input_layernorm.kernel is None or layer.post_attention_layernorm.kernel is None \

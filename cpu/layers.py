@@ -77,7 +77,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 class MlaDecodeArgs(ctypes.Structure):
     """wd_mla_decode_args (csrc/wideep.h)."""
     _fields_ = (fields("q pool table lens out scratch pool8 kb", P)
-                + fields("B Nh D C num_blocks max_blocks max_len bs W soff roff group pdt", I) + [("scale", F)])
+                + fields("B Nh D C num_blocks max_blocks max_len bs W soff roff group pdt fp4 toff", I) + [("scale", F)])
 
 
 def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -87,7 +87,9 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
     int64 block ids, seq_lens [B] int32 (each in 1 .. max_len; max_len a host int; AttnMeta.seq_tables gives
     all three) -> [B, Nh, C] float32 (fp32 softmax). fp8: an fp8 cache's row layout (attention_mla/fp8_cache.py
     Fp8Latent, read by its fields only, so cpu/ needs nothing above it): kv_pool is then its packed uint8 rows
-    [S, fp8.row_bytes] (RoPE part float32 or bfloat16), read in place: 1 byte a latent value instead of 4."""
+    [S, fp8.row_bytes] (RoPE part float32 or bfloat16), read in place: 1 byte a latent value instead of 4. An fp4
+    cache's layout (attention_mla/fp4_cache.py Fp4Latent, name "fp4_e2m1": e2m1 codes two a byte, an e4m3 scale per
+    16 values, a float32 one per token) likewise: half a byte a latent value."""
     check_float("q", q, 3)
     q = as_f32(q)
     B, Nh, D = q.shape
@@ -95,15 +97,21 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
         check_float("kv_pool", kv_pool, 2)
         width, fp8_args = D, dict(pdt=WDT[kv_pool.dtype])
     else:
+        fp4 = fp8.name == "fp4_e2m1"
+        kind = "fp4" if fp4 else "fp8"
+        if fp4 and (fp8.group != 16 or kv_lora_rank % 16):
+            raise ValueError(f"mla_decode: an fp4 pool needs one scale per 16 values and kv_lora_rank a multiple of "
+                             f"16, got group {fp8.group}, kv_lora_rank {kv_lora_rank}")
         if kv_pool.dtype != torch.uint8 or kv_pool.dim() != 2 or kv_pool.shape[1] != fp8.row_bytes or kv_pool.is_cuda \
                 or (fp8.kv_lora_rank, fp8.kv_lora_rank + fp8.rope_dim) != (kv_lora_rank, D) or fp8.rope_dtype not in WDT:
-            raise ValueError(f"mla_decode: an fp8 pool must be uint8 [S, {fp8.row_bytes}] on CPU with a float32 or "
+            raise ValueError(f"mla_decode: an {kind} pool must be uint8 [S, {fp8.row_bytes}] on CPU with a float32 or "
                              f"bfloat16 RoPE part and kv_lora_rank + rope_dim = D ({D}), got {kv_pool.dtype} "
                              f"{tuple(kv_pool.shape)}, {fp8}")
         kb = torch.empty(min(block_size, 16) * D)   # FP8_ROWS rows
         width, fp8_args = fp8.row_bytes, dict(pool8=kv_pool.data_ptr(), W=fp8.row_bytes, soff=fp8.scale_offset,
                                               roff=fp8.rope_offset, group=fp8.group, kb=kb.data_ptr(),
-                                              pdt=WDT[fp8.rope_dtype])
+                                              pdt=WDT[fp8.rope_dtype], fp4=int(fp4),
+                                              toff=fp8.token_offset if fp4 else 0)
     if kv_pool.shape[1] != width or not 0 < kv_lora_rank <= D or not kv_pool.is_contiguous():
         raise ValueError(f"mla_decode: q {tuple(q.shape)}, kv_pool {tuple(kv_pool.shape)} (contiguous) and "
                          f"kv_lora_rank {kv_lora_rank} do not fit")

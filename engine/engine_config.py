@@ -43,7 +43,9 @@ class EngineConfig:
                                                      "full-length sequences, capped by kv_cache_memory")
     kv_cache_memory: int = _f("engine", 1 << 30, "bytes of KV cache per rank when kv_cache_blocks is unset")
     kv_cache_dtype: str = _f("engine", "auto", "auto (the model dtype) | fp8 (= fp8_e4m3): the latent cached as "
-                                               "e4m3 + a float32 scale per 128 values, RoPE part unquantised")
+                                               "e4m3 + a float32 scale per 128 values | fp4 (= fp4_e2m1): as e2m1 + "
+                                               "an e4m3 scale per 16 values and a float32 one per token; the RoPE "
+                                               "part unquantised")
     max_num_seqs: int = _f("engine", 256, "most running sequences per rank")
     max_num_batched_tokens: int = _f("engine", 8192, "most tokens in one step per rank (prefill is chunked)")
     enable_prefix_caching: bool = _f("engine", True, "reuse cached KV blocks of shared prompt prefixes")

@@ -93,8 +93,9 @@ OPTIONS: tuple[Option, ...] = (
            spec={"choices": ["auto", "torch", "hierarchical", "allgather", "deepep"]}),   # = DISPATCH_BACKENDS
     Option("engine.block_size", "KV cache block size in tokens (default 64)", spec=INT),
     Option("engine.kv_cache_blocks", "KV cache blocks per rank (default: sized from kv_cache_memory)", spec=INT),
-    Option("engine.kv_cache_dtype", "auto (the model dtype) | fp8 (= fp8_e4m3): the latent KV cache's format",
-           spec={"choices": ["auto", "fp8", "fp8_e4m3"]}),   # = attention_mla/fp8_cache.py KV_CACHE_DTYPES
+    Option("engine.kv_cache_dtype", "auto (the model dtype) | fp8 (= fp8_e4m3) | fp4 (= fp4_e2m1): the latent "
+           "KV cache's format", spec={"choices": ["auto", "fp8", "fp8_e4m3", "fp4", "fp4_e2m1"]}),
+    # = attention_mla/fp8_cache.py KV_CACHE_DTYPES (tests/launch/test_options.py)
     Option("engine.max_num_seqs", "most sequences in one step per rank (default 256)", spec=INT),
     Option("engine.max_num_batched_tokens", "most tokens in one step per rank (default 8192)", spec=INT),
     Option("engine.enable_prefix_caching", "reuse cached KV blocks of shared prompt prefixes (default on)",

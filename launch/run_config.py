@@ -10,7 +10,7 @@ with a model given on the command line may leave out [model] path.
                heartbeat_s, ranks_per_node, torch_low_latency_max_tokens, deepep_low_latency_max_tokens,
                simulated_latency_us, simulated_gbps, simulated_inter_node_latency_us,
                simulated_inter_node_gbps (parallel/config.py)
-    [engine]   block_size, kv_cache_blocks, kv_cache_memory, kv_cache_dtype (auto|fp8), max_num_seqs,
+    [engine]   block_size, kv_cache_blocks, kv_cache_memory, kv_cache_dtype (auto|fp8|fp4), max_num_seqs,
                max_num_batched_tokens, seed,
                enable_prefix_caching, max_logprobs (20)
     [eplb]     enabled, window_size, step_interval, num_redundant_experts, policy, initial_placement,

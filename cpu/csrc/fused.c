@@ -48,7 +48,7 @@ static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float
     bmm_nt(N, q, dq, N * dq, wuk_t, wdt, C * dn, dn, qabs, D, N * D, T, C, dn);   /* q_nope W_UK per head */
     for (int64_t t = 0; t < T * N; t++) memcpy(qabs + t * D + C, qpe + t * R, R * sizeof(float));
     int64_t rc = mla_decode(qabs, T, N, D, C, pool, pdt, S / bs, table, max_blocks, lens, max_len, bs, w->scale, olat,
-                            msc, NULL, 0, 0, 0, 0, NULL);
+                            msc, NULL, 0, 0, 0, 0, NULL, 0, 0);
     if (rc) return rc;
     bmm_nt(N, olat, C, N * C, (const char *)w->wkvb + dn * C * esz, wdt, (dn + dv) * C, C, o, dv, N * dv, T, dv,
            C);   /* W_UV */

@@ -82,6 +82,7 @@ static const wd_layout table[] = {
     FIELD(wd_mla_decode_args, num_blocks) FIELD(wd_mla_decode_args, max_blocks) FIELD(wd_mla_decode_args, max_len)
     FIELD(wd_mla_decode_args, bs) FIELD(wd_mla_decode_args, W) FIELD(wd_mla_decode_args, soff)
     FIELD(wd_mla_decode_args, roff) FIELD(wd_mla_decode_args, group) FIELD(wd_mla_decode_args, scale)
+    FIELD(wd_mla_decode_args, fp4) FIELD(wd_mla_decode_args, toff)
 
     SIZE(wd_bf16_dot_args)
     FIELD(wd_bf16_dot_args, want) FIELD(wd_bf16_dot_args, supported)

@@ -24,6 +24,47 @@ static inline float e4m3(uint8_t b, float scale) {
     return f * scale;
 }
 
+/* the RoPE part of a packed row: D - C values of dtype rdt (float32, or WD_BF16) at r, as floats o */
+static inline void rope_part(const uint8_t *r, int64_t rdt, int64_t n, float *o) {
+    if (rdt == WD_BF16)
+        for (int64_t c = 0; c < n; c++) {
+            uint16_t b;
+            memcpy(&b, r + 2 * c, 2);
+            o[c] = from_bf16(b);
+        }
+    else
+        memcpy(o, r, n * sizeof(float));
+}
+
+/* e2m1 codes (sign << 3 | magnitude index) -> values */
+static const float E2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+/* Rows [first, first + n) of a packed fp4 pool (attention_mla/fp4_cache.py: W bytes a row, e2m1 codes of c [C]
+   two a byte (value 2i low nibble), one e4m3 scale byte per 16 values at soff, the token's float32 scale at
+   toff, k_pe [D - C] at roff of dtype rdt) as floats kb [n, D]: E2M1[code] * (e4m3 scale * token scale), the
+   dequantiser's products in its order, so the values are the same floats. */
+static const float *fp4_rows(const uint8_t *pool8, int64_t W, int64_t soff, int64_t toff, int64_t roff, int64_t rdt,
+                             int64_t C, int64_t D, int64_t first, int64_t n, float *kb) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *r = pool8 + (first + i) * W;
+        float *o = kb + i * D, tok;
+        memcpy(&tok, r + toff, 4);
+        for (int64_t g = 0; g < C / 16; g++) {
+            float sg = e4m3(r[soff + g], 0x1p120f) * tok;
+            v16 v;
+            for (int k = 0; k < 8; k++) {
+                uint8_t b = r[8 * g + k];
+                v[2 * k] = E2M1[b & 15];
+                v[2 * k + 1] = E2M1[b >> 4];
+            }
+            st(o + 16 * g, v * bc(sg));
+        }
+        rope_part(r + roff, rdt, D - C, o + C);
+    }
+    return kb;
+}
+
 /* Rows [first, first + n) of a packed fp8 pool (attention_mla/fp8_cache.py: W bytes a row, e4m3 c [C],
    float32 scales at soff, one per `group` values, k_pe [D - C] at roff, float32 or, rdt WD_BF16, bfloat16)
    as floats kb [n, D]. */
@@ -40,14 +81,7 @@ static const float *fp8_rows(const uint8_t *pool8, int64_t W, int64_t soff, int6
             for (; c + 16 <= g + group; c += 16) st(o + c, e4m3x16(r + c, bc(sg)));
             for (; c < g + group; c++) o[c] = e4m3(r[c], sg);
         }
-        if (rdt == WD_BF16)
-            for (int64_t c = 0; c < D - C; c++) {
-                uint16_t b;
-                memcpy(&b, r + roff + 2 * c, 2);
-                o[C + c] = from_bf16(b);
-            }
-        else
-            memcpy(o + C, r + roff, (D - C) * sizeof(float));
+        rope_part(r + roff, rdt, D - C, o + C);
     }
     return kb;
 }
@@ -78,7 +112,7 @@ PV_TILE(1, 1, b, uint16_t, ld_bf16)
 /* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
    over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
    p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. pool8 (else NULL): the cache is packed fp8
-   rows instead of pool, and each block is dequantised into kb [bs, D] as it is read, once for the
+   rows (fp4 0) or packed fp4 rows (fp4 1: group 16, the token scale at toff) instead of pool, and each block is dequantised into kb [bs, D] as it is read, once for the
    scores and once for the output. A bfloat16 pool (pdt WD_BF16) is read in place: the scores by the
    bfloat16 GEMM (linear_bf16: with the dot products on, q is rounded to bfloat16 for them), the output
    by tiles that widen each row as they load it (kb unused). Returns 0, or -1 (nothing computed) when a
@@ -87,8 +121,9 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
                    int64_t num_blocks,
                    const int64_t *table, int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs,
                    float scale, float *out, float *scratch, const uint8_t *pool8, int64_t W, int64_t soff,
-                   int64_t roff, int64_t group, float *kb) {
+                   int64_t roff, int64_t group, float *kb, int64_t fp4, int64_t toff) {
     int64_t C16 = C & ~(int64_t)15;
+    if (pool8 && fp4 && C % 16) return -1;   /* fp4 rows hold whole groups of 16 (the launcher checks first) */
     for (int64_t b = 0; b < B; b++) {      /* nothing outside the pool or the scratch is ever read */
         if (lens[b] < 1 || lens[b] > max_len || (lens[b] - 1) / bs >= max_blocks) return -1;
         for (int64_t i = 0; i <= (lens[b] - 1) / bs; i++)
@@ -101,8 +136,9 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
         float *ob = out + b * Nh * C, *sc = scratch;
         /* rows j0 .. j0 + n - 1 (never past their block): in place, or dequantised into kb (in L1) */
 #define ROW0(j0) (table[b * max_blocks + (j0) / bs] * bs + (j0) % bs)
-#define ROWS(j0, n) (pool8 ? fp8_rows(pool8, W, soff, roff, pdt, group, C, D, ROW0(j0), n, kb)               \
-                     : (const float *)pool + ROW0(j0) * D)
+#define ROWS(j0, n) (!pool8 ? (const float *)pool + ROW0(j0) * D                                              \
+                     : fp4 ? fp4_rows(pool8, W, soff, toff, roff, pdt, C, D, ROW0(j0), n, kb)                    \
+                     : fp8_rows(pool8, W, soff, roff, pdt, group, C, D, ROW0(j0), n, kb))
 #define CHUNK(j0) (L - (j0) < step - (j0) % step ? L - (j0) : step - (j0) % step)
         int64_t step = pool8 && bs > FP8_ROWS ? FP8_ROWS : bs, bf = !pool8 && pdt == WD_BF16;
         const uint16_t *p16 = pool;
@@ -163,5 +199,5 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
 int64_t wd_mla_decode(const wd_mla_decode_args *a) {
     return mla_decode(a->q, a->B, a->Nh, a->D, a->C, a->pool, a->pdt, a->num_blocks, a->table, a->max_blocks, a->lens,
                       a->max_len, a->bs, a->scale, a->out, a->scratch, a->pool8, a->W, a->soff, a->roff, a->group,
-                      a->kb);
+                      a->kb, a->fp4, a->toff);
 }

@@ -187,7 +187,7 @@ WD_INTERNAL int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D,
                                int64_t pdt, int64_t num_blocks, const int64_t *table, int64_t max_blocks, const int32_t *lens,
                                int64_t max_len, int64_t bs, float scale, float *out, float *scratch,
                                const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
-                               float *kb);
+                               float *kb, int64_t fp4, int64_t toff);
 /* route.c */
 WD_INTERNAL void route(const float *x, int64_t T, int64_t H, const float *w, int64_t E, const float *bias,
                        int sigmoid, int method, int64_t G, int64_t topk_group, int64_t k, int norm, float scale,
@@ -306,8 +306,10 @@ int64_t wd_linear_fp8(const wd_linear_fp8_args *a);
 /* Absorbed MLA decode over the paged latent cache: out [B, Nh, C] from q [B, Nh, D], pool [num_blocks bs,
    D], table [B, max_blocks], lens [B] (1 .. max_len). scratch: Nh (max_len + 1) floats. pool8 (else NULL):
    the cache as packed fp8 rows of W bytes (scales at soff, one per `group` values, the RoPE at roff),
-   dequantised through kb [min(bs, 16), D], its RoPE part of dtype pdt; else pool of dtype pdt (read in
-   place). Returns 0, or -1 (nothing computed) for a length or block id out of range. */
+   dequantised through kb [min(bs, 16), D], its RoPE part of dtype pdt; fp4 1: packed fp4 rows instead (e2m1
+   codes two a byte, an e4m3 scale byte per 16 values at soff, the token's float32 scale at toff, group
+   unused); else pool of dtype pdt (read in place). Returns 0, or -1 (nothing computed) for a length or
+   block id out of range. */
 typedef struct {
     const float *q;
     const void *pool;
@@ -316,7 +318,7 @@ typedef struct {
     float *out, *scratch;
     const uint8_t *pool8;
     float *kb;
-    int64_t B, Nh, D, C, num_blocks, max_blocks, max_len, bs, W, soff, roff, group, pdt;
+    int64_t B, Nh, D, C, num_blocks, max_blocks, max_len, bs, W, soff, roff, group, pdt, fp4, toff;
     float scale;
 } wd_mla_decode_args;
 int64_t wd_mla_decode(const wd_mla_decode_args *a);

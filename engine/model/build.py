@@ -92,8 +92,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     constructor; model.backends records what was chosen. With an fp8 checkpoint, a kernel experts
     backend (triton, deepgemm) keeps the routed experts and the attention/MLP projections fp8 on the
     device (Triton W8A16 linears). dispatch_options: extra make_dispatcher keywords (low-latency
-    thresholds, the simulated link). kv_cache_dtype: "auto" | "fp8" (attention_mla/fp8_cache.py): what
-    the attention layers write to and read from the latent cache.
+    thresholds, the simulated link). kv_cache_dtype: "auto" | "fp8" | "fp4" (attention_mla/fp8_cache.py,
+    fp4_cache.py): what the attention layers write to and read from the latent cache.
 
     quantization (QUANTIZATION; what an fp8 checkpoint's weights are in memory, docs/kernels.md): "auto" keeps
     them fp8 where the experts backend computes on fp8 (cpu, triton, deepgemm) and dequantises them at load

@@ -107,7 +107,7 @@ def test_prefix_cache_hit_equals_recompute(model_dir):
 
 
 def test_bad_kv_cache_dtype_is_named(model_dir):
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3'\), got 'int8'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \('auto', 'fp8', 'fp8_e4m3', 'fp4', 'fp4_e2m1'\), got 'int8'"):
         EngineConfig.from_options(model_dir, world_size=1, kv_cache_dtype="int8")
     assert EngineConfig.from_options(model_dir, world_size=1, kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
 

@@ -105,14 +105,17 @@ def production_configs():
            dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", K=H, G=56, stride_xm=H, stride_qm=H, stride_sm=56,
                 stride_sg=1), dict(GROUP=128, BLOCK=128, FMAX=448.0, PREROUND=False), 4, 1)
     t = td.DecodeTiles()
-    for fp8 in (False, True):   # a bf16 cache [S, 576]; an fp8 one, packed rows of 656 bytes (fp8_cache.py)
-        yield ("mla_decode_split" + (" fp8" if fp8 else ""), td._decode_split_kernel,
-               dict(q_ptr="*bf16", kv_ptr="*u8" if fp8 else "*bf16", bt_ptr="*i32", lens_ptr="*i32", part_ptr="*fp32",
+    # a bf16 cache [S, 576]; an fp8 one, packed rows of 656 bytes (fp8_cache.py); an fp4 one, 420 (fp4_cache.py)
+    rows = {"": (576, 0, 0, 0, 0), " fp8": (656, 512, 528, 0, 128), " fp4": (420, 256, 292, 288, 16)}
+    for kind, (width, scale_off, rope_off, tok_off, group) in rows.items():
+        yield ("mla_decode_split" + kind, td._decode_split_kernel,
+               dict(q_ptr="*bf16", kv_ptr="*u8" if kind else "*bf16", bt_ptr="*i32", lens_ptr="*i32", part_ptr="*fp32",
                     lse_ptr="*fp32", N=128, C=512, R=64, block_size=64, qk_scale=0.1, stride_qb=128 * 576,
-                    stride_qh=576, stride_kv=656 if fp8 else 576, stride_bt=64, stride_pb=128 * 4 * 512,
-                    stride_ph=4 * 512, stride_ps=512, stride_lb=512, stride_lh=4, scale_off=512 if fp8 else 0,
-                    rope_off=528 if fp8 else 0),
-               dict(BH=t.block_h, BN=t.block_n, BC=512, BR=64, PREC=None, UPCAST=False, FP8=fp8, GROUP=128 if fp8 else 0),
+                    stride_qh=576, stride_kv=width, stride_bt=64, stride_pb=128 * 4 * 512,
+                    stride_ph=4 * 512, stride_ps=512, stride_lb=512, stride_lh=4, scale_off=scale_off,
+                    rope_off=rope_off, tok_off=tok_off),
+               dict(BH=t.block_h, BN=t.block_n, BC=512, BR=64, PREC=None, UPCAST=False, FP8=kind == " fp8",
+                    GROUP=group, FP4=kind == " fp4"),
                t.num_warps, t.num_stages)
     yield ("mla_decode_reduce", td._decode_reduce_kernel,
            dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", C=512, num_splits=4, stride_pb=128 * 4 * 512,

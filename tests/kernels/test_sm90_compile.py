@@ -39,7 +39,8 @@ def test_every_kernel_compiles_for_sm90_without_spills(compiled):
     for name, r in compiled.items():
         # the fp8-cache decode spills a little at the bf16 cache's tiles (280 bytes measured; no tile tried
         # without: 32 heads, 16 warps, 1-2 stages all spill more); tuning it needs a GPU to time
-        assert r["spill_bytes"] <= (320 if name == "mla_decode_split fp8" else 0), r
+        # the fp4-cache decode more (432 measured: the nibbles are unpacked and scaled in registers)
+        assert r["spill_bytes"] <= {"mla_decode_split fp8": 320, "mla_decode_split fp4": 480}.get(name, 0), r
         assert r["smem"] <= SMEM_LIMIT_SM90, r
 
 
@@ -49,5 +50,5 @@ def test_gemm_loops_pipelined_and_big_tiles_on_wgmma(compiled):
             assert r["async_copies"] > 0, r          # the K loop's loads are software-pipelined
             if r["block_m"] >= 64:
                 assert r["wgmma"], r
-    for name in ("mla_decode_split", "mla_decode_split fp8"):
+    for name in ("mla_decode_split", "mla_decode_split fp8", "mla_decode_split fp4"):
         assert compiled[name]["wgmma"] and compiled[name]["async_copies"] > 0

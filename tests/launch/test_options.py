@@ -59,6 +59,8 @@ def test_kv_cache_dtype_choices_are_the_caches():
     args = build_parser().parse_args(["generate", "m", "--kv-cache-dtype", "fp8"])
     assert resolve(args, "generate")["engine"]["kv_cache_dtype"] \
         == "fp8"
+    args = build_parser().parse_args(["generate", "m", "--kv-cache-dtype", "fp4"])
+    assert resolve(args, "generate")["engine"]["kv_cache_dtype"] == "fp4"
 
 
 def test_quantization_choices_are_the_loaders():
@@ -156,7 +158,8 @@ def test_bad_server_section(tmp_path, text, match):
                                   ["serve", "/m", "--allowed-origins", "[1]"],
                                   ["serve", "/m", "--allowed-origins", ","],
                                   ["serve", "/m", "--allowed-origins", "[oops"],
-                                  ["serve", "/m", "--served-model-name"]])
+                                  ["serve", "/m", "--served-model-name"],
+                                  ["serve", "/m", "--kv-cache-dtype", "nvfp4"]])
 def test_bad_flag_values_exit_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as e:
         _parse(*argv)
