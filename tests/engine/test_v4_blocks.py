@@ -123,3 +123,20 @@ def test_requests_that_never_fit_are_named():
     # chunks of 16 written whole (DBO): the 7 tokens read + 16 written span 8 blocks of 4
     assert V4BlockManager(GEO, {"window": 6, "csa": 40, "hca": 40}, 2, 16,
                           whole_chunks=True).capacity_error(40) == "needs 8 window blocks, the pool has 6"
+
+
+@pytest.mark.parametrize("whole_chunks", [False, True])
+def test_peak_bounds_every_step_of_one_sequence(whole_chunks):
+    """capacity_error admits by geometry.peak: no chunking of a sequence alone ever needs more window blocks."""
+    rng = random.Random(7)
+    for _ in range(300):
+        g = StreamGeometry(window=rng.randrange(0, 40), block_size=rng.choice([1, 2, 3, 4, 8, 16]), ratios=())
+        tokens, max_chunk = rng.randrange(1, 200), rng.randrange(1, 64)
+        c, held = 0, set()
+        while c < tokens:
+            n = min(rng.randrange(1, max_chunk + 1), tokens - c)
+            held |= g.window_blocks(c, n, whole_chunks)
+            assert len(held) <= g.peak(tokens, max_chunk, whole_chunks).get("window", 0), (g, tokens, max_chunk, c, n)
+            c += n
+            held = {j for j in held if j >= g.first_live(c)}
+            assert held == g.window_reads(c)
