@@ -1,18 +1,19 @@
-"""DeepSeek-V4's KV streams as pools: what the engine allocates up front, with the layout per stream.
+"""DeepSeek-V4's KV streams as paged pools: what the engine allocates up front, with the layout per stream.
 
-Legend: B blocks (the engine's token blocks of `block_size` tokens), bs block_size, Z slots (one per running
-sequence), W sliding_window, D head_dim, DI index_head_dim, m a layer's ratio, C compressor width (CSA 2D, HCA D).
-Per layer:
-    window         [Z, W-1, D]          slot z's ring: token p at row p % (W-1)
-    compressed     [B, ceil(bs/m), D]   entry e (tokens e*m .. e*m+m-1) in the block holding token e*m,
-    index_keys     [B, ceil(bs/m), DI]  row (e*m % bs) // m: the sequence's block table is its token blocks'
+Legend: Z slots (max_num_seqs), N_s blocks of stream s (attention_v4/pool_layout.py: window, csa, hca), bs
+block_size, W' = sliding_window - 1, E_s entries per block, D head_dim, DI index_head_dim, m a layer's ratio,
+C compressor width (CSA 2D, HCA D). Per layer:
+    window         [N_window, bs, D]   token p in row p % bs of window block table[p // bs]
+    compressed     [N_k, E_k, D]       k = the layer's kind (csa / hca): entry e in row e % E_k of table[e // E_k]
+    index_keys     [N_csa, E_csa, DI]  CSA: the indexer's keys, entry for entry beside `compressed`
     compressor     buf_kv / buf_gate [Z, m-1, C]: the open window's rows (token p at row p % m);
                    CSA: prev_kv / prev_gate [Z, m, D]: the last closed window's overlap rows
-    index_compressor                    the same at DI (CSA)
-Every count (entries, buffered rows, whether prev is set) follows from the position p0 a chunk starts at, so
-the pools hold tensors only. A sequence holds one slot (what it keeps whatever its length) and its token blocks
-(what grows); with bs < m (HCA's 128 at blocks of 64) a block keeps one entry row of which 1 in m/bs is used.
-PagedLayerStreams has the interface of streams.LayerStreams, the dense reference it is tested against.
+    index_compressor                   the same at DI (CSA)
+A sequence holds a slot (the compressor states: what it keeps whatever its length) and, per stream, the blocks of
+its table (attention_v4/pool_layout.py StreamTables, filled by the block manager, read here at each step). Every
+count (entries, buffered rows, whether prev is set) follows from the position p0 a chunk starts at, so the pools
+hold tensors only and a chunk continues the sequence's open windows. PagedLayerStreams has the interface of
+streams.LayerStreams, the dense reference it is tested against.
 """
 from __future__ import annotations
 
@@ -20,81 +21,104 @@ import torch
 
 from .compressor import CompressorState
 from .config import V4AttentionConfig
+from .pool_layout import StreamGeometry
 
 
-def _layout(cfg: V4AttentionConfig, kind: str, block_size: int) -> tuple[dict, dict]:
-    """-> (per-slot shapes, per-block shapes) of one layer's pools, each name -> shape without the leading Z / B."""
-    D, DI, W, m = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window, cfg.ratio(kind)
-    slot = {"window": (W - 1, D)}
-    block = {}
+def _layout(cfg: V4AttentionConfig, kind: str, geo: StreamGeometry) -> tuple[dict, dict]:
+    """-> (per-slot shapes, per-block shapes) of one layer's pools: name -> (stream, shape without the leading
+    Z / N_s); slot tensors have stream "slot"."""
+    D, DI, m = cfg.head_dim, cfg.index_head_dim, cfg.ratio(kind)
+    slot, block = {}, {}
+    if geo.window:
+        block["window"] = ("window", (geo.rows("window"), D))
     if m:
-        rows = -(-block_size // m)
-        block["compressed"] = (rows, D)
+        block["compressed"] = (kind, (geo.rows(kind), D))
         C = 2 * D if kind == "csa" else D
         slot |= {"compressor.buf_kv": (m - 1, C), "compressor.buf_gate": (m - 1, C)}
     if kind == "csa":
-        block["index_keys"] = (rows, DI)
+        block["index_keys"] = (kind, (geo.rows(kind), DI))
         slot |= {"compressor.prev_kv": (m, D), "compressor.prev_gate": (m, D),
                  "index_compressor.buf_kv": (m - 1, 2 * DI), "index_compressor.buf_gate": (m - 1, 2 * DI),
                  "index_compressor.prev_kv": (m, DI), "index_compressor.prev_gate": (m, DI)}
     return slot, block
 
 
-def _numel(shapes: dict) -> int:
-    return sum(a * b for a, b in shapes.values())
-
-
 class V4Pools:
-    """Every layer's pools for `num_blocks` token blocks and `num_slots` sequences."""
+    """Every layer's pools: num_blocks[stream] blocks per stream (geometry.streams), num_slots slots."""
 
-    def __init__(self, cfg: V4AttentionConfig, kinds: tuple[str, ...], num_blocks: int, block_size: int,
-                 num_slots: int, device, dtype):
-        self.cfg, self.kinds, self.block_size = cfg, kinds, block_size
-        self.num_blocks, self.num_slots = num_blocks, num_slots
+    def __init__(self, cfg: V4AttentionConfig, kinds: tuple[str, ...], geometry: StreamGeometry,
+                 num_blocks: dict[str, int], num_slots: int, device, dtype):
+        missing = [s for s in geometry.streams if num_blocks.get(s, 0) < 1]
+        if missing or num_slots < 1:
+            raise ValueError(f"DeepSeek-V4 pools need >= 1 block of every stream and >= 1 slot, got {num_blocks} "
+                             f"(streams {list(geometry.streams)}), {num_slots} slots")
+        self.cfg, self.kinds, self.geometry = cfg, kinds, geometry
+        self.num_blocks, self.num_slots, self.device, self.dtype = dict(num_blocks), num_slots, device, dtype
         self.layers: list[dict[str, torch.Tensor]] = []
+        self.stream_of: list[dict[str, str]] = []   # per layer: block tensor name -> its stream
         for kind in kinds:
-            slot, block = _layout(cfg, kind, block_size)
+            slot, block = _layout(cfg, kind, geometry)
             t = {n: torch.zeros(num_slots, *s, device=device, dtype=dtype) for n, s in slot.items()}
-            t |= {n: torch.zeros(num_blocks, *s, device=device, dtype=dtype) for n, s in block.items()}
+            t |= {n: torch.zeros(num_blocks[st], *s, device=device, dtype=dtype) for n, (st, s) in block.items()}
             self.layers.append(t)
+            self.stream_of.append({n: st for n, (st, _) in block.items()})
 
     @staticmethod
-    def bytes_per_slot(cfg: V4AttentionConfig, kinds, block_size: int, elt: int) -> int:
-        return sum(_numel(_layout(cfg, k, block_size)[0]) for k in kinds) * elt
+    def bytes_per_slot(cfg: V4AttentionConfig, kinds, geometry: StreamGeometry, elt: int) -> int:
+        return sum(a * b for k in kinds for a, b in _layout(cfg, k, geometry)[0].values()) * elt
 
     @staticmethod
-    def bytes_per_block(cfg: V4AttentionConfig, kinds, block_size: int, elt: int) -> int:
-        return sum(_numel(_layout(cfg, k, block_size)[1]) for k in kinds) * elt
+    def bytes_per_block(cfg: V4AttentionConfig, kinds, geometry: StreamGeometry, elt: int) -> dict[str, int]:
+        """stream -> the bytes one block of it takes over all layers."""
+        out = dict.fromkeys(geometry.streams, 0)
+        for k in kinds:
+            for st, (a, b) in _layout(cfg, k, geometry)[1].values():
+                out[st] += a * b * elt
+        return out
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
 
 
 class PagedLayerStreams:
-    """One sequence's view of one layer's pools: its slot and its token blocks (`seq.block_ids`)."""
+    """One sequence's view of one layer's pools: its slot and its tables (`seq.tables`)."""
 
     def __init__(self, pools: V4Pools, layer: int, seq: "PagedSequence"):
-        self.t, self.seq = pools.layers[layer], seq
-        self.cfg, self.kind, self.bs = pools.cfg, pools.kinds[layer], pools.block_size
+        self.t, self.seq, self.stream_of = pools.layers[layer], seq, pools.stream_of[layer]
+        self.cfg, self.kind, self.geo = pools.cfg, pools.kinds[layer], pools.geometry
         self.m = self.cfg.ratio(self.kind)
+        self._empty = torch.zeros(0, self.cfg.head_dim, device=pools.device, dtype=pools.dtype)
+
+    def _window_index(self, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens lo .. hi-1 -> (window blocks, rows) in the pool."""
+        bs, table = self.geo.block_size, self.seq.tables.window
+        try:
+            blocks = [table[j] for j in range(lo // bs, -(-hi // bs))]
+        except KeyError as e:
+            raise RuntimeError(f"window block {e.args[0]} of tokens {lo} .. {hi - 1} is not in the sequence's "
+                               f"table {sorted(table)}") from None
+        p = torch.arange(lo, hi)
+        ids = torch.tensor(blocks, dtype=torch.int64)[p // bs - lo // bs]
+        return ids.to(device), (p % bs).to(device)
 
     def window_rows(self, p0: int) -> torch.Tensor:
-        ring = self.cfg.sliding_window - 1
-        n = min(p0, ring)
-        pos = torch.arange(p0 - n, p0, device=self.t["window"].device)
-        return self.t["window"][self.seq.slot, pos % ring] if ring else self.t["window"][self.seq.slot, :0]
+        pool = self.t.get("window")
+        lo = max(0, p0 - self.geo.window)
+        if pool is None or lo == p0:
+            return self._empty
+        return pool[self._window_index(lo, p0, pool.device)]
 
     def write_window(self, kv: torch.Tensor, p0: int) -> None:
-        ring = self.cfg.sliding_window - 1
-        if not ring:
+        """Writes the chunk's last W' rows: the only ones a later query (of this chunk's sequence) reads."""
+        pool = self.t.get("window")
+        if pool is None:
             return
-        T = kv.shape[0]
-        keep = min(T, ring)
-        pos = torch.arange(p0 + T - keep, p0 + T, device=kv.device)
-        self.t["window"][self.seq.slot, pos % ring] = kv[T - keep:]
+        end = p0 + kv.shape[0]
+        lo = max(p0, end - self.geo.window)
+        pool[self._window_index(lo, end, pool.device)] = kv[lo - p0:]
 
     def load_state(self, name: str, p0: int) -> CompressorState:
-        m, z = self.m, self.seq.slot
+        m, z = self.m, self.seq.tables.slot
         r, entries = p0 % m, p0 // m
         st = CompressorState(self.t[name + ".buf_kv"][z, :r], self.t[name + ".buf_gate"][z, :r], entries=entries)
         if name + ".prev_kv" in self.t and entries:
@@ -102,7 +126,7 @@ class PagedLayerStreams:
         return st
 
     def store_state(self, name: str, state: CompressorState, p_end: int) -> None:
-        z, r = self.seq.slot, p_end % self.m
+        z, r = self.seq.tables.slot, p_end % self.m
         if state.buf_kv.shape[0] != r or state.entries != p_end // self.m:
             raise RuntimeError(f"compressor state of {state.buf_kv.shape[0]} rows / {state.entries} entries does not "
                                f"match position {p_end} (ratio {self.m})")
@@ -112,33 +136,34 @@ class PagedLayerStreams:
             self.t[name + ".prev_kv"][z] = state.prev_kv
             self.t[name + ".prev_gate"][z] = state.prev_gate
 
-    def _rows(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Entries first .. last-1 -> (block ids, rows) in the pools."""
+    def _entry_index(self, stream: str, first: int, last: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries first .. last-1 of a compressed stream -> (blocks, rows) in its pool."""
+        E, table = self.geo.rows(stream), getattr(self.seq.tables, stream)
+        if -(-last // E) > len(table):
+            raise RuntimeError(f"{stream} entries up to {last - 1} need {-(-last // E)} blocks, the sequence's "
+                               f"table has {len(table)}")
         e = torch.arange(first, last)
-        table = torch.tensor(self.seq.block_ids, dtype=torch.int64)
-        tok = e * self.m
-        return table[tok // self.bs], (tok % self.bs) // self.m
-
-    def nbytes(self) -> int:
-        """What this sequence holds of the layer: its slot's rows and its blocks' rows."""
-        z = self.seq.slot
-        slot = sum(t[z].numel() * t.element_size() for n, t in self.t.items() if n not in ("compressed", "index_keys"))
-        return slot + len(self.seq.block_ids) * sum(self.t[n][0].numel() * self.t[n].element_size()
-                                                    for n in ("compressed", "index_keys") if n in self.t)
+        return torch.tensor(table, dtype=torch.int64)[e // E].to(device), (e % E).to(device)
 
     def append_entries(self, name: str, new: torch.Tensor, p0: int) -> torch.Tensor:
-        first = p0 // self.m
-        pool = self.t[name]
+        first, pool, stream = p0 // self.m, self.t[name], self.stream_of[name]
         if new.shape[0]:
-            blocks, rows = self._rows(first, first + new.shape[0])
-            pool[blocks.to(pool.device), rows.to(pool.device)] = new
-        blocks, rows = self._rows(0, first + new.shape[0])
-        return pool[blocks.to(pool.device), rows.to(pool.device)]
+            pool[self._entry_index(stream, first, first + new.shape[0], pool.device)] = new
+        return pool[self._entry_index(stream, 0, first + new.shape[0], pool.device)]
+
+    def nbytes(self) -> int:
+        """What this sequence holds of the layer: its slot's rows and its blocks (live window blocks included)."""
+        z = self.seq.tables.slot
+        held = sum(t[z].numel() * t.element_size() for n, t in self.t.items() if n not in self.stream_of)
+        for n, st in self.stream_of.items():
+            held += len(getattr(self.seq.tables, st)) * self.t[n][0].numel() * self.t[n].element_size()
+        return held
 
 
 class PagedSequence:
-    """A sequence's slot and block table (the engine's list, read at each step), as SequenceStreams' `layers`."""
+    """A sequence's views of every layer's pools, as SequenceStreams' `layers`; `tables` (its slot and block tables,
+    attention_v4/pool_layout.py StreamTables) are the block manager's, read at each step."""
 
-    def __init__(self, pools: V4Pools, slot: int, block_ids: list[int]):
-        self.slot, self.block_ids = slot, block_ids
+    def __init__(self, pools: V4Pools, tables):
+        self.tables = tables
         self.layers = [PagedLayerStreams(pools, i, self) for i in range(len(pools.kinds))]

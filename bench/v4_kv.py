@@ -1,13 +1,14 @@
 """DeepSeek-V4's KV streams: bytes per sequence at 8k / 128k / 1M tokens (Flash and Pro shapes, vs DeepSeek-V3.2),
 and the decode attention time per step at 8k and 64k (vs V3.2's DSA) — a report, no target.
 
-Bytes: what the engine's pools hold for one sequence (attention_v4/paged.py, as engine/worker/v4_runner.py allocates
-and admits them: a slot plus the blocks of the context, blocks of 64 tokens), for V4-Flash (43 layers: 2 sliding,
-then CSA / HCA alternating)
-and V4-Pro (61 layers, transformers' default order) in bf16; V3.2 as attention_mla's LatentKVPool allocates it
-(61 layers, latent 576 + indexer key 128). A run checks the pools: a three-layer model (one sliding, one CSA, one
-HCA layer at the released attention shapes, hidden 512) prefills `--measure` tokens into the pools and into the
-dense reference: outputs equal, and per kind the pool bytes the sequence holds beside the bytes of its data.
+Bytes: what the engine's pools hold for one decoding sequence (attention_v4/paged.py, as engine/worker/v4_runner.py
+allocates them and engine/sched/v4_blocks.py counts them: a slot, the window's live blocks and the compressed streams'
+blocks its tokens fill; blocks of 64 tokens: window 64 rows, CSA 16 entries, HCA 1 entry of 128 tokens), for V4-Flash
+(43 layers: 2 sliding, then CSA / HCA alternating) and V4-Pro (61 layers, transformers' default order) in bf16;
+V3.2 as attention_mla's LatentKVPool allocates it (61 layers, latent 576 + indexer key 128). A run checks the pools: a three-layer model (one sliding, one CSA, one
+HCA layer at the released attention shapes, hidden 512) prefills `--measure` tokens in chunks of 1024 into the pools
+(the block manager growing and trimming its tables) and into the dense reference: outputs equal, and per kind the
+pool bytes the sequence holds beside the bytes of its data.
 
 Time: one decode token at context L through one V4 attention layer of each kind at the Flash shape (hidden 4096,
 64 heads of 512, q_lora 1024, 8 groups of 1024, indexer 64 x 128 keeping 512), streams filled with random rows
@@ -36,6 +37,7 @@ import torch  # noqa: E402
 from attention_mla.kv_cache import LatentKVPool  # noqa: E402
 from attention_v4.attention import V4Attention  # noqa: E402
 from attention_v4.compressor import CompressorState  # noqa: E402
+from attention_v4.pool_layout import StreamGeometry  # noqa: E402
 from attention_v4.streams import LayerStreams, SequenceStreams, V4Meta  # noqa: E402
 from bench.results import save  # noqa: E402
 from engine.model.model_config import ModelConfig  # noqa: E402
@@ -61,13 +63,18 @@ def v4_config(**kw) -> ModelConfig:
 
 
 def engine_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict:
-    """-> the bytes of the pools the engine allocates for one sequence (one slot) at each context (its blocks),
-    allocated on the meta device (shapes and dtypes, no memory)."""
+    """-> the bytes of the pools the engine allocates for one decoding sequence at each context: its slot, its
+    window's blocks and the compressed streams' blocks its tokens fill (the block manager's count), allocated on
+    the meta device (shapes and dtypes, no memory)."""
     model = SimpleNamespace(cfg=cfg, dtype=dtype, device="meta")
-    out = {name: V4StreamCache(model, None, BLOCK, 1, n, num_blocks=-(-n // BLOCK)).kv.nbytes()
-           for name, n in CONTEXTS.items()}
-    kv = V4StreamCache(model, None, BLOCK, 1, 1, num_blocks=1)
-    return out | {"per_token": kv.per_block / BLOCK, "per_sequence_fixed": kv.per_seq}
+    g = StreamGeometry.of(cfg.v4.attention, cfg.v4.layer_kinds, BLOCK)
+    out = {}
+    for name, n in CONTEXTS.items():
+        sizes = {"window": g.decode_window()} | {s: g.entry_blocks(s, n) for s, _ in g.ratios}
+        out[name] = V4StreamCache(model, None, BLOCK, 1, n, 1, num_blocks=sizes).kv.nbytes()
+    kv = V4StreamCache(model, None, BLOCK, 1, 1, 1, num_blocks=dict.fromkeys(g.streams, 1))
+    return out | {"per_token": kv.bytes_per_token(), "per_sequence_fixed": kv.per_seq,
+                  "per_block": kv.per_block, "rows_per_block": {s: g.rows(s) for s in g.streams}}
 
 
 def v32_bytes(dtype: torch.dtype) -> dict:
@@ -82,6 +89,9 @@ def measured(n: int) -> dict:
     data itself (the dense reference's streams after the same tokens)."""
     from attention_mla.rope import RotaryEmbedding
     from attention_v4.paged import PagedSequence, V4Pools
+    from engine.sampling_params import SamplingParams
+    from engine.sched.sequence import Sequence
+    from engine.sched.v4_blocks import V4BlockManager
     cfg = v4_config(hidden_size=512, num_attention_heads=2, o_groups=1,
                     layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
     att, kinds = cfg.v4.attention, cfg.v4.layer_kinds
@@ -91,13 +101,18 @@ def measured(n: int) -> dict:
     for layer in layers:
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    blocks = -(-n // BLOCK)
-    pools = V4Pools(att, kinds, blocks, BLOCK, 1, "cpu", torch.float32)
-    paged = SequenceStreams(PagedSequence(pools, 0, list(range(blocks))).layers)
-    dense = SequenceStreams.empty(att, kinds, "cpu", torch.float32)
+    geo = StreamGeometry.of(att, kinds, BLOCK)
     chunk, same = 1024, True
+    sizes = {"window": geo.peak(n, chunk, False)["window"]} | {s: geo.entry_blocks(s, n) for s, _ in geo.ratios}
+    pools = V4Pools(att, kinds, geo, sizes, 1, "cpu", torch.float32)
+    blocks = V4BlockManager(geo, sizes, 1, chunk)
+    seq = Sequence("measure", None, [1] * n, SamplingParams(), 1)
+    blocks.grow(seq, min(chunk, n))   # (the first chunk's blocks: the views read the tables from here on)
+    paged = SequenceStreams(PagedSequence(pools, seq.stream_tables).layers)
+    dense = SequenceStreams.empty(att, kinds, "cpu", torch.float32)
     for s in range(0, n, chunk):
         x = torch.randn(min(chunk, n - s), 512, generator=g)
+        blocks.grow(seq, x.shape[0])      # every pool, for this chunk
         for st in (paged, dense):
             meta = V4Meta.build([x.shape[0]], [st])
             outs = [layer(x, meta, i) for i, layer in enumerate(layers)]
@@ -106,6 +121,8 @@ def measured(n: int) -> dict:
                 first = outs
             else:
                 same &= all(torch.equal(a, b) for a, b in zip(first, outs))
+        seq.num_computed += x.shape[0]
+        blocks.register_computed(seq)   # the window's old blocks go back
     return {"paged_equals_dense": same,
             **{k: {"pool_bytes_held": paged.layers[i].nbytes(), "data_bytes": dense.layers[i].nbytes()}
                for i, k in enumerate(kinds)}}

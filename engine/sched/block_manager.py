@@ -34,6 +34,8 @@ class PrefixMatch:
 
 
 class BlockManager:
+    register_every_step = False   # register_computed matters only with prefix caching (V4's manager: always)
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, store=None,
                  log: HeldLog | None = None, on_free=None):
         """on_free(seq): called whenever a sequence's blocks are freed (preempted, finished, aborted): a cache that
@@ -57,6 +59,19 @@ class BlockManager:
     @property
     def num_used(self) -> int:
         return self.allocator.num_blocks - self.allocator.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def usage(self) -> dict[str, int]:
+        """Per-pool figures beyond the totals (one pool here: none)."""
+        return {}
+
+    def capacity_error(self, num_tokens: int) -> str | None:
+        """Why a sequence of num_tokens tokens could never run, even alone (None: it can)."""
+        need = self.blocks_for(num_tokens)
+        return f"needs {need} KV blocks, the cache has {self.num_blocks}" if need > self.num_blocks else None
 
     @property
     def num_cached(self) -> int:

@@ -74,11 +74,10 @@ class Scheduler:
         self.lookahead = 0                        # slots grown past a step's tokens (MTP drafting: k - 1)
 
     def add(self, seq: Sequence) -> None:
-        need = self.blocks.blocks_for(len(seq.prompt_token_ids) + seq.max_tokens - 1)
-        if need > self.blocks.allocator.num_blocks:
-            raise ValueError(f"request {seq.request_id!r} needs {need} KV blocks (prompt "
-                             f"{len(seq.prompt_token_ids)} + max_tokens {seq.max_tokens}), the cache has "
-                             f"{self.blocks.allocator.num_blocks}")
+        why = self.blocks.capacity_error(len(seq.prompt_token_ids) + seq.max_tokens - 1)
+        if why is not None:
+            raise ValueError(f"request {seq.request_id!r} (prompt {len(seq.prompt_token_ids)} + max_tokens "
+                             f"{seq.max_tokens}) {why}")
         self.waiting.append(seq)
         self.by_id[seq.request_id] = seq
 
@@ -212,7 +211,8 @@ class Scheduler:
         -> the sequences that produced a token or finished."""
         advanced = []
         now = time.time()
-        register = self.blocks.register_computed if self.blocks.enable_prefix_caching else None
+        b = self.blocks
+        register = b.register_computed if b.enable_prefix_caching or b.register_every_step else None
         for s, n, tok, lp, top, plp, acc in zip(batch.seqs, batch.num_tokens, result.tokens, result.logprobs,
                                                 result.top, result.prompt_logprobs, result.accepted or repeat(None)):
             if s.draft_token_ids:   # a verification: the last token and the accepted drafts are now computed

@@ -47,6 +47,8 @@ class Sequence:
     draft_token_ids: list[int] = field(default_factory=list)   # speculative decoding: this step's drafts, verified
     #                                  after the last token (the scheduler sets them, apply clears them)
     spec: Any = None                 # the speculator's per-sequence state (engine/spec_decode/speculator.py SeqSpec)
+    stream_tables: Any = None        # DeepSeek-V4: its slot and per-stream block tables (attention_v4/pool_layout.py
+    #                                  StreamTables, given by engine/sched/v4_blocks.py; block_ids stays empty)
 
     @property
     def token_ids(self) -> list[int]:

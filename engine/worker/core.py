@@ -26,6 +26,7 @@ from ..model.model_config import ModelConfig
 from ..sampling_params import SamplingParams
 from ..sched.block_manager import BlockManager
 from ..sched.scheduler import Scheduler
+from ..sched.v4_blocks import V4BlockManager
 from ..sched.sequence import Sequence
 from .messages import NewRequest
 from .runner import ModelRunner
@@ -119,14 +120,17 @@ class EngineCore:
         self.kv = self._kv_cache(device)
         log = HeldLog(enabled=cfg.enable_prefix_caching and cfg.kv_cache.routing == "kv_aware")
         self.store = self._kv_store(log) if cfg.kv_cache.tiers else None
-        self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.store, log,
-                                   on_free=self.kv.drop if mcfg.v4 is not None else None)
+        if mcfg.v4 is None:
+            self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.store, log)
+        else:   # one pool per stream (DBO may cut a chunk between microbatches: window blocks for all of it)
+            self.blocks = V4BlockManager(self.kv.geometry, self.kv.num_blocks, cfg.max_num_seqs,
+                                         cfg.max_num_batched_tokens, whole_chunks=self._dbo_on(), on_free=self.kv.drop)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         if cfg.speculative.enabled:
             from ..spec_decode.speculator import Speculator
             self.scheduler.speculator = Speculator(cfg.speculative)
         overlap, self.auto = None, None
-        if cfg.dbo.enabled and mcfg.moe is not None:
+        if self._dbo_on():
             from dbo.overlap import Overlap
             overlap = Overlap(self.model, ctx)  # collective: every rank builds its groups
             if cfg.dbo.enabled == "auto":
@@ -164,11 +168,15 @@ class EngineCore:
         world = ctx.world_size if ctx is not None else None
         return cls(EngineConfig.from_options(model, world_size=world, **options), ctx, progress)
 
+    def _dbo_on(self) -> bool:
+        """Whether steps may be split into two microbatches (dbo.enabled true or "auto", a MoE model)."""
+        return bool(self.cfg.dbo.enabled) and self.config.moe is not None
+
     def _kv_cache(self, device) -> LatentKVPool | V4StreamCache:
         cfg, mcfg, dt = self.cfg, self.config, self.model.dtype
         if mcfg.v4 is not None:
             return V4StreamCache(self.model, cfg.kv_cache_memory, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
-                                 cfg.kv_cache_blocks)
+                                 cfg.max_num_batched_tokens, cfg.kv_cache_blocks)
         index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
         layers = mcfg.num_hidden_layers + (self.model.drafter is not None)   # the MTP drafter's own latents last
         fp8 = latent_layout(cfg.kv_cache_dtype, mcfg.mla.kv_lora_rank, mcfg.mla.qk_rope_head_dim, dt)
@@ -251,10 +259,9 @@ class EngineCore:
         if max_tokens > room:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                              f"(max_model_len={self.max_model_len})")
-        need = self.blocks.blocks_for(len(ids) + max_tokens - 1)
-        if need > self.blocks.allocator.num_blocks:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks; "
-                             f"the cache has {self.blocks.allocator.num_blocks}")
+        why = self.blocks.capacity_error(len(ids) + max_tokens - 1)
+        if why is not None:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) {why}")
         return max_tokens
 
     def make_sequence(self, req: NewRequest) -> Sequence:
@@ -373,7 +380,7 @@ class EngineCore:
         b = self.blocks
         out = {"dp_rank": self.ctx.origin_rank, "running": len(self.scheduler.running),
                "waiting": len(self.scheduler.waiting) + len(self.scheduler.loading) + len(self.compiling),
-               "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.allocator.num_blocks,
+               "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks, **b.usage(),
                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
                "prefill_tokens": self.scheduler.prefill_tokens, "kv_device_cached_blocks": b.num_cached,
                "kv_device_cached_bytes": b.num_cached * sum(p[:b.block_size].nbytes for p in self.kv.pools),

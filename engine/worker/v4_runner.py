@@ -1,11 +1,13 @@
-"""DeepSeek-V4 in the engine: its KV streams as pools (attention_v4/paged.py) and the runner that hands each
-sequence's view of them to the model.
+"""DeepSeek-V4 in the engine: its KV streams as paged pools (attention_v4/paged.py), one per stream, and the
+runner that hands each sequence's view of them to the model.
 
-The pools are allocated up front: a slot per sequence (max_num_seqs of them: the window ring, the compressor
-states — what a sequence holds whatever its length) and, per token block of the block manager, the rows of the
-compressed entries and indexer keys its tokens close. Admission counts exactly those bytes: kv_cache_memory
-pays the slots first, the rest is blocks. A sequence takes a slot when it first runs and gives it back whenever
-its blocks are freed (preempted: it recomputes every stream from its tokens; finished; aborted).
+The pools are allocated up front (attention_v4/pool_layout.py has the geometry): a slot per sequence
+(max_num_seqs of them: the compressor states), a window pool (bs rows per block) sized for every slot's decode
+window plus one step's tokens, and one pool per compressed stream (CSA: entries + indexer keys; HCA: entries;
+max(1, bs // m) entries per block) sharing the rest of kv_cache_memory by their bytes per token. With
+kv_cache_blocks N every pool holds the streams of N * bs tokens. The block manager (engine/sched/v4_blocks.py)
+gives each sequence its slot and tables and counts every pool at admission; whenever it frees them (preempted:
+the sequence recomputes every stream from its tokens; finished; aborted) the views here are dropped.
 Prefix caching, the KV tiers, disaggregation and fp8 caches are refused with V4 (engine/worker/core.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
 (attention_v4/streams.py V4Meta), and the streams advance once both have run.
@@ -16,6 +18,7 @@ import torch
 
 from attention_mla.meta import int64_tensor
 from attention_v4.paged import PagedSequence, V4Pools
+from attention_v4.pool_layout import StreamGeometry
 from attention_v4.streams import SequenceStreams, V4Meta
 
 from ..sched.scheduler import ScheduledBatch
@@ -24,7 +27,7 @@ from .runner import ModelRunner
 
 class V4StreamCache:
     """This rank's V4 pools and the sequences' views, by request id. Has what the engine reads of a KV cache
-    (block_size, num_blocks, pools (the MLA path's: none), bytes_per_token, kv_cache_dtype)."""
+    (block_size, num_blocks (here per stream), pools (the MLA path's: none), bytes_per_token, kv_cache_dtype)."""
 
     pools: list = []
     index_pools = None
@@ -32,54 +35,78 @@ class V4StreamCache:
     kv_cache_dtype = "auto"
 
     def __init__(self, model, memory: int | None, block_size: int, max_num_seqs: int, max_model_len: int,
-                 num_blocks: int | None = None):
+                 max_num_batched_tokens: int, num_blocks: int | dict[str, int] | None = None):
+        """num_blocks: None (size from memory), N (every pool holds N * block_size tokens' streams) or
+        stream -> blocks."""
         v4, elt = model.cfg.v4, torch.empty(0, dtype=model.dtype).element_size()
+        att, kinds = v4.attention, v4.layer_kinds
         self.model, self.block_size = model, block_size
-        self.per_block = V4Pools.bytes_per_block(v4.attention, v4.layer_kinds, block_size, elt)
-        self.per_seq = V4Pools.bytes_per_slot(v4.attention, v4.layer_kinds, block_size, elt)
-        if num_blocks is None:
-            reserved = max_num_seqs * self.per_seq
-            if memory < reserved:
-                raise ValueError(f"kv_cache_memory ({memory} bytes) is less than the DeepSeek-V4 streams every "
-                                 f"sequence holds whatever its length ({self.per_seq} bytes) times max_num_seqs "
-                                 f"({max_num_seqs}) = {reserved}")
-            want = max_num_seqs * -(-max_model_len // block_size)
-            num_blocks = max(1, min(want, (memory - reserved) // max(self.per_block, 1)))
-        self.num_blocks = num_blocks
-        self.kv = V4Pools(v4.attention, v4.layer_kinds, num_blocks, block_size, max_num_seqs, model.device,
-                          model.dtype)
-        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        g = self.geometry = StreamGeometry.of(att, kinds, block_size)
+        self.per_block = V4Pools.bytes_per_block(att, kinds, g, elt)
+        self.per_slot = V4Pools.bytes_per_slot(att, kinds, g, elt)
+        if isinstance(num_blocks, int):
+            num_blocks = {s: -(-num_blocks * block_size // g.tokens_per_block(s)) for s in g.streams}
+        elif num_blocks is None:
+            num_blocks = self._from_memory(memory, max_num_seqs, max_model_len, max_num_batched_tokens)
+        self.num_blocks = dict(num_blocks)
+        self.kv = V4Pools(att, kinds, g, self.num_blocks, max_num_seqs, model.device, model.dtype)
         self.streams: dict[str, SequenceStreams] = {}
-        self._slot: dict[str, PagedSequence] = {}
+
+    def _from_memory(self, memory: int, Z: int, L: int, budget: int) -> dict[str, int]:
+        """Slots and windows first (what every sequence holds whatever its length: at short contexts they
+        dominate), then the compressed pools in proportion to their bytes per token, at most what Z sequences of L
+        tokens fill."""
+        g = self.geometry
+        out = {}
+        if g.window:
+            out["window"] = max(Z * g.decode_window() + -(-budget // g.block_size) + 1,
+                                g.peak(L, budget, True)["window"])
+        fixed = Z * self.per_slot + out.get("window", 0) * self.per_block.get("window", 0)
+        if memory < fixed:
+            raise ValueError(f"kv_cache_memory ({memory} bytes) is less than the DeepSeek-V4 streams every "
+                             f"sequence holds whatever its length: max_num_seqs ({Z}) slots of {self.per_slot} bytes "
+                             f"and {out.get('window', 0)} window blocks of {self.per_block.get('window', 0)} bytes "
+                             f"= {fixed}")
+        rate = sum(self.per_block[s] / g.tokens_per_block(s) for s, _ in g.ratios)   # bytes per token
+        tokens = min(Z * L, int((memory - fixed) / rate)) if rate else 0
+        least = max((g.tokens_per_block(s) for s, _ in g.ratios), default=0)
+        if tokens < least:
+            raise ValueError(f"kv_cache_memory ({memory} bytes) leaves {memory - fixed} bytes past the slots and "
+                             f"windows every sequence holds ({fixed}), less than one block of each compressed stream "
+                             f"({round(least * rate)} bytes)")
+        for s, _ in g.ratios:
+            out[s] = max(1, min(tokens // g.tokens_per_block(s), Z * g.entry_blocks(s, L)))
+        return out
+
+    @property
+    def per_seq(self) -> int:
+        """Bytes a decoding sequence holds whatever its length: its slot and its window blocks."""
+        return self.per_slot + self.geometry.decode_window() * self.per_block.get("window", 0)
 
     def bytes_per_token(self) -> float:
-        """Block bytes per token, all layers (a sequence's slot is `per_seq` more)."""
-        return self.per_block / self.block_size
+        """Compressed-stream bytes per token, all layers (a sequence's slot and window are `per_seq` more)."""
+        g = self.geometry
+        return sum(self.per_block[s] / g.tokens_per_block(s) for s, _ in g.ratios)
 
     def for_seq(self, seq) -> SequenceStreams:
         """The streams of a sequence about to run from token seq.num_computed (0: new, or recomputing)."""
+        if seq.stream_tables is None:
+            raise RuntimeError(f"request {seq.request_id!r} runs without DeepSeek-V4 stream tables (the block "
+                               f"manager grows them before its step)")
         st = self.streams.get(seq.request_id)
         if st is None or (seq.num_computed == 0 and st.num_tokens):   # new, or recomputing from the start
             if seq.num_computed:
                 raise RuntimeError(f"request {seq.request_id!r} resumes at token {seq.num_computed} but its "
                                    f"DeepSeek-V4 streams are gone")
-            self.drop(seq)
-            if not self._free_slots:
-                raise RuntimeError(f"no free DeepSeek-V4 stream slot for request {seq.request_id!r}: more than "
-                                   f"{self.kv.num_slots} (max_num_seqs) sequences are running")
-            paged = self._slot[seq.request_id] = PagedSequence(self.kv, self._free_slots.pop(), seq.block_ids)
-            st = self.streams[seq.request_id] = SequenceStreams(paged.layers)
+            st = self.streams[seq.request_id] = SequenceStreams(PagedSequence(self.kv, seq.stream_tables).layers)
         if st.num_tokens != seq.num_computed:
             raise RuntimeError(f"request {seq.request_id!r}: its streams hold {st.num_tokens} tokens, the scheduler "
                                f"says {seq.num_computed} are computed")
-        self._slot[seq.request_id].block_ids = seq.block_ids   # grown by the scheduler for this step's tokens
+        st.layers[0].seq.tables = seq.stream_tables
         return st
 
     def drop(self, seq) -> None:
         self.streams.pop(seq.request_id, None)
-        paged = self._slot.pop(seq.request_id, None)
-        if paged is not None:
-            self._free_slots.append(paged.slot)
 
     def nbytes(self) -> int:
         """What the running sequences hold of the pools."""

@@ -47,8 +47,15 @@ def test_chunked_prefill_and_decode_equal_transformers(v4):
     params = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=0, ignore_eos=True)
     _check(hf, llm.generate(PROMPTS, params), PROMPTS, 12)
     core = llm.engine.core
-    assert core.kv.streams == {}, "finished sequences' streams are dropped"
+    assert _empty(core), "finished sequences' streams are dropped, their blocks back in every pool"
     llm.shutdown()
+
+
+def _empty(core) -> bool:
+    """Every pool's blocks and every slot free, no streams left."""
+    b = core.blocks
+    return (all(a.num_free == a.num_blocks for a in b.allocators.values()) and b.free_slots == b.num_slots
+            and core.kv.streams == {})
 
 
 def test_preemption_recomputes_the_streams(v4):
@@ -57,29 +64,64 @@ def test_preemption_recomputes_the_streams(v4):
     llm = LLM(d, block_size=16, kv_cache_blocks=14, max_num_batched_tokens=64, **V4)
     params = SamplingParams(temperature=0.0, max_tokens=24, prompt_logprobs=0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
-    assert llm.engine.core.stats()["preemptions"] > 0
+    core = llm.engine.core
+    assert core.stats()["preemptions"] > 0
     _check(hf, outs, PROMPTS, 24)
+    assert _empty(core), f"blocks left held: {core.blocks.usage()}"
     llm.shutdown()
 
 
+def test_kv_pressure_equals_solo_runs_and_leaks_nothing(v4):
+    """Eight requests through pools too small for them at once (blocks of 8 tokens: windows span two, CSA keeps
+    2 entries a block, HCA one per 16 tokens; chunks of 24 end mid-window): preempted sequences recompute every
+    stream and give what each request gives alone; afterwards every pool is whole."""
+    hf, d = v4
+    rng = random.Random(5)
+    prompts = PROMPTS + [[rng.randrange(2, 200) for _ in range(n)] for n in (61, 9, 33, 75)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, logprobs=0, ignore_eos=True)
+    llm = LLM(d, block_size=8, kv_cache_blocks=28, max_num_batched_tokens=24, **V4)
+    outs = llm.generate(prompts, params)
+    core = llm.engine.core
+    stats = core.stats()
+    assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert _empty(core), f"blocks left held: {core.blocks.usage()}"
+    llm.shutdown()
+    solo = LLM(d, block_size=8, max_num_seqs=1, **V4)
+    for ids, out in zip(prompts, outs, strict=True):
+        alone = solo.generate([ids], params)[0].outputs[0]
+        assert out.outputs[0].token_ids == alone.token_ids, f"prompt of {len(ids)} tokens"
+        assert abs(out.outputs[0].cumulative_logprob - alone.cumulative_logprob) < 1e-4
+    assert _empty(solo.engine.core)
+    solo.shutdown()
+
+
 def test_admission_counts_the_pools_bytes(v4):
-    """The engine admits by what its pools allocate: kv_cache_memory pays max_num_seqs slots, then blocks; the
-    entries n tokens close always fit the blocks n tokens take (HCA's one per 16 tokens with blocks of 8 too); a
-    sequence holds its slot and its blocks."""
+    """The engine admits by what its pools allocate: kv_cache_memory pays max_num_seqs slots and the window pool
+    (every slot's decode window and one step's tokens) first, then the compressed pools by their bytes per token;
+    each stream's blocks hold exactly the entries their tokens close, up to one part-filled block (HCA: one entry
+    per 16 tokens, blocks of one entry); a finished request leaves every pool whole."""
     hf, d = v4
     memory = 3 << 20
-    llm = LLM(d, block_size=8, max_num_seqs=4, kv_cache_memory=memory, **V4)
+    llm = LLM(d, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=memory, **V4)
     core = llm.engine.core
-    kv, att, kinds = core.kv, core.model.cfg.v4.attention, core.model.cfg.v4.layer_kinds
-    block = sum(t[0].nbytes for layer in kv.kv.layers for n, t in layer.items() if n in ("compressed", "index_keys"))
-    slot = sum(t[0].nbytes for layer in kv.kv.layers for n, t in layer.items() if n not in ("compressed", "index_keys"))
-    assert (kv.per_block, kv.per_seq) == (block, slot) and block > 0 and slot > 0
-    assert kv.kv.nbytes() == kv.num_blocks * block + 4 * slot <= memory
-    assert kv.num_blocks == min(4 * -(-core.max_model_len // 8), (memory - 4 * slot) // block)
+    kv, att, kinds, g = core.kv, core.model.cfg.v4.attention, core.model.cfg.v4.layer_kinds, core.kv.geometry
+    per_block = dict.fromkeys(g.streams, 0)
+    for layer, stream_of in zip(kv.kv.layers, kv.kv.stream_of):
+        for n, st in stream_of.items():
+            per_block[st] += layer[n][0].nbytes
+    slot = sum(t[0].nbytes for layer, so in zip(kv.kv.layers, kv.kv.stream_of) for n, t in layer.items()
+               if n not in so)
+    assert kv.per_block == per_block and kv.per_slot == slot > 0 and set(g.streams) == {"window", "csa", "hca"}
+    assert kv.kv.nbytes() == sum(kv.num_blocks[s] * per_block[s] for s in g.streams) + 4 * slot <= memory
+    assert kv.num_blocks["window"] == 4 * g.decode_window() + 32 // 8 + 1
+    assert (g.rows("window"), g.rows("csa"), g.rows("hca")) == (8, 2, 1)
     for n in range(1, 300):
-        assert sum(growing_bytes(att, k, n, 4) for k in kinds) <= block * -(-n // 8), n
+        for k in ("csa", "hca"):
+            data = sum(growing_bytes(att, x, n, 4) for x in kinds if x == k)
+            held = g.entry_blocks(k, n) * per_block[k]
+            assert data <= held < data + per_block[k], (k, n)
     out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    assert len(out[0].outputs[0].token_ids) == 3 and kv.streams == {} and len(kv._free_slots) == 4
+    assert len(out[0].outputs[0].token_ids) == 3 and _empty(core)
     llm.shutdown()
 
 
@@ -116,13 +158,16 @@ def test_disaggregation_is_refused(v4):
 
 def test_dbo_equals_plain_steps(v4):
     """DBO on: steps split in two microbatches (a prefill chunk cut mid-sequence, decodes split by request) give
-    transformers' tokens and logprobs too."""
+    transformers' tokens and logprobs too. Window blocks of 4 tokens: the tail of a cut chunk's first part (read by
+    its second part) lies in blocks the chunk's own last W-1 tokens do not reach, so the block manager must give
+    them too (whole_chunks); every pool is whole after."""
     hf, d = v4
-    llm = LLM(d, max_num_batched_tokens=19, dbo={"enabled": True, "prefill_token_threshold": 2}, **V4)
+    llm = LLM(d, block_size=4, max_num_batched_tokens=19, dbo={"enabled": True, "prefill_token_threshold": 2}, **V4)
     params = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=0, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
-    assert llm.engine.core.stats()["dbo_split_steps"] > 0
+    assert llm.engine.core.stats()["dbo_split_steps"] > 0 and llm.engine.core.blocks.whole_chunks
     _check(hf, outs, PROMPTS, 12)
+    assert _empty(llm.engine.core)
     llm.shutdown()
 
 
