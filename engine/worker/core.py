@@ -145,6 +145,8 @@ class EngineCore:
             self.runner.speculator = self.scheduler.speculator
             self.scheduler.lookahead = k - 1
         self.split_steps = 0
+        self._plan_declined = getattr(self.model, "decode_plan_declined", None)   # why no CPU decode plan (V4)
+        self.declined_decode_steps = 0
         self._nodes_seen = self._nodes_step = None   # routing histograms: cumulative, and of the last step
         d = self.model.dispatcher
         self.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
@@ -361,6 +363,8 @@ class EngineCore:
         """Every rank, after every step that ran (dummy steps included): EPLB's step counter and
         load window (a rebalance, when due, is collective), and the DBO auto switch's timings."""
         self.split_steps += split
+        if self._plan_declined is not None and num_tokens and _is_decode(num_tokens):
+            self.declined_decode_steps += 1
         from parallel.dispatch.routing import total_counts
         seen = total_counts(self.dispatchers())   # on the device: no sync
         if seen is not None:
@@ -399,6 +403,8 @@ class EngineCore:
                 out["moe_nodes_per_token_step"] = self._nodes_step.tolist()
         if self.model.decode_plan is not None:
             out.update(self.model.decode_plan.stats())
+        elif self._plan_declined is not None:   # a model the CPU fast path does not take at all (DeepSeek-V4)
+            out[f"decode_declined_{self._plan_declined}"] = self.declined_decode_steps
         if self.scheduler.speculator is not None:
             out.update(self.scheduler.speculator.stats())
         if self.eplb is not None:
