@@ -27,6 +27,7 @@ EXPERTS_BACKENDS = ("auto", "torch", "cpu", "triton", "deepgemm")
 class ExpertsChoice:
     backend: str            # Experts.backend: "grouped" | "cpu" | "triton" | "deepgemm"
     keep_fp8: bool          # build the experts with fp8 weights + block scales
+    keep_fp4: bool = False  # DeepSeek-V4's routed experts as stored: fp4 pairs + e8m0 scales (backend "cpu")
     deepgemm: object = None  # moe.deepgemm.DeepGemmApi when backend == "deepgemm"
 
 

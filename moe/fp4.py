@@ -22,6 +22,23 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
+def scale_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """A block-scale tensor as its raw e8m0 bytes (uint8, b for 2^(b-127)), what the CPU kernels read: float8_e8m0fnu
+    and uint8 as stored; floats must be powers of two in [2^-127, 2^127] (anything else has no e8m0 byte)."""
+    if scale.dtype == torch.uint8:
+        return scale
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8)
+    f = scale.float()
+    m, e = torch.frexp(f)                                      # f = m * 2^e, m in [0.5, 1)
+    b = e.to(torch.int64) + 126
+    bad = (m != 0.5) | (b < 0) | (b > 254)
+    if bad.any():
+        v = f[bad][0].item()
+        raise ValueError(f"an fp4 scale of {v} is not a power of two in [2^-127, 2^127]: it has no e8m0 byte")
+    return b.to(torch.uint8)
+
+
 def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """packed [rows, cols/2] int8/uint8 + scale [rows, cols/32] -> W [rows, cols] in `dtype`."""
     if packed.dtype not in PACKED_DTYPES or packed.dim() != 2:

@@ -1,0 +1,98 @@
+"""DeepSeek-V4's FP4 routed experts kept packed on the CPU backend (quantization auto / fp4: e2m1 pairs + e8m0
+bytes, read in place by the C experts kernel with the clamped SwiGLU) == the same checkpoint dequantised at load
+(quantization none, torch experts): prompt logprobs within 1e-4, greedy tokens equal; the packed bytes are the
+checkpoint's exactly; EPLB's moves carry them; what cannot keep them packed is refused under 'fp4'."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from safetensors import safe_open
+
+pytest.importorskip("transformers")
+
+from cpu.build import unusable
+from engine import LLM, SamplingParams
+from engine.model.build import load_model
+from tests.engine.test_v4_quantized import checkpoints  # noqa: F401  (the module fixture: FP8 + FP4 V4 checkpoint)
+
+if unusable() is not None:
+    pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
+
+_rng = random.Random(5)
+PROMPTS = [[_rng.randrange(2, 200) for _ in range(n)] for n in (6, 31, 70)]
+V4 = dict(dtype="float32", progress=False, enable_prefix_caching=False)
+
+
+def test_fp4_experts_stay_packed_with_the_checkpoints_bytes(checkpoints):  # noqa: F811
+    qdir, _ = checkpoints
+    model = load_model(qdir, progress=False)
+    assert model.backends["experts"] == "cpu" and model.backends["fp4_experts"]
+    with safe_open(os.path.join(qdir, "model.safetensors"), framework="pt") as f:
+        for i, layer in enumerate(model.layers):
+            ex, I = layer.ffn.experts, layer.ffn.experts.intermediate
+            assert ex.w13.dtype == ex.w13_scale_inv.dtype == torch.uint8
+            for slot, e in enumerate(layer.ffn.local_phy2log):
+                pre = f"layers.{i}.ffn.experts.{e}."
+                for w, s, name in ((ex.w13[slot, :I], ex.w13_scale_inv[slot, :I], "w1"),
+                                   (ex.w13[slot, I:], ex.w13_scale_inv[slot, I:], "w3"),
+                                   (ex.w2[slot], ex.w2_scale_inv[slot], "w2")):
+                    assert torch.equal(w, f.get_tensor(pre + name + ".weight").view(torch.uint8)), pre + name
+                    assert torch.equal(s, f.get_tensor(pre + name + ".scale").view(torch.uint8)), pre + name
+    n = sum(layer.ffn.experts.num_local * 3 * layer.ffn.experts.hidden * layer.ffn.experts.intermediate
+            for layer in model.layers)
+    assert model.param_bytes()["experts"] / n == 0.5 + 1 / 32     # bytes per routed-expert parameter
+
+
+def test_packed_equals_dequantised_at_load(checkpoints):  # noqa: F811
+    qdir, _ = checkpoints
+    params = SamplingParams(temperature=0.0, max_tokens=10, prompt_logprobs=0, ignore_eos=True)
+    outs = {}
+    for q in ("fp4", "none"):
+        llm = LLM(qdir, quantization=q, max_num_batched_tokens=24, **V4)
+        assert llm.model.backends["fp4_experts"] == (q == "fp4")
+        outs[q] = llm.generate(PROMPTS, params)
+        llm.shutdown()
+    for ids, a, b in zip(PROMPTS, outs["fp4"], outs["none"], strict=True):
+        lp = [torch.tensor([o.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))]) for o in (a, b)]
+        diff = (lp[0] - lp[1]).abs().max().item()
+        assert diff < 1e-4, f"prompt of {len(ids)} tokens: logprobs differ by {diff}"
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt of {len(ids)} tokens"
+
+
+@torch.no_grad()
+def test_eplb_moves_carry_the_packed_bytes_and_scales(checkpoints):  # noqa: F811
+    """EPLB's weight moves (eplb/transfer.py) pack every stacked expert parameter as raw bytes: the fp4 pairs and
+    their e8m0 scales move together, and the experts then compute what the source slot did."""
+    from eplb.transfer import Move, expert_bytes, stage_layer, swap_layer
+    qdir, _ = checkpoints
+    model = load_model(qdir, progress=False)
+    ex = model.layers[1].ffn.experts
+    params = list(ex.parameters())
+    assert {p.dtype for p in params} == {torch.uint8} and len(params) == 4
+    I, H = ex.intermediate, ex.hidden
+    assert expert_bytes(params) == 3 * H * I // 2 + 3 * H * I // 32
+    x = torch.randn(3, H)
+    ids, wts = torch.full((3, 1), 2), torch.ones(3, 1)
+    want = ex(x, ids, wts)                                        # slot 2's expert
+    before = [p[2].clone() for p in params]
+    slots, staged = stage_layer([Move(1, 2, 0, 2, 0, (5,))], params, 0, ctx=None)
+    swap_layer(params, slots, staged)
+    assert all(torch.equal(p[5], b) for p, b in zip(params, before))
+    torch.testing.assert_close(ex(x, torch.full((3, 1), 5), wts), want, rtol=0, atol=0)
+
+
+def test_fp4_that_cannot_stay_packed_is_refused(checkpoints):  # noqa: F811
+    qdir, _ = checkpoints
+    with pytest.raises(ValueError, match=r"quantization 'fp4' .* experts_backend 'torch' does not read FP4"):
+        load_model(qdir, progress=False, quantization="fp4", experts_backend="torch")
+    with pytest.raises(ValueError, match=r"quantization 'fp4' .* not DeepSeek-V4"):
+        from engine.model.build import _apply_quantization
+        from moe.backend import ExpertsChoice
+        _apply_quantization("fp4", ExpertsChoice("cpu", keep_fp8=False), None)
+    # torch experts on the same checkpoint: dequantised at load, as before
+    model = load_model(qdir, progress=False, experts_backend="torch")
+    assert model.backends["experts"] == "torch" and not model.backends["fp4_experts"]
+    assert model.layers[0].ffn.experts.w13.dtype == torch.float32
