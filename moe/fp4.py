@@ -59,3 +59,20 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
     """codes [rows, cols] (0..15, cols even) -> packed [rows, cols/2] uint8, as checkpoints store them."""
     c = codes.to(torch.uint8)
     return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [rows, cols] (cols a multiple of 32) -> (packed [rows, cols/2] uint8, e8m0 scale bytes [rows, cols/32]):
+    per 1x32 block the smallest power-of-two scale that puts the block's largest |value| within e2m1's 6, each
+    value its nearest e2m1 code (for benchmarks and tests; checkpoints come quantised)."""
+    rows, cols = w.shape
+    if cols % FP4_BLOCK:
+        raise ValueError(f"quantize_fp4: cols ({cols}) must be a multiple of {FP4_BLOCK}")
+    amax = w.float().view(rows, cols // FP4_BLOCK, FP4_BLOCK).abs().amax(-1)
+    e = torch.ceil(torch.log2((amax / 6.0).clamp(min=2.0 ** -127))).clamp(-127, 127)
+    x = w.float() / torch.exp2(e).repeat_interleave(FP4_BLOCK, 1)
+    lut = torch.tensor(E2M1)
+    codes = torch.empty(rows, cols, dtype=torch.long)
+    for r in range(0, rows, 1024):   # [1024, cols, 16] at a time
+        codes[r:r + 1024] = (x[r:r + 1024, :, None] - lut).abs().argmin(-1)
+    return pack_fp4(codes), (e + 127).to(torch.uint8)
