@@ -93,7 +93,8 @@ def experts_rows(trials: int, cold: int) -> list[dict]:
                  for n, cs in copies.items()}
         r = {"El": El, "H": H, "I": I, "T": T, "k": k, "cache": "cold", "copies": cold,
              **{n: round(v / cold, 3) for n, v in _best(cases, max(2, trials // 3)).items()}}
-        r.update({f"{n}_weight_gb_per_s": round(_bytes(weights[n]) / r[f"{n}_ms"] / 1e6, 2) for n in copies})
+        touched = len(set(ids.view(-1).tolist())) / El   # only the experts with tokens are read
+        r.update({f"{n}_weight_gb_per_s": round(touched * _bytes(weights[n]) / r[f"{n}_ms"] / 1e6, 2) for n in copies})
         rows.append(r)
         print(r, flush=True)
     del copies

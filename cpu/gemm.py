@@ -195,7 +195,12 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
 
 class LinearFp4Args(ctypes.Structure):
     """wd_linear_fp4_args (csrc/wideep.h)."""
-    _fields_ = fields("x w s y", P) + fields("M N K ldx ldw lds ldy odt", I)
+    _fields_ = fields("x w s y xp", P) + fields("M N K ldx ldw lds ldy odt", I)
+
+
+def fp4_xp(M: int, K: int) -> int:
+    """Floats of scratch linear_fp4 permutes x into (wideep.h FP4_XP)."""
+    return M * -(-K // 128) * 128
 
 
 def check_fp4(name: str, w: torch.Tensor, scale: torch.Tensor) -> int:
@@ -227,8 +232,10 @@ def linear_fp4(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.T
     x = as_f32(x)
     out = torch.empty(M, N)
     if M and N and K:
+        xp = torch.empty(fp4_xp(M, K))
         library().wd_linear_fp4(LinearFp4Args(x=x.data_ptr(), w=w.data_ptr(), s=scale.data_ptr(), y=out.data_ptr(),
-                                              M=M, N=N, K=K, ldx=x.stride(0), ldw=K // 2, lds=K // FP4_BLOCK, ldy=N))
+                                              xp=xp.data_ptr(), M=M, N=N, K=K, ldx=x.stride(0), ldw=K // 2,
+                                              lds=K // FP4_BLOCK, ldy=N))
     elif M and N:
         out.zero_()
     return out
@@ -316,7 +323,8 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
     I, k = I2 // 2, ids.shape[1]
     out = torch.zeros_like(x)
     if T and k:
-        iscratch, scratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64), torch.empty(T * (2 * H + 3 * I))
+        iscratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64)
+        scratch = torch.empty(T * (2 * H + 3 * I) + (fp4_xp(T * k, max(H, I)) if fp4 else 0))
         rc = library().wd_experts(ExpertsArgs(x=x.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), wts=wts.data_ptr(),
                                               ids=ids.data_ptr(), out=out.data_ptr(), scratch=scratch.data_ptr(),
                                               iscratch=iscratch.data_ptr(), T=T, H=H, I=I, El=El, k=k,

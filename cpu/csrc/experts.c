@@ -45,7 +45,8 @@ static void swiglu_rows(const float *h, int64_t np, int64_t I, float limit, floa
 /* Routed experts. ids [T, k] local expert ids (-1: on another rank), wts [T, k]. The (token, slot)
    pairs are counting-sorted by expert (stable: the reference's order); per expert with tokens: gather
    them, h = x @ w13[e]^T, a = silu(gate) * up (clamped when limit > 0), y = a @ w2[e]^T, out[token] +=
-   weight * y. iscratch: 2 * (El + 1) + T * k ints; scratch: T * (2H + 3I) floats. w13, w2 of dtype wdt
+   weight * y. iscratch: 2 * (El + 1) + T * k ints; scratch: T * (2H + 3I) floats (WD_FP4: and FP4_XP(T * k,
+   max(H, I)) more, x permuted for linear_fp4; T * k bounds an expert's pairs). w13, w2 of dtype wdt
    (WD_FP8: with their block scales s13, s2, read in place by linear_fp8; WD_FP4: e2m1 pairs with their e8m0
    scales, read in place by linear_fp4). Returns 0, or -1 - p for the first pair p whose id is >= El
    (nothing is computed then). */
@@ -72,7 +73,7 @@ int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, con
     for (int64_t e = 0; e < El; e++) {
         int64_t p0 = start[e], np = start[e + 1] - p0;
         if (!np) continue;
-        float *xs = scratch, *h = xs + np * H, *a = h + np * 2 * I, *y = a + np * I;
+        float *xs = scratch, *h = xs + np * H, *a = h + np * 2 * I, *y = a + np * I, *xp = scratch + T * (2 * H + 3 * I);
         for (int64_t p = 0; p < np; p++) memcpy(xs + p * H, x + order[p0 + p] / k * H, H * sizeof(float));
         prefetch_head(w2b + e * b2, b2);
         if (wdt == WD_FP8) {   /* gate and up are quantised apart: their blocks restart at row I */
@@ -82,7 +83,7 @@ int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, con
             linear_fp8(xs, H, we + I * H, H, se + Ib * Hk, Hk, br, bk, h + I, 2 * I, np, I, H);
         } else if (wdt == WD_FP4) {
             linear_fp4(xs, H, (const uint8_t *)w13b + e * b13, H / 2, (const uint8_t *)s13 + e * 2 * I * (H / 32),
-                       H / 32, h, 2 * I, np, 2 * I, H);
+                       H / 32, h, 2 * I, np, 2 * I, H, xp);
         } else {
             linear_w(xs, H, w13b + e * b13, wdt, H, h, 2 * I, np, 2 * I, H);
         }
@@ -95,7 +96,7 @@ int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, con
                        np, H, I);
         else if (wdt == WD_FP4)
             linear_fp4(a, I, (const uint8_t *)w2b + e * b2, I / 2, (const uint8_t *)s2 + e * H * (I / 32), I / 32,
-                       y, H, np, H, I);
+                       y, H, np, H, I, xp);
         else
             linear_w(a, I, w2b + e * b2, wdt, I, y, H, np, H, I);
         for (int64_t p = 0; p < np; p++) {

@@ -68,6 +68,7 @@ static const wd_layout table[] = {
 
     SIZE(wd_linear_fp4_args)
     FIELD(wd_linear_fp4_args, x) FIELD(wd_linear_fp4_args, w) FIELD(wd_linear_fp4_args, s) FIELD(wd_linear_fp4_args, y)
+    FIELD(wd_linear_fp4_args, xp)
     FIELD(wd_linear_fp4_args, M) FIELD(wd_linear_fp4_args, N) FIELD(wd_linear_fp4_args, K)
     FIELD(wd_linear_fp4_args, ldx) FIELD(wd_linear_fp4_args, ldw) FIELD(wd_linear_fp4_args, lds)
     FIELD(wd_linear_fp4_args, ldy) FIELD(wd_linear_fp4_args, odt)

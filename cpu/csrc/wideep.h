@@ -170,9 +170,10 @@ WD_INTERNAL void linear_bf16dp(const float *x, int64_t ldx, const uint16_t *w, i
 WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
                             int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
 /* gemm_fp4.c: y = x @ W^T for W [N, K] e2m1 pairs w (rows ldw bytes apart) times the e8m0 scales s [N, K/32]
-   (rows lds apart); K a multiple of 32 */
+   (rows lds apart); K a multiple of 32; xp: FP4_XP(M, K) floats of scratch */
+#define FP4_XP(M, K) ((M) * (((K) + 127) / 128 * 128))
 WD_INTERNAL void linear_fp4(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
-                            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
+                            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *xp);
 /* experts.c; wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale rows, then up's), s2 [El, ceil(H/br),
    ceil(I/bk)] float32 (moe/fp8.py quantize_experts_fp8); WD_FP4: w13 [El, 2I, H/2], w2 [El, H, I/2] e2m1 pairs,
    s13 [El, 2I, H/32], s2 [El, H, I/32] e8m0 bytes (H, I multiples of 32); else s13, s2 NULL. limit > 0: the
@@ -280,7 +281,7 @@ typedef struct {
 int64_t wd_bf16_dot(wd_bf16_dot_args *a);
 
 /* Routed experts: out [T, H] += sum over slots of wts * expert(x). ids [T, k] local ids (-1: on another
-   rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats. Returns 0, or -1 - p for the first
+   rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats (WD_FP4: + FP4_XP(T k, max(H, I))). Returns 0, or -1 - p for the first
    pair p whose id is >= El (nothing is computed then). w13, w2 of dtype wdt; WD_FP8: their block scales s13,
    s2 in br x bk blocks (the experts() prototype above gives their shapes; bk a multiple of 16; else, or
    without them: INT64_MIN, nothing computed); WD_FP4: their e8m0 scales s13, s2 (H and I multiples of 32;
@@ -314,11 +315,13 @@ int64_t wd_linear_fp8(const wd_linear_fp8_args *a);
 /* FP4 weights (gemm_fp4.c): W [N, K] = w (e2m1 codes two a byte, rows ldw bytes apart) times s (an e8m0 byte
    per 32 values along K, [N, K/32], rows lds apart), K a multiple of 32. x given: y [M, N] float32 (rows ldy
    apart) = x [M, K] (rows ldx apart) @ W^T. x NULL: y = W [N, K] itself, rows ldy apart, float32 or bfloat16
-   (odt). Returns 0, or -1 (nothing done) when K is not a multiple of 32. */
+   (odt). xp: M * ceil(K/128) * 128 floats of scratch (x given). Returns 0, or -1 (nothing done) when K is not a
+   multiple of 32 or xp is missing. */
 typedef struct {
     const float *x;
     const uint8_t *w, *s;
     void *y;
+    float *xp;
     int64_t M, N, K, ldx, ldw, lds, ldy, odt;
 } wd_linear_fp4_args;
 int64_t wd_linear_fp4(const wd_linear_fp4_args *a);

@@ -46,8 +46,9 @@ def test_every_e2m1_code_and_extreme_scales_widen_exactly():
     got = gemm.dequantize_fp4(w, s)
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), "code 8 is -0.0"
     assert torch.equal(gemm.dequantize_fp4(w, s, torch.bfloat16), want.to(torch.bfloat16))
-    got = gemm.linear_fp4(torch.eye(64)[:9], w, s)              # y[m, n] = W[n, m]
-    assert torch.equal(got, want[:, :9].t())
+    for M in (2, 9):                                            # the row path and the 4-row blocks
+        got = gemm.linear_fp4(torch.eye(64)[:M], w, s)          # y[m, n] = W[n, m]
+        assert torch.equal(got, want[:, :M].t())
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 17])
@@ -146,12 +147,20 @@ def test_a_build_without_avx512_widens_exactly_too(monkeypatch, tmp_path):
     assert lib.wd_linear_fp4(gemm.LinearFp4Args(w=w.data_ptr(), s=s.data_ptr(), y=y.data_ptr(), N=16, K=64, ldw=32,
                                                 lds=2, ldy=64)) == 0
     assert torch.equal(y, want)
+    for M in (2, 9):   # the row path and the 4-row blocks, through an identity-like x: exact
+        x, y, xp = torch.eye(64)[:M].contiguous(), torch.empty(M, 16), torch.empty(gemm.fp4_xp(M, 64))
+        assert lib.wd_linear_fp4(gemm.LinearFp4Args(x=x.data_ptr(), w=w.data_ptr(), s=s.data_ptr(), y=y.data_ptr(),
+                                                    xp=xp.data_ptr(), M=M, N=16, K=64, ldx=64, ldw=32, lds=2,
+                                                    ldy=16)) == 0
+        assert torch.equal(y, want[:, :M].t())
     g = torch.Generator().manual_seed(4)
     w, s = _random_fp4(7, 96, g)
     x = torch.randn(5, 96, generator=g)
-    y = torch.empty(5, 7)
+    y, xp = torch.empty(5, 7), torch.empty(gemm.fp4_xp(5, 96))
     assert lib.wd_linear_fp4(gemm.LinearFp4Args(x=x.data_ptr(), w=w.data_ptr(), s=s.data_ptr(), y=y.data_ptr(), M=5,
-                                                N=7, K=96, ldx=96, ldw=48, lds=3, ldy=7)) == 0
+                                                N=7, K=96, ldx=96, ldw=48, lds=3, ldy=7)) == -1, "no scratch"
+    assert lib.wd_linear_fp4(gemm.LinearFp4Args(x=x.data_ptr(), w=w.data_ptr(), s=s.data_ptr(), y=y.data_ptr(), M=5,
+                                                N=7, K=96, ldx=96, ldw=48, lds=3, ldy=7, xp=xp.data_ptr())) == 0
     torch.testing.assert_close(y, F.linear(x, dequantize_fp4(w, s)), **_tol(96))
     # the experts kernel of that build against this build's (already checked against the reference above)
     El, H, I, T, k = 3, 64, 32, 4, 2
@@ -160,7 +169,8 @@ def test_a_build_without_avx512_widens_exactly_too(monkeypatch, tmp_path):
     ids, wts = torch.tensor([[0, 1], [2, -1], [1, 2], [0, 2]]), torch.rand(T, k, generator=g)
     want = gemm.experts(x, w13, w2, ids, wts, w13_scale=s13, w2_scale=s2, limit=0.7)
     out = torch.zeros(T, H)
-    iscratch, scratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64), torch.empty(T * (2 * H + 3 * I))
+    iscratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64)
+    scratch = torch.empty(T * (2 * H + 3 * I) + gemm.fp4_xp(T * k, max(H, I)))
     assert lib.wd_experts(gemm.ExpertsArgs(x=x.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), wts=wts.data_ptr(),
                                            ids=ids.data_ptr(), out=out.data_ptr(), scratch=scratch.data_ptr(),
                                            iscratch=iscratch.data_ptr(), s13=s13.data_ptr(), s2=s2.data_ptr(), T=T,
