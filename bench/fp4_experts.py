@@ -4,7 +4,8 @@ Kernel: the routed-experts kernel of a decode step (64 experts of 2 x 512 x 1024
 tokens) on FP4 weights (e2m1 pairs + an e8m0 byte per 32, csrc/gemm_fp4.c), FP8 (e4m3 + 128 x 128 float32
 scales), bfloat16 and float32, with V4's clamped SwiGLU. Warm: the same weights every trial (they stay in the
 last-level cache); cold: a sweep over `--cold` copies of each (past the cache: every read from memory, as a decode
-step's are), per-copy ms of the best sweep. Trials interleave the cases; the best of each counts.
+step's are), per-copy ms of the best sweep; at 1 token only the 6 experts it picks are read (~5 MB of fp4 a
+copy), so its cold row stays cache-resident unless --cold is far larger. Trials interleave the cases; the best of each counts.
 Memory: a V4 checkpoint (launch/tiny_v4.py, widened; its routed experts quantised to FP4 as DeepSeek stores them,
 the rest float32) loaded in a fresh process with quantization "auto" (FP4 kept packed) and "none" (dequantised to
 float32 at load): resident-set growth, the routed experts' stored bytes per parameter, and the RSS growth less the

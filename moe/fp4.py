@@ -35,7 +35,7 @@ def scale_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     bad = (m != 0.5) | (b < 0) | (b > 254)
     if bad.any():
         v = f[bad][0].item()
-        raise ValueError(f"an fp4 scale of {v} is not a power of two in [2^-127, 2^127]: it has no e8m0 byte")
+        raise ValueError(f"an fp4 scale of {v:g} is not a power of two in [2^-127, 2^127]: it has no e8m0 byte")
     return b.to(torch.uint8)
 
 

@@ -96,3 +96,21 @@ def test_fp4_that_cannot_stay_packed_is_refused(checkpoints):  # noqa: F811
     model = load_model(qdir, progress=False, experts_backend="torch")
     assert model.backends["experts"] == "torch" and not model.backends["fp4_experts"]
     assert model.layers[0].ffn.experts.w13.dtype == torch.float32
+
+
+def test_the_reader_gives_packed_bytes_and_e8m0_scales_as_stored(checkpoints):  # noqa: F811
+    from engine.model.loader import CheckpointError, CheckpointReader, v4_rename
+    from moe.fp4 import scale_to_e8m0
+    qdir, _ = checkpoints
+    r = CheckpointReader(qdir, rename=v4_rename)
+    name = "layers.2.ffn.experts.3.w2.weight"
+    assert r.is_fp4(name) and not r.is_fp4("embed.weight")
+    assert r.shape(name) == (64, 32) and r.shape(name, packed=True) == (64, 16)
+    assert r.get(name, torch.uint8).dtype == r.get(name + "_scale_inv", torch.uint8).dtype == torch.uint8
+    with pytest.raises(CheckpointError, match=r"'embed.weight' is wanted as FP4 pairs \(uint8\), but the checkpoint "
+                                              r"stores it as torch.float32"):
+        r.get("embed.weight", torch.uint8)
+    # scales stored as floats: powers of two become their bytes, anything else is refused
+    assert scale_to_e8m0(torch.tensor([1.0, 0.25, 2.0 ** -127, 2.0 ** 127])).tolist() == [127, 125, 0, 254]
+    with pytest.raises(ValueError, match=r"an fp4 scale of 0.3 is not a power of two"):
+        scale_to_e8m0(torch.tensor([0.5, 0.3]))
