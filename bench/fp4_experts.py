@@ -9,7 +9,8 @@ copy), so its cold row stays cache-resident unless --cold is far larger. Trials 
 Memory: a V4 checkpoint (launch/tiny_v4.py, widened; its routed experts quantised to FP4 as DeepSeek stores them,
 the rest float32) loaded in a fresh process with quantization "auto" (FP4 kept packed) and "none" (dequantised to
 float32 at load): resident-set growth, the routed experts' stored bytes per parameter, and the RSS growth less the
-other parameters' bytes per routed-expert parameter.
+other parameters' bytes per routed-expert parameter. Decode: that checkpoint served both ways, the decode step's
+time (decode_rows).
 Last line: JSON (not kept in bench/results/: run it to see).
     python bench/fp4_experts.py [--trials 10] [--cold 12]
 """
@@ -125,6 +126,38 @@ def make_v4_fp4(out_dir: str, hidden: int, inter: int, experts: int) -> None:
     json.dump(cfg, open(cfg_path, "w"))
 
 
+def decode_rows(model_dir: str, trials: int, batch: int = 8, prompt: int = 32, new: int = 32) -> dict:
+    """That checkpoint served with FP4 experts packed ("auto": the C experts kernel) and dequantised to float32 at
+    load ("none": torch's experts; "none_cpu": the C experts kernel on the float32 weights): the decode step's time (generate with max_tokens new + 1 minus with 1, per
+    token), best of interleaved trials, and whether the greedy tokens agree."""
+    from engine import LLM, SamplingParams
+    prompts = [[(7 * b + 3 * i) % 190 + 2 for i in range(prompt)] for b in range(batch)]
+    engines = {name: LLM(model_dir, dtype="float32", progress=False, enable_prefix_caching=False, quantization=q,
+                         experts_backend=b)
+               for name, q, b in (("auto", "auto", "auto"), ("none", "none", "auto"), ("none_cpu", "none", "cpu"))}
+    best, toks = dict.fromkeys(engines, float("inf")), {}
+    for trial in range(trials + 1):
+        for name, llm in engines.items():
+            t0 = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            t1 = time.perf_counter()
+            outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new + 1, ignore_eos=True))
+            t2 = time.perf_counter()
+            toks[name] = [o.outputs[0].token_ids for o in outs]
+            if trial:
+                best[name] = min(best[name], ((t2 - t1) - (t1 - t0)) / new)
+    r = {"batch": batch, "prompt": prompt, "new_tokens": new,
+         **{f"{k}_decode_step_ms": round(v * 1e3, 2) for k, v in best.items()},
+         "none_over_auto": round(best["none"] / best["auto"], 2),
+         "none_cpu_over_auto": round(best["none_cpu"] / best["auto"], 2),
+         "greedy_sequences_equal": {k: sum(a == b for a, b in zip(toks["auto"], toks[k])) / batch
+                                    for k in ("none", "none_cpu")}}
+    for llm in engines.values():
+        llm.shutdown()
+    print(r, flush=True)
+    return r
+
+
 def _rss_child(model_dir: str, quantization: str) -> None:
     from engine.model.build import load_model
     before = rss_kib()
@@ -167,6 +200,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         make_v4_fp4(d, a.hidden, a.hidden, a.experts)
         res["rss"] = {q: rss(d, q) for q in ("auto", "none")}
+        res["decode"] = decode_rows(d, max(2, a.trials // 5))
     print(json.dumps(res))
 
 

@@ -50,16 +50,20 @@ def test_packed_equals_dequantised_at_load(checkpoints):  # noqa: F811
     qdir, _ = checkpoints
     params = SamplingParams(temperature=0.0, max_tokens=10, prompt_logprobs=0, ignore_eos=True)
     outs = {}
-    for q in ("fp4", "none"):
-        llm = LLM(qdir, quantization=q, max_num_batched_tokens=24, **V4)
+    # packed (the C kernel), dequantised at load on torch's experts, and dequantised on the C kernel (float32
+    # weights, the clamped SwiGLU in C)
+    for key, q, backend in (("fp4", "fp4", "auto"), ("none", "none", "auto"), ("none_cpu", "none", "cpu")):
+        llm = LLM(qdir, quantization=q, experts_backend=backend, max_num_batched_tokens=24, **V4)
         assert llm.model.backends["fp4_experts"] == (q == "fp4")
-        outs[q] = llm.generate(PROMPTS, params)
+        assert llm.model.backends["experts"] == ("torch" if key == "none" else "cpu")
+        outs[key] = llm.generate(PROMPTS, params)
         llm.shutdown()
-    for ids, a, b in zip(PROMPTS, outs["fp4"], outs["none"], strict=True):
-        lp = [torch.tensor([o.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))]) for o in (a, b)]
-        diff = (lp[0] - lp[1]).abs().max().item()
-        assert diff < 1e-4, f"prompt of {len(ids)} tokens: logprobs differ by {diff}"
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt of {len(ids)} tokens"
+    for other in ("none", "none_cpu"):
+        for ids, a, b in zip(PROMPTS, outs["fp4"], outs[other], strict=True):
+            lp = [torch.tensor([o.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))]) for o in (a, b)]
+            diff = (lp[0] - lp[1]).abs().max().item()
+            assert diff < 1e-4, f"{other}, prompt of {len(ids)} tokens: logprobs differ by {diff}"
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"{other}, prompt of {len(ids)} tokens"
 
 
 @torch.no_grad()
