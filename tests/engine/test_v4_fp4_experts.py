@@ -118,3 +118,37 @@ def test_the_reader_gives_packed_bytes_and_e8m0_scales_as_stored(checkpoints):  
     assert scale_to_e8m0(torch.tensor([1.0, 0.25, 2.0 ** -127, 2.0 ** 127])).tolist() == [127, 125, 0, 254]
     with pytest.raises(ValueError, match=r"an fp4 scale of 0.3 is not a power of two"):
         scale_to_e8m0(torch.tensor([0.5, 0.3]))
+
+
+def _rank_main(model_dir: str, ep: int) -> dict:
+    from engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
+    llm = LLM(model_dir, dp_size=ep, ep_size=ep, progress=False, enable_prefix_caching=False,
+              max_num_batched_tokens=24, parallel={"timeout_s": 60.0},
+              eplb={"enabled": True, "num_redundant_experts": ep, "window_size": 8, "step_interval": 3})
+    outs = llm.generate(PROMPTS, sp)
+    out = {"fp4": llm.model.backends["fp4_experts"], "rebalances": llm.engine.core.eplb.metrics["rebalances"],
+           "tokens": [o.outputs[0].token_ids for o in outs],
+           "prompt_lp": [[o.prompt_logprobs[j][o.prompt_token_ids[j]] for j in range(1, len(o.prompt_token_ids))]
+                         for o in outs]}
+    llm.shutdown()
+    return out
+
+
+@pytest.mark.multirank
+def test_fp4_experts_on_2_ep_ranks_with_eplb_moving_them(checkpoints):  # noqa: F811
+    """Each rank reads only its experts' pairs and scales; EPLB rebalances while serving, moving the packed bytes
+    between ranks: every rank's tokens and prompt logprobs equal the single process's dequantised run."""
+    from tests.parallel.spawn import spawn
+    qdir, _ = checkpoints
+    sp = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
+    llm = LLM(qdir, quantization="none", max_num_batched_tokens=24, **V4)
+    single = llm.generate(PROMPTS, sp)
+    llm.shutdown()
+    ranks = spawn(_rank_main, 2, args=(qdir, 2), timeout_s=300)
+    for r in ranks:
+        assert r["fp4"] and r["rebalances"] > 0
+        for toks, lp, s in zip(r["tokens"], r["prompt_lp"], single, strict=True):
+            assert toks == s.outputs[0].token_ids
+            want = [s.prompt_logprobs[j][s.prompt_token_ids[j]] for j in range(1, len(s.prompt_token_ids))]
+            assert (torch.tensor(lp) - torch.tensor(want)).abs().max() < 1e-4
