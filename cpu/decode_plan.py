@@ -261,6 +261,8 @@ class DecodePlan:
             else:
                 m = layer.mlp
                 ex = m.experts
+                if ex.limit is not None or ex.fp4:   # wd_moe_weights has neither (V4 models build no plan)
+                    raise ValueError("the fused CPU decode takes no clamped SwiGLU and no fp4 experts")
                 scales = (ex.w13_scale_inv, ex.w2_scale_inv, ex.fp8_block) if ex.fp8_block is not None else None
                 w.moe = fused.moe_layer_weights(m.gate, ex.w13, ex.w2, m.shared_experts, scales)
                 w.keep += list(m.parameters())

@@ -20,6 +20,12 @@ and widened to float32 in registers, times their block's scale:
   linear_fp8(x [M, K], w [N, K], scale_inv, block) -> [M, N] float32 = F.linear(x, dequantize_fp8_block(w, ...))
   dequantize_fp8(w, scale_inv, block, dtype) -> [N, K]    = dequantize_fp8_block (for BLAS on big batches)
   experts(..., w13_scale=, w2_scale=, block=)             fp8 routed experts
+FP4 weights (DeepSeek-V4's routed experts: e2m1 codes two a byte + an e8m0 scale byte per 32 values along K,
+moe/fp4.py; csrc/gemm_fp4.c), read as stored and widened in registers; K a multiple of 32:
+  linear_fp4(x [M, K], w [N, K/2] uint8, scale [N, K/32] uint8) -> [M, N] float32 = F.linear(x, dequantize_fp4(w, scale))
+  dequantize_fp4(w, scale, dtype) -> [N, K]               = moe/fp4.py dequantize_fp4, in C
+  experts(..., w13_scale=, w2_scale=) with uint8 weights   fp4 routed experts
+experts(..., limit=) clamps the SwiGLU (DeepSeek-V4's swiglu_limit) as moe/experts.py Experts does.
 Tests: tests/cpu/.
 """
 from __future__ import annotations
@@ -35,6 +41,8 @@ P, I = ctypes.c_void_p, ctypes.c_int64
 
 WDT = {torch.float32: 0, torch.bfloat16: 1}   # the C kernels' weight / cache dtype codes (wideep.h WD_F32, WD_BF16)
 WD_FP8 = 2                                     # wideep.h WD_FP8: e4m3 bytes + float32 block scales
+WD_FP4 = 3                                     # wideep.h WD_FP4: e2m1 pairs + e8m0 scale bytes per 32
+FP4_BLOCK = 32
 FP8 = torch.float8_e4m3fn
 
 
@@ -185,23 +193,99 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128),
     return out
 
 
+class LinearFp4Args(ctypes.Structure):
+    """wd_linear_fp4_args (csrc/wideep.h)."""
+    _fields_ = fields("x w s y xp", P) + fields("M N K ldx ldw lds ldy odt", I)
+
+
+def fp4_xp(M: int, K: int) -> int:
+    """Floats of scratch linear_fp4 permutes x into (wideep.h FP4_XP)."""
+    return M * -(-K // 128) * 128
+
+
+def check_fp4(name: str, w: torch.Tensor, scale: torch.Tensor) -> int:
+    """w [..., N, K/2] uint8 (e2m1 pairs) and scale [..., N, K/32] uint8 (e8m0 bytes), contiguous CPU tensors,
+    K a multiple of 32 -> K; ValueError naming what does not fit."""
+    if w.dtype != torch.uint8 or w.device.type != "cpu" or w.dim() < 2 or not w.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous uint8 CPU tensor of e2m1 pairs, got {w.dtype} {w.device.type} "
+                         f"shape {tuple(w.shape)}")
+    K = 2 * w.shape[-1]
+    if K % FP4_BLOCK:
+        raise ValueError(f"{name}: the fp4 kernels need K (2 x {w.shape[-1]} = {K}) to be a multiple of {FP4_BLOCK}, "
+                         f"one e8m0 scale per {FP4_BLOCK} values")
+    want = (*w.shape[:-1], K // FP4_BLOCK)
+    if (scale.dtype != torch.uint8 or scale.device.type != "cpu" or not scale.is_contiguous()
+            or tuple(scale.shape) != want):
+        raise ValueError(f"{name}'s scales must be a contiguous uint8 (e8m0) CPU tensor of shape {want} for weight "
+                         f"{tuple(w.shape)} (K = {K}), got {scale.dtype} {tuple(scale.shape)}")
+    return K
+
+
+def linear_fp4(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float32 or bfloat16, last dim contiguous), w [N, K/2] uint8, scale [N, K/32] uint8 -> [M, N]
+    float32 = x @ moe.fp4.dequantize_fp4(w, scale)^T, the weights read as stored (half a byte each)."""
+    check_float("x", x, 2)
+    K = check_fp4("linear_fp4: w", w, scale)
+    M, N = x.shape[0], w.shape[0]
+    if x.shape[1] != K:
+        raise ValueError(f"linear_fp4: x {tuple(x.shape)} and w {tuple(w.shape)} (K = {K}) need the same K")
+    x = as_f32(x)
+    out = torch.empty(M, N)
+    if M and N and K:
+        xp = torch.empty(fp4_xp(M, K))
+        library().wd_linear_fp4(LinearFp4Args(x=x.data_ptr(), w=w.data_ptr(), s=scale.data_ptr(), y=out.data_ptr(),
+                                              xp=xp.data_ptr(), M=M, N=N, K=K, ldx=x.stride(0), ldw=K // 2,
+                                              lds=K // FP4_BLOCK, ldy=N))
+    elif M and N:
+        out.zero_()
+    return out
+
+
+def dequantize_fp4(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """w [N, K/2] uint8 + scale [N, K/32] uint8 -> [N, K] in dtype (float32 or bfloat16) = moe/fp4.py's
+    dequantize_fp4, in one pass of C (the big-batch GEMMs run on BLAS over this copy)."""
+    K = check_fp4("dequantize_fp4: w", w, scale)
+    if dtype not in WDT or w.dim() != 2:
+        raise ValueError(f"dequantize_fp4: a 2-D weight to float32 or bfloat16, got shape {tuple(w.shape)} to {dtype}")
+    N = w.shape[0]
+    out = torch.empty(N, K, dtype=dtype)
+    if N and K:
+        library().wd_linear_fp4(LinearFp4Args(x=None, w=w.data_ptr(), s=scale.data_ptr(), y=out.data_ptr(), N=N, K=K,
+                                              ldw=K // 2, lds=K // FP4_BLOCK, ldy=K, odt=WDT[dtype]))
+    return out
+
+
 class ExpertsArgs(ctypes.Structure):
     """wd_experts_args (csrc/wideep.h)."""
     _fields_ = (fields("x w13 w2 wts ids out scratch iscratch s13 s2", P)
-                + fields("T H I El k wdt br bk", I))
+                + fields("T H I El k wdt br bk", I) + [("limit", ctypes.c_float)])
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
             topk_weights: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-            block=None) -> torch.Tensor:
+            block=None, limit: float | None = None) -> torch.Tensor:
     """x [T, H], w13 [El, 2I, H], w2 [El, H, I] (contiguous, one dtype: float32 or bfloat16, or float8_e4m3fn
     with w13_scale [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale rows, then up's) and w2_scale [El, ceil(H/br),
-    ceil(I/bk)] in `block` (br, bk): moe/fp8.py quantize_experts_fp8), topk_ids [T, k] local ids (-1:
-    elsewhere), topk_weights [T, k] -> [T, H] in x's dtype (float32 sums): only the experts that have tokens
-    are read. No host sync."""
+    ceil(I/bk)] in `block` (br, bk): moe/fp8.py quantize_experts_fp8; or fp4: uint8 w13 [El, 2I, H/2], w2 [El,
+    H, I/2] of e2m1 pairs with uint8 e8m0 w13_scale [El, 2I, H/32], w2_scale [El, H, I/32], H and I multiples
+    of 32), topk_ids [T, k] local ids (-1: elsewhere), topk_weights [T, k] -> [T, H] in x's dtype (float32
+    sums): only the experts that have tokens are read. limit: the clamped SwiGLU (gate <= limit, |up| <=
+    limit), None: plain. No host sync."""
     check_float("x", x, 2)
-    fp8 = w13.dtype == FP8
-    if fp8:
+    fp8, fp4 = w13.dtype == FP8, w13.dtype == torch.uint8
+    if limit is not None and not limit > 0:
+        raise ValueError(f"experts: limit must be > 0 (or None), got {limit}")
+    if fp4:
+        if w13_scale is None or w2_scale is None or block is not None:
+            raise ValueError("experts: uint8 (fp4) weights need w13_scale and w2_scale (e8m0 bytes) and no block")
+        check_fp4("experts: w13", w13, w13_scale)
+        check_fp4("experts: w2", w2, w2_scale)
+        El, I2, Hh = w13.shape
+        if x.shape[1] != 2 * Hh or w2.dtype != torch.uint8 or tuple(w2.shape) != (El, 2 * Hh, I2 // 4):
+            raise ValueError(f"experts: x {tuple(x.shape)}, fp4 w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} must "
+                             f"be [T, H], [El, 2I, H/2], [El, H, I/2] uint8")
+        br = bk = 0
+    elif fp8:
         if w13_scale is None or w2_scale is None or block is None:
             raise ValueError("experts: float8_e4m3fn weights need w13_scale, w2_scale and block")
         br, bk = check_fp8("experts: w2", w2, w2_scale, block)
@@ -222,7 +306,9 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
         br = bk = 0
     T, H = x.shape
     El, I2, H2 = w13.shape
-    if H2 != H or tuple(w2.shape) != (El, H, I2 // 2) or not (w13.is_contiguous() and w2.is_contiguous()):
+    H2 = 2 * H2 if fp4 else H2
+    w2_shape = (El, H, I2 // 4) if fp4 else (El, H, I2 // 2)
+    if H2 != H or tuple(w2.shape) != w2_shape or not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError(f"experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} must be "
                          f"[T, H], [El, 2I, H], [El, H, I], weights contiguous")
     if w13.dtype != w2.dtype:
@@ -237,13 +323,15 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
     I, k = I2 // 2, ids.shape[1]
     out = torch.zeros_like(x)
     if T and k:
-        iscratch, scratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64), torch.empty(T * (2 * H + 3 * I))
+        iscratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64)
+        scratch = torch.empty(T * (2 * H + 3 * I) + (fp4_xp(T * k, max(H, I)) if fp4 else 0))
         rc = library().wd_experts(ExpertsArgs(x=x.data_ptr(), w13=w13.data_ptr(), w2=w2.data_ptr(), wts=wts.data_ptr(),
                                               ids=ids.data_ptr(), out=out.data_ptr(), scratch=scratch.data_ptr(),
                                               iscratch=iscratch.data_ptr(), T=T, H=H, I=I, El=El, k=k,
-                                              wdt=WD_FP8 if fp8 else WDT[w13.dtype],
-                                              s13=w13_scale.data_ptr() if fp8 else None,
-                                              s2=w2_scale.data_ptr() if fp8 else None, br=br, bk=bk))
+                                              wdt=WD_FP8 if fp8 else WD_FP4 if fp4 else WDT[w13.dtype],
+                                              s13=w13_scale.data_ptr() if fp8 or fp4 else None,
+                                              s2=w2_scale.data_ptr() if fp8 or fp4 else None, br=br, bk=bk,
+                                              limit=limit or 0.0))
         if rc < 0:   # an id past the last local expert: the kernel would have read past the weights
             raise ValueError(f"experts: topk_ids holds local id {int(ids.view(-1)[-1 - rc])}, there are {El} "
                              f"local experts")
@@ -251,4 +339,4 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
 
 
 register({"wd_bmm_nt": (BmmNtArgs, None), "wd_experts": (ExpertsArgs, I), "wd_bf16_dot": (Bf16DotArgs, I),
-          "wd_linear_fp8": (LinearFp8Args, I)})
+          "wd_linear_fp8": (LinearFp8Args, I), "wd_linear_fp4": (LinearFp4Args, I)})

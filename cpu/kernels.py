@@ -1,8 +1,8 @@
 """The CPU backend's per-op kernels, as the table the model's modules bind at build time
 (layers/kernels.py names each entry's contract; engine's builder turns this into a Kernels).
 CPU tensors: the backend is chosen for float32 and bfloat16 models on the CPU (build.unusable_for); bfloat16
-weights and FP8 block-quantised ones (an fp8 checkpoint kept as stored) are read as stored, activations
-computed in float32 and returned in their own dtype."""
+weights, FP8 block-quantised ones (an fp8 checkpoint kept as stored) and DeepSeek-V4's FP4 routed experts are
+read as stored, activations computed in float32 and returned in their own dtype."""
 from __future__ import annotations
 
 

@@ -34,8 +34,9 @@ class EngineConfig:
     experts_backend: str = _f("model", "auto", "auto | torch | cpu | triton | deepgemm")
     attention_backend: str = _f("model", "auto", "auto | torch | cpu | triton")
     quantization: str = _f("model", "auto", "an fp8 checkpoint's weights in memory: auto (fp8 where the experts "
-                                            "backend computes on fp8: cpu, triton, deepgemm) | fp8 | none "
-                                            "(dequantised at load into dtype)")
+                                            "backend computes on fp8: cpu, triton, deepgemm; DeepSeek-V4's FP4 "
+                                            "experts packed on the cpu backend) | fp8 | fp4 (V4's FP4 experts as "
+                                            "stored, or an error) | none (dequantised at load into dtype)")
     fuse_decode_stack: bool = _f("model", True, "CPU kernels: a decode step's decoder layers in one C call "
                                                "when each can be (off: a fused call per layer half)")
     block_size: int = _f("engine", 64, "tokens per KV cache block")

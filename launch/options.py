@@ -85,8 +85,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("model.experts_backend", "auto | torch | cpu | triton | deepgemm"),
     Option("model.attention_backend", "auto | torch | cpu | triton"),
     Option("model.quantization", "an fp8 checkpoint's weights in memory: auto (fp8 where the backend computes on "
-           "fp8) | fp8 | none (dequantised at load)",
-           spec={"choices": ["auto", "fp8", "none"]}),   # = engine/model/build.py QUANTIZATION
+           "fp8; DeepSeek-V4's FP4 experts packed on the cpu backend) | fp8 | fp4 (V4's FP4 experts as stored) | "
+           "none (dequantised at load)",
+           spec={"choices": ["auto", "fp8", "fp4", "none"]}),   # = engine/model/build.py QUANTIZATION
     Option("parallel.dp_size", "data-parallel ranks (default: the launcher's world size)", spec=INT),
     Option("parallel.ep_size", "expert-parallel ranks (default: the launcher's world size)", spec=INT),
     Option("parallel.dispatch_backend", "MoE all-to-all backend",

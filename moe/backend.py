@@ -5,7 +5,8 @@
             dense / shared / attention projections and lm_head of decode-sized steps; float32 or bfloat16 on CPU,
             built with the system C compiler at first use; big batches (prefill) stay on torch. An fp8
             checkpoint's routed experts and projections stay fp8 (read as stored, csrc/gemm_fp8.c) when the
-            block along K is a multiple of 16
+            block along K is a multiple of 16; DeepSeek-V4's FP4 routed experts stay packed (engine/model/build.py
+            _v4_experts, csrc/gemm_fp4.c)
   triton    the fused Triton kernels (moe/triton_moe.py); fp8 weights stay fp8 on the device
   deepgemm  DeepGEMM's grouped FP8 GEMMs (moe/deepgemm.py): fp8 checkpoints, bf16, CUDA, dims % 128
   auto      CPU: cpu when the model is float32 and the kernels build, else torch (interpreted Triton is
@@ -27,6 +28,7 @@ EXPERTS_BACKENDS = ("auto", "torch", "cpu", "triton", "deepgemm")
 class ExpertsChoice:
     backend: str            # Experts.backend: "grouped" | "cpu" | "triton" | "deepgemm"
     keep_fp8: bool          # build the experts with fp8 weights + block scales
+    keep_fp4: bool = False  # DeepSeek-V4's routed experts as stored: fp4 pairs + e8m0 scales (backend "cpu")
     deepgemm: object = None  # moe.deepgemm.DeepGemmApi when backend == "deepgemm"
 
 

@@ -12,7 +12,11 @@ With `fp8_block` the weights stay float8_e4m3fn as the checkpoint stores them, w
 scales w13_scale_inv [El, 2*ceil(I/br), ceil(H/bc)] (gate's rows, then up's) and
 w2_scale_inv [El, ceil(H/br), ceil(I/bc)]; the torch forwards dequantise per call (slow, for
 checking), the kernels apply the scales per tile.
-`limit` (DeepSeek-V4's clamped SwiGLU: gate <= limit, |up| <= limit) runs on the torch forwards only.
+With `fp4` (DeepSeek-V4's routed experts as stored, moe/fp4.py) the weights are uint8 e2m1 pairs, w13 [El, 2I,
+H/2], w2 [El, H, I/2], with e8m0 scale bytes w13_scale_inv [El, 2I, H/32], w2_scale_inv [El, H, I/32] (H and I
+multiples of 32); the "cpu" kernel reads them in place, the torch forwards dequantise per call (slow, for
+checking and big batches).
+`limit` (DeepSeek-V4's clamped SwiGLU: gate <= limit, |up| <= limit) runs on the torch forwards and "cpu".
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from torch import nn
 
 from layers import NATIVE, Kernels
 
+from .fp4 import FP4_BLOCK, dequantize_fp4
 from .fp8 import FP8_DTYPE, dequantize_experts_fp8
 
 BACKENDS = ("reference", "grouped", "cpu", "triton", "deepgemm")
@@ -33,19 +38,33 @@ class Experts(nn.Module):
 
     def __init__(self, num_local: int, hidden: int, intermediate: int, device=None, dtype=None,
                  fp8_block: tuple[int, int] | None = None, backend: str = "grouped", deepgemm=None,
-                 kernels: Kernels = NATIVE, limit: float | None = None):
+                 kernels: Kernels = NATIVE, limit: float | None = None, fp4: bool = False):
         """backend: one of BACKENDS (moe/backend.py resolves the user's choice); deepgemm: the probed
         moe.deepgemm.DeepGemmApi when backend is "deepgemm"; kernels: the backend's table (its experts
-        kernel for "cpu")."""
+        kernel for "cpu"); fp4: the weights as FP4 pairs + e8m0 scales (module doc)."""
         if backend not in BACKENDS:
             raise ValueError(f"experts backend {backend!r} is not one of {BACKENDS}")
+        if fp4 and fp8_block is not None:
+            raise ValueError("experts: fp4 and fp8_block are two storage formats; give one")
+        if fp4 and (hidden % FP4_BLOCK or intermediate % FP4_BLOCK):
+            raise ValueError(f"fp4 experts need hidden ({hidden}) and intermediate ({intermediate}) to be multiples "
+                             f"of {FP4_BLOCK} (one e8m0 scale per {FP4_BLOCK} values along K)")
         super().__init__()
         self.num_local, self.hidden, self.intermediate = num_local, hidden, intermediate
         self.fp8_block = tuple(fp8_block) if fp8_block is not None else None
-        wdt = FP8_DTYPE if fp8_block is not None else dtype
-        kw = dict(requires_grad=fp8_block is None)  # fp8 tensors cannot require grad
-        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden, device=device, dtype=wdt), **kw)
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden, intermediate, device=device, dtype=wdt), **kw)
+        self.fp4 = fp4
+        wdt = FP8_DTYPE if fp8_block is not None else torch.uint8 if fp4 else dtype
+        kw = dict(requires_grad=fp8_block is None and not fp4)  # fp8 / integer tensors cannot require grad
+        pk = 2 if fp4 else 1   # values per stored element along K
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden // pk, device=device, dtype=wdt),
+                                **kw)
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, intermediate // pk, device=device, dtype=wdt), **kw)
+        if fp4:   # e8m0 bytes; Parameters so that EPLB's moves and copy_local_replicas carry them with the weights
+            u8 = dict(device=device, dtype=torch.uint8)
+            self.w13_scale_inv = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden // FP4_BLOCK, **u8),
+                                              requires_grad=False)
+            self.w2_scale_inv = nn.Parameter(torch.empty(num_local, hidden, intermediate // FP4_BLOCK, **u8),
+                                             requires_grad=False)
         if fp8_block is not None:
             br, bc = fp8_block
             f32 = dict(device=device, dtype=torch.float32)
@@ -63,9 +82,11 @@ class Experts(nn.Module):
     @backend.setter
     def backend(self, name: str) -> None:
         """Binds the forward (at construction; tests switch a built module to compare forwards)."""
-        if self.limit is not None and name not in ("reference", "grouped"):
+        if self.limit is not None and name not in ("reference", "grouped", "cpu"):
             raise ValueError(f"experts backend {name!r} has no clamped SwiGLU (swiglu_limit {self.limit}): "
-                             f"use 'reference' or 'grouped' (torch)")
+                             f"use 'reference', 'grouped' (torch) or 'cpu'")
+        if self.fp4 and name not in ("reference", "grouped", "cpu"):
+            raise ValueError(f"experts backend {name!r} does not read fp4 weights: use 'cpu' (or the torch forwards)")
         if name == "cpu" and self.kernels.experts is None:
             raise ValueError("experts backend 'cpu' needs a kernel table with an experts kernel (layers/kernels.py)")
         self._forward = {"reference": self.forward_reference, "grouped": self.forward_grouped, "cpu": self.forward_cpu,
@@ -73,7 +94,13 @@ class Experts(nn.Module):
         self._backend = name
 
     def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) in `dtype`: the parameters themselves, or a dequantised copy of fp8 ones."""
+        """(w13, w2) in `dtype`: the parameters themselves, or a dequantised copy of fp8 / fp4 ones."""
+        if self.fp4:
+            El, H, I = self.num_local, self.hidden, self.intermediate
+            return (dequantize_fp4(self.w13.reshape(El * 2 * I, H // 2), self.w13_scale_inv.reshape(El * 2 * I, -1),
+                                   dtype).view(El, 2 * I, H),
+                    dequantize_fp4(self.w2.reshape(El * H, I // 2), self.w2_scale_inv.reshape(El * H, -1),
+                                   dtype).view(El, H, I))
         if self.fp8_block is None:
             return self.w13, self.w2
         return dequantize_experts_fp8(self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv,
@@ -148,8 +175,11 @@ class Experts(nn.Module):
             return self.forward_grouped(x, topk_ids, topk_weights)
         if self.fp8_block is not None:   # read as stored, the block scales applied per tile
             return self.kernels.experts(x, self.w13, self.w2, topk_ids, topk_weights, w13_scale=self.w13_scale_inv,
-                                        w2_scale=self.w2_scale_inv, block=self.fp8_block)
-        return self.kernels.experts(x, self.w13, self.w2, topk_ids, topk_weights)
+                                        w2_scale=self.w2_scale_inv, block=self.fp8_block, limit=self.limit)
+        if self.fp4:   # read as stored: half a byte a weight, its e8m0 scale per 32
+            return self.kernels.experts(x, self.w13, self.w2, topk_ids, topk_weights, w13_scale=self.w13_scale_inv,
+                                        w2_scale=self.w2_scale_inv, limit=self.limit)
+        return self.kernels.experts(x, self.w13, self.w2, topk_ids, topk_weights, limit=self.limit)
 
     def forward_triton(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """Fused Triton kernels (moe/triton_moe.py); fp8 weights are dequantised per tile in-kernel."""

@@ -66,19 +66,20 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: MoEConfig, shard: ExpertShard | None = None, device=None, dtype=None,
                  fp8_block: tuple[int, int] | None = None, linear=nn.Linear, experts_backend: str = "grouped",
                  deepgemm=None, kernels: Kernels = NATIVE, routing: LayerRouting | None = None,
-                 hash_vocab: int | None = None):
+                 hash_vocab: int | None = None, fp4_experts: bool = False):
         """fp8_block: routed experts keep fp8 weights in these blocks; linear: the shared experts' class;
         experts_backend, deepgemm: the routed experts' forward (moe/experts.py; resolved by moe/backend.py);
         kernels: the backend's table (layers/kernels.py) for the router and the experts. routing: this
         layer's placement and load counters (the model's ExpertRouting; default: the identity, not recording).
-        hash_vocab: the gate routes by token id (moe/gate.py; the microbatch's input_ids travel to it)."""
+        hash_vocab: the gate routes by token id (moe/gate.py; the microbatch's input_ids travel to it).
+        fp4_experts: the routed experts keep FP4 weights as stored (moe/experts.py fp4)."""
         super().__init__()
         self.cfg = cfg
         self.shard = shard or ExpertShard(cfg.n_routed_experts)
         self.gate = Gate(cfg, device=device, kernels=kernels, hash_vocab=hash_vocab)
         self.experts = Experts(self.shard.num_local, cfg.hidden_size, cfg.moe_intermediate_size,
                                device=device, dtype=dtype, fp8_block=fp8_block, backend=experts_backend,
-                               deepgemm=deepgemm, kernels=kernels, limit=cfg.swiglu_limit)
+                               deepgemm=deepgemm, kernels=kernels, limit=cfg.swiglu_limit, fp4=fp4_experts)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
                                    device=device, dtype=dtype, linear=linear, limit=cfg.swiglu_limit)
                                if cfg.n_shared_experts else None)

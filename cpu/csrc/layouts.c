@@ -64,7 +64,14 @@ static const wd_layout table[] = {
     FIELD(wd_experts_args, ids) FIELD(wd_experts_args, out) FIELD(wd_experts_args, scratch)
     FIELD(wd_experts_args, iscratch) FIELD(wd_experts_args, T) FIELD(wd_experts_args, H) FIELD(wd_experts_args, I)
     FIELD(wd_experts_args, El) FIELD(wd_experts_args, k) FIELD(wd_experts_args, s13) FIELD(wd_experts_args, s2)
-    FIELD(wd_experts_args, br) FIELD(wd_experts_args, bk)
+    FIELD(wd_experts_args, br) FIELD(wd_experts_args, bk) FIELD(wd_experts_args, limit)
+
+    SIZE(wd_linear_fp4_args)
+    FIELD(wd_linear_fp4_args, x) FIELD(wd_linear_fp4_args, w) FIELD(wd_linear_fp4_args, s) FIELD(wd_linear_fp4_args, y)
+    FIELD(wd_linear_fp4_args, xp)
+    FIELD(wd_linear_fp4_args, M) FIELD(wd_linear_fp4_args, N) FIELD(wd_linear_fp4_args, K)
+    FIELD(wd_linear_fp4_args, ldx) FIELD(wd_linear_fp4_args, ldw) FIELD(wd_linear_fp4_args, lds)
+    FIELD(wd_linear_fp4_args, ldy) FIELD(wd_linear_fp4_args, odt)
 
     SIZE(wd_linear_fp8_args)
     FIELD(wd_linear_fp8_args, x) FIELD(wd_linear_fp8_args, w) FIELD(wd_linear_fp8_args, s) FIELD(wd_linear_fp8_args, y)

@@ -90,7 +90,7 @@ static inline v16 ld_part(const float *p, int64_t n) {
 
 /* ---- bfloat16: the top 16 bits of a float32 ---- */
 
-enum { WD_F32 = 0, WD_BF16 = 1, WD_FP8 = 2 };
+enum { WD_F32 = 0, WD_BF16 = 1, WD_FP8 = 2, WD_FP4 = 3 };
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
 /* 16 bfloat16 at p widened to floats: zero-extend, shift into the high half (exact) */
 static inline v16 ld_bf16(const uint16_t *p) {
@@ -169,12 +169,19 @@ WD_INTERNAL void linear_bf16dp(const float *x, int64_t ldx, const uint16_t *w, i
    [ceil(N/br), ceil(K/bk)] (rows lds apart); bk a multiple of 16 */
 WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
                             int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
+/* gemm_fp4.c: y = x @ W^T for W [N, K] e2m1 pairs w (rows ldw bytes apart) times the e8m0 scales s [N, K/32]
+   (rows lds apart); K a multiple of 32; xp: FP4_XP(M, K) floats of scratch */
+#define FP4_XP(M, K) ((M) * (((K) + 127) / 128 * 128))
+WD_INTERNAL void linear_fp4(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
+                            float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *xp);
 /* experts.c; wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale rows, then up's), s2 [El, ceil(H/br),
-   ceil(I/bk)] (moe/fp8.py quantize_experts_fp8), else s13, s2 NULL */
+   ceil(I/bk)] float32 (moe/fp8.py quantize_experts_fp8); WD_FP4: w13 [El, 2I, H/2], w2 [El, H, I/2] e2m1 pairs,
+   s13 [El, 2I, H/32], s2 [El, H, I/32] e8m0 bytes (H, I multiples of 32); else s13, s2 NULL. limit > 0: the
+   clamped SwiGLU (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit); 0: none */
 WD_INTERNAL int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13,
-                            const void *w2, int64_t wdt, const float *s13, const float *s2, int64_t br, int64_t bk,
+                            const void *w2, int64_t wdt, const void *s13, const void *s2, int64_t br, int64_t bk,
                             const int64_t *ids, const float *wts, int64_t k, float *out, int64_t *iscratch,
-                            float *scratch);
+                            float *scratch, float limit);
 WD_INTERNAL void swiglu(const float *x, int64_t T, int64_t H, const void *sg, const void *su, const void *sd,
                         int64_t wdt, int64_t Is, float *y, float *scratch);
 /* norm_rope.c */
@@ -274,10 +281,11 @@ typedef struct {
 int64_t wd_bf16_dot(wd_bf16_dot_args *a);
 
 /* Routed experts: out [T, H] += sum over slots of wts * expert(x). ids [T, k] local ids (-1: on another
-   rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats. Returns 0, or -1 - p for the first
+   rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats (WD_FP4: + FP4_XP(T k, max(H, I))). Returns 0, or -1 - p for the first
    pair p whose id is >= El (nothing is computed then). w13, w2 of dtype wdt; WD_FP8: their block scales s13,
    s2 in br x bk blocks (the experts() prototype above gives their shapes; bk a multiple of 16; else, or
-   without them: INT64_MIN, nothing computed). */
+   without them: INT64_MIN, nothing computed); WD_FP4: their e8m0 scales s13, s2 (H and I multiples of 32;
+   else, or without them: INT64_MIN). limit > 0: clamped SwiGLU (experts() above). */
 typedef struct {
     const float *x;
     const void *w13, *w2;
@@ -285,8 +293,9 @@ typedef struct {
     const int64_t *ids;
     float *out, *scratch;
     int64_t *iscratch;
-    const float *s13, *s2;
+    const void *s13, *s2;
     int64_t T, H, I, El, k, wdt, br, bk;
+    float limit;
 } wd_experts_args;
 int64_t wd_experts(const wd_experts_args *a);
 
@@ -302,6 +311,20 @@ typedef struct {
     int64_t M, N, K, ldx, ldw, lds, ldy, br, bk, odt;
 } wd_linear_fp8_args;
 int64_t wd_linear_fp8(const wd_linear_fp8_args *a);
+
+/* FP4 weights (gemm_fp4.c): W [N, K] = w (e2m1 codes two a byte, rows ldw bytes apart) times s (an e8m0 byte
+   per 32 values along K, [N, K/32], rows lds apart), K a multiple of 32. x given: y [M, N] float32 (rows ldy
+   apart) = x [M, K] (rows ldx apart) @ W^T. x NULL: y = W [N, K] itself, rows ldy apart, float32 or bfloat16
+   (odt). xp: M * ceil(K/128) * 128 floats of scratch (x given). Returns 0, or -1 (nothing done) when K is not a
+   multiple of 32 or xp is missing. */
+typedef struct {
+    const float *x;
+    const uint8_t *w, *s;
+    void *y;
+    float *xp;
+    int64_t M, N, K, ldx, ldw, lds, ldy, odt;
+} wd_linear_fp4_args;
+int64_t wd_linear_fp4(const wd_linear_fp4_args *a);
 
 /* Absorbed MLA decode over the paged latent cache: out [B, Nh, C] from q [B, Nh, D], pool [num_blocks bs,
    D], table [B, max_blocks], lens [B] (1 .. max_len). scratch: Nh (max_len + 1) floats. pool8 (else NULL):

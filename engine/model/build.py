@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import torch
 
@@ -33,13 +34,16 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-QUANTIZATION = ("auto", "fp8", "none")
+QUANTIZATION = ("auto", "fp8", "fp4", "none")
 
 
 def _apply_quantization(quantization: str, experts: ExpertsChoice, fp8_block) -> ExpertsChoice:
     """The experts choice with keep_fp8 as `quantization` asks (load_model's docstring says what each means)."""
     if quantization not in QUANTIZATION:
         raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATION}")
+    if quantization == "fp4":
+        raise ValueError("quantization 'fp4' keeps DeepSeek-V4's FP4 routed experts as stored; this checkpoint is "
+                         "not DeepSeek-V4")
     if quantization == "none":
         return dataclasses.replace(experts, keep_fp8=False) if experts.backend != "deepgemm" else _no_dequant()
     if quantization == "fp8":
@@ -100,6 +104,9 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     into `dtype` elsewhere; "fp8" keeps them fp8 or raises saying why it cannot; "none" dequantises at load
     whatever the backend (the float32 / bfloat16 model of the same weights). The checkpoint's
     quantization_config says whether it is fp8 (vLLM's and SGLang's `quantization` detect it the same way).
+    DeepSeek-V4 (_v4_experts): its FP8 linears are dequantised at load; its FP4 routed experts stay packed (half a
+    byte a weight + an e8m0 byte per 32) under "auto" and "fp4" where the cpu experts kernel reads them, "fp4"
+    raising where it cannot; "none" dequantises them.
 
     The per-op kernels (layers/kernels.py) are the CPU backend's when either backend resolved to "cpu"
     (cpu/kernels.py), with its decode plan (cpu/decode_plan.py; fuse_decode_stack: its whole-stack
@@ -107,10 +114,12 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if cfg.v4 is not None:
         if quantization == "fp8":
-            raise ValueError("quantization 'fp8': DeepSeek-V4's FP8/FP4 weights are dequantised at load (no V4 kernel "
-                             "reads them as stored yet)")
+            raise ValueError("quantization 'fp8': DeepSeek-V4's FP8 linears are dequantised at load (no V4 kernel "
+                             "reads them as stored yet; its FP4 experts: quantization 'fp4' or 'auto')")
+        if quantization not in QUANTIZATION:
+            raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATION}")
         return _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num_redundant_experts, eplb,
-                        experts_backend, attention_backend, kv_cache_dtype, dispatch_options)
+                        experts_backend, attention_backend, kv_cache_dtype, dispatch_options, quantization)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
                                        cfg.moe.moe_intermediate_size) if cfg.moe is not None
@@ -172,16 +181,45 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     return model.eval()
 
 
+_V4_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def _v4_experts(reader, cfg, device, dtype, experts_backend: str, quantization: str) -> tuple[ExpertsChoice, Kernels]:
+    """DeepSeek-V4's routed experts: (choice, the experts' kernel table). FP4 experts in the checkpoint stay packed
+    (keep_fp4, backend "cpu") when quantization is "auto" or "fp4", experts_backend "auto" or "cpu", the CPU
+    kernels are usable for `device` / `dtype` and hidden and moe_intermediate_size are multiples of 32; "fp4"
+    raises naming what is missing. Otherwise: "cpu" when asked (the C kernel on dequantised weights), else torch."""
+    if experts_backend not in ("auto", "torch", "cpu"):
+        raise ValueError(f"DeepSeek-V4 experts (clamped SwiGLU) run on the torch or cpu backend, not experts_backend "
+                         f"{experts_backend!r}")
+    from cpu.build import unusable_for
+    stored = next((n for n in sorted(reader.names) if _V4_EXPERT.match(n)), None)
+    H, I = cfg.hidden_size, cfg.moe.moe_intermediate_size
+    why_not = ("the checkpoint's routed experts are not FP4" if stored is None or not reader.is_fp4(stored)
+               else "quantization 'none' dequantises them" if quantization == "none"
+               else f"experts_backend {experts_backend!r} does not read FP4 (the cpu one does)"
+               if experts_backend == "torch"
+               else f"hidden_size ({H}) and moe_intermediate_size ({I}) must be multiples of 32"
+               if H % 32 or I % 32 else unusable_for(torch.device(device), dtype))
+    if quantization == "fp4" and why_not is not None:
+        raise ValueError(f"quantization 'fp4' keeps DeepSeek-V4's FP4 experts as stored, but {why_not}")
+    if why_not is not None and experts_backend != "cpu":
+        return ExpertsChoice("grouped", keep_fp8=False), NATIVE
+    why_not_cpu = unusable_for(torch.device(device), dtype)
+    if why_not_cpu is not None:
+        raise ValueError(f"experts_backend 'cpu' is not usable: {why_not_cpu}")
+    from cpu.kernels import table
+    return ExpertsChoice("cpu", keep_fp8=False, keep_fp4=why_not is None), Kernels(name="cpu", experts=table()["experts"])
+
+
 def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num_redundant_experts, eplb,
-             experts_backend, attention_backend, kv_cache_dtype, dispatch_options):
-    """DeepSeek-V4 (engine/model/v4_model.py): torch attention and experts only, no fp8 cache, no CPU fast path."""
+             experts_backend, attention_backend, kv_cache_dtype, dispatch_options, quantization="auto"):
+    """DeepSeek-V4 (engine/model/v4_model.py): torch attention; routed experts on torch or the cpu experts kernel
+    (FP4 ones kept packed: _v4_experts); no fp8 cache, no CPU decode plan."""
     from .v4_model import DeepseekV4Model
     if attention_backend not in ("auto", "torch"):
         raise ValueError(f"DeepSeek-V4 attention runs on the torch backend only, not attention_backend "
                          f"{attention_backend!r}")
-    if experts_backend not in ("auto", "torch"):
-        raise ValueError(f"DeepSeek-V4 experts (clamped SwiGLU) run on the torch backend only, not experts_backend "
-                         f"{experts_backend!r}")
     if kv_cache_dtype != "auto":
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported with DeepSeek-V4 yet (its KV streams "
                          f"are kept in the model dtype)")
@@ -196,8 +234,10 @@ def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num
     dispatcher = make_dispatcher(ctx or ParallelContext.single(device), num_physical, cfg.hidden_size,
                                  dispatch_backend, dtype=dtype, **(dispatch_options or {}))
     reader = CheckpointReader(model_dir, rename=v4_rename)
-    model = DeepseekV4Model(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
-                            num_mtp=v4_mtp_blocks(reader.names, cfg.num_nextn_predict_layers))
+    experts, experts_kernels = _v4_experts(reader, cfg, device, dtype, experts_backend, quantization)
+    model = DeepseekV4Model(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher, experts=experts,
+                            num_mtp=v4_mtp_blocks(reader.names, cfg.num_nextn_predict_layers),
+                            experts_kernels=experts_kernels)
     placement.install(model.routing, ep_rank, ep_size, model.device)
     model.placement = placement
     if model.mtp:   # their own initial placement, which EPLB leaves alone

@@ -4,8 +4,9 @@ Legend: E routed experts, Im moe_intermediate_size, H hidden. Names are HF tenso
 (`model.layers.3.mlp.experts.7.gate_proj.weight`). FP8 checkpoints store a linear weight as
 float8_e4m3fn plus a sibling `<name>_scale_inv` [ceil(rows/br), ceil(cols/bc)] (fp32, or e8m0 as DeepSeek-V4
 stores it); an FP4 weight (DeepSeek-V4's routed experts, moe/fp4.py) as int8 pairs [rows, cols/2] with e8m0
-scales per 1x32 block. The reader dequantises on `get` unless fp8 itself is asked for, and `shape` is the
-dequantised one.
+scales per 1x32 block. The reader dequantises on `get` unless fp8 itself is asked for (or, for an FP4 weight,
+uint8: its packed bytes as stored, and its scale as e8m0 bytes), and `shape` is the dequantised one unless
+`packed` is asked for.
 
 The model decides what it wants: `load_weights` gets `targets` {name -> destination tensor} (a
 destination may be a view into a stacked parameter, e.g. w13[e, :Im] for expert e's gate_proj) and
@@ -28,7 +29,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from moe.fp4 import PACKED_DTYPES, dequantize_fp4, scale_to_float
+from moe.fp4 import PACKED_DTYPES, dequantize_fp4, scale_to_e8m0, scale_to_float
 from moe.fp8 import FP8_DTYPE, dequantize_fp8_block
 
 log = logging.getLogger("wideep.loader")
@@ -182,12 +183,19 @@ class CheckpointReader:
             raise CheckpointError(f"tensor {name!r} is not in the checkpoint at {self.model_dir!r}")
         return self._file_of[name]
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        sl = self._handle(self.file_of(name)).get_slice(self._stored.get(name, name))
-        shape = tuple(sl.get_shape())
-        if sl.get_dtype() in ("I8", "U8") and name + SCALE_SUFFIX in self._file_of:   # FP4 pairs
+    def shape(self, name: str, packed: bool = False) -> tuple[int, ...]:
+        """The tensor's shape, an FP4 weight's dequantised one [rows, cols] unless packed ([rows, cols/2])."""
+        shape = tuple(self._slice(name).get_shape())
+        if not packed and self.is_fp4(name):
             shape = shape[:-1] + (2 * shape[-1],)
         return shape
+
+    def _slice(self, name: str):
+        return self._handle(self.file_of(name)).get_slice(self._stored.get(name, name))
+
+    def is_fp4(self, name: str) -> bool:
+        """Whether `name` is stored as FP4 pairs (int8 / uint8 with a block scale beside it)."""
+        return self._slice(name).get_dtype() in ("I8", "U8") and name + SCALE_SUFFIX in self._file_of
 
     def _scale(self, name: str) -> torch.Tensor:
         scale_name = name + SCALE_SUFFIX
@@ -200,6 +208,13 @@ class CheckpointReader:
         """The tensor in `dtype`. An fp8 weight is dequantised with `<name>_scale_inv`; asking for
         `dtype=float8_e4m3fn` returns the stored fp8 values untouched (load the scale separately)."""
         t = self._handle(self.file_of(name)).get_tensor(self._stored.get(name, name))
+        if dtype == torch.uint8:   # an FP4 weight's packed bytes, or its scale's e8m0 bytes, as stored
+            if name.endswith(SCALE_SUFFIX) and self.is_fp4(name[:-len(SCALE_SUFFIX)]):
+                return scale_to_e8m0(t)
+            if t.dtype not in PACKED_DTYPES or not self.is_fp4(name):
+                raise CheckpointError(f"{name!r} is wanted as FP4 pairs (uint8), but the checkpoint stores it as "
+                                      f"{t.dtype} {tuple(t.shape)} without being FP4")
+            return t.view(torch.uint8)
         if t.dtype in PACKED_DTYPES and dtype.is_floating_point:
             return dequantize_fp4(t, self._scale(name), dtype)
         if t.dtype != FP8_DTYPE or dtype == FP8_DTYPE:
@@ -265,8 +280,8 @@ def load_weights(reader: CheckpointReader, targets: dict[str, torch.Tensor], *,
     if unexpected:
         raise CheckpointError(f"{len(unexpected)} checkpoint tensors are not used by the model (pass an "
                               f"`ignore` predicate to skip them on purpose): {_listing(unexpected)}")
-    wrong = [f"{n}: expected {tuple(d.shape)}, found {reader.shape(n)}"
-             for n, d in targets.items() if tuple(d.shape) != reader.shape(n)]
+    wrong = [f"{n}: expected {tuple(d.shape)}, found {reader.shape(n, packed=d.dtype == torch.uint8)}"
+             for n, d in targets.items() if tuple(d.shape) != reader.shape(n, packed=d.dtype == torch.uint8)]
     if wrong:
         raise CheckpointError(f"{len(wrong)} tensors have the wrong shape: " + "; ".join(wrong[:_MAX_LISTED])
                               + (f" ... and {len(wrong) - _MAX_LISTED} more" if len(wrong) > _MAX_LISTED else ""))

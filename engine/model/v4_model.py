@@ -22,7 +22,7 @@ from attention_v4.attention import V4Attention
 from attention_v4.streams import SequenceStreams, V4Meta
 from dbo.schedule import YIELD
 from dbo.state import Microbatch, OpState
-from layers import RMSNorm
+from layers import NATIVE, Kernels, RMSNorm
 from layers.hyper_connection import HyperConnection, HyperHead
 from moe.backend import ExpertsChoice
 from moe.layer import ExpertShard, MoELayer
@@ -37,8 +37,10 @@ CARRY = ("x",)   # what one layer hands the next: the residual streams [T, n, H]
 
 class V4DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: dict[str, RotaryEmbedding], shard, experts: ExpertsChoice,
-                 routing, device=None, dtype=None, kind: str | None = None, hash_moe: bool | None = None):
-        """kind / hash_moe: the attention kind and hash routing, by default the config's for `layer`."""
+                 routing, device=None, dtype=None, kind: str | None = None, hash_moe: bool | None = None,
+                 kernels: Kernels = NATIVE):
+        """kind / hash_moe: the attention kind and hash routing, by default the config's for `layer`. kernels:
+        the routed experts' table (its experts kernel when experts.backend is "cpu"; no route kernel)."""
         super().__init__()
         v4, H = cfg.v4, cfg.hidden_size
         self.index, self.kind = layer, v4.layer_kinds[layer] if kind is None else kind
@@ -51,7 +53,8 @@ class V4DecoderLayer(nn.Module):
                                 device=device, dtype=dtype)
         self.ffn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.ffn = MoELayer(cfg.moe, shard, device=device, dtype=dtype, experts_backend=experts.backend,
-                            routing=routing, hash_vocab=cfg.vocab_size if hash_moe else None)
+                            routing=routing, hash_vocab=cfg.vocab_size if hash_moe else None, kernels=kernels,
+                            fp4_experts=experts.keep_fp4)
 
     def ops(self) -> list:
         return [self.op_attention, *self.ffn.ops(), self.op_residual]
@@ -86,10 +89,10 @@ class V4MTPBlock(V4DecoderLayer):
     """A V4 decoder layer with the MTP input projections e_proj / h_proj [H, H], their norms enorm / hnorm [H], and
     its own output head: hc_head (HyperHead) and norm [H]. `index` is L + k (the layer after the main stack)."""
 
-    def __init__(self, cfg, k: int, rope, shard, experts, routing, device=None, dtype=None):
+    def __init__(self, cfg, k: int, rope, shard, experts, routing, device=None, dtype=None, kernels=NATIVE):
         v4, H = cfg.v4, cfg.hidden_size
         super().__init__(cfg, cfg.num_hidden_layers + k, rope, shard, experts, routing, device=device, dtype=dtype,
-                         kind=v4.mtp_layer_kinds[k], hash_moe=False)
+                         kind=v4.mtp_layer_kinds[k], hash_moe=False, kernels=kernels)
         self.e_proj = nn.Linear(H, H, bias=False, device=device, dtype=dtype)
         self.h_proj = nn.Linear(H, H, bias=False, device=device, dtype=dtype)
         self.enorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
@@ -103,11 +106,13 @@ class DeepseekV4Model(nn.Module):
     engine/model/model.py; everything else is replicated. The forward is `step_ops` on an OpState per
     microbatch; the attention's per-sequence streams come in the step's V4Meta (attention_v4/streams.py).
     num_mtp: how many multi-token-prediction blocks (V4MTPBlock below) to hold in `mtp`, loaded with the rest
-    and never run by the forward; at most the config's num_nextn_predict_layers."""
+    and never run by the forward; at most the config's num_nextn_predict_layers.
+    experts: the routed experts' forward: torch ("grouped" / "reference") or "cpu" (the C experts kernel, clamped
+    SwiGLU included; experts_kernels: a table with that kernel), with keep_fp4 the FP4 weights as stored."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  shard: ExpertShard | None = None, dispatcher=None, experts: ExpertsChoice | None = None,
-                 num_mtp: int = 0):
+                 num_mtp: int = 0, experts_kernels: Kernels = NATIVE):
         super().__init__()
         if cfg.v4 is None:
             raise ValueError(f"DeepseekV4Model needs a DeepSeek-V4 config, got arch {cfg.arch!r}")
@@ -115,17 +120,20 @@ class DeepseekV4Model(nn.Module):
             raise ValueError(f"num_mtp {num_mtp} MTP blocks, but the config's num_nextn_predict_layers is "
                              f"{cfg.num_nextn_predict_layers}")
         experts = experts or ExpertsChoice("grouped", keep_fp8=False)
-        if experts.backend not in ("grouped", "reference"):
-            raise ValueError(f"DeepSeek-V4 runs its experts on the torch backend only (clamped SwiGLU), "
-                             f"not {experts.backend!r}")
+        if experts.backend not in ("grouped", "reference", "cpu") or experts.keep_fp8:
+            raise ValueError(f"DeepSeek-V4 runs its experts on the torch or cpu backend (clamped SwiGLU), "
+                             f"not {experts.backend!r}{' with fp8 weights' if experts.keep_fp8 else ''}")
+        if experts.keep_fp4 and experts.backend != "cpu":
+            raise ValueError(f"DeepSeek-V4's FP4 experts are read as stored by the cpu experts kernel only, not "
+                             f"{experts.backend!r}")
         self.cfg, self.dtype, self.shard, self.dispatcher = cfg, dtype, shard, dispatcher
         self.placement = None
         sh = shard or ExpertShard(cfg.moe.n_routed_experts)
         self.routing = ExpertRouting(cfg.num_hidden_layers, list(sh.layout.slots(sh.ep_rank)))
         # the MTP blocks keep the initial placement (slot p holds expert p % E; eplb.Placement.initial), no EPLB
         self.mtp_routing = ExpertRouting(num_mtp, [p % cfg.moe.n_routed_experts for p in sh.layout.slots(sh.ep_rank)])
-        self.backends = {"experts": "torch", "fp8_weights": False, "attention": "torch", "kernels": "torch",
-                         "decode": "ops"}
+        self.backends = {"experts": "cpu" if experts.backend == "cpu" else "torch", "fp8_weights": False,
+                         "fp4_experts": experts.keep_fp4, "attention": "torch", "kernels": "torch", "decode": "ops"}
         att = cfg.v4.attention
         self.rope = {"main": RotaryEmbedding(att.rope_main, device=device),
                      "compress": RotaryEmbedding(att.rope_compress, device=device)}
@@ -133,12 +141,13 @@ class DeepseekV4Model(nn.Module):
         with torch.device("meta"), _skip_init():
             self.embed = nn.Embedding(cfg.vocab_size, H, dtype=dtype)
             self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, self.rope, shard, experts, self.routing.layers[i],
-                                                       dtype=dtype) for i in range(cfg.num_hidden_layers))
+                                                       dtype=dtype, kernels=experts_kernels)
+                                        for i in range(cfg.num_hidden_layers))
             self.hc_head = HyperHead(H, n, cfg.v4.hc_eps, cfg.rms_norm_eps)
             self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
             self.head = None if cfg.tie_word_embeddings else nn.Linear(H, cfg.vocab_size, bias=False, dtype=dtype)
             self.mtp = nn.ModuleList(V4MTPBlock(cfg, k, self.rope, shard, experts, self.mtp_routing.layers[k],
-                                                dtype=dtype) for k in range(num_mtp))
+                                                dtype=dtype, kernels=experts_kernels) for k in range(num_mtp))
         _materialize(self, device)
         for layer in [*self.layers, *self.mtp]:   # the router keeps fp32 whatever the model dtype
             layer.ffn.gate.float()
@@ -182,6 +191,10 @@ class DeepseekV4Model(nn.Module):
                     continue   # a second local replica: copy_local_replicas fills it
                 targets |= {pre + "w1.weight": ex.w13.data[slot, :I], pre + "w3.weight": ex.w13.data[slot, I:],
                             pre + "w2.weight": ex.w2.data[slot]}
+                if ex.fp4:   # the packed pairs above and their e8m0 bytes, as stored
+                    s13, s2 = ex.w13_scale_inv.data, ex.w2_scale_inv.data
+                    targets |= {pre + "w1.weight_scale_inv": s13[slot, :I], pre + "w3.weight_scale_inv": s13[slot, I:],
+                                pre + "w2.weight_scale_inv": s2[slot]}
         for prefix, _ in blocks:   # the shared expert: w1 / w3 / w2 as DeepSeek names them
             for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
                 targets[f"{prefix}ffn.shared_experts.{theirs}.weight"] = targets.pop(

@@ -93,8 +93,10 @@ def test_model_inputs(tmp_path):
     with pytest.raises(ValueError, match=r"needs its EP group's dispatcher"):
         DeepseekV4Model(cfg, shard=ExpertShard(8, 0, 2))
     from moe.backend import ExpertsChoice
-    with pytest.raises(ValueError, match=r"runs its experts on the torch backend only .* not 'cpu'"):
-        DeepseekV4Model(cfg, experts=ExpertsChoice("cpu", keep_fp8=False))
+    with pytest.raises(ValueError, match=r"runs its experts on the torch or cpu backend .* not 'triton'"):
+        DeepseekV4Model(cfg, experts=ExpertsChoice("triton", keep_fp8=False))
+    with pytest.raises(ValueError, match=r"FP4 experts are read as stored by the cpu experts kernel only, not 'grouped'"):
+        DeepseekV4Model(cfg, experts=ExpertsChoice("grouped", keep_fp8=False, keep_fp4=True))
     m = DeepseekV4Model(cfg)
     st = m.new_streams()
     with pytest.raises(ValueError, match=r"3 tokens for chunks of 2"):

@@ -173,7 +173,10 @@ def test_dbo_equals_plain_steps(v4):
 
 @pytest.mark.parametrize("options,match", [
     (dict(attention_backend="cpu"), r"DeepSeek-V4 attention runs on the torch backend only, not attention_backend"),
-    (dict(experts_backend="cpu"), r"DeepSeek-V4 experts \(clamped SwiGLU\) run on the torch backend only"),
+    (dict(experts_backend="triton"), r"DeepSeek-V4 experts \(clamped SwiGLU\) run on the torch or cpu backend, not "
+                                     r"experts_backend 'triton'"),
+    (dict(quantization="fp4"), r"quantization 'fp4' keeps DeepSeek-V4's FP4 experts as stored, but the checkpoint's "
+                               r"routed experts are not FP4"),
 ])
 def test_backends_without_v4_kernels_are_refused(v4, options, match):
     hf, d = v4
