@@ -160,6 +160,23 @@ def _fp8_weights(r: dict) -> str:
             f"{' / '.join(str(x['M']) for x in c)} rows")
 
 
+def _vs_vllm(r: dict) -> str:
+    out = []
+    for c, x in r["ratios"].items():
+        w = r["serve"]["wideep"][x["best_dtype"]["wideep"]][c]
+        v = r["serve"]["vllm"][x["best_dtype"]["vllm"]][c]
+        out.append(f"c{c}: {n(w['output_tok_s'])} vs {n(v['output_tok_s'])} tok/s ({n(x['throughput'])}×), TPOT p50 "
+                   f"{n(x['tpot_p50'])}×, TTFT p50 {n(x['ttft_p50'])}×")
+    best = {e: "/".join(sorted({x["best_dtype"][e] for x in r["ratios"].values()})) for e in ("wideep", "vllm")}
+    return f"wideep {best['wideep']} vs vLLM {r['vllm']} {best['vllm']}: " + "; ".join(out)
+
+
+def _vs_vllm_checks(r: dict) -> list[bool]:
+    t = [r["targets"].get(c, {}) for c in ("16", "64")]
+    return [all(x.get("throughput_ge_1p5", False) for x in t), all(x.get("tpot_le_0p7", False) for x in t),
+            all(x.get("ttft_le_0p8", False) for x in t)]
+
+
 ROWS = (
     Row("decode vs transformers", "roofline ≥ 0.7 / 0 prefix-cache hits", (
         Run("decode_vs_hf", "python bench/decode_vs_hf.py --trials 3", _decode,
@@ -195,6 +212,9 @@ ROWS = (
     Row("FP8 weights kept on CPU", "RSS ≤ 1.2 bytes per param", (
         Run("fp8_weights", "python bench/fp8_weights.py", _fp8_weights,
             lambda r: [r["rss_bytes_per_param_fp8"] <= 1.2]),)),
+    Row("vs vLLM's CPU backend, served on one core", "≥ 1.5× throughput / TPOT p50 ≤ 0.7× / TTFT p50 ≤ 0.8× "
+        "(concurrency 16 and 64)", (
+        Run("vs_vllm", "python bench/vs_vllm.py", _vs_vllm, _vs_vllm_checks),)),
     Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
         Run("scale", "python bench/scale.py", _scale, _scale_checks),)),
     Row("surviving a lost rank", "≤ 30 s at 16, 0 lost, outputs equal", (

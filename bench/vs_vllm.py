@@ -146,7 +146,8 @@ def client(vllm_py: str, port: int, model: str, n: int, conc: int, a, workdir: s
 
 def last_error(text: str) -> str:
     """The last line of a failure's log that names an error (vLLM's logs are long)."""
-    lines = [x.strip() for x in text.splitlines() if "Error" in x or "error" in x]
+    lines = [x.strip() for x in text.splitlines() if ("Error" in x or "error" in x)
+             and "Engine core initialization failed" not in x and "WorkerProc failed" not in x]
     return (lines[-1] if lines else text.strip()[-300:])[-300:]
 
 
