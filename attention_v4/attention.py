@@ -28,6 +28,8 @@ from .config import V4AttentionConfig
 from .indexer import Indexer
 from .streams import LayerStreams, V4Meta
 
+QUERY_TILE = 128   # queries of one sequence scored at once (bounds a long chunk's score tensors)
+
 
 def unweighted_rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
@@ -80,30 +82,50 @@ class V4Attention(nn.Module):
 
     def _sequence(self, x, q_lat, q, kv, positions, p0: int, cos, sin, st: LayerStreams) -> torch.Tensor:
         """One sequence's T new tokens at positions p0.. ([T]): q [T, N, D], kv [T, D] -> o [T, N, D] (still
-        rotated)."""
+        rotated). The streams take the whole chunk first; the queries then attend in tiles of QUERY_TILE, each
+        over the key span it can see (its window rows, the entries closed by its last query), so a long chunk
+        never builds a [T, T] or [T, S] score for all of its queries at once."""
         cfg = self.cfg
-        W, T = cfg.sliding_window, x.shape[0]
+        T = x.shape[0]
         window = st.window_rows(p0)
+        w0 = window.shape[0]
         keys = torch.cat([window, kv])                                          # [w0 + T, D]
-        key_pos = torch.arange(p0 - window.shape[0], p0 + T, device=x.device)
-        delta = positions[:, None] - key_pos[None, :]
-        visible = (delta >= 0) & (delta < W)                                    # [T, w0 + T]
         st.write_window(kv, p0)
+        compressed = index_keys = None
         if self.compressor is not None:
             state = st.load_state("compressor", p0)
             compressed = st.append_entries("compressed", self.compressor(x, state, self.rope), p0)   # [S, D]
             st.store_state("compressor", state, p0 + T)
-            S = compressed.shape[0]
-            if self.indexer is not None:   # each query reads only the entries the indexer keeps
+            if self.indexer is not None:
                 state = st.load_state("index_compressor", p0)
                 index_keys = st.append_entries("index_keys", self.indexer.compressor(x, state, self.rope), p0)
                 st.store_state("index_compressor", state, p0 + T)
-                top, valid = self.indexer.select(x, q_lat, index_keys, positions, cos, sin, self.rope)   # [T, k]
-                return self._attend(q, keys, visible, compressed[top], valid)
-            seen = (torch.arange(S, device=x.device)[None, :] + 1) * self.compressor.ratio <= positions[:, None] + 1
-            keys = torch.cat([keys, compressed])
-            visible = torch.cat([visible, seen], dim=1)
-        return self._attend(q, keys, visible)
+        out = torch.empty_like(q)
+        for t0 in range(0, T, QUERY_TILE):
+            t1 = min(T, t0 + QUERY_TILE)
+            out[t0:t1] = self._tile(x[t0:t1], q_lat[t0:t1], q[t0:t1], keys, positions[t0:t1], p0 - w0, t0 + w0,
+                                    compressed, index_keys, cos[t0:t1], sin[t0:t1])
+        return out
+
+    def _tile(self, x, q_lat, q, keys, positions, key0: int, row0: int, compressed, index_keys, cos, sin):
+        """Queries at `positions` (the first is keys' row row0; keys' row 0 is position key0) over their window
+        rows of keys and the compressed entries their last query sees -> o [t, N, D]."""
+        W = self.cfg.sliding_window
+        lo, hi = max(0, row0 - W + 1), row0 + q.shape[0]
+        key_pos = torch.arange(key0 + lo, key0 + hi, device=q.device)
+        delta = positions[:, None] - key_pos[None, :]
+        visible = (delta >= 0) & (delta < W)                                    # [t, hi - lo]
+        span = keys[lo:hi]
+        if compressed is None:
+            return self._attend(q, span, visible)
+        m = self.compressor.ratio
+        last = key0 + row0 + q.shape[0] - 1                                     # the tile's last position
+        S = min(compressed.shape[0], (last + 1) // m)                           # entries it sees
+        if self.indexer is not None:   # each query reads only the entries the indexer keeps
+            top, valid = self.indexer.select(x, q_lat, index_keys[:S], positions, cos, sin, self.rope)   # [t, k]
+            return self._attend(q, span, visible, compressed[top], valid)
+        seen = (torch.arange(S, device=q.device)[None, :] + 1) * m <= positions[:, None] + 1
+        return self._attend(q, torch.cat([span, compressed[:S]]), torch.cat([visible, seen], dim=1))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, picked: torch.Tensor | None = None,
                 picked_valid: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,10 +36,13 @@ class Indexer(nn.Module):
         visible = (torch.arange(S, device=x.device)[None, :] + 1) * self.ratio <= positions[:, None] + 1  # [T, S]
         if S == 0:
             return torch.zeros(T, 0, dtype=torch.int64, device=x.device), visible
-        q = apply_rope_tail(self.wq_b(q_lat).view(T, self.heads, self.head_dim), cos, sin, rope)
-        w = self.weights_proj(x).float() * self.heads ** -0.5                  # [T, NI]
-        dots = torch.einsum("thd,sd->ths", q.float(), keys.float()).relu() * self.head_dim ** -0.5
-        scores = (dots * w[:, :, None]).sum(1).masked_fill(~visible, float("-inf"))   # [T, S]
+        q = apply_rope_tail(self.wq_b(q_lat).view(T, self.heads, self.head_dim), cos, sin, rope).float()
+        w = self.weights_proj(x).float() * (self.heads ** -0.5 * self.head_dim ** -0.5)   # [T, NI]
+        kt = keys.float().t()
+        scores = torch.zeros(T, S, device=x.device)
+        for h in range(self.heads):   # one head at a time: never a [T, NI, S] tensor
+            scores.addcmul_(torch.mm(q[:, h], kt).relu_(), w[:, h, None])
+        scores.masked_fill_(~visible, float("-inf"))                           # [T, S]
         k = min(self.topk, S)
         top = scores.topk(k, dim=-1).indices                                   # [T, k]
         return top, visible.gather(1, top)

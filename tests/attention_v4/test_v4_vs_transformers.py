@@ -48,6 +48,19 @@ def test_prompt_logprobs(models):
         assert diff < 1e-4, f"prompt of {len(ids)} tokens: logprobs differ by {diff}"
 
 
+@pytest.mark.parametrize("tile", [1, 5, 16])
+def test_query_tiles_equal_transformers(models, tile, monkeypatch):
+    """A chunk's queries attend in tiles (attention_v4/attention.py QUERY_TILE), each over its own key span and
+    the entries its last query sees: tiles of 1, 5 (ending mid-window for every ratio) and 16 give transformers'
+    logprobs."""
+    import attention_v4.attention as attention
+    hf, model = models
+    monkeypatch.setattr(attention, "QUERY_TILE", tile)
+    for ids in PROMPTS[2:]:
+        diff = (_logprobs(model, ids, [len(ids)]) - hf_prompt_logprobs(hf, ids)).abs().max().item()
+        assert diff < 1e-4, f"tiles of {tile}, prompt of {len(ids)} tokens: logprobs differ by {diff}"
+
+
 def test_chunked_prefill_and_decode_equal_one_prefill(models):
     hf, model = models
     ids = PROMPTS[-1]
