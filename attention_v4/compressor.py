@@ -15,7 +15,7 @@ with ape) and the number of entries emitted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +32,8 @@ class CompressorState:
     prev_kv: torch.Tensor | None = None
     prev_gate: torch.Tensor | None = None
     entries: int = 0
+    capture: dict[int, int] = field(default_factory=dict)   # CSA: entry index -> where its window's overlap rows go
+    captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)   # filled by forward
 
     @classmethod
     def empty(cls, width: int, device, dtype) -> "CompressorState":
@@ -78,6 +80,10 @@ class Compressor(nn.Module):
             if state.prev_kv is not None:
                 prev_kv[0], prev_gate[0] = state.prev_kv, state.prev_gate
             state.prev_kv, state.prev_gate = kv[-1, :, :D].clone(), gate[-1, :, :D].clone()
+            for e in state.capture:   # prefix-cache boundaries: the prev rows a sequence resuming there needs
+                if state.entries <= e < state.entries + n:
+                    w = e - state.entries
+                    state.captured[e] = (kv[w, :, :D].clone(), gate[w, :, :D].clone())
             kv = torch.cat([prev_kv, kv[..., D:]], dim=1)                      # [n, 2m, D]
             gate = torch.cat([prev_gate, gate[..., D:]], dim=1)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)

@@ -9,6 +9,7 @@ C compressor width (CSA 2D, HCA D). Per layer:
     compressor     buf_kv / buf_gate [Z, m-1, C]: the open window's rows (token p at row p % m);
                    CSA: prev_kv / prev_gate [Z, m, D]: the last closed window's overlap rows
     index_compressor                   the same at DI (CSA)
+    *.snap_kv / *.snap_gate [N_state, m, D or DI]   prefix caching, CSA: a boundary's prev rows (pool_layout.py)
 A sequence holds a slot (the compressor states: what it keeps whatever its length) and, per stream, the blocks of
 its table (attention_v4/pool_layout.py StreamTables, filled by the block manager, read here at each step). Every
 count (entries, buffered rows, whether prev is set) follows from the position p0 a chunk starts at, so the pools
@@ -35,6 +36,9 @@ def _layout(cfg: V4AttentionConfig, kind: str, geo: StreamGeometry) -> tuple[dic
         block["compressed"] = (kind, (geo.rows(kind), D))
         C = 2 * D if kind == "csa" else D
         slot |= {"compressor.buf_kv": (m - 1, C), "compressor.buf_gate": (m - 1, C)}
+    if kind == "csa" and "state" in geo.streams:
+        block |= {"compressor.snap_kv": ("state", (m, D)), "compressor.snap_gate": ("state", (m, D)),
+                  "index_compressor.snap_kv": ("state", (m, DI)), "index_compressor.snap_gate": ("state", (m, DI))}
     if kind == "csa":
         block["index_keys"] = (kind, (geo.rows(kind), DI))
         slot |= {"compressor.prev_kv": (m, D), "compressor.prev_gate": (m, D),
@@ -109,12 +113,13 @@ class PagedLayerStreams:
         return pool[self._window_index(lo, p0, pool.device)]
 
     def write_window(self, kv: torch.Tensor, p0: int) -> None:
-        """Writes the chunk's last W' rows: the only ones a later query (of this chunk's sequence) reads."""
+        """Writes the chunk's last W' rows: the only ones a later query of this chunk's sequence reads; with prefix
+        caching every row (a later sequence's hit may read any of them)."""
         pool = self.t.get("window")
         if pool is None:
             return
         end = p0 + kv.shape[0]
-        lo = max(p0, end - self.geo.window)
+        lo = p0 if self.geo.boundary else max(p0, end - self.geo.window)
         pool[self._window_index(lo, end, pool.device)] = kv[lo - p0:]
 
     def load_state(self, name: str, p0: int) -> CompressorState:
@@ -123,6 +128,8 @@ class PagedLayerStreams:
         st = CompressorState(self.t[name + ".buf_kv"][z, :r], self.t[name + ".buf_gate"][z, :r], entries=entries)
         if name + ".prev_kv" in self.t and entries:
             st.prev_kv, st.prev_gate = self.t[name + ".prev_kv"][z], self.t[name + ".prev_gate"][z]
+        if name + ".snap_kv" in self.t and self.seq.tables.snapshots:   # boundaries this step caches
+            st.capture = {p // m - 1: row for p, row in self.seq.tables.snapshots}
         return st
 
     def store_state(self, name: str, state: CompressorState, p_end: int) -> None:
@@ -135,6 +142,18 @@ class PagedLayerStreams:
         if state.prev_kv is not None:
             self.t[name + ".prev_kv"][z] = state.prev_kv
             self.t[name + ".prev_gate"][z] = state.prev_gate
+        for e, (kv, gate) in state.captured.items():   # the window that closed at a boundary: its overlap rows
+            row = state.capture[e]
+            self.t[name + ".snap_kv"][row], self.t[name + ".snap_gate"][row] = kv, gate
+
+    def restore_state(self, row: int) -> None:
+        """A prefix hit: the slot's CSA overlap rows from state row `row` (its boundary closed every window, so no
+        compressor has open rows)."""
+        z = self.seq.tables.slot
+        for name in ("compressor", "index_compressor"):
+            if name + ".snap_kv" in self.t:
+                self.t[name + ".prev_kv"][z] = self.t[name + ".snap_kv"][row]
+                self.t[name + ".prev_gate"][z] = self.t[name + ".snap_gate"][row]
 
     def _entry_index(self, stream: str, first: int, last: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries first .. last-1 of a compressed stream -> (blocks, rows) in its pool."""

@@ -8,36 +8,51 @@ step, register_computed after it, free when a sequence is preempted, finishes or
     grow allocates all of them or, when one pool is short, none (MemoryError, nothing taken);
   - register_computed (after every step) returns to the window pool the blocks no later query reads;
   - free returns the slot and every stream's blocks, so a preempted sequence recomputes all of its streams.
-Prefix caching, the KV tiers and disaggregation are refused with V4 (engine/worker/core.py); their hooks here are
-the empty ones.
+
+Prefix caching (attention_v4/pool_layout.py has the boundaries): the hash chain is the V3 one (kvstore/hashing.py,
+a hash per bs tokens), and a pool block is named by the hash of the last cache block its rows depend on: window
+block j by hash j, compressed block i of a stream with t tokens per block by hash (i + 1) t / bs - 1, a boundary
+state row at P by hash P / bs - 1. Blocks stay named while free (LRU eviction: the allocator hands out the least
+recently freed first, and a block handed out again loses its name). match_prefix starts a sequence at the longest
+boundary P (a multiple of U, at least one prompt token left) for which every block it needs is named: the
+compressed blocks before P, the window blocks of tokens P - W' .. P - 1 and the state row at P. Snapshots are
+optional: grow takes state rows for the boundaries a chunk crosses while the state pool has free rows, never
+refusing a step for want of one. The KV tiers and disaggregation are refused with V4 (engine/worker/core.py).
 """
 from __future__ import annotations
 
 from attention_mla.kv_cache import BlockAllocator
 from attention_v4.pool_layout import StreamGeometry, StreamTables
 from kvstore.events import HeldLog
+from kvstore.hashing import chain, prefix_chain
 
 from .block_manager import PrefixMatch
 from .sequence import Sequence
 
 
 class V4BlockManager:
-    enable_prefix_caching = False
     register_every_step = True   # the scheduler calls register_computed after every step (the window's trim)
     store = None
 
     def __init__(self, geometry: StreamGeometry, num_blocks: dict[str, int], num_slots: int, max_chunk: int,
-                 whole_chunks: bool = False, on_free=None):
+                 whole_chunks: bool = False, on_free=None, enable_prefix_caching: bool = False,
+                 log: HeldLog | None = None):
         """num_blocks: stream -> pool size; max_chunk: the most tokens a step gives one sequence
         (max_num_batched_tokens); whole_chunks: allocate window blocks for every token of a chunk (DBO may cut it
         between two microbatches, whose second part reads the first's tail). on_free(seq): after a sequence's
-        blocks are freed (the runner drops its streams)."""
+        blocks are freed (the runner drops its streams). log: where named hashes come and go (KV-aware routing: a
+        hash counts as held while any pool has a block of that name, an upper bound of what a hit restores)."""
         self.geometry, self.block_size = geometry, geometry.block_size
         self.allocators = {s: BlockAllocator(num_blocks[s]) for s in geometry.streams}
         self.num_slots, self._free_slots = num_slots, list(range(num_slots - 1, -1, -1))
         self.max_chunk, self.whole_chunks, self.on_free = max_chunk, whole_chunks, on_free
-        self.log = HeldLog(enabled=False)
-        self.queried_tokens = self.hit_tokens = self.num_cached = 0
+        if enable_prefix_caching and not geometry.boundary:
+            raise ValueError("DeepSeek-V4 prefix caching needs the pools' geometry built with prefix_caching=True")
+        self.enable_prefix_caching = enable_prefix_caching
+        self._by_hash = {s: {} for s in geometry.streams}   # stream -> hash -> pool block
+        self._hash_of = {s: {} for s in geometry.streams}   # stream -> pool block -> hash
+        self.log = log or HeldLog(enabled=False)
+        self.queried_tokens = self.hit_tokens = 0
         self.hit_blocks = {"device": 0, "host": 0, "disk": 0}
 
     # -- what the pools hold ---------------------------------------------------------------------------
@@ -52,6 +67,11 @@ class V4BlockManager:
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Named blocks (in use or free) of every pool."""
+        return sum(len(d) for d in self._by_hash.values())
 
     @property
     def free_slots(self) -> int:
@@ -103,21 +123,85 @@ class V4BlockManager:
         t = seq.stream_tables
         if t is None:
             t = seq.stream_tables = StreamTables(self._free_slots.pop())
-        for j, b in zip(new_window, self.allocators["window"].allocate(len(new_window)) if new_window else ()):
+        for j, b in zip(new_window, self._allocate("window", len(new_window))):
             t.window[j] = b
         for s, _ in self.geometry.ratios:
             if need[s] > 0:
-                getattr(t, s).extend(self.allocators[s].allocate(need[s]))
+                getattr(t, s).extend(self._allocate(s, need[s]))
+        if "state" in self.allocators:
+            self._snapshots(seq, t, n)
+
+    def _allocate(self, stream: str, n: int) -> list[int]:
+        """n blocks of a pool; a block handed out again loses its name."""
+        out = self.allocators[stream].allocate(n) if n > 0 else []
+        names, blocks = self._by_hash[stream], self._hash_of[stream]
+        for b in out:
+            h = blocks.pop(b, None)
+            if h is not None and names.get(h) == b:
+                del names[h]
+                self.log.mark(h)
+        return out
+
+    def _snapshots(self, seq: Sequence, t: StreamTables, n: int) -> None:
+        """State rows for the boundaries tokens [c, c+n) close whose state no pool row holds yet (as many as the
+        state pool has free)."""
+        U, bs, c = self.geometry.boundary, self.block_size, seq.num_computed
+        ends = range((c // U + 1) * U, c + n + 1, U)
+        if not ends:
+            return
+        seq.block_hashes = chain(seq.token_ids, bs, max(ends[-1] // bs, len(seq.block_hashes)), seq.block_hashes)
+        want = [p for p in ends if seq.block_hashes[p // bs - 1] not in self._by_hash["state"]]
+        rows = self._allocate("state", min(len(want), self.allocators["state"].num_free))
+        t.snapshots = list(zip(want, rows))
+        t.state.extend(rows)
 
     def register_computed(self, seq: Sequence) -> None:
-        """After a step: the window blocks holding only tokens before the next query's window go back."""
+        """After a step: with prefix caching the blocks its tokens completed are named; the window blocks holding
+        only tokens before the next query's window go back (named, they stay cached until handed out again)."""
         t = seq.stream_tables
-        if t is None or not t.window:
+        if t is None:
+            return
+        if self.enable_prefix_caching:
+            self._register(seq, t)
+        if not t.window:
             return
         first = self.geometry.first_live(seq.num_computed)
         old = [j for j in t.window if j < first]
         if old:
             self.allocators["window"].free([t.window.pop(j) for j in old])
+
+    def _name(self, stream: str, block: int, h: int) -> None:
+        names = self._by_hash[stream]
+        if h not in names and block not in self._hash_of[stream]:   # else: named already, here or in another block
+            names[h], self._hash_of[stream][block] = block, h
+            self.log.mark(h)
+
+    def _register(self, seq: Sequence, t: StreamTables) -> None:
+        g, bs, c = self.geometry, self.block_size, seq.num_computed
+        full = c // bs
+        if full > len(seq.block_hashes):
+            seq.block_hashes = chain(seq.token_ids, bs, full, seq.block_hashes)
+        hashes = seq.block_hashes
+        for j, b in t.window.items():
+            if j < full:
+                self._name("window", b, hashes[j])
+        for s, _ in g.ratios:
+            per = g.tokens_per_block(s) // bs   # cache blocks per pool block
+            for i, b in enumerate(getattr(t, s)[:full // per]):
+                self._name(s, b, hashes[(i + 1) * per - 1])
+        done = [r for p, r in t.snapshots if p <= c]
+        for p, r in t.snapshots:
+            if p <= c:
+                self._name("state", r, hashes[p // bs - 1])
+        t.snapshots = [(p, r) for p, r in t.snapshots if p > c]
+        if t.restore is not None:   # the runner copied it into the slot before this step
+            if t.restore >= 0:
+                done.append(t.restore)
+            t.restore = None
+        if done:
+            for r in done:
+                t.state.remove(r)
+            self.allocators["state"].free(done)
 
     def free(self, seq: Sequence) -> None:
         t = seq.stream_tables
@@ -131,12 +215,73 @@ class V4BlockManager:
         if self.on_free is not None:
             self.on_free(seq)
 
-    # -- no prefix cache, no tiers (refused with V4) ---------------------------------------------------
+    # -- the prefix cache (no tiers: refused with V4) --------------------------------------------------
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
-        return PrefixMatch()
+        """Start a sequence that holds nothing at its longest cached boundary: its tables get the named blocks
+        (reference counted; a hit on a free block takes it back), its slot the boundary's state row (the runner
+        copies it before the first step). Sequences that want prompt logprobs skip the cache, as with V3."""
+        m = PrefixMatch()
+        if (not self.enable_prefix_caching or seq.stream_tables is not None or seq.params.prompt_logprobs is not None
+                or not self._free_slots):
+            return m
+        g, bs, U = self.geometry, self.block_size, self.geometry.boundary
+        hashes = prefix_chain(seq.token_ids, bs)
+        found = self._longest(hashes)
+        if found is None:
+            return m
+        P, blocks = found
+        t = seq.stream_tables = StreamTables(self._free_slots.pop())
+        for s, ids in blocks.items():
+            a = self.allocators[s]
+            for b in ids:
+                if a.refs[b] == 0:
+                    a.take(b)
+                else:
+                    a.incref(b)
+        t.window = dict(zip(sorted(g.window_reads(P)), blocks.get("window", [])))
+        for s, _ in g.ratios:
+            setattr(t, s, list(blocks[s]))
+        t.state = list(blocks.get("state", []))
+        t.restore = t.state[0] if t.state else -1
+        seq.block_hashes = hashes[:P // bs]
+        seq.num_computed = m.tokens = P
+        m.device = P // bs
+        return m
+
+    def _longest(self, hashes: list[int]) -> tuple[int, dict[str, list[int]]] | None:
+        """-> (P, stream -> the named blocks a start at P needs) for the longest boundary P that has them all."""
+        g, bs, U = self.geometry, self.block_size, self.geometry.boundary
+        names = self._by_hash
+        run = {}   # compressed stream -> its leading named blocks
+        for s, _ in g.ratios:
+            per, ids = g.tokens_per_block(s) // bs, []
+            for i in range(len(hashes) // per):
+                b = names[s].get(hashes[(i + 1) * per - 1])
+                if b is None:
+                    break
+                ids.append(b)
+            run[s] = ids
+        for P in range(len(hashes) * bs // U * U, 0, -U):
+            if any(g.entry_blocks(s, P) > len(run[s]) for s, _ in g.ratios):
+                continue
+            out = {s: run[s][:g.entry_blocks(s, P)] for s, _ in g.ratios}
+            if g.window:
+                out["window"] = [names["window"].get(hashes[j]) for j in sorted(g.window_reads(P))]
+                if None in out["window"]:
+                    continue
+            if "state" in names:
+                row = names["state"].get(hashes[P // bs - 1])
+                if row is None:
+                    continue
+                out["state"] = [row]
+            return P, out
+        return None
 
     def record_query(self, num_tokens: int, match: PrefixMatch) -> None:
+        """Prefix-cache statistics, counted once per admitted sequence."""
         self.queried_tokens += num_tokens
+        self.hit_tokens += match.tokens
+        self.hit_blocks["device"] += match.device
 
     def reading(self, hashes: list[int]) -> bool:
         return False
@@ -145,10 +290,11 @@ class V4BlockManager:
         pass
 
     def holds(self, h: int) -> bool:
-        return False
+        """Does some pool have a block named h?"""
+        return any(h in names for names in self._by_hash.values())
 
     def take_events(self):
-        return None
+        return self.log.take(self.holds)
 
     def cached_blocks(self) -> list[tuple[int, int]]:
-        return []
+        return []   # (what the KV tiers save at close: none with V4)

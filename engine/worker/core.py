@@ -69,9 +69,7 @@ def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
 
 def refuse_v4(cfg: EngineConfig) -> None:
     """What the engine does not do with DeepSeek-V4's KV streams yet: an error now, not wrong tokens later."""
-    why = [(cfg.enable_prefix_caching, "prefix caching (pass enable_prefix_caching=False, "
-                                       "--no-enable-prefix-caching)"),
-           (bool(cfg.kv_cache.tiers), f"the host/disk KV tiers (kv_cache.tiers {list(cfg.kv_cache.tiers)})"),
+    why = [(bool(cfg.kv_cache.tiers), f"the host/disk KV tiers (kv_cache.tiers {list(cfg.kv_cache.tiers)})"),
            (cfg.kv_cache_dtype != "auto", f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the "
                                           f"model dtype)"),
            (cfg.speculative.enabled, f"speculative decoding (speculative method {cfg.speculative.method!r}: the "
@@ -124,7 +122,8 @@ class EngineCore:
             self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.store, log)
         else:   # one pool per stream (DBO may cut a chunk between microbatches: window blocks for all of it)
             self.blocks = V4BlockManager(self.kv.geometry, self.kv.num_blocks, cfg.max_num_seqs,
-                                         cfg.max_num_batched_tokens, whole_chunks=self._dbo_on(), on_free=self.kv.drop)
+                                         cfg.max_num_batched_tokens, whole_chunks=self._dbo_on(), on_free=self.kv.drop,
+                                         enable_prefix_caching=cfg.enable_prefix_caching, log=log)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         if cfg.speculative.enabled:
             from ..spec_decode.speculator import Speculator
@@ -178,7 +177,7 @@ class EngineCore:
         cfg, mcfg, dt = self.cfg, self.config, self.model.dtype
         if mcfg.v4 is not None:
             return V4StreamCache(self.model, cfg.kv_cache_memory, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
-                                 cfg.max_num_batched_tokens, cfg.kv_cache_blocks)
+                                 cfg.max_num_batched_tokens, cfg.kv_cache_blocks, cfg.enable_prefix_caching)
         index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
         layers = mcfg.num_hidden_layers + (self.model.drafter is not None)   # the MTP drafter's own latents last
         fp8 = latent_layout(cfg.kv_cache_dtype, mcfg.mla.kv_lora_rank, mcfg.mla.qk_rope_head_dim, dt)

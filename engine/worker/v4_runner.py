@@ -8,7 +8,10 @@ max(1, bs // m) entries per block) sharing the rest of kv_cache_memory by their 
 kv_cache_blocks N every pool holds the streams of N * bs tokens. The block manager (engine/sched/v4_blocks.py)
 gives each sequence its slot and tables and counts every pool at admission; whenever it frees them (preempted:
 the sequence recomputes every stream from its tokens; finished; aborted) the views here are dropped.
-Prefix caching, the KV tiers, disaggregation and fp8 caches are refused with V4 (engine/worker/core.py). A DBO
+With prefix caching a `state` pool holds the CSA compressors' state at cached boundaries (one row per boundary,
+pool_layout.py), sized like the compressed pools by its bytes per token; a sequence starting from a prefix hit gets
+its streams here with the hit's tokens counted and its slot's state copied from the hit's state row. The KV
+tiers, disaggregation and fp8 caches are refused with V4 (engine/worker/core.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
 (attention_v4/streams.py V4Meta), and the streams advance once both have run.
 """
@@ -35,13 +38,14 @@ class V4StreamCache:
     kv_cache_dtype = "auto"
 
     def __init__(self, model, memory: int | None, block_size: int, max_num_seqs: int, max_model_len: int,
-                 max_num_batched_tokens: int, num_blocks: int | dict[str, int] | None = None):
+                 max_num_batched_tokens: int, num_blocks: int | dict[str, int] | None = None,
+                 prefix_caching: bool = False):
         """num_blocks: None (size from memory), N (every pool holds N * block_size tokens' streams) or
         stream -> blocks."""
         v4, elt = model.cfg.v4, torch.empty(0, dtype=model.dtype).element_size()
         att, kinds = v4.attention, v4.layer_kinds
         self.model, self.block_size = model, block_size
-        g = self.geometry = StreamGeometry.of(att, kinds, block_size)
+        g = self.geometry = StreamGeometry.of(att, kinds, block_size, prefix_caching)
         self.per_block = V4Pools.bytes_per_block(att, kinds, g, elt)
         self.per_slot = V4Pools.bytes_per_slot(att, kinds, g, elt)
         if isinstance(num_blocks, int):
@@ -58,8 +62,8 @@ class V4StreamCache:
         tokens fill."""
         g = self.geometry
         out = {}
-        if g.window:
-            out["window"] = max(Z * g.decode_window() + -(-budget // g.block_size) + 1,
+        if g.window:   # with prefix caching as many again: cached prefixes' window tails
+            out["window"] = max(Z * g.decode_window() * (1 + (g.boundary > 0)) + -(-budget // g.block_size) + 1,
                                 g.peak(L, budget, True)["window"])
         fixed = Z * self.per_slot + out.get("window", 0) * self.per_block.get("window", 0)
         if memory < fixed:
@@ -67,7 +71,8 @@ class V4StreamCache:
                              f"sequence holds whatever its length: max_num_seqs ({Z}) slots of {self.per_slot} bytes "
                              f"and {out.get('window', 0)} window blocks of {self.per_block.get('window', 0)} bytes "
                              f"= {fixed}")
-        rate = sum(self.per_block[s] / g.tokens_per_block(s) for s, _ in g.ratios)   # bytes per token
+        grown = [s for s in g.streams if s != "window"]   # the compressed pools (and boundary states)
+        rate = sum(self.per_block[s] / g.tokens_per_block(s) for s in grown)   # bytes per token
         tokens = min(Z * L, int((memory - fixed) / rate)) if rate else 0
         least = max((g.tokens_per_block(s) for s, _ in g.ratios), default=0)
         if tokens < least:
@@ -76,6 +81,8 @@ class V4StreamCache:
                              f"({round(least * rate)} bytes)")
         for s, _ in g.ratios:
             out[s] = max(1, min(tokens // g.tokens_per_block(s), Z * g.entry_blocks(s, L)))
+        if "state" in g.streams:
+            out["state"] = max(1, min(tokens, Z * L) // g.boundary)
         return out
 
     @property
@@ -94,7 +101,14 @@ class V4StreamCache:
             raise RuntimeError(f"request {seq.request_id!r} runs without DeepSeek-V4 stream tables (the block "
                                f"manager grows them before its step)")
         st = self.streams.get(seq.request_id)
-        if st is None or (seq.num_computed == 0 and st.num_tokens):   # new, or recomputing from the start
+        restore = seq.stream_tables.restore
+        if restore is not None and st is None:   # a prefix hit: the cached blocks hold its first num_computed tokens
+            st = self.streams[seq.request_id] = SequenceStreams(PagedSequence(self.kv, seq.stream_tables).layers,
+                                                                num_tokens=seq.num_computed)
+            if restore >= 0:
+                for layer in st.layers:
+                    layer.restore_state(restore)
+        elif st is None or (seq.num_computed == 0 and st.num_tokens):   # new, or recomputing from the start
             if seq.num_computed:
                 raise RuntimeError(f"request {seq.request_id!r} resumes at token {seq.num_computed} but its "
                                    f"DeepSeek-V4 streams are gone")

@@ -89,3 +89,41 @@ def test_v4_on_2_ep_ranks_with_dbo_and_eplb(reference):
 def test_v4_on_4_ep_ranks_under_torchrun(reference):
     d, hf, single, single_bytes = reference
     _check(spawn(_rank_main, 4, args=(d, 4), timeout_s=400, launcher="torchrun"), 4, hf, single, single_bytes)
+
+
+_SHARED = [100 + (i * 11) % 97 for i in range(48)]   # 3 boundaries of 16 tokens (blocks of 8, HCA 16:1)
+PREFIXED = [[_SHARED + [7 + i, 9, 11 + j] for i in range(4)] for j in range(2)]   # two rounds: the second hits
+
+
+def _rank_prefix(model_dir: str, ep: int, cache: bool) -> dict:
+    from engine import LLM, SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    llm = LLM(model_dir, dp_size=ep, ep_size=ep, progress=False, enable_prefix_caching=cache, block_size=8,
+              max_num_batched_tokens=24, parallel={"timeout_s": 60.0})
+    outs = [llm.generate(prompts, sp) for prompts in PREFIXED]
+    core = llm.engine.core
+    res = {"rank": llm.ctx.rank, "tokens": [o.outputs[0].token_ids for r in outs for o in r],
+           "lp": [o.outputs[0].cumulative_logprob for r in outs for o in r],
+           "cached": [o.metrics["cached_tokens"] for o in outs[1]], "hit_tokens": core.blocks.hit_tokens,
+           "whole": all(a.num_free == a.num_blocks for a in core.blocks.allocators.values())}
+    llm.shutdown()
+    return res
+
+
+@pytest.mark.multirank
+def test_v4_prefix_caching_on_4_ep_ranks(reference):
+    """Prefix caching on 4 DP/EP ranks: the second round's requests hit the prefix the first round cached on their
+    rank (KV-aware routing sends them there) and give the tokens of one process without prefix caching."""
+    d = reference[0]
+    from engine import LLM, SamplingParams
+    llm = LLM(d, progress=False, enable_prefix_caching=False, block_size=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    single = [o for prompts in PREFIXED for o in llm.generate(prompts, sp)]
+    llm.shutdown()
+    ranks = spawn(_rank_prefix, 4, args=(d, 4, True), timeout_s=400)
+    for r in ranks:
+        assert r["tokens"] == [o.outputs[0].token_ids for o in single]
+        assert max(abs(a - o.outputs[0].cumulative_logprob) for a, o in zip(r["lp"], single)) < 1e-4
+        assert r["whole"]
+    assert ranks[0]["cached"] == [48] * 4, ranks[0]["cached"]
+    assert sum(r["hit_tokens"] for r in ranks) >= 4 * 48
