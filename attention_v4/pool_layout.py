@@ -129,6 +129,7 @@ class StreamTables:
     state: list[int] = field(default_factory=list)   # state rows held: `restore`'s and the snapshots'
     restore: int | None = None   # prefix hit: the state row to copy into the slot before its first step (-1: none)
     snapshots: list[tuple[int, int]] = field(default_factory=list)   # (boundary P, state row) this step writes
+    first_written: int = 0   # window rows before this token were never written here (a transferred prompt's head)
 
     def held(self) -> dict[str, list[int]]:
         out = {"window": list(self.window.values()), "csa": self.csa, "hca": self.hca}

@@ -10,7 +10,9 @@ front) after a warm-up. Per request: TTFT (arrival -> first token at the front; 
 included when disaggregated), TPOT ((finish - first token) / (tokens - 1)), and every inter-token
 gap (ITL) of the decoding requests. Goodput (DistServe) = requests meeting both the TTFT and the
 TPOT SLO per second of the run, at the offered rate (also over a grid of SLOs: goodput_grid).
-    python bench/disagg.py [--quick]
+    python bench/disagg.py [--quick] [--model v3|v4]
+--model v4: a small random DeepSeek-V4 (MODEL_V4, built and saved by transformers 5.24) instead of the V3-shaped
+one; its streams travel layer by layer (attention_v4/transfer.py); the results go to disagg_v4[_quick].json.
 Last line: JSON with colocated_tpot_p99_s, disagg_tpot_p99_s, colocated_goodput_rps, disagg_goodput_rps, ...
 """
 from __future__ import annotations
@@ -34,6 +36,15 @@ MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_interm
              qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
              n_group=4, topk_group=2, initializer_range=0.05, max_position_embeddings=2048)
 BLOCK = 16
+# window 128, CSA 4:1, HCA 128:1 as in V4-Flash/Pro; the rest small (launch/tiny_v4.py randomises what transformers
+# initialises to degenerate values)
+MODEL_V4 = dict(vocab_size=2048, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                head_dim=64, q_lora_rank=128, n_routed_experts=32, num_experts_per_tok=6, sliding_window=128, o_groups=2,
+                o_lora_rank=64, index_n_heads=8, index_head_dim=32, index_topk=64, qk_rope_head_dim=16,
+                compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                             "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                max_position_embeddings=2048, initializer_range=0.05)
 
 
 def workload(quick: bool, seed: int, n_long: int | None = None, long_len: tuple[int, int] = (896, 1024)) -> list[dict]:
@@ -145,19 +156,24 @@ def main() -> None:
     ap.add_argument("--tpot-slo", type=float, default=0.2, help="TPOT SLO (s)")
     ap.add_argument("--timeout", type=float, default=900.0, help="hard limit per mode (s)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--model", choices=("v3", "v4"), default="v3", help="the checkpoint's architecture")
+    ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        return worker(a.worker, a.model, a)
+        return worker(a.worker, a.checkpoint, a)
     from launch.local import run_local_ranks
     from launch.tiny import make_tiny_checkpoint
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     slo = {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo}
     res, kv = {}, {}
     with tempfile.TemporaryDirectory() as d:
-        make_tiny_checkpoint(d, arch="v3", seed=0, **MODEL)
+        if a.model == "v4":
+            from launch.tiny_v4 import tiny_v4_model
+            tiny_v4_model(0, **MODEL_V4).save_pretrained(d)
+        else:
+            make_tiny_checkpoint(d, arch="v3", seed=0, **MODEL)
         for mode in ("colocated", "disagg"):
-            argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--model", d, "--seed", str(a.seed), "--long-len", a.long_len,
+            argv = [sys.executable, os.path.abspath(__file__), "--worker", mode, "--checkpoint", d, "--seed", str(a.seed), "--long-len", a.long_len,
                     "--chunk", str(a.chunk), "--max-num-seqs", str(a.max_num_seqs), "--kv-blocks", str(a.kv_blocks)]
             argv += (["--quick"] if a.quick else []) + (["--long-prompts", str(a.long_prompts)] if a.long_prompts else [])
             rc, out = run_local_ranks([], 4, timeout_s=a.timeout, cmd=argv,
@@ -174,9 +190,12 @@ def main() -> None:
             log(f"{mode}: {res[mode]}")
     c, g = res["colocated"], res["disagg"]
     per_token = [b / p for b, p in zip(kv["kv_transfer_bytes"], kv["prompt_tokens"])]
-    L, C, R, N, dn, dv = (MODEL[k] for k in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
-                                             "num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
-    per_head_kv = L * N * (dn + R + dv) * 4  # fp32 K and V of every head, per token
+    if a.model == "v4":   # every layer's K (= V, one shared head) of every token, fp32, as an uncompressed cache
+        per_head_kv = MODEL_V4["num_hidden_layers"] * MODEL_V4["head_dim"] * 4
+    else:
+        L, C, R, N, dn, dv = (MODEL[k] for k in ("num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
+                                                 "num_attention_heads", "qk_nope_head_dim", "v_head_dim"))
+        per_head_kv = L * N * (dn + R + dv) * 4  # fp32 K and V of every head, per token
     ratio = g["tpot_p99_s"] / c["tpot_p99_s"]
     out = {
         "colocated_tpot_p99_s": c["tpot_p99_s"], "disagg_tpot_p99_s": g["tpot_p99_s"],
@@ -192,8 +211,11 @@ def main() -> None:
                         "exposed_s_p99": round(pct(kv["kv_exposed_s"], 99), 4)},
         "workload": {"quick": a.quick, "long_prompts": a.long_prompts or (12 if a.quick else 36),
                      "long_len": a.long_len, "chunk": a.chunk, "max_num_seqs": a.max_num_seqs, "ranks": 4,
-                     **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}
-    save("disagg_quick" if a.quick else "disagg", out)
+                     "model": a.model,
+                     **{k: (MODEL_V4 if a.model == "v4" else MODEL)[k]
+                        for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}
+    name = "disagg" + ("_v4" if a.model == "v4" else "")
+    save(name + "_quick" if a.quick else name, out)
     print(json.dumps(out), flush=True)
 
 

@@ -31,8 +31,6 @@ class DecodeHooks(RankHooks):
         self.receiver: KVReceiver | None = None
 
     def attach(self, core) -> None:
-        if core.config.v4 is not None:
-            raise ValueError("disaggregated prefill/decode does not transfer DeepSeek-V4's KV streams yet")
         self.core = core
         self.receiver = KVReceiver(core, self.kv, self.rank)
 

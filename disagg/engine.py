@@ -73,8 +73,16 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     hooks.attach(eng.core)
     # every rank's cache shape, to validate prompts at the front and check the pools agree
     kv = eng.core.kv
-    mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
-            "dtype": f"{kv.pools[0].dtype} ({kv.kv_cache_dtype})", "latent_dim": kv.latent_dim, "index_dim": kv.index_dim}
+    if eng.core.config.v4 is not None:   # DeepSeek-V4's pools (one per stream): prompt tokens the smallest one holds
+        g = kv.geometry
+        held = min(kv.num_blocks[s] * g.tokens_per_block(s) for s, _ in g.ratios) if g.ratios else 1 << 62
+        mine = {"role": roles.role, "blocks": held // kv.block_size, "block_size": kv.block_size,
+                "dtype": f"{eng.core.model.dtype} ({kv.kv_cache_dtype})", "latent_dim": "v4 streams",
+                "index_dim": eng.core.model.cfg.v4.attention.index_head_dim}
+    else:
+        mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
+                "dtype": f"{kv.pools[0].dtype} ({kv.kv_cache_dtype})", "latent_dim": kv.latent_dim,
+                "index_dim": kv.index_dim}
     infos: list = [None] * ctx.world_size
     with guard_collective(ctx):
         dist.all_gather_object(infos, mine, group=ctx.cpu_group)

@@ -4,7 +4,9 @@ its decode rank, layer by layer.
 Messages of one transfer (KVTransfer stream = the transfer id tid, prefill rank -> decode rank), in order:
     header {lo, hi, last}          before the chunk's forward: tokens lo..hi-1 follow
     L payloads [hi-lo, D]          layer i's latents, sent the moment layer i is done (Splitwise)
-                                   (DSA: each followed by layer i's indexer keys [hi-lo, Dk])
+                                   (DSA: each followed by layer i's indexer keys [hi-lo, Dk]; DeepSeek-V4:
+                                   layer i's pieces, attention_v4/transfer.py: the entries the chunk closed,
+                                   and with the last chunk the window tail and the compressor states)
     ... more chunks (chunked prefill, or a cached prefix sent first from the prefix cache) ...
     trailer {token, logprob, ...}  after sampling: the first token and the prefill's timings
 A finished prefill keeps its blocks until every send has completed, so a decode rank that cannot
@@ -49,9 +51,8 @@ class PrefillHooks(RankHooks):
         self._t0 = 0.0
 
     def attach(self, core) -> None:
-        if core.config.v4 is not None:
-            raise ValueError("disaggregated prefill/decode does not transfer DeepSeek-V4's KV streams yet")
         self.core = core
+        self.v4 = core.config.v4 is not None
 
     # -- admission ----------------------------------------------------------------------------------
     def handle(self, msg) -> bool:
@@ -84,20 +85,28 @@ class PrefillHooks(RankHooks):
                 self.core.blocks.free(seq)
                 del self._sending[rid], self._jobs[rid]
 
-    def _slots(self, seq, lo: int, hi: int) -> torch.Tensor:
+    def _slots(self, seq, lo: int, hi: int, last: bool = False):
+        """Where chunk [lo, hi)'s rows are: the latent slots, or (DeepSeek-V4) the layers' views and the chunk."""
+        if self.v4:
+            return self.core.kv.views(seq), lo, hi, last
         return self.core.kv.slots(seq.block_ids, lo, hi)
 
-    def _send_rows(self, job: _Job, slots: torch.Tensor, layer: int) -> None:
+    def _send_rows(self, job: _Job, slots, layer: int) -> None:
         if job.first_send is None:
             job.first_send = time.time()
-        for pool in self.core.kv.layer_pools(layer):  # the latents, then DSA's indexer keys
-            rows = pool.index_select(0, slots)  # [T, D]: a copy, the blocks stay writable
-            job.handles.append(self.kv.send_start(job.dst, job.tid, rows))
-            job.bytes += rows.numel() * rows.element_size()
+        if self.v4:
+            from attention_v4.transfer import gather
+            views, lo, hi, last = slots
+            rows = gather(views[layer], lo, hi, last)
+        else:   # the latents, then DSA's indexer keys: [T, D] copies, the blocks stay writable
+            rows = [pool.index_select(0, slots) for pool in self.core.kv.layer_pools(layer)]
+        for r in rows:
+            job.handles.append(self.kv.send_start(job.dst, job.tid, r))
+            job.bytes += r.numel() * r.element_size()
 
     def on_layer(self, batch):
         """Headers now (before the forward); each layer's rows the moment the layer is done."""
-        L = len(self.core.kv.pools)
+        L = self.core.model.cfg.num_hidden_layers if self.v4 else len(self.core.kv.pools)
         chunks = []  # (job, slots of this step's tokens, last chunk)
         for s, n in zip(batch.seqs, batch.num_tokens):
             job, lo = self._jobs[s.request_id], s.num_computed
@@ -111,7 +120,7 @@ class PrefillHooks(RankHooks):
             job.handles += send_object(self.kv, job.dst, job.tid, {"lo": lo, "hi": lo + n, "last": last})
             if last:
                 job.layer_done, job.send_start = [], []
-            chunks.append((job, self._slots(s, lo, lo + n), last))
+            chunks.append((job, self._slots(s, lo, lo + n, last), last))
         self._t0 = time.perf_counter()
         self.prefilled_tokens += sum(batch.num_tokens)
 

@@ -35,6 +35,7 @@ class Incoming:
     error: BaseException | None = None
     bytes: int = 0
     aborted: bool = False
+    views: list | None = None                  # DeepSeek-V4: the layers' views of its blocks (attention_v4/paged.py)
 
 
 class KVReceiver:
@@ -45,8 +46,9 @@ class KVReceiver:
     def __init__(self, core: EngineCore, kv: TorchKVTransfer, rank: int):
         self.core, self.kv, self.rank = core, kv, rank
         # every per-layer tensor of the cache, in the order the prefill rank sends them (layer by layer:
-        # the latents, then DSA's indexer keys)
-        self.pools = core.kv.all_pools()
+        # the latents, then DSA's indexer keys); DeepSeek-V4: each layer's pieces (attention_v4/transfer.py)
+        self.v4 = core.config.v4 is not None
+        self.pools = None if self.v4 else core.kv.all_pools()
         self.pending: dict[str, Incoming] = {}   # request id -> transfer, in arrival order
         self.bytes_received = 0
         self.transfers_done = 0
@@ -67,6 +69,9 @@ class KVReceiver:
         if room <= 0 or not blocks.can_grow(inc.seq, n):
             return False
         blocks.grow(inc.seq, n)
+        if self.v4:   # the layers' views of its blocks, and what its own chunks did not write (the window's head)
+            inc.views = self.core.kv.views(inc.seq)
+            inc.seq.stream_tables.first_written = max(0, n - self.core.kv.geometry.window)
         inc.accepted = time.time()
         threading.Thread(target=self._receive, args=(inc,), daemon=True, name=f"kv-recv-{inc.tid}").start()
         return True
@@ -78,7 +83,12 @@ class KVReceiver:
             while True:
                 chunk = recv_object(self.kv, inc.src, inc.tid)
                 rows = chunk["hi"] - chunk["lo"]
-                staging = [torch.empty(rows, p.shape[1], dtype=p.dtype, device=p.device) for p in self.pools]
+                if self.v4:
+                    from attention_v4.transfer import staging as v4_staging
+                    staging = [b for layer in inc.views for b in v4_staging(layer, chunk["lo"], chunk["hi"],
+                                                                            chunk["last"])]
+                else:
+                    staging = [torch.empty(rows, p.shape[1], dtype=p.dtype, device=p.device) for p in self.pools]
                 for h in [self.kv.recv_start(inc.src, inc.tid, buf) for buf in staging]:
                     h.wait()
                 inc.chunks.append((chunk, staging))
@@ -94,6 +104,15 @@ class KVReceiver:
         kv = self.core.kv
         while inc.chunks:
             chunk, staging = inc.chunks.popleft()
+            if self.v4:
+                from attention_v4.transfer import pieces, scatter
+                lo, hi, last = chunk["lo"], chunk["hi"], chunk["last"]
+                for layer in inc.views:
+                    k = len(pieces(layer, lo, hi, last))
+                    scatter(layer, staging[:k], lo, hi, last)
+                    inc.bytes += sum(b.numel() * b.element_size() for b in staging[:k])
+                    staging = staging[k:]
+                continue
             slots = kv.slots(inc.seq.block_ids, chunk["lo"], chunk["hi"])
             for pool, buf in zip(self.pools, staging, strict=True):
                 pool.index_copy_(0, slots, buf)
@@ -102,6 +121,8 @@ class KVReceiver:
     def _finish(self, inc: Incoming, t: dict) -> None:
         seq, now = inc.seq, time.time()
         seq.num_computed = len(seq.prompt_token_ids)
+        if self.v4:
+            self.core.kv.adopt(seq)
         seq.first_scheduled_time = t["prefill_start"]
         seq.prompt_logprobs = t["prompt_logprobs"]
         if t["generator_state"] is not None:

@@ -57,7 +57,12 @@ class V4DecoderLayer(nn.Module):
                             fp4_experts=experts.keep_fp4)
 
     def ops(self) -> list:
-        return [self.op_attention, *self.ffn.ops(), self.op_residual]
+        return [self.op_attention, self.op_kv_written, *self.ffn.ops(), self.op_residual]
+
+    def op_kv_written(self, s: OpState) -> None:
+        """This layer's streams hold the step's tokens: disaggregation may start sending them."""
+        if s.inputs.on_layer is not None:
+            s.inputs.on_layer(self.index)
 
     def op_attention(self, s: OpState) -> None:
         x = s.take("x")
@@ -240,12 +245,13 @@ class DeepseekV4Model(nn.Module):
                 index_pools=None) -> torch.Tensor:
         """input_ids [T] -> final-normed hidden states [T, H]. meta: the step's sequences and their streams,
         which take the new tokens (num_tokens advances). The streams are the cache: kv_pools / index_pools (the
-        MLA models' pools, as the runner passes them) must be empty; on_layer (disaggregation) is refused."""
-        if kv_pools or index_pools or on_layer is not None:
-            raise ValueError("DeepSeek-V4 keeps its KV in the streams of meta: no pools, no per-layer transfer hook")
+        MLA models' pools, as the runner passes them) must be empty. on_layer(i) (disaggregation): called once layer
+        i's streams hold the step's tokens."""
+        if kv_pools or index_pools:
+            raise ValueError("DeepSeek-V4 keeps its KV in the streams of meta: no pools")
         if input_ids.shape[0] != sum(meta.lens):
             raise ValueError(f"{input_ids.shape[0]} tokens for chunks of {sum(meta.lens)}")
-        s = OpState(Microbatch(0, input_ids, meta, [], plan, self.dispatcher))
+        s = OpState(Microbatch(0, input_ids, meta, [], plan, self.dispatcher, on_layer))
         for op in self.step_ops:
             if op is not YIELD:
                 op(s)

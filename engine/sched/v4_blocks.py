@@ -183,7 +183,7 @@ class V4BlockManager:
             seq.block_hashes = chain(seq.token_ids, bs, full, seq.block_hashes)
         hashes = seq.block_hashes
         for j, b in t.window.items():
-            if j < full:
+            if j < full and j * bs >= t.first_written:   # (a block holding unwritten rows is never named)
                 self._name("window", b, hashes[j])
         for s, _ in g.ratios:
             per = g.tokens_per_block(s) // bs   # cache blocks per pool block

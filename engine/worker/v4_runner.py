@@ -119,6 +119,15 @@ class V4StreamCache:
         st.layers[0].seq.tables = seq.stream_tables
         return st
 
+    def views(self, seq) -> list:
+        """Every layer's view of a sequence's slot and blocks (attention_v4/paged.py), for moving its rows."""
+        return PagedSequence(self.kv, seq.stream_tables).layers
+
+    def adopt(self, seq) -> None:
+        """A sequence whose streams were written from elsewhere (a disaggregated prefill): its first num_computed
+        tokens are in its blocks and slot."""
+        self.streams[seq.request_id] = SequenceStreams(self.views(seq), num_tokens=seq.num_computed)
+
     def drop(self, seq) -> None:
         self.streams.pop(seq.request_id, None)
 

@@ -144,17 +144,6 @@ def test_what_v4_does_not_do_yet_is_refused(v4, options, match):
         LLM(d, **kw)
 
 
-def test_disaggregation_is_refused(v4):
-    from disagg.decode import DecodeHooks
-    from disagg.prefill import PrefillHooks
-    hf, d = v4
-    llm = LLM(d, **V4)
-    for hooks in (PrefillHooks(None, 0), DecodeHooks(None, 0)):
-        with pytest.raises(ValueError, match="does not transfer DeepSeek-V4's KV streams"):
-            hooks.attach(llm.engine.core)
-    llm.shutdown()
-
-
 def test_dbo_equals_plain_steps(v4):
     """DBO on: steps split in two microbatches (a prefill chunk cut mid-sequence, decodes split by request) give
     transformers' tokens and logprobs too. Window blocks of 4 tokens: the tail of a cut chunk's first part (read by

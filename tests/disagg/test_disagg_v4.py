@@ -1,0 +1,116 @@
+"""Disaggregated DeepSeek-V4: each layer's streams travel layer by layer (attention_v4/transfer.py: the compressed
+entries and indexer keys a chunk closes, then with the prompt's last chunk the window tail and the compressor
+states). 1 prefill + 1 decode rank: what the decode rank holds after a transfer (every layer's entries, keys, window
+tail and slot states) equals what it computes itself, with chunked prefills ending mid-window and prefix-cache hits
+on the prefill rank, and every request's tokens equal a single process's."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from tests.parallel.spawn import spawn
+
+POOLS = {"prefill": {"dp_size": 1, "ep_size": 1, "max_num_batched_tokens": 19, "kv_cache_blocks": 40},
+         "decode": {"dp_size": 1, "ep_size": 1, "kv_cache_blocks": 40}}
+BS = 8
+
+
+def requests() -> list[dict]:
+    rng = random.Random(5)
+    system = [rng.randrange(2, 200) for _ in range(40)]   # boundaries of 16 tokens: hits of 32 on the prefill rank
+    reqs = [dict(id=f"s{i}", prompt=system + [rng.randrange(2, 200) for _ in range(5 + 9 * i)], max_tokens=8,
+                 arrival=8 * i) for i in range(3)]
+    reqs.append(dict(id="chunked", prompt=[rng.randrange(2, 200) for _ in range(75)], max_tokens=8, arrival=1))
+    reqs.append(dict(id="short", prompt=[7, 9, 11], max_tokens=8, arrival=2))
+    return reqs
+
+
+def _held(core, seq, n: int) -> list:
+    """Every layer's rows a decode from token n reads: entries, keys, window tail, slot states."""
+    from attention_v4.transfer import gather
+    return [t for layer in core.kv.views(seq) for t in gather(layer, 0, n, True)]
+
+
+def _rank(model_dir: str, pools: dict = POOLS) -> dict | str:
+    from disagg import make_engine
+    from tests.engine.test_engine import drive
+    eng = make_engine(model_dir, pools, progress=False, block_size=BS, dtype="float32",
+                      parallel={"timeout_s": 60.0})
+    if not eng.is_front:
+        return eng.run_worker_loop()
+    core = eng.core
+    received, finish = {}, eng.receiver._finish
+
+    def spy(inc, trailer):
+        finish(inc, trailer)
+        received[inc.seq.request_id] = [t.clone() for t in _held(core, inc.seq, len(inc.seq.prompt_token_ids))]
+    eng.receiver._finish = spy
+    reqs = requests()
+    got = drive(eng, reqs)
+    m = eng.metrics()
+    hits = m["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"]
+    nbytes = {f["request_id"]: f["kv_transfer_bytes"] for f in m["finished_requests"]}
+    eng.shutdown()
+    return {"got": got, "received": received, "hits": hits, "bytes": nbytes}
+
+
+def _computed_alone(model_dir: str, reqs) -> dict:
+    """The rows one process (no prefix cache) holds after each prompt's prefill."""
+    from engine import LLM, SamplingParams
+    llm = LLM(model_dir, progress=False, block_size=BS, dtype="float32", enable_prefix_caching=False, max_num_seqs=1)
+    eng, out = llm.engine, {}
+    for r in reqs:
+        eng.add_request(r["id"], r["prompt"], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        eng.step()   # the prefill (one chunk) and the first token
+        out[r["id"]] = [t.clone() for t in _held(eng.core, eng.core.scheduler.running[0], len(r["prompt"]))]
+        while eng.has_unfinished_requests():
+            eng.step()
+    llm.shutdown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.oracle_v4 import make_v4_model
+    d = str(tmp_path_factory.mktemp("disagg_v4"))
+    make_v4_model(d)
+    return d
+
+
+def _alone(model_dir: str, reqs) -> dict:
+    from engine import LLM, SamplingParams
+    llm = LLM(model_dir, progress=False, dtype="float32", enable_prefix_caching=False)
+    return {r["id"]: llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
+                                                                ignore_eos=True))[0].outputs[0].token_ids
+            for r in reqs}
+
+
+@pytest.mark.multirank
+def test_v4_streams_travel_layer_by_layer(model_dir):
+    front, prefill = spawn(_rank, 2, args=(model_dir,), timeout_s=400)
+    assert prefill == "shutdown"
+    reqs = requests()
+    assert front["got"] == _alone(model_dir, reqs)
+    assert front["hits"] > 0, "the shared prefix was meant to hit the prefill rank's cache"
+    mine = _computed_alone(model_dir, reqs)
+    for rid, rows in front["received"].items():
+        assert len(rows) == len(mine[rid]) > 0
+        diff = max((a - b).abs().max().item() for a, b in zip(rows, mine[rid]))
+        assert diff <= 1e-5, (rid, diff)
+        size = sum(t.numel() * t.element_size() for t in rows)
+        assert front["bytes"][rid] >= size   # everything it holds came over (window rows of earlier chunks too)
+
+
+@pytest.mark.multirank
+def test_v4_two_prefill_and_two_decode_ranks(model_dir):
+    """2 prefill ranks (EP2) + 2 decode ranks (EP2): the experts are split within each pool, the streams still go
+    from the prefill rank that computed them to the decode rank the front chose; tokens equal one process's."""
+    pools = {"prefill": dict(POOLS["prefill"], dp_size=2, ep_size=2),
+             "decode": dict(POOLS["decode"], dp_size=2, ep_size=2)}
+    ranks = spawn(_rank, 4, args=(model_dir, pools), timeout_s=400)
+    front = ranks[0]
+    assert front["got"] == _alone(model_dir, requests())
+    assert front["bytes"] and all(b > 0 for b in front["bytes"].values())
