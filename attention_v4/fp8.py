@@ -15,9 +15,9 @@ Tiles: 64 channels; n need not be a multiple of 64 (the tiny models: n = 24), th
 remainder (ceil(n / 64) tiles). Power-of-two scales: the scale is the amax / 448 rounded up to a power of two, so
 no value saturates and a scale is one byte. The RoPE part is kept unquantised as in FlashMLA's record: it carries
 the positions of every score. The compressor states (slot tensors) stay in the model dtype: they are summed into
-later entries, and are small. A chunk's queries read its own window rows as computed (the pool keeps them for
-the chunks after it), so with fp8 a prompt cut into other chunks reads other rows quantised: outputs depend on the
-chunking within the fp8 error (the compressed entries are always read back from the pool).
+later entries, and are small. A chunk's queries read its own window rows quantised too (PagedLayerStreams
+.as_stored), and the compressed entries are read back from the pool, so the outputs do not depend on how a prompt
+is cut into chunks.
 """
 from __future__ import annotations
 

@@ -129,6 +129,10 @@ class PagedLayerStreams:
         lo = max(p0, end - self.geo.window)
         pool[self._window_index(lo, end, pool.device)] = self._write("window", kv[lo - p0:])
 
+    def as_stored(self, kv: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows as window_rows gives them back: its queries read them as a later chunk's do."""
+        return kv if self.t.get("window") is None else self._read("window", self._write("window", kv))
+
     def load_state(self, name: str, p0: int) -> CompressorState:
         m, z = self.m, self.seq.tables.slot
         r, entries = p0 % m, p0 // m

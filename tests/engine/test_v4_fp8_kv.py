@@ -87,10 +87,11 @@ def _prompt_logprobs(d, **kw):
 
 def test_fp8_drift_against_auto(v4):
     """Prompt logprobs of the fp8 cache within a bound of the model-dtype cache's; teacher-forced greedy choices
-    mostly equal. Measured on this tiny model (353 positions, chunks of 19): mean 0.047 nats, max 0.63, greedy
-    310/353; the window alone 0.048, the compressed entries alone 0.021, the indexer keys alone 0.012 (max 0.64: a
-    top-k pick flips). The tiny random model is that sensitive: rounding the same pools to bf16 alone drifts by
-    mean 0.012, max 0.42, greedy 342/353."""
+    mostly equal. Measured on this tiny model (353 positions, chunks of 19): mean 0.095 nats, max 0.77, greedy
+    281/353; the window alone 0.092 (every query reads its own row quantised, as FlashMLA reads an fp8 window), the
+    compressed entries alone 0.021, the indexer keys alone 0.012 (max 0.64: a top-k pick flips). The tiny random
+    model is that sensitive: rounding the same pools to bf16 alone drifts by mean 0.014, max 0.49, greedy
+    344/353."""
     _, d = v4
     ref, got = _prompt_logprobs(d, **V4), _prompt_logprobs(d, **FP8)
     diffs, agree, total = [], 0, 0
@@ -102,8 +103,8 @@ def test_fp8_drift_against_auto(v4):
     diffs = torch.tensor(diffs)
     print(f"fp8 vs auto: mean |dlogprob| {diffs.mean():.4f}, max {diffs.max():.4f}, "
           f"greedy agreement {agree}/{total}")
-    assert diffs.mean() < 0.07 and diffs.max() < 1.0
-    assert agree / total > 0.8
+    assert diffs.mean() < 0.13 and diffs.max() < 1.2
+    assert agree / total > 0.72
     same = sum(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(ref, got))
     print(f"generated 8 tokens equal in {same}/{len(PROMPTS)} prompts")
 
@@ -151,3 +152,18 @@ def test_chunked_prefill_and_preemption_leak_nothing(v4):
     assert core.kv.streams == {} and all(len(o.outputs[0].token_ids) == 16 for o in outs)
     assert stats["kv_cache_dtype"] == "fp8_e4m3"
     llm.shutdown()
+
+
+def test_fp8_outputs_do_not_depend_on_the_chunking(v4):
+    """A chunk's queries read its own window rows quantised as a later chunk's do (as_stored), and every entry is
+    read back from the pool: chunks of 19 tokens give what whole prompts give."""
+    _, d = v4
+    sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
+    runs = []
+    for budget in (19, 512):
+        llm = LLM(d, max_num_batched_tokens=budget, **FP8)
+        runs.append(llm.generate(PROMPTS, sp))
+        llm.shutdown()
+    for a, b, p in zip(*runs, PROMPTS, strict=True):
+        diff = max(abs(a.prompt_logprobs[j][p[j]] - b.prompt_logprobs[j][p[j]]) for j in range(1, len(p)))
+        assert diff < 1e-4, f"prompt of {len(p)} tokens: chunked and whole differ by {diff}"
