@@ -89,7 +89,8 @@ class V4Attention(nn.Module):
         T = x.shape[0]
         window = st.window_rows(p0)
         w0 = window.shape[0]
-        keys = torch.cat([window, kv])                                          # [w0 + T, D]
+        # (as_stored: with an fp8 window the chunk's own rows are read quantised too, so chunking changes nothing)
+        keys = torch.cat([window, st.as_stored(kv)])                            # [w0 + T, D]
         st.write_window(kv, p0)
         compressed = index_keys = None
         if self.compressor is not None:

@@ -10,6 +10,8 @@ C compressor width (CSA 2D, HCA D). Per layer:
                    CSA: prev_kv / prev_gate [Z, m, D]: the last closed window's overlap rows
     index_compressor                   the same at DI (CSA)
     *.snap_kv / *.snap_gate [N_state, m, D or DI]   prefix caching, CSA: a boundary's prev rows (pool_layout.py)
+With kv_cache_dtype "fp8" the window, compressed and index_keys pools are uint8 [N_s, E_s, W] of packed entries
+(attention_v4/fp8.py: quantised on write, dequantised on read); the compressor states stay in the model dtype.
 A sequence holds a slot (the compressor states: what it keeps whatever its length) and, per stream, the blocks of
 its table (attention_v4/pool_layout.py StreamTables, filled by the block manager, read here at each step). Every
 count (entries, buffered rows, whether prev is set) follows from the position p0 a chunk starts at, so the pools
@@ -22,6 +24,7 @@ import torch
 
 from .compressor import CompressorState
 from .config import V4AttentionConfig
+from .fp8 import v4_codecs
 from .pool_layout import StreamGeometry
 
 
@@ -47,23 +50,30 @@ def _layout(cfg: V4AttentionConfig, kind: str, geo: StreamGeometry) -> tuple[dic
     return slot, block
 
 
+def _stored(shape: tuple[int, int], codec) -> tuple[int, int]:
+    """A block tensor's (rows, values per row) -> as the pool stores it: packed entries of codec.entry_bytes."""
+    return shape if codec is None else (shape[0], codec.entry_bytes)
+
+
 class V4Pools:
     """Every layer's pools: num_blocks[stream] blocks per stream (geometry.streams), num_slots slots."""
 
     def __init__(self, cfg: V4AttentionConfig, kinds: tuple[str, ...], geometry: StreamGeometry,
-                 num_blocks: dict[str, int], num_slots: int, device, dtype):
+                 num_blocks: dict[str, int], num_slots: int, device, dtype, kv_cache_dtype: str = "auto"):
         missing = [s for s in geometry.streams if num_blocks.get(s, 0) < 1]
         if missing or num_slots < 1:
             raise ValueError(f"DeepSeek-V4 pools need >= 1 block of every stream and >= 1 slot, got {num_blocks} "
                              f"(streams {list(geometry.streams)}), {num_slots} slots")
         self.cfg, self.kinds, self.geometry = cfg, kinds, geometry
         self.num_blocks, self.num_slots, self.device, self.dtype = dict(num_blocks), num_slots, device, dtype
+        self.codecs = v4_codecs(cfg, kv_cache_dtype, dtype)   # block tensor name -> packed entry (fp8), or none
         self.layers: list[dict[str, torch.Tensor]] = []
         self.stream_of: list[dict[str, str]] = []   # per layer: block tensor name -> its stream
         for kind in kinds:
             slot, block = _layout(cfg, kind, geometry)
             t = {n: torch.zeros(num_slots, *s, device=device, dtype=dtype) for n, s in slot.items()}
-            t |= {n: torch.zeros(num_blocks[st], *s, device=device, dtype=dtype) for n, (st, s) in block.items()}
+            t |= {n: torch.zeros(num_blocks[st], *_stored(s, self.codecs.get(n)), device=device,
+                                 dtype=dtype if n not in self.codecs else torch.uint8) for n, (st, s) in block.items()}
             self.layers.append(t)
             self.stream_of.append({n: st for n, (st, _) in block.items()})
 
@@ -72,12 +82,14 @@ class V4Pools:
         return sum(a * b for k in kinds for a, b in _layout(cfg, k, geometry)[0].values()) * elt
 
     @staticmethod
-    def bytes_per_block(cfg: V4AttentionConfig, kinds, geometry: StreamGeometry, elt: int) -> dict[str, int]:
-        """stream -> the bytes one block of it takes over all layers."""
-        out = dict.fromkeys(geometry.streams, 0)
+    def bytes_per_block(cfg: V4AttentionConfig, kinds, geometry: StreamGeometry, elt: int,
+                        codecs: dict | None = None) -> dict[str, int]:
+        """stream -> the bytes one block of it takes over all layers; codecs: attention_v4/fp8.py v4_codecs."""
+        codecs, out = codecs or {}, dict.fromkeys(geometry.streams, 0)
         for k in kinds:
-            for st, (a, b) in _layout(cfg, k, geometry)[1].values():
-                out[st] += a * b * elt
+            for n, (st, s) in _layout(cfg, k, geometry)[1].items():
+                a, b = _stored(s, codecs.get(n))
+                out[st] += a * b * (elt if n not in codecs else 1)
         return out
 
     def nbytes(self) -> int:
@@ -90,7 +102,7 @@ class PagedLayerStreams:
     def __init__(self, pools: V4Pools, layer: int, seq: "PagedSequence"):
         self.t, self.seq, self.stream_of = pools.layers[layer], seq, pools.stream_of[layer]
         self.cfg, self.kind, self.geo = pools.cfg, pools.kinds[layer], pools.geometry
-        self.m = self.cfg.ratio(self.kind)
+        self.m, self.codecs, self.dtype = self.cfg.ratio(self.kind), pools.codecs, pools.dtype
         self._empty = torch.zeros(0, self.cfg.head_dim, device=pools.device, dtype=pools.dtype)
 
     def _window_index(self, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +122,7 @@ class PagedLayerStreams:
         lo = max(0, p0 - self.geo.window)
         if pool is None or lo == p0:
             return self._empty
-        return pool[self._window_index(lo, p0, pool.device)]
+        return self._read("window", pool[self._window_index(lo, p0, pool.device)])
 
     def write_window(self, kv: torch.Tensor, p0: int) -> None:
         """Writes the chunk's last W' rows: the only ones a later query of this chunk's sequence reads; with prefix
@@ -120,7 +132,11 @@ class PagedLayerStreams:
             return
         end = p0 + kv.shape[0]
         lo = p0 if self.geo.boundary else max(p0, end - self.geo.window)
-        pool[self._window_index(lo, end, pool.device)] = kv[lo - p0:]
+        pool[self._window_index(lo, end, pool.device)] = self._write("window", kv[lo - p0:])
+
+    def as_stored(self, kv: torch.Tensor) -> torch.Tensor:
+        """The chunk's rows as window_rows gives them back: its queries read them as a later chunk's do."""
+        return kv if self.t.get("window") is None else self._read("window", self._write("window", kv))
 
     def load_state(self, name: str, p0: int) -> CompressorState:
         m, z = self.m, self.seq.tables.slot
@@ -167,8 +183,16 @@ class PagedLayerStreams:
     def append_entries(self, name: str, new: torch.Tensor, p0: int) -> torch.Tensor:
         first, pool, stream = p0 // self.m, self.t[name], self.stream_of[name]
         if new.shape[0]:
-            pool[self._entry_index(stream, first, first + new.shape[0], pool.device)] = new
-        return pool[self._entry_index(stream, 0, first + new.shape[0], pool.device)]
+            pool[self._entry_index(stream, first, first + new.shape[0], pool.device)] = self._write(name, new)
+        return self._read(name, pool[self._entry_index(stream, 0, first + new.shape[0], pool.device)])
+
+    def _write(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        codec = self.codecs.get(name)
+        return rows if codec is None else codec.quantize(rows)
+
+    def _read(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        codec = self.codecs.get(name)
+        return rows if codec is None else codec.dequantize(rows, self.dtype)
 
     def nbytes(self) -> int:
         """What this sequence holds of the layer: its slot's rows and its blocks (live window blocks included)."""

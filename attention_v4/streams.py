@@ -25,6 +25,7 @@ class LayerStreams:
     """The dense reference: per-sequence tensors grown by concatenation (attention_v4/paged.py has the pools).
     What the attention calls, for a chunk of T new tokens starting at position p0 (the tokens held so far):
         window_rows(p0) -> [min(p0, W-1), D] oldest first;  write_window(kv [T, D], p0)
+        as_stored(kv [T, D]) -> the rows as window_rows will give them back (exact here; fp8 pools: round-tripped)
         load_state(name, p0) -> CompressorState;  store_state(name, state, p0 + T)
         append_entries(name, new [n, ·], p0) -> every entry so far [p0 // m + n, ·]
     name: "compressor" / "index_compressor" for states, "compressed" / "index_keys" for entries."""
@@ -49,6 +50,9 @@ class LayerStreams:
 
     def window_rows(self, p0: int) -> torch.Tensor:
         return self.window
+
+    def as_stored(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv
 
     def write_window(self, kv: torch.Tensor, p0: int) -> None:
         keep = self.sliding_window - 1

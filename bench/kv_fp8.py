@@ -14,6 +14,9 @@ the process's CPU time (one thread: other processes on a shared machine inflate 
 
     python bench/kv_fp8.py [--contexts 1024,4096] [--batch 4] [--heads 16] [--trials 7] [--prompts 8]
                            [--initializer-range 0.05]
+    python bench/kv_fp8.py --model v4 [--prompts 8]
+
+--model v4 (bench/kv_fp8_v4.py): DeepSeek-V4's fp8 streams (attention_v4/fp8.py), saved as kv_fp8_v4.
 
 Last line (JSON): {"bytes_per_token": {"bf16": {"auto": ..., "fp8": ..., "fp4": ...}, "float32": {...}},
 "cache_ratio": {...}, "cache_ratio_fp4": {...}, "drift": {"fp8": {...}, "fp4": {...}}, "contexts": [...],
@@ -83,6 +86,7 @@ def drift(num_prompts: int, init: float) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("v3", "v4"), default="v3")
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--heads", type=int, default=16)
@@ -94,6 +98,12 @@ def main() -> None:
     ap.add_argument("--initializer-range", type=float, default=0.05, help="the drift model's weight scale")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.model == "v4":
+        from bench.kv_fp8_v4 import run
+        out = run(a.prompts)
+        save("kv_fp8_v4", out)
+        print(json.dumps(out))
+        return
     from cpu.layers import mla_decode
     layouts = {"fp32": None, "fp8": latent_layout("fp8", C, R, torch.float32),
                "fp4": latent_layout("fp4", C, R, torch.float32)}

@@ -132,6 +132,14 @@ def _kv_fp8(r: dict) -> str:
             f"{' / '.join(f'{c // 1024}k' for c in r['contexts'])} context{fp4}")
 
 
+def _kv_fp8_v4(r: dict) -> str:
+    m, d = r["models"]["v4_flash"], r["drift"]
+    return (f"DeepSeek-V4: entry {r['entry_bytes']['kv_fp8']} B vs {r['entry_bytes']['kv_bf16']} B bf16; V4-Flash "
+            f"compressed {n(m['fp8']['compressed_per_token'])} vs {n(m['auto']['compressed_per_token'])} B per token "
+            f"({n(m['compressed_ratio'])}×); tiny V4 drift mean {n(d['mean_abs_logprob_diff'])} nats, greedy "
+            f"{n(d['greedy_agreement'])}")
+
+
 def _disagg(r: dict) -> str:
     return (f"TPOT p99 {n(r['tpot_p99_ratio'])}× of colocated ({r['workload']['long_prompts']} long prompts; "
             f"goodput {n(r['disagg_goodput_rps'])} vs {n(r['colocated_goodput_rps'])} req/s)")
@@ -242,6 +250,7 @@ ROWS = (
                        f"at 8k context"),
             lambda r: [r["dsa_vs_dense_attention_8k"] <= 0.5]),)),
     Row("FP8 latent KV cache", "—", (Run("kv_fp8", "python bench/kv_fp8.py", _kv_fp8),)),
+    Row("FP8 DeepSeek-V4 KV streams", "—", (Run("kv_fp8_v4", "python bench/kv_fp8.py --model v4", _kv_fp8_v4),)),
     Row("DeepSeek-V4 KV streams", "— (report)", (
         Run("v4_kv", "python bench/v4_kv.py",
             lambda r: (f"bytes per sequence at 128k: V4-Flash {n(r['v4_flash_kv_bytes_128k'] / 2**20)} MiB, V4-Pro "

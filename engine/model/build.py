@@ -215,14 +215,14 @@ def _v4_experts(reader, cfg, device, dtype, experts_backend: str, quantization: 
 def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num_redundant_experts, eplb,
              experts_backend, attention_backend, kv_cache_dtype, dispatch_options, quantization="auto"):
     """DeepSeek-V4 (engine/model/v4_model.py): torch attention; routed experts on torch or the cpu experts kernel
-    (FP4 ones kept packed: _v4_experts); no fp8 cache, no CPU decode plan."""
+    (FP4 ones kept packed: _v4_experts); no CPU decode plan. kv_cache_dtype is the pools' (engine/worker/v4_runner.py):
+    the model reads its streams in the model dtype either way."""
     from .v4_model import DeepseekV4Model
     if attention_backend not in ("auto", "torch"):
         raise ValueError(f"DeepSeek-V4 attention runs on the torch backend only, not attention_backend "
                          f"{attention_backend!r}")
-    if kv_cache_dtype != "auto":
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported with DeepSeek-V4 yet (its KV streams "
-                         f"are kept in the model dtype)")
+    from attention_v4.fp8 import check_v4_kv_cache_dtype
+    check_v4_kv_cache_dtype(kv_cache_dtype)
     eplb = EplbConfig.coerce(eplb)
     ep_rank, ep_size = (ctx.ep_rank, ctx.ep_size) if ctx is not None else (0, 1)
     E = cfg.moe.n_routed_experts

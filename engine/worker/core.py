@@ -70,8 +70,8 @@ def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
 def refuse_v4(cfg: EngineConfig) -> None:
     """What the engine does not do with DeepSeek-V4's KV streams yet: an error now, not wrong tokens later."""
     why = [(bool(cfg.kv_cache.tiers), f"the host/disk KV tiers (kv_cache.tiers {list(cfg.kv_cache.tiers)})"),
-           (cfg.kv_cache_dtype != "auto", f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the "
-                                          f"model dtype)"),
+           (cfg.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"),
+            f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the model dtype or fp8: 'auto', 'fp8')"),
            (cfg.speculative.enabled, f"speculative decoding (speculative method {cfg.speculative.method!r}: the "
                                      f"compressor state of rejected drafts is not rolled back)")]
     bad = [w for on, w in why if on]
@@ -177,7 +177,8 @@ class EngineCore:
         cfg, mcfg, dt = self.cfg, self.config, self.model.dtype
         if mcfg.v4 is not None:
             return V4StreamCache(self.model, cfg.kv_cache_memory, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
-                                 cfg.max_num_batched_tokens, cfg.kv_cache_blocks, cfg.enable_prefix_caching)
+                                 cfg.max_num_batched_tokens, cfg.kv_cache_blocks, cfg.enable_prefix_caching,
+                                 cfg.kv_cache_dtype)
         index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
         layers = mcfg.num_hidden_layers + (self.model.drafter is not None)   # the MTP drafter's own latents last
         fp8 = latent_layout(cfg.kv_cache_dtype, mcfg.mla.kv_lora_rank, mcfg.mla.qk_rope_head_dim, dt)

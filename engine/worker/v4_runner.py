@@ -10,8 +10,9 @@ gives each sequence its slot and tables and counts every pool at admission; when
 the sequence recomputes every stream from its tokens; finished; aborted) the views here are dropped.
 With prefix caching a `state` pool holds the CSA compressors' state at cached boundaries (one row per boundary,
 pool_layout.py), sized like the compressed pools by its bytes per token; a sequence starting from a prefix hit gets
-its streams here with the hit's tokens counted and its slot's state copied from the hit's state row. The KV
-tiers, disaggregation and fp8 caches are refused with V4 (engine/worker/core.py). A DBO
+its streams here with the hit's tokens counted and its slot's state copied from the hit's state row.
+kv_cache_dtype "fp8" packs the window, compressed and indexer-key pools (attention_v4/fp8.py); the bytes per block
+count the packed entries. The KV tiers and fp4 caches are refused with V4 (engine/worker/core.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
 (attention_v4/streams.py V4Meta), and the streams advance once both have run.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from attention_mla.meta import int64_tensor
+from attention_v4.fp8 import check_v4_kv_cache_dtype, v4_codecs
 from attention_v4.paged import PagedSequence, V4Pools
 from attention_v4.pool_layout import StreamGeometry
 from attention_v4.streams import SequenceStreams, V4Meta
@@ -34,26 +36,26 @@ class V4StreamCache:
 
     pools: list = []
     index_pools = None
-    fp8 = None
-    kv_cache_dtype = "auto"
+    fp8 = None   # the MLA path's latent layout: none here (V4's packed entries are the pools' `codecs`)
 
     def __init__(self, model, memory: int | None, block_size: int, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, num_blocks: int | dict[str, int] | None = None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, kv_cache_dtype: str = "auto"):
         """num_blocks: None (size from memory), N (every pool holds N * block_size tokens' streams) or
-        stream -> blocks."""
+        stream -> blocks. kv_cache_dtype: "auto" (the model dtype) | "fp8" (attention_v4/fp8.py)."""
         v4, elt = model.cfg.v4, torch.empty(0, dtype=model.dtype).element_size()
         att, kinds = v4.attention, v4.layer_kinds
         self.model, self.block_size = model, block_size
+        self.kv_cache_dtype = check_v4_kv_cache_dtype(kv_cache_dtype)
         g = self.geometry = StreamGeometry.of(att, kinds, block_size, prefix_caching)
-        self.per_block = V4Pools.bytes_per_block(att, kinds, g, elt)
+        self.per_block = V4Pools.bytes_per_block(att, kinds, g, elt, v4_codecs(att, kv_cache_dtype, model.dtype))
         self.per_slot = V4Pools.bytes_per_slot(att, kinds, g, elt)
         if isinstance(num_blocks, int):
             num_blocks = {s: -(-num_blocks * block_size // g.tokens_per_block(s)) for s in g.streams}
         elif num_blocks is None:
             num_blocks = self._from_memory(memory, max_num_seqs, max_model_len, max_num_batched_tokens)
         self.num_blocks = dict(num_blocks)
-        self.kv = V4Pools(att, kinds, g, self.num_blocks, max_num_seqs, model.device, model.dtype)
+        self.kv = V4Pools(att, kinds, g, self.num_blocks, max_num_seqs, model.device, model.dtype, kv_cache_dtype)
         self.streams: dict[str, SequenceStreams] = {}
 
     def _from_memory(self, memory: int, Z: int, L: int, budget: int) -> dict[str, int]:

@@ -101,5 +101,5 @@ def test_model_inputs(tmp_path):
     st = m.new_streams()
     with pytest.raises(ValueError, match=r"3 tokens for chunks of 2"):
         m(torch.tensor([1, 2, 3]), V4Meta.build([2], [st]))
-    with pytest.raises(ValueError, match=r"no pools, no per-layer transfer hook"):
-        m(torch.tensor([1, 2]), V4Meta.build([2], [st]), on_layer=lambda i: None)
+    with pytest.raises(ValueError, match=r"keeps its KV in the streams of meta: no pools"):
+        m(torch.tensor([1, 2]), V4Meta.build([2], [st]), kv_pools=[torch.zeros(4, 8)])
