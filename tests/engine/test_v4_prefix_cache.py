@@ -49,10 +49,11 @@ def _pools_whole(core) -> bool:
             and b.free_slots == b.num_slots and core.kv.streams == {})
 
 
-@pytest.mark.parametrize("dbo", [False, True])
-def test_hits_give_the_outputs_of_no_cache(v4, dbo):
+@pytest.mark.parametrize("dbo,kv", [(False, "auto"), (True, "auto"), (False, "fp8")])
+def test_hits_give_the_outputs_of_no_cache(v4, dbo, kv):
+    """(fp8: the hits restore the packed rows; both runs read the same quantised window and entries.)"""
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0)
-    kw = dict(V4, block_size=8, max_num_batched_tokens=19)
+    kw = dict(V4, block_size=8, max_num_batched_tokens=19, kv_cache_dtype=kv)
     if dbo:
         kw["dbo"] = {"enabled": True, "prefill_token_threshold": 2}
     off = _one_by_one(LLM(v4, enable_prefix_caching=False, **kw), PROMPTS, params)
