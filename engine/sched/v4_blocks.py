@@ -17,7 +17,7 @@ recently freed first, and a block handed out again loses its name). match_prefix
 boundary P (a multiple of U, at least one prompt token left) for which every block it needs is named: the
 compressed blocks before P, the window blocks of tokens P - W' .. P - 1 and the state row at P. Snapshots are
 optional: grow takes state rows for the boundaries a chunk crosses while the state pool has free rows, never
-refusing a step for want of one. The KV tiers and disaggregation are refused with V4 (engine/worker/core.py).
+refusing a step for want of one. The KV tiers are refused with V4 (engine/worker/core.py).
 """
 from __future__ import annotations
 

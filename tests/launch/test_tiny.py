@@ -140,7 +140,7 @@ def test_tokenizer_round_trips(tmp_path):
 
 def test_v4_loads_in_transformers_and_generates_through_llm(tmp_path, capsys):
     """`wideep make-tiny --arch v4`: transformers loads every tensor, the degenerate initial values are randomised,
-    and wideep's LLM (prefix caching off, as V4 needs today) generates transformers' greedy tokens."""
+    and wideep's LLM generates transformers' greedy tokens (with its defaults: prefix caching on)."""
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4Config"):
         pytest.skip("transformers without DeepSeek-V4")
@@ -160,9 +160,7 @@ def test_v4_loads_in_transformers_and_generates_through_llm(tmp_path, capsys):
     with torch.no_grad():
         want = hf.float().generate(torch.tensor([ids]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
     want = want[0, len(ids):]
-    with pytest.raises(ValueError, match="enable_prefix_caching=False"):
-        LLM(str(tmp_path), dtype="float32", progress=False)
-    llm = LLM(str(tmp_path), dtype="float32", progress=False, enable_prefix_caching=False)
+    llm = LLM(str(tmp_path), dtype="float32", progress=False)
     out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert out.outputs[0].token_ids == want.tolist()
     assert llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0].outputs[0].text
