@@ -89,9 +89,9 @@ class V4Attention(nn.Module):
         T = x.shape[0]
         window = st.window_rows(p0)
         w0 = window.shape[0]
-        # (as_stored: with an fp8 window the chunk's own rows are read quantised too, so chunking changes nothing)
-        keys = torch.cat([window, st.as_stored(kv)])                            # [w0 + T, D]
-        st.write_window(kv, p0)
+        # (write_window gives back the chunk's rows as stored: with an fp8 window they are read quantised too, as a
+        # later chunk reads them, so chunking changes nothing)
+        keys = torch.cat([window, st.write_window(kv, p0)])                     # [w0 + T, D]
         compressed = index_keys = None
         if self.compressor is not None:
             state = st.load_state("compressor", p0)

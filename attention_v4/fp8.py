@@ -16,7 +16,7 @@ remainder (ceil(n / 64) tiles). Power-of-two scales: the scale is the amax / 448
 no value saturates and a scale is one byte. The RoPE part is kept unquantised as in FlashMLA's record: it carries
 the positions of every score. The compressor states (slot tensors) stay in the model dtype: they are summed into
 later entries, and are small. A chunk's queries read its own window rows quantised too (PagedLayerStreams
-.as_stored), and the compressed entries are read back from the pool, so the outputs do not depend on how a prompt
+.write_window gives them back as stored), and the compressed entries are read back from the pool, so the outputs do not depend on how a prompt
 is cut into chunks.
 """
 from __future__ import annotations

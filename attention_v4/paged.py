@@ -124,19 +124,21 @@ class PagedLayerStreams:
             return self._empty
         return self._read("window", pool[self._window_index(lo, p0, pool.device)])
 
-    def write_window(self, kv: torch.Tensor, p0: int) -> None:
+    def write_window(self, kv: torch.Tensor, p0: int) -> torch.Tensor:
         """Writes the chunk's last W' rows: the only ones a later query of this chunk's sequence reads; with prefix
-        caching every row (a later sequence's hit may read any of them)."""
+        caching every row (a later sequence's hit may read any of them). -> the chunk's rows as window_rows gives
+        them back (fp8: quantised once, read by the chunk's own queries as a later chunk's do)."""
         pool = self.t.get("window")
         if pool is None:
-            return
+            return kv
         end = p0 + kv.shape[0]
         lo = p0 if self.geo.boundary else max(p0, end - self.geo.window)
-        pool[self._window_index(lo, end, pool.device)] = self._write("window", kv[lo - p0:])
-
-    def as_stored(self, kv: torch.Tensor) -> torch.Tensor:
-        """The chunk's rows as window_rows gives them back: its queries read them as a later chunk's do."""
-        return kv if self.t.get("window") is None else self._read("window", self._write("window", kv))
+        if "window" not in self.codecs:
+            pool[self._window_index(lo, end, pool.device)] = kv[lo - p0:]
+            return kv
+        packed = self._write("window", kv)
+        pool[self._window_index(lo, end, pool.device)] = packed[lo - p0:]
+        return self._read("window", packed)
 
     def load_state(self, name: str, p0: int) -> CompressorState:
         m, z = self.m, self.seq.tables.slot

@@ -24,8 +24,8 @@ from .config import V4AttentionConfig
 class LayerStreams:
     """The dense reference: per-sequence tensors grown by concatenation (attention_v4/paged.py has the pools).
     What the attention calls, for a chunk of T new tokens starting at position p0 (the tokens held so far):
-        window_rows(p0) -> [min(p0, W-1), D] oldest first;  write_window(kv [T, D], p0)
-        as_stored(kv [T, D]) -> the rows as window_rows will give them back (exact here; fp8 pools: round-tripped)
+        window_rows(p0) -> [min(p0, W-1), D] oldest first
+        write_window(kv [T, D], p0) -> kv as window_rows will give it back (exact here; fp8 pools: round-tripped)
         load_state(name, p0) -> CompressorState;  store_state(name, state, p0 + T)
         append_entries(name, new [n, ·], p0) -> every entry so far [p0 // m + n, ·]
     name: "compressor" / "index_compressor" for states, "compressed" / "index_keys" for entries."""
@@ -51,12 +51,10 @@ class LayerStreams:
     def window_rows(self, p0: int) -> torch.Tensor:
         return self.window
 
-    def as_stored(self, kv: torch.Tensor) -> torch.Tensor:
-        return kv
-
-    def write_window(self, kv: torch.Tensor, p0: int) -> None:
+    def write_window(self, kv: torch.Tensor, p0: int) -> torch.Tensor:
         keep = self.sliding_window - 1
         self.window = torch.cat([self.window, kv])[-keep:] if keep else self.window
+        return kv
 
     def load_state(self, name: str, p0: int) -> CompressorState:
         return getattr(self, name)

@@ -19,8 +19,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-import torch
 
+from attention_v4.transfer import gather
 from engine.worker.messages import Abort, NewRequest
 from engine.worker.rank_loop import RankHooks
 
@@ -95,7 +95,6 @@ class PrefillHooks(RankHooks):
         if job.first_send is None:
             job.first_send = time.time()
         if self.v4:
-            from attention_v4.transfer import gather
             views, lo, hi, last = slots
             rows = gather(views[layer], lo, hi, last)
         else:   # the latents, then DSA's indexer keys: [T, D] copies, the blocks stay writable

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from attention_v4.transfer import pieces, scatter, staging as v4_staging
 from engine.worker.core import EngineCore
 from engine.sched.sequence import Sequence
 from parallel.watchdog import guard_collective
@@ -84,7 +85,6 @@ class KVReceiver:
                 chunk = recv_object(self.kv, inc.src, inc.tid)
                 rows = chunk["hi"] - chunk["lo"]
                 if self.v4:
-                    from attention_v4.transfer import staging as v4_staging
                     staging = [b for layer in inc.views for b in v4_staging(layer, chunk["lo"], chunk["hi"],
                                                                             chunk["last"])]
                 else:
@@ -105,7 +105,6 @@ class KVReceiver:
         while inc.chunks:
             chunk, staging = inc.chunks.popleft()
             if self.v4:
-                from attention_v4.transfer import pieces, scatter
                 lo, hi, last = chunk["lo"], chunk["hi"], chunk["last"]
                 for layer in inc.views:
                     k = len(pieces(layer, lo, hi, last))

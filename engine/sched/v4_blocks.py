@@ -189,11 +189,10 @@ class V4BlockManager:
             per = g.tokens_per_block(s) // bs   # cache blocks per pool block
             for i, b in enumerate(getattr(t, s)[:full // per]):
                 self._name(s, b, hashes[(i + 1) * per - 1])
-        done = [r for p, r in t.snapshots if p <= c]
-        for p, r in t.snapshots:
-            if p <= c:
-                self._name("state", r, hashes[p // bs - 1])
-        t.snapshots = [(p, r) for p, r in t.snapshots if p > c]
+        done = [r for p, r in t.snapshots if p <= c]   # written this step: named (or a duplicate), then let go
+        for p, r in t.snapshots[:len(done)]:
+            self._name("state", r, hashes[p // bs - 1])
+        t.snapshots = t.snapshots[len(done):]
         if t.restore is not None:   # the runner copied it into the slot before this step
             if t.restore >= 0:
                 done.append(t.restore)

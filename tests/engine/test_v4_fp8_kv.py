@@ -155,7 +155,7 @@ def test_chunked_prefill_and_preemption_leak_nothing(v4):
 
 
 def test_fp8_outputs_do_not_depend_on_the_chunking(v4):
-    """A chunk's queries read its own window rows quantised as a later chunk's do (as_stored), and every entry is
+    """A chunk's queries read its own window rows quantised as a later chunk's do (write_window's return), and every entry is
     read back from the pool: chunks of 19 tokens give what whole prompts give."""
     _, d = v4
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
