@@ -129,7 +129,7 @@ class BlockManager:
             store.unpin(want)
         if len(want) < len(rest) and not seq.kv_prefetched:
             m.reading = store.prefetch(rest[len(want):])
-            seq.kv_prefetched = bool(m.reading)
+            seq.kv_prefetched += bool(m.reading)
 
     def reading(self, hashes: list[int]) -> bool:
         """Are some of these blocks still being read from disk? (Installs finished reads first.)"""

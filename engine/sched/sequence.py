@@ -41,7 +41,7 @@ class Sequence:
     num_reported: int = 0            # output tokens already reported to the front
     hold_blocks: bool = False        # when it finishes, the scheduler releases it with its blocks held:
     #                                  their owner frees them (a prefill whose KV is still being sent)
-    kv_prefetched: bool = False      # its prefix's disk blocks were read once: it never waits for them twice
+    kv_prefetched: int = 0           # times its prefix's disk blocks were read (V3: once; V4: at most twice)
     extra_metrics: dict = field(default_factory=dict)   # per-request figures of other parts (disaggregation)
     grammar: Any = None              # structured outputs: structured.rows.SequenceGrammar, made when it first samples
     draft_token_ids: list[int] = field(default_factory=list)   # speculative decoding: this step's drafts, verified

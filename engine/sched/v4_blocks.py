@@ -17,7 +17,12 @@ recently freed first, and a block handed out again loses its name). match_prefix
 boundary P (a multiple of U, at least one prompt token left) for which every block it needs is named: the
 compressed blocks before P, the window blocks of tokens P - W' .. P - 1 and the state row at P. Snapshots are
 optional: grow takes state rows for the boundaries a chunk crosses while the state pool has free rows, never
-refusing a step for want of one. The KV tiers are refused with V4 (engine/worker/core.py).
+refusing a step for want of one.
+
+The KV tiers (store: kvstore/streams.py, a TieredStore per stream): a named block handed out again spills to its
+stream's host tier; match_prefix counts a block as found when its pool or its stream's host tier has it (loaded
+into a fresh block, named again), and when the disk tier would give a longer boundary it reads those blocks up
+first while the sequence waits. Hits are counted in pool blocks per tier.
 """
 from __future__ import annotations
 
@@ -32,11 +37,10 @@ from .sequence import Sequence
 
 class V4BlockManager:
     register_every_step = True   # the scheduler calls register_computed after every step (the window's trim)
-    store = None
 
     def __init__(self, geometry: StreamGeometry, num_blocks: dict[str, int], num_slots: int, max_chunk: int,
                  whole_chunks: bool = False, on_free=None, enable_prefix_caching: bool = False,
-                 log: HeldLog | None = None):
+                 log: HeldLog | None = None, store=None):
         """num_blocks: stream -> pool size; max_chunk: the most tokens a step gives one sequence
         (max_num_batched_tokens); whole_chunks: allocate window blocks for every token of a chunk (DBO may cut it
         between two microbatches, whose second part reads the first's tail). on_free(seq): after a sequence's
@@ -52,6 +56,7 @@ class V4BlockManager:
         self._by_hash = {s: {} for s in geometry.streams}   # stream -> hash -> pool block
         self._hash_of = {s: {} for s in geometry.streams}   # stream -> pool block -> hash
         self.log = log or HeldLog(enabled=False)
+        self.store = store   # kvstore/streams.py StreamStores: the host/disk tiers below the pools, or None
         self.queried_tokens = self.hit_tokens = 0
         self.hit_blocks = {"device": 0, "host": 0, "disk": 0}
 
@@ -139,6 +144,8 @@ class V4BlockManager:
             h = blocks.pop(b, None)
             if h is not None and names.get(h) == b:
                 del names[h]
+                if self.store is not None:   # its rows go to the host tier before the step overwrites them
+                    self.store.spill(stream, b, h)
                 self.log.mark(h)
         return out
 
@@ -214,86 +221,138 @@ class V4BlockManager:
         if self.on_free is not None:
             self.on_free(seq)
 
-    # -- the prefix cache (no tiers: refused with V4) --------------------------------------------------
+    # -- the prefix cache, and the tiers below it -----------------------------------------------------
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Start a sequence that holds nothing at its longest cached boundary: its tables get the named blocks
-        (reference counted; a hit on a free block takes it back), its slot the boundary's state row (the runner
-        copies it before the first step). Sequences that want prompt logprobs skip the cache, as with V3."""
+        (reference counted; a hit on a free block takes it back) and fresh blocks loaded from the host tier, its
+        slot the boundary's state row (the runner copies it before the first step). When the disk tier would take
+        it further, the blocks that boundary needs are read first (the sequence waits: `reading`); a second time
+        when a file was a miss (the next boundary down needs its own window tail and state row), never more. Sequences that
+        want prompt logprobs skip the cache, as with V3. Counted in pool blocks of every stream."""
         m = PrefixMatch()
         if (not self.enable_prefix_caching or seq.stream_tables is not None or seq.params.prompt_logprobs is not None
                 or not self._free_slots):
             return m
-        g, bs, U = self.geometry, self.block_size, self.geometry.boundary
+        g, bs = self.geometry, self.block_size
         hashes = prefix_chain(seq.token_ids, bs)
-        found = self._longest(hashes)
+        st = self.store
+        if st is not None:
+            st.poll()
+        found = self._longest(hashes, ("device", "host"))
+        if st is not None and st.disk and seq.kv_prefetched < 2:   # (a second time when a read was a miss)
+            deeper = self._longest(hashes, ("device", "host", "disk"))
+            if deeper is not None and deeper[0] > (found[0] if found else 0):
+                m.reading = st.prefetch([(s, h) for s, need in deeper[1].items() for h, w in need if w == "disk"])
+                seq.kv_prefetched += bool(m.reading)
+                if m.reading:
+                    return m
         if found is None:
             return m
-        P, blocks = found
+        P, need = found
         t = seq.stream_tables = StreamTables(self._free_slots.pop())
-        for s, ids in blocks.items():
-            a = self.allocators[s]
-            for b in ids:
-                if a.refs[b] == 0:
-                    a.take(b)
-                else:
-                    a.incref(b)
-        t.window = dict(zip(sorted(g.window_reads(P)), blocks.get("window", [])))
+        got = {}
+        for s, hs in need.items():   # the device's blocks first: the loads' allocations must not hand them out
+            a, ids = self.allocators[s], []
+            for h, w in hs:
+                if w == "device":
+                    b = self._by_hash[s][h]
+                    if a.refs[b] == 0:
+                        a.take(b)
+                    else:
+                        a.incref(b)
+                    m.device += 1
+                ids.append(b if w == "device" else None)
+            got[s] = ids
+        for s, hs in need.items():
+            want = [h for h, w in hs if w == "host"]
+            if not want:
+                continue
+            st.pin(s, want)   # the spills of the blocks allocated here must not push them out
+            try:
+                fresh = iter(self._allocate(s, len(want)))
+                for k, (h, w) in enumerate(hs):
+                    if w == "host":
+                        b = got[s][k] = next(fresh)
+                        if st.load(s, b, h):
+                            m.disk += 1
+                        else:
+                            m.host += 1
+                        self._name(s, b, h)
+            finally:
+                st.unpin(s, want)
+        t.window = dict(zip(sorted(g.window_reads(P)), got.get("window", [])))
         for s, _ in g.ratios:
-            setattr(t, s, list(blocks[s]))
-        t.state = list(blocks.get("state", []))
+            setattr(t, s, got[s])
+        t.state = list(got.get("state", []))
         t.restore = t.state[0] if t.state else -1
         seq.block_hashes = hashes[:P // bs]
         seq.num_computed = m.tokens = P
-        m.device = P // bs
         return m
 
-    def _longest(self, hashes: list[int]) -> tuple[int, dict[str, list[int]]] | None:
-        """-> (P, stream -> the named blocks a start at P needs) for the longest boundary P that has them all."""
+    def _where(self, s: str, h: int) -> str | None:
+        """Where stream s's block named h is: "device" | "host" | "disk" | None."""
+        if h in self._by_hash[s]:
+            return "device"
+        return self.store.where(s, h) if self.store is not None else None
+
+    def _longest(self, hashes: list[int], tiers: tuple[str, ...]) -> tuple[int, dict[str, list]] | None:
+        """-> (P, stream -> [(hash, tier)] of the blocks a start at P needs, in table order) for the longest
+        boundary P whose blocks are all in these tiers, with room in each pool for those to load."""
         g, bs, U = self.geometry, self.block_size, self.geometry.boundary
-        names = self._by_hash
-        run = {}   # compressed stream -> its leading named blocks
+        run = {}   # compressed stream -> its leading blocks found
         for s, _ in g.ratios:
-            per, ids = g.tokens_per_block(s) // bs, []
+            per, found = g.tokens_per_block(s) // bs, []
             for i in range(len(hashes) // per):
-                b = names[s].get(hashes[(i + 1) * per - 1])
-                if b is None:
+                h = hashes[(i + 1) * per - 1]
+                w = self._where(s, h)
+                if w not in tiers:
                     break
-                ids.append(b)
-            run[s] = ids
+                found.append((h, w))
+            run[s] = found
         for P in range(len(hashes) * bs // U * U, 0, -U):
             if any(g.entry_blocks(s, P) > len(run[s]) for s, _ in g.ratios):
                 continue
             out = {s: run[s][:g.entry_blocks(s, P)] for s, _ in g.ratios}
             if g.window:
-                out["window"] = [names["window"].get(hashes[j]) for j in sorted(g.window_reads(P))]
-                if None in out["window"]:
-                    continue
-            if "state" in names:
-                row = names["state"].get(hashes[P // bs - 1])
-                if row is None:
-                    continue
-                out["state"] = [row]
-            return P, out
+                out["window"] = [(hashes[j], self._where("window", hashes[j])) for j in sorted(g.window_reads(P))]
+            if "state" in self.allocators:
+                h = hashes[P // bs - 1]
+                out["state"] = [(h, self._where("state", h))]
+            if all(w in tiers for need in out.values() for _, w in need) and self._fits(out):
+                return P, out
         return None
+
+    def _fits(self, need: dict[str, list]) -> bool:
+        """Room in every pool for the blocks to load, after the free device blocks the hit takes back."""
+        for s, hs in need.items():
+            a, names = self.allocators[s], self._by_hash[s]
+            taken = sum(1 for h, w in hs if w == "device" and a.refs[names[h]] == 0)
+            if sum(1 for _, w in hs if w != "device") > a.num_free - taken:
+                return False
+        return True
 
     def record_query(self, num_tokens: int, match: PrefixMatch) -> None:
         """Prefix-cache statistics, counted once per admitted sequence."""
         self.queried_tokens += num_tokens
         self.hit_tokens += match.tokens
-        self.hit_blocks["device"] += match.device
+        for tier in self.hit_blocks:
+            self.hit_blocks[tier] += getattr(match, tier)
 
-    def reading(self, hashes: list[int]) -> bool:
-        return False
+    def reading(self, pairs: list[tuple[str, int]]) -> bool:
+        """Are some of these (stream, hash) blocks still being read from disk? (Installs finished reads first.)"""
+        return self.store is not None and self.store.reading(pairs)
 
-    def wait_reads(self, hashes: list[int], timeout_s: float) -> None:
-        pass
+    def wait_reads(self, pairs: list[tuple[str, int]], timeout_s: float) -> None:
+        if self.store is not None:
+            self.store.wait(pairs, timeout_s)
 
     def holds(self, h: int) -> bool:
-        """Does some pool have a block named h?"""
-        return any(h in names for names in self._by_hash.values())
+        """Does some pool, or a tier below, have a block named h?"""
+        return any(h in names for names in self._by_hash.values()) or (self.store is not None and self.store.holds(h))
 
     def take_events(self):
         return self.log.take(self.holds)
 
-    def cached_blocks(self) -> list[tuple[int, int]]:
-        return []   # (what the KV tiers save at close: none with V4)
+    def cached_blocks(self) -> dict[str, list[tuple[int, int]]]:
+        """stream -> (block, hash) of its named pool blocks, oldest naming first (what the disk tier keeps at close)."""
+        return {s: [(b, h) for h, b in names.items()] for s, names in self._by_hash.items()}

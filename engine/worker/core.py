@@ -69,8 +69,7 @@ def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
 
 def refuse_v4(cfg: EngineConfig) -> None:
     """What the engine does not do with DeepSeek-V4's KV streams yet: an error now, not wrong tokens later."""
-    why = [(bool(cfg.kv_cache.tiers), f"the host/disk KV tiers (kv_cache.tiers {list(cfg.kv_cache.tiers)})"),
-           (cfg.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"),
+    why = [(cfg.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"),
             f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the model dtype or fp8: 'auto', 'fp8')"),
            (cfg.speculative.enabled, f"speculative decoding (speculative method {cfg.speculative.method!r}: the "
                                      f"compressor state of rejected drafts is not rolled back)")]
@@ -123,7 +122,7 @@ class EngineCore:
         else:   # one pool per stream (DBO may cut a chunk between microbatches: window blocks for all of it)
             self.blocks = V4BlockManager(self.kv.geometry, self.kv.num_blocks, cfg.max_num_seqs,
                                          cfg.max_num_batched_tokens, whole_chunks=self._dbo_on(), on_free=self.kv.drop,
-                                         enable_prefix_caching=cfg.enable_prefix_caching, log=log)
+                                         enable_prefix_caching=cfg.enable_prefix_caching, log=log, store=self.store)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         if cfg.speculative.enabled:
             from ..spec_decode.speculator import Speculator
@@ -192,10 +191,13 @@ class EngineCore:
                             index_dim=index_dim, fp8=fp8)
 
     def _kv_store(self, log: HeldLog):
-        """The tiers below the device cache ([kv_cache] tiers): every per-layer pool's block rows."""
+        """The tiers below the device cache ([kv_cache] tiers): every per-layer pool's block rows (DeepSeek-V4: a
+        store per stream)."""
         from kvstore.identity import model_identity
         from kvstore.store import TieredStore
         cfg = self.cfg
+        if self.config.v4 is not None:
+            return self._v4_stores(log)
         pools = self.kv.all_pools()   # every per-layer tensor: the latents, and DSA's keys
         identity = None
         if "disk" in cfg.kv_cache.tiers:
@@ -206,6 +208,19 @@ class EngineCore:
             identity = model_identity(cfg.model, dtype, cfg.block_size,
                                       [(cfg.block_size, p.shape[1]) for p in pools])
         return TieredStore(cfg.kv_cache, pools, cfg.block_size, identity, prefer=self.ctx.dp_rank, log=log)
+
+    def _v4_stores(self, log: HeldLog):
+        from kvstore.identity import model_identity
+        from kvstore.streams import StreamStores, block_rows
+        cfg, g = self.cfg, self.kv.geometry
+        pools = self.kv.stream_pools()
+        identities = None
+        if "disk" in cfg.kv_cache.tiers:   # a directory per stream: its blocks' layout and the cache dtype
+            dtype = f"v4:{self.kv.kv_cache_dtype}:{self.model.dtype}"
+            identities = {s: model_identity(cfg.model, f"{dtype}:{s}", cfg.block_size,
+                                            [tuple(r.shape[1:]) for r in block_rows(ps)]) for s, ps in pools.items()}
+        return StreamStores(cfg.kv_cache, pools, {s: g.tokens_per_block(s) for s in pools}, identities,
+                            prefer=self.ctx.dp_rank, log=log)
 
     def take_kv_events(self):
         """-> kvstore.KVEvents: the blocks this rank started or stopped holding since it last said

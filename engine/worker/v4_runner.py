@@ -12,7 +12,8 @@ With prefix caching a `state` pool holds the CSA compressors' state at cached bo
 pool_layout.py), sized like the compressed pools by its bytes per token; a sequence starting from a prefix hit gets
 its streams here with the hit's tokens counted and its slot's state copied from the hit's state row.
 kv_cache_dtype "fp8" packs the window, compressed and indexer-key pools (attention_v4/fp8.py); the bytes per block
-count the packed entries. The KV tiers and fp4 caches are refused with V4 (engine/worker/core.py). A DBO
+count the packed entries (fp4 caches are refused with V4: engine/worker/core.py). The KV tiers move each stream's
+blocks (stream_pools; kvstore/streams.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
 (attention_v4/streams.py V4Meta), and the streams advance once both have run.
 """
@@ -137,8 +138,13 @@ class V4StreamCache:
         """What the running sequences hold of the pools."""
         return sum(s.nbytes() for s in self.streams.values())
 
-    def all_pools(self):
-        raise ValueError("DeepSeek-V4's streams have no KV tiers yet")
+    def stream_pools(self) -> dict[str, list[torch.Tensor]]:
+        """stream -> every layer's block tensors of it, [N_s, ...] each (what the KV tiers move)."""
+        out = {s: [] for s in self.geometry.streams}
+        for layer, streams in zip(self.kv.layers, self.kv.stream_of):
+            for name, s in streams.items():
+                out[s].append(layer[name])
+        return out
 
 
 class V4Runner(ModelRunner):
