@@ -17,7 +17,11 @@ prefill tokens computed (the ranks' count: everything not found, recomputation i
 p50/p99 (submit -> first token at the front), tokens/s, hits per tier, routing decisions.
 Targets: (c) computes <= 0.5x the prefill tokens of (a), TTFT p50 (c) <= 0.6x (a); answers equal
 across (a)/(b)/(c).
-    python bench/kv_cache.py [--quick]
+    python bench/kv_cache.py [--quick] [--model v4]
+--model v4: the small random DeepSeek-V4 of bench/disagg.py (MODEL_V4: window 128, CSA 4:1, HCA 128:1) instead of the
+V3-shaped model; its hits stop at multiples of 128 tokens (engine/sched/v4_blocks.py) and its tiers hold every
+stream (kvstore/streams.py); the host tier gets --host-blocks x 16 tokens of its bytes per token; results go to
+kv_cache_v4[_quick].json (reported, no target).
 Last line: JSON with prefill_tokens_ratio, ttft_p50_ratio ((c)/(a)), outputs_equal, per configuration.
 """
 from __future__ import annotations
@@ -33,11 +37,25 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.disagg import BLOCK, MODEL as _DISAGG_MODEL, pct  # noqa: E402  (the same tiny model, block, percentile)
+from bench.disagg import BLOCK, MODEL as _DISAGG_MODEL, MODEL_V4, pct  # noqa: E402  (the same tiny models, block)
 from bench.results import save  # noqa: E402
 
 MODEL = dict(_DISAGG_MODEL, initializer_range=0.3)
 CONFIGS = ("least_loaded", "kv_aware", "kv_tiers")
+
+
+def bytes_per_token(model: str) -> float:
+    """KV bytes per token over all layers, float32: V3 the latent; V4 the window, CSA entries + indexer keys, HCA
+    entries and the CSA compressors' boundary states (2 x ratio rows of entries and keys, every 128 tokens)."""
+    if model != "v4":
+        return MODEL["num_hidden_layers"] * (MODEL["kv_lora_rank"] + MODEL["qk_rope_head_dim"]) * 4
+    kinds = MODEL_V4["layer_types"]
+    rate = MODEL_V4["compress_rates"]
+    D, DI = MODEL_V4["head_dim"], MODEL_V4["index_head_dim"]
+    csa = kinds.count("compressed_sparse_attention")
+    m, U = rate["compressed_sparse_attention"], rate["heavily_compressed_attention"]
+    return 4 * (len(kinds) * D + csa * (D + DI) / m + kinds.count("heavily_compressed_attention") * D / U
+                + csa * 2 * m * (D + DI) / U)
 
 
 def conversations(a) -> list[dict]:
@@ -55,8 +73,8 @@ def build(config: str, model_dir: str, disk_dir: str, a):
     if a.route_load_weight is not None:
         kv["route_load_weight"] = a.route_load_weight
     if config == "kv_tiers":
-        block_bytes = MODEL["num_hidden_layers"] * BLOCK * (MODEL["kv_lora_rank"] + MODEL["qk_rope_head_dim"]) * 4
-        kv.update(tiers=["host", "disk"], host_bytes=a.host_blocks * block_bytes, disk_dir=disk_dir,
+        kv.update(tiers=["host", "disk"], host_bytes=int(a.host_blocks * BLOCK * bytes_per_token(a.arch)),
+                  disk_dir=disk_dir,
                   disk_bytes=1 << 30, persist_on_close=False)
     return Engine(model_dir, progress=False, block_size=BLOCK, kv_cache_blocks=a.kv_blocks, max_num_seqs=a.max_num_seqs,
                   max_num_batched_tokens=a.chunk, parallel={"timeout_s": 120.0}, kv_cache=kv)
@@ -157,13 +175,15 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="which configurations to run (all three for the ratios)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=900.0, help="hard limit per configuration (s)")
+    ap.add_argument("--model", dest="arch", choices=("v3", "v4"), default="v3",
+                    help="v4: the small DeepSeek-V4 of bench/disagg.py (MODEL_V4)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--checkpoint", help=argparse.SUPPRESS)
     ap.add_argument("--disk-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
     a.conversations = a.conversations or (24 if a.quick else 48)
     if a.worker:
-        return worker(a.worker, a.model, a.disk_dir, a)
+        return worker(a.worker, a.checkpoint, a.disk_dir, a)
     from launch.local import run_local_ranks
     from launch.tiny import make_tiny_checkpoint
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
@@ -172,13 +192,18 @@ def main() -> None:
                    str(a.system_prompts), "--system-len", str(a.system_len), "--user-len", str(a.user_len),
                    "--answer-len", str(a.answer_len), "--concurrency", str(a.concurrency), "--chunk", str(a.chunk),
                    "--max-num-seqs", str(a.max_num_seqs), "--kv-blocks", str(a.kv_blocks),
-                   "--host-blocks", str(a.host_blocks), "--seed", str(a.seed)]
+                   "--host-blocks", str(a.host_blocks), "--seed", str(a.seed), "--model", a.arch]
     if a.route_load_weight is not None:
         passthrough += ["--route-load-weight", str(a.route_load_weight)]
     with tempfile.TemporaryDirectory() as d:
-        model_dir = make_tiny_checkpoint(os.path.join(d, "model"), arch="v3", seed=0, **MODEL)
+        model_dir = os.path.join(d, "model")
+        if a.arch == "v4":
+            from launch.tiny_v4 import tiny_v4_model
+            tiny_v4_model(0, **MODEL_V4).save_pretrained(model_dir)
+        else:
+            make_tiny_checkpoint(model_dir, arch="v3", seed=0, **MODEL)
         for config in a.configs.split(","):
-            argv = [sys.executable, os.path.abspath(__file__), "--worker", config, "--model", model_dir,
+            argv = [sys.executable, os.path.abspath(__file__), "--worker", config, "--checkpoint", model_dir,
                     "--disk-dir", os.path.join(d, "kv"), *passthrough]
             rc, out = run_local_ranks([], 4, timeout_s=a.timeout, cmd=argv, capture=True)
             line = [x for x in out.splitlines() if x.startswith("RESULT ")]
@@ -195,18 +220,21 @@ def main() -> None:
     prefill_ratio = tiers["prefill_tokens"] / base["prefill_tokens"]
     ttft_ratio = tiers["ttft_p50_s"] / base["ttft_p50_s"]
     equal = answers["least_loaded"] == answers["kv_aware"] == answers["kv_tiers"]
+    targets = {"prefill_tokens_ratio": 0.5, "ttft_p50_ratio": 0.6} if a.arch == "v3" else {}
     out = {
-        "prefill_tokens_ratio": round(prefill_ratio, 3), "ttft_p50_ratio": round(ttft_ratio, 3),
-        "outputs_equal": equal, "targets": {"prefill_tokens_ratio": 0.5, "ttft_p50_ratio": 0.6},
-        "targets_met": prefill_ratio <= 0.5 and ttft_ratio <= 0.6 and equal,
+        "model": a.arch, "prefill_tokens_ratio": round(prefill_ratio, 3), "ttft_p50_ratio": round(ttft_ratio, 3),
+        "prefill_tokens_saved": base["prefill_tokens"] - tiers["prefill_tokens"], "outputs_equal": equal,
+        "targets": targets, "targets_met": (prefill_ratio <= 0.5 and ttft_ratio <= 0.6 and equal) if targets else None,
         "kv_aware_prefill_tokens_ratio": round(res["kv_aware"]["prefill_tokens"] / base["prefill_tokens"], 3),
         **res,
         "workload": {"conversations": a.conversations, "turns": a.turns, "system_prompts": a.system_prompts,
                      "system_len": a.system_len, "user_len": a.user_len, "answer_len": a.answer_len,
                      "concurrency": a.concurrency, "chunk": a.chunk, "kv_blocks": a.kv_blocks,
                      "host_blocks": a.host_blocks, "ranks": 4, "block_size": BLOCK,
-                     **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}
-    save("kv_cache", out)
+                     "kv_bytes_per_token": bytes_per_token(a.arch),
+                     **{k: (MODEL_V4 if a.arch == "v4" else MODEL)[k]
+                        for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}
+    save("kv_cache" if a.arch == "v3" else "kv_cache_v4" + ("_quick" if a.quick else ""), out)
     print(json.dumps(out), flush=True)
 
 

@@ -95,16 +95,25 @@ _SHARED = [100 + (i * 11) % 97 for i in range(48)]   # 3 boundaries of 16 tokens
 PREFIXED = [[_SHARED + [7 + i, 9, 11 + j] for i in range(4)] for j in range(2)]   # two rounds: the second hits
 
 
-def _rank_prefix(model_dir: str, ep: int, cache: bool) -> dict:
+_FILL = [[(i * 37 + k * 13) % 190 + 2 for k in range(60)] for i in range(16)]   # pushes a round's prefix out
+
+
+def _rank_prefix(model_dir: str, ep: int, cache: bool, tiers: bool = False) -> dict:
+    """tiers: small pools and a host tier; between the rounds other prompts push the prefix out of the pools."""
     from engine import LLM, SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    kw = dict(kv_cache_blocks=16, kv_cache={"tiers": ["host"], "host_bytes": 1 << 20}) if tiers else {}
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, progress=False, enable_prefix_caching=cache, block_size=8,
-              max_num_batched_tokens=24, parallel={"timeout_s": 60.0})
-    outs = [llm.generate(prompts, sp) for prompts in PREFIXED]
+              max_num_batched_tokens=24, parallel={"timeout_s": 60.0}, **kw)
+    outs = [llm.generate(PREFIXED[0], sp)]
+    if tiers:
+        llm.generate(_FILL, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    outs.append(llm.generate(PREFIXED[1], sp))
     core = llm.engine.core
     res = {"rank": llm.ctx.rank, "tokens": [o.outputs[0].token_ids for r in outs for o in r],
            "lp": [o.outputs[0].cumulative_logprob for r in outs for o in r],
            "cached": [o.metrics["cached_tokens"] for o in outs[1]], "hit_tokens": core.blocks.hit_tokens,
+           "host_hits": core.blocks.hit_blocks["host"],
            "whole": all(a.num_free == a.num_blocks for a in core.blocks.allocators.values())}
     llm.shutdown()
     return res
@@ -127,3 +136,23 @@ def test_v4_prefix_caching_on_4_ep_ranks(reference):
         assert r["whole"]
     assert ranks[0]["cached"] == [48] * 4, ranks[0]["cached"]
     assert sum(r["hit_tokens"] for r in ranks) >= 4 * 48
+
+
+@pytest.mark.multirank
+def test_v4_host_tier_on_4_ep_ranks(reference):
+    """The same two rounds with small pools and a host tier per rank: the first round's prefix is pushed out of the
+    pools between them, the second round loads it back from the tiers (routed to the ranks whose tiers hold it)
+    and gives the tokens of one process without prefix caching."""
+    d = reference[0]
+    from engine import LLM, SamplingParams
+    llm = LLM(d, progress=False, enable_prefix_caching=False, block_size=8)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+    single = [o for prompts in PREFIXED for o in llm.generate(prompts, sp)]
+    llm.shutdown()
+    ranks = spawn(_rank_prefix, 4, args=(d, 4, True, True), timeout_s=400)
+    for r in ranks:
+        assert r["tokens"] == [o.outputs[0].token_ids for o in single]
+        assert max(abs(a - o.outputs[0].cumulative_logprob) for a, o in zip(r["lp"], single)) < 1e-4
+        assert r["whole"]
+    assert ranks[0]["cached"] == [48] * 4, ranks[0]["cached"]
+    assert sum(r["host_hits"] for r in ranks) > 0
