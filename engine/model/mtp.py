@@ -55,7 +55,8 @@ class MTPLayer(nn.Module):
             self.hnorm = RMSNorm(H, eps, dtype=dt, kernels=k)
             self.eh_proj = k.linear(2 * H, H, bias=False, dtype=dt)   # the backend's (decode rows: the C kernel)
             self.layer = DecoderLayer(cfg, L, model.rope, model.shard, opt["experts"], opt["attention"], dtype=dt,
-                                      fp8_block=opt["fp8_block"], kv_cache_dtype=opt["kv_cache_dtype"], kernels=k, moe=moe)
+                                      fp8_block=opt["fp8_block"], kv_cache_dtype=opt["kv_cache_dtype"], kernels=k,
+                                      moe=moe)
             self.norm = RMSNorm(H, eps, dtype=dt, kernels=k)
             self.head = nn.Linear(H, cfg.vocab_size, bias=False, dtype=dt)
         _materialize(self, device if device is not None else model.device)

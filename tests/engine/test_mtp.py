@@ -212,6 +212,20 @@ def test_a_config_naming_an_mtp_layer_the_checkpoint_lacks_is_refused(tmp_path):
     LLM(d, progress=False)   # without speculation the checkpoint serves
 
 
+def test_the_mtp_layers_mlp_is_the_checkpoints(cycle):
+    """MoE where the checkpoint holds the layer's router, dense where it does not (mlp_layer_types stops at L)."""
+    from engine.model.loader import CheckpointReader
+    from engine.model.model_config import ModelConfig
+    from engine.model.mtp import mtp_layer_is_moe
+    d, _ = cycle
+    cfg, names = ModelConfig.from_dir(d), CheckpointReader(d).names
+    L = cfg.num_hidden_layers
+    assert mtp_layer_is_moe(cfg, names, d)
+    assert not mtp_layer_is_moe(cfg, {n for n in names if not n.startswith(f"model.layers.{L}.mlp.gate.")}, d)
+    with pytest.raises(ValueError, match="no tensor of its MTP layer"):
+        mtp_layer_is_moe(cfg, {n for n in names if not n.startswith(f"model.layers.{L}.")}, d)
+
+
 def test_sampling_with_mtp_drafts_is_seeded_and_accepts(cycle):
     from tests.engine.test_speculative import seeded_twice
     d, nxt = cycle
