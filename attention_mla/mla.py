@@ -126,6 +126,12 @@ class MLA(nn.Module):
         else:
             self.kv_fp8.write(kv_pool, slots, latent)
 
+    def write_entries(self, kv_pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> None:
+        """x [T, H] (the attention's input) -> every cache entry of its rows at slots [T], no queries or attention
+        (rows whose output nobody reads: an MTP layer's, whose entries the rows after them attend to)."""
+        self.write_cache(kv_pool, slots, self.latent(x, cos, sin))
+
     def cache_rows(self, kv_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """The latents at slots [...] -> [..., C+R] in the model dtype (dequantised when the cache is fp8 / fp4)."""
         rows = kv_pool[slots]

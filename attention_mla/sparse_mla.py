@@ -43,6 +43,20 @@ class SparseMLA(MLA):
         self.dsa = dsa
         self.indexer = Indexer(dsa, cfg.hidden_size, rope, device=device, dtype=dtype)
 
+    def write_entries(self, kv_pool: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, index_pool: torch.Tensor | None = None) -> None:
+        """MLA.write_entries plus the rows' indexer keys into index_pool [S, Dk] (the same slots)."""
+        self._check_index_pool(kv_pool, index_pool)
+        super().write_entries(kv_pool, slots, x, cos, sin)
+        index_pool.index_copy_(0, slots, self.indexer.keys(x, cos, sin).to(index_pool.dtype))
+
+    def _check_index_pool(self, kv_pool: torch.Tensor, index_pool: torch.Tensor | None) -> None:
+        Dk = self.dsa.index_head_dim
+        if index_pool is None or index_pool.shape != (kv_pool.shape[0], Dk):
+            raise ValueError(f"DSA attention needs this layer's indexer-key pool [{kv_pool.shape[0]}, {Dk}] beside "
+                             f"its latent pool (LatentKVPool(..., index_dim={Dk}).index_pools), got "
+                             f"{None if index_pool is None else tuple(index_pool.shape)}")
+
     def attend_sparse_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, q_idx: torch.Tensor | None,
                                w: torch.Tensor | None, kv_pool: torch.Tensor, index_pool: torch.Tensor,
                                ctx_slots: torch.Tensor, key_limit: torch.Tensor) -> torch.Tensor:
@@ -90,11 +104,7 @@ class SparseMLA(MLA):
         """x [T, H], kv_pool [S, C+R] and index_pool [S, Dk] (this layer's), cos/sin [T, R/2] -> [T, H].
         backend "triton": one-query sequences run attend_paged_sparse."""
         cfg = self.cfg
-        Dk = self.dsa.index_head_dim
-        if index_pool is None or index_pool.shape != (kv_pool.shape[0], Dk):
-            raise ValueError(f"DSA attention needs this layer's indexer-key pool [{kv_pool.shape[0]}, {Dk}] beside "
-                             f"its latent pool (LatentKVPool(..., index_dim={Dk}).index_pools), got "
-                             f"{None if index_pool is None else tuple(index_pool.shape)}")
+        self._check_index_pool(kv_pool, index_pool)
         T = x.shape[0]
         if T == 0:
             return self.o_proj(x.new_zeros(0, cfg.num_heads * cfg.v_head_dim))

@@ -46,10 +46,12 @@ def cycle_prompts(nxt: list[int], n: int, length: int, seed: int = 0, noise: flo
 
 def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gain: float = 1.0, seed: int = 0,
                           mtp: bool = False, mtp_hidden: float = 0.05, mtp_mix: float | None = None,
-                          **overrides) -> tuple[str, list[int]]:
-    """-> (the checkpoint directory, nxt [V] as cycle_of gives it). overrides: launch/tiny.tiny_config's.
+                          arch: str = "v3", **overrides) -> tuple[str, list[int]]:
+    """-> (the checkpoint directory, nxt [V] as cycle_of gives it). overrides: launch/tiny.tiny_config's for
+    `arch` ("v3", "v32": DSA's indexer in every layer, "glm4_moe_lite"; launch/tiny.py).
 
-    mtp: also a DeepSeek-V3 MTP layer (`model.layers.{L}.*`, num_nextn_predict_layers = 1) built to predict
+    mtp: also an MTP layer (`model.layers.{L}.*`, num_nextn_predict_layers = 1; the arch's own decoder layer, a
+    MoE one, as DeepSeek-V3, V3.2 and GLM-4.x-lite publish it) built to predict
     the token after next the same way: its eh_proj passes the normed embedding of token i + 1 through (the
     identity on that half) plus `mtp_hidden` x a random map of the target's hidden state, its decoder
     layer's outputs are scaled by `mtp_mix` (default `mix`; its input is RMS-normed, so the same scale perturbs it
@@ -58,8 +60,10 @@ def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gai
     from safetensors.torch import load_file, save_file
 
     from .tiny import make_tiny_checkpoint, tiny_config
-    L = tiny_config("v3", **overrides)["num_hidden_layers"]
-    make_tiny_checkpoint(out_dir, arch="v3", seed=seed, **dict(overrides, num_hidden_layers=L + mtp))
+    if arch not in ("v3", "v32", "glm4_moe_lite"):
+        raise ValueError(f"a cycle checkpoint's arch is 'v3', 'v32' or 'glm4_moe_lite', got {arch!r}")
+    L = tiny_config(arch, **overrides)["num_hidden_layers"]
+    make_tiny_checkpoint(out_dir, arch=arch, seed=seed, **dict(overrides, num_hidden_layers=L + mtp))
     path = os.path.join(out_dir, "model.safetensors")
     t = load_file(path)
     emb = t["model.embed_tokens.weight"]

@@ -161,8 +161,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative method 'mtp' needs the checkpoint's MTP layer, but {model_dir!r} has "
                              f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} (use method 'ngram')")
-        from .mtp import MTPLayer
-        drafter = MTPLayer(model)
+        from .mtp import MTPLayer, mtp_layer_is_moe
+        drafter = MTPLayer(model, mtp_layer_is_moe(cfg, reader.names, model_dir))
         if experts.keep_fp8:
             _unquantised_as_plain(drafter.layer, reader.names, kernels.linear, dtype,
                                   prefix=f"model.layers.{drafter.index}.")

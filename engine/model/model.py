@@ -82,8 +82,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, rope: RotaryEmbedding, shard: ExpertShard | None,
                  experts: ExpertsChoice, attention: str, device=None, dtype=None, fp8_block=None,
-                 kv_cache_dtype: str = "auto", kernels: Kernels = NATIVE, routing=None):
-        """routing: this layer's view of the model's ExpertRouting (parallel/expert_routing.py), MoE layers."""
+                 kv_cache_dtype: str = "auto", kernels: Kernels = NATIVE, routing=None, moe: bool | None = None):
+        """routing: this layer's view of the model's ExpertRouting (parallel/expert_routing.py), MoE layers.
+        moe: whether the MLP is the MoE (None: as cfg says for `layer`; an MTP layer past the stack says it itself)."""
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         linear = Fp8Linear.factory(fp8_block, kernel=kernels.fp8_linear) if fp8_block is not None else kernels.linear
@@ -93,7 +94,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = (MLA(cfg.mla, rope, **kw_attn) if cfg.dsa is None
                           else SparseMLA(cfg.mla, cfg.dsa, rope, **kw_attn))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels=kernels, **kw)
-        self.is_moe = cfg.is_moe_layer(layer)
+        self.is_moe = cfg.is_moe_layer(layer) if moe is None else moe
+        if self.is_moe and cfg.moe is None:
+            raise ValueError(f"decoder layer {layer} is a MoE layer, but the config has no routed experts "
+                             f"(n_routed_experts null)")
         self.mlp = (MoELayer(cfg.moe, shard, fp8_block=fp8_block, linear=linear, experts_backend=experts.backend,
                              deepgemm=experts.deepgemm, kernels=kernels, routing=routing, **kw) if self.is_moe
                     else MLP(cfg.hidden_size, cfg.intermediate_size, linear=linear, **kw))

@@ -1,11 +1,14 @@
 """DeepSeek-V3's multi-token-prediction (MTP) module as a drafter: checkpoint layer `model.layers.{L}` (L =
-num_hidden_layers) with `enorm`, `hnorm`, `eh_proj`, a full decoder layer (MLA + MoE) and `shared_head`.
+num_hidden_layers) with `enorm`, `hnorm`, `eh_proj`, a full decoder layer and `shared_head`. DeepSeek-V3.2 and
+GLM-4.x-MoE-lite write theirs under the same names: the decoder layer is the model's own kind (V3.2: sparse
+attention with its indexer, `self_attn.indexer.*`; GLM: MLA), its MLP the MoE when the checkpoint holds
+`model.layers.{L}.mlp.gate.weight` (all three publish a MoE MTP layer; mlp_layer_types lists the stack only).
 
 Legend: T rows, H hidden, V vocab. Row i takes the target's final-normed hidden state at position i
 and the token at position i + 1, and predicts the token at position i + 2 (DeepSeek-V3 report, 2.2):
 
     x = eh_proj([enorm(embed(token_{i+1})) ; hnorm(h_i)])       # [T, 2H] -> [T, H] (vLLM's order)
-    x = decoder_layer(x) at position i                           # its own latent cache: kv_pools[L]
+    x = decoder_layer(x) at position i                           # its own cache: kv_pools[L] (+ index_pools[L])
     logits = shared_head.head(shared_head.norm(x))               # [T, V]
 
 The embeddings are the target's (the checkpoint's `model.layers.{L}.embed_tokens` copy is not read). The
@@ -23,15 +26,25 @@ from dbo.state import Microbatch, OpState
 from .model import DecoderLayer, _materialize, _skip_init, expert_targets
 
 
+def mtp_layer_is_moe(cfg, names, model_dir: str) -> bool:
+    """Whether the checkpoint's MTP layer `model.layers.{L}` (tensor `names`) has a MoE MLP (its router,
+    `mlp.gate.weight`) or a dense one; raises naming the layer when the checkpoint holds none of its tensors."""
+    pre = f"model.layers.{cfg.num_hidden_layers}."
+    if not any(n.startswith(pre) for n in names):
+        raise ValueError(f"speculative method 'mtp': the config of {model_dir!r} has num_nextn_predict_layers = "
+                         f"{cfg.num_nextn_predict_layers}, but the checkpoint holds no tensor of its MTP layer "
+                         f"({pre}*; transformers' save_pretrained drops them): load the published weights, or "
+                         f"use method 'ngram'")
+    return cfg.moe is not None and pre + "mlp.gate.weight" in names
+
+
 class MTPLayer(nn.Module):
-    def __init__(self, model, device=None):
-        """model: the target DeepseekModel (its config, backends, rope, embeddings and dispatcher are shared)."""
+    def __init__(self, model, moe: bool, device=None):
+        """model: the target DeepseekModel (its config, backends, rope, embeddings and dispatcher are shared).
+        moe: whether the layer's MLP is the MoE (the checkpoint says: mtp_layer_is_moe)."""
         super().__init__()
         cfg = model.cfg
         self.index = L = cfg.num_hidden_layers
-        if cfg.mlp_layer_types is not None or cfg.dsa is not None:
-            raise ValueError("an MTP drafter is built for DeepSeek-V3-style layers (MLA, first_k_dense_replace); "
-                             "this checkpoint's layers are given by mlp_layer_types or use sparse attention")
         self.embed, self.dispatcher, self.rope = model.model.embed_tokens, model.dispatcher, model.rope
         self.kernels = model.kernels
         dt, opt = model.dtype, model.layer_options
@@ -42,7 +55,8 @@ class MTPLayer(nn.Module):
             self.hnorm = RMSNorm(H, eps, dtype=dt, kernels=k)
             self.eh_proj = k.linear(2 * H, H, bias=False, dtype=dt)   # the backend's (decode rows: the C kernel)
             self.layer = DecoderLayer(cfg, L, model.rope, model.shard, opt["experts"], opt["attention"], dtype=dt,
-                                      fp8_block=opt["fp8_block"], kv_cache_dtype=opt["kv_cache_dtype"], kernels=k)
+                                      fp8_block=opt["fp8_block"], kv_cache_dtype=opt["kv_cache_dtype"], kernels=k,
+                                      moe=moe)
             self.norm = RMSNorm(H, eps, dtype=dt, kernels=k)
             self.head = nn.Linear(H, cfg.vocab_size, bias=False, dtype=dt)
         _materialize(self, device if device is not None else model.device)
@@ -65,37 +79,40 @@ class MTPLayer(nn.Module):
                     out.update(expert_targets(self.layer.mlp.experts, self.index, e, slot))
         return out
 
-    def forward(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, meta, kv_pools: list, plan
-                ) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, meta, kv_pools: list, plan,
+                index_pools: list | None = None) -> torch.Tensor:
         """token_ids [T] (each row's next token), prev_hidden [T, H] -> the layer's output [T, H] (collective:
-        every rank calls it, T may be 0). meta: the rows' positions and slots in kv_pools[L]."""
-        return self._layer(token_ids, self._input(token_ids, prev_hidden), meta, kv_pools, plan)
+        every rank calls it, T may be 0). meta: the rows' positions and slots in kv_pools[L] (and, with DSA,
+        index_pools[L]: LatentKVPool.index_pools, None without)."""
+        return self._layer(token_ids, self._input(token_ids, prev_hidden), meta, kv_pools, plan, index_pools)
 
     def first_pass(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
-                   slots: torch.Tensor, max_position: int, out_rows: torch.Tensor, meta, kv_pools: list, plan
-                   ) -> torch.Tensor:
+                   slots: torch.Tensor, max_position: int, out_rows: torch.Tensor, meta, kv_pools: list, plan,
+                   index_pools: list | None = None) -> torch.Tensor:
         """Rows at positions [T] (cache slots [T], the largest position max_position); only out_rows [T'] (each
-        its sequence's last row) need an output -> [T', H]. A single decoder layer's cache entry at a position depends on its input there only,
-        so the other rows stop at their latent (eh_proj, the attention norm, kv_a_proj: no queries, attention
-        or MoE), written first; then the layer runs over out_rows, meta describing them (collective)."""
+        its sequence's last row) need an output -> [T', H]. A single decoder layer's cache entries at a position
+        depend on its input there only, so the other rows stop at their entries (eh_proj, the attention norm,
+        kv_a_proj, and DSA's indexer key: no queries, attention or MoE), written first; then the layer runs over
+        out_rows, meta describing them (collective)."""
         x = self._input(token_ids, prev_hidden)
         T = x.shape[0]
         if out_rows.numel() < T:
             rest = torch.ones(T, dtype=torch.bool, device=x.device)
             rest[out_rows] = False
             rest = rest.nonzero().squeeze(1)
-            attn = self.layer.self_attn
             cos, sin = self.rope.cos_sin(positions[rest], max_position=max_position)
-            attn.write_cache(kv_pools[self.index], slots[rest],
-                             attn.latent(self.layer.input_layernorm(x[rest]), cos, sin))
+            extra = {} if index_pools is None else {"index_pool": index_pools[self.index]}
+            self.layer.self_attn.write_entries(kv_pools[self.index], slots[rest],
+                                               self.layer.input_layernorm(x[rest]), cos, sin, **extra)
             x, token_ids = x[out_rows], token_ids[out_rows]
-        return self._layer(token_ids, x, meta, kv_pools, plan)
+        return self._layer(token_ids, x, meta, kv_pools, plan, index_pools)
 
     def _input(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         return self.eh_proj(torch.cat([self.enorm(self.embed(token_ids)), self.hnorm(prev_hidden)], dim=-1))
 
-    def _layer(self, token_ids: torch.Tensor, x: torch.Tensor, meta, kv_pools: list, plan) -> torch.Tensor:
-        mb = Microbatch(0, token_ids, meta, kv_pools, plan, self.dispatcher)
+    def _layer(self, token_ids: torch.Tensor, x: torch.Tensor, meta, kv_pools: list, plan,
+               index_pools: list | None) -> torch.Tensor:
+        mb = Microbatch(0, token_ids, meta, kv_pools, plan, self.dispatcher, index_pools=index_pools)
         max_pos = max(meta.ctx_lens) - 1 if meta.ctx_lens else 0
         s = OpState(mb, x=x, rope=self.rope.cos_sin(meta.positions, max_position=max_pos))
         ops = self.decode_plan.extra_layer_ops(self.layer, mb) if self.decode_plan is not None else None

@@ -82,7 +82,8 @@ class MTPDrafter:
 
     def _forward(self, ids: list[int], prev: torch.Tensor, pos, qlens, tables, plan) -> torch.Tensor:
         self.passes += 1
-        return self.layer(int64_tensor(ids, self.device), prev, self._meta(pos, qlens, tables), self.kv.pools, plan)
+        return self.layer(int64_tensor(ids, self.device), prev, self._meta(pos, qlens, tables), self.kv.pools, plan,
+                          self.kv.index_pools)
 
     def wanted(self, batch, speculator) -> tuple[int, int]:
         """-> (the passes this rank asks for this step, the stashed rows its first pass adds to the step's tokens).
@@ -184,7 +185,8 @@ class MTPDrafter:
         self.passes += 1
         last = self.layer.first_pass(int64_tensor(ids, self.device), prev, int64_tensor(pos, self.device),
                                      int64_tensor(slots, self.device), max(pos, default=0),
-                                     int64_tensor([i for _, _, i in live], self.device), meta, self.kv.pools, plan)
+                                     int64_tensor([i for _, _, i in live], self.device), meta, self.kv.pools, plan,
+                                     self.kv.index_pools)
         live = [(s, q, j) for j, (s, q, _) in enumerate(live)]
         for j in range(passes):
             if j:

@@ -1,11 +1,14 @@
 """Speculative decoding with the checkpoint's MTP layer (engine/model/mtp.py, engine/worker/mtp_drafter.py).
 
-- The drafter equals a reference built from transformers: the MTP layer's decoder layer is transformers'
-  DeepseekV3DecoderLayer (loaded from the same checkpoint with the layer counted as a normal one),
-  around it enorm/hnorm/eh_proj/shared_head as DeepSeek-V3 defines them, fed transformers' own final
-  hidden states: the engine's first and second drafts after a prefill are that reference's argmaxes.
-- Greedy outputs equal no speculation (k = 1 and 3), under preemption, with stop tokens; the MTP model of
-  launch/tiny_cycle.py accepts part of its drafts; a checkpoint without an MTP layer is refused.
+- The drafter equals a reference built from transformers, for DeepSeek-V3, V3.2 (the MTP layer's sparse
+  attention and indexer, prompts past index_topk) and GLM-4.x-MoE-lite: the MTP layer's decoder layer is
+  transformers' own (DeepseekV3/DeepseekV32/Glm4MoeLite DecoderLayer, loaded from the same checkpoint with the
+  layer counted as a normal one), around it enorm/hnorm/eh_proj/shared_head as DeepSeek-V3 defines them, fed
+  transformers' own final hidden states: the engine's first and second drafts after a prefill are that
+  reference's argmaxes.
+- Greedy outputs equal no speculation (k = 1 and 3; V3.2 and GLM-lite, its config with and without
+  mlp_layer_types), under preemption, with stop tokens; the MTP models of launch/tiny_cycle.py accept part of
+  their drafts; a checkpoint without an MTP layer, or whose config names one it does not hold, is refused.
 """
 from __future__ import annotations
 
@@ -45,24 +48,40 @@ def _rms(x, w, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+def with_mlp_layer_types(d: str) -> str:
+    """A GLM-lite checkpoint's config as transformers' Glm4MoeLiteConfig saves it: mlp_layer_types for the stack,
+    no first_k_dense_replace (the MTP layer past it is still MoE: the checkpoint holds its router)."""
+    path = os.path.join(d, "config.json")
+    cfg = json.load(open(path))
+    first = cfg.pop("first_k_dense_replace")
+    cfg["mlp_layer_types"] = ["dense"] * first + ["sparse"] * (cfg["num_hidden_layers"] - first)
+    json.dump(cfg, open(path, "w"), indent=2)
+    return d
+
+
 @torch.no_grad()
-def test_drafts_equal_a_transformers_reference(tmp_path):
+@pytest.mark.parametrize("arch", ["v3", "v32", "glm4_moe_lite"])
+def test_drafts_equal_a_transformers_reference(tmp_path, arch):
     from safetensors.torch import load_file
 
+    from tests.oracle import TINY_CLASSES
+
     d, _ = make_cycle_checkpoint(str(tmp_path / "m"), period=12, mix=1.0, seed=3, mtp=True, mtp_hidden=2.0,
-                                 initializer_range=0.3)
+                                 initializer_range=0.3, arch=arch)
     cfg = json.load(open(os.path.join(d, "config.json")))
     L, eps = cfg["num_hidden_layers"], cfg["rms_norm_eps"]
     t = load_file(os.path.join(d, "model.safetensors"))
     pre = f"model.layers.{L}."
     # transformers' model of the target, and one that holds the MTP layer's decoder layer as layer L
     import transformers
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(d, attn_implementation="eager").eval().float()
+    cls = getattr(transformers, TINY_CLASSES[arch])
+    hf = cls.from_pretrained(d, attn_implementation="eager").eval().float()
     d2 = str(tmp_path / "with_layer")
     shutil.copytree(d, d2)
     json.dump(dict(cfg, num_hidden_layers=L + 1), open(os.path.join(d2, "config.json"), "w"))
-    hf2 = transformers.DeepseekV3ForCausalLM.from_pretrained(d2, attn_implementation="eager").eval().float()
+    hf2 = cls.from_pretrained(d2, attn_implementation="eager").eval().float()
     layer, rotary = hf2.model.layers[L], hf2.model.rotary_emb
+    assert hasattr(layer.self_attn, "indexer") == (arch == "v32") and hasattr(layer.mlp, "gate")
 
     def reference(tokens, prev_hidden):
         """rows i = 0..T-1: token tokens[i] (position i + 1's), hidden prev_hidden[i] -> (layer out, logits)."""
@@ -76,7 +95,8 @@ def test_drafts_equal_a_transformers_reference(tmp_path):
         out = (out[0] if isinstance(out, tuple) else out)[0]
         return out, _rms(out, t[pre + "shared_head.norm.weight"], eps) @ t[pre + "shared_head.head.weight"].t()
 
-    prompt = [7, 120, 33, 71, 2, 88, 14, 160, 99, 5, 42]
+    # 23 tokens: past V3.2's index_topk (16), so the MTP layer's indexer picks among its own cached keys
+    prompt = [7, 120, 33, 71, 2, 88, 14, 160, 99, 5, 42, 61, 230, 17, 150, 9, 77, 201, 3, 64, 128, 45, 190]
     eng = Engine(d, progress=False, block_size=16, kv_cache_blocks=16, speculative_config=mtp(2))
     eng.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     eng.step()   # the prefill: the first token, and the drafts after it
@@ -89,13 +109,14 @@ def test_drafts_equal_a_transformers_reference(tmp_path):
     _, logits2 = reference(prompt[1:] + [first, d1], torch.cat([hidden, out[-1:]]))
     assert seq.spec.mtp_drafts == [d1, int(logits2[-1].argmax())]
     # and the drafter's own logits at every prompt row against the reference's
-    drafter = eng.core.model.drafter
+    drafter, kv = eng.core.model.drafter, eng.core.kv
     from attention_mla.meta import AttnMeta, int64_tensor
     from parallel.step_plan import StepPlan
     T, bs = len(prompt), 16
     meta = AttnMeta(positions=torch.arange(T), slot_mapping=torch.arange(T) + 5 * bs,
-                    block_table=int64_tensor([5], None).view(1, 1), query_lens=[T], ctx_lens=[T], block_size=bs)
-    ours = drafter.logits(drafter(torch.tensor(prompt[1:] + [first]), hidden, meta, eng.core.kv.pools, StepPlan(T)))
+                    block_table=int64_tensor([5, 6], None).view(1, 2), query_lens=[T], ctx_lens=[T], block_size=bs)
+    ours = drafter.logits(drafter(torch.tensor(prompt[1:] + [first]), hidden, meta, kv.pools, StepPlan(T),
+                                  kv.index_pools))
     assert (ours - logits).abs().max() < 1e-4
     eng.shutdown()
 
@@ -115,6 +136,35 @@ def test_greedy_equal_and_drafts_partly_accepted(cycle, k):
     m = llm.engine.metrics()
     assert 0.2 < m["spec_decode_acceptance_rate"] < 1.0, m["spec_decode_acceptance_rate"]
     assert llm.engine.core.runner.drafter.passes > 0
+
+
+@pytest.mark.parametrize("arch,k", [("v32", 2), ("glm4_moe_lite", 3), ("glm4_moe_lite+mlp_layer_types", 2)])
+def test_sparse_attention_and_glm_lite_mtp_greedy_equal_and_accept(tmp_path, arch, k):
+    """DeepSeek-V3.2's MTP layer (its own indexer keys beside its latents, prompts past index_topk) and
+    GLM-4.x-lite's (a MoE layer past an mlp_layer_types stack) draft; greedy outputs equal no speculation."""
+    name, _, types = arch.partition("+")
+    # seeds where the target follows its cycle often but not always (GLM-lite's seed 1 follows it 16% of the time)
+    d, nxt = make_cycle_checkpoint(str(tmp_path / name), period=12, mix=2.0, gain=20.0, seed=1 if name == "v32" else 2,
+                                   mtp=True, mtp_mix=0.1, arch=name)
+    if types:
+        with_mlp_layer_types(d)
+    prompts = cycle_prompts(nxt, 4)
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
+    ref = [o.outputs[0] for o in LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(prompts, sp)]
+    llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=mtp(k))
+    got = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for x, y in zip(got, ref):
+        assert [list(e.values())[0] for e in x.logprobs] == pytest.approx([list(e.values())[0] for e in y.logprobs],
+                                                                          abs=1e-4)
+    core = llm.engine.core
+    assert core.model.drafter.layer.is_moe and core.runner.drafter.passes > 0
+    L = core.config.num_hidden_layers
+    if name == "v32":   # the drafter's indexer keys live in the pool's last layer, like its latents
+        assert len(core.kv.index_pools) == L + 1 and core.kv.index_pools[L].abs().sum() > 0
+    else:
+        assert core.kv.index_pools is None
+    assert 0.2 < llm.engine.metrics()["spec_decode_acceptance_rate"] < 1.0, llm.engine.metrics()
 
 
 def test_greedy_equal_under_preemption_and_stop_tokens(cycle):
@@ -146,6 +196,34 @@ def test_checkpoint_without_an_mtp_layer_is_refused(tmp_path):
     d, _ = make_cycle_checkpoint(str(tmp_path / "plain"), period=12)
     with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
         LLM(d, progress=False, speculative_config=mtp(1))
+
+
+def test_a_config_naming_an_mtp_layer_the_checkpoint_lacks_is_refused(tmp_path):
+    """num_nextn_predict_layers = 1, but no `model.layers.{L}.*` tensor (as transformers saves a V3.2 or GLM)."""
+    from safetensors.torch import load_file, save_file
+    d, _ = make_cycle_checkpoint(str(tmp_path / "v32"), period=12, mtp=True, arch="v32")
+    L = json.load(open(os.path.join(d, "config.json")))["num_hidden_layers"]
+    path = os.path.join(d, "model.safetensors")
+    t = {n: x for n, x in load_file(path).items() if not n.startswith(f"model.layers.{L}.")}
+    save_file(t, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"num_nextn_predict_layers = 1, but the checkpoint holds no tensor of its "
+                                         rf"MTP layer \(model\.layers\.{L}\.\*"):
+        LLM(d, progress=False, speculative_config=mtp(1))
+    LLM(d, progress=False)   # without speculation the checkpoint serves
+
+
+def test_the_mtp_layers_mlp_is_the_checkpoints(cycle):
+    """MoE where the checkpoint holds the layer's router, dense where it does not (mlp_layer_types stops at L)."""
+    from engine.model.loader import CheckpointReader
+    from engine.model.model_config import ModelConfig
+    from engine.model.mtp import mtp_layer_is_moe
+    d, _ = cycle
+    cfg, names = ModelConfig.from_dir(d), CheckpointReader(d).names
+    L = cfg.num_hidden_layers
+    assert mtp_layer_is_moe(cfg, names, d)
+    assert not mtp_layer_is_moe(cfg, {n for n in names if not n.startswith(f"model.layers.{L}.mlp.gate.")}, d)
+    with pytest.raises(ValueError, match="no tensor of its MTP layer"):
+        mtp_layer_is_moe(cfg, {n for n in names if not n.startswith(f"model.layers.{L}.")}, d)
 
 
 def test_sampling_with_mtp_drafts_is_seeded_and_accepts(cycle):

@@ -1,7 +1,8 @@
 """Speculative decoding on DP/EP ranks (gloo): n-gram and MTP drafts verified across 2 ranks with dual-batch
 overlap and on 4 ranks, under KV pressure (the MTP layer's MoE dispatches over the EP group every step, on
-idle ranks too); every greedy output equals the request run alone without
-speculation, the ranks' draft counters add up in the front's metrics, and no rank leaks a block."""
+idle ranks too), and DeepSeek-V3.2's MTP layer (sparse attention) on 2 ranks with DBO; every greedy output
+equals the request run alone without speculation, the ranks' draft counters add up in the front's metrics,
+and no rank leaks a block."""
 from __future__ import annotations
 
 import random
@@ -66,6 +67,29 @@ def test_speculative_on_dp_ranks_equals_alone(reference, dp, dbo, method):
     assert front["accepted"] == sum(front["per_rank_accepted"]) and all(front["per_rank_accepted"])
     if dbo:
         assert front["split"] > 0, "DBO was meant to split some verification steps"
+    for r in ranks:
+        assert r["free"] == r["total"]
+    assert all(r["how"] == "shutdown" for r in ranks[1:])
+
+
+@pytest.fixture(scope="module")
+def reference_v32(tmp_path_factory):
+    from launch.tiny_cycle import make_cycle_checkpoint
+    from tests.engine.test_engine import alone
+    d, nxt = make_cycle_checkpoint(str(tmp_path_factory.mktemp("spec_mr_v32")), period=12, mix=2.0, gain=20.0,
+                                   seed=1, mtp=True, mtp_mix=0.1, arch="v32")
+    return d, nxt, alone(d, requests(nxt))
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_sparse_attention_mtp_on_ep_ranks_equals_alone(reference_v32):
+    d, nxt, ref = reference_v32
+    ranks = spawn(_rank, 2, args=(d, nxt, True, "mtp"), timeout_s=400)
+    front = ranks[0]
+    assert front["got"] == ref
+    assert front["accepted"] == sum(front["per_rank_accepted"]) and all(front["per_rank_accepted"])
+    assert front["split"] > 0 and front["preemptions"] > 0, (front["split"], front["preemptions"])
     for r in ranks:
         assert r["free"] == r["total"]
     assert all(r["how"] == "shutdown" for r in ranks[1:])
