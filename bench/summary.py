@@ -244,6 +244,11 @@ ROWS = (
                        f"least-loaded device-only ({r['workload']['conversations']} conversations); outputs equal: "
                        f"{'yes' if r['outputs_equal'] else 'NO'}"),
             lambda r: [r["prefill_tokens_ratio"] <= 0.5 and r["outputs_equal"], r["ttft_p50_ratio"] <= 0.6]),)),
+    Row("DeepSeek-V4 KV tiers + KV-aware routing", "— (report)", (
+        Run("kv_cache_v4_quick", "python bench/kv_cache.py --quick --model v4",
+            lambda r: (f"prefill tokens {n(r['prefill_tokens_ratio'])}× of least-loaded device-only "
+                       f"({r['prefill_tokens_saved']} saved; hits at multiples of 128), TTFT p50 "
+                       f"{n(r['ttft_p50_ratio'])}×; outputs equal: {'yes' if r['outputs_equal'] else 'NO'}")),)),
     Row("DeepSeek Sparse Attention", "≤ 0.5", (
         Run("dsa", "python bench/dsa.py",
             lambda r: (f"{n(r['dsa_vs_dense_attention_8k'])}× dense MLA's decode attention {r['time']} time "
