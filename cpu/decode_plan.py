@@ -11,7 +11,8 @@ Paths (the model's backends["decode"] names the one the last step took; stats() 
           layer's own MoE operations — router, dispatch, local experts, combine: the EP group's
           all-to-all runs between the fused halves — or a dense layer's MLP half in one call
           (fused.mlp_layer).
-  mlp_halves  a step that is not all decodes (a prefill chunk, a mixed step) of at most MAX_ROWS tokens:
+  mlp_halves  a step that is not all decodes (a prefill chunk, a mixed step) of at most MAX_ROWS tokens (16 with
+          bfloat16 weights on a CPU with AMX tiles: cpu/linear.py max_rows, past which oneDNN is faster):
           the attention as its operations, the MoE / MLP halves as in `layers`.
   ops     the model's step_ops (big steps, DSA, an fp8 or fp4 cache, ...), its reason counted. A packed
           latent cache (fp8 / fp4) is declined: the fused layer call writes and reads float32 / bfloat16
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import fused
-from .linear import MAX_ROWS
+from .linear import MAX_ROWS, max_rows
 
 # why a step ran its operations (every plain step is counted once: a path, or one of these)
 REASONS = ("no_tokens", "too_many_rows", "sparse_attention", "fp8_kv_cache", "fp4_kv_cache", "weights_unfit",
@@ -146,6 +147,8 @@ class DecodePlan:
         if mb.index_pools is not None:
             return "sparse_attention"
         layers = self._built()
+        if T > self._max_rows:   # bfloat16 weights on AMX: oneDNN's tiles beat the fused calls past 16 rows
+            return "too_many_rows"
         if self.unfit:
             return self._unfit_reason
         if mb.meta.paged_decode_tables(self._mode) is None:
@@ -203,6 +206,8 @@ class DecodePlan:
         if T == 0 or T > MAX_ROWS or mb.index_pools is not None:
             return None
         self._built()
+        if T > self._max_rows:
+            return None
         if mb.meta.paged_decode_tables(self._mode) is None:
             return None
         w = self._extra.get(id(layer))
@@ -236,6 +241,7 @@ class DecodePlan:
             attn = layers[0].self_attn
             self._mode = attn.mode
             self._latent_width = attn.cfg.kv_lora_rank + attn.cfg.qk_rope_head_dim
+            self._max_rows = max_rows(attn.o_proj.weight.dtype)   # (cpu/linear.py: 16 for bfloat16 on AMX)
             self._layers = [self._layer(i, layer) for i, layer in enumerate(layers)]
             packed = {a.self_attn.kv_fp8.name for a in layers if a.self_attn.kv_fp8 is not None}
             self._unfit_reason = ("fp4_kv_cache" if "fp4_e2m1" in packed else "fp8_kv_cache" if packed

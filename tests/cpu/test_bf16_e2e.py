@@ -39,10 +39,30 @@ def oracle(tmp_path_factory):
     return d, [hf_prompt_logprobs(hf, ids) for ids in PROMPTS], [hf_greedy(hf, ids, NEW) for ids in PROMPTS]
 
 
+@pytest.fixture
+def amx(monkeypatch):
+    """amx(on): as if this CPU had AMX tiles or not (cpu/linear.py amx_bf16), whatever it has."""
+    import cpu.linear
+    return lambda on: monkeypatch.setattr(cpu.linear, "_AMX", on)
+
+
+def _drift_and_agreement(outs, ref_lps, ref_greedy) -> tuple[float, int, int]:
+    drift, agree, total = 0.0, 0, 0
+    for ids, out, ref, greedy in zip(PROMPTS, outs, ref_lps, ref_greedy):
+        ours = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))])
+        drift = max(drift, (ours - ref).abs().max().item())
+        toks = out.outputs[0].token_ids
+        agree += next((i for i, (a, b) in enumerate(zip(toks, greedy)) if a != b), len(greedy))
+        total += len(greedy)
+    return drift, agree, total
+
+
 @pytest.mark.parametrize("dot", [pytest.param(True, id="dot", marks=pytest.mark.skipif(
     not gemm.bf16_dot_supported(), reason="this CPU has no AVX512-BF16")), pytest.param(False, id="widen")])
 @pytest.mark.parametrize("stack", [True, False], ids=["stack", "layers"])
-def test_bf16_model_vs_transformers_float32(oracle, dot, stack):
+def test_bf16_model_vs_transformers_float32(oracle, dot, stack, amx):
+    """(Without AMX tiles, so that the 21-row prefill runs the fused MLP halves on every machine.)"""
+    amx(False)
     d, ref_lps, ref_greedy = oracle
     before = gemm.bf16_dot()
     gemm.bf16_dot(dot)
@@ -60,15 +80,32 @@ def test_bf16_model_vs_transformers_float32(oracle, dot, stack):
     path = "stack" if stack else "layers"
     assert plan["steps"][path] == NEW - 1 and plan["steps"]["ops"] == 0, plan
     assert set(k for k, v in plan["declined"].items() if v) <= {"not_all_decode"}, plan
-    drift, agree, total = 0.0, 0, 0
-    for ids, out, ref, greedy in zip(PROMPTS, outs, ref_lps, ref_greedy):
-        ours = torch.tensor([out.prompt_logprobs[j][ids[j]] for j in range(1, len(ids))])
-        drift = max(drift, (ours - ref).abs().max().item())
-        toks = out.outputs[0].token_ids
-        first_diff = next((i for i, (a, b) in enumerate(zip(toks, greedy)) if a != b), len(greedy))
-        agree += first_diff
-        total += len(greedy)
+    drift, agree, total = _drift_and_agreement(outs, ref_lps, ref_greedy)
     print(f"\nbf16 {path} {'dot' if dot else 'widen'}: prompt logprob max |drift| {drift:.4f} vs transformers "
           f"float32; greedy tokens agreeing before the first difference {agree}/{total}")
     assert drift < 0.1
     assert agree >= total // 2
+
+
+def test_amx_tiles_take_bf16_steps_past_16_rows_to_onednn(oracle, amx):
+    """With AMX tiles (cpu/linear.py AMX_BF16_MAX_ROWS): a bfloat16 step of more than 16 rows runs the model's
+    operations (its projections on torch's bfloat16 GEMM), counted as too_many_rows; 16 rows and fewer stay fused.
+    Same bounds against transformers as the fused run."""
+    from cpu.linear import AMX_BF16_MAX_ROWS, MAX_ROWS, max_rows
+    d, ref_lps, ref_greedy = oracle
+    amx(True)
+    assert max_rows(torch.bfloat16) == AMX_BF16_MAX_ROWS == 16 and max_rows(torch.float32) == MAX_ROWS
+    llm = LLM(d, dtype="bfloat16", device="cpu", progress=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=NEW, prompt_logprobs=0, ignore_eos=True)
+    outs = llm.generate(PROMPTS, sp)
+    plan = llm.engine.metrics()["decode_plan"]
+    assert plan["declined"]["too_many_rows"] == 1 and plan["steps"]["ops"] == 1, plan   # the 21-row prefill
+    assert plan["steps"]["stack"] == NEW - 1, plan                                       # 3-row decodes
+    drift, agree, total = _drift_and_agreement(outs, ref_lps, ref_greedy)
+    assert drift < 0.1 and agree >= total // 2
+    many = [[(7 * i + j) % 190 + 2 for j in range(5)] for i in range(AMX_BF16_MAX_ROWS + 4)]
+    llm.generate(many, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    after = llm.engine.metrics()["decode_plan"]
+    assert after["steps"]["ops"] - plan["steps"]["ops"] == 3, after   # the 100-row prefill, two 20-row decodes
+    amx(False)
+    assert max_rows(torch.bfloat16) == MAX_ROWS
