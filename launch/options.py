@@ -98,7 +98,8 @@ OPTIONS: tuple[Option, ...] = (
            "KV cache's format", spec={"choices": ["auto", "fp8", "fp8_e4m3", "fp4", "fp4_e2m1"]}),
     # = attention_mla/fp8_cache.py KV_CACHE_DTYPES (tests/launch/test_options.py)
     Option("engine.max_num_seqs", "most sequences in one step per rank (default 256)", spec=INT),
-    Option("engine.max_num_batched_tokens", "most tokens in one step per rank (default 8192)", spec=INT),
+    Option("engine.max_num_batched_tokens", "most tokens in one step per rank (default 8192; serve on CPU: 2048)",
+           spec=INT),
     Option("engine.enable_prefix_caching", "reuse cached KV blocks of shared prompt prefixes (default on)",
            spec={"action": argparse.BooleanOptionalAction}),
     Option("engine.max_logprobs", "the most logprobs / prompt_logprobs a request may ask for (default 20)",

@@ -196,3 +196,18 @@ def test_served_model_names_and_allowed_origins():
     cfg = resolve(_parse("serve", "/m", "--allowed-origins", "https://x.example, https://y.example"), SERVE, env={})
     assert cfg["server"]["allowed_origins"] == ["https://x.example", "https://y.example"]
     assert "allowed_origins" not in resolve(_parse("serve", "/m"), SERVE, env={}).get("server", {})
+
+
+def test_serve_on_cpu_defaults_the_prefill_budget_to_2048():
+    """launch/server.py serving_defaults: serve's CPU budget where the run config is silent; an explicit one, a
+    CUDA device and prefill/decode pools keep theirs (the library's default stays EngineConfig's 8192)."""
+    from engine.engine_config import EngineConfig
+    from launch.server import SERVE_CPU_MAX_NUM_BATCHED_TOKENS, serving_defaults
+    kw = run_config.llm_kwargs(resolve(_parse("serve", "/m"), SERVE, env={}))
+    assert "max_num_batched_tokens" not in kw
+    assert serving_defaults(dict(kw, device="cpu"))["max_num_batched_tokens"] == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048
+    given = run_config.llm_kwargs(resolve(_parse("serve", "/m", "--max-num-batched-tokens", "512"), SERVE, env={}))
+    assert serving_defaults(dict(given, device="cpu"))["max_num_batched_tokens"] == 512
+    assert "max_num_batched_tokens" not in serving_defaults(dict(kw, device="cuda"))
+    assert "max_num_batched_tokens" not in serving_defaults(dict(kw, device="cpu", disagg={"prefill": {}}))
+    assert EngineConfig.from_options("/m").max_num_batched_tokens == 8192
