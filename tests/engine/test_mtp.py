@@ -121,11 +121,9 @@ def test_drafts_equal_a_transformers_reference(tmp_path, arch):
     eng.shutdown()
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_equal_and_drafts_partly_accepted(cycle, k):
-    d, nxt = cycle
-    prompts = cycle_prompts(nxt, 5)
-    sp = SamplingParams(temperature=0.0, max_tokens=36, ignore_eos=True, logprobs=0)
+def _greedy_equal_with_mtp(d: str, prompts, max_tokens: int, k: int) -> LLM:
+    """Greedy outputs (tokens, logprobs within 1e-4) equal with and without MTP drafting k -> the drafting LLM."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     ref = [o.outputs[0] for o in LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(prompts, sp)]
     llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=mtp(k))
     got = [o.outputs[0] for o in llm.generate(prompts, sp)]
@@ -133,6 +131,14 @@ def test_greedy_equal_and_drafts_partly_accepted(cycle, k):
     for x, y in zip(got, ref):
         assert [list(e.values())[0] for e in x.logprobs] == pytest.approx([list(e.values())[0] for e in y.logprobs],
                                                                           abs=1e-4)
+    return llm
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equal_and_drafts_partly_accepted(cycle, k):
+    d, nxt = cycle
+    prompts = cycle_prompts(nxt, 5)
+    llm = _greedy_equal_with_mtp(d, prompts, 36, k)
     m = llm.engine.metrics()
     assert 0.2 < m["spec_decode_acceptance_rate"] < 1.0, m["spec_decode_acceptance_rate"]
     assert llm.engine.core.runner.drafter.passes > 0
@@ -149,14 +155,7 @@ def test_sparse_attention_and_glm_lite_mtp_greedy_equal_and_accept(tmp_path, arc
     if types:
         with_mlp_layer_types(d)
     prompts = cycle_prompts(nxt, 4)
-    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
-    ref = [o.outputs[0] for o in LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(prompts, sp)]
-    llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=mtp(k))
-    got = [o.outputs[0] for o in llm.generate(prompts, sp)]
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    for x, y in zip(got, ref):
-        assert [list(e.values())[0] for e in x.logprobs] == pytest.approx([list(e.values())[0] for e in y.logprobs],
-                                                                          abs=1e-4)
+    llm = _greedy_equal_with_mtp(d, prompts, 30, k)
     core = llm.engine.core
     assert core.model.drafter.layer.is_moe and core.runner.drafter.passes > 0
     L = core.config.num_hidden_layers

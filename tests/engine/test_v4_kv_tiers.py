@@ -20,7 +20,9 @@ from engine.front.engine import Engine
 from kvstore.hashing import hex_of, prefix_chain
 from tests.oracle_v4 import PRO, make_v4_model
 
-from .test_v4_prefix_cache import V4, _pools_whole, _workload
+from tests.kvstore.test_kv_engine import abort_while_reading, run, stats  # (run: greedy, top-3 logprobs)
+
+from .test_v4_prefix_cache import V4, _pools_whole, _replay, _workload
 
 BS = 8
 _rng = random.Random(21)
@@ -41,19 +43,6 @@ def engine(model_dir, disk_dir=None, host_bytes=HOST, kv_cache_dtype="auto", **k
     tiers = {"tiers": ["host", "disk"], "disk_dir": str(disk_dir)} if disk_dir is not None else {"tiers": ["host"]}
     return Engine(model_dir, block_size=BS, kv_cache_blocks=16, kv_cache_dtype=kv_cache_dtype,
                   kv_cache=dict(tiers, host_bytes=host_bytes, **kw), **V4)
-
-
-def run(eng, rid, prompt, max_tokens=5):
-    eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2))
-    out = None
-    while eng.has_unfinished_requests():
-        out = next((o for o in eng.step() if o.finished), out)
-    c = out.outputs[0]
-    return c.token_ids, c.logprobs, c.cumulative_logprob
-
-
-def stats(eng) -> dict:
-    return eng.metrics()["per_rank"][0]
 
 
 def _named(eng, hashes) -> bool:
@@ -92,7 +81,7 @@ def test_spill_to_host_and_disk_then_reload_gives_identical_outputs(v4, tmp_path
     assert m["kv_tiers"]["host"]["hit_blocks"] == s["kv_hit_blocks_host"] >= A_BLOCKS
     eng.shutdown()
     off = LLM(v4, block_size=BS, enable_prefix_caching=False, kv_cache_dtype=kv, **V4)
-    alone = off.generate([A], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2))[0]
+    alone = off.generate([A], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3))[0]
     assert alone.outputs[0].token_ids == device[0]
     assert alone.outputs[0].cumulative_logprob == pytest.approx(device[2], abs=1e-4)
 
@@ -155,20 +144,7 @@ def test_the_rank_reports_what_its_tiers_hold(v4):
 
 
 def test_abort_while_the_prefix_is_read(v4, tmp_path):
-    eng = engine(v4, tmp_path)
-    run(eng, "a0", A)
-    eng.shutdown()
-    eng = engine(v4, tmp_path)
-    eng.add_request("b0", A, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
-    eng.step()
-    assert [s.request_id for s, _ in eng.core.scheduler.loading] == ["b0"]
-    eng.abort("b0")
-    outs = []
-    while eng.has_unfinished_requests():
-        outs += eng.step()
-    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-    assert not eng.core.scheduler.has_work() and _pools_whole(eng.core)
-    eng.shutdown()
+    abort_while_reading(lambda: engine(v4, tmp_path), A, _pools_whole)
 
 
 @pytest.mark.slow
@@ -180,20 +156,7 @@ def test_120_requests_with_tiers_equal_alone_and_leak_nothing(v4, tmp_path):
     eng = Engine(v4, block_size=8, kv_cache_blocks=40, max_num_seqs=8, max_num_batched_tokens=48,
                  kv_cache=dict(tiers=["host", "disk"], host_bytes=HOST, disk_dir=str(tmp_path)), **V4)
     core = eng.core
-    by_step: dict[int, list[dict]] = {}
-    for r in reqs:
-        by_step.setdefault(r["arrival"], []).append(r)
-    got, step = {}, 0
-    params = {r["id"]: SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True) for r in reqs}
-    while step <= max(by_step) or eng.has_unfinished_requests():
-        for r in by_step.get(step, []):
-            eng.add_request(r["id"], r["prompt"], params[r["id"]])
-        for out in eng.step():
-            if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
-        step += 1
-        assert step < 5000, "the engine made no progress"
-    assert set(got) == {r["id"] for r in reqs}
+    got, params, _ = _replay(eng, reqs)
     s = stats(eng)
     assert s["preemptions"] > 0 and s["kv_hit_blocks_host"] + s["kv_hit_blocks_disk"] > 0
     assert _pools_whole(core), f"blocks left held: {core.blocks.usage()}"

@@ -118,15 +118,9 @@ def _workload(n: int, seed: int) -> list[dict]:
     return out
 
 
-@pytest.mark.slow
-@torch.no_grad()
-def test_120_requests_under_kv_pressure_equal_alone_and_leak_nothing(v4):
-    """The V3 replay for V4, prefix caching on: pools too small for the requests at once (preemption, cached blocks
-    evicted and handed out again), every output equal to the request run alone, every pool whole after."""
-    reqs = _workload(120, seed=7)
-    eng = Engine(v4, block_size=8, kv_cache_blocks=40, max_num_seqs=8, max_num_batched_tokens=48,
-                 enable_prefix_caching=True, **V4)
-    core = eng.core
+def _replay(eng, reqs: list[dict]) -> tuple[dict, dict, bool]:
+    """Each request added at its arrival step, greedy, until all finish -> (request id -> tokens, request id ->
+    its SamplingParams, whether some pool was ever at zero free blocks)."""
     by_step: dict[int, list[dict]] = {}
     for r in reqs:
         by_step.setdefault(r["arrival"], []).append(r)
@@ -138,10 +132,23 @@ def test_120_requests_under_kv_pressure_equal_alone_and_leak_nothing(v4):
         for out in eng.step():
             if out.finished:
                 got[out.request_id] = out.outputs[0].token_ids
-        tight |= any(a.num_free == 0 for a in core.blocks.allocators.values())
+        tight |= any(a.num_free == 0 for a in eng.core.blocks.allocators.values())
         step += 1
         assert step < 5000, "the engine made no progress"
     assert set(got) == {r["id"] for r in reqs}
+    return got, params, tight
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_120_requests_under_kv_pressure_equal_alone_and_leak_nothing(v4):
+    """The V3 replay for V4, prefix caching on: pools too small for the requests at once (preemption, cached blocks
+    evicted and handed out again), every output equal to the request run alone, every pool whole after."""
+    reqs = _workload(120, seed=7)
+    eng = Engine(v4, block_size=8, kv_cache_blocks=40, max_num_seqs=8, max_num_batched_tokens=48,
+                 enable_prefix_caching=True, **V4)
+    core = eng.core
+    got, params, tight = _replay(eng, reqs)
     stats = core.stats()
     assert stats["preemptions"] > 0 and tight, "the pools were meant to be small enough to preempt"
     assert core.blocks.hit_tokens > 0

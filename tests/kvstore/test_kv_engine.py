@@ -154,12 +154,14 @@ def test_another_models_tier_is_never_used(model_dir, tmp_path_factory, tmp_path
     eng.shutdown()
 
 
-def test_abort_while_the_prefix_is_read(model_dir, tmp_path):
-    eng = engine(model_dir, tmp_path)
-    run(eng, "a0", A)
+def abort_while_reading(make, prompt, whole) -> None:
+    """make(): an engine with a disk tier (the same directory each time); prompt cached by a first engine is
+    aborted while the second reads it back; whole(core): nothing left held."""
+    eng = make()
+    run(eng, "a0", prompt)
     eng.shutdown()
-    eng = engine(model_dir, tmp_path)
-    eng.add_request("b0", A, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    eng = make()
+    eng.add_request("b0", prompt, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
     eng.step()
     assert [s.request_id for s, _ in eng.core.scheduler.loading] == ["b0"]
     eng.abort("b0")
@@ -167,8 +169,12 @@ def test_abort_while_the_prefix_is_read(model_dir, tmp_path):
     while eng.has_unfinished_requests():
         outs += eng.step()
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
-    assert not eng.core.scheduler.has_work() and eng.core.blocks.num_free == 12
+    assert not eng.core.scheduler.has_work() and whole(eng.core)
     eng.shutdown()
+
+
+def test_abort_while_the_prefix_is_read(model_dir, tmp_path):
+    abort_while_reading(lambda: engine(model_dir, tmp_path), A, lambda core: core.blocks.num_free == 12)
 
 
 def test_dsa_index_keys_spill_and_reload_with_the_latents(tmp_path_factory, tmp_path):
