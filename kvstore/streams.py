@@ -61,7 +61,7 @@ class StreamStores:
         st = self.stores[s]
         if h in st.host:
             return "host"
-        if h in st._reads or (st.disk is not None and h in st.disk):
+        if st.reading([h]) or (st.disk is not None and h in st.disk):
             return "disk"
         return None
 
@@ -89,7 +89,7 @@ class StreamStores:
 
     def reading(self, pairs: list[tuple[str, int]]) -> bool:
         self.poll()
-        return any(h in self.stores[s]._reads for s, h in pairs)
+        return any(self.stores[s].reading([h]) for s, h in pairs)
 
     def wait(self, pairs: list[tuple[str, int]], timeout_s: float) -> None:
         for s, st in self.stores.items():

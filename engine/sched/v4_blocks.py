@@ -227,8 +227,8 @@ class V4BlockManager:
         (reference counted; a hit on a free block takes it back) and fresh blocks loaded from the host tier, its
         slot the boundary's state row (the runner copies it before the first step). When the disk tier would take
         it further, the blocks that boundary needs are read first (the sequence waits: `reading`); a second time
-        when a file was a miss (the next boundary down needs its own window tail and state row), never more. Sequences that
-        want prompt logprobs skip the cache, as with V3. Counted in pool blocks of every stream."""
+        when a file was a miss (the next boundary down needs its own window tail and state row), never more.
+        Sequences that want prompt logprobs skip the cache, as with V3. Counted in pool blocks of every stream."""
         m = PrefixMatch()
         if (not self.enable_prefix_caching or seq.stream_tables is not None or seq.params.prompt_logprobs is not None
                 or not self._free_slots):
