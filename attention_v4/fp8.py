@@ -122,13 +122,15 @@ class IndexKeyFp8:
         return x.to(dtype).view(*lead, self.width)
 
 
+V4_KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}   # name -> canonical name
+
+
 def check_v4_kv_cache_dtype(name: str) -> str:
     """-> "auto" | "fp8_e4m3"; fp4 and anything else is a ValueError naming it."""
-    canon = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
-    if name not in canon:
+    if name not in V4_KV_CACHE_DTYPES:
         raise ValueError(f"DeepSeek-V4's KV streams support kv_cache_dtype 'auto' or 'fp8' (= 'fp8_e4m3'), not "
                          f"{name!r}")
-    return canon[name]
+    return V4_KV_CACHE_DTYPES[name]
 
 
 def v4_codecs(cfg, kv_cache_dtype: str, dtype: torch.dtype) -> dict:

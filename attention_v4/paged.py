@@ -133,12 +133,9 @@ class PagedLayerStreams:
             return kv
         end = p0 + kv.shape[0]
         lo = p0 if self.geo.boundary else max(p0, end - self.geo.window)
-        if "window" not in self.codecs:
-            pool[self._window_index(lo, end, pool.device)] = kv[lo - p0:]
-            return kv
-        packed = self._write("window", kv)
-        pool[self._window_index(lo, end, pool.device)] = packed[lo - p0:]
-        return self._read("window", packed)
+        stored = self._write("window", kv)
+        pool[self._window_index(lo, end, pool.device)] = stored[lo - p0:]
+        return self._read("window", stored)
 
     def load_state(self, name: str, p0: int) -> CompressorState:
         m, z = self.m, self.seq.tables.slot

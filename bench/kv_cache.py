@@ -44,18 +44,21 @@ MODEL = dict(_DISAGG_MODEL, initializer_range=0.3)
 CONFIGS = ("least_loaded", "kv_aware", "kv_tiers")
 
 
-def bytes_per_token(model: str) -> float:
-    """KV bytes per token over all layers, float32: V3 the latent; V4 the window, CSA entries + indexer keys, HCA
-    entries and the CSA compressors' boundary states (2 x ratio rows of entries and keys, every 128 tokens)."""
-    if model != "v4":
-        return MODEL["num_hidden_layers"] * (MODEL["kv_lora_rank"] + MODEL["qk_rope_head_dim"]) * 4
-    kinds = MODEL_V4["layer_types"]
-    rate = MODEL_V4["compress_rates"]
-    D, DI = MODEL_V4["head_dim"], MODEL_V4["index_head_dim"]
-    csa = kinds.count("compressed_sparse_attention")
-    m, U = rate["compressed_sparse_attention"], rate["heavily_compressed_attention"]
-    return 4 * (len(kinds) * D + csa * (D + DI) / m + kinds.count("heavily_compressed_attention") * D / U
-                + csa * 2 * m * (D + DI) / U)
+def bytes_per_token(model_dir: str) -> float:
+    """KV bytes per token over all layers, float32, as the engine's pools count them: V3 the latent; V4 every stream
+    (window, CSA entries + indexer keys, HCA entries, the boundary states; engine/worker/v4_runner.py)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.model.model_config import ModelConfig
+    from engine.worker.v4_runner import V4StreamCache
+    cfg = ModelConfig.from_dir(model_dir)
+    if cfg.v4 is None:
+        return cfg.num_hidden_layers * cfg.mla.latent_dim * 4
+    kv = V4StreamCache(SimpleNamespace(cfg=cfg, dtype=torch.float32, device="meta"), None, BLOCK, 1, 1, 1,
+                       num_blocks=1, prefix_caching=True)
+    return sum(kv.per_block[s] / kv.geometry.tokens_per_block(s) for s in kv.geometry.streams)
 
 
 def conversations(a) -> list[dict]:
@@ -73,7 +76,7 @@ def build(config: str, model_dir: str, disk_dir: str, a):
     if a.route_load_weight is not None:
         kv["route_load_weight"] = a.route_load_weight
     if config == "kv_tiers":
-        kv.update(tiers=["host", "disk"], host_bytes=int(a.host_blocks * BLOCK * bytes_per_token(a.arch)),
+        kv.update(tiers=["host", "disk"], host_bytes=int(a.host_blocks * BLOCK * bytes_per_token(model_dir)),
                   disk_dir=disk_dir,
                   disk_bytes=1 << 30, persist_on_close=False)
     return Engine(model_dir, progress=False, block_size=BLOCK, kv_cache_blocks=a.kv_blocks, max_num_seqs=a.max_num_seqs,
@@ -202,6 +205,7 @@ def main() -> None:
             tiny_v4_model(0, **MODEL_V4).save_pretrained(model_dir)
         else:
             make_tiny_checkpoint(model_dir, arch="v3", seed=0, **MODEL)
+        per_token = bytes_per_token(model_dir)
         for config in a.configs.split(","):
             argv = [sys.executable, os.path.abspath(__file__), "--worker", config, "--checkpoint", model_dir,
                     "--disk-dir", os.path.join(d, "kv"), *passthrough]
@@ -231,7 +235,7 @@ def main() -> None:
                      "system_len": a.system_len, "user_len": a.user_len, "answer_len": a.answer_len,
                      "concurrency": a.concurrency, "chunk": a.chunk, "kv_blocks": a.kv_blocks,
                      "host_blocks": a.host_blocks, "ranks": 4, "block_size": BLOCK,
-                     "kv_bytes_per_token": bytes_per_token(a.arch),
+                     "kv_bytes_per_token": per_token,
                      **{k: (MODEL_V4 if a.arch == "v4" else MODEL)[k]
                         for k in ("hidden_size", "num_hidden_layers", "n_routed_experts")}}}
     save("kv_cache" if a.arch == "v3" else "kv_cache_v4" + ("_quick" if a.quick else ""), out)

@@ -19,7 +19,6 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-
 from attention_v4.transfer import gather
 from engine.worker.messages import Abort, NewRequest
 from engine.worker.rank_loop import RankHooks

@@ -16,6 +16,7 @@ from typing import Sequence as Seq
 import torch
 
 from attention_mla.fp8_cache import latent_layout
+from attention_v4.fp8 import V4_KV_CACHE_DTYPES
 from attention_mla.kv_cache import LatentKVPool
 from kvstore.events import HeldLog
 from parallel.context import ParallelContext
@@ -69,7 +70,7 @@ def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
 
 def refuse_v4(cfg: EngineConfig) -> None:
     """What the engine does not do with DeepSeek-V4's KV streams yet: an error now, not wrong tokens later."""
-    why = [(cfg.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3"),
+    why = [(cfg.kv_cache_dtype not in V4_KV_CACHE_DTYPES,
             f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the model dtype or fp8: 'auto', 'fp8')"),
            (cfg.speculative.enabled, f"speculative decoding (speculative method {cfg.speculative.method!r}: the "
                                      f"compressor state of rejected drafts is not rolled back)")]

@@ -106,8 +106,7 @@ class V4StreamCache:
         st = self.streams.get(seq.request_id)
         restore = seq.stream_tables.restore
         if restore is not None and st is None:   # a prefix hit: the cached blocks hold its first num_computed tokens
-            st = self.streams[seq.request_id] = SequenceStreams(PagedSequence(self.kv, seq.stream_tables).layers,
-                                                                num_tokens=seq.num_computed)
+            st = self.streams[seq.request_id] = SequenceStreams(self.views(seq), num_tokens=seq.num_computed)
             if restore >= 0:
                 for layer in st.layers:
                     layer.restore_state(restore)
@@ -115,7 +114,7 @@ class V4StreamCache:
             if seq.num_computed:
                 raise RuntimeError(f"request {seq.request_id!r} resumes at token {seq.num_computed} but its "
                                    f"DeepSeek-V4 streams are gone")
-            st = self.streams[seq.request_id] = SequenceStreams(PagedSequence(self.kv, seq.stream_tables).layers)
+            st = self.streams[seq.request_id] = SequenceStreams(self.views(seq))
         if st.num_tokens != seq.num_computed:
             raise RuntimeError(f"request {seq.request_id!r}: its streams hold {st.num_tokens} tokens, the scheduler "
                                f"says {seq.num_computed} are computed")
