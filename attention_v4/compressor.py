@@ -12,6 +12,11 @@ window 0 has no predecessor (its Ca slots weigh 0).
 What a sequence carries between chunks (CompressorState, one per compressor per sequence): the rows of
 its open window (fewer than m, gate without ape) and, for CSA, the last closed window's Ca rows (gate
 with ape) and the number of entries emitted.
+
+Speculative decoding (a chunk whose later tokens are drafts that may be rejected): a state with `keep` set gets
+`rewind`, a Rewind that rebuilds the state at any position of the chunk from the rows it took, so that the
+rejected drafts' rows leave no trace. The entries their windows closed need no undoing: entry e sits at index e,
+is read only by queries past it, and is written again when its window really closes.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ class CompressorState:
     entries: int = 0
     capture: dict[int, int] = field(default_factory=dict)   # CSA: entry index -> where its window's overlap rows go
     captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)   # filled by forward
+    keep: bool = False              # speculative chunk: forward leaves a Rewind in `rewind`
+    rewind: "Rewind | None" = None
 
     @classmethod
     def empty(cls, width: int, device, dtype) -> "CompressorState":
@@ -67,6 +74,10 @@ class Compressor(nn.Module):
         m, D = self.ratio, self.dim
         kv = torch.cat([state.buf_kv, self.wkv(x)])
         gate = torch.cat([state.buf_gate, self.wgate(x)])
+        if state.keep:   # (the open window's rows and this chunk's; prev as it was, copied: the pool's is rewritten)
+            prev = None if state.prev_kv is None else (state.prev_kv.clone(), state.prev_gate.clone())
+            state.rewind = Rewind(state.entries * m, m, D, kv, gate, prev,
+                                  self.ape[:, :D] if self.overlap else None)
         n = kv.shape[0] // m
         state.buf_kv, state.buf_gate = kv[n * m:], gate[n * m:]
         if n == 0:
@@ -92,6 +103,41 @@ class Compressor(nn.Module):
         state.entries += n
         cos, sin = rope.cos_sin(positions, max_position=(state.entries - 1) * m)
         return apply_rope_tail(entries, cos, sin, rope)
+
+
+@dataclass
+class Rewind:
+    """A compressor state's rows from its open window's first position `start` (a multiple of m) to the end of the
+    chunk it took: kv / gate [end - start, C] (gate without ape), and its prev rows before the chunk (CSA; None
+    when no window had closed). ape_prev: CSA's ape over the overlap half [m, D] (None: HCA)."""
+    start: int
+    ratio: int
+    dim: int
+    kv: torch.Tensor
+    gate: torch.Tensor
+    prev: tuple[torch.Tensor, torch.Tensor] | None
+    ape_prev: torch.Tensor | None
+
+    @property
+    def end(self) -> int:
+        return self.start + self.kv.shape[0]
+
+    def state_at(self, p: int) -> CompressorState:
+        """The state after the tokens before position p (start <= p <= end): its open window's rows and, for CSA,
+        the overlap rows of the window before it."""
+        if not self.start <= p <= self.end:
+            raise ValueError(f"a compressor state at position {p}, the chunk's rows cover {self.start} .. {self.end}")
+        m, D, w = self.ratio, self.dim, p // self.ratio
+        lo = w * m - self.start
+        st = CompressorState(self.kv[lo:p - self.start], self.gate[lo:p - self.start], entries=w)
+        if self.ape_prev is not None:
+            if w == self.start // m:   # no window closed before p in this chunk
+                if self.prev is not None:
+                    st.prev_kv, st.prev_gate = self.prev
+            else:
+                st.prev_kv = self.kv[lo - m:lo, :D]
+                st.prev_gate = self.gate[lo - m:lo, :D] + self.ape_prev.to(self.gate.dtype)
+        return st
 
 
 def apply_rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:

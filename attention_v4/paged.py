@@ -145,6 +145,7 @@ class PagedLayerStreams:
             st.prev_kv, st.prev_gate = self.t[name + ".prev_kv"][z], self.t[name + ".prev_gate"][z]
         if name + ".snap_kv" in self.t and self.seq.tables.snapshots:   # boundaries this step caches
             st.capture = {p // m - 1: row for p, row in self.seq.tables.snapshots}
+        st.keep = self.seq.verifying
         return st
 
     def store_state(self, name: str, state: CompressorState, p_end: int) -> None:
@@ -160,6 +161,8 @@ class PagedLayerStreams:
         for e, (kv, gate) in state.captured.items():   # the window that closed at a boundary: its overlap rows
             row = state.capture[e]
             self.t[name + ".snap_kv"][row], self.t[name + ".snap_gate"][row] = kv, gate
+        if state.rewind is not None:
+            self.seq.rewinds.append((self, name, state.rewind))
 
     def restore_state(self, row: int) -> None:
         """A prefix hit: the slot's CSA overlap rows from state row `row` (its boundary closed every window, so no
@@ -204,8 +207,26 @@ class PagedLayerStreams:
 
 class PagedSequence:
     """A sequence's views of every layer's pools, as SequenceStreams' `layers`; `tables` (its slot and block tables,
-    attention_v4/pool_layout.py StreamTables) are the block manager's, read at each step."""
+    attention_v4/pool_layout.py StreamTables) are the block manager's, read at each step.
+
+    Speculative decoding: while `verifying` (a chunk of its last token and drafts), every compressor state stored
+    leaves its Rewind here; rewind(p) then stores each one's state at position p, the tokens before p being the
+    ones kept. Every other stream is addressed by position (window rows, entries), so the rejected drafts' rows there
+    lie past p and are written again before any query reads them."""
 
     def __init__(self, pools: V4Pools, tables):
         self.tables = tables
+        self.verifying = False
+        self.rewinds: list[tuple[PagedLayerStreams, str, object]] = []
         self.layers = [PagedLayerStreams(pools, i, self) for i in range(len(pools.kinds))]
+
+    def rewind(self, p: int | None) -> None:
+        """Keep the tokens before position p of the chunk just verified (None: all of them) and stop verifying.
+        A chunk cut in two (DBO) left two rewinds per compressor: the one whose rows reach p rebuilds it."""
+        done = set()
+        for view, name, rw in reversed(self.rewinds) if p is not None else ():
+            key = (id(view), name)
+            if key not in done and rw.start <= p <= rw.end:
+                view.store_state(name, rw.state_at(p), p)
+                done.add(key)
+        self.rewinds, self.verifying = [], False

@@ -94,3 +94,29 @@ def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gai
             json.dump(cfg, f, indent=2)
     save_file(t, path, metadata={"format": "pt"})
     return out_dir, nxt
+
+
+def make_v4_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gain: float = 1.0, seed: int = 0,
+                             **overrides) -> tuple[str, list[int]]:
+    """make_cycle_checkpoint for DeepSeek-V4 (launch/tiny_v4.py, saved by transformers; overrides: its
+    DeepseekV4Config fields): head row v := the embedding of cycle^-1(v) (times `gain`), and every attention's
+    wo_b and every expert's w2 (shared ones too) scaled by `mix`. The hyper-connections mix residual streams that
+    all start as the token's embedding, so the head still sees it: the logits peak at cycle(t) where the layers'
+    perturbation is small. -> (the checkpoint directory, nxt [V])."""
+    from safetensors.torch import load_file, save_file
+
+    from .tiny_v4 import tiny_v4_model
+    tiny_v4_model(seed, **overrides).save_pretrained(out_dir)
+    path = os.path.join(out_dir, "model.safetensors")
+    t = load_file(path)
+    emb = t["model.embed_tokens.weight"]
+    nxt = cycle_of(emb.shape[0], period, seed)
+    prev = [0] * len(nxt)
+    for a, b in enumerate(nxt):
+        prev[b] = a
+    t["head.weight"] = (emb[prev] * gain).contiguous()
+    for name in list(t):
+        if name.endswith((".attn.wo_b.weight", ".w2.weight")):
+            t[name] = (t[name] * mix).contiguous()
+    save_file(t, path, metadata={"format": "pt"})
+    return out_dir, nxt

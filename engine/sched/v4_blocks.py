@@ -151,9 +151,9 @@ class V4BlockManager:
 
     def _snapshots(self, seq: Sequence, t: StreamTables, n: int) -> None:
         """State rows for the boundaries tokens [c, c+n) close whose state no pool row holds yet (as many as the
-        state pool has free)."""
+        state pool has free); a verification's drafts close none (a boundary is named by the hash of real tokens)."""
         U, bs, c = self.geometry.boundary, self.block_size, seq.num_computed
-        ends = range((c // U + 1) * U, c + n + 1, U)
+        ends = range((c // U + 1) * U, min(c + n, seq.num_tokens) + 1, U)   # (a verification's drafts: not yet tokens)
         if not ends:
             return
         seq.block_hashes = chain(seq.token_ids, bs, max(ends[-1] // bs, len(seq.block_hashes)), seq.block_hashes)
@@ -199,7 +199,10 @@ class V4BlockManager:
         done = [r for p, r in t.snapshots if p <= c]   # written this step: named (or a duplicate), then let go
         for p, r in t.snapshots[:len(done)]:
             self._name("state", r, hashes[p // bs - 1])
-        t.snapshots = t.snapshots[len(done):]
+        # past c: a verification's rejected drafts closed that boundary (its row holds their state); the step that
+        # really reaches it takes a row again
+        done += [r for _, r in t.snapshots[len(done):]]
+        t.snapshots = []
         if t.restore is not None:   # the runner copied it into the slot before this step
             if t.restore >= 0:
                 done.append(t.restore)

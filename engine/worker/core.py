@@ -72,8 +72,8 @@ def refuse_v4(cfg: EngineConfig) -> None:
     """What the engine does not do with DeepSeek-V4's KV streams yet: an error now, not wrong tokens later."""
     why = [(cfg.kv_cache_dtype not in V4_KV_CACHE_DTYPES,
             f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the model dtype or fp8: 'auto', 'fp8')"),
-           (cfg.speculative.enabled, f"speculative decoding (speculative method {cfg.speculative.method!r}: the "
-                                     f"compressor state of rejected drafts is not rolled back)")]
+           (cfg.speculative.method == "mtp", "speculative method 'mtp' (its MTP blocks load, but no drafter runs "
+                                             "them yet): use 'ngram'")]
     bad = [w for on, w in why if on]
     if bad:
         raise ValueError("DeepSeek-V4 does not support " + "; ".join(bad) + " yet")

@@ -15,7 +15,8 @@ kv_cache_dtype "fp8" packs the window, compressed and indexer-key pools (attenti
 count the packed entries (fp4 caches are refused with V4: engine/worker/core.py). The KV tiers move each stream's
 blocks (stream_pools; kvstore/streams.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
-(attention_v4/streams.py V4Meta), and the streams advance once both have run.
+(attention_v4/streams.py V4Meta), and the streams advance once both have run. Speculative decoding: a verification
+is one chunk of the sequence's last token and its drafts; after it the streams keep the accepted ones (execute).
 """
 from __future__ import annotations
 
@@ -156,11 +157,29 @@ class V4Runner(ModelRunner):
         ids, lens, streams, offsets = [], [], [], []
         for b, lo, hi in parts:
             s = batch.seqs[b]
-            streams.append(self.kv.for_seq(s))
-            ids.extend(s.tokens(s.num_computed + lo, s.num_computed + hi))
+            st = self.kv.for_seq(s)
+            streams.append(st)
+            if s.draft_token_ids:   # a verification: its last token and its drafts, one chunk
+                ids.extend((s.tokens(s.num_computed, s.num_computed + 1) + s.draft_token_ids)[lo:hi])
+                st.layers[0].seq.verifying = True
+            else:
+                ids.extend(s.tokens(s.num_computed + lo, s.num_computed + hi))
             lens.append(hi - lo)
             offsets.append(lo)
         return int64_tensor(ids, self.device), V4Meta.build(lens, streams, self.device, offsets)
+
+    def execute(self, batch: ScheduledBatch, plan, on_layer=None):
+        """ModelRunner.execute, then each verification's streams keep its last token and the accepted drafts only:
+        the compressors' states go back to the first rejected draft (attention_v4/paged.py PagedSequence.rewind)
+        and the streams count the kept tokens, as the scheduler's num_computed will."""
+        result = super().execute(batch, plan, on_layer)
+        for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            if s.draft_token_ids:
+                keep = 1 + len(result.accepted[b].tokens)
+                st = self.kv.streams[s.request_id]
+                st.layers[0].seq.rewind(s.num_computed + keep if keep < n else None)
+                st.num_tokens = s.num_computed + keep
+        return result
 
     def _forward_split(self, batch: ScheduledBatch, plan) -> torch.Tensor:
         hidden = super()._forward_split(batch, plan)

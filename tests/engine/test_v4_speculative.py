@@ -1,0 +1,201 @@
+"""Speculative decoding with DeepSeek-V4 (n-gram drafts): a verification is one chunk of a sequence's last token and
+its drafts, and the rejected drafts must leave no trace in its streams.
+
+- The compressor's Rewind rebuilds, for every position of a chunk, the state feeding only the tokens before it
+  gives (CSA with its overlap rows, HCA), to float32 rounding (the projections of 7 rows and of 1 round apart).
+- Greedy outputs (tokens, logprobs within 1e-4) equal without speculation on launch/tiny_cycle's V4 model (drafts
+  mostly right, some rejected, so windows close on rejected drafts), both layer orders, k = 1 and 3, with DBO
+  cutting verification chunks between microbatches, under KV pressure with preemption and prefix caching, and
+  with stop tokens inside the accepted drafts; every pool is whole after.
+- Sampling with drafts is seeded (two engines agree); DP/EP ranks: tests/engine/test_v4_wide_ep.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from attention_mla.rope import RotaryEmbedding
+from attention_v4.compressor import Compressor, CompressorState
+from engine import LLM, SamplingParams
+from engine.front.engine import Engine
+from launch.tiny_cycle import cycle_prompts, make_v4_cycle_checkpoint
+from launch.tiny_v4 import PRO
+from tests.engine.test_engine import drive, workload
+from tests.engine.test_speculative import ngram, same
+
+V4 = dict(dtype="float32", progress=False, enable_prefix_caching=False, block_size=16)
+
+
+# -- the compressor's rewind -------------------------------------------------------------------------------------
+def _rope():
+    from attention_mla.config import RopeConfig
+    return RotaryEmbedding(RopeConfig(dim=8))
+
+
+def _fed(comp: Compressor, x: torch.Tensor, p0: int, rope) -> CompressorState:
+    """The state after feeding x's first p0 rows in one chunk."""
+    st = CompressorState.empty(comp.width, x.device, x.dtype)
+    if p0:
+        comp(x[:p0], st, rope)
+    return st
+
+
+@pytest.mark.parametrize("ratio,overlap", [(4, True), (16, False), (4, False)])
+@pytest.mark.parametrize("p0", [0, 3, 4, 13, 30])
+def test_rewind_gives_the_state_of_the_kept_tokens(ratio, overlap, p0):
+    torch.manual_seed(ratio + p0)
+    comp = Compressor(24, 16, ratio, overlap, 1e-6)
+    with torch.no_grad():
+        for p in comp.parameters():
+            p.copy_(torch.randn_like(p))
+    rope = _rope()
+    T = 7 if ratio == 4 else 20   # spans windows that close inside the chunk
+    x = torch.randn(p0 + T, 24)
+    with torch.no_grad():
+        st = _fed(comp, x, p0, rope)
+        st.keep = True
+        comp(x[p0:], st, rope)
+        rw = st.rewind
+        assert rw.start == p0 // ratio * ratio and rw.end == p0 + T
+        for p in range(p0, p0 + T + 1):
+            got, want = rw.state_at(p), _fed(comp, x, p, rope)
+            assert got.entries == want.entries == p // ratio
+            for a, b in ((got.buf_kv, want.buf_kv), (got.buf_gate, want.buf_gate)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"position {p}")
+            if want.prev_kv is None:
+                assert got.prev_kv is None
+            else:
+                for a, b in ((got.prev_kv, want.prev_kv), (got.prev_gate, want.prev_gate)):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"position {p}")
+        with pytest.raises(ValueError, match="the chunk's rows cover"):
+            rw.state_at(p0 + T + 1)
+
+
+# -- through the engine ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["flash", "pro"])
+def cycle(request, tmp_path_factory):
+    """mix 0.25: the model mostly continues its cycle (acceptance ~0.85 at k = 3), and drafts still fail often
+    enough to reject inside CSA (4:1) and HCA (16:1) windows."""
+    kw = {} if request.param == "flash" else dict(layer_types=PRO)
+    return make_v4_cycle_checkpoint(str(tmp_path_factory.mktemp("v4cyc")), period=12, mix=0.25, gain=20.0, seed=1,
+                                    **kw)
+
+
+def _generate(d, prompts, spec=None, max_tokens=40, sp=None, **kw):
+    llm = LLM(d, speculative_config=spec, **dict(V4, **kw))
+    sp = sp or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    m, core = llm.engine.metrics(), llm.engine.core
+    assert all(a.num_free == a.num_blocks for a in core.blocks.allocators.values()), core.blocks.usage()
+    assert core.blocks.free_slots == core.blocks.num_slots and core.kv.streams == {}
+    llm.shutdown()
+    return outs, m
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equal_with_drafts(cycle, k):
+    d, nxt = cycle
+    prompts = cycle_prompts(nxt, 8, 30, seed=0)
+    ref, _ = _generate(d, prompts)
+    got, m = _generate(d, prompts, ngram(k))
+    same(got, ref)
+    rate = m["spec_decode_acceptance_rate"]
+    assert m["spec_decode_num_draft_tokens"] > 20 and 0.3 < rate < 1.0, (m["spec_decode_num_draft_tokens"], rate)
+    assert len(m["spec_decode_num_accepted_tokens_per_pos"]) == k
+
+
+def test_dbo_cuts_verifications_between_microbatches(cycle):
+    """Blocks of 4 tokens and DBO from 2 tokens: steps of a few verifications split mid-chunk, the second part's
+    compressor states continue the first's; the rewind takes the part whose rows reach the first rejection."""
+    d, nxt = cycle
+    prompts = cycle_prompts(nxt, 3, 30, seed=4)
+    ref, _ = _generate(d, prompts, block_size=4)
+    llm = LLM(d, speculative_config=ngram(3), **dict(V4, block_size=4,
+                                                     dbo={"enabled": True, "prefill_token_threshold": 2}))
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    got = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    same(got, ref)
+    m = llm.engine.metrics()
+    assert llm.engine.core.split_steps > 0 and 0 < m["spec_decode_acceptance_rate"] < 1
+    llm.shutdown()
+
+
+def test_greedy_equal_under_preemption_with_prefix_caching(cycle):
+    """Random arrivals, pools that force preemption, prefix caching on (shared starts hit, boundary state rows
+    written by steps whose drafts were then rejected): every output equals the request run alone without
+    speculation, and every pool is whole after."""
+    d, nxt = cycle
+    reqs = workload(24, seed=3, max_prompt=50, max_new=30, last_arrival=20)
+    ps = cycle_prompts(nxt, 24, 30, seed=9)
+    shared = ps[0][:32]
+    for i, (r, p) in enumerate(zip(reqs, ps)):
+        r["prompt"] = (shared if i % 2 else []) + p[:max(2, len(r["prompt"]) % 30)]
+    eng = Engine(d, **dict(V4, block_size=8, kv_cache_blocks=16, max_num_seqs=6, max_num_batched_tokens=48,
+                           enable_prefix_caching=True, speculative_config=ngram(3)))
+    got = drive(eng, reqs)
+    core, m = eng.core, eng.metrics()
+    assert core.scheduler.num_preemptions > 0 and m["spec_decode_num_accepted_tokens"] > 0
+    assert core.blocks.hit_tokens > 0
+    assert all(a.num_free == a.num_blocks for a in core.blocks.allocators.values()), core.blocks.usage()
+    eng.shutdown()
+    llm = LLM(d, **V4)
+    for r in reqs:
+        want = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
+                                                          ignore_eos=True))
+        assert got[r["id"]] == want[0].outputs[0].token_ids, r["id"]
+    llm.shutdown()
+
+
+def test_stop_tokens_inside_accepted_drafts(cycle):
+    d, nxt = cycle
+    prompt = cycle_prompts(nxt, 1, 30, seed=2)[0]
+    base = _generate(d, [prompt], max_tokens=30)[0][0]
+    for i in (5, 14):
+        stop = base.token_ids[i]
+        first = base.token_ids.index(stop)
+        sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
+        out = _generate(d, [prompt], ngram(3), sp=sp)[0][0]
+        assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
+
+
+def test_sampling_with_drafts_is_seeded(cycle):
+    d, nxt = cycle
+    prompts = cycle_prompts(nxt, 3, 30, seed=5)
+    sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=7, ignore_eos=True)
+    runs = [_generate(d, prompts, ngram(2), sp=sp) for _ in range(2)]
+    assert [o.token_ids for o in runs[0][0]] == [o.token_ids for o in runs[1][0]]
+    assert all(len(o.token_ids) == 30 for o in runs[0][0]) and runs[0][1]["spec_decode_num_accepted_tokens"] > 0
+
+
+# -- DP/EP ranks ---------------------------------------------------------------------------------------------
+def _rank_spec(model_dir: str, ep: int, prompts: list[list[int]]) -> dict:
+    from engine import LLM, SamplingParams
+    llm = LLM(model_dir, dp_size=ep, ep_size=ep, parallel={"timeout_s": 60.0}, speculative_config=ngram(3),
+              dbo={"enabled": True, "prefill_token_threshold": 2}, **dict(V4, block_size=4))
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
+    outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    spec = llm.engine.core.scheduler.speculator   # this rank's own drafts
+    out = {"rank": llm.ctx.rank, "tokens": [o.token_ids for o in outs],
+           "logprobs": [[list(d.values())[0] for d in o.logprobs] for o in outs],
+           "split_steps": llm.engine.core.split_steps, "accepted": spec.num_accepted_tokens,
+           "drafts": spec.num_draft_tokens}
+    llm.shutdown()
+    return out
+
+
+@pytest.mark.multirank
+def test_drafts_on_2_ep_ranks_with_dbo(cycle):
+    """2 DP/EP ranks, DBO on: each rank verifies its own sequences' drafts (k fixed per step, a rank without drafts
+    runs its plain rows) in the same all-to-alls; outputs equal one process without speculation."""
+    from tests.parallel.spawn import spawn
+    d, nxt = cycle
+    prompts = cycle_prompts(nxt, 5, 30, seed=11)
+    ref, _ = _generate(d, prompts, max_tokens=30, block_size=4)
+    ranks = spawn(_rank_spec, 2, args=(d, 2, prompts), timeout_s=300)
+    for r in ranks:
+        assert r["tokens"] == [o.token_ids for o in ref]
+        for got, want in zip(r["logprobs"], ref):
+            assert got == pytest.approx([list(x.values())[0] for x in want.logprobs], abs=1e-4)
+    assert all(r["accepted"] > 0 for r in ranks) and any(r["split_steps"] > 0 for r in ranks)
