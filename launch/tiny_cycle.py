@@ -97,12 +97,20 @@ def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gai
 
 
 def make_v4_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gain: float = 1.0, seed: int = 0,
+                             mtp: bool = False, mtp_hidden: float = 0.05, mtp_mix: float | None = None,
                              **overrides) -> tuple[str, list[int]]:
     """make_cycle_checkpoint for DeepSeek-V4 (launch/tiny_v4.py, saved by transformers; overrides: its
     DeepseekV4Config fields): head row v := the embedding of cycle^-1(v) (times `gain`), and every attention's
     wo_b and every expert's w2 (shared ones too) scaled by `mix`. The hyper-connections mix residual streams that
     all start as the token's embedding, so the head still sees it: the logits peak at cycle(t) where the layers'
-    perturbation is small. -> (the checkpoint directory, nxt [V])."""
+    perturbation is small. -> (the checkpoint directory, nxt [V]).
+
+    mtp: also MTP block 0 in DeepSeek's names (`mtp.0.*`; transformers saves none), a sliding-window block built to
+    predict the token after next the same way: its attention, MoE and hyper-connections are decoder layer 2's
+    (its compressor and indexer left out), wo_b and w2 scaled by `mtp_mix` (default `mix`); e_proj is the identity
+    and h_proj `mtp_hidden` x a random map, so its input is the normed embedding of token i + 1 plus a little of the
+    target's streams; its norms are ones and its head the model's: its argmax is then cycle(token i + 1), the
+    target's own next prediction, wherever the block's perturbation is small."""
     from safetensors.torch import load_file, save_file
 
     from .tiny_v4 import tiny_v4_model
@@ -118,5 +126,18 @@ def make_v4_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, 
     for name in list(t):
         if name.endswith((".attn.wo_b.weight", ".w2.weight")):
             t[name] = (t[name] * mix).contiguous()
+    if mtp:
+        H, src = emb.shape[1], "model.layers.2."
+        scale = mix if mtp_mix is None else mtp_mix
+        for name in [n for n in t if n.startswith(src) and ".compressor." not in n and ".indexer." not in n]:
+            v = t[name]
+            if name.endswith((".attn.wo_b.weight", ".w2.weight")):
+                v = v / mix * scale
+            t["mtp.0." + name[len(src):]] = v.clone().contiguous()
+        g = torch.Generator().manual_seed(seed + 1)
+        t |= {"mtp.0.e_proj.weight": torch.eye(H), "mtp.0.h_proj.weight": torch.randn(H, H, generator=g) * mtp_hidden
+              / H ** 0.5, "mtp.0.enorm.weight": torch.ones(H), "mtp.0.hnorm.weight": torch.ones(H),
+              "mtp.0.norm.weight": torch.ones(H)}
+        t |= {f"mtp.0.hc_head_{k}": t[f"model.hc_head.hc_{k}"].clone() for k in ("fn", "base", "scale")}
     save_file(t, path, metadata={"format": "pt"})
     return out_dir, nxt

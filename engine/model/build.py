@@ -119,7 +119,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         if quantization not in QUANTIZATION:
             raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATION}")
         return _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num_redundant_experts, eplb,
-                        experts_backend, attention_backend, kv_cache_dtype, dispatch_options, quantization)
+                        experts_backend, attention_backend, kv_cache_dtype, dispatch_options, quantization, mtp)
     fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
     experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
                                        cfg.moe.moe_intermediate_size) if cfg.moe is not None
@@ -213,10 +213,11 @@ def _v4_experts(reader, cfg, device, dtype, experts_backend: str, quantization: 
 
 
 def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num_redundant_experts, eplb,
-             experts_backend, attention_backend, kv_cache_dtype, dispatch_options, quantization="auto"):
+             experts_backend, attention_backend, kv_cache_dtype, dispatch_options, quantization="auto", mtp=False):
     """DeepSeek-V4 (engine/model/v4_model.py): torch attention; routed experts on torch or the cpu experts kernel
     (FP4 ones kept packed: _v4_experts); no CPU decode plan. kv_cache_dtype is the pools' (engine/worker/v4_runner.py):
-    the model reads its streams in the model dtype either way."""
+    the model reads its streams in the model dtype either way. mtp: speculative method "mtp" (MTP block 0 drafts,
+    engine/worker/v4_mtp_drafter.py): the checkpoint must hold it, and it must be a sliding-window block."""
     from .v4_model import DeepseekV4Model
     if attention_backend not in ("auto", "torch"):
         raise ValueError(f"DeepSeek-V4 attention runs on the torch backend only, not attention_backend "
@@ -242,6 +243,13 @@ def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num
     model.placement = placement
     if model.mtp:   # their own initial placement, which EPLB leaves alone
         Placement.initial(len(model.mtp), E, num_physical).install(model.mtp_routing, ep_rank, ep_size, model.device)
+    if mtp and not model.mtp:
+        raise ValueError(f"speculative method 'mtp' needs the checkpoint's MTP block (mtp.0.*), but {model_dir!r} "
+                         f"holds none (num_nextn_predict_layers = {cfg.num_nextn_predict_layers}; use method 'ngram')")
+    if mtp and cfg.v4.mtp_layer_kinds[0] != "sliding":
+        raise ValueError(f"speculative method 'mtp': MTP block 0 of {model_dir!r} has {cfg.v4.mtp_layer_kinds[0]!r} "
+                         f"attention (compress_ratios past the layers); only a sliding-window MTP block drafts (its "
+                         f"compressor state would have to be rewound after every draft pass)")
     model.load_report = load_weights(reader, model.checkpoint_targets(), ignore=v4_ignore(model.owns_expert, L),
                                      progress=progress)
     model.copy_local_replicas()

@@ -163,6 +163,7 @@ class DeepseekV4Model(nn.Module):
                 raise ValueError(f"a DeepSeek-V4 model on {sh.ep_size} EP ranks needs its EP group's dispatcher")
             self.dispatcher = LocalDispatcher(ParallelContext.single(device), sh.num_physical, cfg.hidden_size)
         self.step_ops = [self.op_embed, *(op for layer in self.layers for op in layer.ops()), self.op_final_norm]
+        self.with_streams = False   # forward's rows carry their residual streams too (the MTP drafter sets it)
         self.decode_plan = None   # the CPU fast path does not take V4 layers (cpu/decode_plan.py)
         # ... and says so: the engine counts its decode steps as declined for this reason (decode_declined_<reason>)
         self.decode_plan_declined = "deepseek_v4_layers" if self.device.type == "cpu" else None
@@ -239,7 +240,11 @@ class DeepseekV4Model(nn.Module):
         s.put(x=e[:, None, :].expand(-1, self.cfg.v4.hc_mult, -1).contiguous())
 
     def op_final_norm(self, s: OpState) -> None:
-        s.put(hidden=self.norm(self.hc_head(s.take("x"))))
+        x = s.take("x")
+        hidden = self.norm(self.hc_head(x))
+        if self.with_streams:   # the MTP drafter's input: each row's residual streams after the hidden state
+            hidden = torch.cat([hidden, x.flatten(1)], dim=1)
+        s.put(hidden=hidden)
 
     def forward(self, input_ids: torch.Tensor, meta: V4Meta, kv_pools=(), plan: StepPlan = StepPlan(), on_layer=None,
                 index_pools=None) -> torch.Tensor:
@@ -260,6 +265,31 @@ class DeepseekV4Model(nn.Module):
         return s.result("hidden")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H] -> logits [n, V] fp32."""
+        """hidden [n, H] (or forward's rows with_streams: their first H columns) -> logits [n, V] fp32."""
         w = self.embed.weight if self.head is None else self.head.weight
-        return (hidden @ w.t()).float()
+        return (hidden[:, :self.cfg.hidden_size] @ w.t()).float()
+
+    # -- the MTP blocks as a drafter -------------------------------------------------------------------------
+    def streams_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of forward's output with_streams [T, H + n H] -> their residual streams [T, n, H]."""
+        H = self.cfg.hidden_size
+        return rows[:, H:].view(rows.shape[0], self.cfg.v4.hc_mult, H)
+
+    def mtp_forward(self, k: int, next_ids: torch.Tensor, streams: torch.Tensor, meta: V4Meta,
+                    plan: StepPlan = StepPlan()) -> torch.Tensor:
+        """MTP block k over rows whose next tokens are next_ids [T] and whose residual streams (the main model's, or
+        this block's previous pass) are streams [T, n, H] -> the block's output streams [T, n, H]. meta: the rows'
+        chunks and their streams (the block's layer L + k of them); num_tokens is left as it is (collective: every
+        rank calls it, T may be 0)."""
+        block = self.mtp[k]
+        x = block.e_proj(block.enorm(self.embed(next_ids)))[:, None] + block.h_proj(block.hnorm(streams))
+        s = OpState(Microbatch(0, next_ids, meta, [], plan, self.dispatcher), x=x)
+        for op in block.ops():
+            if op is not YIELD:
+                op(s)
+        return s.result("x")
+
+    def mtp_logits(self, k: int, streams: torch.Tensor) -> torch.Tensor:
+        """MTP block k's output streams [T, n, H] -> logits [T, V] fp32 (the main model's head)."""
+        block = self.mtp[k]
+        return self.logits(block.norm(block.hc_head(streams)))

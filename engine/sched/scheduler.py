@@ -147,7 +147,7 @@ class Scheduler:
         """Grow s's blocks `lookahead` slots past this step's n tokens if that leaves a free block for each of
         the `others` running sequences still to be scheduled (lookahead slots are optional: no preemption)."""
         need = self.blocks.missing(s, n + self.lookahead)
-        if need > 0 and self.blocks.num_free - need >= others:
+        if need > 0 and self.blocks.num_free - need >= others and self.blocks.can_grow(s, n + self.lookahead):
             self.blocks.grow(s, n + self.lookahead)
 
     def schedule(self) -> ScheduledBatch:

@@ -110,6 +110,10 @@ class V4BlockManager:
             need[s] = g.entry_blocks(s, c + n) - len(getattr(t, s) if t is not None else ())
         return need, new_window
 
+    def missing(self, seq: Sequence, n: int) -> int:
+        """Blocks of every pool that tokens [c, c+n) still need (the scheduler's lookahead check)."""
+        return sum(max(0, k) for k in self._missing(seq, n)[0].values())
+
     def can_grow(self, seq: Sequence, n: int) -> bool:
         if seq.stream_tables is None and not self._free_slots:
             return False

@@ -71,9 +71,7 @@ def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
 def refuse_v4(cfg: EngineConfig) -> None:
     """What the engine does not do with DeepSeek-V4's KV streams yet: an error now, not wrong tokens later."""
     why = [(cfg.kv_cache_dtype not in V4_KV_CACHE_DTYPES,
-            f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the model dtype or fp8: 'auto', 'fp8')"),
-           (cfg.speculative.method == "mtp", "speculative method 'mtp' (its MTP blocks load, but no drafter runs "
-                                             "them yet): use 'ngram'")]
+            f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the model dtype or fp8: 'auto', 'fp8')")]
     bad = [w for on, w in why if on]
     if bad:
         raise ValueError("DeepSeek-V4 does not support " + "; ".join(bad) + " yet")
@@ -137,10 +135,14 @@ class EngineCore:
                 self.auto = AutoSwitch()
         self.runner = (ModelRunner if mcfg.v4 is None else V4Runner)(self.model, self.kv, overlap)
         self.runner.grammars = lambda: self.grammars
-        if getattr(self.model, "drafter", None) is not None:   # (DeepSeek-V4 has none)
-            from .mtp_drafter import MTPDrafter
-            k = cfg.speculative.num_speculative_tokens
-            self.runner.drafter = MTPDrafter(self.model.drafter, self.kv, k)
+        k = cfg.speculative.num_speculative_tokens
+        if getattr(self.model, "drafter", None) is not None or (mcfg.v4 is not None and cfg.speculative.method == "mtp"):
+            if mcfg.v4 is None:
+                from .mtp_drafter import MTPDrafter
+                self.runner.drafter = MTPDrafter(self.model.drafter, self.kv, k)
+            else:   # MTP block 0, its window in layer L of the pools
+                from .v4_mtp_drafter import V4MTPDrafter
+                self.runner.drafter = V4MTPDrafter(self.model, self.kv, k)
             self.runner.speculator = self.scheduler.speculator
             self.scheduler.lookahead = k - 1
         self.split_steps = 0
@@ -178,7 +180,7 @@ class EngineCore:
         if mcfg.v4 is not None:
             return V4StreamCache(self.model, cfg.kv_cache_memory, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                                  cfg.max_num_batched_tokens, cfg.kv_cache_blocks, cfg.enable_prefix_caching,
-                                 cfg.kv_cache_dtype)
+                                 cfg.kv_cache_dtype, mtp_layers=int(cfg.speculative.method == "mtp"))
         index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
         layers = mcfg.num_hidden_layers + (self.model.drafter is not None)   # the MTP drafter's own latents last
         fp8 = latent_layout(cfg.kv_cache_dtype, mcfg.mla.kv_lora_rank, mcfg.mla.qk_rope_head_dim, dt)

@@ -65,6 +65,8 @@ def _keeps(s) -> bool:
 
 
 class MTPDrafter:
+    defers = True   # backing-off sequences' rows wait in a Stash (DeepSeek-V4's drafter runs them at once)
+
     def __init__(self, layer, kv, k: int):
         self.layer, self.kv, self.k = layer, kv, k
         self.device = layer.head.weight.device
@@ -102,7 +104,7 @@ class MTPDrafter:
             stashed = st.rows if st is not None and st.end == s.num_computed else 0
             if nxt_ok:
                 want = self.k
-            elif s.draft_token_ids or stashed + n > STASH_ROWS:
+            elif s.draft_token_ids or stashed + n > STASH_ROWS or not self.defers:
                 want = max(want, 1)
             else:
                 continue   # its rows go to its stash
@@ -117,12 +119,10 @@ class MTPDrafter:
         for _ in range(plan.draft_passes):
             self._forward([], empty, [], [], [], plan)
 
-    @torch.inference_mode()
-    def draft(self, batch, hidden: torch.Tensor, result, plan, speculator) -> None:
-        """After the target's step (before the scheduler applies result): pass 1 and the draft passes; each
-        sequence that sampled gets its drafts in s.spec.mtp_drafts."""
-        passes, plan = plan.draft_passes, dataclasses.replace(plan, split=False)
-        seqs, stashing = [], []   # (s, sampled token, first row in hidden, rows, its stash or None, drafts next)
+    def _collect(self, batch, hidden: torch.Tensor, result, passes: int, speculator) -> list[tuple]:
+        """The first pass's sequences: (s, sampled token, first row in hidden, the tokens after its rows, its stash
+        or None, drafts next step). Rows of sequences that will not draft next step go to their stash instead."""
+        seqs, stashing = [], []
         start = 0
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             c, r0 = s.num_computed, start
@@ -140,7 +140,8 @@ class MTPDrafter:
             st, nxt_ok = speculator.state(s), speculator.may_draft_next(s)
             st.mtp_drafts = []
             stash = st.stash if st.stash is not None and st.stash.end == c else None
-            if not nxt_ok and not s.draft_token_ids and (stash.rows if stash else 0) + len(nxt) <= STASH_ROWS:
+            if (self.defers and not nxt_ok and not s.draft_token_ids
+                    and (stash.rows if stash else 0) + len(nxt) <= STASH_ROWS):
                 if stash is None:
                     stash = Stash(c)
                 stashing.append((stash, r0, nxt))
@@ -155,10 +156,18 @@ class MTPDrafter:
             for stash, _, nxt in stashing:
                 stash.add(nxt, g[o:o + len(nxt)])
                 o += len(nxt)
+        if not passes and seqs:
+            raise RuntimeError("MTP drafter: rows to run but the step agreed on no pass (wanted() and draft() "
+                               "disagree)")
+        return seqs
+
+    @torch.inference_mode()
+    def draft(self, batch, hidden: torch.Tensor, result, plan, speculator) -> None:
+        """After the target's step (before the scheduler applies result): pass 1 and the draft passes; each
+        sequence that sampled gets its drafts in s.spec.mtp_drafts."""
+        passes, plan = plan.draft_passes, dataclasses.replace(plan, split=False)
+        seqs = self._collect(batch, hidden, result, passes, speculator)
         if not passes:
-            if seqs:
-                raise RuntimeError("MTP drafter: rows to run but the step agreed on no pass (wanted() and draft() "
-                                   "disagree)")
             return
         bs = self.kv.block_size
         ids, pos, slots, pieces, live = [], [], [], [], []

@@ -143,9 +143,14 @@ class ModelRunner:
             hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer,
                                 index_pools=self.kv.index_pools)
         self._results(batch, hidden, result)
+        self.sampled(batch, result)
         if self.drafter is not None:
             self.drafter.draft(batch, hidden, result, plan, self.speculator)
         return result
+
+    def sampled(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """After sampling and verification, before the drafter: nothing here (the paged cache's rejected slots are
+        rewritten later); DeepSeek-V4's runner rewinds its verifications' streams."""
 
     def _results(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult) -> None:
         """Sample (or verify) the rows of `hidden` [T, H] that predict a next token; prompt logprobs."""

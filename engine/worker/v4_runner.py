@@ -42,11 +42,12 @@ class V4StreamCache:
 
     def __init__(self, model, memory: int | None, block_size: int, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int, num_blocks: int | dict[str, int] | None = None,
-                 prefix_caching: bool = False, kv_cache_dtype: str = "auto"):
+                 prefix_caching: bool = False, kv_cache_dtype: str = "auto", mtp_layers: int = 0):
         """num_blocks: None (size from memory), N (every pool holds N * block_size tokens' streams) or
-        stream -> blocks. kv_cache_dtype: "auto" (the model dtype) | "fp8" (attention_v4/fp8.py)."""
+        stream -> blocks. kv_cache_dtype: "auto" (the model dtype) | "fp8" (attention_v4/fp8.py). mtp_layers: the
+        MTP blocks that draft (speculative method "mtp"): their streams are layers L, L + 1, ... of every pool."""
         v4, elt = model.cfg.v4, torch.empty(0, dtype=model.dtype).element_size()
-        att, kinds = v4.attention, v4.layer_kinds
+        att, kinds = v4.attention, v4.layer_kinds + v4.mtp_layer_kinds[:mtp_layers]
         self.model, self.block_size = model, block_size
         self.kv_cache_dtype = check_v4_kv_cache_dtype(kv_cache_dtype)
         g = self.geometry = StreamGeometry.of(att, kinds, block_size, prefix_caching)
@@ -168,18 +169,16 @@ class V4Runner(ModelRunner):
             offsets.append(lo)
         return int64_tensor(ids, self.device), V4Meta.build(lens, streams, self.device, offsets)
 
-    def execute(self, batch: ScheduledBatch, plan, on_layer=None):
-        """ModelRunner.execute, then each verification's streams keep its last token and the accepted drafts only:
-        the compressors' states go back to the first rejected draft (attention_v4/paged.py PagedSequence.rewind)
-        and the streams count the kept tokens, as the scheduler's num_computed will."""
-        result = super().execute(batch, plan, on_layer)
+    def sampled(self, batch: ScheduledBatch, result) -> None:
+        """Each verification's streams keep its last token and the accepted drafts only: the compressors' states go
+        back to the first rejected draft (attention_v4/paged.py PagedSequence.rewind) and the streams count the kept
+        tokens, as the scheduler's num_computed will (the MTP drafter, next, reads them so)."""
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if s.draft_token_ids:
                 keep = 1 + len(result.accepted[b].tokens)
                 st = self.kv.streams[s.request_id]
                 st.layers[0].seq.rewind(s.num_computed + keep if keep < n else None)
                 st.num_tokens = s.num_computed + keep
-        return result
 
     def _forward_split(self, batch: ScheduledBatch, plan) -> torch.Tensor:
         hidden = super()._forward_split(batch, plan)

@@ -135,7 +135,6 @@ def test_too_little_memory_for_the_fixed_streams_is_named(v4):
 @pytest.mark.parametrize("options,match", [
     (dict(kv_cache_dtype="fp4"), r"kv_cache_dtype 'fp4' \(V4 streams are kept in the model dtype or fp8"),
     (dict(kv_cache_dtype="fp4_e2m1"), r"kv_cache_dtype 'fp4_e2m1'"),
-    (dict(speculative_config=dict(method="mtp", num_speculative_tokens=2)), r"speculative method 'mtp'"),
 ])
 def test_what_v4_does_not_do_yet_is_refused(v4, options, match):
     hf, d = v4

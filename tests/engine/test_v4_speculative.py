@@ -199,3 +199,134 @@ def test_drafts_on_2_ep_ranks_with_dbo(cycle):
         for got, want in zip(r["logprobs"], ref):
             assert got == pytest.approx([list(x.values())[0] for x in want.logprobs], abs=1e-4)
     assert all(r["accepted"] > 0 for r in ranks) and any(r["split_steps"] > 0 for r in ranks)
+
+
+# -- MTP: block 0 drafts -----------------------------------------------------------------------------------------
+def mtp(k=3, **kw):
+    return dict(method="mtp", num_speculative_tokens=k, **kw)
+
+
+@pytest.fixture(scope="module", params=["flash", "pro"])
+def mtp_cycle(request, tmp_path_factory):
+    """launch/tiny_cycle.py's V4 model with an MTP block built to predict the token after next (acceptance ~0.86
+    at k = 3 on the flash order)."""
+    kw = {} if request.param == "flash" else dict(layer_types=PRO)
+    return make_v4_cycle_checkpoint(str(tmp_path_factory.mktemp("v4mtp")), period=12, mix=0.25, gain=20.0, seed=1,
+                                    mtp=True, **kw)
+
+
+@torch.no_grad()
+def test_mtp_drafts_are_the_blocks_argmax_over_a_dense_reference(mtp_cycle):
+    """After a prompt's prefill the sequence's k drafts are the MTP block's argmax as a dense reference computes
+    them: the target over the prompt (its residual streams), the block over positions 0..P-1 with each next token,
+    then its own output and draft fed back one position at a time."""
+    from attention_v4.streams import SequenceStreams, V4Meta
+    d, nxt = mtp_cycle
+    prompt = cycle_prompts(nxt, 1, 30, seed=3)[0]
+    eng = Engine(d, **dict(V4, speculative_config=mtp(3)))
+    eng.add_request("a", prompt, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    first = eng.step()[0].outputs[0].token_ids
+    assert len(first) == 1
+    s = eng.core.scheduler.running[0]
+    model, v4 = eng.core.model, eng.core.model.cfg.v4
+    st = SequenceStreams.empty(v4.attention, v4.layer_kinds + v4.mtp_layer_kinds[:1], model.device, model.dtype)
+    P = len(prompt)
+    rows = model(torch.tensor(prompt), V4Meta.build([P], [st]))
+    assert model.logits(rows[-1:]).argmax().item() == first[0]
+    out = model.mtp_forward(0, torch.tensor(prompt[1:] + first), model.streams_of(rows), V4Meta.build([P], [st],
+                                                                                                       offsets=[-P]))
+    out, want = out[-1:], []
+    for j in range(3):
+        if j:
+            out = model.mtp_forward(0, torch.tensor(want[-1:]), out, V4Meta.build([1], [st], offsets=[j - 1]))
+        want.append(model.mtp_logits(0, out).argmax().item())
+    assert s.spec.mtp_drafts == want
+    eng.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_greedy_equal_and_accepted(mtp_cycle, k):
+    d, nxt = mtp_cycle
+    prompts = cycle_prompts(nxt, 6, 30, seed=0)
+    ref, _ = _generate(d, prompts)
+    got, m = _generate(d, prompts, mtp(k))
+    same(got, ref)
+    rate = m["spec_decode_acceptance_rate"]
+    assert m["spec_decode_num_draft_tokens"] > 100 and 0.6 < rate < 1.0, (m["spec_decode_num_draft_tokens"], rate)
+    assert m["spec_decode_mean_acceptance_length"] > 1.5
+
+
+def test_mtp_with_dbo_preemption_and_prefix_caching(mtp_cycle):
+    """DBO cutting steps, pools that force preemption, prefix caching (hits restore the MTP layer's window rows
+    with the others'): every output equals the request run alone without speculation; every pool whole after."""
+    d, nxt = mtp_cycle
+    reqs = workload(16, seed=8, max_prompt=50, max_new=30, last_arrival=12)
+    ps = cycle_prompts(nxt, 16, 30, seed=12)
+    shared = ps[0][:32]
+    for i, (r, p) in enumerate(zip(reqs, ps)):
+        r["prompt"] = (shared if i % 2 else []) + p[:max(2, len(r["prompt"]) % 30)]
+    eng = Engine(d, **dict(V4, block_size=8, kv_cache_blocks=16, max_num_seqs=6, max_num_batched_tokens=48,
+                           enable_prefix_caching=True, speculative_config=mtp(3),
+                           dbo={"enabled": True, "prefill_token_threshold": 2}))
+    got = drive(eng, reqs)
+    core, m = eng.core, eng.metrics()
+    assert core.scheduler.num_preemptions > 0 and core.blocks.hit_tokens > 0 and core.split_steps > 0
+    assert m["spec_decode_acceptance_rate"] > 0.5
+    assert all(a.num_free == a.num_blocks for a in core.blocks.allocators.values()), core.blocks.usage()
+    eng.shutdown()
+    llm = LLM(d, **V4)
+    for r in reqs:
+        want = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
+                                                          ignore_eos=True))
+        assert got[r["id"]] == want[0].outputs[0].token_ids, r["id"]
+    llm.shutdown()
+
+
+def test_mtp_stop_tokens_and_sampling(mtp_cycle):
+    d, nxt = mtp_cycle
+    prompt = cycle_prompts(nxt, 1, 30, seed=2)[0]
+    base = _generate(d, [prompt], max_tokens=30)[0][0]
+    stop = base.token_ids[9]
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop])
+    out = _generate(d, [prompt], mtp(3), sp=sp)[0][0]
+    assert out.token_ids == base.token_ids[:base.token_ids.index(stop) + 1] and out.finish_reason == "stop"
+    sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, seed=7, ignore_eos=True)
+    runs = [_generate(d, [prompt], mtp(2), sp=sp) for _ in range(2)]
+    assert runs[0][0][0].token_ids == runs[1][0][0].token_ids and len(runs[0][0][0].token_ids) == 30
+    assert runs[0][1]["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_mtp_without_the_block_is_refused(cycle):
+    d, _ = cycle   # no mtp.* tensors
+    with pytest.raises(ValueError, match=r"speculative method 'mtp' needs the checkpoint's MTP block \(mtp\.0\.\*\)"):
+        LLM(d, speculative_config=mtp(2), **V4)
+
+
+def _rank_mtp(model_dir: str, ep: int, prompts: list[list[int]]) -> dict:
+    from engine import LLM, SamplingParams
+    llm = LLM(model_dir, dp_size=ep, ep_size=ep, parallel={"timeout_s": 60.0}, speculative_config=mtp(2),
+              dbo={"enabled": True, "prefill_token_threshold": 2}, **dict(V4, block_size=4))
+    sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
+    spec, drafter = llm.engine.core.scheduler.speculator, llm.engine.core.runner.drafter
+    out = {"tokens": [o.token_ids for o in outs], "accepted": spec.num_accepted_tokens,
+           "drafted": spec.num_draft_tokens, "passes": drafter.passes,
+           "dispatch_calls": llm.model.dispatcher.stats.as_dict()["dispatch_calls"]}
+    llm.shutdown()
+    return out
+
+
+@pytest.mark.multirank
+def test_mtp_on_2_ep_ranks_with_dbo(mtp_cycle):
+    """The MTP block's MoE is collective: both ranks run the same passes (one idle for a while: 3 prompts on 2
+    ranks of different lengths) and enter the same all-to-alls; outputs equal one process without speculation."""
+    from tests.parallel.spawn import spawn
+    d, nxt = mtp_cycle
+    prompts = cycle_prompts(nxt, 3, 30, seed=13)
+    prompts[2] = prompts[2][:6]
+    ref, _ = _generate(d, prompts, max_tokens=30, block_size=4)
+    ranks = spawn(_rank_mtp, 2, args=(d, 2, prompts), timeout_s=300)
+    for r in ranks:
+        assert r["tokens"] == [o.token_ids for o in ref]
+        assert r["accepted"] > 0.5 * r["drafted"] > 0
+    assert ranks[0]["passes"] == ranks[1]["passes"] and ranks[0]["dispatch_calls"] == ranks[1]["dispatch_calls"]
