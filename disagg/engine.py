@@ -37,11 +37,6 @@ def _check_options(options: dict, par: dict) -> None:
                          "disaggregation yet (the pools would have to re-form and re-route transfers): use \"exit\"")
     if options.get("ctx") is not None:
         raise ValueError("ctx cannot be passed when disaggregated: make_engine bootstraps the job and its pools")
-    from engine.spec_decode import SpeculativeConfig
-    spec = SpeculativeConfig.coerce(options.get("speculative_config", options.get("speculative")))
-    if spec.method == "mtp":
-        raise ValueError("speculative method 'mtp' is not supported with prefill/decode disaggregation yet (the MTP "
-                         "layer's latents are not transferred with the prompt's): use 'ngram'")
     for key in ("dbo", "eplb"):
         v = options.get(key)
         if v and (v is True or v == "auto" or (isinstance(v, dict) and v.get("enabled"))

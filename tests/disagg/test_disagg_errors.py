@@ -66,10 +66,10 @@ ONE_ONE = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 1, "ep
     (2, {"all": ONE_ONE}, {"all": {"max_num_seqs": 4}}, "max_num_seqs is set per pool"),
     (2, {"all": ONE_ONE}, {0: {"kv_cache_dtype": "fp8"}, "all": {}},   # the pools would cache latents differently
      "config mismatch: ranks [1]"),
+    (2, {"all": ONE_ONE}, {0: {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}, "all": {}},
+     "config mismatch: ranks [1]"),   # the pools would disagree about the MTP drafter's cache layer
     (2, {"all": ONE_ONE}, {"all": {"parallel": {"on_rank_loss": "continue"}}},
      'on_rank_loss = "continue" is not supported with prefill/decode disaggregation'),
-    (2, {"all": ONE_ONE}, {"all": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}},
-     "speculative method 'mtp' is not supported with prefill/decode disaggregation"),
 ])
 def test_bad_config_fails_on_every_rank(tiny, nprocs, disagg, options, message):
     options = {r: options.get(r, options.get("all", {})) for r in range(nprocs)}
