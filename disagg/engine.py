@@ -9,7 +9,9 @@
 
 Every check that can fail runs on every rank before anything connects (the same error everywhere):
 the pool sizes against the world size and the experts; options that are set per pool; then, once
-connected, that every rank got the same config, and that both pools cache latents in one dtype.
+connected, that every rank got the same config, and that both pools cache latents in one dtype and
+layout over as many layers (the checkpoints' layer counts, and the MTP drafter's layer, agree: a transfer
+sends one payload per cached layer).
 """
 from __future__ import annotations
 
@@ -77,14 +79,14 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     else:
         mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
                 "dtype": f"{kv.pools[0].dtype} ({kv.kv_cache_dtype})", "latent_dim": kv.latent_dim,
-                "index_dim": kv.index_dim}
+                "index_dim": kv.index_dim, "layers": len(kv.pools)}   # with the MTP drafter's layer
     infos: list = [None] * ctx.world_size
     with guard_collective(ctx):
         dist.all_gather_object(infos, mine, group=ctx.cpu_group)
-    if len({(i["dtype"], i["latent_dim"], i["index_dim"]) for i in infos}) > 1:
+    if len({(i["dtype"], i["latent_dim"], i["index_dim"], i.get("layers")) for i in infos}) > 1:
         raise RuntimeError("the pools cache latents differently: " + ", ".join(
-            f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']} (+ {i['index_dim']} indexer key)"
-            for r, i in enumerate(infos)))
+            f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']} (+ {i['index_dim']} indexer key) "
+            f"in {i.get('layers', 'its')} layers" for r, i in enumerate(infos)))
     pre = [i for i in infos if i["role"] == "prefill"]
     smallest = min(pre, key=lambda i: i["blocks"] * i["block_size"])
     eng.prefill_blocks = (smallest["blocks"], smallest["block_size"])
