@@ -22,8 +22,9 @@ def requests(nxt) -> list[dict]:
     prompts = cycle_prompts(nxt, 4, 45, seed=2)
     # 45 tokens > the prefill's 32-token budget: chunked, its first chunk's MTP rows travel a step before the rest
     reqs = [dict(id=f"r{i}", prompt=p[:12 + 11 * i], max_tokens=20, arrival=2 * i) for i, p in enumerate(prompts)]
-    # its first 40 tokens again: 2 blocks from the prefill rank's prefix cache, the MTP layer's rows among them
-    return reqs + [dict(id="hit", prompt=reqs[3]["prompt"][:40], max_tokens=20, arrival=14)]
+    # its first 40 tokens again, once the others are done (_rank): 2 blocks from the prefill rank's prefix cache,
+    # the MTP layer's rows among them
+    return reqs + [dict(id="hit", prompt=reqs[3]["prompt"][:40], max_tokens=20, arrival=0)]
 
 
 def _rank(model_dir: str, nxt: list[int]) -> dict | str:
@@ -43,7 +44,9 @@ def _rank(model_dir: str, nxt: list[int]) -> dict | str:
                                          for p in core.kv.layer_pools(L)], list(trailer["mtp_drafts"]))
         finish(inc, trailer)
     eng.receiver._finish = spy
-    got = drive(eng, requests(nxt))
+    *first, hit = requests(nxt)
+    got = drive(eng, first)
+    got.update(drive(eng, [hit]))   # the prefill rank has cached the whole prompt it repeats by now
     m = eng.metrics()
     eng.shutdown()
     return {"got": got, "received": received, "drafts": m["spec_decode_num_draft_tokens"],
@@ -75,7 +78,7 @@ def _prefilled_alone(model_dir: str, reqs: list[dict]) -> dict:
 
 # the decode rank's accepted / drafted on requests(), measured: v3 52 / 79, v32 19 / 68, GLM-lite 26 / 57 (a single
 # process drafting with the prefill's token budget accepts the same); the bounds leave a margin below those
-MIN_ACCEPTANCE = {"v3": 0.5, "v32": 0.25, "glm4_moe_lite": 0.35}
+MIN_ACCEPTANCE = {"v3": 0.5, "v32": 0.2, "glm4_moe_lite": 0.35}
 
 
 @pytest.fixture(scope="module", params=["v3", "v32", "glm4_moe_lite"])
