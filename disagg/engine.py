@@ -9,7 +9,9 @@
 
 Every check that can fail runs on every rank before anything connects (the same error everywhere):
 the pool sizes against the world size and the experts; options that are set per pool; then, once
-connected, that every rank got the same config, and that both pools cache latents in one dtype.
+connected, that every rank got the same config, and that both pools cache latents in one dtype and
+layout over as many layers (the checkpoints' layer counts, and the MTP drafter's layer, agree: a transfer
+sends one payload per cached layer).
 """
 from __future__ import annotations
 
@@ -37,11 +39,6 @@ def _check_options(options: dict, par: dict) -> None:
                          "disaggregation yet (the pools would have to re-form and re-route transfers): use \"exit\"")
     if options.get("ctx") is not None:
         raise ValueError("ctx cannot be passed when disaggregated: make_engine bootstraps the job and its pools")
-    from engine.spec_decode import SpeculativeConfig
-    spec = SpeculativeConfig.coerce(options.get("speculative_config", options.get("speculative")))
-    if spec.method == "mtp":
-        raise ValueError("speculative method 'mtp' is not supported with prefill/decode disaggregation yet (the MTP "
-                         "layer's latents are not transferred with the prompt's): use 'ngram'")
     for key in ("dbo", "eplb"):
         v = options.get(key)
         if v and (v is True or v == "auto" or (isinstance(v, dict) and v.get("enabled"))
@@ -82,14 +79,14 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     else:
         mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
                 "dtype": f"{kv.pools[0].dtype} ({kv.kv_cache_dtype})", "latent_dim": kv.latent_dim,
-                "index_dim": kv.index_dim}
+                "index_dim": kv.index_dim, "layers": len(kv.pools)}   # with the MTP drafter's layer
     infos: list = [None] * ctx.world_size
     with guard_collective(ctx):
         dist.all_gather_object(infos, mine, group=ctx.cpu_group)
-    if len({(i["dtype"], i["latent_dim"], i["index_dim"]) for i in infos}) > 1:
+    if len({(i["dtype"], i["latent_dim"], i["index_dim"], i.get("layers")) for i in infos}) > 1:
         raise RuntimeError("the pools cache latents differently: " + ", ".join(
-            f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']} (+ {i['index_dim']} indexer key)"
-            for r, i in enumerate(infos)))
+            f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']} (+ {i['index_dim']} indexer key) "
+            f"in {i.get('layers', 'its')} layers" for r, i in enumerate(infos)))
     pre = [i for i in infos if i["role"] == "prefill"]
     smallest = min(pre, key=lambda i: i["blocks"] * i["block_size"])
     eng.prefill_blocks = (smallest["blocks"], smallest["block_size"])

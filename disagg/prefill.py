@@ -7,11 +7,25 @@ Messages of one transfer (KVTransfer stream = the transfer id tid, prefill rank 
                                    (DSA: each followed by layer i's indexer keys [hi-lo, Dk]; DeepSeek-V4:
                                    layer i's pieces, attention_v4/transfer.py: the entries the chunk closed,
                                    and with the last chunk the window tail and the compressor states)
+                                   (speculative method "mtp": one more layer, the MTP layer's, sent after the
+                                   step: the drafter writes it once the target's forward is done)
     ... more chunks (chunked prefill, or a cached prefix sent first from the prefix cache) ...
-    trailer {token, logprob, ...}  after sampling: the first token and the prefill's timings
+    trailer {token, logprob, ...}  after sampling: the first token, the first drafts (MTP) and the prefill's timings
 A finished prefill keeps its blocks until every send has completed, so a decode rank that cannot
 take the KV yet holds this rank's cache, which in turn stops the scheduler from admitting more:
 back-pressure, nothing dropped. Legend: L layers, D = kv_lora_rank + rope dim, T tokens.
+
+MTP speculative decoding: the MTP layer's cache (the pool's last layer, engine/worker/mtp_drafter.py) travels
+with the target's, as vLLM and SGLang move the draft layer's KV with the prompt's. The prefill rank runs the
+drafter's first pass over each chunk (row i: the target's hidden state at i and the token at i + 1, the
+last row's being the first sampled token), so its latents (DSA: and its indexer keys) are complete when
+the chunk's MTP payload leaves, and the last chunk's passes also give the first step's drafts: they ride in
+the trailer and the decode rank verifies them in its first decode step. The alternative, sending the prompt's
+final hidden states [T, H] for the decode rank to run that pass itself, would send more bytes per token than
+the latent (H = 7168 > D = 576 on DeepSeek-V3) and put a prompt-length forward on the decode pool, whose steps
+are meant to stay short. The prefill rank runs the pass for every prompt that may draft (its speculator never
+turns drafting off: whether a sequence drafts is the decode rank's decision); a request that never drafts
+(penalties, logit bias: speculator.can_draft) sends the layer's rows unwritten, and the decode rank never reads them.
 """
 from __future__ import annotations
 
@@ -20,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from attention_v4.transfer import gather
+from engine.spec_decode.speculator import Speculator
 from engine.worker.messages import Abort, NewRequest
 from engine.worker.rank_loop import RankHooks
 
@@ -48,10 +63,18 @@ class PrefillHooks(RankHooks):
         self._sending: dict[str, object] = {}      # request id -> finished Sequence whose sends are in flight
         self.prefilled_tokens = 0
         self._t0 = 0.0
+        self._chunks: list = []                    # this step's (job, slots, last chunk): the MTP layer's rows follow
+        self.mtp_layer: int | None = None          # the MTP drafter's layer in the cache (method "mtp")
 
     def attach(self, core) -> None:
         self.core = core
         self.v4 = core.config.v4 is not None
+        if core.runner.drafter is not None:
+            # every prompt's MTP rows must travel, and the last row drafts: no turning drafting off here by batch
+            # size (the only thing that can on a rank that never verifies), which would leave rows in a stash
+            self.mtp_layer = core.config.num_hidden_layers
+            spec = Speculator(dataclasses.replace(core.cfg.speculative, disable_by_batch_size=None))
+            core.scheduler.speculator = core.runner.speculator = spec
 
     # -- admission ----------------------------------------------------------------------------------
     def handle(self, msg) -> bool:
@@ -119,6 +142,7 @@ class PrefillHooks(RankHooks):
             if last:
                 job.layer_done, job.send_start = [], []
             chunks.append((job, self._slots(s, lo, lo + n, last), last))
+        self._chunks = chunks
         self._t0 = time.perf_counter()
         self.prefilled_tokens += sum(batch.num_tokens)
 
@@ -134,7 +158,12 @@ class PrefillHooks(RankHooks):
     def after_step(self, batch, advanced: list) -> list:
         """Prefills that sampled their first token have left the scheduler with their blocks held
         (hold_blocks) until the sends complete; send the trailer. Nothing is reported to the front:
-        the decode rank reports the first token once the KV is there."""
+        the decode rank reports the first token once the KV is there. With the MTP drafter, every chunk's
+        MTP-layer rows go first (its first pass wrote them after the target's forward)."""
+        if self.mtp_layer is not None:
+            for job, slots, _ in self._chunks:
+                self._send_rows(job, slots, self.mtp_layer)
+        self._chunks = []
         t0 = self._t0
         stats = self.core.stats()
         for s in advanced:
@@ -143,7 +172,8 @@ class PrefillHooks(RankHooks):
             gen = s.generator.get_state() if s.generator is not None and s.params.seed is not None else None
             trailer = {"token": s.output_token_ids[0], "logprob": s.cumulative_logprob,
                        "top": s.logprobs[0] if s.logprobs else None, "prompt_logprobs": s.prompt_logprobs,
-                       "generator_state": gen, "prefill_start": s.first_scheduled_time, "first_send": job.first_send,
+                       "generator_state": gen, "mtp_drafts": list(s.spec.mtp_drafts) if s.spec is not None else [],
+                       "prefill_start": s.first_scheduled_time, "first_send": job.first_send,
                        "bytes": job.bytes, "prefill_rank": self.rank, "prefill_stats": stats,
                        "layer_done_s": [t - t0 for t in job.layer_done],
                        "send_start_s": [t - t0 for t in job.send_start], "prefill_done": time.time()}

@@ -1,7 +1,8 @@
 """Decode side of a KV transfer: wait for blocks, receive the prefill's latent KV into the paged
 cache, and hand back a Sequence that is ready to decode (its first token already sampled).
 
-Per transfer (see prefill.py for the message order): wait for blocks, then a thread receives
+Per transfer (see prefill.py for the message order; with MTP the drafter's layer is one more payload and
+its first drafts ride in the trailer): wait for blocks, then a thread receives
 header -> L layer payloads (into staging) -> header ... -> trailer, and each step copies the
 chunks that have arrived into the sequence's blocks. Nothing is received before the blocks for the
 whole prompt are allocated: until then the prefill rank's sends wait (back-pressure). Transfers are
@@ -127,6 +128,9 @@ class KVReceiver:
         if t["generator_state"] is not None:
             seq.generator.set_state(t["generator_state"])
         seq.append(t["token"], t["logprob"], t["top"])   # stamps first_token_time: TTFT includes the transfer
+        spec = self.core.scheduler.speculator
+        if t["mtp_drafts"] and spec is not None:   # the MTP drafter's, from the prompt's last row: verified next step
+            spec.state(seq).mtp_drafts = list(t["mtp_drafts"])
         # kv_transfer_s: first layer sent -> last message in (overlaps the prefill's later layers and
         # chunks); kv_exposed_s: prefill done -> first token usable here (what the transfer adds to TTFT)
         seq.extra_metrics.update({"kv_transfer_bytes": inc.bytes, "kv_transfer_s": now - (t["first_send"] or now),

@@ -42,9 +42,11 @@ def tiny(tmp_path_factory):
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg_err")), arch="v3", seed=3)
 
 
-def _build(model_dir: str, disagg_by_rank: dict, options_by_rank: dict) -> str:
+def _build(model_dir: str | dict, disagg_by_rank: dict, options_by_rank: dict) -> str:
     from disagg import make_engine
     rank = int(os.environ["RANK"])
+    if isinstance(model_dir, dict):   # a copy of the checkpoint per rank
+        model_dir = model_dir[rank]
     options = dict(options_by_rank.get(rank, {}))
     parallel = {"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5, **options.pop("parallel", {})}
     eng = make_engine(model_dir, disagg_by_rank.get(rank, disagg_by_rank["all"]), progress=False,
@@ -66,10 +68,10 @@ ONE_ONE = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 1, "ep
     (2, {"all": ONE_ONE}, {"all": {"max_num_seqs": 4}}, "max_num_seqs is set per pool"),
     (2, {"all": ONE_ONE}, {0: {"kv_cache_dtype": "fp8"}, "all": {}},   # the pools would cache latents differently
      "config mismatch: ranks [1]"),
+    (2, {"all": ONE_ONE}, {0: {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}, "all": {}},
+     "config mismatch: ranks [1]"),   # the pools would disagree about the MTP drafter's cache layer
     (2, {"all": ONE_ONE}, {"all": {"parallel": {"on_rank_loss": "continue"}}},
      'on_rank_loss = "continue" is not supported with prefill/decode disaggregation'),
-    (2, {"all": ONE_ONE}, {"all": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}},
-     "speculative method 'mtp' is not supported with prefill/decode disaggregation"),
 ])
 def test_bad_config_fails_on_every_rank(tiny, nprocs, disagg, options, message):
     options = {r: options.get(r, options.get("all", {})) for r in range(nprocs)}
@@ -77,6 +79,20 @@ def test_bad_config_fails_on_every_rank(tiny, nprocs, disagg, options, message):
     for o in outs:
         assert o.returncode not in (0, None), (o.rank, o.stderr[-1500:])
         assert message in (o.error or o.stderr), (o.rank, (o.error or o.stderr)[-1500:])
+
+
+@pytest.mark.multirank
+def test_pools_caching_different_layer_counts_fail_on_every_rank(tiny, tmp_path):
+    """The prefill rank's copy of the checkpoint has a layer less (or, with MTP, a drafter the other lacks): a
+    transfer would send fewer payloads than the decode rank waits for. Once built, every rank names both counts."""
+    from launch.tiny import make_tiny_checkpoint
+    shallow = make_tiny_checkpoint(str(tmp_path / "shallow"), arch="v3", seed=3, num_hidden_layers=3)
+    outs = run(_build, 2, args=({0: tiny, 1: shallow}, {"all": ONE_ONE}, {0: {}, 1: {}}), timeout_s=90)
+    for o in outs:
+        assert o.returncode not in (0, None), (o.rank, o.stderr[-1500:])
+        err = o.error or o.stderr
+        assert "the pools cache latents differently" in err and "in 4 layers" in err and "in 3 layers" in err, \
+            (o.rank, err[-1500:])
 
 
 def _serve_until_killed(model_dir: str, victim: int) -> None:
