@@ -22,7 +22,11 @@ between output tokens after the first (engine metrics), median over requests; de
 batch / mean TPOT. Greedy outputs of every k are checked equal to k = 0's.
 
     python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 3] [--threads 1]
-                                [--workloads ngram,mtp,ngram_rejected,mtp_rejected] [--quick]
+                                [--workloads ngram,mtp,ngram_rejected,mtp_rejected] [--quick] [--model v3|v4]
+
+--model v4: the same four workloads on DeepSeek-V4 (launch/tiny_cycle.py make_v4_cycle_checkpoint, its MTP block
+built the same way; V4_MODEL below: 8 layers of sliding / CSA / HCA attention, the torch ops); the random model of
+"ngram_rejected" is launch/tiny_v4.py's. Saved as speculative_v4.
 
 Last line (JSON): {"workloads": {name: {"batch": {B: {"k": {k: {"tpot_ms", "decode_tok_s", "speedup",
 "acceptance", "mean_acceptance_length", "backoffs"}}}}}}, "targets": {...}, "model": {...}}
@@ -50,6 +54,15 @@ MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=2048, moe_inter
              q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
              n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=4, max_position_embeddings=2048,
              initializer_range=0.05)
+# DeepSeek-V4 (launch/tiny_v4.py overrides): 8 layers, the MTP block one sliding-window layer beside them
+V4_MODEL = dict(vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=8, num_attention_heads=8,
+                head_dim=64, q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4, sliding_window=64, o_groups=2,
+                o_lora_rank=64, index_n_heads=8, index_head_dim=32, index_topk=16, qk_rope_head_dim=16,
+                layer_types=["sliding_attention", "sliding_attention"]
+                + ["compressed_sparse_attention", "heavily_compressed_attention"] * 3,
+                mlp_layer_types=["hash_moe"] * 2 + ["moe"] * 6, max_position_embeddings=2048)
+V4_QUICK = dict(V4_MODEL, num_hidden_layers=5, layer_types=V4_MODEL["layer_types"][:5],
+                mlp_layer_types=V4_MODEL["mlp_layer_types"][:5])
 QUICK = dict(MODEL, hidden_size=256, intermediate_size=1024, moe_intermediate_size=128, q_lora_rank=128,
              kv_lora_rank=64, n_routed_experts=16, num_hidden_layers=4)
 
@@ -93,6 +106,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="ngram,mtp,ngram_rejected,mtp_rejected",
                     help="which workloads run (the targets and the results file need all four; a partial run only prints)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", choices=("v3", "v4"), default="v3")
     a = ap.parse_args()
     if a.quick:
         a.batches, a.ks, a.new, a.prompt, a.trials = "1,8", "1,3", 24, 48, 1
@@ -100,22 +114,30 @@ def main() -> None:
     from engine import LLM
     from launch.tiny import make_tiny_checkpoint
     from launch.tiny_cycle import make_cycle_checkpoint
-    shape = QUICK if a.quick else MODEL
-    mix = a.mix if a.mix is not None else (0.15 if a.quick else 0.06)
+    v4 = a.model == "v4"
+    shape = (V4_QUICK if a.quick else V4_MODEL) if v4 else QUICK if a.quick else MODEL
+    mix = a.mix if a.mix is not None else 0.25 if v4 else (0.15 if a.quick else 0.06)
     batches, ks = [int(b) for b in a.batches.split(",")], [0] + [int(k) for k in a.ks.split(",")]
     result = {"workloads": {}, "model": {k: shape[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts",
                                                                "num_experts_per_tok", "vocab_size")},
               "new_tokens": a.new, "prompt_tokens": a.prompt, "trials": a.trials, "threads": a.threads,
               "dtype": "float32", "ngram_prompt_lookup": [2, 4], "cycle_mix": mix, "ngram_cycle_mix": a.ngram_mix, "mtp_mix": 0.1,
               "rejected_mtp_hidden": 20.0}
+    result["arch"] = a.model
     with tempfile.TemporaryDirectory() as tmp:
-        exact, nxt = make_cycle_checkpoint(os.path.join(tmp, "exact"), period=32, mix=a.ngram_mix, gain=20.0, seed=0,
-                                           **shape)
-        cyc, _ = make_cycle_checkpoint(os.path.join(tmp, "cycle"), period=32, mix=mix, gain=20.0, seed=0, mtp=True,
-                                       mtp_mix=0.1, **shape)
-        bad, _ = make_cycle_checkpoint(os.path.join(tmp, "bad_mtp"), period=32, mix=mix, gain=20.0, seed=0, mtp=True,
-                                       mtp_mix=0.1, mtp_hidden=20.0, **shape)
-        rnd = make_tiny_checkpoint(os.path.join(tmp, "random"), arch="v3", seed=0, **shape)
+        if v4:
+            from launch.tiny_cycle import make_v4_cycle_checkpoint as make_cycle
+            from launch.tiny_v4 import tiny_v4_model
+            rnd = os.path.join(tmp, "random")
+            tiny_v4_model(0, **shape).save_pretrained(rnd)
+        else:
+            make_cycle = make_cycle_checkpoint
+            rnd = make_tiny_checkpoint(os.path.join(tmp, "random"), arch="v3", seed=0, **shape)
+        exact, nxt = make_cycle(os.path.join(tmp, "exact"), period=32, mix=a.ngram_mix, gain=20.0, seed=0, **shape)
+        cyc, _ = make_cycle(os.path.join(tmp, "cycle"), period=32, mix=mix, gain=20.0, seed=0, mtp=True, mtp_mix=0.1,
+                            **shape)
+        bad, _ = make_cycle(os.path.join(tmp, "bad_mtp"), period=32, mix=mix, gain=20.0, seed=0, mtp=True, mtp_mix=0.1,
+                            mtp_hidden=20.0, **shape)
         for workload, method, model, kind in (("ngram", "ngram", exact, "repeats"), ("mtp", "mtp", cyc, "repeats"),
                                               ("ngram_rejected", "ngram", rnd, "alphabet"),
                                               ("mtp_rejected", "mtp", bad, "repeats")):
@@ -124,6 +146,7 @@ def main() -> None:
             rows = {}
             spec = {"ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4), "mtp": dict(method="mtp")}
             engines = {k: LLM(model, progress=False, enable_prefix_caching=False, max_num_seqs=max(batches),
+                              dtype="float32",
                               block_size=64, kv_cache_blocks=max(batches) * (-(-(a.prompt + a.new) // 64) + 1),
                               speculative_config=None if k == 0 else dict(spec[method], num_speculative_tokens=k))
                        for k in ks}
@@ -175,7 +198,7 @@ def main() -> None:
             "batch1_best_k": best, "batch1_speedup": rep[best]["speedup"], "batch1_acceptance": rep[best]["acceptance"],
             "met_1p5x_at_70pct": rep[best]["speedup"] >= 1.5 and rep[best]["acceptance"] >= 0.7,
             "rejected_worst_speedup": worst, "met_within_5pct_when_rejected": worst >= 0.95}
-    save("speculative_quick" if a.quick else "speculative", result)
+    save("speculative" + ("_v4" if v4 else "") + ("_quick" if a.quick else ""), result)
     print(json.dumps(result))
 
 

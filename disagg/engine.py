@@ -54,6 +54,11 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     _check_options(options, par)
     par = {k: v for k, v in par.items() if k not in ("dp_size", "ep_size")}
     mcfg = ModelConfig.from_dir(model)
+    from engine.spec_decode import SpeculativeConfig
+    spec = SpeculativeConfig.coerce(options.get("speculative_config", options.get("speculative")))
+    if mcfg.v4 is not None and spec.method == "mtp":
+        raise ValueError("speculative method 'mtp' with DeepSeek-V4 is not supported with prefill/decode "
+                         "disaggregation yet (the MTP block's window rows are not sent with the streams): use 'ngram'")
     world = launch_world_size()
     if world < 2:
         raise ValueError(f"prefill/decode disaggregation needs at least 2 ranks (1 prefill + 1 decode); "

@@ -1,6 +1,7 @@
 """n-gram speculative decoding on a disaggregated job (1 prefill + 1 decode rank): the decode rank drafts and
-verifies the sequences whose prompts arrived by transfer; every greedy output equals a single process without
-speculation, and drafts are accepted on the decode pool."""
+verifies the sequences whose prompts arrived by transfer (DeepSeek-V3, and DeepSeek-V4 whose streams arrive by
+attention_v4/transfer.py and are then rewound after each verification); every greedy output equals a single process
+without speculation, and drafts are accepted on the decode pool."""
 from __future__ import annotations
 
 import pytest
@@ -32,10 +33,14 @@ def _rank(model_dir: str, nxt: list[int]) -> dict | str:
             "transfers": m["kv_transfers_total"]}
 
 
-@pytest.fixture(scope="module")
-def cycle(tmp_path_factory):
-    from launch.tiny_cycle import make_cycle_checkpoint
-    return make_cycle_checkpoint(str(tmp_path_factory.mktemp("disagg_spec")), period=12, mix=2.0, gain=20.0, seed=1)
+@pytest.fixture(scope="module", params=["v3", "v4"])
+def cycle(request, tmp_path_factory):
+    from launch.tiny_cycle import make_cycle_checkpoint, make_v4_cycle_checkpoint
+    d = str(tmp_path_factory.mktemp(f"disagg_spec_{request.param}"))
+    if request.param == "v4":
+        pytest.importorskip("transformers")
+        return make_v4_cycle_checkpoint(d, period=12, mix=0.25, gain=20.0, seed=1)
+    return make_cycle_checkpoint(d, period=12, mix=2.0, gain=20.0, seed=1)
 
 
 @pytest.mark.multirank
