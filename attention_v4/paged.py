@@ -104,6 +104,7 @@ class PagedLayerStreams:
         self.cfg, self.kind, self.geo = pools.cfg, pools.kinds[layer], pools.geometry
         self.m, self.codecs, self.dtype = self.cfg.ratio(self.kind), pools.codecs, pools.dtype
         self._empty = torch.zeros(0, self.cfg.head_dim, device=pools.device, dtype=pools.dtype)
+        self.floor = 0   # window rows before this position are not read (the MTP drafter's deferred rows)
 
     def _window_index(self, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens lo .. hi-1 -> (window blocks, rows) in the pool."""
@@ -119,8 +120,8 @@ class PagedLayerStreams:
 
     def window_rows(self, p0: int) -> torch.Tensor:
         pool = self.t.get("window")
-        lo = max(0, p0 - self.geo.window)
-        if pool is None or lo == p0:
+        lo = max(self.floor, p0 - self.geo.window)
+        if pool is None or lo >= p0:
             return self._empty
         return self._read("window", pool[self._window_index(lo, p0, pool.device)])
 

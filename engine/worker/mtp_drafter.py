@@ -42,12 +42,13 @@ class Stash:
     first pass of the step before it drafts again, or when they reach STASH_ROWS; a stash that no longer ends
     where the sequence's next rows begin (preempted, recomputed) is dropped."""
 
-    __slots__ = ("start", "end", "ids", "parts")
+    __slots__ = ("start", "end", "ids", "parts", "trimmed")
 
     def __init__(self, start: int):
         self.start = self.end = start
         self.ids: list[int] = []
         self.parts: list[torch.Tensor] = []
+        self.trimmed = False   # rows before `start` were dropped (trim): their latents were never written
 
     @property
     def rows(self) -> int:
@@ -58,6 +59,13 @@ class Stash:
         self.parts.append(hidden)
         self.end += len(ids)
 
+    def trim(self, keep: int) -> None:
+        """Keep the last `keep` rows only (a sliding-window layer never reads older ones again)."""
+        if self.rows > keep:
+            self.parts = [torch.cat(self.parts)[-keep:]]
+            self.ids = self.ids[-keep:]
+            self.start, self.trimmed = self.end - keep, True
+
 
 def _keeps(s) -> bool:
     """Whether the drafter keeps s's latents: it may draft (now or later)."""
@@ -65,7 +73,8 @@ def _keeps(s) -> bool:
 
 
 class MTPDrafter:
-    defers = True   # backing-off sequences' rows wait in a Stash (DeepSeek-V4's drafter runs them at once)
+    defers = True      # backing-off sequences' rows wait in a Stash, and run once they would pass STASH_ROWS ...
+    keep_last = None   # ... unless a stash keeps only its last this many rows (DeepSeek-V4: the MTP block's window)
 
     def __init__(self, layer, kv, k: int):
         self.layer, self.kv, self.k = layer, kv, k
@@ -104,7 +113,8 @@ class MTPDrafter:
             stashed = st.rows if st is not None and st.end == s.num_computed else 0
             if nxt_ok:
                 want = self.k
-            elif s.draft_token_ids or stashed + n > STASH_ROWS or not self.defers:
+            elif (s.draft_token_ids or not self.defers
+                  or (self.keep_last is None and stashed + n > STASH_ROWS)):
                 want = max(want, 1)
             else:
                 continue   # its rows go to its stash
@@ -141,7 +151,7 @@ class MTPDrafter:
             st.mtp_drafts = []
             stash = st.stash if st.stash is not None and st.stash.end == c else None
             if (self.defers and not nxt_ok and not s.draft_token_ids
-                    and (stash.rows if stash else 0) + len(nxt) <= STASH_ROWS):
+                    and (self.keep_last is not None or (stash.rows if stash else 0) + len(nxt) <= STASH_ROWS)):
                 if stash is None:
                     stash = Stash(c)
                 stashing.append((stash, r0, nxt))
@@ -155,6 +165,8 @@ class MTPDrafter:
             o = 0
             for stash, _, nxt in stashing:
                 stash.add(nxt, g[o:o + len(nxt)])
+                if self.keep_last is not None:
+                    stash.trim(self.keep_last)
                 o += len(nxt)
         if not passes and seqs:
             raise RuntimeError("MTP drafter: rows to run but the step agreed on no pass (wanted() and draft() "

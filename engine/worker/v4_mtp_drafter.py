@@ -13,9 +13,12 @@ step's tokens); the next step's pass 1 writes those positions again when they be
 by position, so a rejected draft's rows need no rewind; a block of another kind (CSA/HCA: a compressor state) is
 refused at load.
 
-Unlike the MLA drafter, rows are never deferred to a stash while a sequence backs off: the window keeps only the
-last W positions, so deferred rows would be gone by the time they ran. A backing-off sequence therefore costs its
-rank a pass of one layer per step (the target runs L); one that keeps failing retires and costs nothing more.
+A sequence backing off defers its rows to a Stash as with the MLA drafter, but the stash keeps only its last W - 1
+rows (Stash.trim) and never has to run early: the block's queries read W positions back, so the pass before the
+sequence drafts again runs the kept rows (and the step's) as one chunk, with its window floored (the layer's view
+reads no row below the chunk when the stash dropped older ones, nor below the window blocks the sequence still
+holds). That chunk's last query sees exactly the W positions it would have seen had every row run at once; only
+the outputs of its earlier rows, which no one reads, see fewer. A backed-off sequence costs no pass.
 """
 from __future__ import annotations
 
@@ -30,18 +33,21 @@ from .mtp_drafter import MTPDrafter
 
 
 class V4MTPDrafter(MTPDrafter):
-    defers = False
-
     def __init__(self, model, kv, k: int):
         self.model, self.kv, self.k = model, kv, k
         self.device = model.device
-        self.passes = 0
+        self.passes = self.rows = 0   # forwards run; rows they ran
+        # a query reads W positions back, its own included: W - 1 deferred rows before the step's first one (the
+        # oldest of them still in a window block the sequence holds: the target's step read it)
+        self.keep_last = model.cfg.v4.attention.sliding_window - 1
+        self.layer_index = model.cfg.num_hidden_layers   # the block's layer in the pools
         model.with_streams = True
 
     def _run(self, ids: list[int], streams: torch.Tensor, lens: list[int], seqs: list, first: list[int],
              plan) -> torch.Tensor:
         """The block over chunks lens[j] of seqs[j] starting at positions first[j] -> output streams [T, n, H]."""
         self.passes += 1
+        self.rows += len(ids)
         st = [self.kv.streams[s.request_id] for s in seqs]
         meta = V4Meta.build(lens, st, self.device, [p - x.num_tokens for p, x in zip(first, st)])
         return self.model.mtp_forward(0, int64_tensor(ids, self.device), streams, meta, plan)
@@ -59,18 +65,30 @@ class V4MTPDrafter(MTPDrafter):
         seqs = self._collect(batch, hidden, result, passes, speculator)
         if not passes:
             return
-        ids, pieces, lens, firsts, live, rows = [], [], [], [], [], 0
-        for s, tok, r0, nxt, _, nxt_ok in seqs:   # (never a stash: defers is False)
+        ids, pieces, lens, firsts, live, rows, floored = [], [], [], [], [], 0, []
+        bs = self.kv.block_size
+        for s, tok, r0, nxt, stash, nxt_ok in seqs:
+            p0, m = s.num_computed, len(nxt)
+            if stash is not None:   # the deferred rows first: positions stash.start .. c - 1
+                ids.extend(stash.ids)
+                pieces.extend(stash.parts)
+                p0, m = stash.start, m + stash.rows
+                view = self.kv.streams[s.request_id].layers[self.layer_index]
+                view.floor = max(p0 if stash.trimmed else 0, min(s.stream_tables.window, default=0) * bs)
+                floored.append(view)
             ids.extend(nxt)
             pieces.append(hidden[r0:r0 + len(nxt)])
-            lens.append(len(nxt))
-            firsts.append(s.num_computed)
-            rows += len(nxt)
+            lens.append(m)
+            firsts.append(p0)
+            rows += m
             if tok is not None and nxt_ok:   # sampled this step and drafts next step
-                live.append((s, s.num_computed + len(nxt) - 1, rows - 1))   # (seq, last row's position, its row)
+                live.append((s, p0 + m - 1, rows - 1))   # (seq, last row's position, its row)
         prev = self.model.streams_of(torch.cat(pieces) if pieces else hidden[:0])
-        out = self._run(ids, prev, lens, [s for s, *_ in seqs], firsts, plan)
-        bs = self.kv.block_size
+        try:
+            out = self._run(ids, prev, lens, [s for s, *_ in seqs], firsts, plan)
+        finally:
+            for view in floored:
+                view.floor = 0
         for j in range(passes):
             if j:   # the next position, where its lookahead window block exists
                 keep = [i for i, (s, q, _) in enumerate(live) if (q + 1) // bs in s.stream_tables.window]

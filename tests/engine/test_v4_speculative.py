@@ -330,3 +330,34 @@ def test_mtp_on_2_ep_ranks_with_dbo(mtp_cycle):
         assert r["tokens"] == [o.token_ids for o in ref]
         assert r["accepted"] > 0.5 * r["drafted"] > 0
     assert ranks[0]["passes"] == ranks[1]["passes"] and ranks[0]["dispatch_calls"] == ranks[1]["dispatch_calls"]
+
+
+def test_mtp_deferred_rows_give_the_drafts_of_rows_run_at_once(mtp_cycle):
+    """Sequences backing off (a high min_acceptance, short pauses) defer their MTP rows to a stash of the last W - 1
+    rows and run them in the pass before they draft again: the same drafts (so the same acceptance, position by
+    position) as a drafter that runs every row every step, with fewer rows (one prompt: fewer passes too), and the
+    same output as no speculation."""
+    d, nxt = mtp_cycle
+    spec = mtp(3, min_acceptance=0.9, backoff_steps=12)   # pauses longer than the window: stashes trimmed
+    for n in (6, 1):
+        _deferred_vs_at_once(d, cycle_prompts(nxt, n, 30, seed=21), spec, passes_fewer=n == 1)
+
+
+def _deferred_vs_at_once(d, prompts, spec, passes_fewer):
+    ref, _ = _generate(d, prompts, max_tokens=60)
+    runs = {}
+    for defers in (True, False):
+        llm = LLM(d, speculative_config=spec, **V4)
+        drafter = llm.engine.core.runner.drafter
+        drafter.defers = defers
+        outs = [o.outputs[0] for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=60,
+                                                                          ignore_eos=True, logprobs=0))]
+        same(outs, ref)
+        m = llm.engine.metrics()
+        runs[defers] = (m["spec_decode_num_accepted_tokens_per_pos"], m["spec_decode_num_draft_tokens"],
+                        m["spec_decode_backoffs"], drafter.rows, drafter.passes)
+        llm.shutdown()
+    (acc, drafted, backoffs, rows, passes), (acc0, drafted0, _, rows0, passes0) = runs[True], runs[False]
+    assert backoffs > 0 and drafted > 0
+    assert (acc, drafted) == (acc0, drafted0), runs
+    assert rows < rows0 and (passes < passes0 or not passes_fewer), runs
