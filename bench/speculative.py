@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mix", type=float, default=None,
                     help="the cycle model's layer-output scale (launch/tiny_cycle.py): larger, fewer tokens follow the "
-                         "cycle; default 0.06 (0.15 with --quick): the MTP workloads' target, ~85-90 %% acceptance")
+                         "cycle; default 0.06 (0.15 with --quick; 0.1 with --model v4): the MTP workloads' target, ~85-90 %% acceptance")
     ap.add_argument("--ngram-mix", type=float, default=0.03,
                     help="the n-gram workload's cycle model: small enough that its greedy output stays on the prompt's "
                          "cycle (a token off it leaves the prompt's n-grams behind)")
@@ -116,7 +116,7 @@ def main() -> None:
     from launch.tiny_cycle import make_cycle_checkpoint
     v4 = a.model == "v4"
     shape = (V4_QUICK if a.quick else V4_MODEL) if v4 else QUICK if a.quick else MODEL
-    mix = a.mix if a.mix is not None else 0.25 if v4 else (0.15 if a.quick else 0.06)
+    mix = a.mix if a.mix is not None else 0.1 if v4 else (0.15 if a.quick else 0.06)
     batches, ks = [int(b) for b in a.batches.split(",")], [0] + [int(k) for k in a.ks.split(",")]
     result = {"workloads": {}, "model": {k: shape[k] for k in ("hidden_size", "num_hidden_layers", "n_routed_experts",
                                                                "num_experts_per_tok", "vocab_size")},

@@ -16,7 +16,7 @@ count the packed entries (fp4 caches are refused with V4: engine/worker/core.py)
 blocks (stream_pools; kvstore/streams.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
 (attention_v4/streams.py V4Meta), and the streams advance once both have run. Speculative decoding: a verification
-is one chunk of the sequence's last token and its drafts; after it the streams keep the accepted ones (execute).
+is one chunk of the sequence's last token and its drafts; after it the streams keep the accepted ones (sampled).
 """
 from __future__ import annotations
 

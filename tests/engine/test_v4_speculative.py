@@ -302,10 +302,10 @@ def test_mtp_without_the_block_is_refused(cycle):
         LLM(d, speculative_config=mtp(2), **V4)
 
 
-def _rank_mtp(model_dir: str, ep: int, prompts: list[list[int]]) -> dict:
+def _rank_mtp(model_dir: str, ep: int, prompts: list[list[int]], dbo: bool) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, parallel={"timeout_s": 60.0}, speculative_config=mtp(2),
-              dbo={"enabled": True, "prefill_token_threshold": 2}, **dict(V4, block_size=4))
+              dbo={"enabled": dbo, "prefill_token_threshold": 2}, **dict(V4, block_size=4))
     sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     outs = [o.outputs[0] for o in llm.generate(prompts, sp)]
     spec, drafter = llm.engine.core.scheduler.speculator, llm.engine.core.runner.drafter
@@ -317,19 +317,21 @@ def _rank_mtp(model_dir: str, ep: int, prompts: list[list[int]]) -> dict:
 
 
 @pytest.mark.multirank
-def test_mtp_on_2_ep_ranks_with_dbo(mtp_cycle):
-    """The MTP block's MoE is collective: both ranks run the same passes (one idle for a while: 3 prompts on 2
-    ranks of different lengths) and enter the same all-to-alls; outputs equal one process without speculation."""
+@pytest.mark.parametrize("ep,dbo", [(2, True), pytest.param(4, False, marks=pytest.mark.slow)])
+def test_mtp_on_ep_ranks(mtp_cycle, ep, dbo):
+    """The MTP block's MoE is collective: every rank runs the same passes (one idles for a while: prompts of
+    different lengths, 2 ranks: 3 prompts, 4 ranks: 5) and enters the same all-to-alls; outputs equal one process
+    without speculation."""
     from tests.parallel.spawn import spawn
     d, nxt = mtp_cycle
-    prompts = cycle_prompts(nxt, 3, 30, seed=13)
+    prompts = cycle_prompts(nxt, ep + 1, 30, seed=13)
     prompts[2] = prompts[2][:6]
     ref, _ = _generate(d, prompts, max_tokens=30, block_size=4)
-    ranks = spawn(_rank_mtp, 2, args=(d, 2, prompts), timeout_s=300)
+    ranks = spawn(_rank_mtp, ep, args=(d, ep, prompts, dbo), timeout_s=400)
     for r in ranks:
         assert r["tokens"] == [o.token_ids for o in ref]
         assert r["accepted"] > 0.5 * r["drafted"] > 0
-    assert ranks[0]["passes"] == ranks[1]["passes"] and ranks[0]["dispatch_calls"] == ranks[1]["dispatch_calls"]
+    assert len({r["passes"] for r in ranks}) == 1 and len({r["dispatch_calls"] for r in ranks}) == 1
 
 
 def test_mtp_deferred_rows_give_the_drafts_of_rows_run_at_once(mtp_cycle):
