@@ -217,6 +217,12 @@ ROWS = (
             lambda r: [r["targets"]["ngram"]["met_1p5x_at_70pct"], r["targets"]["mtp"]["met_1p5x_at_70pct"],
                        r["targets"]["ngram"]["met_within_5pct_when_rejected"],
                        r["targets"]["mtp"]["met_within_5pct_when_rejected"]]),)),
+    Row("DeepSeek-V4 speculative decoding (n-gram, MTP), float32", "≥ 1.5× at batch 1 with ≥ 70 % acceptance: n-gram / "
+        "MTP; rejected drafts ≥ 0.95×: n-gram / MTP", (
+        Run("speculative_v4", "python bench/speculative.py --model v4", _spec,
+            lambda r: [r["targets"]["ngram"]["met_1p5x_at_70pct"], r["targets"]["mtp"]["met_1p5x_at_70pct"],
+                       r["targets"]["ngram"]["met_within_5pct_when_rejected"],
+                       r["targets"]["mtp"]["met_within_5pct_when_rejected"]]),)),
     Row("FP8 weights kept on CPU", "RSS ≤ 1.2 bytes per param", (
         Run("fp8_weights", "python bench/fp8_weights.py", _fp8_weights,
             lambda r: [r["rss_bytes_per_param_fp8"] <= 1.2]),)),
