@@ -228,7 +228,9 @@ ROWS = (
             lambda r: [r["rss_bytes_per_param_fp8"] <= 1.2]),)),
     Row("vs vLLM's CPU backend, served on one core", "≥ 1.5× throughput / TPOT p50 ≤ 0.7× / TTFT p50 ≤ 0.8× "
         "(concurrency 16 and 64)", (
-        Run("vs_vllm", "python bench/vs_vllm.py", _vs_vllm, _vs_vllm_checks),)),
+        Run("vs_vllm", "python bench/vs_vllm.py", _vs_vllm, _vs_vllm_checks, tag="Intel Xeon with AMX tiles"),
+        Run("vs_vllm_noamx", "python bench/vs_vllm.py --save-as vs_vllm_noamx", _vs_vllm, _vs_vllm_checks,
+            tag="AMD EPYC, AVX512-BF16, no AMX"))),
     Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
         Run("scale", "python bench/scale.py", _scale, _scale_checks),)),
     Row("surviving a lost rank", "≤ 30 s at 16, 0 lost, outputs equal", (
