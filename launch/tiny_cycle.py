@@ -44,6 +44,16 @@ def cycle_prompts(nxt: list[int], n: int, length: int, seed: int = 0, noise: flo
     return out
 
 
+def cycle_head(emb: torch.Tensor, period: int, gain: float, seed: int) -> tuple[torch.Tensor, list[int]]:
+    """The head of a cycle model: row v := the embedding of cycle^-1(v) times `gain`, so that the token t's own
+    embedding scores highest at cycle(t) -> (head [V, H], nxt [V] as cycle_of gives it)."""
+    nxt = cycle_of(emb.shape[0], period, seed)
+    prev = [0] * len(nxt)
+    for a, b in enumerate(nxt):
+        prev[b] = a
+    return (emb[prev] * gain).contiguous(), nxt
+
+
 def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gain: float = 1.0, seed: int = 0,
                           mtp: bool = False, mtp_hidden: float = 0.05, mtp_mix: float | None = None,
                           arch: str = "v3", **overrides) -> tuple[str, list[int]]:
@@ -67,11 +77,7 @@ def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gai
     path = os.path.join(out_dir, "model.safetensors")
     t = load_file(path)
     emb = t["model.embed_tokens.weight"]
-    nxt = cycle_of(emb.shape[0], period, seed)
-    prev = [0] * len(nxt)
-    for a, b in enumerate(nxt):
-        prev[b] = a
-    t["lm_head.weight"] = (emb[prev] * gain).contiguous()
+    t["lm_head.weight"], nxt = cycle_head(emb, period, gain, seed)
     for name in list(t):
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             scale = mtp_mix if mtp and mtp_mix is not None and name.startswith(f"model.layers.{L}.") else mix
@@ -118,11 +124,7 @@ def make_v4_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, 
     path = os.path.join(out_dir, "model.safetensors")
     t = load_file(path)
     emb = t["model.embed_tokens.weight"]
-    nxt = cycle_of(emb.shape[0], period, seed)
-    prev = [0] * len(nxt)
-    for a, b in enumerate(nxt):
-        prev[b] = a
-    t["head.weight"] = (emb[prev] * gain).contiguous()
+    t["head.weight"], nxt = cycle_head(emb, period, gain, seed)
     for name in list(t):
         if name.endswith((".attn.wo_b.weight", ".w2.weight")):
             t[name] = (t[name] * mix).contiguous()

@@ -122,16 +122,33 @@ def test_dbo_cuts_verifications_between_microbatches(cycle):
     llm.shutdown()
 
 
+def _shared_start_workload(nxt, n: int, seeds: tuple[int, int], last_arrival: int) -> list[dict]:
+    """n random arrivals whose prompts follow the cycle, every other one starting with the same 32 tokens (prefix
+    hits)."""
+    reqs = workload(n, seed=seeds[0], max_prompt=50, max_new=30, last_arrival=last_arrival)
+    ps = cycle_prompts(nxt, n, 30, seed=seeds[1])
+    shared = ps[0][:32]
+    for i, (r, p) in enumerate(zip(reqs, ps)):
+        r["prompt"] = (shared if i % 2 else []) + p[:max(2, len(r["prompt"]) % 30)]
+    return reqs
+
+
+def _each_equals_its_run_alone(d, reqs: list[dict], got: dict) -> None:
+    """Every request's greedy tokens equal the request run alone, without speculation."""
+    llm = LLM(d, **V4)
+    for r in reqs:
+        want = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
+                                                          ignore_eos=True))
+        assert got[r["id"]] == want[0].outputs[0].token_ids, r["id"]
+    llm.shutdown()
+
+
 def test_greedy_equal_under_preemption_with_prefix_caching(cycle):
     """Random arrivals, pools that force preemption, prefix caching on (shared starts hit, boundary state rows
     written by steps whose drafts were then rejected): every output equals the request run alone without
     speculation, and every pool is whole after."""
     d, nxt = cycle
-    reqs = workload(24, seed=3, max_prompt=50, max_new=30, last_arrival=20)
-    ps = cycle_prompts(nxt, 24, 30, seed=9)
-    shared = ps[0][:32]
-    for i, (r, p) in enumerate(zip(reqs, ps)):
-        r["prompt"] = (shared if i % 2 else []) + p[:max(2, len(r["prompt"]) % 30)]
+    reqs = _shared_start_workload(nxt, 24, seeds=(3, 9), last_arrival=20)
     eng = Engine(d, **dict(V4, block_size=8, kv_cache_blocks=16, max_num_seqs=6, max_num_batched_tokens=48,
                            enable_prefix_caching=True, speculative_config=ngram(3)))
     got = drive(eng, reqs)
@@ -140,12 +157,7 @@ def test_greedy_equal_under_preemption_with_prefix_caching(cycle):
     assert core.blocks.hit_tokens > 0
     assert all(a.num_free == a.num_blocks for a in core.blocks.allocators.values()), core.blocks.usage()
     eng.shutdown()
-    llm = LLM(d, **V4)
-    for r in reqs:
-        want = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
-                                                          ignore_eos=True))
-        assert got[r["id"]] == want[0].outputs[0].token_ids, r["id"]
-    llm.shutdown()
+    _each_equals_its_run_alone(d, reqs, got)
 
 
 def test_stop_tokens_inside_accepted_drafts(cycle):
@@ -260,11 +272,7 @@ def test_mtp_with_dbo_preemption_and_prefix_caching(mtp_cycle):
     """DBO cutting steps, pools that force preemption, prefix caching (hits restore the MTP layer's window rows
     with the others'): every output equals the request run alone without speculation; every pool whole after."""
     d, nxt = mtp_cycle
-    reqs = workload(16, seed=8, max_prompt=50, max_new=30, last_arrival=12)
-    ps = cycle_prompts(nxt, 16, 30, seed=12)
-    shared = ps[0][:32]
-    for i, (r, p) in enumerate(zip(reqs, ps)):
-        r["prompt"] = (shared if i % 2 else []) + p[:max(2, len(r["prompt"]) % 30)]
+    reqs = _shared_start_workload(nxt, 16, seeds=(8, 12), last_arrival=12)
     eng = Engine(d, **dict(V4, block_size=8, kv_cache_blocks=16, max_num_seqs=6, max_num_batched_tokens=48,
                            enable_prefix_caching=True, speculative_config=mtp(3),
                            dbo={"enabled": True, "prefill_token_threshold": 2}))
@@ -274,12 +282,7 @@ def test_mtp_with_dbo_preemption_and_prefix_caching(mtp_cycle):
     assert m["spec_decode_acceptance_rate"] > 0.5
     assert all(a.num_free == a.num_blocks for a in core.blocks.allocators.values()), core.blocks.usage()
     eng.shutdown()
-    llm = LLM(d, **V4)
-    for r in reqs:
-        want = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
-                                                          ignore_eos=True))
-        assert got[r["id"]] == want[0].outputs[0].token_ids, r["id"]
-    llm.shutdown()
+    _each_equals_its_run_alone(d, reqs, got)
 
 
 def test_mtp_stop_tokens_and_sampling(mtp_cycle):
