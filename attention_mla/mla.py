@@ -145,7 +145,8 @@ class MLA(nn.Module):
         cfg = self.cfg
         Tq, L = q_nope.shape[0], ctx.shape[0]
         c, k_pe = ctx.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = F.linear(c, self.kv_b_proj.weight).view(L, cfg.num_heads, -1)
+        kv = (self.kernels.matmul or F.linear)(c, self.kv_b_proj.weight).view(L, cfg.num_heads, -1)   # per sequence:
+        # the backend's GEMM (the CPU's C kernel takes these row counts without a per-shape compile)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat((k_nope, k_pe[:, None, :].expand(L, cfg.num_heads, -1)), dim=-1)
         q = torch.cat((q_nope, q_pe), dim=-1)

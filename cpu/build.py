@@ -16,6 +16,8 @@ the struct and the field: a struct edited on one side only fails at load, never 
 
 bfloat16 weights run on AVX512-BF16 dot products where the CPU has them (checked at run time, csrc/gemm_bf16dp.c);
 WIDEEP_CPU_BF16_DOT=0 starts the library with them off (the widening path; gemm.bf16_dot switches at run time).
+On CPUs with AMX tiles, bfloat16 weights of a few rows and more run on them (csrc/gemm_amx.c; the kernel is asked
+for the tiles' state at first use); WIDEEP_CPU_AMX=0 starts with them off (gemm.amx switches at run time).
 
 WIDEEP_CPU_SANITIZE=1 builds with AddressSanitizer and UBSan instead (a library of its own in the cache);
 the process must preload the ASan runtime (.ci/sanitize shows how).
@@ -208,6 +210,8 @@ def unusable() -> str | None:
         _lib = lib
         if os.environ.get("WIDEEP_CPU_BF16_DOT", "1") in ("0", ""):
             lib.wd_bf16_dot(_structs["wd_bf16_dot_args"](want=0))
+        if os.environ.get("WIDEEP_CPU_AMX", "1") in ("0", ""):
+            lib.wd_amx(_structs["wd_amx_args"](want=0))
     return _error
 
 

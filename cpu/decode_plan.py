@@ -11,8 +11,8 @@ Paths (the model's backends["decode"] names the one the last step took; stats() 
           layer's own MoE operations — router, dispatch, local experts, combine: the EP group's
           all-to-all runs between the fused halves — or a dense layer's MLP half in one call
           (fused.mlp_layer).
-  mlp_halves  a step that is not all decodes (a prefill chunk, a mixed step) of at most MAX_ROWS tokens (16 with
-          bfloat16 weights on a CPU with AMX tiles: cpu/linear.py max_rows, past which oneDNN is faster):
+  mlp_halves  a step that is not all decodes (a prefill chunk, a mixed step) of at most max_rows tokens (cpu/linear.py:
+          64; bfloat16 weights on AMX tiles 256, or 16 where the CPU has them but the C does not use them):
           the attention as its operations, the MoE / MLP halves as in `layers`.
   ops     the model's step_ops (big steps, DSA, an fp8 or fp4 cache, ...), its reason counted. A packed
           latent cache (fp8 / fp4) is declined: the fused layer call writes and reads float32 / bfloat16
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import fused
-from .linear import MAX_ROWS, max_rows
+from .linear import ROWS_CAP, max_rows
 
 # why a step ran its operations (every plain step is counted once: a path, or one of these)
 REASONS = ("no_tokens", "too_many_rows", "sparse_attention", "fp8_kv_cache", "fp4_kv_cache", "weights_unfit",
@@ -142,12 +142,12 @@ class DecodePlan:
         T = mb.input_ids.shape[0]
         if T == 0:
             return "no_tokens"
-        if T > MAX_ROWS:      # past it the projections run on BLAS: the fused calls would not be the same kernels
+        if T > ROWS_CAP:      # past it the projections run on BLAS: the fused calls would not be the same kernels
             return "too_many_rows"
         if mb.index_pools is not None:
             return "sparse_attention"
         layers = self._built()
-        if T > self._max_rows:   # bfloat16 weights on AMX: oneDNN's tiles beat the fused calls past 16 rows
+        if T > self._max_rows:   # this dtype's crossover (cpu/linear.py max_rows: 64; bfloat16 on AMX 16 or 256)
             return "too_many_rows"
         if self.unfit:
             return self._unfit_reason
@@ -201,9 +201,9 @@ class DecodePlan:
     def extra_layer_ops(self, layer, mb) -> list | None:
         """The fused halves of a decoder layer outside the model's stack (speculative decoding's MTP layer,
         its latents in kv_pools[layer.index]) for microbatch mb, or None (then it runs its own operations):
-        every row a decode row of at most MAX_ROWS, and the layer's halves fit as the stack's would."""
+        every row a decode row of at most max_rows, and the layer's halves fit as the stack's would."""
         T = mb.input_ids.shape[0]
-        if T == 0 or T > MAX_ROWS or mb.index_pools is not None:
+        if T == 0 or T > ROWS_CAP or mb.index_pools is not None:
             return None
         self._built()
         if T > self._max_rows:
@@ -241,7 +241,7 @@ class DecodePlan:
             attn = layers[0].self_attn
             self._mode = attn.mode
             self._latent_width = attn.cfg.kv_lora_rank + attn.cfg.qk_rope_head_dim
-            self._max_rows = max_rows(attn.o_proj.weight.dtype)   # (cpu/linear.py: 16 for bfloat16 on AMX)
+            self._max_rows = max_rows(attn.o_proj.weight.dtype)
             self._layers = [self._layer(i, layer) for i, layer in enumerate(layers)]
             packed = {a.self_attn.kv_fp8.name for a in layers if a.self_attn.kv_fp8 is not None}
             self._unfit_reason = ("fp4_kv_cache" if "fp4_e2m1" in packed else "fp8_kv_cache" if packed

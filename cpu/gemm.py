@@ -84,6 +84,43 @@ def bf16_dot_supported() -> bool:
     return bool(a.supported)
 
 
+class AmxArgs(ctypes.Structure):
+    """wd_amx_args (csrc/wideep.h)."""
+    _fields_ = fields("want supported gemm_calls mla_calls", I)
+
+
+_amx: bool | None = None   # the library's setting, as last set or asked (amx_on() reads it without a call)
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether bfloat16 weights of a few rows and more run on AMX tiles (csrc/gemm_amx.c; activations rounded to
+    bfloat16, as the dot products round them, and only while the dot products are on). on: turn them on (where
+    this CPU has them and the kernel lets this process use them) or off; None: ask. On by default where they
+    can be; WIDEEP_CPU_AMX=0 in the environment starts with them off."""
+    global _amx
+    _amx = bool(library().wd_amx(AmxArgs(want=-1 if on is None else int(bool(on)))))
+    return _amx
+
+
+def amx_on() -> bool:
+    """amx() without a call into the library once it has been asked (the launchers' per-call check)."""
+    return _amx if _amx is not None else amx()
+
+
+def amx_supported() -> bool:
+    """Whether this CPU has AMX-BF16 tiles and the kernel lets this process use them (at run time)."""
+    a = AmxArgs(want=-1)
+    library().wd_amx(a)
+    return bool(a.supported)
+
+
+def amx_calls() -> dict[str, int]:
+    """The calls that ran on the tiles since the library was loaded: {"gemm": GEMMs, "mla": paged decodes}."""
+    a = AmxArgs(want=-1)
+    library().wd_amx(a)
+    return {"gemm": a.gemm_calls, "mla": a.mla_calls}
+
+
 class BmmNtArgs(ctypes.Structure):
     """wd_bmm_nt_args (csrc/wideep.h)."""
     _fields_ = fields("x w y", P) + fields("B sxb ldx swb ldw syb ldy M N K wdt", I)
@@ -339,4 +376,5 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
 
 
 register({"wd_bmm_nt": (BmmNtArgs, None), "wd_experts": (ExpertsArgs, I), "wd_bf16_dot": (Bf16DotArgs, I),
+          "wd_amx": (AmxArgs, I),
           "wd_linear_fp8": (LinearFp8Args, I), "wd_linear_fp4": (LinearFp4Args, I)})

@@ -11,7 +11,7 @@ def table() -> dict:
     plan's, cpu/decode_plan.py, not per-op)."""
     from .gemm import bmm_nt, experts
     from .layers import mla_decode, rmsnorm, rope, route
-    from .linear import Linear, small_linear, small_linear_fp8
+    from .linear import Linear, experts_max_rows, small_linear, small_linear_fp8
     return {"rmsnorm": rmsnorm, "rope": rope, "linear": Linear, "matmul": small_linear, "route": route,
-            "experts": experts, "mla_decode": mla_decode, "bmm_nt": bmm_nt,
+            "experts": experts, "experts_max_rows": experts_max_rows, "mla_decode": mla_decode, "bmm_nt": bmm_nt,
             "fp8_linear": small_linear_fp8}

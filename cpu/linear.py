@@ -3,15 +3,17 @@
 A decode step multiplies each weight by a handful of rows: then reading the weight is the cost, and
 the kernel reads it at close to memory speed where BLAS small-M GEMMs reach about a third of it.
 Past MAX_ROWS rows the work per weight byte is high enough that BLAS (MKL) is as fast or faster.
-bfloat16 weights: the kernel reads them as stored (float32 activations and sums) up to MAX_ROWS rows (16 where
-the CPU has AMX tiles: AMX_BF16_MAX_ROWS, max_rows); past it, torch's bfloat16 F.linear (oneDNN's AVX512-BF16 or
-AMX GEMM: bench/bf16_gemm.py measures it against ours).
+bfloat16 weights: the kernel reads them as stored (float32 sums) up to MAX_ROWS rows; on AMX tiles (gemm.amx,
+csrc/gemm_amx.c) up to AMX_TILE_MAX_ROWS; on a CPU with AMX tiles whose C kernels do not use them, 16
+(AMX_BF16_MAX_ROWS); past it, torch's bfloat16 F.linear (oneDNN's AVX512-BF16 or AMX GEMM: bench/bf16_gemm.py
+measures it against ours).
 FP8 block-quantised weights (small_linear_fp8, for moe/fp8_linear.py Fp8Linear): the kernel reads the e4m3
 bytes as stored up to MAX_ROWS rows; past it, F.linear over a copy dequantised for the call (in x's dtype:
 the GEMM's work per weight dwarfs one pass that widens it).
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -21,11 +23,27 @@ from torch import nn
 from . import gemm
 
 MAX_ROWS = 64
-# bfloat16 weights where the CPU has AMX tiles (amx_bf16): oneDNN's bfloat16 GEMM runs on them and overtakes the C
-# kernel's dot products past a handful of rows. Measured (1 thread, this Xeon with AMX): C / oneDNN 0.4-0.6x at 1-4
-# rows, ~1.1x at 8, 1.6x at 12, 2.1x at 16, 3.5-5x at 32-64 for one GEMM; in the engine's decode step (the fused
-# layer calls against the operations on oneDNN) the crossover lies between 16 and 24 rows: 16 it is.
+# bfloat16 weights where the CPU has AMX tiles (amx_bf16) but the C kernels do not use them (gemm.amx off): oneDNN's
+# bfloat16 GEMM runs on them and overtakes the C kernel's dot products past a handful of rows. Measured (1 thread,
+# this Xeon with AMX): C / oneDNN 0.4-0.6x at 1-4 rows, ~1.1x at 8, 1.6x at 12, 2.1x at 16, 3.5-5x at 32-64 for one
+# GEMM; in the engine's decode step (the fused layer calls against the operations on oneDNN) the crossover lies
+# between 16 and 24 rows: 16 it is.
 AMX_BF16_MAX_ROWS = 16
+# ... and where the C kernels run on the tiles themselves (gemm.amx on, csrc/gemm_amx.c): one GEMM on the C tiles
+# against oneDNN's (1 thread, this Xeon, weights of the vs_vllm model's shapes): 0.5-0.7x the time at 1-64 rows,
+# about even at 128-384; past that oneDNN's tuned kernels lead (1.3-1.6x at 2048 rows) for shapes it has seen
+# before, while every new row count costs it a JIT compile of several ms.
+AMX_TILE_MAX_ROWS = 256
+# the most rows any weight dtype's C path takes (the decode plan's first check, before it knows the dtype)
+ROWS_CAP = max(MAX_ROWS, AMX_TILE_MAX_ROWS)
+# The routed experts (moe/experts.py Experts.forward_cpu, "cpu"): the mean rows per local expert up to which the C
+# kernel runs them, past which forward_grouped's BLAS GEMMs do. Float32 (and FP8 / FP4 weights, read as stored):
+# 0.5-0.9x BLAS's time up to 384 rows. bfloat16 weights with bfloat16 activations where the CPU has bf16 dot
+# products (1 thread, H 1024, I 256, 32 experts top-6, this Xeon): C / BLAS 0.76x at 3 rows per expert, 0.85x at 12,
+# 1.12x at 24, 2.3x at 96; on AMX tiles the C kernel takes every batch: it gathers no rows into copies and compiles
+# nothing per shape, where oneDNN JIT-compiles a kernel for each new row count (most of a prefill's expert time).
+EXPERTS_MAX_ROWS = 256
+EXPERTS_MAX_ROWS_BF16 = 16
 
 
 def amx_bf16() -> bool:
@@ -49,7 +67,25 @@ _AMX: bool | None = None
 
 def max_rows(weight_dtype: torch.dtype) -> int:
     """The most rows a call with weights of this dtype runs on the C kernel (then BLAS / oneDNN)."""
-    return AMX_BF16_MAX_ROWS if weight_dtype == torch.bfloat16 and amx_bf16() else MAX_ROWS
+    if weight_dtype == torch.bfloat16:
+        if gemm.amx_on():
+            return AMX_TILE_MAX_ROWS
+        if amx_bf16():
+            return AMX_BF16_MAX_ROWS
+    return MAX_ROWS
+
+
+@functools.lru_cache(maxsize=1)
+def _dot_cpu() -> bool:
+    """Whether this CPU has AVX512-BF16 (then BLAS's bfloat16 GEMMs run dot products; without, they convert)."""
+    return gemm.bf16_dot_supported()
+
+
+def experts_max_rows(weight_dtype: torch.dtype, x_dtype: torch.dtype) -> int | None:
+    """The mean rows per local expert up to which the experts kernel runs a batch (None: every batch)."""
+    if weight_dtype == torch.bfloat16 and x_dtype == torch.bfloat16 and _dot_cpu():
+        return None if gemm.amx_on() else EXPERTS_MAX_ROWS_BF16
+    return EXPERTS_MAX_ROWS
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,6 +15,8 @@ backend it is on: the choice was made once, here. `NATIVE` (every entry None) is
     Gate:             route(x [T, H], weight [E, H], bias [E] | None, MoEConfig) -> ids, weights [T, k]
     Experts:          experts(x [R, H], w13, w2, ids [R, k] local, weights [R, k], limit=None) -> [R, H]
                       (limit: the clamped SwiGLU; fp4 weights: uint8 pairs with w13_scale=, w2_scale= e8m0 bytes)
+                      and experts_max_rows(weight dtype, x dtype) -> the mean rows per local expert up to
+                      which that kernel beats BLAS (None: every batch; the module's grouped GEMMs past it)
     MLA paged decode: mla_decode(q [B, N, C+R], pool, table, lens, block_size, C, scale, max_len, fp8) -> [B, N, C]
                       and bmm_nt(x [N, B, K], w [N, M, K], out=[N, B, M]) for the absorbed projections
 The CPU backend's table is cpu/kernels.py (engine/model/build.py fills this from it).
@@ -37,6 +39,7 @@ class Kernels:
     fp8_linear: Callable | None = None
     route: Callable | None = None
     experts: Callable | None = None
+    experts_max_rows: Callable | None = None
     mla_decode: Callable | None = None
     bmm_nt: Callable | None = None
 

@@ -20,8 +20,6 @@ checking and big batches).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,23 +32,10 @@ from .fp8 import FP8_DTYPE, dequantize_experts_fp8
 BACKENDS = ("reference", "grouped", "cpu", "triton", "deepgemm")
 
 
-@functools.lru_cache(maxsize=1)
-def _bf16_dot() -> bool:
-    """Whether this CPU has AVX512-BF16 dot products (BLAS's bfloat16 GEMMs use them; without, they convert)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
-    except OSError:
-        return False
-
-
 class Experts(nn.Module):
     PAD_LIMIT = 16  # max tokens per expert for the padded batched-GEMM path
-    CPU_MAX_ROWS = 256  # "cpu": mean rows per local expert up to which the C kernel runs (then BLAS)
-    # ... with bfloat16 weights and activations: BLAS (oneDNN) runs bf16 dot products there, the C kernel fp32 FMAs
-    # over widened weights. Measured (1 thread, H 1024, I 256, 32 experts top-6, this Xeon with avx512_bf16): C / BLAS
-    # 0.76x at 3 rows per expert, 0.85x at 12, 1.12x at 24, 2.3x at 96 (float32: 0.5-0.9x up to 384 rows)
-    CPU_MAX_ROWS_BF16 = 16
+    CPU_MAX_ROWS = 256  # "cpu" with a kernel table that does not say (experts_max_rows): mean rows per local expert
+                        # up to which the kernel runs (then BLAS)
 
     def __init__(self, num_local: int, hidden: int, intermediate: int, device=None, dtype=None,
                  fp8_block: tuple[int, int] | None = None, backend: str = "grouped", deepgemm=None,
@@ -185,11 +170,12 @@ class Experts(nn.Module):
         """The backend's kernel (the CPU one: cpu/gemm.py): only the experts that have tokens are read, each weight row once, with gate-up,
         SiLU·mul, down and the weighted sum fused (no padded copies, no transposed views); fp8 weights read as
         stored (one byte each) with their block scales. Faster than
-        forward_grouped's BLAS GEMMs up to a few hundred rows per expert in float32 (prefill chunks included), up to
-        CPU_MAX_ROWS_BF16 in bfloat16 where the CPU has bf16 dot products; beyond, forward_grouped."""
-        plain_bf16 = x.dtype == torch.bfloat16 and self.w13.dtype == torch.bfloat16 and _bf16_dot()
-        limit = self.CPU_MAX_ROWS_BF16 if plain_bf16 else self.CPU_MAX_ROWS
-        if x.shape[0] * topk_ids.shape[1] > limit * self.num_local:
+        forward_grouped's BLAS GEMMs up to the rows per expert the table's experts_max_rows gives for these dtypes
+        (cpu/linear.py: a few hundred in float32, prefill chunks included; 16 in bfloat16 where the CPU has bf16
+        dot products, every batch on AMX tiles); beyond, forward_grouped."""
+        ask = self.kernels.experts_max_rows
+        limit = ask(self.w13.dtype, x.dtype) if ask is not None else self.CPU_MAX_ROWS
+        if limit is not None and x.shape[0] * topk_ids.shape[1] > limit * self.num_local:
             return self.forward_grouped(x, topk_ids, topk_weights)
         if self.fp8_block is not None:   # read as stored, the block scales applied per tile
             return self.kernels.experts(x, self.w13, self.w2, topk_ids, topk_weights, w13_scale=self.w13_scale_inv,

@@ -42,10 +42,14 @@ void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, 
     linear_f32(x, ldx, w, ldw, y, ldy, M, N, K);
 }
 
+/* From this many rows of x bfloat16 weights go to the AMX tiles where they are on (gemm_amx.c) */
+#define AMX_MIN_ROWS 1
+
 void linear_bf16(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
                  int64_t N, int64_t K) {
 #if WD_BF16DP
     if (bf16_dot()) {
+        if (M >= AMX_MIN_ROWS && amx_on() && linear_amx(x, ldx, w, ldw, y, ldy, M, N, K)) return;
         linear_bf16dp(x, ldx, w, ldw, y, ldy, M, N, K);
         return;
     }

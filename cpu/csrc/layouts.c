@@ -94,6 +94,10 @@ static const wd_layout table[] = {
     SIZE(wd_bf16_dot_args)
     FIELD(wd_bf16_dot_args, want) FIELD(wd_bf16_dot_args, supported)
 
+    SIZE(wd_amx_args)
+    FIELD(wd_amx_args, want) FIELD(wd_amx_args, supported) FIELD(wd_amx_args, gemm_calls)
+    FIELD(wd_amx_args, mla_calls)
+
     SIZE(wd_route_args)
     FIELD(wd_route_args, x) FIELD(wd_route_args, w) FIELD(wd_route_args, bias) FIELD(wd_route_args, logits)
     FIELD(wd_route_args, wts) FIELD(wd_route_args, ids) FIELD(wd_route_args, T) FIELD(wd_route_args, H)

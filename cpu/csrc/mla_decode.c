@@ -129,6 +129,9 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
         for (int64_t i = 0; i <= (lens[b] - 1) / bs; i++)
             if (table[b * max_blocks + i] < 0 || table[b * max_blocks + i] >= num_blocks) return -1;
     }
+    if (!pool8 && pdt == WD_BF16 && bf16_dot() && amx_on()
+        && mla_decode_amx(q, B, Nh, D, C, pool, table, max_blocks, lens, max_len, bs, scale, out))
+        return 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t L = lens[b];
         float *inv = scratch + Nh * L;

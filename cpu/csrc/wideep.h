@@ -165,6 +165,20 @@ WD_INTERNAL int bf16dp_supported(void);
 WD_INTERNAL int bf16_dot(void);
 WD_INTERNAL void linear_bf16dp(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                                int64_t M, int64_t N, int64_t K);
+/* gemm_amx.c: the same GEMM on AMX tiles (bfloat16 weights; x rounded to bfloat16 as linear_bf16dp rounds it),
+   built for x86-64 Linux by compilers that know the instructions; linear_amx returns 0 (nothing done) when
+   the tiles are not there or its scratch could not be had. amx_on: the CPU has them, the kernel gave this
+   process their state, and no one turned them off (wd_amx). */
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define WD_AMX 1
+#else
+#define WD_AMX 0
+#endif
+WD_INTERNAL int amx_supported(void);
+WD_INTERNAL int amx_on(void);
+WD_INTERNAL void amx_count(int which);   /* 0: a GEMM ran on the tiles, 1: a paged decode did (wd_amx reports) */
+WD_INTERNAL int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
+                           int64_t M, int64_t N, int64_t K);
 /* gemm_fp8.c: y = x @ W^T for W [N, K] e4m3 bytes w (rows ldw apart) times the block scales s
    [ceil(N/br), ceil(K/bk)] (rows lds apart); bk a multiple of 16 */
 WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
@@ -195,6 +209,12 @@ WD_INTERNAL int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D,
                                int64_t max_len, int64_t bs, float scale, float *out, float *scratch,
                                const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
                                float *kb, int64_t fp4, int64_t toff);
+/* mla_amx.c: mla_decode over a bfloat16 pool (read in place) on AMX tiles; 0 (nothing done) when it cannot (D or C
+   not a multiple of 32, no scratch): the caller runs its own loops then. The lengths and block ids are the
+   caller's to check first. */
+WD_INTERNAL int mla_decode_amx(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, const uint16_t *pool,
+                               const int64_t *table, int64_t max_blocks, const int32_t *lens, int64_t max_len,
+                               int64_t bs, float scale, float *out);
 /* route.c */
 WD_INTERNAL void route(const float *x, int64_t T, int64_t H, const float *w, int64_t E, const float *bias,
                        int sigmoid, int method, int64_t G, int64_t topk_group, int64_t k, int norm, float scale,
@@ -279,6 +299,14 @@ typedef struct {
     int64_t want, supported;
 } wd_bf16_dot_args;
 int64_t wd_bf16_dot(wd_bf16_dot_args *a);
+
+/* AMX tiles for bfloat16 weights (gemm_amx.c) and a bfloat16 latent cache (mla_amx.c), under the dot products (off
+   with them): want 1 on (where the CPU and the kernel allow), 0 off, -1 unchanged. Returns whether they are on;
+   gemm_calls, mla_calls: the GEMM and paged-decode calls that ran on the tiles since the library was loaded. */
+typedef struct {
+    int64_t want, supported, gemm_calls, mla_calls;
+} wd_amx_args;
+int64_t wd_amx(wd_amx_args *a);
 
 /* Routed experts: out [T, H] += sum over slots of wts * expert(x). ids [T, k] local ids (-1: on another
    rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats (WD_FP4: + FP4_XP(T k, max(H, I))). Returns 0, or -1 - p for the first

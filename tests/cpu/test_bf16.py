@@ -22,21 +22,26 @@ if unusable() is not None:
 BF = torch.bfloat16
 PATHS = [pytest.param(True, id="dot", marks=pytest.mark.skipif(not gemm.bf16_dot_supported(),
                                                                   reason="this CPU has no AVX512-BF16")),
+         pytest.param("tiles", id="tiles", marks=pytest.mark.skipif(not gemm.amx_supported(),
+                                                                     reason="this CPU (or its kernel) gives no AMX tiles")),
          pytest.param(False, id="widen")]
 
 
 @pytest.fixture(params=PATHS)
 def dot(request):
-    """Run the test with the dot products on (True) or off (False); the previous setting restored."""
-    before = gemm.bf16_dot()
-    assert gemm.bf16_dot(request.param) == request.param
+    """Run the test with the dot products on (True; "tiles": with the AMX tiles on too, csrc/gemm_amx.c) or off
+    (False); the previous settings restored. Both dot-product paths round the activations alike."""
+    before, tiles_before = gemm.bf16_dot(), gemm.amx()
+    assert gemm.bf16_dot(bool(request.param)) == bool(request.param)
+    assert gemm.amx(request.param == "tiles") == (request.param == "tiles")
     yield request.param
     gemm.bf16_dot(before)
+    gemm.amx(tiles_before)
 
 
 def _ref_x(x: torch.Tensor, dot: bool) -> torch.Tensor:
     """The activations as the path reads them: rounded to bfloat16 by the dot products, exact otherwise."""
-    return (x.to(BF) if dot else x).double()
+    return (x.to(BF) if dot else x).double()   # (dot: True or "tiles")
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 9, 33, 70])

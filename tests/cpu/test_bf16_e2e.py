@@ -41,9 +41,20 @@ def oracle(tmp_path_factory):
 
 @pytest.fixture
 def amx(monkeypatch):
-    """amx(on): as if this CPU had AMX tiles or not (cpu/linear.py amx_bf16), whatever it has."""
+    """amx(on, c_tiles=False): as if this CPU had AMX tiles or not (cpu/linear.py amx_bf16, which routes bigger
+    bfloat16 GEMMs to oneDNN), whatever it has, and the C kernels' own tiles (gemm.amx) on or off; the C
+    setting is restored after the test."""
     import cpu.linear
-    return lambda on: monkeypatch.setattr(cpu.linear, "_AMX", on)
+    before = gemm.amx()
+
+    def set_(on: bool, c_tiles: bool = False) -> None:
+        monkeypatch.setattr(cpu.linear, "_AMX", on)
+        assert gemm.amx(c_tiles) == c_tiles
+    yield set_
+    gemm.amx(before)
+
+
+TILES = pytest.mark.skipif(not gemm.amx_supported(), reason="this CPU (or its kernel) gives no AMX tiles")
 
 
 def _drift_and_agreement(outs, ref_lps, ref_greedy) -> tuple[float, int, int]:
@@ -58,14 +69,16 @@ def _drift_and_agreement(outs, ref_lps, ref_greedy) -> tuple[float, int, int]:
 
 
 @pytest.mark.parametrize("dot", [pytest.param(True, id="dot", marks=pytest.mark.skipif(
-    not gemm.bf16_dot_supported(), reason="this CPU has no AVX512-BF16")), pytest.param(False, id="widen")])
+    not gemm.bf16_dot_supported(), reason="this CPU has no AVX512-BF16")), pytest.param(False, id="widen"),
+    pytest.param("tiles", id="tiles", marks=TILES)])
 @pytest.mark.parametrize("stack", [True, False], ids=["stack", "layers"])
 def test_bf16_model_vs_transformers_float32(oracle, dot, stack, amx):
-    """(Without AMX tiles, so that the 21-row prefill runs the fused MLP halves on every machine.)"""
-    amx(False)
+    """(Without oneDNN's AMX routing, so that the 21-row prefill runs the fused MLP halves on every machine; "tiles":
+    the dot products with the C kernels' own AMX tiles: GEMMs, routed experts and the paged decode on them.)"""
+    amx(False, c_tiles=dot == "tiles")
     d, ref_lps, ref_greedy = oracle
     before = gemm.bf16_dot()
-    gemm.bf16_dot(dot)
+    gemm.bf16_dot(bool(dot))
     try:
         llm = LLM(d, dtype="bfloat16", device="cpu", progress=False, fuse_decode_stack=stack)
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW, prompt_logprobs=0,
@@ -81,16 +94,16 @@ def test_bf16_model_vs_transformers_float32(oracle, dot, stack, amx):
     assert plan["steps"][path] == NEW - 1 and plan["steps"]["ops"] == 0, plan
     assert set(k for k, v in plan["declined"].items() if v) <= {"not_all_decode"}, plan
     drift, agree, total = _drift_and_agreement(outs, ref_lps, ref_greedy)
-    print(f"\nbf16 {path} {'dot' if dot else 'widen'}: prompt logprob max |drift| {drift:.4f} vs transformers "
+    print(f"\nbf16 {path} {dot if dot == 'tiles' else 'dot' if dot else 'widen'}: prompt logprob max |drift| {drift:.4f} vs transformers "
           f"float32; greedy tokens agreeing before the first difference {agree}/{total}")
     assert drift < 0.1
     assert agree >= total // 2
 
 
 def test_amx_tiles_take_bf16_steps_past_16_rows_to_onednn(oracle, amx):
-    """With AMX tiles (cpu/linear.py AMX_BF16_MAX_ROWS): a bfloat16 step of more than 16 rows runs the model's
-    operations (its projections on torch's bfloat16 GEMM), counted as too_many_rows; 16 rows and fewer stay fused.
-    Same bounds against transformers as the fused run."""
+    """With AMX tiles the C kernels do not use (cpu/linear.py AMX_BF16_MAX_ROWS): a bfloat16 step of more than 16 rows
+    runs the model's operations (its projections on torch's bfloat16 GEMM), counted as too_many_rows; 16 rows and
+    fewer stay fused. Same bounds against transformers as the fused run."""
     from cpu.linear import AMX_BF16_MAX_ROWS, MAX_ROWS, max_rows
     d, ref_lps, ref_greedy = oracle
     amx(True)
@@ -109,3 +122,27 @@ def test_amx_tiles_take_bf16_steps_past_16_rows_to_onednn(oracle, amx):
     assert after["steps"]["ops"] - plan["steps"]["ops"] == 3, after   # the 100-row prefill, two 20-row decodes
     amx(False)
     assert max_rows(torch.bfloat16) == MAX_ROWS
+
+
+@TILES
+def test_c_tiles_keep_bf16_steps_fused_up_to_their_row_limit(oracle, amx):
+    """With the C kernels on AMX tiles (gemm.amx, cpu/linear.py AMX_TILE_MAX_ROWS): bfloat16 steps of up to 256 rows run
+    the fused C calls (a 21-row prefill's MLP halves, 3-row and 20-row decodes as one stack call), more rows run the
+    operations (projections past the limit on oneDNN, the routed experts still on the C tiles). Same bounds against
+    transformers as the fused run."""
+    from cpu.linear import AMX_TILE_MAX_ROWS, MAX_ROWS, max_rows
+    d, ref_lps, ref_greedy = oracle
+    amx(True, c_tiles=True)
+    assert max_rows(torch.bfloat16) == AMX_TILE_MAX_ROWS == 256 and max_rows(torch.float32) == MAX_ROWS
+    llm = LLM(d, dtype="bfloat16", device="cpu", progress=False)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW, prompt_logprobs=0, ignore_eos=True))
+    plan = llm.engine.metrics()["decode_plan"]
+    assert plan["steps"]["mlp_halves"] == 1 and plan["steps"]["ops"] == 0, plan   # the 21-row prefill
+    assert plan["steps"]["stack"] == NEW - 1, plan
+    drift, agree, total = _drift_and_agreement(outs, ref_lps, ref_greedy)
+    assert drift < 0.1 and agree >= total // 2
+    many = [[(7 * i + j) % 190 + 2 for j in range(13)] for i in range(20)]
+    llm.generate(many, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    after = llm.engine.metrics()["decode_plan"]
+    assert after["steps"]["ops"] == 1 and after["declined"]["too_many_rows"] == 1, after   # the 260-row prefill
+    assert after["steps"]["stack"] - plan["steps"]["stack"] == 2, after                 # two 20-row decodes

@@ -1,0 +1,77 @@
+/* What the AMX kernels share (gemm_amx.c, mla_amx.c): the target attribute they are compiled with, whatever
+   -march says (called only where amx_on()), the one tile configuration they all use, a 16 x 16 transpose in
+   registers, the float -> bfloat16 pair rounding and per-thread scratch. Included only under WD_AMX. */
+#ifndef WIDEEP_AMX_H
+#define WIDEEP_AMX_H
+
+#include <immintrin.h>
+#include <stdlib.h>
+
+#include "wideep.h"
+
+#define AMXF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+
+/* the tile configuration: palette 1, all 8 tiles 16 rows x 64 bytes. Loaded at the start of every kernel and
+   released at its end (_tile_release): oneDNN, in the same thread, configures its own at each of its calls. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+static inline AMXF void tiles_on(void) {
+    amx_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* 16 x 16 32-bit elements, r[i] row i, transposed in registers (three rounds of shuffles) */
+static inline AMXF void tr16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* 32 floats at p as 32 bfloat16 (16 pairs), rounded to nearest even */
+static inline AMXF __m512i bf32(const float *p) {
+    return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+}
+
+/* this thread's scratch number `which` (0: the GEMM's, 1: the MLA decode's) of at least n bfloat16, 64-byte
+   aligned, kept between calls; NULL when out of memory */
+static inline uint16_t *amx_scratch(int which, int64_t n) {
+    static __thread uint16_t *buf[2];
+    static __thread int64_t cap[2];
+    if (n > cap[which]) {
+        free(buf[which]);
+        cap[which] = n;
+        buf[which] = aligned_alloc(64, (size_t)((n * 2 + 63) & ~(int64_t)63));
+        if (!buf[which]) cap[which] = 0;
+    }
+    return buf[which];
+}
+
+#endif

@@ -1,0 +1,283 @@
+/* The GEMM for bfloat16 weights on AMX tiles (Intel AMX-BF16: Sapphire Rapids and later; docs/kernels.md).
+   TDPBF16PS multiplies a 16 x 32 bfloat16 tile by a 32 x 16 one into 16 x 16 float32 sums: 16 times the
+   products of one AVX512-BF16 instruction. gemm.c calls linear_amx for bfloat16 weights when the dot products
+   are on, AMX is on (amx_on(): the CPU has the tiles, the kernel let this process use them, no one turned
+   them off: wd_amx) and x has at least AMX_MIN_ROWS rows. x is rounded to bfloat16 as gemm_bf16dp.c rounds it;
+   sums stay float32.
+
+   Two loop forms, both reading the weights as stored (no repacked copy kept anywhere):
+   - skinny (M <= WIDE_MIN_ROWS, decode steps and most experts): the weights are the A tiles, read in place (16
+     rows of w, 64 bytes of each: the tile load's stride is w's row stride), x the B tiles, packed once per
+     call into the pair-interleaved ("VNNI") layout TDPBF16PS wants: [16 pairs of K][16 rows][2]. The sums
+     come out as y^T blocks and are transposed in registers on the way out. Blocks of 32 rows of w x 32 rows
+     of x (4 sums, 2 + 2 operands: the 8 tiles); while the first rows of x pass over a block, the next
+     block's weight lines are asked into L2 (the tile loads are 16 streams at once, past what the hardware
+     prefetcher follows: without it the decode-sized calls streamed at ~8 GB/s, with it ~13, the plain read's
+     speed on this Xeon).
+   - wide (more rows: prefill): x the A tiles (rows rounded to bfloat16, row major), w the B tiles, packed per
+     call into the VNNI layout a group of rows at a time (a 16 x 16 transpose of 32-bit pairs per 1 KiB);
+     the sums land in y as they are.
+   Rows of w past the last multiple of 16 go to the dot-product kernel; K past the last multiple of 32 is
+   added by a masked dot product (tail_k), so no tile ever reads past a row or the matrix.
+
+   Measured (one thread, this Xeon, bench/bf16_gemm.py): docs/kernels.md. */
+#include <stdlib.h>
+
+#include "wideep.h"
+
+#if WD_AMX
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "amx.h"
+
+/* more rows than this run the wide form (measured: at 384 rows the two are even; at 2048 the wide form
+   1.2-1.6x faster) */
+#define WIDE_MIN_ROWS 512
+/* the wide form's rows of x per chunk: their bfloat16 copy (MC x K) stays in L2 while the packed weights pass */
+#define MC 256
+/* the most packed-weight bytes at once: a bigger w is packed and run a group of rows at a time */
+#define WPACK_MAX ((int64_t)16 << 20)
+
+/* x [M, K32] -> xb: per 16 rows (zero-padded) and 32 features, one 1 KiB B tile [16 pairs][16 rows][2] */
+static AMXF void pack_x_vnni(const float *x, int64_t ldx, int64_t M, int64_t K32, uint16_t *xb) {
+    int64_t MT = (M + 15) / 16, KB = K32 / 32;
+    for (int64_t mt = 0; mt < MT; mt++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            __m512i r[16];
+            for (int m = 0; m < 16; m++)
+                r[m] = mt * 16 + m < M ? bf32(x + (mt * 16 + m) * ldx + kb * 32) : _mm512_setzero_si512();
+            tr16(r);
+            uint16_t *t = xb + (mt * KB + kb) * 512;
+            for (int p = 0; p < 16; p++) _mm512_store_si512(t + p * 32, r[p]);
+        }
+}
+
+/* tile c (sums [16 rows of w][16 rows of x]) transposed into y: rows 0 .. mrows-1 of x, 16 outputs each */
+#define OUT_T(TILE, Y, MROWS)                                                                      \
+    {                                                                                              \
+        _tile_stored(TILE, c, 64);                                                                 \
+        __m512i r_[16];                                                                            \
+        for (int i_ = 0; i_ < 16; i_++) r_[i_] = _mm512_load_si512(c + 16 * i_);                   \
+        tr16(r_);                                                                                  \
+        for (int64_t m_ = 0; m_ < (MROWS); m_++) _mm512_storeu_si512((Y) + m_ * ldy, r_[m_]);      \
+    }
+
+/* y [M, N16] = x [M, K32] @ w [N16, K32]^T, the weights as A tiles (file comment) */
+static AMXF void skinny(const uint16_t *xb, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
+                        int64_t N16, int64_t K32) {
+    int64_t MT = (M + 15) / 16, KB = K32 / 32, sw = ldw * 2;
+    float c[256] __attribute__((aligned(64)));
+    for (int64_t n = 0; n < N16; n += 32) {
+        int two_n = n + 16 < N16;
+        const uint16_t *w0 = w + n * ldw, *w1 = w0 + 16 * ldw;
+        for (int64_t mt = 0; mt < MT; mt += 2) {
+            int two_m = mt + 1 < MT, pf = mt == 0 && n + 64 <= N16;
+            const uint16_t *b0 = xb + mt * KB * 512, *b1 = b0 + KB * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            if (two_n && two_m)
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    if (pf)
+                        for (int r = 32; r < 64; r++) _mm_prefetch((const char *)(w0 + r * ldw + kb * 32), _MM_HINT_T1);
+                    _tile_loadd(4, w0 + kb * 32, sw);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(5, w1 + kb * 32, sw);
+                    _tile_dpbf16ps(1, 5, 6);
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            else if (two_n)
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    if (pf)
+                        for (int r = 32; r < 64; r++) _mm_prefetch((const char *)(w0 + r * ldw + kb * 32), _MM_HINT_T1);
+                    _tile_loadd(4, w0 + kb * 32, sw);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(5, w1 + kb * 32, sw);
+                    _tile_dpbf16ps(1, 5, 6);
+                }
+            else if (two_m)
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    _tile_loadd(4, w0 + kb * 32, sw);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_loadd(7, b1 + kb * 512, 64);
+                    _tile_dpbf16ps(2, 4, 7);
+                }
+            else
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    _tile_loadd(4, w0 + kb * 32, sw);
+                    _tile_loadd(6, b0 + kb * 512, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                }
+            int64_t m0 = mt * 16, r0 = M - m0 < 16 ? M - m0 : 16, r1 = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
+            float *y0 = y + m0 * ldy + n;
+            OUT_T(0, y0, r0)
+            if (two_n) OUT_T(1, y0 + 16, r0)
+            if (two_m) {
+                OUT_T(2, y0 + 16 * ldy, r1)
+                if (two_n) OUT_T(3, y0 + 16 * ldy + 16, r1)
+            }
+        }
+    }
+}
+
+/* the sums of tile TILE (16 rows of x x 16 outputs) into y, its first R rows (a partial block through c) */
+#define OUT(TILE, Y, R)                                                                            \
+    if ((R) == 16) _tile_stored(TILE, Y, ldy * 4);                                                 \
+    else if ((R) > 0) {                                                                            \
+        _tile_stored(TILE, c, 64);                                                                 \
+        for (int64_t i_ = 0; i_ < (R); i_++) memcpy((Y) + i_ * ldy, c + 16 * i_, 64);             \
+    }
+
+/* y [M, N16] = x [M, K32] @ w [N16, K32]^T, x as A tiles, w packed into B tiles a group at a time (file
+   comment). buf: the packed group, then MC + 32 rows of x in bfloat16 (rows lda apart). */
+static AMXF void wide(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
+                      int64_t N16, int64_t K32, int64_t G, uint16_t *buf) {
+    /* x's rows a cache line more than K32 apart: at a multiple of 4 KiB the 16 rows of a tile load share two
+       L1 sets (measured: 2048-element rows ran ~10 % slower unpadded) */
+    int64_t KB = K32 / 32, lda = K32 + 32;
+    uint16_t *wp = buf, *xa = buf + G * K32;
+    float c[256] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < N16; g += G) {
+        int64_t gn = N16 - g < G ? N16 - g : G, GT = gn / 16;
+        for (int64_t nt = 0; nt < GT; nt++)
+            for (int64_t kb = 0; kb < KB; kb++) {
+                __m512i r[16];
+                for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(w + (g + nt * 16 + i) * ldw + kb * 32);
+                tr16(r);
+                uint16_t *t = wp + (nt * KB + kb) * 512;
+                for (int p = 0; p < 16; p++) _mm512_store_si512(t + p * 32, r[p]);
+            }
+        for (int64_t m0 = 0; m0 < M; m0 += MC) {
+            int64_t mc = M - m0 < MC ? M - m0 : MC, mcp = (mc + 31) & ~(int64_t)31;
+            for (int64_t m = 0; m < mcp; m++)
+                for (int64_t kb = 0; kb < KB; kb++)
+                    _mm512_store_si512(xa + m * lda + kb * 32,
+                                       m < mc ? bf32(x + (m0 + m) * ldx + kb * 32) : _mm512_setzero_si512());
+            for (int64_t nt = 0; nt < GT; nt += 2) {
+                int two_n = nt + 1 < GT;
+                const uint16_t *b0 = wp + nt * KB * 512, *b1 = b0 + KB * 512;
+                for (int64_t m = 0; m < mcp; m += 32) {
+                    const uint16_t *a0 = xa + m * lda, *a1 = a0 + 16 * lda;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    if (two_n)
+                        for (int64_t kb = 0; kb < KB; kb++) {
+                            _tile_loadd(4, a0 + kb * 32, lda * 2);
+                            _tile_loadd(6, b0 + kb * 512, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_loadd(7, b1 + kb * 512, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_loadd(5, a1 + kb * 32, lda * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    else
+                        for (int64_t kb = 0; kb < KB; kb++) {
+                            _tile_loadd(4, a0 + kb * 32, lda * 2);
+                            _tile_loadd(6, b0 + kb * 512, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_loadd(5, a1 + kb * 32, lda * 2);
+                            _tile_dpbf16ps(2, 5, 6);
+                        }
+                    int64_t r0 = mc - m < 16 ? mc - m : 16, r1 = mc - m - 16 < 16 ? mc - m - 16 : 16;
+                    float *y0 = y + (m0 + m) * ldy + g + nt * 16;
+                    OUT(0, y0, r0)
+                    OUT(2, y0 + 16 * ldy, r1)
+                    if (two_n) {
+                        OUT(1, y0 + 16, r0)
+                        OUT(3, y0 + 16 * ldy + 16, r1)
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* y [M, N16] += x [M, K32..K) . w [N16, K32..K) (fewer than 32 features), x rounded to bfloat16 as the
+   tiles round it */
+static AMXF void tail_k(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
+                        int64_t N16, int64_t K32, int64_t K) {
+    int64_t n = K - K32;
+    __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1), hi = n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
+    __mmask32 mw = (__mmask32)((1ull << n) - 1);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx + K32;
+        __m512bh xv = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xr + 16), _mm512_maskz_loadu_ps(lo, xr));
+        for (int64_t j = 0; j < N16; j++) {
+            __m512i wv = _mm512_maskz_loadu_epi16(mw, w + j * ldw + K32);
+            y[m * ldy + j] += _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, (__m512bh)wv));
+        }
+    }
+}
+
+AMXF int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
+               int64_t N, int64_t K) {
+    int64_t N16 = N & ~(int64_t)15, K32 = K & ~(int64_t)31, G = 0;
+    if (!N16 || !K32) return 0;
+    uint16_t *buf;
+    if (M > WIDE_MIN_ROWS) {
+        G = WPACK_MAX / (K32 * 2) & ~(int64_t)31;
+        G = G < 32 ? 32 : G > N16 ? N16 : G;
+        buf = amx_scratch(0, G * K32 + (MC + 32) * (K32 + 32));
+    } else {
+        buf = amx_scratch(0, (M + 15) / 16 * 16 * K32);
+    }
+    if (!buf) return 0;
+    if (!G) pack_x_vnni(x, ldx, M, K32, buf);
+    tiles_on();
+    if (G) wide(x, ldx, w, ldw, y, ldy, M, N16, K32, G, buf);
+    else skinny(buf, w, ldw, y, ldy, M, N16, K32);
+    _tile_release();   /* the tiles back in their initial state: oneDNN configures its own at its next call */
+    if (K32 < K) tail_k(x, ldx, w, ldw, y, ldy, M, N16, K32, K);
+    if (N16 < N) linear_bf16dp(x, ldx, w + N16 * ldw, ldw, y + N16, ldy, M, N - N16, K);
+    amx_count(0);
+    return 1;
+}
+
+int amx_supported(void) {
+    static int ok = -1;
+    if (ok < 0) {
+        unsigned a, b, c, d;
+        ok = bf16dp_supported() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) && ((d >> 24) & 1);
+        /* Linux hands a process the tiles' 8 KiB of state only once asked (ARCH_REQ_XCOMP_PERM, XTILEDATA) */
+        if (ok) ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    return ok;
+}
+#else
+int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
+               int64_t N, int64_t K) {
+    (void)x, (void)ldx, (void)w, (void)ldw, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+    return 0;
+}
+int amx_supported(void) { return 0; }
+#endif
+
+static int amx_state = -1;   /* -1: not decided yet (the first call decides: on where the CPU and the kernel allow) */
+static int64_t calls[2];
+
+void amx_count(int which) { __atomic_fetch_add(&calls[which], 1, __ATOMIC_RELAXED); }
+
+int amx_on(void) {
+    if (amx_state < 0) amx_state = amx_supported();
+    return amx_state;
+}
+
+int64_t wd_amx(wd_amx_args *a) {
+    a->supported = amx_supported();
+    if (a->want == 0) amx_state = 0;
+    else if (a->want == 1) amx_state = a->supported;
+    a->gemm_calls = __atomic_load_n(&calls[0], __ATOMIC_RELAXED);
+    a->mla_calls = __atomic_load_n(&calls[1], __ATOMIC_RELAXED);
+    return amx_on();
+}

@@ -1,0 +1,155 @@
+"""The C kernels on AMX tiles (csrc/gemm_amx.c, csrc/mla_amx.c) against float64 references on the values the tiles
+read (activations and attention weights rounded to bfloat16, products summed in float32), on odd shapes: both loop
+forms of the GEMM (skinny up to 512 rows, wide past it), the row and feature tails that go around the tiles, the
+routed experts with few and many rows per expert, the paged MLA decode with block sizes that do and do not hold
+whole tiles. Each check also asserts that the tiles ran (the library's call counters), so a path that quietly fell
+back would fail; and that oneDNN's own bfloat16 GEMM, which configures the same tiles, is still right after ours."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpu import gemm, layers
+from cpu.build import unusable
+
+if unusable() is not None:
+    pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
+if not gemm.amx_supported():
+    pytest.skip("this CPU (or its kernel) gives no AMX tiles", allow_module_level=True)
+
+BF = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def tiles():
+    """The dot products and the tiles on for each test; the previous settings restored."""
+    before = gemm.bf16_dot(), gemm.amx()
+    assert gemm.bf16_dot(True) and gemm.amx(True)
+    yield
+    gemm.bf16_dot(before[0])
+    gemm.amx(before[1])
+
+
+def _ran(kind: str, before: dict[str, int]) -> int:
+    return gemm.amx_calls()[kind] - before[kind]
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 33, 100, 512, 513, 700])
+@pytest.mark.parametrize("N,K", [(16, 32), (37, 100), (130, 257), (48, 1024), (1030, 64)])
+def test_linear_on_tiles(M, N, K):
+    """y = x @ w^T with x rounded to bfloat16, float32 sums: rows of w past a multiple of 16 and features past a
+    multiple of 32 go around the tiles; the wide form (past 512 rows) packs w a group at a time."""
+    torch.manual_seed(M * 7 + N + K)
+    x, w = torch.randn(M, K), torch.randn(N, K).to(BF)
+    before = gemm.amx_calls()
+    got = gemm.linear(x, w)
+    assert _ran("gemm", before) == 1
+    exact = (x.to(BF).double() @ w.double().t()).float()
+    torch.testing.assert_close(got, exact, atol=1e-4 * K ** 0.5, rtol=1e-5)
+
+
+def test_linear_on_tiles_strided_and_the_dot_products_agree():
+    torch.manual_seed(1)
+    xb, wb = torch.randn(40, 300), torch.randn(70, 400).to(BF)
+    x, w = xb[:, 7:263], wb[:, 3:259]         # rows 300 / 400 elements apart, 256 features used
+    on = gemm.linear(x, w)
+    gemm.amx(False)
+    off = gemm.linear(x, w)
+    torch.testing.assert_close(on, off, atol=1e-4, rtol=1e-5)   # the same products, summed in another order
+    torch.testing.assert_close(on, (x.to(BF).double() @ w.double().t()).float(), atol=1e-4, rtol=1e-5)
+
+
+def test_onednn_after_the_tiles():
+    """Our kernels release the tiles at the end of every call; oneDNN's bfloat16 GEMM (on the same tiles where it
+    uses AMX) configures its own: both stay right when they alternate in one thread."""
+    torch.manual_seed(2)
+    x, w = torch.randn(300, 256).to(BF), torch.randn(512, 256).to(BF)
+    ref = (x.double() @ w.double().t()).float()
+    for _ in range(3):
+        torch.testing.assert_close(gemm.linear(x, w), ref, atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(F.linear(x, w).float(), ref, atol=0.5, rtol=2e-2)
+
+
+@pytest.mark.parametrize("T,E,k,H,I", [(3, 8, 2, 64, 32), (64, 32, 6, 128, 64), (700, 4, 2, 96, 48),
+                                       (40, 6, 3, 100, 40)])
+@torch.no_grad()
+def test_experts_on_tiles(T, E, k, H, I):
+    """Few rows per expert (decode), many (a prefill chunk: 350 per expert, the wide form past 512), and sizes
+    that are not whole tiles; bfloat16 activations in and out."""
+    torch.manual_seed(T + E)
+    w13, w2 = (torch.randn(E, 2 * I, H) * 0.2).to(BF), (torch.randn(E, H, I) * 0.2).to(BF)
+    x = torch.randn(T, H)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    ids[torch.rand(T, k) < 0.1] = -1
+    wts = torch.rand(T, k)
+    before = gemm.amx_calls()
+    got = gemm.experts(x, w13, w2, ids, wts)
+    assert _ran("gemm", before) >= 2
+    ref = torch.zeros(T, H, dtype=torch.float64)
+    xr = x.to(BF).double()
+    for e in range(E):
+        rows, slots = torch.where(ids == e)
+        if rows.numel():
+            g, u = (xr[rows] @ w13[e].double().t()).chunk(2, dim=-1)
+            a = (F.silu(g) * u).float().to(BF).double()   # the SwiGLU's output rounded as the second GEMM reads it
+            ref.index_add_(0, rows, (a @ w2[e].double().t()) * wts[rows, slots, None].double())
+    # (an element of a may round to the other bfloat16 neighbour than the float64 reference's: 1e-2)
+    torch.testing.assert_close(got, ref.float(), atol=1e-2, rtol=1e-2)
+    got16 = gemm.experts(x.to(BF), w13, w2, ids, wts)
+    assert got16.dtype == BF
+    torch.testing.assert_close(got16.float(), ref.float(), atol=3e-2, rtol=2e-2)
+
+
+def _mla_reference(q, pool, table, lens, bs, C, scale):
+    """The tiles' arithmetic in float64: q rounded to bfloat16 for the scores, softmax, p = exp(...) rounded to
+    bfloat16 for the weighted sum, the 1 / sum of the unrounded p applied last."""
+    out = torch.zeros(q.shape[0], q.shape[1], C, dtype=torch.float64)
+    for b, L in enumerate(lens):
+        slots = torch.tensor([int(table[b, j // bs]) * bs + j % bs for j in range(L)])
+        rows = pool[slots].double()                                  # [L, D]
+        s = q[b].to(BF).double() @ rows.t()                           # [Nh, L]
+        p = torch.exp((s - s.max(-1, keepdim=True).values) * scale)
+        out[b] = (p.float().to(BF).double() @ rows[:, :C]) / p.sum(-1, keepdim=True)
+    return out.float()
+
+
+@pytest.mark.parametrize("lens,bs,heads,D,C", [([1], 16, 1, 64, 32), ([15, 16, 17, 33], 16, 8, 96, 64),
+                                               ([100, 7, 64], 24, 17, 576, 512), ([40, 3], 5, 3, 64, 32),
+                                               ([200, 129], 64, 16, 128, 96)])
+def test_mla_decode_on_tiles(lens, bs, heads, D, C):
+    """The paged decode over a bfloat16 pool: partial groups of 16 rows, block sizes that hold whole tiles (16,
+    64) and that do not (24, 5: through the zero-padded copy), heads past a tile (17)."""
+    torch.manual_seed(sum(lens) + D)
+    B, M = len(lens), max(-(-n // bs) for n in lens)
+    nblocks = B * M + 2
+    pool = torch.randn(nblocks * bs, D).to(BF)
+    table = torch.randperm(nblocks)[:B * M].view(B, M)
+    q = torch.randn(B, heads, D)
+    before = gemm.amx_calls()
+    got = layers.mla_decode(q, pool, table, torch.tensor(lens, dtype=torch.int32), bs, C, 0.07, max(lens))
+    assert _ran("mla", before) == 1
+    torch.testing.assert_close(got, _mla_reference(q, pool, table, lens, bs, C, 0.07), atol=1e-4, rtol=1e-4)
+
+
+def test_mla_decode_off_the_tiles_where_the_widths_do_not_fit():
+    """D or C not a multiple of 32: the float32 loops run (no tile call), on the same numbers as before."""
+    torch.manual_seed(3)
+    pool = torch.randn(32, 40).to(BF)
+    table = torch.arange(8).view(1, 8)
+    before = gemm.amx_calls()
+    layers.mla_decode(torch.randn(1, 2, 40), pool, table, torch.tensor([9], dtype=torch.int32), 4, 32, 0.1, 9)
+    assert _ran("mla", before) == 0
+
+
+def test_the_environment_starts_the_library_off_the_tiles():
+    """WIDEEP_CPU_AMX=0 (cpu/build.py): the tiles are off from the first call, in a fresh process."""
+    import os
+    import subprocess
+    import sys
+    code = "from cpu import gemm; print(gemm.amx(), gemm.amx_supported())"
+    for env, want in (("0", ["False", "True"]), ("1", ["True", "True"])):
+        out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, WIDEEP_CPU_AMX=env),
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == want
