@@ -123,7 +123,12 @@ def amx_calls() -> dict[str, int]:
 
 class BmmNtArgs(ctypes.Structure):
     """wd_bmm_nt_args (csrc/wideep.h)."""
-    _fields_ = fields("x w y", P) + fields("B sxb ldx swb ldw syb ldy M N K wdt", I)
+    _fields_ = fields("x w y", P) + fields("B sxb ldx swb ldw syb ldy M N K wdt xdt", I)
+
+
+def _bmm_done(rc: int) -> None:
+    if rc:
+        raise MemoryError("bmm_nt / linear: no memory to widen the bfloat16 activations (csrc/gemm.c wd_bmm_nt)")
 
 
 def bmm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,11 +144,11 @@ def bmm_nt(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) ->
     check_float("out", out, 3)
     if tuple(out.shape) != (B, M, N):
         raise ValueError(f"bmm_nt: out is {tuple(out.shape)}, expected {(B, M, N)}")
-    x, y = as_f32(x), out if out.dtype == torch.float32 else torch.empty(B, M, N)
-    if out.numel() and K:
-        library().wd_bmm_nt(BmmNtArgs(x=x.data_ptr(), w=w.data_ptr(), y=y.data_ptr(), B=B, sxb=x.stride(0),
-                                      ldx=x.stride(1), swb=w.stride(0), ldw=w.stride(1), syb=y.stride(0),
-                                      ldy=y.stride(1), M=M, N=N, K=K, wdt=WDT[w.dtype]))
+    y = out if out.dtype == torch.float32 else torch.empty(B, M, N)
+    if out.numel() and K:   # (bfloat16 x: read as is, csrc/gemm.c)
+        _bmm_done(library().wd_bmm_nt(BmmNtArgs(x=x.data_ptr(), w=w.data_ptr(), y=y.data_ptr(), B=B, sxb=x.stride(0),
+                                                 ldx=x.stride(1), swb=w.stride(0), ldw=w.stride(1), syb=y.stride(0),
+                                                 ldy=y.stride(1), M=M, N=N, K=K, wdt=WDT[w.dtype], xdt=WDT[x.dtype])))
     elif out.numel():
         y.zero_()
     if y is not out:
@@ -160,11 +165,11 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         check_float("x", x, 2)
         check_float("w", w, 2)
         raise ValueError(f"linear: x {tuple(x.shape)} and w {tuple(w.shape)} need the same K")
-    x = as_f32(x)
     out = torch.empty(M, N)
-    if M and N and K:
-        library().wd_bmm_nt(BmmNtArgs(x=x.data_ptr(), w=w.data_ptr(), y=out.data_ptr(), B=1, ldx=x.stride(0),
-                                      ldw=w.stride(0), ldy=N, M=M, N=N, K=K, wdt=WDT[w.dtype]))
+    if M and N and K:   # (bfloat16 x: read as is, csrc/gemm.c)
+        _bmm_done(library().wd_bmm_nt(BmmNtArgs(x=x.data_ptr(), w=w.data_ptr(), y=out.data_ptr(), B=1,
+                                                 ldx=x.stride(0), ldw=w.stride(0), ldy=N, M=M, N=N, K=K,
+                                                 wdt=WDT[w.dtype], xdt=WDT[x.dtype])))
     elif M and N:
         out.zero_()
     return out
@@ -295,7 +300,7 @@ def dequantize_fp4(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
 class ExpertsArgs(ctypes.Structure):
     """wd_experts_args (csrc/wideep.h)."""
     _fields_ = (fields("x w13 w2 wts ids out scratch iscratch s13 s2", P)
-                + fields("T H I El k wdt br bk", I) + [("limit", ctypes.c_float)])
+                + fields("T H I El k wdt br bk xdt", I) + [("limit", ctypes.c_float)])
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -356,9 +361,9 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
     if topk_ids.dtype != torch.int64:
         raise ValueError(f"experts: topk_ids must be int64, got {topk_ids.dtype}")
     dtype = x.dtype
-    x, ids, wts = as_f32(x).contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous()
+    x, ids, wts = x.contiguous(), topk_ids.contiguous(), topk_weights.float().contiguous()   # (bfloat16 x: read as is)
     I, k = I2 // 2, ids.shape[1]
-    out = torch.zeros_like(x)
+    out = torch.zeros(T, H)
     if T and k:
         iscratch = torch.empty(2 * (El + 1) + T * k, dtype=torch.int64)
         scratch = torch.empty(T * (2 * H + 3 * I) + (fp4_xp(T * k, max(H, I)) if fp4 else 0))
@@ -368,13 +373,13 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torc
                                               wdt=WD_FP8 if fp8 else WD_FP4 if fp4 else WDT[w13.dtype],
                                               s13=w13_scale.data_ptr() if fp8 or fp4 else None,
                                               s2=w2_scale.data_ptr() if fp8 or fp4 else None, br=br, bk=bk,
-                                              limit=limit or 0.0))
+                                              xdt=WDT[x.dtype], limit=limit or 0.0))
         if rc < 0:   # an id past the last local expert: the kernel would have read past the weights
             raise ValueError(f"experts: topk_ids holds local id {int(ids.view(-1)[-1 - rc])}, there are {El} "
                              f"local experts")
     return out.to(dtype)
 
 
-register({"wd_bmm_nt": (BmmNtArgs, None), "wd_experts": (ExpertsArgs, I), "wd_bf16_dot": (Bf16DotArgs, I),
+register({"wd_bmm_nt": (BmmNtArgs, I), "wd_experts": (ExpertsArgs, I), "wd_bf16_dot": (Bf16DotArgs, I),
           "wd_amx": (AmxArgs, I),
           "wd_linear_fp8": (LinearFp8Args, I), "wd_linear_fp4": (LinearFp4Args, I)})

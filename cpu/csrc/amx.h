@@ -11,6 +11,16 @@
 
 #define AMXF __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 
+/* Tile loads, stores and the configuration as asm that tells the compiler what memory it touches. GCC 12's
+   intrinsics do not: _tile_loadconfig declares 8 of the config's 64 bytes as read (the stores to the rest were
+   dropped as dead in a test build: tilezero then raised SIGILL), and _tile_loadd / _tile_stored declare no memory
+   at all, so the stores that pack a tile's operand, or the loads that read a stored tile, could be moved across
+   them. */
+#define TILE_LOAD(T, base, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #T ::"r"(base), "r"((int64_t)(stride)) : "memory")
+#define TILE_STORE(T, base, stride) \
+    __asm__ volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(base), "r"((int64_t)(stride)) : "memory")
+
 /* the tile configuration: palette 1, all 8 tiles 16 rows x 64 bytes. Loaded at the start of every kernel and
    released at its end (_tile_release): oneDNN, in the same thread, configures its own at each of its calls. */
 typedef struct {
@@ -27,7 +37,7 @@ static inline AMXF void tiles_on(void) {
         c.rows[t] = 16;
         c.colsb[t] = 64;
     }
-    _tile_loadconfig(&c);
+    __asm__ volatile("ldtilecfg %0" ::"m"(c) : "memory");
 }
 
 /* 16 x 16 32-bit elements, r[i] row i, transposed in registers (three rounds of shuffles) */
@@ -60,11 +70,11 @@ static inline AMXF __m512i bf32(const float *p) {
     return (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
 }
 
-/* this thread's scratch number `which` (0: the GEMM's, 1: the MLA decode's) of at least n bfloat16, 64-byte
-   aligned, kept between calls; NULL when out of memory */
+/* this thread's scratch number `which` (0: the GEMM's, 1: the MLA decode's, 2: the routed expert's) of at least n
+   bfloat16, 64-byte aligned, kept between calls; NULL when out of memory */
 static inline uint16_t *amx_scratch(int which, int64_t n) {
-    static __thread uint16_t *buf[2];
-    static __thread int64_t cap[2];
+    static __thread uint16_t *buf[3];
+    static __thread int64_t cap[3];
     if (n > cap[which]) {
         free(buf[which]);
         cap[which] = n;

@@ -42,16 +42,32 @@ static void swiglu_rows(const float *h, int64_t np, int64_t I, float limit, floa
     }
 }
 
-/* Routed experts. ids [T, k] local expert ids (-1: on another rank), wts [T, k]. The (token, slot)
+/* xs [np, H] = rows order[p0 ..] / k of x (float32, or bfloat16 widened: xdt) */
+static void gather_rows(const void *x, int64_t xdt, int64_t H, const int64_t *order, int64_t np, int64_t k, float *xs) {
+    for (int64_t p = 0; p < np; p++) {
+        int64_t r = order[p] / k * H;
+        if (xdt != WD_BF16) {
+            memcpy(xs + p * H, (const float *)x + r, H * sizeof(float));
+            continue;
+        }
+        const uint16_t *xr = (const uint16_t *)x + r;
+        int64_t c = 0;
+        for (; c + 16 <= H; c += 16) st(xs + p * H + c, ld_bf16(xr + c));
+        for (; c < H; c++) xs[p * H + c] = from_bf16(xr[c]);
+    }
+}
+
+/* Routed experts. x [T, H] float32 or bfloat16 (xdt); ids [T, k] local expert ids (-1: on another rank), wts
+   [T, k]. The (token, slot)
    pairs are counting-sorted by expert (stable: the reference's order); per expert with tokens: gather
-   them, h = x @ w13[e]^T, a = silu(gate) * up (clamped when limit > 0), y = a @ w2[e]^T, out[token] +=
+   them (on AMX tiles, bfloat16 weights: expert_amx, the whole expert in one pass), h = x @ w13[e]^T, a = silu(gate) * up (clamped when limit > 0), y = a @ w2[e]^T, out[token] +=
    weight * y. iscratch: 2 * (El + 1) + T * k ints; scratch: T * (2H + 3I) floats (WD_FP4: and FP4_XP(T * k,
    max(H, I)) more, x permuted for linear_fp4; T * k bounds an expert's pairs). w13, w2 of dtype wdt
    (WD_FP8: with their block scales s13, s2, read in place by linear_fp8; WD_FP4: e2m1 pairs with their e8m0
    scales, read in place by linear_fp4). Returns 0, or -1 - p for the first pair p whose id is >= El
    (nothing is computed then). */
-int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13, const void *w2,
-                int64_t wdt, const void *s13, const void *s2, int64_t br, int64_t bk, const int64_t *ids,
+int64_t experts(const void *x, int64_t xdt, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13,
+                const void *w2, int64_t wdt, const void *s13, const void *s2, int64_t br, int64_t bk, const int64_t *ids,
                 const float *wts, int64_t k, float *out, int64_t *iscratch, float *scratch, float limit) {
     int64_t P = T * k, *start = iscratch, *fill = start + El + 1, *order = fill + El + 1;
     /* bytes of one expert's w13 and w2 */
@@ -70,11 +86,24 @@ int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, con
     memcpy(fill, start, El * sizeof(int64_t));
     for (int64_t p = 0; p < P; p++)
         if (ids[p] >= 0) order[fill[ids[p]]++] = p;
+    /* bfloat16 weights on AMX tiles, both GEMMs whole tiles (H, I multiples of 32): each expert in one call of
+       experts_amx.c (its rows of x read in place, nothing in between the GEMMs) */
+    int tiles = wdt == WD_BF16 && bf16_dot() && amx_on() && H % 32 == 0 && I % 32 == 0;
     for (int64_t e = 0; e < El; e++) {
         int64_t p0 = start[e], np = start[e + 1] - p0;
         if (!np) continue;
         float *xs = scratch, *h = xs + np * H, *a = h + np * 2 * I, *y = a + np * I, *xp = scratch + T * (2 * H + 3 * I);
-        for (int64_t p = 0; p < np; p++) memcpy(xs + p * H, x + order[p0 + p] / k * H, H * sizeof(float));
+        if (tiles) {   /* the rows' ids in xs's room (np <= np * H / 2 of them), their weights in h's */
+            int64_t *rows = (int64_t *)xs;
+            for (int64_t p = 0; p < np; p++) {
+                rows[p] = order[p0 + p] / k;
+                h[p] = wts[order[p0 + p]];
+            }
+            if (expert_amx(x, xdt, rows, h, np, H, I, (const uint16_t *)(w13b + e * b13),
+                           (const uint16_t *)(w2b + e * b2), limit, out))
+                continue;
+        }
+        gather_rows(x, xdt, H, order + p0, np, k, xs);
         prefetch_head(w2b + e * b2, b2);
         if (wdt == WD_FP8) {   /* gate and up are quantised apart: their blocks restart at row I */
             const uint8_t *we = (const uint8_t *)w13b + e * 2 * I * H;
@@ -110,8 +139,8 @@ int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, con
 int64_t wd_experts(const wd_experts_args *a) {
     if (a->wdt == WD_FP8 && (a->br <= 0 || a->bk <= 0 || a->bk % 16 || !a->s13 || !a->s2)) return INT64_MIN;
     if (a->wdt == WD_FP4 && (a->H % 32 || a->I % 32 || !a->s13 || !a->s2)) return INT64_MIN;
-    return experts(a->x, a->T, a->H, a->I, a->El, a->w13, a->w2, a->wdt, a->s13, a->s2, a->br, a->bk, a->ids, a->wts,
-                   a->k, a->out, a->iscratch, a->scratch, a->limit);
+    return experts(a->x, a->xdt, a->T, a->H, a->I, a->El, a->w13, a->w2, a->wdt, a->s13, a->s2, a->br, a->bk, a->ids,
+                   a->wts, a->k, a->out, a->iscratch, a->scratch, a->limit);
 }
 
 /* y [T, H] = sd @ (silu(sg @ x) * (su @ x)) for x [T, H], sg, su [Is, H], sd [H, Is] (layers/mlp.py MLP), of

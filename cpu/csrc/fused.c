@@ -75,7 +75,7 @@ static int64_t moe_layer(const wd_moe_weights *w, const float *h, const float *x
     if (load)
         for (int64_t p = 0; p < T * k; p++) load[ids[p]]++;
     memset(ye, 0, T * H * sizeof(float));
-    int64_t rc = experts(x, T, H, I, E, w->w13, w->w2, w->wdt, w->s13, w->s2, w->br, w->bk, ids, wts, k, ye, iscratch,
+    int64_t rc = experts(x, WD_F32, T, H, I, E, w->w13, w->w2, w->wdt, w->s13, w->s2, w->br, w->bk, ids, wts, k, ye, iscratch,
                          rest, 0.0f);
     if (rc) return rc;
     if (!w->sg) {

@@ -35,19 +35,35 @@
 /* more rows than this run the wide form (measured: at 384 rows the two are even; at 2048 the wide form
    1.2-1.6x faster) */
 #define WIDE_MIN_ROWS 512
-/* the wide form's rows of x per chunk: their bfloat16 copy (MC x K) stays in L2 while the packed weights pass */
+/* the wide form's rows of x per pass over a packed group of w (MC x K bfloat16: 512 KiB at K 1024, in L2) */
 #define MC 256
-/* the most packed-weight bytes at once: a bigger w is packed and run a group of rows at a time */
-#define WPACK_MAX ((int64_t)16 << 20)
+/* the wide form's packed group of w (bytes): it stays in L2 while MC rows of x pass */
+#ifndef WPACK_MAX
+#define WPACK_MAX ((int64_t)512 << 10)
+#endif
+
+/* Where a call's activations come from: row m of x is row rows[m] (rows NULL: m) of a float32 or bfloat16 (xdt)
+   matrix with rows ldx elements apart. */
+typedef struct {
+    const void *x;
+    int64_t xdt, ldx;
+    const int64_t *rows;
+} xsrc;
+
+/* 32 values of row m from feature k, as 32 bfloat16 (16 pairs) */
+static inline AMXF __m512i x32(const xsrc *s, int64_t m, int64_t k) {
+    int64_t r = (s->rows ? s->rows[m] : m) * s->ldx + k;
+    return s->xdt == WD_BF16 ? _mm512_loadu_si512((const uint16_t *)s->x + r) : bf32((const float *)s->x + r);
+}
 
 /* x [M, K32] -> xb: per 16 rows (zero-padded) and 32 features, one 1 KiB B tile [16 pairs][16 rows][2] */
-static AMXF void pack_x_vnni(const float *x, int64_t ldx, int64_t M, int64_t K32, uint16_t *xb) {
+static AMXF void pack_x_vnni(const xsrc *s, int64_t M, int64_t K32, uint16_t *xb) {
     int64_t MT = (M + 15) / 16, KB = K32 / 32;
     for (int64_t mt = 0; mt < MT; mt++)
         for (int64_t kb = 0; kb < KB; kb++) {
             __m512i r[16];
             for (int m = 0; m < 16; m++)
-                r[m] = mt * 16 + m < M ? bf32(x + (mt * 16 + m) * ldx + kb * 32) : _mm512_setzero_si512();
+                r[m] = mt * 16 + m < M ? x32(s, mt * 16 + m, kb * 32) : _mm512_setzero_si512();
             tr16(r);
             uint16_t *t = xb + (mt * KB + kb) * 512;
             for (int p = 0; p < 16; p++) _mm512_store_si512(t + p * 32, r[p]);
@@ -57,7 +73,7 @@ static AMXF void pack_x_vnni(const float *x, int64_t ldx, int64_t M, int64_t K32
 /* tile c (sums [16 rows of w][16 rows of x]) transposed into y: rows 0 .. mrows-1 of x, 16 outputs each */
 #define OUT_T(TILE, Y, MROWS)                                                                      \
     {                                                                                              \
-        _tile_stored(TILE, c, 64);                                                                 \
+        TILE_STORE(TILE, c, 64);                                                                 \
         __m512i r_[16];                                                                            \
         for (int i_ = 0; i_ < 16; i_++) r_[i_] = _mm512_load_si512(c + 16 * i_);                   \
         tr16(r_);                                                                                  \
@@ -83,12 +99,12 @@ static AMXF void skinny(const uint16_t *xb, const uint16_t *w, int64_t ldw, floa
                 for (int64_t kb = 0; kb < KB; kb++) {
                     if (pf)
                         for (int r = 32; r < 64; r++) _mm_prefetch((const char *)(w0 + r * ldw + kb * 32), _MM_HINT_T1);
-                    _tile_loadd(4, w0 + kb * 32, sw);
-                    _tile_loadd(6, b0 + kb * 512, 64);
+                    TILE_LOAD(4, w0 + kb * 32, sw);
+                    TILE_LOAD(6, b0 + kb * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(5, w1 + kb * 32, sw);
+                    TILE_LOAD(5, w1 + kb * 32, sw);
                     _tile_dpbf16ps(1, 5, 6);
-                    _tile_loadd(7, b1 + kb * 512, 64);
+                    TILE_LOAD(7, b1 + kb * 512, 64);
                     _tile_dpbf16ps(2, 4, 7);
                     _tile_dpbf16ps(3, 5, 7);
                 }
@@ -96,24 +112,24 @@ static AMXF void skinny(const uint16_t *xb, const uint16_t *w, int64_t ldw, floa
                 for (int64_t kb = 0; kb < KB; kb++) {
                     if (pf)
                         for (int r = 32; r < 64; r++) _mm_prefetch((const char *)(w0 + r * ldw + kb * 32), _MM_HINT_T1);
-                    _tile_loadd(4, w0 + kb * 32, sw);
-                    _tile_loadd(6, b0 + kb * 512, 64);
+                    TILE_LOAD(4, w0 + kb * 32, sw);
+                    TILE_LOAD(6, b0 + kb * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(5, w1 + kb * 32, sw);
+                    TILE_LOAD(5, w1 + kb * 32, sw);
                     _tile_dpbf16ps(1, 5, 6);
                 }
             else if (two_m)
                 for (int64_t kb = 0; kb < KB; kb++) {
-                    _tile_loadd(4, w0 + kb * 32, sw);
-                    _tile_loadd(6, b0 + kb * 512, 64);
+                    TILE_LOAD(4, w0 + kb * 32, sw);
+                    TILE_LOAD(6, b0 + kb * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
-                    _tile_loadd(7, b1 + kb * 512, 64);
+                    TILE_LOAD(7, b1 + kb * 512, 64);
                     _tile_dpbf16ps(2, 4, 7);
                 }
             else
                 for (int64_t kb = 0; kb < KB; kb++) {
-                    _tile_loadd(4, w0 + kb * 32, sw);
-                    _tile_loadd(6, b0 + kb * 512, 64);
+                    TILE_LOAD(4, w0 + kb * 32, sw);
+                    TILE_LOAD(6, b0 + kb * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
                 }
             int64_t m0 = mt * 16, r0 = M - m0 < 16 ? M - m0 : 16, r1 = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
@@ -130,20 +146,30 @@ static AMXF void skinny(const uint16_t *xb, const uint16_t *w, int64_t ldw, floa
 
 /* the sums of tile TILE (16 rows of x x 16 outputs) into y, its first R rows (a partial block through c) */
 #define OUT(TILE, Y, R)                                                                            \
-    if ((R) == 16) _tile_stored(TILE, Y, ldy * 4);                                                 \
+    if ((R) == 16) TILE_STORE(TILE, Y, ldy * 4);                                                 \
     else if ((R) > 0) {                                                                            \
-        _tile_stored(TILE, c, 64);                                                                 \
+        TILE_STORE(TILE, c, 64);                                                                 \
         for (int64_t i_ = 0; i_ < (R); i_++) memcpy((Y) + i_ * ldy, c + 16 * i_, 64);             \
     }
 
-/* y [M, N16] = x [M, K32] @ w [N16, K32]^T, x as A tiles, w packed into B tiles a group at a time (file
-   comment). buf: the packed group, then MC + 32 rows of x in bfloat16 (rows lda apart). */
-static AMXF void wide(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
-                      int64_t N16, int64_t K32, int64_t G, uint16_t *buf) {
+/* y [M, N16] = x [M, K32] @ w [N16, K32]^T, x as A tiles, w packed into B tiles a group of G rows at a time (file
+   comment). The rows of x as bfloat16: x itself where it is bfloat16 and not gathered (its last M % 32 rows through a
+   zero-padded copy in xa, so no tile reads past it), else rounded and gathered once into xa (rows lda apart). The
+   loops keep a packed group of w (G x K32, ~512 KiB) and MC rows of x in L2 while the 2 x 2 tiles run over them
+   (measured, one thread: 2048 x 2048 x 1024 at ~620 GFLOP/s with x streamed from L3 for every 32 rows of w, ~1.2
+   TFLOP/s with both in L2). */
+static AMXF void wide(const xsrc *s, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M, int64_t N16,
+                      int64_t K32, int64_t G, uint16_t *wp, uint16_t *xa) {
     /* x's rows a cache line more than K32 apart: at a multiple of 4 KiB the 16 rows of a tile load share two
        L1 sets (measured: 2048-element rows ran ~10 % slower unpadded) */
-    int64_t KB = K32 / 32, lda = K32 + 32;
-    uint16_t *wp = buf, *xa = buf + G * K32;
+    int64_t KB = K32 / 32, lp = K32 + 32, M32 = M & ~(int64_t)31, Mp = (M + 31) & ~(int64_t)31;
+    int direct = s->xdt == WD_BF16 && !s->rows;
+    const uint16_t *a = direct ? (const uint16_t *)s->x : xa;
+    int64_t lda = direct ? s->ldx : lp;
+    for (int64_t m = direct ? M32 : 0; m < Mp; m++)   /* the rows copied: the tail (direct), or all */
+        for (int64_t kb = 0; kb < KB; kb++)
+            _mm512_store_si512(xa + (m - (direct ? M32 : 0)) * lp + kb * 32,
+                               m < M ? x32(s, m, kb * 32) : _mm512_setzero_si512());
     float c[256] __attribute__((aligned(64)));
     for (int64_t g = 0; g < N16; g += G) {
         int64_t gn = N16 - g < G ? N16 - g : G, GT = gn / 16;
@@ -155,42 +181,40 @@ static AMXF void wide(const float *x, int64_t ldx, const uint16_t *w, int64_t ld
                 uint16_t *t = wp + (nt * KB + kb) * 512;
                 for (int p = 0; p < 16; p++) _mm512_store_si512(t + p * 32, r[p]);
             }
-        for (int64_t m0 = 0; m0 < M; m0 += MC) {
-            int64_t mc = M - m0 < MC ? M - m0 : MC, mcp = (mc + 31) & ~(int64_t)31;
-            for (int64_t m = 0; m < mcp; m++)
-                for (int64_t kb = 0; kb < KB; kb++)
-                    _mm512_store_si512(xa + m * lda + kb * 32,
-                                       m < mc ? bf32(x + (m0 + m) * ldx + kb * 32) : _mm512_setzero_si512());
+        for (int64_t m0 = 0; m0 < Mp; m0 += MC)
             for (int64_t nt = 0; nt < GT; nt += 2) {
                 int two_n = nt + 1 < GT;
                 const uint16_t *b0 = wp + nt * KB * 512, *b1 = b0 + KB * 512;
-                for (int64_t m = 0; m < mcp; m += 32) {
-                    const uint16_t *a0 = xa + m * lda, *a1 = a0 + 16 * lda;
+                for (int64_t m = m0; m < Mp && m < m0 + MC; m += 32) {
+                    int tail = direct && m >= M32;
+                    const uint16_t *a0 = tail ? xa : a + m * lda;
+                    int64_t sa = (tail ? lp : lda) * 2;
+                    const uint16_t *a1 = a0 + 16 * (sa / 2);
                     _tile_zero(0);
                     _tile_zero(1);
                     _tile_zero(2);
                     _tile_zero(3);
                     if (two_n)
                         for (int64_t kb = 0; kb < KB; kb++) {
-                            _tile_loadd(4, a0 + kb * 32, lda * 2);
-                            _tile_loadd(6, b0 + kb * 512, 64);
+                            TILE_LOAD(4, a0 + kb * 32, sa);
+                            TILE_LOAD(6, b0 + kb * 512, 64);
                             _tile_dpbf16ps(0, 4, 6);
-                            _tile_loadd(7, b1 + kb * 512, 64);
+                            TILE_LOAD(7, b1 + kb * 512, 64);
                             _tile_dpbf16ps(1, 4, 7);
-                            _tile_loadd(5, a1 + kb * 32, lda * 2);
+                            TILE_LOAD(5, a1 + kb * 32, sa);
                             _tile_dpbf16ps(2, 5, 6);
                             _tile_dpbf16ps(3, 5, 7);
                         }
                     else
                         for (int64_t kb = 0; kb < KB; kb++) {
-                            _tile_loadd(4, a0 + kb * 32, lda * 2);
-                            _tile_loadd(6, b0 + kb * 512, 64);
+                            TILE_LOAD(4, a0 + kb * 32, sa);
+                            TILE_LOAD(6, b0 + kb * 512, 64);
                             _tile_dpbf16ps(0, 4, 6);
-                            _tile_loadd(5, a1 + kb * 32, lda * 2);
+                            TILE_LOAD(5, a1 + kb * 32, sa);
                             _tile_dpbf16ps(2, 5, 6);
                         }
-                    int64_t r0 = mc - m < 16 ? mc - m : 16, r1 = mc - m - 16 < 16 ? mc - m - 16 : 16;
-                    float *y0 = y + (m0 + m) * ldy + g + nt * 16;
+                    int64_t r0 = M - m < 16 ? M - m : 16, r1 = M - m - 16 < 16 ? M - m - 16 : 16;
+                    float *y0 = y + m * ldy + g + nt * 16;
                     OUT(0, y0, r0)
                     OUT(2, y0 + 16 * ldy, r1)
                     if (two_n) {
@@ -199,49 +223,88 @@ static AMXF void wide(const float *x, int64_t ldx, const uint16_t *w, int64_t ld
                     }
                 }
             }
-        }
     }
 }
 
 /* y [M, N16] += x [M, K32..K) . w [N16, K32..K) (fewer than 32 features), x rounded to bfloat16 as the
    tiles round it */
-static AMXF void tail_k(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
-                        int64_t N16, int64_t K32, int64_t K) {
+static AMXF void tail_k(const xsrc *s, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M, int64_t N16,
+                        int64_t K32, int64_t K) {
     int64_t n = K - K32;
     __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1), hi = n > 16 ? (__mmask16)((1u << (n - 16)) - 1) : 0;
     __mmask32 mw = (__mmask32)((1ull << n) - 1);
     for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * ldx + K32;
-        __m512bh xv = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xr + 16), _mm512_maskz_loadu_ps(lo, xr));
+        int64_t r = (s->rows ? s->rows[m] : m) * s->ldx + K32;
+        __m512i xv;
+        if (s->xdt == WD_BF16) {
+            xv = _mm512_maskz_loadu_epi16(mw, (const uint16_t *)s->x + r);
+        } else {
+            const float *xr = (const float *)s->x + r;
+            xv = (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, xr + 16), _mm512_maskz_loadu_ps(lo, xr));
+        }
         for (int64_t j = 0; j < N16; j++) {
             __m512i wv = _mm512_maskz_loadu_epi16(mw, w + j * ldw + K32);
-            y[m * ldy + j] += _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, (__m512bh)wv));
+            y[m * ldy + j] += _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xv, (__m512bh)wv));
         }
     }
 }
 
-AMXF int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
-               int64_t N, int64_t K) {
+/* the rows of x as float32 [M, K] contiguous (the dot-product kernel's input, for the rows of w past the tiles):
+   x itself where it is float32 and not gathered, else a copy in `tmp` (NULL: no memory) */
+static const float *x_f32(const xsrc *s, int64_t M, int64_t K, int64_t *ldx, float **tmp) {
+    *tmp = NULL;
+    if (s->xdt != WD_BF16 && !s->rows) {
+        *ldx = s->ldx;
+        return s->x;
+    }
+    float *t = malloc((size_t)(M * K) * sizeof(float));
+    if (!t) return NULL;
+    for (int64_t m = 0; m < M; m++) {
+        int64_t r = (s->rows ? s->rows[m] : m) * s->ldx;
+        for (int64_t k = 0; k < K; k++)
+            t[m * K + k] = s->xdt == WD_BF16 ? from_bf16(((const uint16_t *)s->x)[r + k]) : ((const float *)s->x)[r + k];
+    }
+    *ldx = K;
+    return *tmp = t;
+}
+
+AMXF int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const int64_t *rows, const uint16_t *w, int64_t ldw,
+                         float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     int64_t N16 = N & ~(int64_t)15, K32 = K & ~(int64_t)31, G = 0;
     if (!N16 || !K32) return 0;
+    xsrc s = {x, xdt, ldx, rows};
+    float *tmp = NULL;
+    int64_t ldf = 0;
+    const float *xf = NULL;
+    if (N16 < N && !(xf = x_f32(&s, M, K, &ldf, &tmp))) return 0;   /* before anything is written */
     uint16_t *buf;
     if (M > WIDE_MIN_ROWS) {
         G = WPACK_MAX / (K32 * 2) & ~(int64_t)31;
         G = G < 32 ? 32 : G > N16 ? N16 : G;
-        buf = amx_scratch(0, G * K32 + (MC + 32) * (K32 + 32));
+        int64_t xrows = xdt == WD_BF16 && !rows ? 32 : (M + 31) & ~(int64_t)31;
+        buf = amx_scratch(0, G * K32 + xrows * (K32 + 32));
     } else {
         buf = amx_scratch(0, (M + 15) / 16 * 16 * K32);
     }
-    if (!buf) return 0;
-    if (!G) pack_x_vnni(x, ldx, M, K32, buf);
+    if (!buf) {
+        free(tmp);
+        return 0;
+    }
+    if (!G) pack_x_vnni(&s, M, K32, buf);
     tiles_on();
-    if (G) wide(x, ldx, w, ldw, y, ldy, M, N16, K32, G, buf);
+    if (G) wide(&s, w, ldw, y, ldy, M, N16, K32, G, buf, buf + G * K32);
     else skinny(buf, w, ldw, y, ldy, M, N16, K32);
     _tile_release();   /* the tiles back in their initial state: oneDNN configures its own at its next call */
-    if (K32 < K) tail_k(x, ldx, w, ldw, y, ldy, M, N16, K32, K);
-    if (N16 < N) linear_bf16dp(x, ldx, w + N16 * ldw, ldw, y + N16, ldy, M, N - N16, K);
+    if (K32 < K) tail_k(&s, w, ldw, y, ldy, M, N16, K32, K);
+    if (N16 < N) linear_bf16dp(xf, ldf, w + N16 * ldw, ldw, y + N16, ldy, M, N - N16, K);
+    free(tmp);
     amx_count(0);
     return 1;
+}
+
+int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
+               int64_t N, int64_t K) {
+    return linear_amx_rows(x, WD_F32, ldx, NULL, w, ldw, y, ldy, M, N, K);
 }
 
 int amx_supported(void) {
@@ -255,10 +318,14 @@ int amx_supported(void) {
     return ok;
 }
 #else
+int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const int64_t *rows, const uint16_t *w, int64_t ldw,
+                    float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    (void)x, (void)xdt, (void)ldx, (void)rows, (void)w, (void)ldw, (void)y, (void)ldy, (void)M, (void)N, (void)K;
+    return 0;
+}
 int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
                int64_t N, int64_t K) {
-    (void)x, (void)ldx, (void)w, (void)ldw, (void)y, (void)ldy, (void)M, (void)N, (void)K;
-    return 0;
+    return linear_amx_rows(x, WD_F32, ldx, NULL, w, ldw, y, ldy, M, N, K);
 }
 int amx_supported(void) { return 0; }
 #endif

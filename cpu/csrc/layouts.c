@@ -56,7 +56,7 @@ static const wd_layout table[] = {
     FIELD(wd_bmm_nt_args, x) FIELD(wd_bmm_nt_args, w) FIELD(wd_bmm_nt_args, y) FIELD(wd_bmm_nt_args, B)
     FIELD(wd_bmm_nt_args, sxb) FIELD(wd_bmm_nt_args, ldx) FIELD(wd_bmm_nt_args, swb) FIELD(wd_bmm_nt_args, ldw)
     FIELD(wd_bmm_nt_args, syb) FIELD(wd_bmm_nt_args, ldy) FIELD(wd_bmm_nt_args, M) FIELD(wd_bmm_nt_args, N)
-    FIELD(wd_bmm_nt_args, K)
+    FIELD(wd_bmm_nt_args, K) FIELD(wd_bmm_nt_args, xdt)
 
     SIZE(wd_experts_args)
     FIELD(wd_experts_args, wdt)
@@ -64,7 +64,7 @@ static const wd_layout table[] = {
     FIELD(wd_experts_args, ids) FIELD(wd_experts_args, out) FIELD(wd_experts_args, scratch)
     FIELD(wd_experts_args, iscratch) FIELD(wd_experts_args, T) FIELD(wd_experts_args, H) FIELD(wd_experts_args, I)
     FIELD(wd_experts_args, El) FIELD(wd_experts_args, k) FIELD(wd_experts_args, s13) FIELD(wd_experts_args, s2)
-    FIELD(wd_experts_args, br) FIELD(wd_experts_args, bk) FIELD(wd_experts_args, limit)
+    FIELD(wd_experts_args, br) FIELD(wd_experts_args, bk) FIELD(wd_experts_args, limit) FIELD(wd_experts_args, xdt)
 
     SIZE(wd_linear_fp4_args)
     FIELD(wd_linear_fp4_args, x) FIELD(wd_linear_fp4_args, w) FIELD(wd_linear_fp4_args, s) FIELD(wd_linear_fp4_args, y)

@@ -66,11 +66,11 @@ AMXF int mla_decode_amx(const float *q, int64_t B, int64_t Nh, int64_t D, int64_
                     if (ht == 0)
                         for (int64_t l = kb * nlines / KD; l < (kb + 1) * nlines / KD; l++)
                             _mm_prefetch(nx + 64 * l, _MM_HINT_T1);
-                    _tile_loadd(4, a + kb * 32, D * 2);
-                    _tile_loadd(6, qp + (ht * KD + kb) * 512, 64);
+                    TILE_LOAD(4, a + kb * 32, D * 2);
+                    TILE_LOAD(6, qp + (ht * KD + kb) * 512, 64);
                     _tile_dpbf16ps(0, 4, 6);
                 }
-                _tile_stored(0, c, 64);
+                TILE_STORE(0, c, 64);
                 __m512i r[16];
                 for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(c + 16 * i);
                 tr16(r);   /* r[h]: head h's scores of rows j0 .. j0 + 15 */
@@ -116,19 +116,19 @@ AMXF int mla_decode_amx(const float *q, int64_t B, int64_t Nh, int64_t D, int64_
                 _tile_zero(0);
                 _tile_zero(1);
                 for (int64_t jb = 0; jb < JB; jb++) {
-                    _tile_loadd(4, ap + jb * 32, Lm * 2);
-                    _tile_loadd(5, vp + (ct * JB + jb) * 512, 64);
+                    TILE_LOAD(4, ap + jb * 32, Lm * 2);
+                    TILE_LOAD(5, vp + (ct * JB + jb) * 512, 64);
                     _tile_dpbf16ps(0, 4, 5);
-                    _tile_loadd(6, vp + ((ct + 1) * JB + jb) * 512, 64);
+                    TILE_LOAD(6, vp + ((ct + 1) * JB + jb) * 512, 64);
                     _tile_dpbf16ps(1, 4, 6);
                 }
                 if (nh == 16) {
-                    _tile_stored(0, oh + ct * 16, C * 4);
-                    _tile_stored(1, oh + ct * 16 + 16, C * 4);
+                    TILE_STORE(0, oh + ct * 16, C * 4);
+                    TILE_STORE(1, oh + ct * 16 + 16, C * 4);
                 } else {
-                    _tile_stored(0, c, 64);
+                    TILE_STORE(0, c, 64);
                     for (int64_t h = 0; h < nh; h++) memcpy(oh + h * C + ct * 16, c + 16 * h, 64);
-                    _tile_stored(1, c, 64);
+                    TILE_STORE(1, c, 64);
                     for (int64_t h = 0; h < nh; h++) memcpy(oh + h * C + ct * 16 + 16, c + 16 * h, 64);
                 }
             }

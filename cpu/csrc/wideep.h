@@ -179,6 +179,15 @@ WD_INTERNAL int amx_on(void);
 WD_INTERNAL void amx_count(int which);   /* 0: a GEMM ran on the tiles, 1: a paged decode did (wd_amx reports) */
 WD_INTERNAL int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                            int64_t M, int64_t N, int64_t K);
+/* experts_amx.c: one routed expert on the tiles, out[rows[i]] += wts[i] * w2 @ swiglu(w13 @ x[rows[i]]) for i < np,
+   x [., H] float32 or bfloat16 (xdt), w13 [2I, H], w2 [H, I] bfloat16, H and I multiples of 32; limit > 0: the clamped
+   SwiGLU. 0 (nothing done) without scratch memory. */
+WD_INTERNAL int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float *wts, int64_t np, int64_t H,
+                           int64_t I, const uint16_t *w13, const uint16_t *w2, float limit, float *out);
+/* ... with row m of x being row rows[m] (rows NULL: m) of a float32 or bfloat16 (xdt) matrix, rows ldx apart:
+   the routed experts' rows gathered and rounded as they are packed, no copy */
+WD_INTERNAL int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const int64_t *rows, const uint16_t *w,
+                                int64_t ldw, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
 /* gemm_fp8.c: y = x @ W^T for W [N, K] e4m3 bytes w (rows ldw apart) times the block scales s
    [ceil(N/br), ceil(K/bk)] (rows lds apart); bk a multiple of 16 */
 WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
@@ -188,11 +197,11 @@ WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64
 #define FP4_XP(M, K) ((M) * (((K) + 127) / 128 * 128))
 WD_INTERNAL void linear_fp4(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
                             float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *xp);
-/* experts.c; wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale rows, then up's), s2 [El, ceil(H/br),
+/* experts.c: x [T, H] float32 or bfloat16 (xdt); wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale rows, then up's), s2 [El, ceil(H/br),
    ceil(I/bk)] float32 (moe/fp8.py quantize_experts_fp8); WD_FP4: w13 [El, 2I, H/2], w2 [El, H, I/2] e2m1 pairs,
    s13 [El, 2I, H/32], s2 [El, H, I/32] e8m0 bytes (H, I multiples of 32); else s13, s2 NULL. limit > 0: the
    clamped SwiGLU (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit); 0: none */
-WD_INTERNAL int64_t experts(const float *x, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13,
+WD_INTERNAL int64_t experts(const void *x, int64_t xdt, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13,
                             const void *w2, int64_t wdt, const void *s13, const void *s2, int64_t br, int64_t bk,
                             const int64_t *ids, const float *wts, int64_t k, float *out, int64_t *iscratch,
                             float *scratch, float limit);
@@ -284,14 +293,15 @@ typedef struct {
 void wd_rope(const wd_rope_args *a);
 
 /* y [B, M, N] = x [B, M, K] @ w [B, N, K]^T (batch strides sxb, swb, syb; row strides ldx, ldw, ldy), w of
-   dtype wdt */
+   dtype wdt, x float32 or bfloat16 (xdt: read as is on AMX tiles, else widened exactly). Returns 0, or -1 when
+   there was no memory to widen a bfloat16 x (y incomplete). */
 typedef struct {
-    const float *x;
+    const void *x;
     const void *w;
     float *y;
-    int64_t B, sxb, ldx, swb, ldw, syb, ldy, M, N, K, wdt;
+    int64_t B, sxb, ldx, swb, ldw, syb, ldy, M, N, K, wdt, xdt;
 } wd_bmm_nt_args;
-void wd_bmm_nt(const wd_bmm_nt_args *a);
+int64_t wd_bmm_nt(const wd_bmm_nt_args *a);
 
 /* The bfloat16 dot products (AVX512-BF16) for bfloat16 weights: want 1 on (when the CPU has them), 0 off
    (the widening path: tests force it), -1 unchanged. Returns whether they are on. */
@@ -308,21 +318,21 @@ typedef struct {
 } wd_amx_args;
 int64_t wd_amx(wd_amx_args *a);
 
-/* Routed experts: out [T, H] += sum over slots of wts * expert(x). ids [T, k] local ids (-1: on another
-   rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats (WD_FP4: + FP4_XP(T k, max(H, I))). Returns 0, or -1 - p for the first
-   pair p whose id is >= El (nothing is computed then). w13, w2 of dtype wdt; WD_FP8: their block scales s13,
+/* Routed experts: out [T, H] (float32) += sum over slots of wts * expert(x), x float32 or bfloat16 (xdt). ids [T, k]
+   local ids (-1: on another rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats (WD_FP4: +
+   FP4_XP(T k, max(H, I))). Returns 0, or -1 - p for the first pair p whose id is >= El (nothing is computed then). w13, w2 of dtype wdt; WD_FP8: their block scales s13,
    s2 in br x bk blocks (the experts() prototype above gives their shapes; bk a multiple of 16; else, or
    without them: INT64_MIN, nothing computed); WD_FP4: their e8m0 scales s13, s2 (H and I multiples of 32;
    else, or without them: INT64_MIN). limit > 0: clamped SwiGLU (experts() above). */
 typedef struct {
-    const float *x;
+    const void *x;
     const void *w13, *w2;
     const float *wts;
     const int64_t *ids;
     float *out, *scratch;
     int64_t *iscratch;
     const void *s13, *s2;
-    int64_t T, H, I, El, k, wdt, br, bk;
+    int64_t T, H, I, El, k, wdt, br, bk, xdt;
     float limit;
 } wd_experts_args;
 int64_t wd_experts(const wd_experts_args *a);

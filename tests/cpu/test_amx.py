@@ -49,6 +49,22 @@ def test_linear_on_tiles(M, N, K):
     torch.testing.assert_close(got, exact, atol=1e-4 * K ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("M,N,K", [(5, 48, 64), (100, 130, 257), (600, 64, 96)])
+def test_bf16_activations_read_as_they_are(M, N, K):
+    """A bfloat16 x goes to the tiles unconverted (linear, bmm_nt), strided rows included: the same sums as the
+    float32 x it rounds to."""
+    torch.manual_seed(M + N)
+    x = torch.randn(M, K + 3).to(BF)[:, 2:K + 2]
+    w = torch.randn(N, K).to(BF)
+    before = gemm.amx_calls()
+    got = gemm.linear(x, w)
+    assert _ran("gemm", before) == 1
+    assert torch.equal(got, gemm.linear(x.float(), w))
+    torch.testing.assert_close(got, (x.double() @ w.double().t()).float(), atol=1e-4 * K ** 0.5, rtol=1e-5)
+    xb, wb = x[None].expand(3, M, K), w[None].expand(3, N, K)
+    assert torch.equal(gemm.bmm_nt(xb, wb), got[None].expand(3, M, N))
+
+
 def test_linear_on_tiles_strided_and_the_dot_products_agree():
     torch.manual_seed(1)
     xb, wb = torch.randn(40, 300), torch.randn(70, 400).to(BF)
@@ -71,12 +87,14 @@ def test_onednn_after_the_tiles():
         torch.testing.assert_close(F.linear(x, w).float(), ref, atol=0.5, rtol=2e-2)
 
 
-@pytest.mark.parametrize("T,E,k,H,I", [(3, 8, 2, 64, 32), (64, 32, 6, 128, 64), (700, 4, 2, 96, 48),
-                                       (40, 6, 3, 100, 40)])
+@pytest.mark.parametrize("T,E,k,H,I,limit", [(3, 8, 2, 64, 32, None), (64, 32, 6, 128, 64, None),
+                                             (700, 4, 2, 96, 64, None), (40, 6, 3, 100, 40, None),
+                                             (50, 4, 2, 64, 96, 0.3), (33, 4, 2, 96, 48, 0.3)])
 @torch.no_grad()
-def test_experts_on_tiles(T, E, k, H, I):
-    """Few rows per expert (decode), many (a prefill chunk: 350 per expert, the wide form past 512), and sizes
-    that are not whole tiles; bfloat16 activations in and out."""
+def test_experts_on_tiles(T, E, k, H, I, limit):
+    """Few rows per expert (decode), many (a prefill chunk: 350 per expert), sizes that are whole tiles (each expert
+    in one pass, experts_amx.c) and that are not (H 96 / I 48, 100 / 40: a GEMM per matrix, gemm_amx.c), the
+    clamped SwiGLU on both; bfloat16 activations in and out."""
     torch.manual_seed(T + E)
     w13, w2 = (torch.randn(E, 2 * I, H) * 0.2).to(BF), (torch.randn(E, H, I) * 0.2).to(BF)
     x = torch.randn(T, H)
@@ -84,21 +102,24 @@ def test_experts_on_tiles(T, E, k, H, I):
     ids[torch.rand(T, k) < 0.1] = -1
     wts = torch.rand(T, k)
     before = gemm.amx_calls()
-    got = gemm.experts(x, w13, w2, ids, wts)
-    assert _ran("gemm", before) >= 2
+    got = gemm.experts(x, w13, w2, ids, wts, limit=limit)
+    used = len(torch.unique(ids[ids >= 0]))   # one call per expert with rows (whole tiles), else one per matrix
+    assert _ran("gemm", before) == (used if H % 32 == 0 and I % 32 == 0 else 2 * used)
     ref = torch.zeros(T, H, dtype=torch.float64)
     xr = x.to(BF).double()
     for e in range(E):
         rows, slots = torch.where(ids == e)
         if rows.numel():
             g, u = (xr[rows] @ w13[e].double().t()).chunk(2, dim=-1)
+            if limit is not None:
+                g, u = g.clamp(max=limit), u.clamp(-limit, limit)
             a = (F.silu(g) * u).float().to(BF).double()   # the SwiGLU's output rounded as the second GEMM reads it
             ref.index_add_(0, rows, (a @ w2[e].double().t()) * wts[rows, slots, None].double())
     # (an element of a may round to the other bfloat16 neighbour than the float64 reference's: 1e-2)
     torch.testing.assert_close(got, ref.float(), atol=1e-2, rtol=1e-2)
-    got16 = gemm.experts(x.to(BF), w13, w2, ids, wts)
+    got16 = gemm.experts(x.to(BF), w13, w2, ids, wts, limit=limit)   # bfloat16 rows read as they are: the same sums
     assert got16.dtype == BF
-    torch.testing.assert_close(got16.float(), ref.float(), atol=3e-2, rtol=2e-2)
+    assert torch.equal(got16, got.to(BF))
 
 
 def _mla_reference(q, pool, table, lens, bs, C, scale):

@@ -193,7 +193,7 @@ def test_a_build_for_a_cpu_without_avx512_bf16(march, monkeypatch, tmp_path):
     monkeypatch.setattr(build, "FLAGS", ("-O3", f"-march={march}", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"))
     monkeypatch.setenv("WIDEEP_CACHE_DIR", str(tmp_path))
     lib = build.build("wideep_cpu_" + march.replace("-", "_"), build.sources())
-    lib.wd_bmm_nt.argtypes, lib.wd_bmm_nt.restype = [ctypes.POINTER(gemm.BmmNtArgs)], None
+    lib.wd_bmm_nt.argtypes, lib.wd_bmm_nt.restype = [ctypes.POINTER(gemm.BmmNtArgs)], ctypes.c_int64
     lib.wd_bf16_dot.argtypes, lib.wd_bf16_dot.restype = [ctypes.POINTER(gemm.Bf16DotArgs)], ctypes.c_int64
     torch.manual_seed(4)
     x, w = torch.randn(5, 77), torch.randn(37, 77).to(BF)
