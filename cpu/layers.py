@@ -28,7 +28,12 @@ P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class RmsnormArgs(ctypes.Structure):
     """wd_rmsnorm_args (csrc/wideep.h)."""
-    _fields_ = fields("x w y", P) + fields("ldx ldy M N wdt", I) + [("eps", F)]
+    _fields_ = fields("x w y", P) + fields("ldx ldy M N wdt xdt ydt", I) + [("eps", F)]
+
+
+def _done(who: str, rc: int) -> None:
+    if rc:
+        raise MemoryError(f"{who}: no memory for a row's float32 copy (csrc/norm_rope.c)")
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,19 +45,20 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError(f"rmsnorm: x {x.dtype} {tuple(x.shape)} and weight {weight.dtype} {tuple(weight.shape)} must "
                          f"be float32 or bfloat16 CPU tensors with weight [N={N}] contiguous")
     dtype = torch.promote_types(x.dtype, weight.dtype)
-    x2 = as_f32(x.reshape(-1, N))
+    x2 = x.reshape(-1, N)   # (bfloat16 in or out: converted a row at a time in C)
     if N and x2.shape[0] and x2.stride(1) != 1:
         x2 = x2.contiguous()
-    out = torch.empty(x2.shape)
+    out = torch.empty(x2.shape, dtype=dtype)
     if out.numel():
-        library().wd_rmsnorm(RmsnormArgs(x=x2.data_ptr(), w=weight.data_ptr(), y=out.data_ptr(), ldx=x2.stride(0),
-                                         ldy=N, M=x2.shape[0], N=N, eps=eps, wdt=WDT[weight.dtype]))
-    return out.view(x.shape).to(dtype)
+        _done("rmsnorm", library().wd_rmsnorm(RmsnormArgs(
+            x=x2.data_ptr(), w=weight.data_ptr(), y=out.data_ptr(), ldx=x2.stride(0), ldy=N, M=x2.shape[0], N=N,
+            eps=eps, wdt=WDT[weight.dtype], xdt=WDT[x.dtype], ydt=WDT[dtype])))
+    return out.view(x.shape)
 
 
 class RopeArgs(ctypes.Structure):
     """wd_rope_args (csrc/wideep.h)."""
-    _fields_ = fields("x cos sin y", P) + fields("T Hh R sxt sxh interleave", I)
+    _fields_ = fields("x cos sin y", P) + fields("T Hh R sxt sxh interleave xdt ydt", I)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
@@ -64,14 +70,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
             and sin.is_contiguous()):
         raise ValueError(f"rope: x {x.dtype} {tuple(x.shape)} ([T, R] or [T, Hh, R], R even; float32 or bfloat16) "
                          f"and cos/sin {cos.dtype} {tuple(cos.shape)} (contiguous float32 [T, R/2]) must be CPU tensors")
-    dtype, x3 = x.dtype, as_f32(x3)
     if x3.numel() and x3.stride(2) != 1:
         x3 = x3.contiguous()
-    out = torch.empty(x.shape)
+    out = torch.empty(x.shape, dtype=x.dtype)   # (bfloat16 in and out: converted a token at a time in C)
     if out.numel():
-        library().wd_rope(RopeArgs(x=x3.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), y=out.data_ptr(), T=T,
-                                   Hh=x3.shape[1], R=R, sxt=x3.stride(0), sxh=x3.stride(1), interleave=int(interleave)))
-    return out.to(dtype)
+        _done("rope", library().wd_rope(RopeArgs(
+            x=x3.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), y=out.data_ptr(), T=T, Hh=x3.shape[1], R=R,
+            sxt=x3.stride(0), sxh=x3.stride(1), interleave=int(interleave), xdt=WDT[x.dtype], ydt=WDT[x.dtype])))
+    return out
 
 
 class MlaDecodeArgs(ctypes.Structure):
@@ -177,5 +183,5 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg)
     return ids, wts
 
 
-register({"wd_rmsnorm": (RmsnormArgs, None), "wd_rope": (RopeArgs, None), "wd_mla_decode": (MlaDecodeArgs, I),
+register({"wd_rmsnorm": (RmsnormArgs, I), "wd_rope": (RopeArgs, I), "wd_mla_decode": (MlaDecodeArgs, I),
           "wd_route": (RouteArgs, None)})

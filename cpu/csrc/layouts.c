@@ -45,11 +45,12 @@ static const wd_layout table[] = {
     FIELD(wd_rmsnorm_args, wdt)
     FIELD(wd_rmsnorm_args, x) FIELD(wd_rmsnorm_args, w) FIELD(wd_rmsnorm_args, y) FIELD(wd_rmsnorm_args, ldx)
     FIELD(wd_rmsnorm_args, ldy) FIELD(wd_rmsnorm_args, M) FIELD(wd_rmsnorm_args, N) FIELD(wd_rmsnorm_args, eps)
+    FIELD(wd_rmsnorm_args, xdt) FIELD(wd_rmsnorm_args, ydt)
 
     SIZE(wd_rope_args)
     FIELD(wd_rope_args, x) FIELD(wd_rope_args, cos) FIELD(wd_rope_args, sin) FIELD(wd_rope_args, y)
     FIELD(wd_rope_args, T) FIELD(wd_rope_args, Hh) FIELD(wd_rope_args, R) FIELD(wd_rope_args, sxt)
-    FIELD(wd_rope_args, sxh) FIELD(wd_rope_args, interleave)
+    FIELD(wd_rope_args, sxh) FIELD(wd_rope_args, interleave) FIELD(wd_rope_args, xdt) FIELD(wd_rope_args, ydt)
 
     SIZE(wd_bmm_nt_args)
     FIELD(wd_bmm_nt_args, wdt)

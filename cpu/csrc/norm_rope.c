@@ -1,4 +1,6 @@
 /* RMSNorm and the rotary embedding (cpu/layers.py rmsnorm, rope): one pass instead of six or ten torch ops. */
+#include <stdlib.h>
+
 #include "wideep.h"
 
 /* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row (rows ldx / ldy apart; w float32 or, wdt WD_BF16, bfloat16) */
@@ -45,8 +47,62 @@ void rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int64_t
     }
 }
 
-void wd_rmsnorm(const wd_rmsnorm_args *a) { rmsnorm(a->x, a->ldx, a->w, a->wdt, a->y, a->ldy, a->M, a->N, a->eps); }
+/* n values at p (float32, or bfloat16: dt) as float32 into f */
+static void to_f32(const void *p, int64_t dt, int64_t n, float *f) {
+    if (dt != WD_BF16) {
+        memcpy(f, p, n * sizeof(float));
+        return;
+    }
+    const uint16_t *b = p;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) st(f + i, ld_bf16(b + i));
+    for (; i < n; i++) f[i] = from_bf16(b[i]);
+}
 
-void wd_rope(const wd_rope_args *a) {
-    rope(a->x, a->T, a->Hh, a->R, a->sxt, a->sxh, a->cos, a->sin, a->y, (int)a->interleave);
+/* n float32 values f into p (float32, or bfloat16 rounded to nearest even: dt) */
+static void from_f32(const float *f, int64_t n, int64_t dt, void *p) {
+    if (dt != WD_BF16) {
+        memcpy(p, f, n * sizeof(float));
+        return;
+    }
+    uint16_t *b = p;
+    for (int64_t i = 0; i < n; i++) b[i] = to_bf16(f[i]);
+}
+
+/* bfloat16 in or out: a row (rmsnorm) or a token's heads (rope) at a time through float32 copies, so that the
+   kernels' float32 loops are the only arithmetic (a bfloat16 model's activations need no torch conversions) */
+int64_t wd_rmsnorm(const wd_rmsnorm_args *a) {
+    if (a->xdt != WD_BF16 && a->ydt != WD_BF16) {
+        rmsnorm(a->x, a->ldx, a->w, a->wdt, a->y, a->ldy, a->M, a->N, a->eps);
+        return 0;
+    }
+    float *buf = malloc((size_t)(2 * a->N) * sizeof(float));
+    if (!buf) return -1;
+    int64_t xs = a->xdt == WD_BF16 ? 2 : 4, ys = a->ydt == WD_BF16 ? 2 : 4;
+    for (int64_t m = 0; m < a->M; m++) {
+        to_f32((const char *)a->x + m * a->ldx * xs, a->xdt, a->N, buf);
+        rmsnorm(buf, a->N, a->w, a->wdt, buf + a->N, a->N, 1, a->N, a->eps);
+        from_f32(buf + a->N, a->N, a->ydt, (char *)a->y + m * a->ldy * ys);
+    }
+    free(buf);
+    return 0;
+}
+
+int64_t wd_rope(const wd_rope_args *a) {
+    if (a->xdt != WD_BF16 && a->ydt != WD_BF16) {
+        rope(a->x, a->T, a->Hh, a->R, a->sxt, a->sxh, a->cos, a->sin, a->y, (int)a->interleave);
+        return 0;
+    }
+    int64_t n = a->Hh * a->R, h2 = a->R / 2, xs = a->xdt == WD_BF16 ? 2 : 4, ys = a->ydt == WD_BF16 ? 2 : 4;
+    float *buf = malloc((size_t)(2 * n) * sizeof(float));
+    if (!buf) return -1;
+    for (int64_t t = 0; t < a->T; t++) {
+        for (int64_t h = 0; h < a->Hh; h++)
+            to_f32((const char *)a->x + (t * a->sxt + h * a->sxh) * xs, a->xdt, a->R, buf + h * a->R);
+        rope(buf, 1, a->Hh, a->R, n, a->R, (const float *)a->cos + t * h2, (const float *)a->sin + t * h2, buf + n,
+             (int)a->interleave);
+        from_f32(buf + n, n, a->ydt, (char *)a->y + t * n * ys);
+    }
+    free(buf);
+    return 0;
 }

@@ -273,24 +273,26 @@ typedef struct {
 
 /* ---- the exported kernels: one argument struct each ---- */
 
-/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row (w of dtype wdt) */
+/* y [M, N] = w * x * rsqrt(mean(x^2) + eps) per row (w of dtype wdt; x, y float32 or bfloat16: xdt, ydt, computed
+   in float32 a row at a time). Returns 0, or -1 (nothing written) when there was no memory for a row's float32 copy. */
 typedef struct {
-    const float *x;
+    const void *x;
     const void *w;
-    float *y;
-    int64_t ldx, ldy, M, N, wdt;
+    void *y;
+    int64_t ldx, ldy, M, N, wdt, xdt, ydt;
     float eps;
 } wd_rmsnorm_args;
-void wd_rmsnorm(const wd_rmsnorm_args *a);
+int64_t wd_rmsnorm(const wd_rmsnorm_args *a);
 
 /* y [T, Hh, R] contiguous = x [T, Hh, R] (strides sxt, sxh; unit last) rotated by cos/sin [T, R/2]
-   contiguous. interleave: pairs (x[2i], x[2i+1]); else halves (x[i], x[i + R/2]). */
+   contiguous. interleave: pairs (x[2i], x[2i+1]); else halves (x[i], x[i + R/2]). x, y float32 or bfloat16 (xdt,
+   ydt; float32 inside). Returns 0, or -1 (nothing written) without memory for a token's float32 copy. */
 typedef struct {
-    const float *x, *cos, *sin;
-    float *y;
-    int64_t T, Hh, R, sxt, sxh, interleave;
+    const void *x, *cos, *sin;
+    void *y;
+    int64_t T, Hh, R, sxt, sxh, interleave, xdt, ydt;
 } wd_rope_args;
-void wd_rope(const wd_rope_args *a);
+int64_t wd_rope(const wd_rope_args *a);
 
 /* y [B, M, N] = x [B, M, K] @ w [B, N, K]^T (batch strides sxb, swb, syb; row strides ldx, ldw, ldy), w of
    dtype wdt, x float32 or bfloat16 (xdt: read as is on AMX tiles, else widened exactly). Returns 0, or -1 when

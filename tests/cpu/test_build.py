@@ -32,24 +32,24 @@ def test_every_c_struct_and_kernel_has_its_checked_twin():
 
 
 class NarrowField(ctypes.Structure):   # ldx as 32 bits: every later field moves
-    _fields_ = fields("x w y", P) + [("ldx", ctypes.c_int32)] + fields("ldy M N wdt", I) + [("eps", F)]
+    _fields_ = fields("x w y", P) + [("ldx", ctypes.c_int32)] + fields("ldy M N wdt xdt ydt", I) + [("eps", F)]
 
 
 class SwappedFields(ctypes.Structure):   # the same fields, two of them in the other order
-    _fields_ = fields("x w y", P) + fields("ldy ldx M N wdt", I) + [("eps", F)]
+    _fields_ = fields("x w y", P) + fields("ldy ldx M N wdt xdt ydt", I) + [("eps", F)]
 
 
 class MissingField(ctypes.Structure):
-    _fields_ = fields("x w y", P) + fields("ldx ldy M wdt", I) + [("eps", F)]
+    _fields_ = fields("x w y", P) + fields("ldx ldy M wdt xdt ydt", I) + [("eps", F)]
 
 
 class ExtraField(ctypes.Structure):
-    _fields_ = fields("x w y", P) + fields("ldx ldy M N wdt", I) + [("eps", F), ("spare", F)]
+    _fields_ = fields("x w y", P) + fields("ldx ldy M N wdt xdt ydt", I) + [("eps", F), ("spare", F)]
 
 
 class Packed(ctypes.Structure):   # the C fields and offsets, but no tail padding: a smaller sizeof
     _pack_ = 4
-    _fields_ = fields("x w y", P) + fields("ldx ldy M N wdt", I) + [("eps", F)]
+    _fields_ = fields("x w y", P) + fields("ldx ldy M N wdt xdt ydt", I) + [("eps", F)]
 
 
 @pytest.mark.parametrize("cls,message", [
@@ -59,7 +59,7 @@ class Packed(ctypes.Structure):   # the C fields and offsets, but no tail paddin
                     "offset 32"),
     (MissingField, "wd_rmsnorm_args (ctypes MissingField): field 'N' is in the C struct, not in the ctypes Structure"),
     (ExtraField, "wd_rmsnorm_args (ctypes ExtraField): field 'spare' is in the ctypes Structure, not in the C struct"),
-    (Packed, "wd_rmsnorm_args (ctypes Packed): sizeof is 68 in ctypes, 72 in C"),
+    (Packed, "wd_rmsnorm_args (ctypes Packed): sizeof is 84 in ctypes, 88 in C"),
 ])
 def test_a_mismatched_structure_is_named_with_its_field(cls, message):
     with pytest.raises(LayoutError, match=re.escape(message)):
