@@ -50,7 +50,7 @@ static inline AMXF void swiglu_pairs(const float *cg, const float *cu, float lim
     }
 
 AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float *wts, int64_t np, int64_t H, int64_t I,
-                    const uint16_t *w13, const uint16_t *w2, float limit, float *out) {
+                    const uint16_t *w13, const uint16_t *w2, const uint16_t *next13, float limit, float *out) {
     int64_t MT = (np + 15) / 16, KB1 = H / 32, KB2 = I / 32;
     uint16_t *xb = amx_scratch(2, MT * 16 * (H + I));
     if (!xb) return 0;
@@ -74,7 +74,7 @@ AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float
     tiles_on();
     for (int64_t n = 0; n < I; n += 16) {   /* gate rows n.., up rows I + n.. */
         const uint16_t *wg = w13 + n * H, *wu = w13 + (I + n) * H;
-        int pf = n + 16 < I;
+        int pf = n + 16 < I;   /* the last block asks the down GEMM's first 32 rows instead */
         for (int64_t mt = 0; mt < MT; mt += 2) {
             int two = mt + 1 < MT;
             const uint16_t *b0 = xb + mt * KB1 * 512, *b1 = b0 + KB1 * 512;
@@ -88,6 +88,8 @@ AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float
                         _mm_prefetch((const char *)(wg + r * H + kb * 32), _MM_HINT_T1);
                         _mm_prefetch((const char *)(wu + r * H + kb * 32), _MM_HINT_T1);
                     }
+                else if (mt == 0 && kb < KB2)
+                    for (int r = 0; r < 32; r++) _mm_prefetch((const char *)(w2 + r * I + kb * 32), _MM_HINT_T1);
                 TILE_LOAD(4, wg + kb * 32, H * 2);
                 TILE_LOAD(6, b0 + kb * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -123,6 +125,12 @@ AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float
             for (int64_t kb = 0; kb < KB2; kb++) {
                 if (pf && mt == 0)
                     for (int r = 32; r < 64; r++) _mm_prefetch((const char *)(w0 + r * I + kb * 32), _MM_HINT_T1);
+                else if (mt == 0 && next13)   /* the next expert's first gate and up rows (K I here, H there) */
+                    for (int64_t r = 0; r < 16; r++)
+                        for (int64_t l = kb * KB1 / KB2; l < (kb + 1) * KB1 / KB2; l++) {
+                            _mm_prefetch((const char *)(next13 + r * H + l * 32), _MM_HINT_T1);
+                            _mm_prefetch((const char *)(next13 + (I + r) * H + l * 32), _MM_HINT_T1);
+                        }
                 TILE_LOAD(4, w0 + kb * 32, I * 2);
                 TILE_LOAD(6, b0 + kb * 512, 64);
                 _tile_dpbf16ps(0, 4, 6);
@@ -148,8 +156,9 @@ AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float
 }
 #else
 int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float *wts, int64_t np, int64_t H, int64_t I,
-               const uint16_t *w13, const uint16_t *w2, float limit, float *out) {
-    (void)x, (void)xdt, (void)rows, (void)wts, (void)np, (void)H, (void)I, (void)w13, (void)w2, (void)limit, (void)out;
+               const uint16_t *w13, const uint16_t *w2, const uint16_t *next13, float limit, float *out) {
+    (void)x, (void)xdt, (void)rows, (void)wts, (void)np, (void)H, (void)I, (void)w13, (void)w2, (void)next13;
+    (void)limit, (void)out;
     return 0;
 }
 #endif

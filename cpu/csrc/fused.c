@@ -27,13 +27,18 @@ static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float
           *kpe = lat + T * D, *qpe = kpe + T * R, *qabs = qpe + T * N * R, *olat = qabs + T * N * D,
           *o = olat + T * N * C, *y = o + T * N * dv, *msc = y + T * H;
     rmsnorm(x, H, w->in_w, wdt, xn, H, T, H, w->in_eps);
+    int hints = pwdt == WD_BF16 && wdt == WD_BF16;   /* each projection's successor asked into L2 (amx_next) */
     if (Q) {
+        if (hints) amx_next(w->wq, Q, N * dq, Q);
         linear_w(xn, H, w->wqa, pwdt, H, qa, Q, T, Q, H);
         rmsnorm(qa, Q, w->qa_w, wdt, qa, Q, T, Q, w->qa_eps);
+        if (hints) amx_next(w->wkva, H, D, H);
         linear_w(qa, Q, w->wq, pwdt, Q, q, N * dq, T, N * dq, Q);
     } else {
+        if (hints) amx_next(w->wkva, H, D, H);
         linear_w(xn, H, w->wq, pwdt, H, q, N * dq, T, N * dq, H);
     }
+    if (hints) amx_next(wuk_t, dn, C, dn);
     linear_w(xn, H, w->wkva, pwdt, H, kv, D, T, D, H);
     rmsnorm(kv, D, w->kva_w, wdt, lat, D, T, C, w->kva_eps);            /* the normed latent c */
     rope(kv + C, T, 1, R, D, R, cos, sin, kpe, (int)w->interleave);      /* k_pe */

@@ -74,8 +74,10 @@ void linear_w(const float *x, int64_t ldx, const void *w, int64_t wdt, int64_t l
 void bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const void *w, int64_t wdt, int64_t swb, int64_t ldw,
             float *y, int64_t syb, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     int64_t esz = wdt == WD_BF16 ? 2 : 4;
-    for (int64_t b = 0; b < B; b++)
+    for (int64_t b = 0; b < B; b++) {
+        if (wdt == WD_BF16 && b + 1 < B) amx_next((const char *)w + (b + 1) * swb * esz, ldw, N, K);
         linear_w(x + b * sxb, ldx, (const char *)w + b * swb * esz, wdt, ldw, y + b * syb, ldy, M, N, K);
+    }
 }
 
 int64_t wd_bmm_nt(const wd_bmm_nt_args *a) {
@@ -91,6 +93,7 @@ int64_t wd_bmm_nt(const wd_bmm_nt_args *a) {
         const uint16_t *xb = (const uint16_t *)a->x + b * a->sxb;
         const void *wb = (const char *)a->w + b * a->swb * esz;
         float *yb = a->y + b * a->syb;
+        if (tiles && b + 1 < a->B) amx_next((const char *)wb + a->swb * esz, a->ldw, a->N, a->K);
         if (tiles && linear_amx_rows(xb, WD_BF16, a->ldx, NULL, wb, a->ldw, yb, a->ldy, a->M, a->N, a->K)) continue;
         if (!xf && !(xf = malloc((size_t)(a->M * a->K) * sizeof(float)))) return -1;
         for (int64_t m = 0; m < a->M; m++) {

@@ -80,58 +80,57 @@ static AMXF void pack_x_vnni(const xsrc *s, int64_t M, int64_t K32, uint16_t *xb
         for (int64_t m_ = 0; m_ < (MROWS); m_++) _mm512_storeu_si512((Y) + m_ * ldy, r_[m_]);      \
     }
 
-/* y [M, N16] = x [M, K32] @ w [N16, K32]^T, the weights as A tiles (file comment) */
+/* The matrix a caller multiplies next (amx_next), whose first rows the skinny form asks into L2 while it runs its
+   own last block: each matrix would otherwise start on a cold stream (the decode step's projections and per-head
+   GEMMs, with the next sequence's cache rows in mla_amx.c and the next expert's in experts_amx.c: a decode step of
+   the vs_vllm model 1-3 % faster at 16 and 64 sequences, A/B of the two libraries interleaved in one engine). Read
+   and cleared by the next call on the tiles. */
+typedef struct {
+    const uint16_t *w;
+    int64_t ldw, rows, kb;
+} wnext;
+static __thread wnext hint;
+
+void amx_next(const void *w, int64_t ldw, int64_t rows, int64_t K) {
+    hint = (wnext){w, ldw, rows < 32 ? rows : 32, K / 32};
+}
+
+/* y [M, N16] = x [M, K32] @ w [N16, K32]^T, the weights as A tiles (file comment); next: the rows to ask into L2
+   during the last block (next.w NULL: none) */
 static AMXF void skinny(const uint16_t *xb, const uint16_t *w, int64_t ldw, float *y, int64_t ldy, int64_t M,
-                        int64_t N16, int64_t K32) {
+                        int64_t N16, int64_t K32, wnext next) {
     int64_t MT = (M + 15) / 16, KB = K32 / 32, sw = ldw * 2;
     float c[256] __attribute__((aligned(64)));
     for (int64_t n = 0; n < N16; n += 32) {
         int two_n = n + 16 < N16;
         const uint16_t *w0 = w + n * ldw, *w1 = w0 + 16 * ldw;
+        /* while the first rows of x pass over these 32 rows of w: the next 32 asked into L2, or the next matrix's */
+        wnext pf = n + 32 < N16 ? (wnext){w0 + 32 * ldw, ldw, N16 - n - 32 < 32 ? N16 - n - 32 : 32, KB} : next;
         for (int64_t mt = 0; mt < MT; mt += 2) {
-            int two_m = mt + 1 < MT, pf = mt == 0 && n + 64 <= N16;
+            int two_m = mt + 1 < MT;
+            int64_t prows = mt == 0 && pf.w ? pf.rows : 0;
             const uint16_t *b0 = xb + mt * KB * 512, *b1 = b0 + KB * 512;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            if (two_n && two_m)
-                for (int64_t kb = 0; kb < KB; kb++) {
-                    if (pf)
-                        for (int r = 32; r < 64; r++) _mm_prefetch((const char *)(w0 + r * ldw + kb * 32), _MM_HINT_T1);
-                    TILE_LOAD(4, w0 + kb * 32, sw);
-                    TILE_LOAD(6, b0 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    TILE_LOAD(5, w1 + kb * 32, sw);
-                    _tile_dpbf16ps(1, 5, 6);
-                    TILE_LOAD(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(2, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-            else if (two_n)
-                for (int64_t kb = 0; kb < KB; kb++) {
-                    if (pf)
-                        for (int r = 32; r < 64; r++) _mm_prefetch((const char *)(w0 + r * ldw + kb * 32), _MM_HINT_T1);
-                    TILE_LOAD(4, w0 + kb * 32, sw);
-                    TILE_LOAD(6, b0 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
+            for (int64_t kb = 0; kb < KB; kb++) {
+                if (kb < pf.kb)
+                    for (int64_t r = 0; r < prows; r++)
+                        _mm_prefetch((const char *)(pf.w + r * pf.ldw + kb * 32), _MM_HINT_T1);
+                TILE_LOAD(4, w0 + kb * 32, sw);
+                TILE_LOAD(6, b0 + kb * 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two_n) {
                     TILE_LOAD(5, w1 + kb * 32, sw);
                     _tile_dpbf16ps(1, 5, 6);
                 }
-            else if (two_m)
-                for (int64_t kb = 0; kb < KB; kb++) {
-                    TILE_LOAD(4, w0 + kb * 32, sw);
-                    TILE_LOAD(6, b0 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
+                if (two_m) {
                     TILE_LOAD(7, b1 + kb * 512, 64);
                     _tile_dpbf16ps(2, 4, 7);
+                    if (two_n) _tile_dpbf16ps(3, 5, 7);
                 }
-            else
-                for (int64_t kb = 0; kb < KB; kb++) {
-                    TILE_LOAD(4, w0 + kb * 32, sw);
-                    TILE_LOAD(6, b0 + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                }
+            }
             int64_t m0 = mt * 16, r0 = M - m0 < 16 ? M - m0 : 16, r1 = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
             float *y0 = y + m0 * ldy + n;
             OUT_T(0, y0, r0)
@@ -273,6 +272,8 @@ AMXF int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const int64_t 
     int64_t N16 = N & ~(int64_t)15, K32 = K & ~(int64_t)31, G = 0;
     if (!N16 || !K32) return 0;
     xsrc s = {x, xdt, ldx, rows};
+    wnext next = hint;   /* this call's: cleared, so that no later call reads it */
+    hint.w = NULL;
     float *tmp = NULL;
     int64_t ldf = 0;
     const float *xf = NULL;
@@ -293,7 +294,7 @@ AMXF int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const int64_t 
     if (!G) pack_x_vnni(&s, M, K32, buf);
     tiles_on();
     if (G) wide(&s, w, ldw, y, ldy, M, N16, K32, G, buf, buf + G * K32);
-    else skinny(buf, w, ldw, y, ldy, M, N16, K32);
+    else skinny(buf, w, ldw, y, ldy, M, N16, K32, next);
     _tile_release();   /* the tiles back in their initial state: oneDNN configures its own at its next call */
     if (K32 < K) tail_k(&s, w, ldw, y, ldy, M, N16, K32, K);
     if (N16 < N) linear_bf16dp(xf, ldf, w + N16 * ldw, ldw, y + N16, ldy, M, N - N16, K);
@@ -318,6 +319,7 @@ int amx_supported(void) {
     return ok;
 }
 #else
+void amx_next(const void *w, int64_t ldw, int64_t rows, int64_t K) { (void)w, (void)ldw, (void)rows, (void)K; }
 int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const int64_t *rows, const uint16_t *w, int64_t ldw,
                     float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     (void)x, (void)xdt, (void)ldx, (void)rows, (void)w, (void)ldw, (void)y, (void)ldy, (void)M, (void)N, (void)K;

@@ -176,14 +176,19 @@ WD_INTERNAL void linear_bf16dp(const float *x, int64_t ldx, const uint16_t *w, i
 #endif
 WD_INTERNAL int amx_supported(void);
 WD_INTERNAL int amx_on(void);
-WD_INTERNAL void amx_count(int which);   /* 0: a GEMM ran on the tiles, 1: a paged decode did (wd_amx reports) */
+WD_INTERNAL void amx_count(int which);
+/* the bfloat16 matrix w [rows, K] (rows ldw apart) the caller multiplies after its next GEMM call: that call asks its
+   first rows into L2 while it finishes (a hint: no effect off the tiles) */
+WD_INTERNAL void amx_next(const void *w, int64_t ldw, int64_t rows, int64_t K);   /* 0: a GEMM ran on the tiles, 1: a paged decode did (wd_amx reports) */
 WD_INTERNAL int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                            int64_t M, int64_t N, int64_t K);
 /* experts_amx.c: one routed expert on the tiles, out[rows[i]] += wts[i] * w2 @ swiglu(w13 @ x[rows[i]]) for i < np,
    x [., H] float32 or bfloat16 (xdt), w13 [2I, H], w2 [H, I] bfloat16, H and I multiples of 32; limit > 0: the clamped
-   SwiGLU. 0 (nothing done) without scratch memory. */
+   SwiGLU; next13: the w13 of the expert run next (its first rows asked into L2 at the end), or NULL. 0 (nothing
+   done) without scratch memory. */
 WD_INTERNAL int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float *wts, int64_t np, int64_t H,
-                           int64_t I, const uint16_t *w13, const uint16_t *w2, float limit, float *out);
+                           int64_t I, const uint16_t *w13, const uint16_t *w2, const uint16_t *next13, float limit,
+                           float *out);
 /* ... with row m of x being row rows[m] (rows NULL: m) of a float32 or bfloat16 (xdt) matrix, rows ldx apart:
    the routed experts' rows gathered and rounded as they are packed, no copy */
 WD_INTERNAL int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const int64_t *rows, const uint16_t *w,
