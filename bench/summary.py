@@ -176,14 +176,18 @@ def _fp8_weights(r: dict) -> str:
 
 
 def _vs_vllm(r: dict) -> str:
+    def ratio(x: dict, key: str) -> str:   # the median of the rounds' ratios, their range where there were rounds
+        lo_hi = x.get(key + "_range")
+        return f"{n(x[key])}×" + (f" ({n(lo_hi[0])}–{n(lo_hi[1])})" if lo_hi else "")
     out = []
     for c, x in r["ratios"].items():
         w = r["serve"]["wideep"][x["best_dtype"]["wideep"]][c]
         v = r["serve"]["vllm"][x["best_dtype"]["vllm"]][c]
-        out.append(f"c{c}: {n(w['output_tok_s'])} vs {n(v['output_tok_s'])} tok/s ({n(x['throughput'])}×), TPOT p50 "
-                   f"{n(x['tpot_p50'])}×, TTFT p50 {n(x['ttft_p50'])}×")
+        out.append(f"c{c}: {n(w['output_tok_s'])} vs {n(v['output_tok_s'])} tok/s ({ratio(x, 'throughput')}), TPOT p50 "
+                   f"{ratio(x, 'tpot_p50')}, TTFT p50 {ratio(x, 'ttft_p50')}")
     best = {e: "/".join(sorted({x["best_dtype"][e] for x in r["ratios"].values()})) for e in ("wideep", "vllm")}
-    return f"wideep {best['wideep']} vs vLLM {r['vllm']} {best['vllm']}: " + "; ".join(out)
+    rounds = f" ({r['rounds']} rounds, engines alternating)" if r.get("rounds", 1) > 1 else ""
+    return f"wideep {best['wideep']} vs vLLM {r['vllm']} {best['vllm']}{rounds}: " + "; ".join(out)
 
 
 def _vs_vllm_checks(r: dict) -> list[bool]:
