@@ -80,7 +80,7 @@ def _bf16_gemm(r: dict) -> str:
     s = {(x["M"], x["N"], x["K"]): x for x in r["shapes"]}
     one, big = s[(1, 4096, 4096)], s[(512, 2048, 2048)]
     out = (f"AVX512-BF16 kernel ÷ float32 kernel: {n(one['f32_over_dot'])}× at 1 row (4096²), "
-           f"{n(s[(16, 4096, 4096)]['f32_over_dot'])}× at 16; torch's bf16 GEMM ÷ ours at 512 rows "
+           f"{n(s[(16, 4096, 4096)]['f32_over_dot'])}× at 16; torch's bf16 GEMM ÷ our dot products at 512 rows "
            f"{n(big['torch_bf16_over_dot'])}×")
     if r.get("amx_tiles"):
         out += (f"; on AMX tiles, torch's ÷ ours {n(s[(16, 4096, 4096)]['torch_bf16_over_tiles'])}× at 16 rows, "
