@@ -21,6 +21,33 @@
 #define TILE_STORE(T, base, stride) \
     __asm__ volatile("tilestored %%tmm" #T ", (%0,%1,1)" ::"r"(base), "r"((int64_t)(stride)) : "memory")
 
+/* The 2 x 2 block of sums the kernels run: tiles 0-3 zeroed, then each K step (32 values) adds tile 0 += A0 B0,
+   1 += A1 B0, 2 += A0 B1, 3 += A1 B1, with the A tiles (4, 5) loaded from a0, a1 (16 rows sa bytes apart) and the B
+   tiles (6, 7) from b0, b1 (packed: 64 bytes a row). two_a / two_b false: the second A / B tile and its sums
+   skipped. */
+#define TILES_ZERO4()   \
+    do {                \
+        _tile_zero(0);  \
+        _tile_zero(1);  \
+        _tile_zero(2);  \
+        _tile_zero(3);  \
+    } while (0)
+#define TILE_STEP(a0, a1, sa, b0, b1, two_a, two_b) \
+    do {                                            \
+        TILE_LOAD(4, a0, sa);                       \
+        TILE_LOAD(6, b0, 64);                       \
+        _tile_dpbf16ps(0, 4, 6);                    \
+        if (two_a) {                                \
+            TILE_LOAD(5, a1, sa);                   \
+            _tile_dpbf16ps(1, 5, 6);                \
+        }                                           \
+        if (two_b) {                                \
+            TILE_LOAD(7, b1, 64);                   \
+            _tile_dpbf16ps(2, 4, 7);                \
+            if (two_a) _tile_dpbf16ps(3, 5, 7);     \
+        }                                           \
+    } while (0)
+
 /* the tile configuration: palette 1, all 8 tiles 16 rows x 64 bytes. Loaded at the start of every kernel and
    released at its end (_tile_release): oneDNN, in the same thread, configures its own at each of its calls. */
 typedef struct {
@@ -64,6 +91,14 @@ static inline AMXF void tr16(__m512i *r) {
         r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
     }
 }
+
+/* tile TILE's 16 x 16 sums stored through c (1 KiB, 64-byte aligned) and read back transposed: r[j] = column j */
+#define TILE_TR(TILE, c, r)                                                \
+    do {                                                                   \
+        TILE_STORE(TILE, c, 64);                                           \
+        for (int i_ = 0; i_ < 16; i_++) (r)[i_] = _mm512_load_si512((c) + 16 * i_); \
+        tr16(r);                                                           \
+    } while (0)
 
 /* 32 floats at p as 32 bfloat16 (16 pairs), rounded to nearest even */
 static inline AMXF __m512i bf32(const float *p) {

@@ -39,10 +39,8 @@ static inline AMXF void swiglu_pairs(const float *cg, const float *cu, float lim
 /* sums tile TILE ([16 outputs h0 ..][16 rows m0 ..]) transposed, times each row's weight, added into out */
 #define SCATTER(TILE, H0, M0)                                                                      \
     {                                                                                              \
-        TILE_STORE(TILE, c, 64);                                                                   \
         __m512i r_[16];                                                                            \
-        for (int i_ = 0; i_ < 16; i_++) r_[i_] = _mm512_load_si512(c + 16 * i_);                   \
-        tr16(r_);                                                                                  \
+        TILE_TR(TILE, c, r_);                                                                      \
         for (int64_t m_ = 0; m_ < 16 && (M0) + m_ < np; m_++) {                                    \
             float *o_ = out + rows[(M0) + m_] * H + (H0);                                          \
             _mm512_storeu_ps(o_, _mm512_fmadd_ps(_mm512_set1_ps(wts[(M0) + m_]), (__m512)r_[m_], _mm512_loadu_ps(o_))); \
@@ -78,10 +76,7 @@ AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float
         for (int64_t mt = 0; mt < MT; mt += 2) {
             int two = mt + 1 < MT;
             const uint16_t *b0 = xb + mt * KB1 * 512, *b1 = b0 + KB1 * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            TILES_ZERO4();   /* tiles 0 / 1: gate / up of rows mt, 2 / 3 of rows mt + 1 */
             for (int64_t kb = 0; kb < KB1; kb++) {
                 if (pf && mt == 0)
                     for (int r = 16; r < 32; r++) {
@@ -90,16 +85,7 @@ AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float
                     }
                 else if (mt == 0 && kb < KB2)
                     for (int r = 0; r < 32; r++) _mm_prefetch((const char *)(w2 + r * I + kb * 32), _MM_HINT_T1);
-                TILE_LOAD(4, wg + kb * 32, H * 2);
-                TILE_LOAD(6, b0 + kb * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                TILE_LOAD(5, wu + kb * 32, H * 2);
-                _tile_dpbf16ps(1, 5, 6);
-                if (two) {
-                    TILE_LOAD(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(2, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
+                TILE_STEP(wg + kb * 32, wu + kb * 32, H * 2, b0 + kb * 512, b1 + kb * 512, 1, two);
             }
             /* ab's B tile (row tile, features n / 32), pair rows (n % 32) / 2 .. + 8 */
             TILE_STORE(0, c, 64);
@@ -118,10 +104,7 @@ AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float
         for (int64_t mt = 0; mt < MT; mt += 2) {
             int two = mt + 1 < MT;
             const uint16_t *b0 = ab + mt * KB2 * 512, *b1 = b0 + KB2 * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            TILES_ZERO4();   /* tiles 0 / 1: outputs h.. / h + 16.. of rows mt, 2 / 3 of rows mt + 1 */
             for (int64_t kb = 0; kb < KB2; kb++) {
                 if (pf && mt == 0)
                     for (int r = 32; r < 64; r++) _mm_prefetch((const char *)(w0 + r * I + kb * 32), _MM_HINT_T1);
@@ -131,16 +114,7 @@ AMXF int expert_amx(const void *x, int64_t xdt, const int64_t *rows, const float
                             _mm_prefetch((const char *)(next13 + r * H + l * 32), _MM_HINT_T1);
                             _mm_prefetch((const char *)(next13 + (I + r) * H + l * 32), _MM_HINT_T1);
                         }
-                TILE_LOAD(4, w0 + kb * 32, I * 2);
-                TILE_LOAD(6, b0 + kb * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                TILE_LOAD(5, w1 + kb * 32, I * 2);
-                _tile_dpbf16ps(1, 5, 6);
-                if (two) {
-                    TILE_LOAD(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(2, 4, 7);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
+                TILE_STEP(w0 + kb * 32, w1 + kb * 32, I * 2, b0 + kb * 512, b1 + kb * 512, 1, two);
             }
             SCATTER(0, h, mt * 16)
             SCATTER(1, h + 16, mt * 16)

@@ -73,10 +73,8 @@ static AMXF void pack_x_vnni(const xsrc *s, int64_t M, int64_t K32, uint16_t *xb
 /* tile c (sums [16 rows of w][16 rows of x]) transposed into y: rows 0 .. mrows-1 of x, 16 outputs each */
 #define OUT_T(TILE, Y, MROWS)                                                                      \
     {                                                                                              \
-        TILE_STORE(TILE, c, 64);                                                                 \
         __m512i r_[16];                                                                            \
-        for (int i_ = 0; i_ < 16; i_++) r_[i_] = _mm512_load_si512(c + 16 * i_);                   \
-        tr16(r_);                                                                                  \
+        TILE_TR(TILE, c, r_);                                                                      \
         for (int64_t m_ = 0; m_ < (MROWS); m_++) _mm512_storeu_si512((Y) + m_ * ldy, r_[m_]);      \
     }
 
@@ -110,26 +108,12 @@ static AMXF void skinny(const uint16_t *xb, const uint16_t *w, int64_t ldw, floa
             int two_m = mt + 1 < MT;
             int64_t prows = mt == 0 && pf.w ? pf.rows : 0;
             const uint16_t *b0 = xb + mt * KB * 512, *b1 = b0 + KB * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            TILES_ZERO4();
             for (int64_t kb = 0; kb < KB; kb++) {
                 if (kb < pf.kb)
                     for (int64_t r = 0; r < prows; r++)
                         _mm_prefetch((const char *)(pf.w + r * pf.ldw + kb * 32), _MM_HINT_T1);
-                TILE_LOAD(4, w0 + kb * 32, sw);
-                TILE_LOAD(6, b0 + kb * 512, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                if (two_n) {
-                    TILE_LOAD(5, w1 + kb * 32, sw);
-                    _tile_dpbf16ps(1, 5, 6);
-                }
-                if (two_m) {
-                    TILE_LOAD(7, b1 + kb * 512, 64);
-                    _tile_dpbf16ps(2, 4, 7);
-                    if (two_n) _tile_dpbf16ps(3, 5, 7);
-                }
+                TILE_STEP(w0 + kb * 32, w1 + kb * 32, sw, b0 + kb * 512, b1 + kb * 512, two_n, two_m);
             }
             int64_t m0 = mt * 16, r0 = M - m0 < 16 ? M - m0 : 16, r1 = M - m0 - 16 < 16 ? M - m0 - 16 : 16;
             float *y0 = y + m0 * ldy + n;
@@ -189,35 +173,15 @@ static AMXF void wide(const xsrc *s, const uint16_t *w, int64_t ldw, float *y, i
                     const uint16_t *a0 = tail ? xa : a + m * lda;
                     int64_t sa = (tail ? lp : lda) * 2;
                     const uint16_t *a1 = a0 + 16 * (sa / 2);
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_zero(2);
-                    _tile_zero(3);
-                    if (two_n)
-                        for (int64_t kb = 0; kb < KB; kb++) {
-                            TILE_LOAD(4, a0 + kb * 32, sa);
-                            TILE_LOAD(6, b0 + kb * 512, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            TILE_LOAD(7, b1 + kb * 512, 64);
-                            _tile_dpbf16ps(1, 4, 7);
-                            TILE_LOAD(5, a1 + kb * 32, sa);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
-                    else
-                        for (int64_t kb = 0; kb < KB; kb++) {
-                            TILE_LOAD(4, a0 + kb * 32, sa);
-                            TILE_LOAD(6, b0 + kb * 512, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            TILE_LOAD(5, a1 + kb * 32, sa);
-                            _tile_dpbf16ps(2, 5, 6);
-                        }
+                    TILES_ZERO4();   /* (tiles 0 / 1: rows m.. / m + 16.. against w's first 16 rows, 2 / 3 its next) */
+                    for (int64_t kb = 0; kb < KB; kb++)
+                        TILE_STEP(a0 + kb * 32, a1 + kb * 32, sa, b0 + kb * 512, b1 + kb * 512, 1, two_n);
                     int64_t r0 = M - m < 16 ? M - m : 16, r1 = M - m - 16 < 16 ? M - m - 16 : 16;
                     float *y0 = y + m * ldy + g + nt * 16;
                     OUT(0, y0, r0)
-                    OUT(2, y0 + 16 * ldy, r1)
+                    OUT(1, y0 + 16 * ldy, r1)
                     if (two_n) {
-                        OUT(1, y0 + 16, r0)
+                        OUT(2, y0 + 16, r0)
                         OUT(3, y0 + 16 * ldy + 16, r1)
                     }
                 }

@@ -67,14 +67,10 @@ AMXF int mla_decode_amx(const float *q, int64_t B, int64_t Nh, int64_t D, int64_
                     if (ht == 0)
                         for (int64_t l = kb * nlines / KD; l < (kb + 1) * nlines / KD; l++)
                             _mm_prefetch(nx + 64 * l, _MM_HINT_T1);
-                    TILE_LOAD(4, a + kb * 32, D * 2);
-                    TILE_LOAD(6, qp + (ht * KD + kb) * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
+                    TILE_STEP(a + kb * 32, a, D * 2, qp + (ht * KD + kb) * 512, qp, 0, 0);
                 }
-                TILE_STORE(0, c, 64);
                 __m512i r[16];
-                for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512(c + 16 * i);
-                tr16(r);   /* r[h]: head h's scores of rows j0 .. j0 + 15 */
+                TILE_TR(0, c, r);   /* r[h]: head h's scores of rows j0 .. j0 + 15 */
                 for (int64_t h = 0; h < 16 && ht * 16 + h < Nh; h++)
                     _mm512_storeu_si512(sc + (ht * 16 + h) * Lm + j0, r[h]);
             }
@@ -123,21 +119,16 @@ AMXF int mla_decode_amx(const float *q, int64_t B, int64_t Nh, int64_t D, int64_
             float *oh = ob + ht * 16 * C;
             for (int64_t ct = 0; ct < CT; ct += 2) {
                 _tile_zero(0);
-                _tile_zero(1);
-                for (int64_t jb = 0; jb < JB; jb++) {
-                    TILE_LOAD(4, ap + jb * 32, Lm * 2);
-                    TILE_LOAD(5, vp + (ct * JB + jb) * 512, 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    TILE_LOAD(6, vp + ((ct + 1) * JB + jb) * 512, 64);
-                    _tile_dpbf16ps(1, 4, 6);
-                }
+                _tile_zero(2);
+                for (int64_t jb = 0; jb < JB; jb++)   /* tiles 0 / 2: outputs ct.. / ct + 16.. */
+                    TILE_STEP(ap + jb * 32, ap, Lm * 2, vp + (ct * JB + jb) * 512, vp + ((ct + 1) * JB + jb) * 512, 0, 1);
                 if (nh == 16) {
                     TILE_STORE(0, oh + ct * 16, C * 4);
-                    TILE_STORE(1, oh + ct * 16 + 16, C * 4);
+                    TILE_STORE(2, oh + ct * 16 + 16, C * 4);
                 } else {
                     TILE_STORE(0, c, 64);
                     for (int64_t h = 0; h < nh; h++) memcpy(oh + h * C + ct * 16, c + 16 * h, 64);
-                    TILE_STORE(1, c, 64);
+                    TILE_STORE(2, c, 64);
                     for (int64_t h = 0; h < nh; h++) memcpy(oh + h * C + ct * 16 + 16, c + 16 * h, 64);
                 }
             }

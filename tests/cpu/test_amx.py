@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from cpu import gemm, layers
 from cpu.build import unusable
+from tests.cpu.kernels import paged_bf16
 
 if unusable() is not None:
     pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
@@ -142,11 +143,7 @@ def test_mla_decode_on_tiles(lens, bs, heads, D, C):
     """The paged decode over a bfloat16 pool: partial groups of 16 rows, block sizes that hold whole tiles (16,
     64) and that do not (24, 5: through the zero-padded copy), heads past a tile (17)."""
     torch.manual_seed(sum(lens) + D)
-    B, M = len(lens), max(-(-n // bs) for n in lens)
-    nblocks = B * M + 2
-    pool = torch.randn(nblocks * bs, D).to(BF)
-    table = torch.randperm(nblocks)[:B * M].view(B, M)
-    q = torch.randn(B, heads, D)
+    pool, table, q = paged_bf16(lens, bs, heads, D)
     before = gemm.amx_calls()
     got = layers.mla_decode(q, pool, table, torch.tensor(lens, dtype=torch.int32), bs, C, 0.07, max(lens))
     assert _ran("mla", before) == 1

@@ -14,7 +14,7 @@ from cpu import gemm, layers
 from cpu.build import unusable
 from cpu.linear import small_linear
 from moe.experts import Experts
-from tests.cpu.kernels import CPU
+from tests.cpu.kernels import CPU, paged_bf16
 
 if unusable() is not None:
     pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
@@ -145,11 +145,7 @@ def test_mla_decode_bf16_pool(dot, lens, block_size, heads, D, C):
     """Read in place: the scores by the bfloat16 GEMM (q rounded to bfloat16 by the dot products), the
     weighted sum of the rows widened exactly, softmax in float32."""
     torch.manual_seed(len(lens) + D)
-    B, M = len(lens), max(-(-n // block_size) for n in lens)
-    nblocks = B * M + 2
-    pool = torch.randn(nblocks * block_size, D).to(BF)
-    table = torch.randperm(nblocks)[:B * M].view(B, M)
-    q = torch.randn(B, heads, D)
+    pool, table, q = paged_bf16(lens, block_size, heads, D)
     got = layers.mla_decode(q, pool, table, torch.tensor(lens, dtype=torch.int32), block_size, C, 0.17, max(lens))
     exact = paged_decode_reference(_ref_x(q, dot).float(), pool.float(), table, lens, block_size, C, 0.17)
     torch.testing.assert_close(got, exact, atol=1e-5, rtol=1e-5)
