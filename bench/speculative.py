@@ -17,11 +17,14 @@ engine, the same threads, dtype and batch for every k):
 Targets (issue 29): >= 1.5x decode tok/s at batch 1 with >= 70 % acceptance; within 5 % of no
 speculation where acceptance is near zero. The MTP layer's cost is one decoder layer + the head per
 pass: here one layer beside 12 (DeepSeek-V3: beside 61), so MTP's share of a step is ~5x V3's.
-Each k runs on its own engine, trials interleaved across k (median). TPOT: each request's mean time
-between output tokens after the first (engine metrics), median over requests; decode tok/s =
-batch / mean TPOT. Greedy outputs of every k are checked equal to k = 0's.
+Each k runs on its own engine, trials interleaved across k, the order reversed every other trial (k = 0, 1, 2, 3,
+then 3, 2, 1, 0: a drift of the machine's speed falls on both sides). TPOT: each request's mean time between
+output tokens after the first (engine metrics), median over requests (over trials: the median); decode tok/s =
+batch / mean TPOT. speedup: paired, the median over trials of that trial's k = 0 mean TPOT over its k one (its
+range beside it): on a VM whose speed swings within a minute, a ratio of runs seconds apart, not of medians taken
+minutes apart. Greedy outputs of every k are checked equal to k = 0's.
 
-    python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 3] [--threads 1]
+    python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 5] [--threads 1]
                                 [--workloads ngram,mtp,ngram_rejected,mtp_rejected] [--quick] [--model v3|v4]
 
 --model v4: the same four workloads on DeepSeek-V4 (launch/tiny_cycle.py make_v4_cycle_checkpoint, its MTP block
@@ -29,7 +32,7 @@ built the same way; V4_MODEL below: 8 layers of sliding / CSA / HCA attention, t
 "ngram_rejected" is launch/tiny_v4.py's. Saved as speculative_v4.
 
 Last line (JSON): {"workloads": {name: {"batch": {B: {"k": {k: {"tpot_ms", "decode_tok_s", "speedup",
-"acceptance", "mean_acceptance_length", "backoffs"}}}}}}, "targets": {...}, "model": {...}}
+"speedup_range", "acceptance", "mean_acceptance_length", "backoffs"}}}}}}, "targets": {...}, "model": {...}}
 """
 from __future__ import annotations
 
@@ -95,7 +98,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=96)
-    ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mix", type=float, default=None,
                     help="the cycle model's layer-output scale (launch/tiny_cycle.py): larger, fewer tokens follow the "
@@ -158,8 +161,8 @@ def main() -> None:
                 tp = {k: [] for k in ks}
                 mean = {k: [] for k in ks}
                 toks = {}
-                for _ in range(a.trials):
-                    for k in ks:
+                for t in range(a.trials):   # k = 0, 1, .. then back: the engines' order alternates trial by trial
+                    for k in (ks if t % 2 == 0 else ks[::-1]):
                         toks[k], med, avg = run(engines[k], ps, a.new)
                         tp[k].append(med)
                         mean[k].append(avg)
@@ -175,8 +178,11 @@ def main() -> None:
                         row[k].update(acceptance=round(acc / d, 3) if d else 0.0,
                                       mean_acceptance_length=round(1 + acc / n, 3) if n else 1.0,
                                       backoffs=m["spec_decode_backoffs"] - m0["spec_decode_backoffs"], drafts=n)
-                for k in ks:
-                    row[k]["speedup"] = round(row[k]["decode_tok_s"] / row[0]["decode_tok_s"], 3)
+                for k in ks:   # paired: each trial's k = 0 run against its k run, the median of those ratios
+                    ratios = [m0 / mk for m0, mk in zip(mean[0], mean[k])]
+                    row[k]["speedup"] = round(statistics.median(ratios), 3)
+                    if k:
+                        row[k]["speedup_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
                 rows[B] = {"k": row}
                 print(workload, B, json.dumps(row), flush=True)
             for llm in engines.values():
