@@ -44,25 +44,16 @@ static void swiglu_rows(const float *h, int64_t np, int64_t I, float limit, floa
 
 /* xs [np, H] = rows order[p0 ..] / k of x (float32, or bfloat16 widened: xdt) */
 static void gather_rows(const void *x, int64_t xdt, int64_t H, const int64_t *order, int64_t np, int64_t k, float *xs) {
-    for (int64_t p = 0; p < np; p++) {
-        int64_t r = order[p] / k * H;
-        if (xdt != WD_BF16) {
-            memcpy(xs + p * H, (const float *)x + r, H * sizeof(float));
-            continue;
-        }
-        const uint16_t *xr = (const uint16_t *)x + r;
-        int64_t c = 0;
-        for (; c + 16 <= H; c += 16) st(xs + p * H + c, ld_bf16(xr + c));
-        for (; c < H; c++) xs[p * H + c] = from_bf16(xr[c]);
-    }
+    int64_t esz = xdt == WD_BF16 ? 2 : 4;
+    for (int64_t p = 0; p < np; p++) row_f32((const char *)x + order[p] / k * H * esz, xdt, H, xs + p * H);
 }
 
 /* Routed experts. x [T, H] float32 or bfloat16 (xdt); ids [T, k] local expert ids (-1: on another rank), wts
-   [T, k]. The (token, slot)
-   pairs are counting-sorted by expert (stable: the reference's order); per expert with tokens: gather
-   them (on AMX tiles, bfloat16 weights: expert_amx, the whole expert in one pass), h = x @ w13[e]^T, a = silu(gate) * up (clamped when limit > 0), y = a @ w2[e]^T, out[token] +=
-   weight * y. iscratch: 2 * (El + 1) + T * k ints; scratch: T * (2H + 3I) floats (WD_FP4: and FP4_XP(T * k,
-   max(H, I)) more, x permuted for linear_fp4; T * k bounds an expert's pairs). w13, w2 of dtype wdt
+   [T, k]. The (token, slot) pairs are counting-sorted by expert (stable: the reference's order); per expert with
+   tokens: gather them (on AMX tiles, bfloat16 weights: expert_amx, the whole expert in one pass), h = x @ w13[e]^T,
+   a = silu(gate) * up (clamped when limit > 0), y = a @ w2[e]^T, out[token] += weight * y. iscratch: 2 * (El + 1)
+   + T * k ints; scratch: T * (2H + 3I) floats (WD_FP4: and FP4_XP(T * k, max(H, I)) more, x permuted for
+   linear_fp4; T * k bounds an expert's pairs). w13, w2 of dtype wdt
    (WD_FP8: with their block scales s13, s2, read in place by linear_fp8; WD_FP4: e2m1 pairs with their e8m0
    scales, read in place by linear_fp4). Returns 0, or -1 - p for the first pair p whose id is >= El
    (nothing is computed then). */

@@ -96,11 +96,7 @@ int64_t wd_bmm_nt(const wd_bmm_nt_args *a) {
         if (tiles && b + 1 < a->B) amx_next((const char *)wb + a->swb * esz, a->ldw, a->N, a->K);
         if (tiles && linear_amx_rows(xb, WD_BF16, a->ldx, NULL, wb, a->ldw, yb, a->ldy, a->M, a->N, a->K)) continue;
         if (!xf && !(xf = malloc((size_t)(a->M * a->K) * sizeof(float)))) return -1;
-        for (int64_t m = 0; m < a->M; m++) {
-            int64_t k = 0;
-            for (; k + 16 <= a->K; k += 16) st(xf + m * a->K + k, ld_bf16(xb + m * a->ldx + k));
-            for (; k < a->K; k++) xf[m * a->K + k] = from_bf16(xb[m * a->ldx + k]);
-        }
+        for (int64_t m = 0; m < a->M; m++) row_f32(xb + m * a->ldx, WD_BF16, a->K, xf + m * a->K);
         linear_w(xf, a->K, wb, a->wdt, a->ldw, yb, a->ldy, a->M, a->N, a->K);
     }
     free(xf);

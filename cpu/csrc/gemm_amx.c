@@ -222,11 +222,9 @@ static const float *x_f32(const xsrc *s, int64_t M, int64_t K, int64_t *ldx, flo
     }
     float *t = malloc((size_t)(M * K) * sizeof(float));
     if (!t) return NULL;
-    for (int64_t m = 0; m < M; m++) {
-        int64_t r = (s->rows ? s->rows[m] : m) * s->ldx;
-        for (int64_t k = 0; k < K; k++)
-            t[m * K + k] = s->xdt == WD_BF16 ? from_bf16(((const uint16_t *)s->x)[r + k]) : ((const float *)s->x)[r + k];
-    }
+    int64_t esz = s->xdt == WD_BF16 ? 2 : 4;
+    for (int64_t m = 0; m < M; m++)
+        row_f32((const char *)s->x + (s->rows ? s->rows[m] : m) * s->ldx * esz, s->xdt, K, t + m * K);
     *ldx = K;
     return *tmp = t;
 }

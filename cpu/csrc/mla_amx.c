@@ -94,7 +94,8 @@ AMXF int mla_decode_amx(const float *q, int64_t B, int64_t Nh, int64_t D, int64_
         int64_t nlines = 0;
         if (b + 1 < B) {
             nb = (const char *)(pool + table[(b + 1) * max_blocks] * bs * D);
-            nlines = ((lens[b + 1] < 16 ? lens[b + 1] : 16) < bs ? (lens[b + 1] < 16 ? lens[b + 1] : 16) : bs) * D * 2 / 64;
+            int64_t n = lens[b + 1] < 16 ? lens[b + 1] : 16;   /* (within its first block) */
+            nlines = (n < bs ? n : bs) * D * 2 / 64;
         }
         for (int64_t jb = 0; jb < JB; jb++) {
             const uint16_t *rows[32];

@@ -47,18 +47,6 @@ void rope(const float *x, int64_t T, int64_t Hh, int64_t R, int64_t sxt, int64_t
     }
 }
 
-/* n values at p (float32, or bfloat16: dt) as float32 into f */
-static void to_f32(const void *p, int64_t dt, int64_t n, float *f) {
-    if (dt != WD_BF16) {
-        memcpy(f, p, n * sizeof(float));
-        return;
-    }
-    const uint16_t *b = p;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) st(f + i, ld_bf16(b + i));
-    for (; i < n; i++) f[i] = from_bf16(b[i]);
-}
-
 /* n float32 values f into p (float32, or bfloat16 rounded to nearest even: dt) */
 static void from_f32(const float *f, int64_t n, int64_t dt, void *p) {
     if (dt != WD_BF16) {
@@ -80,7 +68,7 @@ int64_t wd_rmsnorm(const wd_rmsnorm_args *a) {
     if (!buf) return -1;
     int64_t xs = a->xdt == WD_BF16 ? 2 : 4, ys = a->ydt == WD_BF16 ? 2 : 4;
     for (int64_t m = 0; m < a->M; m++) {
-        to_f32((const char *)a->x + m * a->ldx * xs, a->xdt, a->N, buf);
+        row_f32((const char *)a->x + m * a->ldx * xs, a->xdt, a->N, buf);
         rmsnorm(buf, a->N, a->w, a->wdt, buf + a->N, a->N, 1, a->N, a->eps);
         from_f32(buf + a->N, a->N, a->ydt, (char *)a->y + m * a->ldy * ys);
     }
@@ -98,7 +86,7 @@ int64_t wd_rope(const wd_rope_args *a) {
     if (!buf) return -1;
     for (int64_t t = 0; t < a->T; t++) {
         for (int64_t h = 0; h < a->Hh; h++)
-            to_f32((const char *)a->x + (t * a->sxt + h * a->sxh) * xs, a->xdt, a->R, buf + h * a->R);
+            row_f32((const char *)a->x + (t * a->sxt + h * a->sxh) * xs, a->xdt, a->R, buf + h * a->R);
         rope(buf, 1, a->Hh, a->R, n, a->R, (const float *)a->cos + t * h2, (const float *)a->sin + t * h2, buf + n,
              (int)a->interleave);
         from_f32(buf + n, n, a->ydt, (char *)a->y + t * n * ys);

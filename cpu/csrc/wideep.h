@@ -124,6 +124,17 @@ static inline float from_bf16(uint16_t b) {
     memcpy(&f, &u, 4);
     return f;
 }
+/* n values at p (float32, or bfloat16: dt) as float32 into f (bfloat16 widened exactly) */
+static inline void row_f32(const void *p, int64_t dt, int64_t n, float *f) {
+    if (dt != WD_BF16) {
+        memcpy(f, p, n * sizeof(float));
+        return;
+    }
+    const uint16_t *b = p;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) st(f + i, ld_bf16(b + i));
+    for (; i < n; i++) f[i] = from_bf16(b[i]);
+}
 /* element i of a weight vector of dtype wdt (WD_F32 / WD_BF16), for the vectors read once per row (norms) */
 static inline float wget(const void *w, int64_t wdt, int64_t i) {
     return wdt == WD_BF16 ? from_bf16(((const uint16_t *)w)[i]) : ((const float *)w)[i];
@@ -176,10 +187,10 @@ WD_INTERNAL void linear_bf16dp(const float *x, int64_t ldx, const uint16_t *w, i
 #endif
 WD_INTERNAL int amx_supported(void);
 WD_INTERNAL int amx_on(void);
-WD_INTERNAL void amx_count(int which);
+WD_INTERNAL void amx_count(int which);   /* 0: a GEMM ran on the tiles, 1: a paged decode did (wd_amx reports) */
 /* the bfloat16 matrix w [rows, K] (rows ldw apart) the caller multiplies after its next GEMM call: that call asks its
    first rows into L2 while it finishes (a hint: no effect off the tiles) */
-WD_INTERNAL void amx_next(const void *w, int64_t ldw, int64_t rows, int64_t K);   /* 0: a GEMM ran on the tiles, 1: a paged decode did (wd_amx reports) */
+WD_INTERNAL void amx_next(const void *w, int64_t ldw, int64_t rows, int64_t K);
 WD_INTERNAL int linear_amx(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y, int64_t ldy,
                            int64_t M, int64_t N, int64_t K);
 /* experts_amx.c: one routed expert on the tiles, out[rows[i]] += wts[i] * w2 @ swiglu(w13 @ x[rows[i]]) for i < np,
@@ -202,8 +213,8 @@ WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64
 #define FP4_XP(M, K) ((M) * (((K) + 127) / 128 * 128))
 WD_INTERNAL void linear_fp4(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
                             float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *xp);
-/* experts.c: x [T, H] float32 or bfloat16 (xdt); wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale rows, then up's), s2 [El, ceil(H/br),
-   ceil(I/bk)] float32 (moe/fp8.py quantize_experts_fp8); WD_FP4: w13 [El, 2I, H/2], w2 [El, H, I/2] e2m1 pairs,
+/* experts.c: x [T, H] float32 or bfloat16 (xdt); wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale
+   rows, then up's), s2 [El, ceil(H/br), ceil(I/bk)] float32 (moe/fp8.py quantize_experts_fp8); WD_FP4: w13 [El, 2I, H/2], w2 [El, H, I/2] e2m1 pairs,
    s13 [El, 2I, H/32], s2 [El, H, I/32] e8m0 bytes (H, I multiples of 32); else s13, s2 NULL. limit > 0: the
    clamped SwiGLU (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit); 0: none */
 WD_INTERNAL int64_t experts(const void *x, int64_t xdt, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13,
@@ -327,10 +338,10 @@ int64_t wd_amx(wd_amx_args *a);
 
 /* Routed experts: out [T, H] (float32) += sum over slots of wts * expert(x), x float32 or bfloat16 (xdt). ids [T, k]
    local ids (-1: on another rank). iscratch: 2 (El + 1) + T k ints; scratch: T (2H + 3I) floats (WD_FP4: +
-   FP4_XP(T k, max(H, I))). Returns 0, or -1 - p for the first pair p whose id is >= El (nothing is computed then). w13, w2 of dtype wdt; WD_FP8: their block scales s13,
-   s2 in br x bk blocks (the experts() prototype above gives their shapes; bk a multiple of 16; else, or
-   without them: INT64_MIN, nothing computed); WD_FP4: their e8m0 scales s13, s2 (H and I multiples of 32;
-   else, or without them: INT64_MIN). limit > 0: clamped SwiGLU (experts() above). */
+   FP4_XP(T k, max(H, I))). Returns 0, or -1 - p for the first pair p whose id is >= El (nothing is computed
+   then). w13, w2 of dtype wdt; WD_FP8: their block scales s13, s2 in br x bk blocks (the experts() prototype
+   above gives their shapes; bk a multiple of 16; else, or without them: INT64_MIN, nothing computed); WD_FP4:
+   their e8m0 scales s13, s2 (H and I multiples of 32; else, or without them: INT64_MIN). limit > 0: clamped SwiGLU (experts() above). */
 typedef struct {
     const void *x;
     const void *w13, *w2;
