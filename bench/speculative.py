@@ -16,7 +16,9 @@ engine, the same threads, dtype and batch for every k):
   as it does on a server.
 Targets (issue 29): >= 1.5x decode tok/s at batch 1 with >= 70 % acceptance; within 5 % of no
 speculation where acceptance is near zero. The MTP layer's cost is one decoder layer + the head per
-pass: here one layer beside 12 (DeepSeek-V3: beside 61), so MTP's share of a step is ~5x V3's.
+pass: here one layer beside 12 (DeepSeek-V3: beside 61), so MTP's share of a step is ~5x V3's. The model runs
+float32; its MTP layer's weights are bfloat16 (`--draft-dtype`, speculative draft_dtype: half the bytes a pass reads,
+the rows and the drafts' latents float32; outputs stay exact, the target verifies them).
 Each k runs on its own engine, trials interleaved across k, the order reversed every other trial (k = 0, 1, 2, 3,
 then 3, 2, 1, 0: a drift of the machine's speed falls on both sides). TPOT: each request's mean time between
 output tokens after the first (engine metrics), median over requests (over trials: the median); decode tok/s =
@@ -26,13 +28,15 @@ minutes apart. Greedy outputs of every k are checked equal to k = 0's.
 
     python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 5] [--threads 1]
                                 [--workloads ngram,mtp,ngram_rejected,mtp_rejected] [--quick] [--model v3|v4]
+                                [--draft-dtype float32|bfloat16]
 
 --model v4: the same four workloads on DeepSeek-V4 (launch/tiny_cycle.py make_v4_cycle_checkpoint, its MTP block
 built the same way; V4_MODEL below: 8 layers of sliding / CSA / HCA attention, the torch ops); the random model of
 "ngram_rejected" is launch/tiny_v4.py's. Saved as speculative_v4.
 
 Last line (JSON): {"workloads": {name: {"batch": {B: {"k": {k: {"tpot_ms", "decode_tok_s", "speedup",
-"speedup_range", "acceptance", "mean_acceptance_length", "backoffs"}}}}}}, "targets": {...}, "model": {...}}
+"speedup_range", "acceptance", "mean_acceptance_length", "backoffs"}}}}}}, "targets": {...}, "model": {...},
+"mtp_draft_dtype"}
 """
 from __future__ import annotations
 
@@ -110,7 +114,12 @@ def main() -> None:
                     help="which workloads run (the targets and the results file need all four; a partial run only prints)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--model", choices=("v3", "v4"), default="v3")
+    ap.add_argument("--draft-dtype", default=None,
+                    help="the MTP layer's weights (speculative draft_dtype): 'float32' (the model's) or 'bfloat16'; "
+                         "default bfloat16 with --model v3 (V4's MTP block runs in the model's dtype)")
     a = ap.parse_args()
+    if a.draft_dtype is None:
+        a.draft_dtype = "float32" if a.model == "v4" else "bfloat16"
     if a.quick:
         a.batches, a.ks, a.new, a.prompt, a.trials = "1,8", "1,3", 24, 48, 1
     torch.set_num_threads(a.threads)
@@ -125,7 +134,7 @@ def main() -> None:
                                                                "num_experts_per_tok", "vocab_size")},
               "new_tokens": a.new, "prompt_tokens": a.prompt, "trials": a.trials, "threads": a.threads,
               "dtype": "float32", "ngram_prompt_lookup": [2, 4], "cycle_mix": mix, "ngram_cycle_mix": a.ngram_mix, "mtp_mix": 0.1,
-              "rejected_mtp_hidden": 20.0}
+              "rejected_mtp_hidden": 20.0, "mtp_draft_dtype": a.draft_dtype}
     result["arch"] = a.model
     with tempfile.TemporaryDirectory() as tmp:
         if v4:
@@ -147,7 +156,8 @@ def main() -> None:
             if workload not in a.workloads.split(","):
                 continue
             rows = {}
-            spec = {"ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4), "mtp": dict(method="mtp")}
+            spec = {"ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4),
+                    "mtp": dict(method="mtp", draft_dtype=a.draft_dtype)}
             engines = {k: LLM(model, progress=False, enable_prefix_caching=False, max_num_seqs=max(batches),
                               dtype="float32",
                               block_size=64, kv_cache_blocks=max(batches) * (-(-(a.prompt + a.new) // 64) + 1),

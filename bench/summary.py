@@ -161,8 +161,10 @@ def _spec(r: dict) -> str:
         return f"{n(row[k]['speedup'])}× (k {k}, {n(100 * row[k]['acceptance'])} %)"
     sizes = sorted(w["ngram"]["batch"], key=int)
     L = r["model"]["num_hidden_layers"]
+    dd = r.get("mtp_draft_dtype", "float32")
+    layer = f" ({dd} MTP layer)" if dd != r.get("dtype", "float32") else ""
     return (f"decode tok/s vs none at batch {' / '.join(sizes)}: n-gram {' / '.join(at('ngram', B) for B in sizes)}; "
-            f"MTP {' / '.join(at('mtp', B) for B in sizes)}; drafts rejected, worst: n-gram "
+            f"MTP{layer} {' / '.join(at('mtp', B) for B in sizes)}; drafts rejected, worst: n-gram "
             f"{n(t['ngram']['rejected_worst_speedup'])}×, MTP {n(t['mtp']['rejected_worst_speedup'])}× "
             f"({L}-layer model: the MTP layer is 1 of {L + 1})")
 

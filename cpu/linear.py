@@ -96,6 +96,8 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     rows = x.numel() // K if K else 0
     if (rows > max_rows(weight.dtype) or rows == 0 or x.dtype not in gemm.WDT or weight.dtype not in gemm.WDT
             or x.device.type != "cpu" or weight.stride(-1) != 1):
+        if weight.dtype != x.dtype:   # weights of another dtype than the rows (a bfloat16 MTP drafter's): a copy
+            return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         return F.linear(x, weight, bias)
     y = gemm.linear(x.reshape(rows, K), weight)
     if bias is not None:

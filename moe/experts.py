@@ -102,8 +102,8 @@ class Experts(nn.Module):
                                    dtype).view(El, 2 * I, H),
                     dequantize_fp4(self.w2.reshape(El * H, I // 2), self.w2_scale_inv.reshape(El * H, -1),
                                    dtype).view(El, H, I))
-        if self.fp8_block is None:
-            return self.w13, self.w2
+        if self.fp8_block is None:   # (a copy when the weights are another dtype: a bfloat16 MTP drafter's)
+            return self.w13.to(dtype), self.w2.to(dtype)
         return dequantize_experts_fp8(self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv,
                                       self.fp8_block, dtype)
 

@@ -57,6 +57,10 @@ def _apply_quantization(quantization: str, experts: ExpertsChoice, fp8_block) ->
     return experts
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _no_dequant():
     raise ValueError("quantization 'none' dequantises the weights at load, but the deepgemm experts backend computes "
                      "on fp8 weights only: choose another experts_backend")
@@ -81,7 +85,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                eplb: EplbConfig | dict | None = None, experts_backend: str = "auto",
                attention_backend: str = "auto", dispatch_options: dict | None = None,
                kv_cache_dtype: str = "auto", fuse_decode_stack: bool = True, mtp: bool = False,
-               quantization: str = "auto") -> DeepseekModel:
+               quantization: str = "auto", mtp_dtype: torch.dtype | None = None) -> DeepseekModel:
     """Single process when ctx is None or has ep_size 1 (the MoE layers' dispatcher is then the
     LocalDispatcher); otherwise this rank's expert slice plus everything replicated, with a
     dispatcher for the MoE all-to-all.
@@ -110,8 +114,18 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
 
     The per-op kernels (layers/kernels.py) are the CPU backend's when either backend resolved to "cpu"
     (cpu/kernels.py), with its decode plan (cpu/decode_plan.py; fuse_decode_stack: its whole-stack
-    call); torch ops otherwise."""
+    call); torch ops otherwise.
+
+    mtp: load the checkpoint's MTP layer as speculative decoding's drafter (model.drafter), its weights in mtp_dtype
+    (speculative draft_dtype; None: `dtype`). A dtype other than the model's needs the CPU kernels (they read
+    bfloat16 weights beside float32 activations: experts and attention backends "cpu") and a
+    DeepSeek-V3 / GLM-lite MTP layer (not V3.2's sparse attention, not V4's block)."""
     cfg = cfg or ModelConfig.from_dir(model_dir)
+    if mtp_dtype == dtype:
+        mtp_dtype = None
+    if mtp_dtype is not None and cfg.v4 is not None:
+        raise ValueError(f"speculative draft_dtype {_dtype_name(mtp_dtype)!r}: DeepSeek-V4's MTP block runs in the "
+                         f"model's dtype ({_dtype_name(dtype)}); leave draft_dtype out")
     if cfg.v4 is not None:
         if quantization == "fp8":
             raise ValueError("quantization 'fp8': DeepSeek-V4's FP8 linears are dequantised at load (no V4 kernel "
@@ -161,10 +175,20 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative method 'mtp' needs the checkpoint's MTP layer, but {model_dir!r} has "
                              f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers} (use method 'ngram')")
+        if mtp_dtype is not None and (kernels.name != "cpu" or attention != "cpu"
+                                      or (cfg.moe is not None and experts.backend != "cpu")):
+            raise ValueError(f"speculative draft_dtype {_dtype_name(mtp_dtype)!r} beside a {_dtype_name(dtype)} model "
+                             f"runs on the CPU kernels (they read the MTP layer's weights as stored beside the "
+                             f"model's activations), but this model's experts / attention backends are "
+                             f"{experts.backend!r} / {attention!r}: leave draft_dtype out, or use the cpu backends")
+        if mtp_dtype is not None and cfg.dsa is not None:
+            raise ValueError(f"speculative draft_dtype {_dtype_name(mtp_dtype)!r}: the MTP layer's sparse attention "
+                             f"(DeepSeek-V3.2's indexer) runs on torch operations in the model's dtype "
+                             f"({_dtype_name(dtype)}); leave draft_dtype out")
         from .mtp import MTPLayer, mtp_layer_is_moe
-        drafter = MTPLayer(model, mtp_layer_is_moe(cfg, reader.names, model_dir))
+        drafter = MTPLayer(model, mtp_layer_is_moe(cfg, reader.names, model_dir), dtype=mtp_dtype)
         if experts.keep_fp8:
-            _unquantised_as_plain(drafter.layer, reader.names, kernels.linear, dtype,
+            _unquantised_as_plain(drafter.layer, reader.names, kernels.linear, mtp_dtype or dtype,
                                   prefix=f"model.layers.{drafter.index}.")
         targets.update(drafter.checkpoint_targets())
     model.load_report = load_weights(reader, targets, ignore=expert_ignore(model.owns_expert),

@@ -39,15 +39,18 @@ def mtp_layer_is_moe(cfg, names, model_dir: str) -> bool:
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, model, moe: bool, device=None):
+    def __init__(self, model, moe: bool, device=None, dtype: torch.dtype | None = None):
         """model: the target DeepseekModel (its config, backends, rope, embeddings and dispatcher are shared).
-        moe: whether the layer's MLP is the MoE (the checkpoint says: mtp_layer_is_moe)."""
+        moe: whether the layer's MLP is the MoE (the checkpoint says: mtp_layer_is_moe). dtype: its weights'
+        (speculative draft_dtype; None: the model's). Other than the model's, the layer runs on the CPU kernels,
+        which read the weights as stored with the model's activations (build.load_model checks): the rows, its
+        latent cache and the dispatcher's buffers stay in the model's dtype."""
         super().__init__()
         cfg = model.cfg
         self.index = L = cfg.num_hidden_layers
         self.embed, self.dispatcher, self.rope = model.model.embed_tokens, model.dispatcher, model.rope
         self.kernels = model.kernels
-        dt, opt = model.dtype, model.layer_options
+        dt, opt = dtype or model.dtype, model.layer_options
         from layers import RMSNorm
         with torch.device("meta"), _skip_init():
             H, eps, k = cfg.hidden_size, cfg.rms_norm_eps, model.kernels

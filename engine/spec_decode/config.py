@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram", "mtp")
+# draft_dtype's values (the names engine/model/build.py's DTYPES gives them) -> the dtype's canonical name
+DRAFT_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,8 @@ class SpeculativeConfig:
     min_acceptance: float = 0.2            # a sequence whose recent drafts were accepted less than this stops
     #                                        drafting for a while (backing off, doubling), and the metrics count it
     backoff_steps: int = 16                # the first pause (steps); doubles each time up to 64x
+    draft_dtype: str | None = None         # mtp: the MTP layer's weights in this dtype (DRAFT_DTYPES; None: the
+    #                                        model's); a float32 model's activations and latent cache stay float32
 
     def __post_init__(self):
         if self.method is None:
@@ -50,6 +54,14 @@ class SpeculativeConfig:
             raise ValueError(f"speculative disable_by_batch_size must be an integer >= 1, got {b!r}")
         if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance <= 1:
             raise ValueError(f"speculative min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
+        d = self.draft_dtype
+        if d is not None:
+            if self.method != "mtp":
+                raise ValueError(f"speculative draft_dtype is an option of method \"mtp\" (the MTP layer's weights), "
+                                 f"not {self.method!r}")
+            if d not in DRAFT_DTYPES:
+                raise ValueError(f"speculative draft_dtype must be one of {sorted(DRAFT_DTYPES)}, got {d!r}")
+            object.__setattr__(self, "draft_dtype", DRAFT_DTYPES[d])
         if not isinstance(self.backoff_steps, int) or isinstance(self.backoff_steps, bool) or self.backoff_steps < 1:
             raise ValueError(f"speculative backoff_steps must be an integer >= 1, got {self.backoff_steps!r}")
 

@@ -104,7 +104,9 @@ class EngineCore:
                                 eplb=cfg.eplb, experts_backend=cfg.experts_backend,
                                 attention_backend=cfg.attention_backend, dispatch_options=self.dispatch_options,
                                 kv_cache_dtype=cfg.kv_cache_dtype, fuse_decode_stack=cfg.fuse_decode_stack,
-                                mtp=cfg.speculative.method == "mtp", quantization=cfg.quantization)
+                                mtp=cfg.speculative.method == "mtp", quantization=cfg.quantization,
+                                mtp_dtype=(parse_dtype(cfg.speculative.draft_dtype) if cfg.speculative.draft_dtype
+                                           else None))
         self.eplb = None
         if cfg.eplb.enabled and mcfg.moe is not None:
             from eplb.controller import EplbController

@@ -9,6 +9,9 @@
 - Greedy outputs equal no speculation (k = 1 and 3; V3.2 and GLM-lite, its config with and without
   mlp_layer_types), under preemption, with stop tokens; the MTP models of launch/tiny_cycle.py accept part of
   their drafts; a checkpoint without an MTP layer, or whose config names one it does not hold, is refused.
+- draft_dtype "bfloat16" beside a float32 model: the layer's weights bfloat16 (router and embeddings float32), its
+  passes on the fused C halves and, past the kernels' row limits, on BLAS over float32 copies; greedy outputs equal,
+  acceptance as the float32 layer's; refused where the layer cannot take it (torch backends, V3.2's indexer).
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ from tests.engine.test_engine import drive, workload
 pytest.importorskip("transformers")
 
 
-def mtp(k):
-    return dict(method="mtp", num_speculative_tokens=k)
+def mtp(k, **kw):
+    return dict(method="mtp", num_speculative_tokens=k, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +124,11 @@ def test_drafts_equal_a_transformers_reference(tmp_path, arch):
     eng.shutdown()
 
 
-def _greedy_equal_with_mtp(d: str, prompts, max_tokens: int, k: int) -> LLM:
+def _greedy_equal_with_mtp(d: str, prompts, max_tokens: int, k: int, **spec) -> LLM:
     """Greedy outputs (tokens, logprobs within 1e-4) equal with and without MTP drafting k -> the drafting LLM."""
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     ref = [o.outputs[0] for o in LLM(d, progress=False, block_size=16, kv_cache_blocks=64).generate(prompts, sp)]
-    llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=mtp(k))
+    llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=mtp(k, **spec))
     got = [o.outputs[0] for o in llm.generate(prompts, sp)]
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     for x, y in zip(got, ref):
@@ -164,6 +167,48 @@ def test_sparse_attention_and_glm_lite_mtp_greedy_equal_and_accept(tmp_path, arc
     else:
         assert core.kv.index_pools is None
     assert 0.2 < llm.engine.metrics()["spec_decode_acceptance_rate"] < 1.0, llm.engine.metrics()
+
+
+def test_a_bfloat16_drafter_beside_a_float32_model(cycle):
+    """draft_dtype "bfloat16": the MTP layer's weights are bfloat16 (its router float32 as every router's, the
+    embeddings the target's), its rows and latents float32, its decode passes the fused C halves; greedy outputs
+    equal no speculation and the drafts are accepted about as often as the float32 layer's."""
+    d, nxt = cycle
+    prompts = cycle_prompts(nxt, 5)
+    rates = {}
+    for dt in ("float32", "bfloat16"):
+        llm = _greedy_equal_with_mtp(d, prompts, 36, 3, draft_dtype=dt)
+        rates[dt] = llm.engine.metrics()["spec_decode_acceptance_rate"]
+    model = llm.engine.core.model
+    layer = model.drafter.layer
+    assert {p.dtype for p in (model.drafter.eh_proj.weight, model.drafter.head.weight, layer.mlp.experts.w13,
+                              layer.self_attn.kv_b_proj.weight, layer.input_layernorm.weight)} == {torch.bfloat16}
+    assert layer.mlp.gate.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in model.model.parameters())
+    assert llm.engine.core.kv.pools[layer.index].dtype == torch.float32
+    extra = model.decode_plan._extra
+    assert extra and all(w.fits for w in extra.values())   # the drafter's passes took the fused halves
+    assert rates["bfloat16"] > 0.2 and abs(rates["bfloat16"] - rates["float32"]) < 0.1, rates
+
+
+def test_a_bfloat16_drafter_past_the_kernels_row_limits(cycle, monkeypatch):
+    """Rows past the C kernels' limits (made small here) run BLAS on a float32 copy of the bfloat16 weights
+    (cpu/linear.py small_linear, moe/experts.py dense_weights): greedy outputs still equal no speculation."""
+    import cpu.linear
+    d, nxt = cycle
+    monkeypatch.setattr(cpu.linear, "max_rows", lambda dtype: 2)
+    monkeypatch.setattr(cpu.linear, "EXPERTS_MAX_ROWS", 0)
+    llm = _greedy_equal_with_mtp(d, cycle_prompts(nxt, 12), 20, 2, draft_dtype="bfloat16")
+    assert llm.engine.metrics()["spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("arch,options,msg", [
+    ("v3", dict(experts_backend="torch", attention_backend="torch"), "runs on the CPU kernels"),
+    ("v32", {}, "sparse attention \\(DeepSeek-V3.2's indexer\\)")])
+def test_a_draft_dtype_the_layer_cannot_take_is_refused(tmp_path, arch, options, msg):
+    d, _ = make_cycle_checkpoint(str(tmp_path / arch), period=12, mtp=True, arch=arch)
+    with pytest.raises(ValueError, match=f"draft_dtype 'bfloat16'.*{msg}"):
+        LLM(d, progress=False, speculative_config=mtp(2, draft_dtype="bfloat16"), **options)
 
 
 def test_greedy_equal_under_preemption_and_stop_tokens(cycle):

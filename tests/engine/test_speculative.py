@@ -110,10 +110,17 @@ def test_ngram_drafts_continue_a_repeat():
     (dict(method="ngram", num_speculative_tokens=2, disable_by_batch_size=0), "disable_by_batch_size"),
     (dict(method="ngram", num_speculative_tokens=2, lookahead=3), "unknown speculative config keys \\['lookahead'\\]"),
     ("{method: ngram}", "not JSON"),
+    (dict(method="ngram", num_speculative_tokens=2, draft_dtype="bfloat16"), "draft_dtype is an option of method"),
+    (dict(method="mtp", num_speculative_tokens=2, draft_dtype="fp8"), "draft_dtype must be one of"),
 ])
 def test_bad_speculative_configs_are_named(bad, msg):
     with pytest.raises(ValueError, match=msg):
         SpeculativeConfig.coerce(bad)
+
+
+def test_draft_dtype_names_are_canonical():
+    assert SpeculativeConfig(method="mtp", num_speculative_tokens=2, draft_dtype="bf16").draft_dtype == "bfloat16"
+    assert SpeculativeConfig(method="mtp", num_speculative_tokens=2).draft_dtype is None
 
 
 def test_lookup_defaults_are_vllms():

@@ -1,5 +1,5 @@
 """Speculative decoding on DP/EP ranks (gloo): n-gram and MTP drafts verified across 2 ranks with dual-batch
-overlap and on 4 ranks, under KV pressure (the MTP layer's MoE dispatches over the EP group every step, on
+overlap and on 4 ranks (MTP with a bfloat16 layer: 2 ranks), under KV pressure (the MTP layer's MoE dispatches over the EP group every step, on
 idle ranks too), and DeepSeek-V3.2's MTP layer (sparse attention) on 2 ranks with DBO; every greedy output
 equals the request run alone without speculation, the ranks' draft counters add up in the front's metrics,
 and no rank leaks a block."""
@@ -13,7 +13,8 @@ from tests.engine.test_engine import drive, workload
 from tests.parallel.spawn import spawn
 
 SPECS = {"ngram": dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prompt_lookup_max=4),
-         "mtp": dict(method="mtp", num_speculative_tokens=2)}
+         "mtp": dict(method="mtp", num_speculative_tokens=2),
+         "mtp_bf16": dict(method="mtp", num_speculative_tokens=2, draft_dtype="bfloat16")}
 
 
 def requests(nxt) -> list[dict]:
@@ -62,9 +63,11 @@ def reference(tmp_path_factory):
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
-@pytest.mark.parametrize("dp,dbo", [(2, True), (4, False)])
+@pytest.mark.parametrize("method,dp,dbo", [("ngram", 2, True), ("ngram", 4, False), ("mtp", 2, True),
+                                           ("mtp", 4, False), ("mtp_bf16", 2, True)])
 def test_speculative_on_dp_ranks_equals_alone(reference, dp, dbo, method):
+    """mtp_bf16: the MTP layer's weights bfloat16 beside the float32 model, its MoE dispatched over the EP group in
+    float32 (the dispatcher's buffers are the model's)."""
     d, nxt, ref = reference
     ranks = spawn(_rank, dp, args=(d, nxt, dbo, method), timeout_s=400)
     front = ranks[0]

@@ -305,6 +305,12 @@ def test_mtp_without_the_block_is_refused(cycle):
         LLM(d, speculative_config=mtp(2), **V4)
 
 
+def test_a_draft_dtype_for_the_v4_block_is_refused(mtp_cycle):
+    d, _ = mtp_cycle
+    with pytest.raises(ValueError, match="draft_dtype 'bfloat16': DeepSeek-V4's MTP block runs in the model's dtype"):
+        LLM(d, speculative_config=mtp(2, draft_dtype="bf16"), **V4)
+
+
 def _rank_mtp(model_dir: str, ep: int, prompts: list[list[int]], dbo: bool) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, parallel={"timeout_s": 60.0}, speculative_config=mtp(2),
