@@ -123,6 +123,9 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     cfg = cfg or ModelConfig.from_dir(model_dir)
     if mtp_dtype == dtype:
         mtp_dtype = None
+    if mtp_dtype is not None and (mtp_dtype, dtype) != (torch.bfloat16, torch.float32):
+        raise ValueError(f"speculative draft_dtype {_dtype_name(mtp_dtype)!r} beside a {_dtype_name(dtype)} model: "
+                         f"the MTP layer's weights can be bfloat16 beside a float32 model, else the model's dtype")
     if mtp_dtype is not None and cfg.v4 is not None:
         raise ValueError(f"speculative draft_dtype {_dtype_name(mtp_dtype)!r}: DeepSeek-V4's MTP block runs in the "
                          f"model's dtype ({_dtype_name(dtype)}); leave draft_dtype out")

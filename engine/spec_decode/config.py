@@ -59,7 +59,7 @@ class SpeculativeConfig:
             if self.method != "mtp":
                 raise ValueError(f"speculative draft_dtype is an option of method \"mtp\" (the MTP layer's weights), "
                                  f"not {self.method!r}")
-            if d not in DRAFT_DTYPES:
+            if not isinstance(d, str) or d not in DRAFT_DTYPES:
                 raise ValueError(f"speculative draft_dtype must be one of {sorted(DRAFT_DTYPES)}, got {d!r}")
             object.__setattr__(self, "draft_dtype", DRAFT_DTYPES[d])
         if not isinstance(self.backoff_steps, int) or isinstance(self.backoff_steps, bool) or self.backoff_steps < 1:

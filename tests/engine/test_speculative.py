@@ -112,6 +112,7 @@ def test_ngram_drafts_continue_a_repeat():
     ("{method: ngram}", "not JSON"),
     (dict(method="ngram", num_speculative_tokens=2, draft_dtype="bfloat16"), "draft_dtype is an option of method"),
     (dict(method="mtp", num_speculative_tokens=2, draft_dtype="fp8"), "draft_dtype must be one of"),
+    (dict(method="mtp", num_speculative_tokens=2, draft_dtype=["bf16"]), "draft_dtype must be one of"),
 ])
 def test_bad_speculative_configs_are_named(bad, msg):
     with pytest.raises(ValueError, match=msg):
