@@ -19,14 +19,15 @@ speculation where acceptance is near zero. The MTP layer's cost is one decoder l
 pass: here one layer beside 12 (DeepSeek-V3: beside 61), so MTP's share of a step is ~5x V3's. The model runs
 float32; its MTP layer's weights are bfloat16 (`--draft-dtype`, speculative draft_dtype: half the bytes a pass reads,
 the rows and the drafts' latents float32; outputs stay exact, the target verifies them).
-Each k runs on its own engine (one copy of the weights for all: SharedWeights), trials interleaved across k, the order reversed every other trial (k = 0, 1, 2, 3,
-then 3, 2, 1, 0: a drift of the machine's speed falls on both sides). TPOT: each request's mean time between
+Each k runs on its own engine (one copy of the weights for all: SharedWeights), 9 trials interleaved across k, the
+order reversed every other trial (k = 0, 1, 2, 3, then 3, 2, 1, 0: a drift of the machine's speed falls on both
+sides). TPOT: each request's mean time between
 output tokens after the first (engine metrics), median over requests (over trials: the median); decode tok/s =
 batch / mean TPOT. speedup: paired, the median over trials of that trial's k = 0 mean TPOT over its k one (its
 range beside it): on a VM whose speed swings within a minute, a ratio of runs seconds apart, not of medians taken
 minutes apart. Greedy outputs of every k are checked equal to k = 0's.
 
-    python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 5] [--threads 1]
+    python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 9] [--threads 1]
                                 [--workloads ngram,mtp,ngram_rejected,mtp_rejected] [--quick] [--model v3|v4]
                                 [--draft-dtype float32|bfloat16]
 
@@ -134,7 +135,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,3")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=96)
-    ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--trials", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mix", type=float, default=None,
                     help="the cycle model's layer-output scale (launch/tiny_cycle.py): larger, fewer tokens follow the "
