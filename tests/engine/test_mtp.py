@@ -208,6 +208,7 @@ def test_a_bfloat16_drafter_past_the_kernels_row_limits(cycle, monkeypatch):
     ("v3", dict(dtype="bfloat16", draft="float32"), "beside a bfloat16 model: the MTP layer's weights can be")])
 def test_a_draft_dtype_the_layer_cannot_take_is_refused(tmp_path, arch, options, msg):
     d, _ = make_cycle_checkpoint(str(tmp_path / arch), period=12, mtp=True, arch=arch)
+    options = dict(options)
     draft = options.pop("draft", "bfloat16")
     with pytest.raises(ValueError, match=f"draft_dtype '{draft}'.*{msg}"):
         LLM(d, progress=False, speculative_config=mtp(2, draft_dtype=draft), **options)
