@@ -214,9 +214,10 @@ WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64
 WD_INTERNAL void linear_fp4(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
                             float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *xp);
 /* experts.c: x [T, H] float32 or bfloat16 (xdt); wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale
-   rows, then up's), s2 [El, ceil(H/br), ceil(I/bk)] float32 (moe/fp8.py quantize_experts_fp8); WD_FP4: w13 [El, 2I, H/2], w2 [El, H, I/2] e2m1 pairs,
-   s13 [El, 2I, H/32], s2 [El, H, I/32] e8m0 bytes (H, I multiples of 32); else s13, s2 NULL. limit > 0: the
-   clamped SwiGLU (gate <= limit, |up| <= limit: DeepSeek-V4's swiglu_limit); 0: none */
+   rows, then up's), s2 [El, ceil(H/br), ceil(I/bk)] float32 (moe/fp8.py quantize_experts_fp8); WD_FP4: w13
+   [El, 2I, H/2], w2 [El, H, I/2] e2m1 pairs, s13 [El, 2I, H/32], s2 [El, H, I/32] e8m0 bytes (H, I multiples
+   of 32); else s13, s2 NULL. limit > 0: the clamped SwiGLU (gate <= limit, |up| <= limit: DeepSeek-V4's
+   swiglu_limit); 0: none */
 WD_INTERNAL int64_t experts(const void *x, int64_t xdt, int64_t T, int64_t H, int64_t I, int64_t El, const void *w13,
                             const void *w2, int64_t wdt, const void *s13, const void *s2, int64_t br, int64_t bk,
                             const int64_t *ids, const float *wts, int64_t k, float *out, int64_t *iscratch,
@@ -341,7 +342,8 @@ int64_t wd_amx(wd_amx_args *a);
    FP4_XP(T k, max(H, I))). Returns 0, or -1 - p for the first pair p whose id is >= El (nothing is computed
    then). w13, w2 of dtype wdt; WD_FP8: their block scales s13, s2 in br x bk blocks (the experts() prototype
    above gives their shapes; bk a multiple of 16; else, or without them: INT64_MIN, nothing computed); WD_FP4:
-   their e8m0 scales s13, s2 (H and I multiples of 32; else, or without them: INT64_MIN). limit > 0: clamped SwiGLU (experts() above). */
+   their e8m0 scales s13, s2 (H and I multiples of 32; else, or without them: INT64_MIN). limit > 0: clamped
+   SwiGLU (experts() above). */
 typedef struct {
     const void *x;
     const void *w13, *w2;

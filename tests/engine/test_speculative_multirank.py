@@ -1,8 +1,8 @@
 """Speculative decoding on DP/EP ranks (gloo): n-gram and MTP drafts verified across 2 ranks with dual-batch
-overlap and on 4 ranks (MTP with a bfloat16 layer: 2 ranks), under KV pressure (the MTP layer's MoE dispatches over the EP group every step, on
-idle ranks too), and DeepSeek-V3.2's MTP layer (sparse attention) on 2 ranks with DBO; every greedy output
-equals the request run alone without speculation, the ranks' draft counters add up in the front's metrics,
-and no rank leaks a block."""
+overlap and on 4 ranks (MTP with a bfloat16 layer: 2 ranks), under KV pressure (the MTP layer's MoE dispatches
+over the EP group every step, on idle ranks too), and DeepSeek-V3.2's MTP layer (sparse attention) on 2 ranks
+with DBO; every greedy output equals the request run alone without speculation, the ranks' draft counters add
+up in the front's metrics, and no rank leaks a block."""
 from __future__ import annotations
 
 import random
