@@ -19,13 +19,15 @@ speculation where acceptance is near zero. The MTP layer's cost is one decoder l
 pass: here one layer beside 12 (DeepSeek-V3: beside 61), so MTP's share of a step is ~5x V3's. The model runs
 float32; its MTP layer's weights are bfloat16 (`--draft-dtype`, speculative draft_dtype: half the bytes a pass reads,
 the rows and the drafts' latents float32; outputs stay exact, the target verifies them).
-Each k runs on its own engine (one copy of the weights for all: SharedWeights), 9 trials interleaved across k, the
-order reversed every other trial (k = 0, 1, 2, 3, then 3, 2, 1, 0: a drift of the machine's speed falls on both
-sides). TPOT: each request's mean time between
-output tokens after the first (engine metrics), median over requests (over trials: the median); decode tok/s =
-batch / mean TPOT. speedup: paired, the median over trials of that trial's k = 0 mean TPOT over its k one (its
-range beside it): on a VM whose speed swings within a minute, a ratio of runs seconds apart, not of medians taken
-minutes apart. Greedy outputs of every k are checked equal to k = 0's.
+Each k runs on its own engine (one copy of the weights for all: SharedWeights, its MTP layer in --draft-dtype).
+A trial runs the same requests on every engine at once, in lockstep (lockstep(): the engines take one step each in
+turn, the first to step rotating), each engine timing its own steps: every k meets the same seconds of the machine's
+drifting speed. TPOT: each request's time in its engine's steps from its first token to its last, over its tokens
+after the first (in one process an engine does nothing between its steps: what the engine metrics' TPOT measures;
+checked in one process on this workload at batch 1, lockstep's TPOTs within 1 % of runs one engine at a time),
+median over requests (over 9 trials: the median); decode tok/s = batch / mean TPOT. speedup: paired, the median
+over trials of that trial's k = 0 mean TPOT over its k one (its range beside it). Greedy outputs of every k are
+checked equal to k = 0's.
 
     python bench/speculative.py [--batches 1,8,32] [--ks 1,2,3] [--new 64] [--trials 9] [--threads 1]
                                 [--workloads ngram,mtp,ngram_rejected,mtp_rejected] [--quick] [--model v3|v4]
@@ -44,18 +46,22 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import itertools
 import json
 import os
 import random
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.results import save  # noqa: E402
+
+_REQ = itertools.count()   # lockstep's request ids
 
 # 12 layers (11 MoE) so that the MTP layer is one layer beside 12, not beside 4 (DeepSeek-V3: beside 61)
 MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=2048, moe_intermediate_size=256,
@@ -99,8 +105,10 @@ class SharedWeights:
     differed by up to 4-6 % between runs, with which engine was fastest changing; sharing one copy, within ~1-2 %.
     Where each engine's weights lie in memory is not what a speculation ratio should measure."""
 
-    def __init__(self, mtp: bool):
-        self.mtp, self.models = mtp, {}
+    def __init__(self, mtp: bool, mtp_dtype: str | None = None):
+        """mtp_dtype: the MTP layer's (speculative draft_dtype): the copy is loaded once, by whichever engine comes
+        first (k = 0's asks for no MTP layer, and so for no dtype of it)."""
+        self.mtp, self.mtp_dtype, self.models = mtp, mtp_dtype, {}
 
     def __enter__(self):
         import engine.worker.core as core
@@ -114,6 +122,9 @@ class SharedWeights:
 
     def load(self, model_dir, *args, mtp: bool = False, **kw):
         if model_dir not in self.models:
+            if self.mtp:
+                from engine.model.build import parse_dtype
+                kw["mtp_dtype"] = parse_dtype(self.mtp_dtype) if self.mtp_dtype else None
             self.models[model_dir] = self.real(model_dir, *args, mtp=self.mtp, **kw)
         model = self.models[model_dir]
         if not mtp and getattr(model, "drafter", None) is not None:   # V3: no drafter without speculation
@@ -127,6 +138,44 @@ def run(llm, ps, new: int) -> tuple[list, float]:
     outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     tpots = [o.metrics["tpot_s"] for o in outs]
     return [o.outputs[0].token_ids for o in outs], statistics.median(tpots), statistics.fmean(tpots)
+
+
+def lockstep(llms: dict, ps, new: int, start: int = 0) -> dict:
+    """The same requests on every engine of `llms` (k -> LLM), the engines stepping in turn, one step each (the first
+    to step moves on by one each round, from `start`): every engine's steps fall in the same seconds of the machine's
+    drifting speed. Each engine keeps its own clock, the time spent in its own steps; a request's TPOT is its clock
+    from the step that gave its first token to the one that gave its last, over its tokens after the first (in one
+    process an engine does nothing between steps: what generate's TPOT measures). -> {k: (token ids per request,
+    median TPOT, mean TPOT)}."""
+    from engine import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    st = {}
+    for k, llm in llms.items():
+        rids = [f"lockstep-{next(_REQ)}" for _ in ps]
+        for rid, p in zip(rids, ps):
+            llm.engine.add_request(rid, p, sp)
+        st[k] = {"clock": 0.0, "first": {}, "last": {}, "toks": {}, "rids": rids}
+    live = list(llms)
+    for r in itertools.count(start):
+        if not live:
+            break
+        for k in live[r % len(live):] + live[:r % len(live)]:
+            s, eng = st[k], llms[k].engine
+            t0 = time.perf_counter()
+            outs = eng.step()
+            s["clock"] += time.perf_counter() - t0
+            for o in outs:
+                ids = o.outputs[0].token_ids
+                if ids and o.request_id not in s["first"]:
+                    s["first"][o.request_id] = (s["clock"], len(ids))
+                if o.finished:
+                    s["last"][o.request_id], s["toks"][o.request_id] = s["clock"], list(ids)
+        live = [k for k in live if llms[k].engine.has_unfinished_requests()]
+    out = {}
+    for k, s in st.items():
+        tpots = [(s["last"][r] - s["first"][r][0]) / (len(s["toks"][r]) - s["first"][r][1]) for r in s["rids"]]
+        out[k] = ([s["toks"][r] for r in s["rids"]], statistics.median(tpots), statistics.fmean(tpots))
+    return out
 
 
 def main() -> None:
@@ -191,12 +240,17 @@ def main() -> None:
             rows = {}
             spec = {"ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4),
                     "mtp": dict(method="mtp", draft_dtype=a.draft_dtype)}
-            with SharedWeights(mtp=method == "mtp"):
+            with SharedWeights(mtp=method == "mtp", mtp_dtype=a.draft_dtype):
                 engines = {k: LLM(model, progress=False, enable_prefix_caching=False, max_num_seqs=max(batches),
                                   dtype="float32",
                                   block_size=64, kv_cache_blocks=max(batches) * (-(-(a.prompt + a.new) // 64) + 1),
                                   speculative_config=None if k == 0 else dict(spec[method], num_speculative_tokens=k))
                            for k in ks}
+            if method == "mtp" and not v4:   # the layer the engines share is in the dtype asked for
+                from engine.model.build import parse_dtype
+                for k in ks[1:]:
+                    got = engines[k].engine.core.model.drafter.eh_proj.weight.dtype
+                    assert got == parse_dtype(a.draft_dtype), f"k={k}: the MTP layer is {got}, not {a.draft_dtype}"
             for B in batches:
                 before = {k: engines[k].engine.metrics() for k in ks}   # the counters are cumulative: this batch's
                 ps = prompts(kind, nxt, B, a.prompt, seed=B)
@@ -205,9 +259,8 @@ def main() -> None:
                 tp = {k: [] for k in ks}
                 mean = {k: [] for k in ks}
                 toks = {}
-                for t in range(a.trials):   # k = 0, 1, .. then back: the engines' order alternates trial by trial
-                    for k in (ks if t % 2 == 0 else ks[::-1]):
-                        toks[k], med, avg = run(engines[k], ps, a.new)
+                for t in range(a.trials):   # every k at once, in lockstep (the first to step rotates)
+                    for k, (toks[k], med, avg) in lockstep(engines, ps, a.new, start=t).items():
                         tp[k].append(med)
                         mean[k].append(avg)
                 row = {}
