@@ -101,6 +101,7 @@ class _Layer:
     mlp_op: object = None      # a dense layer's MLP half in one call
     moe_ops: list = field(default_factory=list)
     fits: bool = True          # (extra layers) both halves fused
+    desc: object = None        # (extra layers) its LayerDesc for one call (extra_layer_call)
 
 
 class DecodePlan:
@@ -202,11 +203,15 @@ class DecodePlan:
         """The fused halves of a decoder layer outside the model's stack (speculative decoding's MTP layer,
         its latents in kv_pools[layer.index]) for microbatch mb, or None (then it runs its own operations):
         every row a decode row of at most max_rows, and the layer's halves fit as the stack's would."""
+        w = self._extra_fits(layer, mb, mb.input_ids.shape[0])
+        return None if w is None else self._halves(layer, w, getattr(mb.dispatcher, "local_only", False))
+
+    def _extra_fits(self, layer, mb, rows: int) -> _Layer | None:
         T = mb.input_ids.shape[0]
-        if T == 0 or T > ROWS_CAP or mb.index_pools is not None:
+        if T == 0 or rows > ROWS_CAP or mb.index_pools is not None:
             return None
         self._built()
-        if T > self._max_rows:
+        if rows > self._max_rows:
             return None
         if mb.meta.paged_decode_tables(self._mode) is None:
             return None
@@ -218,9 +223,29 @@ class DecodePlan:
             w.fits = not self.unfit
             self.unfit, self.moe_unfit = saved
             self._extra[id(layer)] = w
-        if not w.fits:
+        return w if w.fits else None
+
+    def extra_layer_call(self, layer, mb, rows: int):
+        """The layer outside the stack (extra_layer_ops) as one call, decode_stack's, for microbatch mb (its rows
+        run the layer) within a call that computes `rows` rows in all: -> (a one-element LayerDesc array with this
+        step's fields set, its _Layer) where its halves fuse and its MoE is local, unmapped and fused (a layer of
+        the stack path's kind), else None."""
+        w = self._extra_fits(layer, mb, max(rows, mb.input_ids.shape[0]))
+        if w is None or not getattr(mb.dispatcher, "local_only", False):
             return None
-        return self._halves(layer, w, getattr(mb.dispatcher, "local_only", False))
+        if layer.is_moe and (w.moe is None or layer.mlp.expert_map is not None or not self._counts_fit(layer.mlp)):
+            return None
+        if w.desc is None:
+            w.desc = (fused.LayerDesc * 1)()
+            w.desc[0].mla = ctypes.addressof(w.mla)
+            w.desc[0].moe = ctypes.addressof(w.moe) if w.moe is not None else None
+            w.desc[0].mlp = ctypes.addressof(w.mlp) if w.mlp is not None else None
+        d, pool = w.desc[0], mb.kv_pools[layer.index]
+        d.wuk_t, d.pool, d.S, d.pdt = layer.self_attn.w_uk_t().data_ptr(), pool.data_ptr(), pool.shape[0], \
+            fused.WDT[pool.dtype]
+        lc = layer.mlp.load_counts if layer.is_moe else None
+        d.load = lc.data_ptr() if lc is not None else None
+        return w.desc, w
 
     def stats(self) -> dict:
         """Flat counters for the rank's stats: decode_steps_<path>, decode_declined_<reason>,

@@ -2,6 +2,22 @@
    exactly the kernel calls of the operation-by-operation path, in its order. */
 #include "wideep.h"
 
+/* The cache entries of T rows from their kv_a projections kv [T, C+R]: lat [T, C+R] = (kv_a_norm(c), rope(k_pe)),
+   written to the pool's rows slots[t] (dtype pdt; a bfloat16 pool rounded to nearest even). kpe: T R floats. */
+static void write_latents(const wd_mla_weights *w, const float *kv, int64_t T, const float *cos, const float *sin,
+                          void *pool, int64_t pdt, const int64_t *slots, float *lat, float *kpe) {
+    int64_t C = w->C, R = w->R, D = C + R;
+    rmsnorm(kv, D, w->kva_w, w->wdt, lat, D, T, C, w->kva_eps);            /* the normed latent c */
+    rope(kv + C, T, 1, R, D, R, cos, sin, kpe, (int)w->interleave);        /* k_pe */
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(lat + t * D + C, kpe + t * R, R * sizeof(float));
+        if (pdt == WD_BF16)
+            for (int64_t c = 0; c < D; c++) ((uint16_t *)pool)[slots[t] * D + c] = to_bf16(lat[t * D + c]);
+        else
+            memcpy((float *)pool + slots[t] * D, lat + t * D, D * sizeof(float));
+    }
+}
+
 /* One decode step of an MLA layer around its attention (attention_mla/mla.py MLA's decode; cpu/decode_plan.py): T
    tokens, each the only query of its sequence, a float32 cache. h = x + o_proj(attention(input_norm(x)))
    and mlp_in = post_norm(h): the same kernels, in the same order, as the unfused path (q-LoRA or q_proj,
@@ -40,15 +56,7 @@ static int64_t mla_layer(const wd_mla_weights *w, const void *wuk_t, const float
     }
     if (hints) amx_next(wuk_t, dn, C, dn);
     linear_w(xn, H, w->wkva, pwdt, H, kv, D, T, D, H);
-    rmsnorm(kv, D, w->kva_w, wdt, lat, D, T, C, w->kva_eps);            /* the normed latent c */
-    rope(kv + C, T, 1, R, D, R, cos, sin, kpe, (int)w->interleave);      /* k_pe */
-    for (int64_t t = 0; t < T; t++) {
-        memcpy(lat + t * D + C, kpe + t * R, R * sizeof(float));
-        if (pdt == WD_BF16)
-            for (int64_t c = 0; c < D; c++) ((uint16_t *)pool)[slots[t] * D + c] = to_bf16(lat[t * D + c]);
-        else
-            memcpy((float *)pool + slots[t] * D, lat + t * D, D * sizeof(float));
-    }
+    write_latents(w, kv, T, cos, sin, pool, pdt, slots, lat, kpe);
     rope(q + dn, T, N, R, N * dq, dq, cos, sin, qpe, (int)w->interleave);  /* q_pe [T, N, R] */
     bmm_nt(N, q, dq, N * dq, wuk_t, wdt, C * dn, dn, qabs, D, N * D, T, C, dn);   /* q_nope W_UK per head */
     for (int64_t t = 0; t < T * N; t++) memcpy(qabs + t * D + C, qpe + t * R, R * sizeof(float));
@@ -147,4 +155,50 @@ void wd_mlp_layer(const wd_mlp_layer_args *a) { mlp_half(a->w, a->h, a->x, a->T,
 int64_t wd_decode_stack(const wd_decode_stack_args *a) {
     return decode_stack(a->layers, a->L, a->x0, a->T, a->cos, a->sin, a->slots, a->table, a->max_blocks, a->lens,
                         a->max_len, a->bs, a->out, a->ids, a->wts, a->buf, a->ibuf, a->failed);
+}
+
+int64_t wd_mtp_pass(const wd_mtp_pass_args *a) {
+    int64_t T = a->T, N = a->n_in, H = a->H, V = a->V;
+    const wd_layer_desc *d = a->layer;
+    const wd_mla_weights *w = d->mla;
+    int64_t D = w->C + w->R;
+    for (int64_t i = 0; i < a->n_rest; i++)
+        if (a->rest_slots[i] < 0 || a->rest_slots[i] >= d->S) return -2 - a->rest[i];
+    float *xin = a->buf, *x = xin + N * 2 * H, *xo = x + N * H, *rest = xo + T * H;
+    const float *in = a->prev;
+    if (a->embed) {   /* the input of every row */
+        for (int64_t t = 0; t < N; t++)
+            row_f32((const char *)a->embed + a->ids[t] * H * (a->edt == WD_BF16 ? 2 : 4), a->edt, H, xin + t * 2 * H);
+        rmsnorm(xin, 2 * H, a->enorm_w, a->wdt, xin, 2 * H, N, H, a->enorm_eps);
+        rmsnorm(a->prev, H, a->hnorm_w, a->wdt, xin + H, 2 * H, N, H, a->hnorm_eps);
+        linear_w(xin, 2 * H, a->eh_w, a->wdt, 2 * H, x, H, N, H, 2 * H);
+        in = x;
+    }
+    if (a->n_rest) {   /* rows without an output: their cache entries only (MLA.write_entries) */
+        int64_t M = a->n_rest;
+        float *xr = rest, *kv = xr + M * H, *lat = kv + M * D, *kpe = lat + M * D;
+        for (int64_t i = 0; i < M; i++) memcpy(xr + i * H, in + a->rest[i] * H, H * sizeof(float));
+        rmsnorm(xr, H, w->in_w, w->wdt, xr, H, M, H, w->in_eps);
+        linear_w(xr, H, w->wkva, w->pwdt, H, kv, D, M, D, H);
+        write_latents(w, kv, M, a->rest_cos, a->rest_sin, d->pool, d->pdt, a->rest_slots, lat, kpe);
+    }
+    if (a->out_rows) {
+        for (int64_t t = 0; t < T; t++) memcpy(xo + t * H, in + a->out_rows[t] * H, H * sizeof(float));
+        in = xo;
+    }
+    int64_t rc = decode_stack(d, 1, in, T, a->cos, a->sin, a->slots, a->table, a->max_blocks, a->lens,
+                              a->max_len, a->bs, a->out, a->moe_ids, a->wts, rest, a->ibuf, a->failed);
+    if (rc <= -2 && a->out_rows) return -2 - a->out_rows[-2 - rc];   /* the input row's index */
+    if (rc) return rc;
+    float *y = rest, *logits = y + T * H;
+    rmsnorm(a->out, H, a->norm_w, a->wdt, y, H, T, H, a->norm_eps);
+    linear_w(y, H, a->head_w, a->wdt, H, logits, V, T, V, H);
+    for (int64_t t = 0; t < T; t++) {
+        const float *l = logits + t * V;
+        int64_t best = 0;
+        for (int64_t v = 1; v < V; v++)
+            if (l[v] > l[best]) best = v;
+        a->tok[t] = best;
+    }
+    return 0;
 }

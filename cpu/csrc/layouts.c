@@ -131,6 +131,21 @@ static const wd_layout table[] = {
     FIELD(wd_decode_stack_args, failed) FIELD(wd_decode_stack_args, L) FIELD(wd_decode_stack_args, T)
     FIELD(wd_decode_stack_args, max_blocks) FIELD(wd_decode_stack_args, max_len) FIELD(wd_decode_stack_args, bs)
 
+    SIZE(wd_mtp_pass_args)
+    FIELD(wd_mtp_pass_args, layer) FIELD(wd_mtp_pass_args, ids) FIELD(wd_mtp_pass_args, embed)
+    FIELD(wd_mtp_pass_args, enorm_w) FIELD(wd_mtp_pass_args, hnorm_w) FIELD(wd_mtp_pass_args, eh_w)
+    FIELD(wd_mtp_pass_args, norm_w) FIELD(wd_mtp_pass_args, head_w) FIELD(wd_mtp_pass_args, prev)
+    FIELD(wd_mtp_pass_args, cos) FIELD(wd_mtp_pass_args, sin) FIELD(wd_mtp_pass_args, rest_cos)
+    FIELD(wd_mtp_pass_args, rest_sin) FIELD(wd_mtp_pass_args, slots) FIELD(wd_mtp_pass_args, table)
+    FIELD(wd_mtp_pass_args, rest) FIELD(wd_mtp_pass_args, rest_slots) FIELD(wd_mtp_pass_args, out_rows)
+    FIELD(wd_mtp_pass_args, lens) FIELD(wd_mtp_pass_args, out) FIELD(wd_mtp_pass_args, wts)
+    FIELD(wd_mtp_pass_args, buf) FIELD(wd_mtp_pass_args, tok) FIELD(wd_mtp_pass_args, moe_ids)
+    FIELD(wd_mtp_pass_args, ibuf) FIELD(wd_mtp_pass_args, failed) FIELD(wd_mtp_pass_args, enorm_eps)
+    FIELD(wd_mtp_pass_args, hnorm_eps) FIELD(wd_mtp_pass_args, norm_eps) FIELD(wd_mtp_pass_args, pad)
+    FIELD(wd_mtp_pass_args, T) FIELD(wd_mtp_pass_args, n_in) FIELD(wd_mtp_pass_args, n_rest)
+    FIELD(wd_mtp_pass_args, H) FIELD(wd_mtp_pass_args, V) FIELD(wd_mtp_pass_args, edt) FIELD(wd_mtp_pass_args, wdt)
+    FIELD(wd_mtp_pass_args, max_blocks) FIELD(wd_mtp_pass_args, max_len) FIELD(wd_mtp_pass_args, bs)
+
     SIZE(wd_layout)
     FIELD(wd_layout, name) FIELD(wd_layout, field) FIELD(wd_layout, offset) FIELD(wd_layout, size)
 

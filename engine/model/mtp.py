@@ -67,6 +67,8 @@ class MTPLayer(nn.Module):
             self.layer.mlp.gate.float()
         self.ops = [op for op in self.layer.ops() if op is not YIELD]
         self.decode_plan = model.decode_plan   # the CPU fast path: fused halves for decode rows (cpu/decode_plan.py)
+        self._fuse: bool | None = None         # whether its own weights fit fused.mtp_pass (_fusable)
+        self.fused_passes = 0                  # passes run as one fused.mtp_pass call
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         pre = f"model.layers.{self.index}."
@@ -91,24 +93,82 @@ class MTPLayer(nn.Module):
 
     def first_pass(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, max_position: int, out_rows: torch.Tensor, meta, kv_pools: list, plan,
-                   index_pools: list | None = None) -> torch.Tensor:
+                   index_pools: list | None = None) -> tuple[torch.Tensor, list[int]]:
         """Rows at positions [T] (cache slots [T], the largest position max_position); only out_rows [T'] (each
-        its sequence's last row) need an output -> [T', H]. A single decoder layer's cache entries at a position
-        depend on its input there only, so the other rows stop at their entries (eh_proj, the attention norm,
-        kv_a_proj, and DSA's indexer key: no queries, attention or MoE), written first; then the layer runs over
-        out_rows, meta describing them (collective)."""
+        its sequence's last row) need an output -> ([T', H], their drafts: draft_pass's). A single decoder layer's
+        cache entries at a position depend on its input there only, so the other rows stop at their entries
+        (eh_proj, the attention norm, kv_a_proj, and DSA's indexer key: no queries, attention or MoE), written
+        first; then the layer runs over out_rows, meta describing them (collective)."""
+        T = token_ids.shape[0]
+        if out_rows.numel() == T:
+            return self.draft_pass(token_ids, prev_hidden, meta, kv_pools, plan, index_pools)
+        rest = torch.ones(T, dtype=torch.bool, device=token_ids.device)
+        rest[out_rows] = False
+        rest = rest.nonzero().squeeze(1)
+        cos, sin = self.rope.cos_sin(positions[rest], max_position=max_position)
+        if out_rows.numel():
+            done = self._fused(token_ids, prev_hidden, meta, kv_pools, plan, index_pools,
+                               (out_rows, rest, slots[rest], cos, sin))
+            if done is not None:
+                return done
         x = self._input(token_ids, prev_hidden)
-        T = x.shape[0]
-        if out_rows.numel() < T:
-            rest = torch.ones(T, dtype=torch.bool, device=x.device)
-            rest[out_rows] = False
-            rest = rest.nonzero().squeeze(1)
-            cos, sin = self.rope.cos_sin(positions[rest], max_position=max_position)
-            extra = {} if index_pools is None else {"index_pool": index_pools[self.index]}
-            self.layer.self_attn.write_entries(kv_pools[self.index], slots[rest],
-                                               self.layer.input_layernorm(x[rest]), cos, sin, **extra)
-            x, token_ids = x[out_rows], token_ids[out_rows]
-        return self._layer(token_ids, x, meta, kv_pools, plan, index_pools)
+        extra = {} if index_pools is None else {"index_pool": index_pools[self.index]}
+        self.layer.self_attn.write_entries(kv_pools[self.index], slots[rest], self.layer.input_layernorm(x[rest]),
+                                           cos, sin, **extra)
+        return self._drafts(self._layer(token_ids[out_rows], x[out_rows], meta, kv_pools, plan, index_pools))
+
+    def draft_pass(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, meta, kv_pools: list, plan,
+                   index_pools: list | None = None) -> tuple[torch.Tensor, list[int]]:
+        """forward's output [T, H] and each row's draft, the argmax of its logits (collective). Decode rows on one
+        EP rank with the CPU kernels: the input, the layer, the head and the argmax in one C call (fused.mtp_pass:
+        between a pass's small Python operations its weights were read from memory again, ~2x the kernels' time)."""
+        if token_ids.shape[0]:
+            done = self._fused(token_ids, prev_hidden, meta, kv_pools, plan, index_pools)
+            if done is not None:
+                return done
+        return self._drafts(self.forward(token_ids, prev_hidden, meta, kv_pools, plan, index_pools))
+
+    def _drafts(self, out: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        return out, (self.logits(out).argmax(-1).tolist() if out.shape[0] else [])   # SYNC: drafts to the host
+
+    def _fused(self, token_ids: torch.Tensor, prev: torch.Tensor, meta, kv_pools: list, plan,
+               index_pools: list | None, rows: tuple | None = None) -> tuple[torch.Tensor, list[int]] | None:
+        """The pass as one fused.mtp_pass call, or None where it cannot be (then nothing was done). rows: (out_rows,
+        rest, their slots, cos, sin) when only out_rows run the layer (first_pass), else every row does."""
+        if index_pools is not None or not self._fusable():
+            return None
+        n_out = rows[0].shape[0] if rows is not None else token_ids.shape[0]
+        mb = Microbatch(0, token_ids[:n_out], meta, kv_pools, plan, self.dispatcher)
+        call = self.decode_plan.extra_layer_call(self.layer, mb, token_ids.shape[0])
+        if call is None:
+            return None
+        from cpu import fused
+        desc, w = call
+        table, lens, max_len = meta.paged_decode_tables(self.layer.self_attn.mode)
+        cos, sin = self.rope.cos_sin(meta.positions, max_position=max(meta.ctx_lens) - 1)
+        out_rows, rest, rest_slots, rest_cos, rest_sin = rows if rows is not None else (None,) * 5
+        out, tok = fused.mtp_pass(desc, w.mla, w.moe, w.mlp, token_ids, self.embed.weight, self.enorm, self.hnorm,
+                                  self.eh_proj.weight, fused.as_f32(prev).contiguous(), self.norm, self.head.weight,
+                                  cos, sin, meta.slot_mapping, table, lens, max_len, meta.block_size, out_rows, rest,
+                                  rest_slots, rest_cos, rest_sin)
+        if self.layer.is_moe:
+            self.dispatcher.account_local(n_out)
+        self.fused_passes += 1
+        return out.to(prev.dtype), tok.tolist()   # SYNC: drafts to the host
+
+    def _fusable(self) -> bool:
+        """Whether the pass's own weights fit fused.mtp_pass (the layer's are the decode plan's to judge): the norms,
+        eh_proj and the head bias-free CPU tensors of one dtype, float32 or bfloat16, the embeddings either."""
+        if self._fuse is None:
+            from cpu.decode_plan import WEIGHT_DTYPES
+            ws = [self.enorm.weight, self.hnorm.weight, self.eh_proj.weight, self.norm.weight, self.head.weight]
+            e = self.embed.weight
+            self._fuse = (self.decode_plan is not None and ws[0].dtype in WEIGHT_DTYPES
+                          and all(w.dtype == ws[0].dtype and w.is_contiguous() and w.device.type == "cpu" for w in ws)
+                          and getattr(self.eh_proj, "bias", None) is None and self.head.bias is None
+                          and not hasattr(self.eh_proj, "weight_scale_inv")
+                          and e.dtype in WEIGHT_DTYPES and e.is_contiguous() and e.device.type == "cpu")
+        return self._fuse
 
     def _input(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
         return self.eh_proj(torch.cat([self.enorm(self.embed(token_ids)), self.hnorm(prev_hidden)], dim=-1))

@@ -204,10 +204,10 @@ class MTPDrafter:
         meta = attn_meta(qs, [slots[i] for _, _, i in live], [q + 1 for q in qs], [1] * len(live),
                          [s.block_ids for s, _, _ in live], bs, self.device)
         self.passes += 1
-        last = self.layer.first_pass(int64_tensor(ids, self.device), prev, int64_tensor(pos, self.device),
-                                     int64_tensor(slots, self.device), max(pos, default=0),
-                                     int64_tensor([i for _, _, i in live], self.device), meta, self.kv.pools, plan,
-                                     self.kv.index_pools)
+        last, toks = self.layer.first_pass(int64_tensor(ids, self.device), prev, int64_tensor(pos, self.device),
+                                           int64_tensor(slots, self.device), max(pos, default=0),
+                                           int64_tensor([i for _, _, i in live], self.device), meta, self.kv.pools,
+                                           plan, self.kv.index_pools)
         live = [(s, q, j) for j, (s, q, _) in enumerate(live)]
         for j in range(passes):
             if j:
@@ -215,8 +215,10 @@ class MTPDrafter:
                 live = [(s, q + 1, i) for (s, q, _), i in zip(live, range(len(live)))
                         if (q + 1) // bs < len(s.block_ids)]
                 keep = int64_tensor([i for _, _, i in live], self.device)
-                last = self._forward([s.spec.mtp_drafts[-1] for s, _, _ in live], last.index_select(0, keep),
-                                     [q for _, q, _ in live], [1] * len(live), [s.block_ids for s, _, _ in live], plan)
-            if live:
-                for (s, _, _), t in zip(live, self.layer.logits(last).argmax(-1).tolist()):   # SYNC: drafts to the host
-                    s.spec.mtp_drafts.append(t)
+                self.passes += 1
+                last, toks = self.layer.draft_pass(
+                    int64_tensor([s.spec.mtp_drafts[-1] for s, _, _ in live], self.device), last.index_select(0, keep),
+                    self._meta([q for _, q, _ in live], [1] * len(live), [s.block_ids for s, _, _ in live]),
+                    self.kv.pools, plan, self.kv.index_pools)
+            for (s, _, _), t in zip(live, toks):
+                s.spec.mtp_drafts.append(t)

@@ -217,3 +217,68 @@ def test_decode_stack_equals_the_layer_calls_and_torch(T, interleave):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert torch.equal(ids, torch.stack(ref_ids))
     torch.testing.assert_close(wts, torch.stack(ref_wts), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rest", [False, True])
+def test_mtp_pass_equals_its_input_the_stack_call_and_the_head(wdt, rest):
+    """mtp_pass (an MTP layer's draft pass: input, cache-entry-only rows, the layer, head, argmax) == the input and
+    the entries in torch, the layer as decode_stack's one-layer call on that input, the head's argmax in torch; its
+    norms, eh_proj and head float32 or bfloat16 (then torch reads them widened; bfloat16 dot products may round
+    the activations)."""
+    torch.manual_seed(3 + 2 * rest + (wdt == torch.bfloat16))
+    V, T = 50, 2
+    a, m = _attention_layer(18, False), _moe_layer(2, True, 4, 2, True, True, 2.5)
+    embed = _rand(V, H, std=1.0)
+    norms = [SimpleNamespace(weight=(1 + _rand(H)).to(wdt), eps=1e-6) for _ in range(3)]   # enorm, hnorm, norm
+    eh, head = _rand(H, 2 * H).to(wdt), _rand(V, H).to(wdt)
+    nblocks = 8
+    pool = torch.randn(nblocks * BS, C + R)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    lens = torch.tensor([9, 6], dtype=torch.int32)
+    out_slots = torch.stack([table[i, (n - 1) // BS] * BS + (n - 1) % BS for i, n in enumerate(lens.tolist())])
+    # the rows in: with `rest`, two rows that only write entries (positions before each sequence's last) first
+    N = T + 2 if rest else T
+    ids, prev = torch.randint(0, V, (N,)), torch.randn(N, H)
+    out_rows = torch.tensor([2, 3]) if rest else None
+    rest_rows = torch.tensor([0, 1]) if rest else None
+    rest_slots = torch.tensor([table[0, 0] * BS + 6, table[1, 1] * BS + 0]) if rest else None
+    pos = (lens - 1).float()[:, None] * torch.arange(1, R // 2 + 1) * 0.1
+    cos, sin = pos.cos().contiguous(), pos.sin().contiguous()
+    rpos = torch.tensor([6.0, 4.0])[:, None] * torch.arange(1, R // 2 + 1) * 0.1
+    rcos, rsin = (rpos.cos().contiguous(), rpos.sin().contiguous()) if rest else (None, None)
+    desc = (fused.LayerDesc * 1)()
+    desc[0].mla, desc[0].wuk_t, desc[0].moe = ctypes.addressof(a.w), a.w_uk_t.data_ptr(), ctypes.addressof(m.w)
+    got_pool = pool.clone()
+    desc[0].pool, desc[0].S = got_pool.data_ptr(), got_pool.shape[0]
+    out, tok = fused.mtp_pass(desc, a.w, m.w, None, ids, embed, *norms[:2], eh, prev, norms[2], head, cos, sin,
+                              out_slots, table, lens, int(lens.max()), BS, out_rows, rest_rows, rest_slots, rcos, rsin)
+
+    f = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[wdt]
+    x = F.linear(torch.cat([_rms(embed[ids], norms[0].weight.float(), 1e-6), _rms(prev, norms[1].weight.float(), 1e-6)],
+                           -1), eh.float())
+    ref_pool = pool.clone()
+    if rest:
+        kv = F.linear(_rms(x[rest_rows], a.t["in_w"], a.eps["in_eps"]), a.t["wkva"])
+        ref_pool[rest_slots] = torch.cat([_rms(kv[:, :C], a.t["kva_w"], a.eps["kva_eps"]),
+                                          _rope(kv[:, C:], rcos, rsin, False)], -1)
+        x = x[out_rows]
+    desc[0].pool = ref_pool.data_ptr()
+    ref_out, _, _ = fused.decode_stack(x, desc, [a.w], [m.w], [None], cos, sin, out_slots, table, lens,
+                                       int(lens.max()), BS)
+    torch.testing.assert_close(out, ref_out, atol=f, rtol=f)
+    torch.testing.assert_close(got_pool, ref_pool, atol=f, rtol=f)
+    logits = F.linear(_rms(out, norms[2].weight.float(), 1e-6), head.float())
+    assert tok.shape == (T,)
+    assert (logits.gather(1, tok[:, None]).squeeze(1) >= logits.max(-1).values - f * logits.abs().max()).all()
+    if wdt == torch.float32:
+        assert torch.equal(tok, logits.argmax(-1))
+    # a slot outside the pool: named, before anything is written
+    if rest:
+        bad, before, S = rest_slots.clone(), got_pool.clone(), pool.shape[0]
+        bad[1] = S
+        desc[0].pool = got_pool.data_ptr()
+        with pytest.raises(ValueError, match=f"row 1's slot {S} is outside the pool's {S} rows"):
+            fused.mtp_pass(desc, a.w, m.w, None, ids, embed, *norms[:2], eh, prev, norms[2], head, cos, sin,
+                           out_slots, table, lens, int(lens.max()), BS, out_rows, rest_rows, bad, rcos, rsin)
+        assert torch.equal(got_pool, before)

@@ -191,6 +191,69 @@ def test_a_bfloat16_drafter_beside_a_float32_model(cycle):
     assert rates["bfloat16"] > 0.2 and abs(rates["bfloat16"] - rates["float32"]) < 0.1, rates
 
 
+def _pass_inputs(core, H):
+    """Two sequences (blocks 3, 4 and 5, 6 of 16 slots): rows at positions 10, 11, 12 and 20, 21, the last of
+    each running the layer; the MTP layer's cache filled with random entries first."""
+    from engine.worker.runner import attn_meta
+    g = torch.Generator().manual_seed(0)
+    L = core.config.num_hidden_layers
+    core.kv.pools[L].copy_(torch.randn(core.kv.pools[L].shape, generator=g))
+    tables, bs = [[3, 4], [5, 6]], 16
+    rows = [(0, 10), (0, 11), (0, 12), (1, 20), (1, 21)]
+    pos = torch.tensor([p for _, p in rows])
+    slots = torch.tensor([tables[s][p // bs] * bs + p % bs for s, p in rows])
+    meta = attn_meta([12, 21], [int(slots[2]), int(slots[4])], [13, 22], [1, 1], tables, bs, None)
+    return (torch.tensor([5, 9, 14, 2, 7]), torch.randn(5, H, generator=g), pos, slots, 21, torch.tensor([2, 4]),
+            meta)
+
+
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+def test_a_fused_pass_equals_the_layers_operations(cycle, draft_dtype):
+    """fused.mtp_pass (the input, the rows that only write their cache entries, the layer over the others, the head
+    and the argmax in one C call) against the layer's own operations (the fused halves, the head by its matmul):
+    outputs, drafts and the cache entries of every row equal, for the first pass and a later one; the engine's
+    passes take it (one EP rank, decode rows)."""
+    from parallel.step_plan import StepPlan
+    d, nxt = cycle
+    llm = _greedy_equal_with_mtp(d, cycle_prompts(nxt, 3), 20, 2, draft_dtype=draft_dtype)
+    core = llm.engine.core
+    layer, L = core.model.drafter, core.config.num_hidden_layers
+    assert layer.fused_passes > 0
+    ids, prev, pos, slots, max_pos, out_rows, meta = _pass_inputs(core, layer.hnorm.weight.shape[0])
+    pools = core.kv.pools
+    got = {}
+    for fuse in (True, False):
+        ps = list(pools)
+        ps[L] = pools[L].clone()
+        layer._fuse, n = fuse, layer.fused_passes
+        out, toks = layer.first_pass(ids, prev, pos, slots, max_pos, out_rows, meta, ps, StepPlan(5))
+        out2, toks2 = layer.draft_pass(torch.tensor(toks), out, meta, ps, StepPlan(2))
+        assert layer.fused_passes == n + (2 if fuse else 0)
+        got[fuse] = out, toks, out2, toks2, ps[L][slots], ps[L][meta.slot_mapping]
+    layer._fuse = None
+    tol = 1e-4 if draft_dtype == "float32" else 2e-2
+    for a, b in zip(got[True], got[False]):
+        if isinstance(a, list):
+            assert a == b
+        else:
+            assert a.shape == b.shape and (a - b).abs().max() < tol * max(1.0, b.abs().max()), (a - b).abs().max()
+
+
+def test_a_fused_pass_names_a_slot_outside_the_pool(cycle):
+    from parallel.step_plan import StepPlan
+    d, _ = cycle
+    eng = Engine(d, progress=False, block_size=16, kv_cache_blocks=16, speculative_config=mtp(2))
+    core = eng.core
+    layer = core.model.drafter
+    ids, prev, pos, slots, max_pos, out_rows, meta = _pass_inputs(core, layer.hnorm.weight.shape[0])
+    S = core.kv.pools[core.config.num_hidden_layers].shape[0]
+    bad = slots.clone()
+    bad[1] = S + 3   # a row that only writes its entry
+    with pytest.raises(ValueError, match=f"row 1's slot {S + 3} is outside the pool's {S} rows"):
+        layer.first_pass(ids, prev, pos, bad, max_pos, out_rows, meta, core.kv.pools, StepPlan(5))
+    eng.shutdown()
+
+
 def test_a_bfloat16_drafter_past_the_kernels_row_limits(cycle, monkeypatch):
     """Rows past the C kernels' limits (made small here) run BLAS on a float32 copy of the bfloat16 weights
     (cpu/linear.py small_linear, moe/experts.py dense_weights): greedy outputs still equal no speculation."""
