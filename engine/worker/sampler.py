@@ -29,6 +29,19 @@ def topn_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, n: int) -> li
     return rows
 
 
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> [B], torch's logsumexp without its slow path on the CPU: the exponentials of values far below a
+    row's peak (a peaked row: e^-88 and less are denormal or zero) take MKL's rare-case loop there, ~20x slower (4
+    rows of 4096 logits spread by ~100: 0.5 ms against 27 us). Clamped 87 below the peak every exponential is a
+    normal float, and those terms (at most V e^-87) cannot change a float32 sum that holds the peak's 1."""
+    if x.device.type != "cpu" or not x.shape[-1]:
+        return x.logsumexp(-1)
+    peak = x.amax(-1, keepdim=True)
+    if not bool(torch.isfinite(peak).all()):   # a row all -inf, or an inf / nan: torch's rules
+        return x.logsumexp(-1)
+    return (x - peak).clamp_(min=-87.0).exp_().sum(-1).log_().add_(peak.squeeze(-1))
+
+
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """logits [G, V] fp32, temperature [G] (> 0), top_k [G] int (<= 0 or >= V: off), top_p [G] (1: off),
@@ -147,5 +160,5 @@ def sample(logits: torch.Tensor, params: list[SamplingParams] | None,
         else:
             out[g.rows] = draw(group, g.generator)
     if lse is None:
-        lse = (logits if raw is None else raw).logsumexp(-1)
+        lse = logsumexp(logits if raw is None else raw)
     return out, lse

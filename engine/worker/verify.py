@@ -20,7 +20,7 @@ import torch
 from attention_mla.meta import int64_tensor
 
 from ..sched.scheduler import Accepted, StepResult
-from .sampler import draw, filter_logits, sample_layout, topn_logprobs
+from .sampler import draw, filter_logits, logsumexp, sample_layout, topn_logprobs
 
 
 def _sample_row(logits: torch.Tensor, drafts: list[int], p, gen) -> tuple[int, int]:
@@ -74,7 +74,7 @@ def verify(logits: torch.Tensor, seqs: list, ks: list[int], batch_rows: list[int
         out_toks.extend(s.draft_token_ids[:a] + [nxt[j]])
     sel = logits.index_select(0, int64_tensor(out_rows, logits.device))               # [O, V]
     toks = int64_tensor(out_toks, logits.device)
-    lse = sel.logsumexp(-1)
+    lse = logsumexp(sel)
     lps = (sel.gather(1, toks[:, None]).squeeze(1) - lse).tolist()                  # SYNC: logprobs to the host
     o = 0
     for j, s in enumerate(seqs):

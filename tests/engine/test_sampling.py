@@ -83,3 +83,25 @@ def test_kept_layout_samples_as_a_fresh_one():
         again = sample(logits, None, None, layout=kept)
         assert torch.equal(fresh[0], again[0]) and torch.equal(fresh[1], again[1])
         assert int(fresh[0][0]) == int(logits[0].argmax())
+
+
+def test_logsumexp_equals_torchs_on_peaked_spread_and_masked_rows():
+    """The sampler's logsumexp (exponentials clamped 87 below each row's peak, off MKL's slow underflow path) equals
+    torch's: rows spread far past e^-87 of their peak, narrow rows, rows with -inf (masks), a row of one finite
+    value; and torch's answers for a row all -inf, +inf and nan."""
+    import torch
+
+    from engine.worker.sampler import logsumexp
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 4096, generator=g) * torch.tensor([0.1, 1.0, 30.0, 100.0, 300.0, 30.0])[:, None]
+    x[5, ::3] = float("-inf")
+    torch.testing.assert_close(logsumexp(x), x.logsumexp(-1), atol=0, rtol=2e-7)
+    one = torch.full((1, 7), float("-inf"))
+    one[0, 3] = 2.5
+    assert logsumexp(one).item() == 2.5
+    odd = torch.zeros(3, 5)
+    odd[0] = float("-inf")
+    odd[1, 2] = float("inf")
+    odd[2, 1] = float("nan")
+    got, ref = logsumexp(odd), odd.logsumexp(-1)
+    assert got[0] == ref[0] == float("-inf") and got[1] == ref[1] == float("inf") and got[2].isnan() and ref[2].isnan()
