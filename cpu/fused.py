@@ -17,7 +17,7 @@ memory); scratch is this thread's, shared by all calls (scratch()).
   moe_layer(h, x, MoeWeights, load) -> out, ids, wts     the MoE half on one EP rank (decode plan)
   mlp_layer(h, x, MlpWeights) -> out                     a dense layer's MLP half, h + MLP(x) (DecoderLayer)
   decode_stack(x, layers, ...) -> out, ids, wts          every layer of a decode step (decode plan)
-  mtp_pass(layer, ..., prev, ...) -> out, tokens         an MTP layer's draft pass: input, layer, head, argmax
+  mtp_pass(layer, ..., prev, ...) -> out, tokens         an MTP layer's draft passes: input, layer, head, argmax
 Tests: tests/cpu/test_fused.py (each call against torch), test_kernels.py (mla_layer), test_moe_layer.py,
 test_decode_plan.py, test_cpu_e2e.py.
 """
@@ -297,10 +297,11 @@ def decode_stack(x: torch.Tensor, layers, mla: list[MlaWeights], moe: list[MoeWe
 
 class MtpPassArgs(ctypes.Structure):
     """wd_mtp_pass_args (csrc/wideep.h)."""
-    _fields_ = (fields("layer ids embed enorm_w hnorm_w eh_w norm_w head_w prev cos sin rest_cos rest_sin slots table "
-                       "rest rest_slots out_rows lens out wts buf tok moe_ids ibuf failed", P)
+    _fields_ = (fields("layer ids embed enorm_w hnorm_w eh_w norm_w head_w prev cos sin rest_cos rest_sin ncos nsin "
+                       "slots table rest rest_slots out_rows nslots lens nlens out wts buf pf tok moe_ids ibuf pi "
+                       "failed", P)
                 + fields("enorm_eps hnorm_eps norm_eps pad", ctypes.c_float)
-                + fields("T n_in n_rest H V edt wdt max_blocks max_len bs", I))
+                + fields("T n_in n_rest passes H V edt wdt max_blocks max_len bs", I))
 
 
 def _ptr(t: torch.Tensor | None):
@@ -312,41 +313,53 @@ def mtp_pass(layer, mla: MlaWeights, moe: MoeWeights | None, mlp: MlpWeights | N
              head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
              lens: torch.Tensor, max_len: int, block_size: int, out_rows: torch.Tensor | None = None,
              rest: torch.Tensor | None = None, rest_slots: torch.Tensor | None = None,
-             rest_cos: torch.Tensor | None = None, rest_sin: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A multi-token-prediction layer's pass in one call (engine/model/mtp.py MTPLayer) over the rows of prev
-    [N, H] float32: with `embed` ([V, H], the target's, float32 or bfloat16), each row's input is
+             rest_cos: torch.Tensor | None = None, rest_sin: torch.Tensor | None = None,
+             later: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A multi-token-prediction layer's draft passes in one call (engine/model/mtp.py MTPLayer). The first, over the
+    rows of prev [N, H] float32: with `embed` ([V, H], the target's, float32 or bfloat16), each row's input is
     eh_proj([enorm(embed[ids]) ; hnorm(prev)]), else prev itself. Rows `rest` [M] only write their cache entries
     (at rest_slots, with the RoPE of rest_cos/rest_sin [M, R/2]); rows out_rows [T] (None: all) run the decoder
     layer (`layer` a one-element LayerDesc array, its structs mla/moe/mlp, as decode_stack takes them; cos/sin,
-    slots, table, lens theirs) and the head. enorm, hnorm, norm: RMSNorm modules, whose weights, eh_proj [H, 2H]
-    and head [V, H] are of one dtype, float32 or bfloat16. -> (the layer's out [T, H] float32, tokens [T] int64:
-    the argmax of head(norm(out)), the first of equal maxima as torch.argmax's)."""
+    slots, table, lens theirs) and the head. later: (slots, lens int32, cos, sin), each [T, P - 1] (cos/sin
+    [T, P - 1, R/2]): P - 1 more passes, each feeding a row's draft and output back in at its next position; a slot
+    of -1 stops that row there. enorm, hnorm, norm: RMSNorm modules, whose weights, eh_proj [H, 2H] and head [V, H]
+    are of one dtype, float32 or bfloat16. -> (each row's last layer output [T, H] float32, tokens [T, P] int64: each
+    pass's argmax of head(norm(out)), the first of equal maxima as torch.argmax's; -1 past a row's stop)."""
     N, H = prev.shape
     T = N if out_rows is None else out_rows.shape[0]
     M = 0 if rest is None else rest.shape[0]
     V = head.shape[0]
     D = mla.C + mla.R
+    nslots, nlens, ncos, nsin = later if later is not None else (None,) * 4
+    Pn = 1 if later is None else nslots.shape[1] + 1
+    if later is not None:
+        max_len = max(max_len, int(nlens.max()))
+        if int(nslots.max()) >= layer[0].S:
+            raise ValueError(f"mtp_pass: a later pass's slot {int(nslots.max())} is outside the pool's {layer[0].S} "
+                             f"rows")
     need = max(mla_layer_buffer(mla, T, max_len), moe_layer_scratch(moe, T)[1] if moe is not None else 0,
                mlp_layer_scratch(mlp, T) if mlp is not None else 0)
     ineed = moe_layer_scratch(moe, T)[0] if moe is not None else 1
     k = moe.k if moe is not None else 1
-    out, tok = torch.empty(T, H), torch.empty(T, dtype=torch.int64)
+    out, tok = torch.empty(T, H), torch.empty(T, Pn, dtype=torch.int64)
     moe_ids, wts = torch.empty(T, k, dtype=torch.int64), torch.empty(T, k)
     failed = ctypes.c_int64(-1)
     wdt = WDT[head.dtype]
+    fbase = 3 * N * H + T * H + max(M * (H + 3 * D), 4 * T * H + need, T * (H + V))
+    buf = scratch(fbase + (T * (3 * H + mla.R) if Pn > 1 else 0))
+    ibuf = scratch(ineed + (T * (5 + table.shape[1]) if Pn > 1 else 0), torch.int64)
     rc = library().wd_mtp_pass(MtpPassArgs(
         layer=ctypes.addressof(layer), ids=_ptr(ids), embed=_ptr(embed), enorm_w=enorm.weight.data_ptr(),
         hnorm_w=hnorm.weight.data_ptr(), eh_w=_ptr(eh_proj), norm_w=norm.weight.data_ptr(), head_w=head.data_ptr(),
         prev=prev.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), rest_cos=_ptr(rest_cos),
-        rest_sin=_ptr(rest_sin), slots=slots.data_ptr(), table=table.data_ptr(), rest=_ptr(rest),
-        rest_slots=_ptr(rest_slots), out_rows=_ptr(out_rows), lens=lens.data_ptr(), out=out.data_ptr(),
-        wts=wts.data_ptr(),
-        buf=scratch(3 * N * H + T * H + max(M * (H + 3 * D), 4 * T * H + need, T * (H + V))).data_ptr(),
-        tok=tok.data_ptr(), moe_ids=moe_ids.data_ptr(), ibuf=scratch(ineed, torch.int64).data_ptr(),
-        failed=ctypes.addressof(failed), enorm_eps=enorm.eps, hnorm_eps=hnorm.eps, norm_eps=norm.eps, T=T, n_in=N,
-        n_rest=M, H=H, V=V, edt=WDT[embed.dtype] if embed is not None else wdt, wdt=wdt, max_blocks=table.shape[1],
-        max_len=max_len, bs=block_size))
+        rest_sin=_ptr(rest_sin), ncos=_ptr(ncos), nsin=_ptr(nsin), slots=slots.data_ptr(), table=table.data_ptr(),
+        rest=_ptr(rest), rest_slots=_ptr(rest_slots), out_rows=_ptr(out_rows), nslots=_ptr(nslots),
+        lens=lens.data_ptr(), nlens=_ptr(nlens), out=out.data_ptr(), wts=wts.data_ptr(), buf=buf.data_ptr(),
+        pf=buf.data_ptr() + 4 * fbase if Pn > 1 else None, tok=tok.data_ptr(), moe_ids=moe_ids.data_ptr(),
+        ibuf=ibuf.data_ptr(), pi=ibuf.data_ptr() + 8 * ineed if Pn > 1 else None, failed=ctypes.addressof(failed),
+        enorm_eps=enorm.eps, hnorm_eps=hnorm.eps, norm_eps=norm.eps, T=T, n_in=N, n_rest=M, passes=Pn, H=H, V=V,
+        edt=WDT[embed.dtype] if embed is not None else wdt, wdt=wdt, max_blocks=table.shape[1], max_len=max_len,
+        bs=block_size))
     if rc <= -2:
         r = -2 - rc
         rows, at = (rest.tolist(), rest_slots) if rest is not None and r in rest.tolist() else (

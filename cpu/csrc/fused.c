@@ -157,7 +157,7 @@ int64_t wd_decode_stack(const wd_decode_stack_args *a) {
                         a->max_len, a->bs, a->out, a->ids, a->wts, a->buf, a->ibuf, a->failed);
 }
 
-int64_t wd_mtp_pass(const wd_mtp_pass_args *a) {
+static int64_t mtp_one(const wd_mtp_pass_args *a) {
     int64_t T = a->T, N = a->n_in, H = a->H, V = a->V;
     const wd_layer_desc *d = a->layer;
     const wd_mla_weights *w = d->mla;
@@ -200,5 +200,57 @@ int64_t wd_mtp_pass(const wd_mtp_pass_args *a) {
             if (l[v] > l[best]) best = v;
         a->tok[t] = best;
     }
+    return 0;
+}
+
+int64_t wd_mtp_pass(const wd_mtp_pass_args *a) {
+    int64_t P = a->passes, T = a->T, H = a->H, R2 = a->layer->mla->R / 2, M = a->max_blocks;
+    if (P <= 1) return mtp_one(a);
+    int64_t *live = a->pi, *ids = live + T, *slots = ids + T, *tj = slots + T, *table = tj + T;
+    int32_t *lens = (int32_t *)(table + T * M);
+    float *cur = a->pf, *prev = cur + T * H, *out = prev + T * H, *cos = out + T * H, *sin = cos + T * R2;
+    wd_mtp_pass_args b = *a;
+    b.passes = 1;
+    b.tok = tj;
+    int64_t rc = mtp_one(&b);
+    if (rc) return rc;
+    for (int64_t t = 0; t < T; t++) {
+        a->tok[t * P] = tj[t];
+        for (int64_t j = 1; j < P; j++) a->tok[t * P + j] = -1;
+        live[t] = t;
+    }
+    memcpy(cur, a->out, T * H * sizeof(float));
+    int64_t n = T;
+    for (int64_t j = 1; j < P; j++) {   /* pass j + 1: each row's previous draft and output, one position on */
+        int64_t m = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (a->nslots[live[i] * (P - 1) + j - 1] >= 0) live[m++] = live[i];
+        n = m;
+        if (!m) break;
+        for (int64_t i = 0; i < m; i++) {
+            int64_t t = live[i], at = t * (P - 1) + j - 1;
+            ids[i] = a->tok[t * P + j - 1];
+            slots[i] = a->nslots[at];
+            lens[i] = a->nlens[at];
+            memcpy(prev + i * H, cur + t * H, H * sizeof(float));
+            memcpy(cos + i * R2, a->ncos + at * R2, R2 * sizeof(float));
+            memcpy(sin + i * R2, a->nsin + at * R2, R2 * sizeof(float));
+            memcpy(table + i * M, a->table + t * M, M * sizeof(int64_t));
+        }
+        b = *a;
+        b.passes = 1;
+        b.T = b.n_in = m;
+        b.n_rest = 0;
+        b.rest = b.rest_slots = b.out_rows = NULL;
+        b.ids = ids, b.prev = prev, b.cos = cos, b.sin = sin, b.slots = slots, b.table = table, b.lens = lens;
+        b.out = out, b.tok = tj;
+        rc = mtp_one(&b);
+        if (rc) return rc;
+        for (int64_t i = 0; i < m; i++) {
+            a->tok[live[i] * P + j] = tj[i];
+            memcpy(cur + live[i] * H, out + i * H, H * sizeof(float));
+        }
+    }
+    memcpy(a->out, cur, T * H * sizeof(float));
     return 0;
 }

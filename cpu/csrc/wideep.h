@@ -465,26 +465,30 @@ typedef struct {
 } wd_decode_stack_args;
 int64_t wd_decode_stack(const wd_decode_stack_args *a);
 
-/* One pass of a multi-token-prediction layer (fused.c; engine/model/mtp.py): n_in rows in; with embed, their input
-   x = eh_proj([enorm(embed[ids]) ; hnorm(prev)]) ([n_in, 2H] -> [n_in, H]; embed [V, H] of dtype edt), without it
-   x = prev. Rows rest[0..n_rest) write their cache entries only (MLA.write_entries: the layer's input norm, kv_a,
-   its norm and RoPE at rest_cos/rest_sin, into the pool's rows rest_slots); rows out_rows[0..T) (NULL: all, T = n_in)
-   run the decoder layer (as decode_stack's, L = 1): out [T, H]; then tok[t] = argmax of head(norm(out[t])), the
-   first of equal maxima (the norms, eh_proj and head [V, H] of dtype wdt). buf: n_in 3 H + T H + max(n_rest (H +
-   3 (C+R)), 4 T H + the layer's scratch, T (H + V)) floats; ibuf: the MoE half's int scratch. Returns decode_stack's
-   code, or -2 - r when input row r's slot is outside the pool (none of the rest rows' entries written when r is one
-   of them). */
+/* The passes of a multi-token-prediction layer (fused.c; engine/model/mtp.py). The first: n_in rows in; with embed,
+   their input x = eh_proj([enorm(embed[ids]) ; hnorm(prev)]) ([n_in, 2H] -> [n_in, H]; embed [V, H] of dtype edt),
+   without it x = prev. Rows rest[0..n_rest) write their cache entries only (MLA.write_entries: the layer's input
+   norm, kv_a, its norm and RoPE at rest_cos/rest_sin, into the pool's rows rest_slots); rows out_rows[0..T) (NULL:
+   all, T = n_in) run the decoder layer (as decode_stack's, L = 1), then the argmax of head(norm(out)), the first of
+   equal maxima (the norms, eh_proj and head [V, H] of dtype wdt): tok[t * passes]. Each later pass j (1 ..
+   passes - 1) feeds row t's previous draft and layer output back in at its next position: slot nslots, length
+   nlens, RoPE ncos/nsin (rows [T, passes - 1], of R/2 floats for the RoPE); a row whose slot is -1 stops there
+   (its drafts from then on -1), and every later one too. out [T, H]: each row's last layer output. max_len: the
+   longest length of every pass. buf: n_in 3 H + T H + max(n_rest (H + 3 (C+R)), 4 T H + the layer's scratch, T
+   (H + V)) floats; ibuf: the MoE half's int scratch; with passes > 1, pf: T (3 H + R) floats, pi: T (5 +
+   max_blocks) int64s. Returns decode_stack's code, or -2 - r when input row r's slot is outside the pool (none of
+   the rest rows' entries written when r is one of them; later passes' slots are the caller's to check). */
 typedef struct {
     const wd_layer_desc *layer;
     const int64_t *ids;
     const void *embed, *enorm_w, *hnorm_w, *eh_w, *norm_w, *head_w;
-    const float *prev, *cos, *sin, *rest_cos, *rest_sin;
-    const int64_t *slots, *table, *rest, *rest_slots, *out_rows;
-    const int32_t *lens;
-    float *out, *wts, *buf;
-    int64_t *tok, *moe_ids, *ibuf, *failed;
+    const float *prev, *cos, *sin, *rest_cos, *rest_sin, *ncos, *nsin;
+    const int64_t *slots, *table, *rest, *rest_slots, *out_rows, *nslots;
+    const int32_t *lens, *nlens;
+    float *out, *wts, *buf, *pf;
+    int64_t *tok, *moe_ids, *ibuf, *pi, *failed;
     float enorm_eps, hnorm_eps, norm_eps, pad;
-    int64_t T, n_in, n_rest, H, V, edt, wdt, max_blocks, max_len, bs;
+    int64_t T, n_in, n_rest, passes, H, V, edt, wdt, max_blocks, max_len, bs;
 } wd_mtp_pass_args;
 int64_t wd_mtp_pass(const wd_mtp_pass_args *a);
 

@@ -93,29 +93,38 @@ class MTPLayer(nn.Module):
 
     def first_pass(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, max_position: int, out_rows: torch.Tensor, meta, kv_pools: list, plan,
-                   index_pools: list | None = None) -> tuple[torch.Tensor, list[int]]:
+                   index_pools: list | None = None, later: tuple | None = None
+                   ) -> tuple[torch.Tensor, list[list[int]], int]:
         """Rows at positions [T] (cache slots [T], the largest position max_position); only out_rows [T'] (each
-        its sequence's last row) need an output -> ([T', H], their drafts: draft_pass's). A single decoder layer's
-        cache entries at a position depend on its input there only, so the other rows stop at their entries
+        its sequence's last row) need an output -> ([T', H], each out row's drafts, the passes run). A single decoder
+        layer's cache entries at a position depend on its input there only, so the other rows stop at their entries
         (eh_proj, the attention norm, kv_a_proj, and DSA's indexer key: no queries, attention or MoE), written
-        first; then the layer runs over out_rows, meta describing them (collective)."""
+        first; then the layer runs over out_rows, meta describing them (collective). later: (P, positions, slots,
+        lengths), host lists of out row t's P - 1 later positions at [t (P - 1) + j] (slot -1 where the row stops):
+        where the passes fuse, all P run here (each row's drafts up to its stop, [T', H] its last output), else
+        only this one (one draft a row; the caller runs the others: draft_pass)."""
         T = token_ids.shape[0]
-        if out_rows.numel() == T:
-            return self.draft_pass(token_ids, prev_hidden, meta, kv_pools, plan, index_pools)
-        rest = torch.ones(T, dtype=torch.bool, device=token_ids.device)
-        rest[out_rows] = False
-        rest = rest.nonzero().squeeze(1)
-        cos, sin = self.rope.cos_sin(positions[rest], max_position=max_position)
+        whole = out_rows.numel() == T
+        rows = None
+        if not whole:
+            rest = torch.ones(T, dtype=torch.bool, device=token_ids.device)
+            rest[out_rows] = False
+            rest = rest.nonzero().squeeze(1)
+            cos, sin = self.rope.cos_sin(positions[rest], max_position=max_position)
+            rows = (out_rows, rest, slots[rest], cos, sin)
         if out_rows.numel():
-            done = self._fused(token_ids, prev_hidden, meta, kv_pools, plan, index_pools,
-                               (out_rows, rest, slots[rest], cos, sin))
+            done = self._fused(token_ids, prev_hidden, meta, kv_pools, plan, index_pools, rows, later)
             if done is not None:
                 return done
+        if whole:
+            out, toks = self._drafts(self.forward(token_ids, prev_hidden, meta, kv_pools, plan, index_pools))
+            return out, [[t] for t in toks], 1
         x = self._input(token_ids, prev_hidden)
         extra = {} if index_pools is None else {"index_pool": index_pools[self.index]}
-        self.layer.self_attn.write_entries(kv_pools[self.index], slots[rest], self.layer.input_layernorm(x[rest]),
-                                           cos, sin, **extra)
-        return self._drafts(self._layer(token_ids[out_rows], x[out_rows], meta, kv_pools, plan, index_pools))
+        self.layer.self_attn.write_entries(kv_pools[self.index], rows[2], self.layer.input_layernorm(x[rows[1]]),
+                                           rows[3], rows[4], **extra)
+        out, toks = self._drafts(self._layer(token_ids[out_rows], x[out_rows], meta, kv_pools, plan, index_pools))
+        return out, [[t] for t in toks], 1
 
     def draft_pass(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor, meta, kv_pools: list, plan,
                    index_pools: list | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -125,16 +134,18 @@ class MTPLayer(nn.Module):
         if token_ids.shape[0]:
             done = self._fused(token_ids, prev_hidden, meta, kv_pools, plan, index_pools)
             if done is not None:
-                return done
+                return done[0], [d[0] for d in done[1]]
         return self._drafts(self.forward(token_ids, prev_hidden, meta, kv_pools, plan, index_pools))
 
     def _drafts(self, out: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         return out, (self.logits(out).argmax(-1).tolist() if out.shape[0] else [])   # SYNC: drafts to the host
 
     def _fused(self, token_ids: torch.Tensor, prev: torch.Tensor, meta, kv_pools: list, plan,
-               index_pools: list | None, rows: tuple | None = None) -> tuple[torch.Tensor, list[int]] | None:
-        """The pass as one fused.mtp_pass call, or None where it cannot be (then nothing was done). rows: (out_rows,
-        rest, their slots, cos, sin) when only out_rows run the layer (first_pass), else every row does."""
+               index_pools: list | None, rows: tuple | None = None, later: tuple | None = None
+               ) -> tuple[torch.Tensor, list[list[int]], int] | None:
+        """The pass (with `later`, the passes: first_pass) as one fused.mtp_pass call -> (out, each row's drafts,
+        passes), or None where it cannot be (then nothing was done). rows: (out_rows, rest, their slots, cos, sin)
+        when only out_rows run the layer (first_pass), else every row does."""
         if index_pools is not None or not self._fusable():
             return None
         n_out = rows[0].shape[0] if rows is not None else token_ids.shape[0]
@@ -147,14 +158,24 @@ class MTPLayer(nn.Module):
         table, lens, max_len = meta.paged_decode_tables(self.layer.self_attn.mode)
         cos, sin = self.rope.cos_sin(meta.positions, max_position=max(meta.ctx_lens) - 1)
         out_rows, rest, rest_slots, rest_cos, rest_sin = rows if rows is not None else (None,) * 5
+        P, more = 1, None
+        if later is not None and later[0] > 1:
+            P, pos, sl, ln = later
+            ncos, nsin = self.rope.cos_sin(torch.tensor(pos, device=prev.device), max_position=max(pos))
+            more = (torch.tensor(sl, device=prev.device).view(n_out, P - 1),
+                    torch.tensor(ln, dtype=torch.int32, device=prev.device).view(n_out, P - 1),
+                    ncos.contiguous().view(n_out, P - 1, -1), nsin.contiguous().view(n_out, P - 1, -1))
         out, tok = fused.mtp_pass(desc, w.mla, w.moe, w.mlp, token_ids, self.embed.weight, self.enorm, self.hnorm,
                                   self.eh_proj.weight, fused.as_f32(prev).contiguous(), self.norm, self.head.weight,
                                   cos, sin, meta.slot_mapping, table, lens, max_len, meta.block_size, out_rows, rest,
-                                  rest_slots, rest_cos, rest_sin)
-        if self.layer.is_moe:
+                                  rest_slots, rest_cos, rest_sin, more)
+        if self.layer.is_moe:   # the rows each pass ran through the layer's MoE
             self.dispatcher.account_local(n_out)
-        self.fused_passes += 1
-        return out.to(prev.dtype), tok.tolist()   # SYNC: drafts to the host
+            for j in range(1, P):
+                self.dispatcher.account_local(sum(1 for t in range(n_out) if later[2][t * (P - 1) + j - 1] >= 0))
+        self.fused_passes += P
+        drafts = [[d for d in row if d >= 0] for row in tok.tolist()]   # SYNC: drafts to the host
+        return out.to(prev.dtype), drafts, P
 
     def _fusable(self) -> bool:
         """Whether the pass's own weights fit fused.mtp_pass (the layer's are the decode plan's to judge): the norms,

@@ -203,22 +203,36 @@ class MTPDrafter:
         qs = [q for _, q, _ in live]
         meta = attn_meta(qs, [slots[i] for _, _, i in live], [q + 1 for q in qs], [1] * len(live),
                          [s.block_ids for s, _, _ in live], bs, self.device)
-        self.passes += 1
-        last, toks = self.layer.first_pass(int64_tensor(ids, self.device), prev, int64_tensor(pos, self.device),
-                                           int64_tensor(slots, self.device), max(pos, default=0),
-                                           int64_tensor([i for _, _, i in live], self.device), meta, self.kv.pools,
-                                           plan, self.kv.index_pools)
+        later = None
+        if passes > 1 and live:   # each drafting row's later positions, where its lookahead slots exist
+            npos, nslots, nlens = [], [], []
+            for s, q, _ in live:
+                t, ok = s.block_ids, True
+                for p in range(q + 1, q + passes):
+                    ok = ok and p // bs < len(t)
+                    npos.append(p if ok else 0)
+                    nslots.append(t[p // bs] * bs + p % bs if ok else -1)
+                    nlens.append(p + 1 if ok else 0)
+            later = (passes, npos, nslots, nlens)
+        last, drafts, done = self.layer.first_pass(
+            int64_tensor(ids, self.device), prev, int64_tensor(pos, self.device), int64_tensor(slots, self.device),
+            max(pos, default=0), int64_tensor([i for _, _, i in live], self.device), meta, self.kv.pools, plan,
+            self.kv.index_pools, later)
+        self.passes += done
+        for (s, _, _), ds in zip(live, drafts):
+            s.spec.mtp_drafts.extend(ds)
+        if done == passes:
+            return
         live = [(s, q, j) for j, (s, q, _) in enumerate(live)]
-        for j in range(passes):
-            if j:
-                # the next position, where its lookahead slot exists
-                live = [(s, q + 1, i) for (s, q, _), i in zip(live, range(len(live)))
-                        if (q + 1) // bs < len(s.block_ids)]
-                keep = int64_tensor([i for _, _, i in live], self.device)
-                self.passes += 1
-                last, toks = self.layer.draft_pass(
-                    int64_tensor([s.spec.mtp_drafts[-1] for s, _, _ in live], self.device), last.index_select(0, keep),
-                    self._meta([q for _, q, _ in live], [1] * len(live), [s.block_ids for s, _, _ in live]),
-                    self.kv.pools, plan, self.kv.index_pools)
+        for j in range(1, passes):
+            # the next position, where its lookahead slot exists
+            live = [(s, q + 1, i) for (s, q, _), i in zip(live, range(len(live)))
+                    if (q + 1) // bs < len(s.block_ids)]
+            keep = int64_tensor([i for _, _, i in live], self.device)
+            self.passes += 1
+            last, toks = self.layer.draft_pass(
+                int64_tensor([s.spec.mtp_drafts[-1] for s, _, _ in live], self.device), last.index_select(0, keep),
+                self._meta([q for _, q, _ in live], [1] * len(live), [s.block_ids for s, _, _ in live]),
+                self.kv.pools, plan, self.kv.index_pools)
             for (s, _, _), t in zip(live, toks):
                 s.spec.mtp_drafts.append(t)

@@ -269,7 +269,8 @@ def test_mtp_pass_equals_its_input_the_stack_call_and_the_head(wdt, rest):
     torch.testing.assert_close(out, ref_out, atol=f, rtol=f)
     torch.testing.assert_close(got_pool, ref_pool, atol=f, rtol=f)
     logits = F.linear(_rms(out, norms[2].weight.float(), 1e-6), head.float())
-    assert tok.shape == (T,)
+    assert tok.shape == (T, 1)
+    tok = tok[:, 0]
     assert (logits.gather(1, tok[:, None]).squeeze(1) >= logits.max(-1).values - f * logits.abs().max()).all()
     if wdt == torch.float32:
         assert torch.equal(tok, logits.argmax(-1))
@@ -282,3 +283,56 @@ def test_mtp_pass_equals_its_input_the_stack_call_and_the_head(wdt, rest):
             fused.mtp_pass(desc, a.w, m.w, None, ids, embed, *norms[:2], eh, prev, norms[2], head, cos, sin,
                            out_slots, table, lens, int(lens.max()), BS, out_rows, rest_rows, bad, rcos, rsin)
         assert torch.equal(got_pool, before)
+
+
+def test_mtp_pass_later_passes_equal_one_pass_at_a_time():
+    """mtp_pass with later passes (each row's draft and output fed back in at its next position, a row stopping
+    where its slot is -1) == the same passes one call each, on the rows still running: the drafts, each row's last
+    output and the cache entries, bit-equal (the same C calls)."""
+    torch.manual_seed(5)
+    V, T, P = 50, 3, 3
+    a, m = _attention_layer(18, True), _moe_layer(2, True, 4, 2, True, True, 2.5)
+    embed = _rand(V, H, std=1.0)
+    norms = [SimpleNamespace(weight=1 + _rand(H), eps=1e-6) for _ in range(3)]
+    eh, head = _rand(H, 2 * H), _rand(V, H)
+    pool = torch.randn(12 * BS, C + R)
+    table = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])
+    lens = torch.tensor([5, 9, 11], dtype=torch.int32)            # positions 4, 8, 10
+    slot = lambda t, p: int(table[t, p // BS]) * BS + p % BS
+    slots = torch.tensor([slot(t, int(n) - 1) for t, n in enumerate(lens)])
+    # later positions: row 0 at 5, 6; row 1 at 9, then stops; row 2 stops at once
+    nslots = torch.tensor([[slot(0, 5), slot(0, 6)], [slot(1, 9), -1], [-1, -1]])
+    nlens = torch.tensor([[6, 7], [10, 0], [0, 0]], dtype=torch.int32)
+    npos = torch.tensor([[5.0, 6.0], [9.0, 0.0], [0.0, 0.0]])
+    ang = lambda p: p[..., None] * torch.arange(1, R // 2 + 1) * 0.1
+    cos, sin = ang((lens - 1).float()).cos().contiguous(), ang((lens - 1).float()).sin().contiguous()
+    ncos, nsin = ang(npos).cos().contiguous(), ang(npos).sin().contiguous()
+    ids, prev = torch.randint(0, V, (T,)), torch.randn(T, H)
+
+    def call(pool_, *args, **kw):
+        desc = (fused.LayerDesc * 1)()
+        desc[0].mla, desc[0].wuk_t, desc[0].moe = ctypes.addressof(a.w), a.w_uk_t.data_ptr(), ctypes.addressof(m.w)
+        desc[0].pool, desc[0].S = pool_.data_ptr(), pool_.shape[0]
+        return fused.mtp_pass(desc, a.w, m.w, None, *args, **kw)
+
+    got_pool = pool.clone()
+    out, tok = call(got_pool, ids, embed, *norms[:2], eh, prev, norms[2], head, cos, sin, slots, table, lens,
+                    int(lens.max()), BS, later=(nslots, nlens, ncos, nsin))
+    assert tok.shape == (T, P) and tok[1, 2] == -1 and (tok[2, 1:] == -1).all()
+
+    ref_pool = pool.clone()
+    o, t1 = call(ref_pool, ids, embed, *norms[:2], eh, prev, norms[2], head, cos, sin, slots, table, lens,
+                 int(lens.max()), BS)
+    ref_tok, last = [[int(x)] for x in t1[:, 0]], o.clone()
+    for j in range(1, P):
+        run = [t for t in range(T) if nslots[t, j - 1] >= 0]
+        r = torch.tensor(run)
+        o, tj = call(ref_pool, torch.tensor([ref_tok[t][-1] for t in run]), embed, *norms[:2], eh,
+                     last[r].contiguous(), norms[2], head, ncos[r, j - 1].contiguous(), nsin[r, j - 1].contiguous(),
+                     nslots[r, j - 1].contiguous(), table[r].contiguous(), nlens[r, j - 1].contiguous(),
+                     int(nlens.max()), BS)
+        for i, t in enumerate(run):
+            ref_tok[t].append(int(tj[i, 0]))
+            last[t] = o[i]
+    assert [[x for x in row if x >= 0] for row in tok.tolist()] == ref_tok
+    assert torch.equal(out, last) and torch.equal(got_pool, ref_pool)

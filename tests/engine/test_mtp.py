@@ -192,51 +192,59 @@ def test_a_bfloat16_drafter_beside_a_float32_model(cycle):
 
 
 def _pass_inputs(core, H):
-    """Two sequences (blocks 3, 4 and 5, 6 of 16 slots): rows at positions 10, 11, 12 and 20, 21, the last of
+    """Two sequences (blocks 3, 4 and 5, 6 of 16 slots): rows at positions 29, 30, 31 and 20, 21, the last of
     each running the layer; the MTP layer's cache filled with random entries first."""
     from engine.worker.runner import attn_meta
     g = torch.Generator().manual_seed(0)
     L = core.config.num_hidden_layers
     core.kv.pools[L].copy_(torch.randn(core.kv.pools[L].shape, generator=g))
     tables, bs = [[3, 4], [5, 6]], 16
-    rows = [(0, 10), (0, 11), (0, 12), (1, 20), (1, 21)]
+    rows = [(0, 29), (0, 30), (0, 31), (1, 20), (1, 21)]
     pos = torch.tensor([p for _, p in rows])
     slots = torch.tensor([tables[s][p // bs] * bs + p % bs for s, p in rows])
-    meta = attn_meta([12, 21], [int(slots[2]), int(slots[4])], [13, 22], [1, 1], tables, bs, None)
-    return (torch.tensor([5, 9, 14, 2, 7]), torch.randn(5, H, generator=g), pos, slots, 21, torch.tensor([2, 4]),
+    meta = attn_meta([31, 21], [int(slots[2]), int(slots[4])], [32, 22], [1, 1], tables, bs, None)
+    return (torch.tensor([5, 9, 14, 2, 7]), torch.randn(5, H, generator=g), pos, slots, 31, torch.tensor([2, 4]),
             meta)
 
 
 @pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
-def test_a_fused_pass_equals_the_layers_operations(cycle, draft_dtype):
+def test_fused_passes_equal_the_layers_operations(cycle, draft_dtype):
     """fused.mtp_pass (the input, the rows that only write their cache entries, the layer over the others, the head
-    and the argmax in one C call) against the layer's own operations (the fused halves, the head by its matmul):
-    outputs, drafts and the cache entries of every row equal, for the first pass and a later one; the engine's
-    passes take it (one EP rank, decode rows)."""
+    and the argmax, then the later passes, in one C call) against the layer's own operations pass by pass (the fused
+    halves, the head by its matmul): drafts, outputs and the cache entries of every row equal, a sequence whose
+    lookahead ends at its last block stopping after its first draft; the engine's passes take it (one EP rank)."""
+    from engine.worker.runner import attn_meta
     from parallel.step_plan import StepPlan
     d, nxt = cycle
-    llm = _greedy_equal_with_mtp(d, cycle_prompts(nxt, 3), 20, 2, draft_dtype=draft_dtype)
+    llm = _greedy_equal_with_mtp(d, cycle_prompts(nxt, 3), 20, 3, draft_dtype=draft_dtype)
     core = llm.engine.core
     layer, L = core.model.drafter, core.config.num_hidden_layers
     assert layer.fused_passes > 0
     ids, prev, pos, slots, max_pos, out_rows, meta = _pass_inputs(core, layer.hnorm.weight.shape[0])
+    tables, P = [[3, 4], [5, 6]], 3
+    # the later positions: 32, 33 for the first sequence (past its blocks: it stops), 22, 23 for the second
+    later = (P, [0, 0, 22, 23], [-1, -1, 6 * 16 + 6, 6 * 16 + 7], [0, 0, 23, 24])
     pools = core.kv.pools
     got = {}
     for fuse in (True, False):
         ps = list(pools)
         ps[L] = pools[L].clone()
         layer._fuse, n = fuse, layer.fused_passes
-        out, toks = layer.first_pass(ids, prev, pos, slots, max_pos, out_rows, meta, ps, StepPlan(5))
-        out2, toks2 = layer.draft_pass(torch.tensor(toks), out, meta, ps, StepPlan(2))
-        assert layer.fused_passes == n + (2 if fuse else 0)
-        got[fuse] = out, toks, out2, toks2, ps[L][slots], ps[L][meta.slot_mapping]
+        out, drafts, done = layer.first_pass(ids, prev, pos, slots, max_pos, out_rows, meta, ps, StepPlan(5),
+                                             later=later)
+        assert done == (P if fuse else 1) and layer.fused_passes == n + (P if fuse else 0)
+        if not fuse:   # the drafter's own loop: the second sequence alone, at 22 then 23
+            for p in (22, 23):
+                m = attn_meta([p], [6 * 16 + p % 16], [p + 1], [1], [tables[1]], 16, None)
+                o, t = layer.draft_pass(torch.tensor([drafts[1][-1]]), out[1:], m, ps, StepPlan(1))
+                out = torch.cat([out[:1], o])
+                drafts[1] += t
+        got[fuse] = drafts, out, ps[L][slots], ps[L][6 * 16 + 6:6 * 16 + 8]
     layer._fuse = None
+    assert got[True][0] == got[False][0] and [len(x) for x in got[True][0]] == [1, 3]
     tol = 1e-4 if draft_dtype == "float32" else 2e-2
-    for a, b in zip(got[True], got[False]):
-        if isinstance(a, list):
-            assert a == b
-        else:
-            assert a.shape == b.shape and (a - b).abs().max() < tol * max(1.0, b.abs().max()), (a - b).abs().max()
+    for a, b in zip(got[True][1:], got[False][1:]):
+        assert a.shape == b.shape and (a - b).abs().max() < tol * max(1.0, b.abs().max()), (a - b).abs().max()
 
 
 def test_a_fused_pass_names_a_slot_outside_the_pool(cycle):
