@@ -227,10 +227,10 @@ class DecodePlan:
 
     def extra_layer_call(self, layer, mb, rows: int):
         """The layer outside the stack (extra_layer_ops) as one call, decode_stack's, for microbatch mb (its rows
-        run the layer) within a call that computes `rows` rows in all: -> (a one-element LayerDesc array with this
+        run the layer) within a call that computes `rows` (>= mb's) rows in all: -> (a one-element LayerDesc array with this
         step's fields set, its _Layer) where its halves fuse and its MoE is local, unmapped and fused (a layer of
         the stack path's kind), else None."""
-        w = self._extra_fits(layer, mb, max(rows, mb.input_ids.shape[0]))
+        w = self._extra_fits(layer, mb, rows)
         if w is None or not getattr(mb.dispatcher, "local_only", False):
             return None
         if layer.is_moe and (w.moe is None or layer.mlp.expert_map is not None or not self._counts_fit(layer.mlp)):

@@ -169,12 +169,11 @@ class MTPLayer(nn.Module):
                                   self.eh_proj.weight, fused.as_f32(prev).contiguous(), self.norm, self.head.weight,
                                   cos, sin, meta.slot_mapping, table, lens, max_len, meta.block_size, out_rows, rest,
                                   rest_slots, rest_cos, rest_sin, more)
-        if self.layer.is_moe:   # the rows each pass ran through the layer's MoE
-            self.dispatcher.account_local(n_out)
-            for j in range(1, P):
-                self.dispatcher.account_local(sum(1 for t in range(n_out) if later[2][t * (P - 1) + j - 1] >= 0))
         self.fused_passes += P
         drafts = [[d for d in row if d >= 0] for row in tok.tolist()]   # SYNC: drafts to the host
+        if self.layer.is_moe:   # the rows each pass ran through the layer's MoE: those with a draft from it
+            for j in range(P):
+                self.dispatcher.account_local(sum(len(d) > j for d in drafts))
         return out.to(prev.dtype), drafts, P
 
     def _fusable(self) -> bool:
