@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers import NATIVE, Kernels, RMSNorm
+from wideep.layers import NATIVE, Kernels, RMSNorm
 
 from .config import MLAConfig
 from .fp8_cache import latent_layout

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.device import triton_unusable
+from wideep.parallel.device import triton_unusable
 
 from .kv_cache import gather_reference
 
@@ -39,7 +39,7 @@ def resolve_attention_backend(name: str, device: torch.device | str, dtype: torc
     if name == "torch":
         return "torch"
     if name == "cpu" or (name == "auto" and dev.type == "cpu"):
-        from cpu.build import unusable_for
+        from wideep.cpu.build import unusable_for
         why = unusable_for(dev, dtype)
         if name == "cpu" and why is not None:
             raise ValueError(f"attention_backend 'cpu' is not usable: {why}")

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from layers import NATIVE, Kernels
+from wideep.layers import NATIVE, Kernels
 
 from .config import RopeConfig, yarn_mscale
 

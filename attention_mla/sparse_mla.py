@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layers import NATIVE, Kernels
+from wideep.layers import NATIVE, Kernels
 
 from .config import DSAConfig, MLAConfig
 from .indexer import Indexer, select_topk, selection_mask

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel.device import triton_interpreting
+from wideep.parallel.device import triton_interpreting
 
 from .fp4_cache import Fp4Latent
 from .fp8_cache import Fp8Latent

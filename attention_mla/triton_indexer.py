@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel.device import triton_interpreting
+from wideep.parallel.device import triton_interpreting
 
 from .triton_decode import _dot, check_tables, need
 

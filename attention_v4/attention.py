@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attention_mla.rope import RotaryEmbedding
-from layers import RMSNorm
+from wideep.attention_mla.rope import RotaryEmbedding
+from wideep.layers import RMSNorm
 
 from .compressor import Compressor, apply_rope_tail
 from .config import V4AttentionConfig

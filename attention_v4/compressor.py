@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from attention_mla.rope import RotaryEmbedding
-from layers import RMSNorm
+from wideep.attention_mla.rope import RotaryEmbedding
+from wideep.layers import RMSNorm
 
 
 @dataclass

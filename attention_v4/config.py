@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from attention_mla.config import RopeConfig
+from wideep.attention_mla.config import RopeConfig
 
 KINDS = ("sliding", "csa", "hca")
 

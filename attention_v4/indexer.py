@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attention_mla.rope import RotaryEmbedding
+from wideep.attention_mla.rope import RotaryEmbedding
 
 from .compressor import Compressor, apply_rope_tail
 

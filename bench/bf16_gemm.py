@@ -22,7 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.results import save  # noqa: E402
-from cpu import gemm  # noqa: E402
+from wideep.cpu import gemm  # noqa: E402
 
 SHAPES = [(1, 4096, 4096), (2, 4096, 4096), (16, 4096, 4096), (16, 1024, 512), (64, 2048, 1024), (128, 2048, 2048),
           (512, 2048, 2048), (2048, 2048, 1024)]

@@ -59,7 +59,7 @@ def _step(core, split: bool) -> tuple[float, float]:
     import torch
     import torch.distributed as dist
 
-    from parallel import StepPlan
+    from wideep.parallel import StepPlan
     d = core.model.dispatcher
     comm0 = d.stats.comm_s
     batch = core.scheduler.schedule()
@@ -82,8 +82,8 @@ class _Work:
         self.core, self.phase, self.shape, self.n = core, phase, shape, 0
 
     def add(self) -> None:
-        from engine.worker.messages import NewRequest
-        from engine.sampling_params import SamplingParams
+        from wideep.engine.worker.messages import NewRequest
+        from wideep.engine.sampling_params import SamplingParams
         count, prompt_len, max_tokens = self.shape
         rank = self.core.ctx.rank
         for _ in range(count):
@@ -175,7 +175,7 @@ def _core(model_dir: str, par: dict, ctx=None, **network):
     """This rank's EngineCore, its dispatchers on the simulated network that `network` (ParallelConfig's
     simulated_* keys; none: no network) gives them at construction. ctx: the ranks an earlier core
     connected (a network is changed by building a core on it, never by reassigning a dispatcher's)."""
-    from engine.worker.core import EngineCore
+    from wideep.engine.worker.core import EngineCore
     return EngineCore.from_options(model_dir, ctx=ctx, progress=False, block_size=16, kv_cache_blocks=1200,
                                    max_num_batched_tokens=1024, enable_prefix_caching=False,
                                    dbo={"enabled": True}, parallel=dict(par, **network))
@@ -184,8 +184,8 @@ def _core(model_dir: str, par: dict, ctx=None, **network):
 def worker(model_dir: str, setting: str, trials: int) -> None:
     import torch
 
-    from dbo.auto import AutoSwitch
-    from parallel import shutdown
+    from wideep.dbo.auto import AutoSwitch
+    from wideep.parallel import shutdown
     torch.set_num_threads(1)
     par = {"ranks_per_node": 1} if setting == "two_tier" else {"dispatch_backend": "torch"}
     core = _core(model_dir, par)
@@ -241,7 +241,7 @@ def _row(r: dict) -> dict:
 
 
 def _run(model_dir: str, setting: str, ranks: int, trials: int) -> dict:
-    from launch.local import run_local_ranks
+    from wideep.launch.local import run_local_ranks
     rc, text = run_local_ranks([], ranks, timeout_s=1800, capture=True,
                                cmd=[sys.executable, os.path.abspath(__file__), "--worker", model_dir, setting,
                                     str(trials)])
@@ -261,7 +261,7 @@ def main() -> None:
     if a.worker:
         worker(a.worker[0], a.worker[1], int(a.worker[2]))
         return
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     trials = 8 if a.quick else 20
     out = {}
     with tempfile.TemporaryDirectory() as d:
@@ -307,8 +307,8 @@ def _split_compute_ratio(model_dir: str, workloads: dict, trials: int) -> dict:
     split vs whole, interleaved -> median ratio per phase."""
     import torch
 
-    from engine.worker.core import EngineCore
-    from parallel import StepPlan
+    from wideep.engine.worker.core import EngineCore
+    from wideep.parallel import StepPlan
     torch.set_num_threads(1)
     core = EngineCore.from_options(model_dir, progress=False, block_size=16, kv_cache_blocks=1200,
                                    max_num_batched_tokens=1024, enable_prefix_caching=False, dbo={"enabled": True})

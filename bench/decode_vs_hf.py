@@ -62,9 +62,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.results import rss_kib, save  # noqa: E402
-from cpu.gemm import bf16_dot  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
-from launch.tiny import make_tiny_checkpoint  # noqa: E402
+from wideep.cpu.gemm import bf16_dot  # noqa: E402
+from wideep.engine import LLM, SamplingParams  # noqa: E402
+from wideep.launch.tiny import make_tiny_checkpoint  # noqa: E402
 
 GIB = 1 << 30
 
@@ -141,7 +141,7 @@ class DecodeMeter:
         self.ids: list[torch.Tensor] = []   # each MoE layer's router ids, in layer order
         for m in model.moe_layers():
             m.gate.register_forward_hook(lambda mod, inp, out: self.ids.append(out[0]))
-        from cpu import fused as layers   # the fused MoE half and the whole-step call route inside C: their
+        from wideep.cpu import fused as layers   # the fused MoE half and the whole-step call route inside C: their
         fused, stack = layers.moe_layer, layers.decode_stack   # ids are their results [1] ([T, k], [n_moe, T, k])
 
         def seen_moe_layer(*args, **kwargs):
@@ -237,7 +237,7 @@ def rss_per_param(model_dir: str, dtype: str) -> dict:
 
 
 def _rss_child(model_dir: str, dtype: str) -> None:
-    from engine.model.build import load_model, parse_dtype
+    from wideep.engine.model.build import load_model, parse_dtype
     before = rss_kib()
     model = load_model(model_dir, dtype=parse_dtype(dtype), progress=False)
     after = rss_kib()
@@ -290,7 +290,7 @@ def main() -> None:
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM
 
-    from cpu.huge_pages import collapse
+    from wideep.cpu.huge_pages import collapse
     x, xh = torch.rand(GIB // 4), torch.rand(GIB // 4)
     y = torch.empty_like(x)
     huge_ceiling = collapse([xh])

@@ -72,10 +72,10 @@ def pct(xs: list[float], q: float) -> float:
 def build(mode: str, model_dir: str, a):
     common = dict(progress=False, block_size=BLOCK, enable_prefix_caching=False, parallel={"timeout_s": 120.0})
     if mode == "colocated":
-        from engine.front.engine import Engine
+        from wideep.engine.front.engine import Engine
         return Engine(model_dir, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.chunk,
                       kv_cache_blocks=a.kv_blocks, **common)
-    from disagg import make_engine
+    from wideep.disagg import make_engine
     pools = {"prefill": {"dp_size": 2, "ep_size": 2, "max_num_seqs": 4, "max_num_batched_tokens": a.chunk,
                          "kv_cache_blocks": a.kv_blocks},
              "decode": {"dp_size": 2, "ep_size": 2, "max_num_seqs": a.max_num_seqs,
@@ -85,7 +85,7 @@ def build(mode: str, model_dir: str, a):
 
 def drive(eng, reqs: list[dict], tag: str) -> list[dict]:
     """Feed reqs at their wall-clock arrival offsets; -> per request arrival and token times (s)."""
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     clock = time.perf_counter
     t0 = clock()
     rec = [dict(kind=r["kind"], arrival=t0 + r["arrival"], times=[], prompt=len(r["prompt"])) for r in reqs]
@@ -161,14 +161,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker, a.checkpoint, a)
-    from launch.local import run_local_ranks
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.local import run_local_ranks
+    from wideep.launch.tiny import make_tiny_checkpoint
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     slo = {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo}
     res, kv = {}, {}
     with tempfile.TemporaryDirectory() as d:
         if a.model == "v4":
-            from launch.tiny_v4 import tiny_v4_model
+            from wideep.launch.tiny_v4 import tiny_v4_model
             tiny_v4_model(0, **MODEL_V4).save_pretrained(d)
         else:
             make_tiny_checkpoint(d, arch="v3", seed=0, **MODEL)

@@ -50,10 +50,10 @@ def worker(nodes: int, T: int, H: int, trials: int, T_ll: int, slow: int = 1) ->
     import torch
     import torch.distributed as dist
 
-    from moe.config import MoEConfig
-    from moe.gate import Gate
-    from parallel import ParallelConfig, StepPlan, bootstrap, make_dispatcher, shutdown
-    from parallel.comm_stream import SimulatedLink, SimulatedNetwork
+    from wideep.moe.config import MoEConfig
+    from wideep.moe.gate import Gate
+    from wideep.parallel import ParallelConfig, StepPlan, bootstrap, make_dispatcher, shutdown
+    from wideep.parallel.comm_stream import SimulatedLink, SimulatedNetwork
     world = int(os.environ["WORLD_SIZE"])
     ctx = bootstrap(ParallelConfig(dp_size=world, ep_size=world, ranks_per_node=world // nodes, timeout_s=600))
     rank, L = ctx.rank, ctx.ranks_per_node
@@ -157,7 +157,7 @@ def main() -> None:
     if a.worker:
         worker(*a.worker)
         return
-    from launch.local import run_local_ranks
+    from wideep.launch.local import run_local_ranks
     trials = 3 if a.quick else 7
     detail = {}
     for ranks in map(int, a.sizes.split(",")):

@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from attention_mla.config import DSAConfig, MLAConfig, RopeConfig  # noqa: E402
-from attention_mla.meta import AttnMeta  # noqa: E402
-from attention_mla.rope import RotaryEmbedding  # noqa: E402
-from attention_mla.sparse_mla import SparseMLA  # noqa: E402
+from wideep.attention_mla.config import DSAConfig, MLAConfig, RopeConfig  # noqa: E402
+from wideep.attention_mla.meta import AttnMeta  # noqa: E402
+from wideep.attention_mla.rope import RotaryEmbedding  # noqa: E402
+from wideep.attention_mla.sparse_mla import SparseMLA  # noqa: E402
 from bench.results import save  # noqa: E402
 
 SHAPE = dict(hidden=7168, q_lora=1536, kv_lora=512, rope=64, nope=128, v=128, index_heads=64, index_dim=128,

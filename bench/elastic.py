@@ -30,11 +30,11 @@ from bench.results import save  # noqa: E402
 
 
 def worker(model_dir: str, out_dir: str, requests: int, victim: int, kill_step: int) -> None:
-    from engine.front.engine import Engine
-    from engine.sampling_params import SamplingParams
+    from wideep.engine.front.engine import Engine
+    from wideep.engine.sampling_params import SamplingParams
     rank = int(os.environ["RANK"])
     if rank == victim:
-        import engine.worker.runner as runner
+        import wideep.engine.worker.runner as runner
         execute, steps = runner.ModelRunner.execute, {"n": 0}
 
         def dying(self, *a, **k):
@@ -73,7 +73,7 @@ def worker(model_dir: str, out_dir: str, requests: int, victim: int, kill_step: 
 
 
 def _run(n: int, model_dir: str, requests: int, victim: int, kill_step: int, timeout_s: float) -> dict:
-    from launch.local import start_ranks
+    from wideep.launch.local import start_ranks
     out = tempfile.mkdtemp(prefix=f"wideep-elastic{n}-")
     cmd = [sys.executable, __file__, "--worker", model_dir, out, str(requests), str(victim), str(kill_step)]
     procs = start_ranks(cmd, n, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=900.0)
     a = ap.parse_args()
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     results = {}
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=2, hidden_size=64, num_hidden_layers=3, first_k_dense_replace=1,

@@ -30,7 +30,7 @@ from bench.results import save  # noqa: E402
 def worker(model_dir: str, batch: int, prompt: int, new: int) -> None:
     import torch
 
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, parallel={"dispatch_backend": "torch"})
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, llm.config.vocab_size, (batch, prompt), generator=g).tolist()
@@ -58,7 +58,7 @@ def decode_ab_worker(model_dir: str, batch: int, prompt: int, new: int, rounds: 
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     os.sched_setaffinity(0, {rank % os.cpu_count()})   # a core per rank, as on a real EP deployment
     torch.set_num_threads(1)
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, enable_prefix_caching=False, parallel={"dispatch_backend": "torch"})
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, llm.config.vocab_size, (batch, prompt), generator=g).tolist()
@@ -89,8 +89,8 @@ def decode_ab_worker(model_dir: str, batch: int, prompt: int, new: int, rounds: 
 
 
 def decode_ab(rounds: int) -> None:
-    from launch.local import run_local_ranks
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.local import run_local_ranks
+    from wideep.launch.tiny import make_tiny_checkpoint
     batch, prompt, new = 16, 32, 32
     with tempfile.TemporaryDirectory() as d:
         _checkpoint(make_tiny_checkpoint, d)
@@ -134,8 +134,8 @@ def main() -> None:
         d, b, p, n = a.worker
         worker(d, int(b), int(p), int(n))
         return
-    from launch.local import run_local_ranks
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.local import run_local_ranks
+    from wideep.launch.tiny import make_tiny_checkpoint
     batch, prompt, new = (8, 32, 8) if a.quick else (16, 64, 32)
     res = {}
     with tempfile.TemporaryDirectory() as d:

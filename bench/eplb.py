@@ -58,8 +58,8 @@ def greedy_plan(w: torch.Tensor, P: int, G: int) -> torch.Tensor:
 
 
 def planning(layers: int) -> dict:
-    from eplb import balancedness, rebalance_experts
-    from eplb.transfer import plan_moves
+    from wideep.eplb import balancedness, rebalance_experts
+    from wideep.eplb.transfer import plan_moves
     g = torch.Generator().manual_seed(0)
     w = torch.exp(torch.randn(layers, 256, generator=g)) * 1000             # lognormal: hot head, cold tail
     drift = w * (1 + 0.2 * (2 * torch.rand(w.shape, generator=g, dtype=w.dtype) - 1))
@@ -100,8 +100,8 @@ def _llm(model_dir: str, eplb_cfg, ctx=None):
     the config with enabled=False, so it does not rebalance on its own)."""
     import dataclasses
 
-    from engine import LLM
-    from eplb import EplbController
+    from wideep.engine import LLM
+    from wideep.eplb import EplbController
     llm = LLM(model_dir, progress=False, ctx=ctx, dispatch_backend="torch", enable_prefix_caching=False,
               kv_cache_memory=64 << 20, eplb=dataclasses.replace(eplb_cfg, enabled=False),
               parallel={"num_redundant_experts": eplb_cfg.num_redundant_experts})
@@ -142,10 +142,10 @@ def _critical_path(ctx, marks: list[float]) -> float:
 def worker(model_dir: str, batch: int, prompt: int, trials: int, redundant: int) -> None:
     import torch.distributed as dist
 
-    from engine import SamplingParams
-    from eplb import EplbConfig, Placement, balancedness
-    from eplb.rebalancer import plan_placement
-    from eplb.transfer import expert_bytes, plan_moves
+    from wideep.engine import SamplingParams
+    from wideep.eplb import EplbConfig, Placement, balancedness
+    from wideep.eplb.rebalancer import plan_placement
+    from wideep.eplb.transfer import expert_bytes, plan_moves
     off, rec_off = _llm(model_dir, EplbConfig(enabled=True, step_interval=10**9))          # records only
     on, rec_on = _llm(model_dir, EplbConfig(enabled=True, num_redundant_experts=redundant, step_interval=10**9),
                       ctx=off.ctx)
@@ -240,7 +240,7 @@ def skewed_checkpoint(out_dir: str, boost: float = 0.3, moe_intermediate_size: i
     sends most tokens to 4 experts of one group and 2 of the next, a different group per layer."""
     from safetensors.torch import load_file, save_file
 
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     make_tiny_checkpoint(out_dir, arch="v3", seed=0, vocab_size=1024, hidden_size=256, intermediate_size=512,
                          moe_intermediate_size=moe_intermediate_size, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -257,7 +257,7 @@ def skewed_checkpoint(out_dir: str, boost: float = 0.3, moe_intermediate_size: i
 
 
 def end_to_end(quick: bool, ep: int, moe_intermediate_size: int = 512, batch: int = 16, trials: int = 7) -> dict:
-    from launch.local import run_local_ranks
+    from wideep.launch.local import run_local_ranks
     batch, prompt, trials = (batch // 2, 128, 4) if quick else (batch, 128, trials)
     redundant = ep  # one replica slot per rank: 32 + ep slots
     with tempfile.TemporaryDirectory() as d:
@@ -300,7 +300,7 @@ def main() -> None:
         e2e = end_to_end(a.quick, 4)
         e2e_ep2 = end_to_end(a.quick, 2)  # 2 ranks on 2 cores, moe_intermediate 512
         if a.png:
-            from launch.eplb_cli import draw_report
+            from wideep.launch.eplb_cli import draw_report
             draw_report(torch.tensor(e2e["load"]), torch.tensor(e2e["phy2log_initial"]),
                         torch.tensor(e2e["phy2log_final"]), 4, a.png, title="bench/eplb.py: ep 4, skewed router")
         keys = ("eplb_vs_off_step_time_ratio", "bytes_moved_migration", "bytes_moved_scratch", "balancedness_before",

@@ -30,9 +30,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.results import rss_kib  # noqa: E402
-from cpu import gemm  # noqa: E402
-from moe.fp4 import quantize_fp4  # noqa: E402
-from moe.fp8 import quantize_experts_fp8  # noqa: E402
+from wideep.cpu import gemm  # noqa: E402
+from wideep.moe.fp4 import quantize_fp4  # noqa: E402
+from wideep.moe.fp8 import quantize_experts_fp8  # noqa: E402
 
 LIMIT = 10.0   # DeepSeek-V4's swiglu_limit
 EXPERT = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
@@ -106,7 +106,7 @@ def experts_rows(trials: int, cold: int) -> list[dict]:
 def make_v4_fp4(out_dir: str, hidden: int, inter: int, experts: int) -> None:
     """A widened tiny V4 saved by transformers, its routed experts rewritten as FP4 pairs + e8m0 scales."""
     from safetensors.torch import load_file, save_file
-    from launch.tiny_v4 import tiny_v4_model
+    from wideep.launch.tiny_v4 import tiny_v4_model
     model = tiny_v4_model(0, hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
                           num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe"] * 2)
     model.save_pretrained(out_dir)
@@ -130,7 +130,7 @@ def decode_rows(model_dir: str, trials: int, batch: int = 8, prompt: int = 32, n
     """That checkpoint served with FP4 experts packed ("auto": the C experts kernel) and dequantised to float32 at
     load ("none": torch's experts; "none_cpu": the C experts kernel on the float32 weights): the decode step's time (generate with max_tokens new + 1 minus with 1, per
     token), best of interleaved trials, and whether the greedy tokens agree."""
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     prompts = [[(7 * b + 3 * i) % 190 + 2 for i in range(prompt)] for b in range(batch)]
     engines = {name: LLM(model_dir, dtype="float32", progress=False, enable_prefix_caching=False, quantization=q,
                          experts_backend=b)
@@ -159,7 +159,7 @@ def decode_rows(model_dir: str, trials: int, batch: int = 8, prompt: int = 32, n
 
 
 def _rss_child(model_dir: str, quantization: str) -> None:
-    from engine.model.build import load_model
+    from wideep.engine.model.build import load_model
     before = rss_kib()
     model = load_model(model_dir, progress=False, quantization=quantization)
     growth = (rss_kib() - before) * 1024

@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.results import rss_kib, save  # noqa: E402
-from cpu import gemm  # noqa: E402
-from moe.fp8 import quantize_experts_fp8, quantize_fp8_block  # noqa: E402
+from wideep.cpu import gemm  # noqa: E402
+from wideep.moe.fp8 import quantize_experts_fp8, quantize_fp8_block  # noqa: E402
 
 # (rows, N, K): q_b_proj-like, o_proj-like, a dense MLP's down_proj-like (K not a multiple of 128 last)
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (1, 7168, 2048), (16, 7168, 2048), (1, 2048, 4000), (16, 2048, 4000)]
@@ -111,7 +111,7 @@ def decode_rows(model_dir: str, trials: int, batch: int = 8, prompt: int = 32, n
     """Decode step of the same checkpoint served fp8 kept ("auto") and dequantised to bfloat16 ("none"): the
     time of `new` more tokens after the prefill, per step (generate with max_tokens new + 1 minus with 1), best
     of interleaved trials. The bfloat16 engine runs the fused decode plan, the fp8 one its operations."""
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     prompts = [[(7 * b + 3 * i) % 4000 + 1 for i in range(prompt)] for b in range(batch)]
     engines = {"fp8": LLM(model_dir, dtype="bfloat16", progress=False, enable_prefix_caching=False,
                           quantization="auto"),
@@ -139,7 +139,7 @@ def decode_rows(model_dir: str, trials: int, batch: int = 8, prompt: int = 32, n
 
 
 def _rss_child(model_dir: str, dtype: str, quantization: str) -> None:
-    from engine.model.build import load_model, parse_dtype
+    from wideep.engine.model.build import load_model, parse_dtype
     before = rss_kib()
     model = load_model(model_dir, dtype=parse_dtype(dtype), progress=False, quantization=quantization)
     after = rss_kib()
@@ -178,7 +178,7 @@ def main() -> None:
     torch.manual_seed(0)
     res = {"bf16_dot": gemm.bf16_dot(), "trials": a.trials, "torch": torch.__version__, "gemm": gemm_rows(a.trials),
            "experts": experts_row(a.trials), "cold": cold_rows(max(3, a.trials // 3), a.cold)}
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     with tempfile.TemporaryDirectory() as d:
         h = a.hidden
         make_tiny_checkpoint(d, arch="v3", fp8=True, seed=0, vocab_size=4096, hidden_size=h, intermediate_size=4 * h,

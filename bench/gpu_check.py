@@ -92,10 +92,10 @@ def routing(T, E, k, dev):
 
 
 def bench_moe(cfg, dev, peak, min_s) -> list[dict]:
-    from moe.experts import Experts
-    from moe.fp8 import quantize_experts_fp8
-    from moe.tiles import MoETiles
-    from moe.triton_moe import fused_moe
+    from wideep.moe.experts import Experts
+    from wideep.moe.fp8 import quantize_experts_fp8
+    from wideep.moe.tiles import MoETiles
+    from wideep.moe.triton_moe import fused_moe
     H, I, E, k = cfg["H"], cfg["I"], cfg["E"], cfg["k"]
     dt = torch.bfloat16
     ex = Experts(E, H, I, device=dev, dtype=dt)
@@ -135,7 +135,7 @@ def bench_moe(cfg, dev, peak, min_s) -> list[dict]:
     fx.backend = "triton"
     for T in sorted(set(cfg["fp8_tokens"]) | {min(cfg["tokens"])}):
         one("triton_fp8", T, fx.forward_triton, fx.forward_grouped)
-    from moe.deepgemm import load
+    from wideep.moe.deepgemm import load
     api = load() if dev.type == "cuda" else None
     if api is not None:
         fx.backend, fx.deepgemm = "deepgemm", api
@@ -149,8 +149,8 @@ def bench_moe(cfg, dev, peak, min_s) -> list[dict]:
 def bench_mla(cfg, dev, copy_gbps, min_s) -> list[dict]:
     """DecodeTiles' default, then every other entry of cfg["mla_tiles"], per batch (untuned kernel: the
     sweep shows which way to go); the best of each batch is marked."""
-    from attention_mla.paged_decode import paged_decode_reference
-    from attention_mla.triton_decode import DecodeTiles, mla_decode
+    from wideep.attention_mla.paged_decode import paged_decode_reference
+    from wideep.attention_mla.triton_decode import DecodeTiles, mla_decode
     N, C, R, L, bs = cfg["heads"], cfg["C"], cfg["R"], cfg["ctx"], cfg["block"]
     dt = torch.bfloat16
     d = DecodeTiles()

@@ -44,7 +44,7 @@ class Bench:
     """One engine of `batch` sequences, decoding; round() times `steps` decode steps of it."""
 
     def __init__(self, model_dir: str, batch: int, steps: int, rounds: int, processed: bool = False):
-        from engine import Engine, SamplingParams
+        from wideep.engine import Engine, SamplingParams
         self.batch = batch
         per_seq = -(-(4 + steps * rounds + 8) // 64)   # blocks a sequence's prompt and outputs fill: no preemption
         self.eng = Engine(model_dir, max_num_seqs=batch, max_num_batched_tokens=max(8192, 4 * batch), block_size=64,
@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--save-as", default="host_overhead", help="the results file's name (bench/results/NAME.json)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     # a row is (batch, processed); its name is "256" or "256+processing"
     rows = [(int(x), False) for x in a.batches.split(",")] + [(int(x), True) for x in a.processed.split(",") if x]
     name = {r: f"{r[0]}+processing" if r[1] else str(r[0]) for r in rows}

@@ -51,8 +51,8 @@ def bytes_per_token(model_dir: str) -> float:
 
     import torch
 
-    from engine.model.model_config import ModelConfig
-    from engine.worker.v4_runner import V4StreamCache
+    from wideep.engine.model.model_config import ModelConfig
+    from wideep.engine.worker.v4_runner import V4StreamCache
     cfg = ModelConfig.from_dir(model_dir)
     if cfg.v4 is None:
         return cfg.num_hidden_layers * cfg.mla.latent_dim * 4
@@ -71,7 +71,7 @@ def conversations(a) -> list[dict]:
 
 # -- on every rank ----------------------------------------------------------------------------------
 def build(config: str, model_dir: str, disk_dir: str, a):
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     kv = {"routing": "least_loaded" if config == "least_loaded" else "kv_aware"}
     if a.route_load_weight is not None:
         kv["route_load_weight"] = a.route_load_weight
@@ -99,7 +99,7 @@ def totals(eng) -> dict:
 
 def drive(eng, convs: list[dict], a, tag: str) -> list[dict]:
     """Turns round-robin over conversations, --concurrency in flight. -> one record per request."""
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=a.answer_len, ignore_eos=True, output_kind="delta")
     order = [(c, t) for t in range(a.turns) for c in range(len(convs))]
     history = [list(c["system"]) for c in convs]
@@ -187,8 +187,8 @@ def main() -> None:
     a.conversations = a.conversations or (24 if a.quick else 48)
     if a.worker:
         return worker(a.worker, a.checkpoint, a.disk_dir, a)
-    from launch.local import run_local_ranks
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.local import run_local_ranks
+    from wideep.launch.tiny import make_tiny_checkpoint
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     res, answers = {}, {}
     passthrough = ["--conversations", str(a.conversations), "--turns", str(a.turns), "--system-prompts",
@@ -201,7 +201,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         model_dir = os.path.join(d, "model")
         if a.arch == "v4":
-            from launch.tiny_v4 import tiny_v4_model
+            from wideep.launch.tiny_v4 import tiny_v4_model
             tiny_v4_model(0, **MODEL_V4).save_pretrained(model_dir)
         else:
             make_tiny_checkpoint(model_dir, arch="v3", seed=0, **MODEL)

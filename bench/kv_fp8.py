@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from attention_mla.fp8_cache import latent_layout  # noqa: E402
-from attention_mla.kv_cache import LatentKVPool  # noqa: E402
+from wideep.attention_mla.fp8_cache import latent_layout  # noqa: E402
+from wideep.attention_mla.kv_cache import LatentKVPool  # noqa: E402
 from bench.results import save  # noqa: E402
 
 LAYERS, C, R = 61, 512, 64
@@ -57,8 +57,8 @@ def bytes_per_token() -> dict:
 
 def drift(num_prompts: int, init: float) -> dict:
     """kv_cache_dtype -> prompt-logprob drift against "auto" and teacher-forced greedy agreement."""
-    from engine import LLM, SamplingParams
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.engine import LLM, SamplingParams
+    from wideep.launch.tiny import make_tiny_checkpoint
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(32, 160))] for _ in range(num_prompts)]
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)
@@ -104,7 +104,7 @@ def main() -> None:
         save("kv_fp8_v4", out)
         print(json.dumps(out))
         return
-    from cpu.layers import mla_decode
+    from wideep.cpu.layers import mla_decode
     layouts = {"fp32": None, "fp8": latent_layout("fp8", C, R, torch.float32),
                "fp4": latent_layout("fp4", C, R, torch.float32)}
     bs, B = a.block_size, a.batch

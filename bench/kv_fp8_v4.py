@@ -22,9 +22,9 @@ import tempfile
 
 import torch
 
-from attention_v4.fp8 import v4_codecs
-from attention_v4.paged import V4Pools
-from attention_v4.pool_layout import StreamGeometry
+from wideep.attention_v4.fp8 import v4_codecs
+from wideep.attention_v4.paged import V4Pools
+from wideep.attention_v4.pool_layout import StreamGeometry
 from bench.v4_kv import BLOCK, MODELS, v4_config
 
 KVS = ("auto", "fp8")
@@ -47,7 +47,7 @@ def model_bytes(cfg, dtype) -> dict:
     """kv -> the whole model's compressed bytes per token and the bytes a decoding sequence holds whatever its
     length (V4StreamCache, pools on the meta device)."""
     from types import SimpleNamespace
-    from engine.worker.v4_runner import V4StreamCache
+    from wideep.engine.worker.v4_runner import V4StreamCache
     model = SimpleNamespace(cfg=cfg, dtype=dtype, device="meta")
     g = StreamGeometry.of(cfg.v4.attention, cfg.v4.layer_kinds, BLOCK)
     out = {}
@@ -61,8 +61,8 @@ def model_bytes(cfg, dtype) -> dict:
 
 
 def drift(num_prompts: int) -> dict:
-    from engine import LLM, SamplingParams
-    from launch.tiny_v4 import tiny_v4_model
+    from wideep.engine import LLM, SamplingParams
+    from wideep.launch.tiny_v4 import tiny_v4_model
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 200) for _ in range(rng.randint(5, 160))] for _ in range(num_prompts)]
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)

@@ -1,7 +1,7 @@
 """Where one rank's start-up goes in the parallel layer: CPU seconds and wall seconds per phase.
 
 Starts W gloo ranks on this host (launch/local.py's spawner) for each W, and each rank times:
-interpreter start, `import torch`, `import parallel`, then bootstrap's phases: the rendezvous store,
+interpreter start, `import torch`, `import wideep.parallel`, then bootstrap's phases: the rendezvous store,
 init_process_group (gloo's full mesh), node groups, the watchdog (ring + verdict log), the config
 agreement check; then the watchdog's steady state (store operations per rank per second over
 --steady-s). Phases are timed by wrapping bootstrap's callees here; nothing in parallel/ is changed.
@@ -26,7 +26,7 @@ import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("python", "import torch", "import parallel", "store", "init_process_group", "node groups", "watchdog",
+PHASES = ("python", "import torch", "import wideep.parallel", "store", "init_process_group", "node groups", "watchdog",
           "check_agreement", "bootstrap total")
 
 
@@ -48,9 +48,9 @@ def rank_main(out_dir: str, ranks_per_node: int, steady_s: float) -> None:
     times["import torch"] = (time.process_time() - c, time.perf_counter() - w)
     c, w = time.process_time(), time.perf_counter()
     sys.path.insert(0, str(REPO))
-    import parallel
-    boot = sys.modules["parallel.bootstrap"]  # the package re-exports a function of that name
-    times["import parallel"] = (time.process_time() - c, time.perf_counter() - w)
+    import wideep.parallel as parallel
+    boot = sys.modules["wideep.parallel.bootstrap"]  # the package re-exports a function of that name
+    times["import wideep.parallel"] = (time.process_time() - c, time.perf_counter() - w)
 
     boot._open_store = timed("store", boot._open_store)
     boot.dist.init_process_group = timed("init_process_group", dist.init_process_group)
@@ -96,7 +96,7 @@ def main() -> None:
     if a.rank_out:
         return rank_main(a.rank_out, a.ranks_per_node, a.steady_s)
     sys.path.insert(0, str(REPO))
-    from launch.local import run_local_ranks
+    from wideep.launch.local import run_local_ranks
     results = {}
     for world in [int(w) for w in a.worlds.split(",")]:
         with tempfile.TemporaryDirectory(prefix="wideep-startup-") as d:

@@ -69,7 +69,7 @@ def poisson(reqs: list[Req], rate: float, seed: int) -> list[Req]:
 def drive(engine, reqs: list[Req], mode: str, batch: int, tag: str) -> tuple[list[dict], int]:
     """Run reqs through engine in wall-clock time. -> (per request {arrival, first, finish, tokens} (s),
     number of engine steps)."""
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     clock = time.perf_counter
     t0 = clock()
     rec = [{"arrival": t0 + r.arrival, "first": None, "finish": None, "tokens": 0} for r in reqs]
@@ -153,8 +153,8 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from engine.front.engine import Engine
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.engine.front.engine import Engine
+    from wideep.launch.tiny import make_tiny_checkpoint
     torch.set_num_threads(a.threads)
     plen = tuple(int(x) for x in a.prompt_len.split(","))
     n, rounds, B = a.requests or (96 if a.quick else 240), a.rounds or (1 if a.quick else 3), a.max_num_seqs

@@ -111,7 +111,7 @@ class SharedWeights:
         self.mtp, self.mtp_dtype, self.models = mtp, mtp_dtype, {}
 
     def __enter__(self):
-        import engine.worker.core as core
+        import wideep.engine.worker.core as core
         self.core, self.real = core, core.load_model
         core.load_model = self.load
         return self
@@ -123,7 +123,7 @@ class SharedWeights:
     def load(self, model_dir, *args, mtp: bool = False, **kw):
         if model_dir not in self.models:
             if self.mtp:
-                from engine.model.build import parse_dtype
+                from wideep.engine.model.build import parse_dtype
                 kw["mtp_dtype"] = parse_dtype(self.mtp_dtype) if self.mtp_dtype else None
             self.models[model_dir] = self.real(model_dir, *args, mtp=self.mtp, **kw)
         model = self.models[model_dir]
@@ -134,7 +134,7 @@ class SharedWeights:
 
 
 def run(llm, ps, new: int) -> tuple[list, float]:
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     tpots = [o.metrics["tpot_s"] for o in outs]
     return [o.outputs[0].token_ids for o in outs], statistics.median(tpots), statistics.fmean(tpots)
@@ -147,7 +147,7 @@ def lockstep(llms: dict, ps, new: int, start: int = 0) -> dict:
     from the step that gave its first token to the one that gave its last, over its tokens after the first (in one
     process an engine does nothing between steps: what generate's TPOT measures). -> {k: (token ids per request,
     median TPOT, mean TPOT)}."""
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     st = {}
     for k, llm in llms.items():
@@ -205,9 +205,9 @@ def main() -> None:
     if a.quick:
         a.batches, a.ks, a.new, a.prompt, a.trials = "1,8", "1,3", 24, 48, 1
     torch.set_num_threads(a.threads)
-    from engine import LLM
-    from launch.tiny import make_tiny_checkpoint
-    from launch.tiny_cycle import make_cycle_checkpoint
+    from wideep.engine import LLM
+    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny_cycle import make_cycle_checkpoint
     v4 = a.model == "v4"
     shape = (V4_QUICK if a.quick else V4_MODEL) if v4 else QUICK if a.quick else MODEL
     mix = a.mix if a.mix is not None else 0.1 if v4 else (0.15 if a.quick else 0.06)
@@ -220,8 +220,8 @@ def main() -> None:
     result["arch"] = a.model
     with tempfile.TemporaryDirectory() as tmp:
         if v4:
-            from launch.tiny_cycle import make_v4_cycle_checkpoint as make_cycle
-            from launch.tiny_v4 import tiny_v4_model
+            from wideep.launch.tiny_cycle import make_v4_cycle_checkpoint as make_cycle
+            from wideep.launch.tiny_v4 import tiny_v4_model
             rnd = os.path.join(tmp, "random")
             tiny_v4_model(0, **shape).save_pretrained(rnd)
         else:
@@ -247,7 +247,7 @@ def main() -> None:
                                   speculative_config=None if k == 0 else dict(spec[method], num_speculative_tokens=k))
                            for k in ks}
             if method == "mtp" and not v4:   # the layer the engines share is in the dtype asked for
-                from engine.model.build import parse_dtype
+                from wideep.engine.model.build import parse_dtype
                 for k in ks[1:]:
                     got = engines[k].engine.core.model.drafter.eh_proj.weight.dtype
                     assert got == parse_dtype(a.draft_dtype), f"k={k}: the MTP layer is {got}, not {a.draft_dtype}"

@@ -68,7 +68,7 @@ SCHEMAS = {   # compile time is reported for each
 def train_tokenizer(path: str, vocab: int, corpus_mb: int) -> int:
     """A byte-level BPE of `vocab` tokens (BOS id 0, EOS id 1, as the tiny checkpoint's config) -> its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from launch.tiny import BOS, EOS
+    from wideep.launch.tiny import BOS, EOS
     files, total = [], 0
     for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
         try:
@@ -108,7 +108,7 @@ class Timed:
 
 class Bench:
     def __init__(self, model_dir: str, batch: int, constrained: int, steps: int, rounds: int):
-        from engine import Engine, SamplingParams
+        from wideep.engine import Engine, SamplingParams
         self.batch = batch
         n = steps * rounds + 8
         # room for every sequence's whole output: a preempted one would drop out of the timed steps
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--save-as", default="structured")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     fractions = {"0%": 0, "50%": a.batch // 2, "100%": a.batch}
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", num_hidden_layers=1, first_k_dense_replace=0, hidden_size=64,
@@ -166,7 +166,7 @@ def main() -> None:
         print(f"tokenizer: {vocab} tokens in {time.perf_counter() - t0:.1f} s", flush=True)
         benches = {name: Bench(d, a.batch, k, a.steps, a.rounds) for name, k in fractions.items()}
         comp = benches["100%"].eng.core.grammars
-        from structured.params import StructuredOutputsParams
+        from wideep.structured.params import StructuredOutputsParams
         compile_ms = {}
         for name, schema in SCHEMAS.items():   # a fresh compile each (not the cached one)
             t0 = time.perf_counter()

@@ -34,14 +34,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from attention_mla.kv_cache import LatentKVPool  # noqa: E402
-from attention_v4.attention import V4Attention  # noqa: E402
-from attention_v4.compressor import CompressorState  # noqa: E402
-from attention_v4.pool_layout import StreamGeometry  # noqa: E402
-from attention_v4.streams import LayerStreams, SequenceStreams, V4Meta  # noqa: E402
+from wideep.attention_mla.kv_cache import LatentKVPool  # noqa: E402
+from wideep.attention_v4.attention import V4Attention  # noqa: E402
+from wideep.attention_v4.compressor import CompressorState  # noqa: E402
+from wideep.attention_v4.pool_layout import StreamGeometry  # noqa: E402
+from wideep.attention_v4.streams import LayerStreams, SequenceStreams, V4Meta  # noqa: E402
 from bench.results import save  # noqa: E402
-from engine.model.model_config import ModelConfig  # noqa: E402
-from engine.worker.v4_runner import V4StreamCache  # noqa: E402
+from wideep.engine.model.model_config import ModelConfig  # noqa: E402
+from wideep.engine.worker.v4_runner import V4StreamCache  # noqa: E402
 
 SHAPE = dict(head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_lora_rank=1024, sliding_window=128,
              index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=8, num_experts_per_tok=2,
@@ -87,11 +87,11 @@ def measured(n: int) -> dict:
     """Prefill n tokens through one attention layer of each kind (released shapes, hidden 512, 2 heads) into the
     engine's pools: per kind, what the sequence holds of them (its slot + its blocks) beside the bytes of the
     data itself (the dense reference's streams after the same tokens)."""
-    from attention_mla.rope import RotaryEmbedding
-    from attention_v4.paged import PagedSequence, V4Pools
-    from engine.sampling_params import SamplingParams
-    from engine.sched.sequence import Sequence
-    from engine.sched.v4_blocks import V4BlockManager
+    from wideep.attention_mla.rope import RotaryEmbedding
+    from wideep.attention_v4.paged import PagedSequence, V4Pools
+    from wideep.engine.sampling_params import SamplingParams
+    from wideep.engine.sched.sequence import Sequence
+    from wideep.engine.sched.v4_blocks import V4BlockManager
     cfg = v4_config(hidden_size=512, num_attention_heads=2, o_groups=1,
                     layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
     att, kinds = cfg.v4.attention, cfg.v4.layer_kinds
@@ -153,7 +153,7 @@ def _fill(att, kind: str, L: int, g) -> LayerStreams:
 
 @torch.no_grad()
 def decode_ms(contexts: list[int], trials: int) -> dict:
-    from attention_mla.rope import RotaryEmbedding
+    from wideep.attention_mla.rope import RotaryEmbedding
     cfg = v4_config(**dict(MODELS["v4_flash"], layer_types=["sliding_attention", "compressed_sparse_attention",
                                                              "heavily_compressed_attention"]))
     att, g = cfg.v4.attention, torch.Generator().manual_seed(1)

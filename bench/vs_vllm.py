@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.results import save  # noqa: E402
-from cpu.linear import amx_bf16  # noqa: E402   (whether oneDNN has AMX tiles here: vLLM's CPU GEMMs lean on them)
+from wideep.cpu.linear import amx_bf16  # noqa: E402   (whether oneDNN has AMX tiles here: vLLM's CPU GEMMs lean on them)
 
 # DeepSeek-V3's attention dims (heads fewer), a few MoE layers
 MODEL = dict(vocab_size=4096, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
@@ -109,7 +109,7 @@ class Server:
         env = dict(os.environ)
         if engine == "wideep":
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-            cmd = [sys.executable, "-m", "launch", "serve", "--model", model, "--dtype", dtype, "--port", str(self.port),
+            cmd = [sys.executable, "-m", "wideep.launch", "serve", "--model", model, "--dtype", dtype, "--port", str(self.port),
                    "--served-model-name", NAME, "--max-num-seqs", str(max_seqs)]
             env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         else:
@@ -206,7 +206,7 @@ OFFLINE_WIDEEP = r"""
 import json, sys, time
 import torch
 torch.set_num_threads(1)
-from engine import LLM, SamplingParams
+from wideep.engine import LLM, SamplingParams
 model, dtype, path = sys.argv[1], sys.argv[2], sys.argv[3]
 prompts = json.load(open(path))
 llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_seqs=len(prompts), progress=False)
@@ -267,7 +267,7 @@ def main() -> None:
     vllm_py = ensure_vllm(a.vllm_venv)
     vllm_version = subprocess.run([vllm_py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                                   text=True).stdout.strip()
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     result = {"model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
                                               "n_routed_experts", "num_experts_per_tok", "vocab_size")},
               "vllm": vllm_version, "input_len": a.input_len, "output_len": a.output_len, "cores": "server 0, client 1",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.step_plan import StepPlan
+from wideep.parallel.step_plan import StepPlan
 
 from .schedule import run_overlapped
 from .split import SplitConfig
@@ -55,7 +55,7 @@ class Overlap:
     def __init__(self, model, ctx):
         import torch.distributed as dist
 
-        from parallel.comm_stream import CommStream
+        from wideep.parallel.comm_stream import CommStream
         self.model = model
         self.streams: list[CommStream] = []
         d = model.dispatcher

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import torch
 
-    from attention_mla.meta import AttnMeta
-    from parallel.dispatch import Dispatcher
-    from parallel.step_plan import StepPlan
+    from wideep.attention_mla.meta import AttnMeta
+    from wideep.parallel.dispatch import Dispatcher
+    from wideep.parallel.step_plan import StepPlan
 
 
 class OpStateError(RuntimeError):

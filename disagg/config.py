@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from parallel.expert_layout import ExpertLayout
+from wideep.parallel.expert_layout import ExpertLayout
 
 KV_TRANSFER_BACKENDS = ("torch", "nixl", "mooncake")
 _POOL_KEYS = ("dp_size", "ep_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks")

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.front.engine import Engine
-from engine.front.front import Domain
-from engine.worker.messages import Abort, NewRequest
-from engine.front.outputs import RequestState
-from engine.worker.rank_loop import RankHooks, delta_of
-from engine.sampling_params import SamplingParams
+from wideep.engine.front.engine import Engine
+from wideep.engine.front.front import Domain
+from wideep.engine.worker.messages import Abort, NewRequest
+from wideep.engine.front.outputs import RequestState
+from wideep.engine.worker.rank_loop import RankHooks, delta_of
+from wideep.engine.sampling_params import SamplingParams
 
 from .receiver import KVReceiver
 

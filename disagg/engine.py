@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from engine.model.model_config import ModelConfig
-from parallel import ParallelConfig, bootstrap, check_agreement, fingerprint, launch_world_size
-from parallel.watchdog import guard_collective
+from wideep.engine.model.model_config import ModelConfig
+from wideep.parallel import ParallelConfig, bootstrap, check_agreement, fingerprint, launch_world_size
+from wideep.parallel.watchdog import guard_collective
 
 from .config import DisaggConfig
 from .decode import DecodeHooks, DisaggEngine
@@ -54,7 +54,7 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     _check_options(options, par)
     par = {k: v for k, v in par.items() if k not in ("dp_size", "ep_size")}
     mcfg = ModelConfig.from_dir(model)
-    from engine.spec_decode import SpeculativeConfig
+    from wideep.engine.spec_decode import SpeculativeConfig
     spec = SpeculativeConfig.coerce(options.get("speculative_config", options.get("speculative")))
     if mcfg.v4 is not None and spec.method == "mtp":
         raise ValueError("speculative method 'mtp' with DeepSeek-V4 is not supported with prefill/decode "

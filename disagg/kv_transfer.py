@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallel.watchdog import guard_collective
+from wideep.parallel.watchdog import guard_collective
 
 _NO_DEADLINE = timedelta(days=1)
 _OPTIONAL = {"nixl": "nixl", "mooncake": "mooncake.engine"}

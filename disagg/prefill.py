@@ -33,10 +33,10 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from attention_v4.transfer import gather
-from engine.spec_decode.speculator import Speculator
-from engine.worker.messages import Abort, NewRequest
-from engine.worker.rank_loop import RankHooks
+from wideep.attention_v4.transfer import gather
+from wideep.engine.spec_decode.speculator import Speculator
+from wideep.engine.worker.messages import Abort, NewRequest
+from wideep.engine.worker.rank_loop import RankHooks
 
 from .kv_transfer import Handle, send_object
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from attention_v4.transfer import pieces, scatter, staging as v4_staging
-from engine.worker.core import EngineCore
-from engine.sched.sequence import Sequence
-from parallel.watchdog import guard_collective
+from wideep.attention_v4.transfer import pieces, scatter, staging as v4_staging
+from wideep.engine.worker.core import EngineCore
+from wideep.engine.sched.sequence import Sequence
+from wideep.parallel.watchdog import guard_collective
 
 from .kv_transfer import TorchKVTransfer, recv_object
 

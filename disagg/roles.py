@@ -14,7 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from parallel.context import ParallelContext
+from wideep.parallel.context import ParallelContext
 
 from .config import DisaggConfig
 from .kv_transfer import TorchKVTransfer, make_kv_transfer

@@ -13,10 +13,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dbo.overlap import DboConfig
-from eplb.config import EplbConfig
-from kvstore.config import KVCacheConfig
-from parallel.config import ParallelConfig
+from wideep.dbo.overlap import DboConfig
+from wideep.eplb.config import EplbConfig
+from wideep.kvstore.config import KVCacheConfig
+from wideep.parallel.config import ParallelConfig
 
 from .spec_decode.config import SpeculativeConfig
 
@@ -73,19 +73,19 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
-        from attention_mla.paged_decode import ATTENTION_BACKENDS
-        from moe.backend import EXPERTS_BACKENDS
+        from wideep.attention_mla.paged_decode import ATTENTION_BACKENDS
+        from wideep.moe.backend import EXPERTS_BACKENDS
         for name, allowed in (("experts_backend", EXPERTS_BACKENDS), ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.kv_cache.tiers and not self.enable_prefix_caching:
             raise ValueError(f"kv_cache.tiers {list(self.kv_cache.tiers)} keep prefix-cache blocks: they need "
                              f"enable_prefix_caching = true")
-        from structured.backend import BACKENDS
+        from wideep.structured.backend import BACKENDS
         if self.structured_outputs_backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {list(BACKENDS)}, "
                              f"got {self.structured_outputs_backend!r}")
-        from attention_mla.fp8_cache import check_kv_cache_dtype
+        from wideep.attention_mla.fp8_cache import check_kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)
         from .model.build import DTYPES
         if self.dtype not in DTYPES:
@@ -175,7 +175,7 @@ def _sizes(par: dict, world_size: int | None) -> dict:
     environment before anything connects, so one config serves 1 and N ranks."""
     if par.get("dp_size", "auto") == "auto" or par.get("ep_size", "auto") == "auto":
         if world_size is None:
-            from parallel import launch_world_size
+            from wideep.parallel import launch_world_size
             world_size = launch_world_size()
         for key in ("dp_size", "ep_size"):
             if par.get(key, "auto") == "auto":

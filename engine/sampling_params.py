@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from structured.params import StructuredOutputsParams
+from wideep.structured.params import StructuredOutputsParams
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by a
 # smaller one overflows them to inf, and softmax of inf is NaN.

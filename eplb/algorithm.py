@@ -36,7 +36,7 @@ Example (the input of DeepSeek's README: 2 layers, 12 experts, 4 groups, 2 nodes
 
 import torch
 
-from eplb._packing import improve_by_swaps, pack_items, replicate, stabilize_slots
+from wideep.eplb._packing import improve_by_swaps, pack_items, replicate, stabilize_slots
 
 __all__ = ["rebalance_experts", "balancedness", "moved_slots"]
 

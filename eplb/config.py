@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from parallel.expert_layout import ExpertLayout
+from wideep.parallel.expert_layout import ExpertLayout
 
 POLICIES = ("auto", "hierarchical", "global")
 

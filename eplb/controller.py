@@ -21,11 +21,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from eplb.algorithm import balancedness
-from eplb.config import EplbConfig
-from eplb.rebalancer import Rebalance, plan_placement
-from eplb.recorder import LoadRecorder
-from parallel.watchdog import guard_collective
+from wideep.eplb.algorithm import balancedness
+from wideep.eplb.config import EplbConfig
+from wideep.eplb.rebalancer import Rebalance, plan_placement
+from wideep.eplb.recorder import LoadRecorder
+from wideep.parallel.watchdog import guard_collective
 
 
 class EplbController:

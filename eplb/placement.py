@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eplb.algorithm import _invert
-from parallel.expert_layout import ExpertLayout
+from wideep.eplb.algorithm import _invert
+from wideep.parallel.expert_layout import ExpertLayout
 
 
 def read_json(path: str, what: str):

@@ -20,10 +20,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from eplb.algorithm import rebalance_experts
-from eplb.placement import Placement
-from eplb.transfer import expert_bytes, plan_moves, stage_layer, swap_layer
-from parallel.watchdog import RankLostError, guard_collective
+from wideep.eplb.algorithm import rebalance_experts
+from wideep.eplb.placement import Placement
+from wideep.eplb.transfer import expert_bytes, plan_moves, stage_layer, swap_layer
+from wideep.parallel.watchdog import RankLostError, guard_collective
 
 
 def plan_placement(load: torch.Tensor, current: Placement, ep_size: int, num_groups: int, num_nodes: int,

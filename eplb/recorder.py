@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.expert_layout import ExpertLayout
+from wideep.parallel.expert_layout import ExpertLayout
 
 
 class LoadRecorder:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eplb.algorithm import rebalance_experts
+from wideep.eplb.algorithm import rebalance_experts
 
 LOCAL, PEER, CHECKPOINT = "local", "peer", "checkpoint"
 

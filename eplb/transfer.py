@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.expert_layout import ExpertLayout
-from parallel.watchdog import guard_collective
+from wideep.parallel.expert_layout import ExpertLayout
+from wideep.parallel.watchdog import guard_collective
 
 
 @dataclass(frozen=True)

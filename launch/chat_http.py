@@ -17,7 +17,7 @@ import time
 
 from aiohttp import web
 
-from engine.front.async_engine import EngineDeadError
+from wideep.engine.front.async_engine import EngineDeadError
 
 from . import reasoning, tool_parsers
 from .chat import BadRequest, ChatRequest, parse_chat

@@ -1,4 +1,4 @@
-"""`wideep …` (= `python -m launch …`): make-tiny, generate, demo, run, serve."""
+"""`wideep …` (= `python -m wideep.launch …`): make-tiny, generate, demo, run, serve."""
 from __future__ import annotations
 
 import argparse

@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from parallel.expert_layout import ExpertLayout
+from wideep.parallel.expert_layout import ExpertLayout
 
 
 def _read_stats(path: str) -> dict:
-    from eplb.placement import read_json
+    from wideep.eplb.placement import read_json
     stats = read_json(path, "load stats")
     if not isinstance(stats, dict) or "load" not in stats:
         raise ValueError(f"load stats {path!r} need a \"load\" key: [moe_layers][experts]")
@@ -33,8 +33,8 @@ def plan(stats: dict, ep_size: int | None = None, num_redundant_experts: int | N
          num_groups: int | None = None, num_nodes: int | None = None, policy: str = "auto",
          from_scratch: bool = False) -> dict:
     """-> {"current": Placement | None, "new": Placement, "summary": dict} for a stats dict."""
-    from eplb import Placement, balancedness, moved_slots
-    from eplb.rebalancer import plan_placement
+    from wideep.eplb import Placement, balancedness, moved_slots
+    from wideep.eplb.rebalancer import plan_placement
     load = stats["load"]
     L, E = load.shape
     current = Placement.from_phy2log(stats["phy2log"], E) if stats.get("phy2log") is not None else None
@@ -70,8 +70,8 @@ def draw_report(load: torch.Tensor, before, after, ep_size: int, out: str, title
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from eplb import balancedness
-    from eplb.placement import rank_load
+    from wideep.eplb import balancedness
+    from wideep.eplb.placement import rank_load
     load = torch.as_tensor(load, dtype=torch.float64)
     rb, ra = rank_load(load, before, ep_size), rank_load(load, after, ep_size)
     bb, ba = balancedness(load, torch.as_tensor(before), ep_size), balancedness(load, torch.as_tensor(after), ep_size)
@@ -107,7 +107,7 @@ def cmd_plan(a) -> None:
 
 
 def cmd_report(a) -> None:
-    from eplb import Placement
+    from wideep.eplb import Placement
     stats = _read_stats(a.load)
     ep = a.ep_size or stats.get("ep_size") or 1
     if a.placement:

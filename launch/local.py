@@ -50,10 +50,10 @@ def start_ranks(cmd: list[str], nprocs: int, base: dict | None = None, **popen) 
 
 def run_local_ranks(argv: list[str], nprocs: int, timeout_s: float = 600.0, *, cmd: list[str] | None = None,
                     capture: bool = False):
-    """Run `python -m launch <argv>` (or `cmd`) on nprocs local ranks; rank 0's output goes to ours
+    """Run `python -m wideep.launch <argv>` (or `cmd`) on nprocs local ranks; rank 0's output goes to ours
     (or is captured), the others' only when they fail. -> the worst exit status (non-zero if any rank
     failed or timed out), and rank 0's stdout when capture is set."""
-    cmd = cmd or [sys.executable, "-m", "launch", *argv]
+    cmd = cmd or [sys.executable, "-m", "wideep.launch", *argv]
     procs = start_ranks(cmd, nprocs, stdout=lambda r: None if r == 0 and not capture else subprocess.PIPE,
                         stderr=lambda r: None if r == 0 else subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s

@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from engine.sampling_params import CompletionOutput, SamplingParams
+from wideep.engine.sampling_params import CompletionOutput, SamplingParams
 
 from .errors import BadRequest
 from .structured_api import structured_of

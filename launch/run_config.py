@@ -88,8 +88,8 @@ class RunSection:
 
 def _sections() -> dict[str, set[str]]:
     """Every section's keys, from the dataclasses that parse them (never a hand-kept list)."""
-    from disagg.config import DisaggConfig
-    from engine.engine_config import EngineConfig
+    from wideep.disagg.config import DisaggConfig
+    from wideep.engine.engine_config import EngineConfig
     out = EngineConfig.section_keys()
     for name, cls in (("server", ServerSection), ("run", RunSection), ("disagg", DisaggConfig)):
         out[name] = {f.name for f in dataclasses.fields(cls)}
@@ -112,10 +112,10 @@ def validate(cfg: dict[str, Any], source: str = "run config", require_model: boo
             raise ValueError(f"{source}: unknown keys {unknown} in [{section}] (known: {sorted(SECTIONS[section])})")
     if require_model and "path" not in cfg.get("model", {}):
         raise ValueError(f"{source}: [model] path is required")
-    from engine.engine_config import EngineConfig
+    from wideep.engine.engine_config import EngineConfig
     sections = dict(cfg, model=dict(cfg.get("model", {})))
     sections["model"].setdefault("path", "<given on the command line>")
-    from disagg.config import DisaggConfig
+    from wideep.disagg.config import DisaggConfig
     parsers = [("", lambda: EngineConfig.from_sections(sections, world_size=1)),
                ("[server] ", lambda: ServerSection(**cfg.get("server", {}))),
                ("[run] ", lambda: RunSection(**cfg.get("run", {}))),
@@ -156,7 +156,7 @@ def override(cfg: dict[str, Any], **flags: Any) -> dict[str, Any]:
 
 def sampling_params(cfg: dict[str, Any]):
     """SamplingParams from [run] (temperature 0, max_tokens 16 unless set)."""
-    from engine.sampling_params import SamplingParams
+    from wideep.engine.sampling_params import SamplingParams
     r = cfg.get("run", {})
     return SamplingParams(temperature=r.get("temperature", 0.0), top_p=r.get("top_p", 1.0), top_k=r.get("top_k", -1),
                           max_tokens=r.get("max_tokens", 16), seed=r.get("seed"))

@@ -33,8 +33,8 @@ import traceback
 
 from aiohttp import web
 
-from engine.front.async_engine import AsyncEngine, EngineDeadError
-from engine.generation_defaults import generation_defaults
+from wideep.engine.front.async_engine import AsyncEngine, EngineDeadError
+from wideep.engine.generation_defaults import generation_defaults
 
 from . import chat_http, prometheus, tokenize_api
 from .cors import Cors
@@ -311,8 +311,8 @@ def serving_defaults(kwargs: dict) -> dict:
 
 def serve(cfg: dict) -> int:
     """Every rank: build the Engine from the run config; rank 0 serves HTTP, the others follow it."""
-    from engine.front.engine import Engine
-    from parallel import launch_rank
+    from wideep.engine.front.engine import Engine
+    from wideep.parallel import launch_rank
 
     from . import run_config
     if launch_rank() != 0:
@@ -324,7 +324,7 @@ def serve(cfg: dict) -> int:
             signal.signal(sig, signal.SIG_IGN)
     kwargs = serving_defaults(run_config.llm_kwargs(cfg))
     if kwargs.get("disagg") is not None:  # prefill/decode pools: rank 0 (the front) is a decode rank
-        from disagg import make_engine
+        from wideep.disagg import make_engine
         engine = make_engine(**kwargs)
     else:
         engine = Engine(**kwargs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import uuid
 
-from structured.params import StructuredOutputsParams
+from wideep.structured.params import StructuredOutputsParams
 
 from .errors import BadRequest
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from moe.fp8 import quantize_fp8_block
+from wideep.moe.fp8 import quantize_fp8_block
 
 from .tiny_chat import SPECIALS, chat_template
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel.device import triton_unusable
+from wideep.parallel.device import triton_unusable
 
 EXPERTS_BACKENDS = ("auto", "torch", "cpu", "triton", "deepgemm")
 
@@ -58,7 +58,7 @@ def resolve_experts_backend(name: str, device: torch.device | str, dtype: torch.
         raise ValueError(f"experts_backend {name!r} is not one of {EXPERTS_BACKENDS}")
     dev = torch.device(device)
     if name == "cpu" or (name == "auto" and dev.type != "cuda"):
-        from cpu.build import unusable_for
+        from wideep.cpu.build import unusable_for
         why_not_cpu = unusable_for(dev, dtype)
         if name == "cpu" and why_not_cpu is not None:
             raise ValueError(f"experts_backend 'cpu' is not usable: {why_not_cpu}")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layers import NATIVE, Kernels
+from wideep.layers import NATIVE, Kernels
 
 from .fp4 import FP4_BLOCK, dequantize_fp4
 from .fp8 import FP8_DTYPE, dequantize_experts_fp8

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from layers import NATIVE, Kernels
+from wideep.layers import NATIVE, Kernels
 
 from .config import MoEConfig
 

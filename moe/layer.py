@@ -24,12 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dbo.schedule import YIELD, run_sequential
-from dbo.state import Microbatch, OpState
-from layers import MLP, NATIVE, Kernels
-from parallel.expert_layout import ExpertLayout
-from parallel.expert_routing import LayerRouting
-from parallel.step_plan import StepPlan
+from wideep.dbo.schedule import YIELD, run_sequential
+from wideep.dbo.state import Microbatch, OpState
+from wideep.layers import MLP, NATIVE, Kernels
+from wideep.parallel.expert_layout import ExpertLayout
+from wideep.parallel.expert_routing import LayerRouting
+from wideep.parallel.step_plan import StepPlan
 
 from .config import MoEConfig
 from .experts import Experts
@@ -162,8 +162,8 @@ class MoELayer(nn.Module):
         """x [T, H] -> [T, H]: ops() in order. dispatcher: the EP group's (default: this layer on its
         own, every expert local, which needs a one-rank shard)."""
         if dispatcher is None:
-            from parallel.context import ParallelContext
-            from parallel.dispatch import LocalDispatcher
+            from wideep.parallel.context import ParallelContext
+            from wideep.parallel.dispatch import LocalDispatcher
             if self.shard.ep_size != 1:
                 raise ValueError(f"an MoE layer with ep_size {self.shard.ep_size} needs its EP group's dispatcher")
             dispatcher = LocalDispatcher(ParallelContext.single(x.device), self.shard.num_physical, self.cfg.hidden_size)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel.device import triton_interpreting
+from wideep.parallel.device import triton_interpreting
 
 from .align import Alignment, align_by_expert
 from .fp8 import FP8_DTYPE

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel.device import triton_interpreting
+from wideep.parallel.device import triton_interpreting
 
 from .fp8 import FP8_DTYPE, FP8_MAX
 

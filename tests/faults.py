@@ -8,7 +8,7 @@ import time
 
 def sigkill_at_step(n: int) -> None:
     """This process kills itself (SIGKILL, no cleanup) when it starts its n-th model step."""
-    import engine.worker.runner as runner
+    import wideep.engine.worker.runner as runner
     execute = runner.ModelRunner.execute
     steps = {"n": 0}
 

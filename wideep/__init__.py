@@ -2,13 +2,14 @@
 
     from wideep import LLM, SamplingParams, Engine, AsyncEngine, StructuredOutputsParams
 
-The implementation lives in the layout's top-level packages (engine, moe, parallel, ...); this module
-only re-exports what users build on, so their imports do not depend on that layout.
+The implementation is wideep's subpackages (wideep.engine, wideep.moe, wideep.parallel, ...: the repository's
+top-level folders, mapped under this name by setup.py); this module re-exports what users build on, so
+their imports do not depend on that layout.
 """
 from importlib.metadata import PackageNotFoundError, version
 
-from engine import AsyncEngine, CompletionOutput, ConfigError, Engine, ModelConfig, RequestOutput, SamplingParams
-from structured import StructuredOutputsParams
+from wideep.engine import AsyncEngine, CompletionOutput, ConfigError, Engine, ModelConfig, RequestOutput, SamplingParams
+from wideep.structured import StructuredOutputsParams
 
 from .llm import LLM
 

@@ -2,7 +2,7 @@
 itself cannot build (disagg/ is built on the engine; the engine never imports it)."""
 from __future__ import annotations
 
-from engine.front.llm import LLM as _LLM
+from wideep.engine.front.llm import LLM as _LLM
 
 
 class LLM(_LLM):
@@ -12,6 +12,6 @@ class LLM(_LLM):
     def __init__(self, model: str, disagg=None, **options):
         engine = None
         if disagg is not None:
-            from disagg import make_engine
+            from wideep.disagg import make_engine
             engine = make_engine(model, disagg=disagg, **options)
         super().__init__(model, engine=engine, **({} if engine is not None else options))

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import threading
 
-from kvstore.router import PrefixRouter
-from parallel.watchdog import RankLostError, raise_if_lost
+from wideep.kvstore.router import PrefixRouter
+from wideep.parallel.watchdog import RankLostError, raise_if_lost
 
 from ..sampling_params import RequestOutput, SamplingParams
 from ..worker.channel import FrontChannel, RankChannel, agree_name, local_pair
@@ -186,7 +186,7 @@ class Engine:
         if self.front is not None:
             self.front.channel.close()
         if not self._job.is_single:
-            from parallel import shutdown
+            from wideep.parallel import shutdown
             shutdown(self._job)
 
     # -- workers ------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from kvstore.metrics import tier_totals
+from wideep.kvstore.metrics import tier_totals
 
 from ..sampling_params import RequestOutput
 from ..worker.messages import Abort, Command, NewRequest, Report, Wake

@@ -12,7 +12,7 @@ import itertools
 
 import torch.distributed as dist
 
-from parallel.watchdog import guard_collective
+from wideep.parallel.watchdog import guard_collective
 
 from ..generation_defaults import generation_defaults
 from ..sampling_params import RequestOutput, SamplingParams

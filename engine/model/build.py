@@ -7,15 +7,15 @@ import re
 
 import torch
 
-from attention_mla.paged_decode import resolve_attention_backend
-from eplb.config import EplbConfig
-from eplb.placement import Placement
-from layers import NATIVE, Kernels
-from moe.backend import ExpertsChoice, resolve_experts_backend
-from moe.fp8_linear import Fp8Linear
-from moe.layer import ExpertShard
-from parallel.context import ParallelContext
-from parallel.dispatch import make_dispatcher
+from wideep.attention_mla.paged_decode import resolve_attention_backend
+from wideep.eplb.config import EplbConfig
+from wideep.eplb.placement import Placement
+from wideep.layers import NATIVE, Kernels
+from wideep.moe.backend import ExpertsChoice, resolve_experts_backend
+from wideep.moe.fp8_linear import Fp8Linear
+from wideep.moe.layer import ExpertShard
+from wideep.parallel.context import ParallelContext
+from wideep.parallel.dispatch import make_dispatcher
 
 from .model_config import ModelConfig
 from .loader import (CheckpointReader, expert_ignore, load_weights, text_model_rename, v4_ignore, v4_mtp_blocks,
@@ -159,8 +159,8 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                                      dispatch_backend, dtype=dtype, **(dispatch_options or {}))
     kernels, plan = NATIVE, None
     if "cpu" in (experts.backend, attention):
-        from cpu.decode_plan import DecodePlan
-        from cpu.kernels import table
+        from wideep.cpu.decode_plan import DecodePlan
+        from wideep.cpu.kernels import table
         kernels = Kernels.from_table("cpu", table())
         plan = functools.partial(DecodePlan, fuse_stack=fuse_decode_stack)
     model = DeepseekModel(cfg, device=device, dtype=dtype, shard=shard, dispatcher=dispatcher,
@@ -203,7 +203,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
         drafter.eval()
     object.__setattr__(model, "drafter", drafter)   # not a submodule: the target's parameters and targets stay its own
     if kernels.name == "cpu":   # the CPU decode streams the weights: 2 MiB pages stream faster (cpu/huge_pages.py)
-        from cpu.huge_pages import collapse_module
+        from wideep.cpu.huge_pages import collapse_module
         model.huge_page_bytes = collapse_module(model) + (collapse_module(drafter) if drafter is not None else 0)
     return model.eval()
 
@@ -219,7 +219,7 @@ def _v4_experts(reader, cfg, device, dtype, experts_backend: str, quantization: 
     if experts_backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"DeepSeek-V4 experts (clamped SwiGLU) run on the torch or cpu backend, not experts_backend "
                          f"{experts_backend!r}")
-    from cpu.build import unusable_for
+    from wideep.cpu.build import unusable_for
     stored = next((n for n in sorted(reader.names) if _V4_EXPERT.match(n)), None)
     H, I = cfg.hidden_size, cfg.moe.moe_intermediate_size
     why_not = ("the checkpoint's routed experts are not FP4" if stored is None or not reader.is_fp4(stored)
@@ -235,7 +235,7 @@ def _v4_experts(reader, cfg, device, dtype, experts_backend: str, quantization: 
     why_not_cpu = unusable_for(torch.device(device), dtype)
     if why_not_cpu is not None:
         raise ValueError(f"experts_backend 'cpu' is not usable: {why_not_cpu}")
-    from cpu.kernels import table
+    from wideep.cpu.kernels import table
     return ExpertsChoice("cpu", keep_fp8=False, keep_fp4=why_not is None), Kernels(name="cpu", experts=table()["experts"])
 
 
@@ -249,7 +249,7 @@ def _load_v4(model_dir, cfg, dtype, device, progress, ctx, dispatch_backend, num
     if attention_backend not in ("auto", "torch"):
         raise ValueError(f"DeepSeek-V4 attention runs on the torch backend only, not attention_backend "
                          f"{attention_backend!r}")
-    from attention_v4.fp8 import check_v4_kv_cache_dtype
+    from wideep.attention_v4.fp8 import check_v4_kv_cache_dtype
     check_v4_kv_cache_dtype(kv_cache_dtype)
     eplb = EplbConfig.coerce(eplb)
     ep_rank, ep_size = (ctx.ep_rank, ctx.ep_size) if ctx is not None else (0, 1)

@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from moe.fp4 import PACKED_DTYPES, dequantize_fp4, scale_to_e8m0, scale_to_float
-from moe.fp8 import FP8_DTYPE, dequantize_fp8_block
+from wideep.moe.fp4 import PACKED_DTYPES, dequantize_fp4, scale_to_e8m0, scale_to_float
+from wideep.moe.fp8 import FP8_DTYPE, dequantize_fp8_block
 
 log = logging.getLogger("wideep.loader")
 

@@ -16,18 +16,18 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from attention_mla.meta import AttnMeta
-from attention_mla.mla import MLA
-from attention_mla.rope import RotaryEmbedding
-from attention_mla.sparse_mla import SparseMLA
-from dbo.schedule import YIELD
-from dbo.state import Microbatch, OpState
-from layers import MLP, NATIVE, Kernels, RMSNorm
-from moe.backend import ExpertsChoice
-from moe.fp8_linear import Fp8Linear
-from moe.layer import ExpertShard, MoELayer
-from parallel.expert_routing import ExpertRouting
-from parallel.step_plan import StepPlan
+from wideep.attention_mla.meta import AttnMeta
+from wideep.attention_mla.mla import MLA
+from wideep.attention_mla.rope import RotaryEmbedding
+from wideep.attention_mla.sparse_mla import SparseMLA
+from wideep.dbo.schedule import YIELD
+from wideep.dbo.state import Microbatch, OpState
+from wideep.layers import MLP, NATIVE, Kernels, RMSNorm
+from wideep.moe.backend import ExpertsChoice
+from wideep.moe.fp8_linear import Fp8Linear
+from wideep.moe.layer import ExpertShard, MoELayer
+from wideep.parallel.expert_routing import ExpertRouting
+from wideep.parallel.step_plan import StepPlan
 
 from .model_config import ModelConfig
 

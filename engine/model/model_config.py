@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from attention_mla.config import DSAConfig, MLAConfig, RopeConfig
-from moe.config import MoEConfig
+from wideep.attention_mla.config import DSAConfig, MLAConfig, RopeConfig
+from wideep.moe.config import MoEConfig
 
 from .config_fields import ConfigError, config_int as _int
 from .v4_config import V4Config, parse_v4

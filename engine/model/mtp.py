@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dbo.schedule import YIELD
-from dbo.state import Microbatch, OpState
+from wideep.dbo.schedule import YIELD
+from wideep.dbo.state import Microbatch, OpState
 
 from .model import DecoderLayer, _materialize, _skip_init, expert_targets
 
@@ -51,7 +51,7 @@ class MTPLayer(nn.Module):
         self.embed, self.dispatcher, self.rope = model.model.embed_tokens, model.dispatcher, model.rope
         self.kernels = model.kernels
         dt, opt = dtype or model.dtype, model.layer_options
-        from layers import RMSNorm
+        from wideep.layers import RMSNorm
         with torch.device("meta"), _skip_init():
             H, eps, k = cfg.hidden_size, cfg.rms_norm_eps, model.kernels
             self.enorm = RMSNorm(H, eps, dtype=dt, kernels=k)
@@ -153,7 +153,7 @@ class MTPLayer(nn.Module):
         call = self.decode_plan.extra_layer_call(self.layer, mb, token_ids.shape[0])
         if call is None:
             return None
-        from cpu import fused
+        from wideep.cpu import fused
         desc, w = call
         table, lens, max_len = meta.paged_decode_tables(self.layer.self_attn.mode)
         cos, sin = self.rope.cos_sin(meta.positions, max_position=max(meta.ctx_lens) - 1)
@@ -180,7 +180,7 @@ class MTPLayer(nn.Module):
         """Whether the pass's own weights fit fused.mtp_pass (the layer's are the decode plan's to judge): the norms,
         eh_proj and the head bias-free CPU tensors of one dtype, float32 or bfloat16, the embeddings either."""
         if self._fuse is None:
-            from cpu.decode_plan import WEIGHT_DTYPES
+            from wideep.cpu.decode_plan import WEIGHT_DTYPES
             ws = [self.enorm.weight, self.hnorm.weight, self.eh_proj.weight, self.norm.weight, self.head.weight]
             e = self.embed.weight
             self._fuse = (self.decode_plan is not None and ws[0].dtype in WEIGHT_DTYPES

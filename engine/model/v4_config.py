@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from attention_mla.config import RopeConfig
-from attention_v4.config import KINDS, V4AttentionConfig
-from moe.config import MoEConfig
+from wideep.attention_mla.config import RopeConfig
+from wideep.attention_v4.config import KINDS, V4AttentionConfig
+from wideep.moe.config import MoEConfig
 
 from .config_fields import ConfigError, config_int
 

@@ -17,17 +17,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attention_mla.rope import RotaryEmbedding
-from attention_v4.attention import V4Attention
-from attention_v4.streams import SequenceStreams, V4Meta
-from dbo.schedule import YIELD
-from dbo.state import Microbatch, OpState
-from layers import NATIVE, Kernels, RMSNorm
-from layers.hyper_connection import HyperConnection, HyperHead
-from moe.backend import ExpertsChoice
-from moe.layer import ExpertShard, MoELayer
-from parallel.expert_routing import ExpertRouting
-from parallel.step_plan import StepPlan
+from wideep.attention_mla.rope import RotaryEmbedding
+from wideep.attention_v4.attention import V4Attention
+from wideep.attention_v4.streams import SequenceStreams, V4Meta
+from wideep.dbo.schedule import YIELD
+from wideep.dbo.state import Microbatch, OpState
+from wideep.layers import NATIVE, Kernels, RMSNorm
+from wideep.layers.hyper_connection import HyperConnection, HyperHead
+from wideep.moe.backend import ExpertsChoice
+from wideep.moe.layer import ExpertShard, MoELayer
+from wideep.parallel.expert_routing import ExpertRouting
+from wideep.parallel.step_plan import StepPlan
 
 from .model import _materialize, _skip_init
 from .model_config import ModelConfig
@@ -157,8 +157,8 @@ class DeepseekV4Model(nn.Module):
         for layer in [*self.layers, *self.mtp]:   # the router keeps fp32 whatever the model dtype
             layer.ffn.gate.float()
         if dispatcher is None:   # one process, every expert local
-            from parallel.context import ParallelContext
-            from parallel.dispatch import LocalDispatcher
+            from wideep.parallel.context import ParallelContext
+            from wideep.parallel.dispatch import LocalDispatcher
             if sh.ep_size != 1:
                 raise ValueError(f"a DeepSeek-V4 model on {sh.ep_size} EP ranks needs its EP group's dispatcher")
             self.dispatcher = LocalDispatcher(ParallelContext.single(device), sh.num_physical, cfg.hidden_size)

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from attention_mla.kv_cache import BlockAllocator
-from kvstore.events import HeldLog, KVEvents
-from kvstore.hashing import chain, prefix_chain
+from wideep.attention_mla.kv_cache import BlockAllocator
+from wideep.kvstore.events import HeldLog, KVEvents
+from wideep.kvstore.hashing import chain, prefix_chain
 
 from .sequence import Sequence
 

@@ -26,10 +26,10 @@ first while the sequence waits. Hits are counted in pool blocks per tier.
 """
 from __future__ import annotations
 
-from attention_mla.kv_cache import BlockAllocator
-from attention_v4.pool_layout import StreamGeometry, StreamTables
-from kvstore.events import HeldLog
-from kvstore.hashing import chain, prefix_chain
+from wideep.attention_mla.kv_cache import BlockAllocator
+from wideep.attention_v4.pool_layout import StreamGeometry, StreamTables
+from wideep.kvstore.events import HeldLog
+from wideep.kvstore.hashing import chain, prefix_chain
 
 from .block_manager import PrefixMatch
 from .sequence import Sequence

@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from parallel.watchdog import guard_collective
+from wideep.parallel.watchdog import guard_collective
 
 
 def agree_name(ctx) -> str:

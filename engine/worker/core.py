@@ -15,11 +15,11 @@ from typing import Sequence as Seq
 
 import torch
 
-from attention_mla.fp8_cache import latent_layout
-from attention_v4.fp8 import V4_KV_CACHE_DTYPES
-from attention_mla.kv_cache import LatentKVPool
-from kvstore.events import HeldLog
-from parallel.context import ParallelContext
+from wideep.attention_mla.fp8_cache import latent_layout
+from wideep.attention_v4.fp8 import V4_KV_CACHE_DTYPES
+from wideep.attention_mla.kv_cache import LatentKVPool
+from wideep.kvstore.events import HeldLog
+from wideep.parallel.context import ParallelContext
 
 from ..engine_config import EngineConfig
 from ..model.build import load_model, parse_dtype
@@ -57,7 +57,7 @@ def freeze_startup_heap() -> None:
 def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
     """Validate the layout against the launcher's world size and the experts (the same error on every
     rank, before connecting), then join the other ranks — or one process, CUDA when present."""
-    from parallel import bootstrap, launch_world_size
+    from wideep.parallel import bootstrap, launch_world_size
     world = launch_world_size()
     pcfg = cfg.parallel
     if cfg.eplb.num_redundant_experts or pcfg.num_redundant_experts:
@@ -90,12 +90,12 @@ class EngineCore:
             refuse_v4(cfg)
         self.ctx = ctx = ctx if ctx is not None else connect(cfg, mcfg)
         if not ctx.is_single:
-            from parallel import check_agreement, fingerprint
+            from wideep.parallel import check_agreement, fingerprint
             check_agreement(ctx, fingerprint([asdict(mcfg), cfg.to_dict()]), "model config / engine config")
         self.model_dir = cfg.model
         device = cfg.device or str(ctx.device)
         pcfg = cfg.parallel
-        from parallel.comm_stream import SimulatedNetwork
+        from wideep.parallel.comm_stream import SimulatedNetwork
         self.dispatch_options = dict(low_latency_max_tokens=pcfg.deepep_low_latency_max_tokens,
                                      torch_low_latency_max_tokens=pcfg.torch_low_latency_max_tokens,
                                      link=SimulatedNetwork.from_config(pcfg))
@@ -109,7 +109,7 @@ class EngineCore:
                                            else None))
         self.eplb = None
         if cfg.eplb.enabled and mcfg.moe is not None:
-            from eplb.controller import EplbController
+            from wideep.eplb.controller import EplbController
             self.eplb = EplbController(self.model, ctx, cfg.eplb)
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
@@ -130,10 +130,10 @@ class EngineCore:
             self.scheduler.speculator = Speculator(cfg.speculative)
         overlap, self.auto = None, None
         if self._dbo_on():
-            from dbo.overlap import Overlap
+            from wideep.dbo.overlap import Overlap
             overlap = Overlap(self.model, ctx)  # collective: every rank builds its groups
             if cfg.dbo.enabled == "auto":
-                from dbo.auto import AutoSwitch
+                from wideep.dbo.auto import AutoSwitch
                 self.auto = AutoSwitch()
         self.runner = (ModelRunner if mcfg.v4 is None else V4Runner)(self.model, self.kv, overlap)
         self.runner.grammars = lambda: self.grammars
@@ -198,8 +198,8 @@ class EngineCore:
     def _kv_store(self, log: HeldLog):
         """The tiers below the device cache ([kv_cache] tiers): every per-layer pool's block rows (DeepSeek-V4: a
         store per stream)."""
-        from kvstore.identity import model_identity
-        from kvstore.store import TieredStore
+        from wideep.kvstore.identity import model_identity
+        from wideep.kvstore.store import TieredStore
         cfg = self.cfg
         if self.config.v4 is not None:
             return self._v4_stores(log)
@@ -215,8 +215,8 @@ class EngineCore:
         return TieredStore(cfg.kv_cache, pools, cfg.block_size, identity, prefer=self.ctx.dp_rank, log=log)
 
     def _v4_stores(self, log: HeldLog):
-        from kvstore.identity import model_identity
-        from kvstore.streams import StreamStores, block_rows
+        from wideep.kvstore.identity import model_identity
+        from wideep.kvstore.streams import StreamStores, block_rows
         cfg, g = self.cfg, self.kv.geometry
         pools = self.kv.stream_pools()
         identities = None
@@ -324,7 +324,7 @@ class EngineCore:
         """This process's structured/compiler.GrammarCompiler (the front's too, on rank 0)."""
         with self._grammars_lock:   # the front's event loop and the engine thread may both ask first
             if self._grammars is None:
-                from structured.compiler import GrammarCompiler
+                from wideep.structured.compiler import GrammarCompiler
                 self._grammars = GrammarCompiler.build(self.cfg.structured_outputs_backend, self.tokenizer,
                                                        self.config.vocab_size)
         return self._grammars
@@ -368,7 +368,7 @@ class EngineCore:
         """DBO: (this rank may split its step, this rank votes to split). Only rank 0's vote counts."""
         if self.runner.overlap is None:
             return False, False
-        from dbo.split import can_split
+        from wideep.dbo.split import can_split
         ok = can_split(num_tokens, self.cfg.dbo.split) if num_tokens else True  # an idle rank never blocks a split
         if self.auto is None:
             return ok, True
@@ -385,7 +385,7 @@ class EngineCore:
         self.split_steps += split
         if self._plan_declined is not None and num_tokens and _is_decode(num_tokens):
             self.declined_decode_steps += 1
-        from parallel.dispatch.routing import total_counts
+        from wideep.parallel.dispatch.routing import total_counts
         seen = total_counts(self.dispatchers())   # on the device: no sync
         if seen is not None:
             self._nodes_step = seen - self._nodes_seen if self._nodes_seen is not None else seen

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention_mla.meta import int64_tensor
+from wideep.attention_mla.meta import int64_tensor
 
 
 class TokenCounts:
@@ -219,7 +219,7 @@ class LogitsProcessor:
     def grammar_rows_(self):
         """structured.rows.GrammarRows, built when first needed."""
         if self.grammar_rows is None:
-            from structured.rows import GrammarRows
+            from wideep.structured.rows import GrammarRows
             self.grammar_rows = GrammarRows(self._grammars())
         return self.grammar_rows
 

@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from attention_mla.meta import AttnMeta, int64_tensor
+from wideep.attention_mla.meta import AttnMeta, int64_tensor
 
 from ..spec_decode.speculator import can_draft
 from .runner import attn_meta

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 
-from parallel.watchdog import RankLostError, raise_if_lost
+from wideep.parallel.watchdog import RankLostError, raise_if_lost
 
 from .messages import END, SHUTDOWN, Abort, Command, Delta, NewRequest, Report, Wake
 

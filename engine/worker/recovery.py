@@ -22,13 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from eplb.placement import Placement
-from eplb.survivors import CHECKPOINT, LOCAL, PEER, plan_survivors
-from moe.experts import Experts
-from moe.layer import ExpertShard
-from parallel.dispatch import make_dispatcher
-from parallel.reform import reform
-from parallel.watchdog import guard_collective
+from wideep.eplb.placement import Placement
+from wideep.eplb.survivors import CHECKPOINT, LOCAL, PEER, plan_survivors
+from wideep.moe.experts import Experts
+from wideep.moe.layer import ExpertShard
+from wideep.parallel.dispatch import make_dispatcher
+from wideep.parallel.reform import reform
+from wideep.parallel.watchdog import guard_collective
 
 from ..model.loader import CheckpointReader, load_weights
 from ..model.model import expert_targets
@@ -198,11 +198,11 @@ def _rebuild(core) -> None:
         model.dispatcher = make_dispatcher(ctx, num_physical, core.config.hidden_size, pcfg.dispatch_backend,
                                            dtype=model.dtype, **core.dispatch_options)
     if cfg.dbo.enabled and core.config.moe is not None:
-        from dbo.overlap import Overlap
+        from wideep.dbo.overlap import Overlap
         core.runner.overlap = Overlap(model, ctx)
     d = model.dispatcher
     core._nodes_seen = core._nodes_step = None   # new dispatchers count afresh, over one node now
     core.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
     if cfg.eplb.enabled and core.config.moe is not None:
-        from eplb.controller import EplbController
+        from wideep.eplb.controller import EplbController
         core.eplb = EplbController(model, ctx, cfg.eplb)

@@ -8,9 +8,9 @@ from itertools import chain
 
 import torch
 
-from attention_mla.kv_cache import LatentKVPool
-from attention_mla.meta import AttnMeta, int64_tensor
-from parallel.step_plan import StepPlan
+from wideep.attention_mla.kv_cache import LatentKVPool
+from wideep.attention_mla.meta import AttnMeta, int64_tensor
+from wideep.parallel.step_plan import StepPlan
 
 from ..model.model import DeepseekModel
 from ..sched.scheduler import ScheduledBatch, StepResult
@@ -111,7 +111,7 @@ class ModelRunner:
             self.drafter.dummy(plan)
 
     def _forward_split(self, batch: ScheduledBatch, plan: StepPlan) -> torch.Tensor:
-        from dbo.split import split
+        from wideep.dbo.split import split
         parts = split(batch.num_tokens)
         hidden = self.overlap.forward([self.build_meta(batch, p) for p in parts], self.kv.pools, plan,
                                       self.kv.index_pools)

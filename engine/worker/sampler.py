@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention_mla.meta import int64_tensor
+from wideep.attention_mla.meta import int64_tensor
 
 from ..sampling_params import SamplingParams
 

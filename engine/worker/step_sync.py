@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from parallel.context import ParallelContext
-from parallel.step_plan import StepPlan
-from parallel.watchdog import guard_collective
+from wideep.parallel.context import ParallelContext
+from wideep.parallel.step_plan import StepPlan
+from wideep.parallel.watchdog import guard_collective
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ import dataclasses
 
 import torch
 
-from attention_mla.meta import int64_tensor
-from attention_v4.streams import V4Meta
+from wideep.attention_mla.meta import int64_tensor
+from wideep.attention_v4.streams import V4Meta
 
 from .mtp_drafter import MTPDrafter
 

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from attention_mla.meta import int64_tensor
-from attention_v4.fp8 import check_v4_kv_cache_dtype, v4_codecs
-from attention_v4.paged import PagedSequence, V4Pools
-from attention_v4.pool_layout import StreamGeometry
-from attention_v4.streams import SequenceStreams, V4Meta
+from wideep.attention_mla.meta import int64_tensor
+from wideep.attention_v4.fp8 import check_v4_kv_cache_dtype, v4_codecs
+from wideep.attention_v4.paged import PagedSequence, V4Pools
+from wideep.attention_v4.pool_layout import StreamGeometry
+from wideep.attention_v4.streams import SequenceStreams, V4Meta
 
 from ..sched.scheduler import ScheduledBatch
 from .runner import ModelRunner

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from attention_mla.meta import int64_tensor
+from wideep.attention_mla.meta import int64_tensor
 
 from ..sched.scheduler import Accepted, StepResult
 from .sampler import draw, filter_logits, logsumexp, sample_layout, topn_logprobs

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_mla.config import DSAConfig, MLAConfig, RopeConfig
-from attention_mla.indexer import select_topk, selection_mask
-from attention_mla.meta import AttnMeta
-from attention_mla.mla import MLA
-from attention_mla.rope import RotaryEmbedding
-from attention_mla.sparse_mla import SparseMLA
+from wideep.attention_mla.config import DSAConfig, MLAConfig, RopeConfig
+from wideep.attention_mla.indexer import select_topk, selection_mask
+from wideep.attention_mla.meta import AttnMeta
+from wideep.attention_mla.mla import MLA
+from wideep.attention_mla.rope import RotaryEmbedding
+from wideep.attention_mla.sparse_mla import SparseMLA
 from tests.attention_mla.test_mla import _meta
 
 H, C, R, DK = 48, 24, 8, 16

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_mla.config import MLAConfig
-from attention_mla.fp4_cache import E2M1, Fp4Latent, e2m1_codes, e2m1_values
-from attention_mla.fp8_cache import check_kv_cache_dtype, latent_layout
-from attention_mla.kv_cache import LatentKVPool
-from attention_mla.meta import AttnMeta
-from attention_mla.mla import MLA
-from attention_mla.paged_decode import paged_decode_reference
-from attention_mla.rope import RopeConfig, RotaryEmbedding
+from wideep.attention_mla.config import MLAConfig
+from wideep.attention_mla.fp4_cache import E2M1, Fp4Latent, e2m1_codes, e2m1_values
+from wideep.attention_mla.fp8_cache import check_kv_cache_dtype, latent_layout
+from wideep.attention_mla.kv_cache import LatentKVPool
+from wideep.attention_mla.meta import AttnMeta
+from wideep.attention_mla.mla import MLA
+from wideep.attention_mla.paged_decode import paged_decode_reference
+from wideep.attention_mla.rope import RopeConfig, RotaryEmbedding
 from tests.attention_mla.test_mla import _meta
 
 

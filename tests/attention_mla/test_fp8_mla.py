@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_mla.fp8_cache import Fp8Latent, check_kv_cache_dtype, latent_layout
-from attention_mla.kv_cache import LatentKVPool
-from attention_mla.meta import AttnMeta
-from attention_mla.mla import MLA
-from attention_mla.sparse_mla import SparseMLA
+from wideep.attention_mla.fp8_cache import Fp8Latent, check_kv_cache_dtype, latent_layout
+from wideep.attention_mla.kv_cache import LatentKVPool
+from wideep.attention_mla.meta import AttnMeta
+from wideep.attention_mla.mla import MLA
+from wideep.attention_mla.sparse_mla import SparseMLA
 from tests.attention_mla.test_mla import _meta, _mla
 
 

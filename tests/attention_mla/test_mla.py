@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_mla.config import MLAConfig, RopeConfig
-from attention_mla.meta import AttnMeta
-from attention_mla.mla import MLA
-from attention_mla.rope import RotaryEmbedding
+from wideep.attention_mla.config import MLAConfig, RopeConfig
+from wideep.attention_mla.meta import AttnMeta
+from wideep.attention_mla.mla import MLA
+from wideep.attention_mla.rope import RotaryEmbedding
 
 
 def _mla(q_lora: int | None, seed: int = 0) -> MLA:

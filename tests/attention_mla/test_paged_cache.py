@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from attention_mla.kv_cache import BlockAllocator, gather_reference
-from attention_mla.meta import AttnMeta
+from wideep.attention_mla.kv_cache import BlockAllocator, gather_reference
+from wideep.attention_mla.meta import AttnMeta
 from tests.attention_mla.test_mla import _mla
 
 

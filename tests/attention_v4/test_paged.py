@@ -14,13 +14,13 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attention_v4.paged import PagedSequence, V4Pools
-from attention_v4.pool_layout import StreamGeometry
-from attention_v4.streams import SequenceStreams, V4Meta
-from engine import SamplingParams
-from engine.model.build import load_model
-from engine.sched.sequence import Sequence
-from engine.sched.v4_blocks import V4BlockManager
+from wideep.attention_v4.paged import PagedSequence, V4Pools
+from wideep.attention_v4.pool_layout import StreamGeometry
+from wideep.attention_v4.streams import SequenceStreams, V4Meta
+from wideep.engine import SamplingParams
+from wideep.engine.model.build import load_model
+from wideep.engine.sched.sequence import Sequence
+from wideep.engine.sched.v4_blocks import V4BlockManager
 from tests.oracle_v4 import PRO, make_v4_model
 
 W = 5

@@ -4,16 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_mla.config import RopeConfig
-from attention_v4.config import V4AttentionConfig
-from attention_v4.streams import V4Meta
-from engine.model.model_config import ModelConfig
-from engine.model.v4_config import V4Config
-from moe.config import MoEConfig
-from moe.experts import Experts
-from moe.fp4 import dequantize_fp4
-from moe.gate import Gate
-from moe.layer import ExpertShard
+from wideep.attention_mla.config import RopeConfig
+from wideep.attention_v4.config import V4AttentionConfig
+from wideep.attention_v4.streams import V4Meta
+from wideep.engine.model.model_config import ModelConfig
+from wideep.engine.model.v4_config import V4Config
+from wideep.moe.config import MoEConfig
+from wideep.moe.experts import Experts
+from wideep.moe.fp4 import dequantize_fp4
+from wideep.moe.gate import Gate
+from wideep.moe.layer import ExpertShard
 from tests.engine.test_v4_config import DEEPSEEK
 
 ROPE = RopeConfig(dim=8)
@@ -53,7 +53,7 @@ def test_hash_gate():
     gate.tid2eid.copy_(torch.arange(20).view(10, 2) % 8)
     ids, w = gate(torch.randn(3, 64), torch.tensor([0, 4, 9]))
     assert ids.tolist() == [[0, 1], [0, 1], [2, 3]] and torch.allclose(w.sum(-1), torch.ones(3))
-    from layers import Kernels
+    from wideep.layers import Kernels
     with pytest.raises(ValueError, match="a hash-routed gate takes no route kernel"):
         Gate(cfg, kernels=Kernels(route=lambda *a: None), hash_vocab=10)
 
@@ -85,14 +85,14 @@ def test_meta():
 
 
 def test_model_inputs(tmp_path):
-    from engine.model.v4_model import DeepseekV4Model
+    from wideep.engine.model.v4_model import DeepseekV4Model
     cfg = ModelConfig.from_dict(DEEPSEEK)
     with pytest.raises(ValueError, match=r"DeepseekV4Model needs a DeepSeek-V4 config, got arch 'v3'"):
-        from launch.tiny import tiny_config
+        from wideep.launch.tiny import tiny_config
         DeepseekV4Model(ModelConfig.from_dict(tiny_config("v3")))
     with pytest.raises(ValueError, match=r"needs its EP group's dispatcher"):
         DeepseekV4Model(cfg, shard=ExpertShard(8, 0, 2))
-    from moe.backend import ExpertsChoice
+    from wideep.moe.backend import ExpertsChoice
     with pytest.raises(ValueError, match=r"runs its experts on the torch or cpu backend .* not 'triton'"):
         DeepseekV4Model(cfg, experts=ExpertsChoice("triton", keep_fp8=False))
     with pytest.raises(ValueError, match=r"FP4 experts are read as stored by the cpu experts kernel only, not 'grouped'"):

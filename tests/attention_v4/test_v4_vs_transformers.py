@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attention_v4.streams import V4Meta
-from engine.model.build import load_model
+from wideep.attention_v4.streams import V4Meta
+from wideep.engine.model.build import load_model
 from tests.oracle import hf_prompt_logprobs
 from tests.oracle_v4 import PRO, YARN, make_v4_model
 
@@ -53,7 +53,7 @@ def test_query_tiles_equal_transformers(models, tile, monkeypatch):
     """A chunk's queries attend in tiles (attention_v4/attention.py QUERY_TILE), each over its own key span and
     the entries its last query sees: tiles of 1, 5 (ending mid-window for every ratio) and 16 give transformers'
     logprobs."""
-    import attention_v4.attention as attention
+    import wideep.attention_v4.attention as attention
     hf, model = models
     monkeypatch.setattr(attention, "QUERY_TILE", tile)
     for ids in PROMPTS[2:]:

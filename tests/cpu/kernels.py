@@ -2,8 +2,8 @@
 random paged caches the decode kernels' tests read."""
 import torch
 
-from cpu.kernels import table
-from layers import Kernels
+from wideep.cpu.kernels import table
+from wideep.layers import Kernels
 
 CPU = Kernels.from_table("cpu", table())
 

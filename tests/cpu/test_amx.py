@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpu import gemm, layers
-from cpu.build import unusable
+from wideep.cpu import gemm, layers
+from wideep.cpu.build import unusable
 from tests.cpu.kernels import paged_bf16
 
 if unusable() is not None:
@@ -165,7 +165,7 @@ def test_the_environment_starts_the_library_off_the_tiles():
     import os
     import subprocess
     import sys
-    code = "from cpu import gemm; print(gemm.amx(), gemm.amx_supported())"
+    code = "from wideep.cpu import gemm; print(gemm.amx(), gemm.amx_supported())"
     for env, want in (("0", ["False", "True"]), ("1", ["True", "True"])):
         out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, WIDEEP_CPU_AMX=env),
                              capture_output=True, text=True, timeout=300)

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_mla.paged_decode import paged_decode_reference
-from cpu import gemm, layers
-from cpu.build import unusable
-from cpu.linear import small_linear
-from moe.experts import Experts
+from wideep.attention_mla.paged_decode import paged_decode_reference
+from wideep.cpu import gemm, layers
+from wideep.cpu.build import unusable
+from wideep.cpu.linear import small_linear
+from wideep.moe.experts import Experts
 from tests.cpu.kernels import CPU, paged_bf16
 
 if unusable() is not None:
@@ -123,7 +123,7 @@ def test_experts_bf16_weights(dot, R, E, k, H, I):
 
 @pytest.mark.parametrize("N", [1, 15, 16, 100])
 def test_rmsnorm_bf16_weight_and_activations(N):
-    from layers import RMSNorm
+    from wideep.layers import RMSNorm
     torch.manual_seed(N)
     x = torch.randn(3, 5, N)
     norm = RMSNorm(N, 1e-5)
@@ -169,7 +169,7 @@ def test_the_environment_starts_the_library_on_the_widening_path():
     import os
     import subprocess
     import sys
-    code = "from cpu import gemm; print(gemm.bf16_dot(), gemm.bf16_dot_supported())"
+    code = "from wideep.cpu import gemm; print(gemm.bf16_dot(), gemm.bf16_dot_supported())"
     env = dict(os.environ, WIDEEP_CPU_BF16_DOT="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -185,7 +185,7 @@ def test_a_build_for_a_cpu_without_avx512_bf16(march, monkeypatch, tmp_path):
     """The library built for an older x86-64 (AVX2; AVX-512 without BF16), as a CI machine's -march=native
     would: both paths still compile (the dot products by target attribute) and, run here, compute right."""
     import ctypes
-    from cpu import build
+    from wideep.cpu import build
     monkeypatch.setattr(build, "FLAGS", ("-O3", f"-march={march}", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"))
     monkeypatch.setenv("WIDEEP_CACHE_DIR", str(tmp_path))
     lib = build.build("wideep_cpu_" + march.replace("-", "_"), build.sources())

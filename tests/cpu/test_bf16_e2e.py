@@ -10,9 +10,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from cpu import gemm  # noqa: E402
-from cpu.build import unusable  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from wideep.cpu import gemm  # noqa: E402
+from wideep.cpu.build import unusable  # noqa: E402
+from wideep.engine import LLM, SamplingParams  # noqa: E402
 from tests.oracle import hf_greedy, hf_prompt_logprobs, make_hf_model  # noqa: E402
 
 if unusable() is not None:
@@ -44,11 +44,11 @@ def amx(monkeypatch):
     """amx(on, c_tiles=False): as if this CPU had AMX tiles or not (cpu/linear.py amx_bf16, which routes bigger
     bfloat16 GEMMs to oneDNN), whatever it has, and the C kernels' own tiles (gemm.amx) on or off; the C
     setting is restored after the test."""
-    import cpu.linear
+    import wideep.cpu.linear as cpu_linear
     before = gemm.amx()
 
     def set_(on: bool, c_tiles: bool = False) -> None:
-        monkeypatch.setattr(cpu.linear, "_AMX", on)
+        monkeypatch.setattr(cpu_linear, "_AMX", on)
         assert gemm.amx(c_tiles) == c_tiles
     yield set_
     gemm.amx(before)
@@ -104,7 +104,7 @@ def test_amx_tiles_take_bf16_steps_past_16_rows_to_onednn(oracle, amx):
     """With AMX tiles the C kernels do not use (cpu/linear.py AMX_BF16_MAX_ROWS): a bfloat16 step of more than 16 rows
     runs the model's operations (its projections on torch's bfloat16 GEMM), counted as too_many_rows; 16 rows and
     fewer stay fused. Same bounds against transformers as the fused run."""
-    from cpu.linear import AMX_BF16_MAX_ROWS, MAX_ROWS, max_rows
+    from wideep.cpu.linear import AMX_BF16_MAX_ROWS, MAX_ROWS, max_rows
     d, ref_lps, ref_greedy = oracle
     amx(True)
     assert max_rows(torch.bfloat16) == AMX_BF16_MAX_ROWS == 16 and max_rows(torch.float32) == MAX_ROWS
@@ -130,7 +130,7 @@ def test_c_tiles_keep_bf16_steps_fused_up_to_their_row_limit(oracle, amx):
     the fused C calls (a 21-row prefill's MLP halves, 3-row and 20-row decodes as one stack call), more rows run the
     operations (projections past the limit on oneDNN, the routed experts still on the C tiles). Same bounds against
     transformers as the fused run."""
-    from cpu.linear import AMX_TILE_MAX_ROWS, MAX_ROWS, max_rows
+    from wideep.cpu.linear import AMX_TILE_MAX_ROWS, MAX_ROWS, max_rows
     d, ref_lps, ref_greedy = oracle
     amx(True, c_tiles=True)
     assert max_rows(torch.bfloat16) == AMX_TILE_MAX_ROWS == 256 and max_rows(torch.float32) == MAX_ROWS

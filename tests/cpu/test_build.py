@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from cpu import build, fused, layers
-from cpu.build import BuildError, LayoutError, check_layout, fields, layouts, library, unusable
+from wideep.cpu import build, fused, layers
+from wideep.cpu.build import BuildError, LayoutError, check_layout, fields, layouts, library, unusable
 
 pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu import fused, gemm, layers
-from cpu.build import unusable
-from engine import LLM, SamplingParams
-from launch.tiny import make_tiny_checkpoint
-from moe.backend import resolve_experts_backend
-from attention_mla.paged_decode import resolve_attention_backend
+from wideep.cpu import fused, gemm, layers
+from wideep.cpu.build import unusable
+from wideep.engine import LLM, SamplingParams
+from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.moe.backend import resolve_experts_backend
+from wideep.attention_mla.paged_decode import resolve_attention_backend
 
 if unusable() is not None:
     pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)

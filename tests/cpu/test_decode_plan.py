@@ -8,17 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu import fused as cl
-from cpu.build import unusable
-from parallel.step_plan import StepPlan
+from wideep.cpu import fused as cl
+from wideep.cpu.build import unusable
+from wideep.parallel.step_plan import StepPlan
 
 pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    from engine import LLM
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.engine import LLM
+    from wideep.launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("stack")), "v3", num_hidden_layers=3, first_k_dense_replace=1,
                              n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, vocab_size=200,
                              seed=3, initializer_range=0.2)
@@ -28,9 +28,9 @@ def llm(tmp_path_factory):
 def _decode_batch(llm, lens):
     """A decode step of len(lens) sequences whose contexts hold lens[b] tokens (cache rows written by a
     prefill through the model) -> (input_ids, meta)."""
-    from engine.worker.messages import NewRequest
-    from engine.sched.scheduler import ScheduledBatch
-    from engine import SamplingParams
+    from wideep.engine.worker.messages import NewRequest
+    from wideep.engine.sched.scheduler import ScheduledBatch
+    from wideep.engine import SamplingParams
     core = llm.engine.core
     seqs = []
     for b, n in enumerate(lens):
@@ -104,7 +104,7 @@ def test_steps_the_stack_leaves_to_the_layers(llm, monkeypatch):
 
 
 def test_a_bad_slot_is_named_with_its_layer_and_nothing_is_written(llm):
-    from attention_mla.meta import AttnMeta
+    from wideep.attention_mla.meta import AttnMeta
     model, kv = llm.model, llm.engine.core.kv
     ids, meta = _decode_batch(llm, [3, 6])
     S = kv.pools[0].shape[0]
@@ -154,7 +154,7 @@ def test_the_reason_is_counted_for_every_step_it_does_not_fuse(llm):
     finally:
         layer.routing.expert_map = None
     empty = ids[:0]
-    from attention_mla.meta import AttnMeta
+    from wideep.attention_mla.meta import AttnMeta
     none = AttnMeta(meta.positions[:0], meta.slot_mapping[:0], meta.block_table[:0], [], [], meta.block_size)
     model(empty, none, kv.pools, StepPlan(0))
     d = {k: plan.declined[k] - before[0][k] for k in plan.declined}
@@ -169,7 +169,7 @@ def test_the_reason_is_counted_for_every_step_it_does_not_fuse(llm):
 
 
 def test_prometheus_shows_the_paths_and_reasons():
-    from launch.prometheus import parse, render
+    from wideep.launch.prometheus import parse, render
     text = render({"per_rank": [{"decode_steps_stack": 7, "decode_steps_ops": 2, "decode_declined_too_many_rows": 2,
                                  "decode_stack_declined_ep_group": 0}]})
     got = parse(text)

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpu import gemm
-from cpu.build import unusable
-from moe.experts import Experts
-from moe.fp4 import dequantize_fp4, pack_fp4
+from wideep.cpu import gemm
+from wideep.cpu.build import unusable
+from wideep.moe.experts import Experts
+from wideep.moe.fp4 import dequantize_fp4, pack_fp4
 
 if unusable() is not None:
     pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
@@ -135,7 +135,7 @@ def test_bad_fp4_inputs_are_clear_errors():
 def test_a_build_without_avx512_widens_exactly_too(monkeypatch, tmp_path):
     """Built for AVX2 (x86-64-v3), the e2m1 widening is the integer form instead of vpermps: every code and
     extreme scale still exactly the reference's, and the GEMM and the experts (clamped) match it."""
-    from cpu import build
+    from wideep.cpu import build
     monkeypatch.setattr(build, "FLAGS", ("-O3", "-march=x86-64-v3", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"))
     monkeypatch.setenv("WIDEEP_CACHE_DIR", str(tmp_path))
     lib = build.build("wideep_cpu_x86_64_v3", build.sources())

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_mla.fp8_cache import Fp8Latent
-from attention_mla.paged_decode import paged_decode_reference
-from cpu import layers
+from wideep.attention_mla.fp8_cache import Fp8Latent
+from wideep.attention_mla.paged_decode import paged_decode_reference
+from wideep.cpu import layers
 from tests.cpu.kernels import CPU
 
 
@@ -40,8 +40,8 @@ def test_fp8_mla_decode_rejects_a_pool_that_does_not_fit():
 
 
 def test_mla_cpu_backend_on_fp8_cache_equals_torch():
-    from attention_mla.meta import AttnMeta
-    from attention_mla.kv_cache import LatentKVPool
+    from wideep.attention_mla.meta import AttnMeta
+    from wideep.attention_mla.kv_cache import LatentKVPool
     from tests.attention_mla.test_fp8_mla import fp8_mla
     from tests.attention_mla.test_mla import _meta
     torch.manual_seed(6)

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpu import gemm
-from cpu.build import unusable
-from moe.experts import Experts
-from moe.fp8 import FP8_DTYPE, dequantize_experts_fp8, dequantize_fp8_block, quantize_experts_fp8, quantize_fp8_block
+from wideep.cpu import gemm
+from wideep.cpu.build import unusable
+from wideep.moe.experts import Experts
+from wideep.moe.fp8 import FP8_DTYPE, dequantize_experts_fp8, dequantize_fp8_block, quantize_experts_fp8, quantize_fp8_block
 
 if unusable() is not None:
     pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
@@ -115,7 +115,7 @@ def test_a_build_without_avx512_widens_exactly_too(monkeypatch, tmp_path):
     """Built for AVX2 (x86-64-v3), the e4m3 widening is the integer form instead of vcvtph2ps: every value,
     subnormals included, still exactly the reference's."""
     import ctypes
-    from cpu import build
+    from wideep.cpu import build
     monkeypatch.setattr(build, "FLAGS", ("-O3", "-march=x86-64-v3", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"))
     monkeypatch.setenv("WIDEEP_CACHE_DIR", str(tmp_path))
     lib = build.build("wideep_cpu_x86_64_v3", build.sources())

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpu import fused
-from cpu.build import unusable
+from wideep.cpu import fused
+from wideep.cpu.build import unusable
 
 pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
 
@@ -49,8 +49,8 @@ def test_mlp_layer_equals_torch(T, h, i):
 @pytest.mark.parametrize("T,h,i,block", [(1, 200, 136, (128, 128)), (3, 40, 22, (16, 16)), (17, 64, 48, (32, 32))])
 def test_mlp_layer_with_fp8_weights_equals_torch_on_the_dequantised(T, h, i, block):
     """An fp8 checkpoint's MLP kept as stored (Fp8Linear: e4m3 + block scales, given to C as fused.Fp8Mat)."""
-    from moe.fp8 import quantize_fp8_block
-    from moe.fp8_linear import Fp8Linear
+    from wideep.moe.fp8 import quantize_fp8_block
+    from wideep.moe.fp8_linear import Fp8Linear
     torch.manual_seed(T + h + i)
     lin = SimpleNamespace(gate_proj=Fp8Linear(h, i, block=block, backend="torch"),
                           up_proj=Fp8Linear(h, i, block=block, backend="torch"),

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from attention_mla.paged_decode import paged_decode_reference
-from cpu import gemm, layers
-from cpu.build import BuildError, build, unusable, unusable_for
-from cpu.linear import MAX_ROWS, Linear, small_linear
-from moe.experts import Experts
+from wideep.attention_mla.paged_decode import paged_decode_reference
+from wideep.cpu import gemm, layers
+from wideep.cpu.build import BuildError, build, unusable, unusable_for
+from wideep.cpu.linear import MAX_ROWS, Linear, small_linear
+from wideep.moe.experts import Experts
 from tests.cpu.kernels import CPU
 
 if unusable() is not None:
@@ -93,7 +93,7 @@ def test_mla_decode_equals_reference(lens, block_size, heads, D, C):
 
 @pytest.mark.parametrize("shape", [(1, 7), (5, 64), (2, 3, 130), (0, 16)])
 def test_rmsnorm_equals_module(shape):
-    from layers import RMSNorm
+    from wideep.layers import RMSNorm
     torch.manual_seed(4)
     ref, fast = RMSNorm(shape[-1], 1e-5), RMSNorm(shape[-1], 1e-5, kernels=CPU)
     with torch.no_grad():
@@ -106,8 +106,8 @@ def test_rmsnorm_equals_module(shape):
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_rope_equals_rotary_embedding(interleave):
-    from attention_mla.config import RopeConfig
-    from attention_mla.rope import RotaryEmbedding
+    from wideep.attention_mla.config import RopeConfig
+    from wideep.attention_mla.rope import RotaryEmbedding
     torch.manual_seed(5)
     rot = RotaryEmbedding(RopeConfig(dim=8, interleave=interleave))
     cos, sin = rot.cos_sin(torch.tensor([0, 3, 17, 2]))
@@ -186,11 +186,11 @@ def test_unusable_for_device_and_dtype():
 def test_mla_cpu_backend_equals_torch(q_lora):
     """Decode steps of 3 sequences through the paged cache: MLA with backend "cpu" (C decode kernel,
     W_UK^T laid out once, C norms and rope) == backend "torch" (absorbed form in torch)."""
-    from attention_mla.meta import AttnMeta
+    from wideep.attention_mla.meta import AttnMeta
     from tests.attention_mla.test_mla import _meta, _mla
     torch.manual_seed(6)
-    from attention_mla.mla import MLA
-    from attention_mla.rope import RotaryEmbedding
+    from wideep.attention_mla.mla import MLA
+    from wideep.attention_mla.rope import RotaryEmbedding
     ref = _mla(q_lora, seed=7)
     fast = MLA(ref.cfg, RotaryEmbedding(ref.cfg.rope, kernels=CPU), linear=CPU.linear, backend="cpu", kernels=CPU)
     fast.load_state_dict(ref.state_dict())
@@ -216,11 +216,11 @@ def test_mla_layer_equals_the_operations(q_lora):
     """fused.mla_layer (the attention half of a decoder layer in one C call, the decode plan's) == input
     norm, MLA forward on the cpu backend, residual, post-attention norm run one by one: outputs and the
     cache; a bad slot is named and nothing is written."""
-    from attention_mla.meta import AttnMeta
-    from attention_mla.mla import MLA
-    from attention_mla.rope import RotaryEmbedding
-    from cpu import fused
-    from layers import RMSNorm
+    from wideep.attention_mla.meta import AttnMeta
+    from wideep.attention_mla.mla import MLA
+    from wideep.attention_mla.rope import RotaryEmbedding
+    from wideep.cpu import fused
+    from wideep.layers import RMSNorm
     from tests.attention_mla.test_mla import _meta, _mla
     torch.manual_seed(8)
     shape = _mla(q_lora)                       # the test module's config, built as the engine builds it

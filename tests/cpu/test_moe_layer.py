@@ -6,17 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpu import fused
-from cpu.build import unusable
-from cpu.decode_plan import DecodePlan
-from cpu.linear import MAX_ROWS
-from dbo.schedule import run_sequential
-from dbo.state import Microbatch, OpState
-from moe.config import MoEConfig
-from moe.layer import ExpertShard, MoELayer
-from parallel.context import ParallelContext
-from parallel.dispatch import LocalDispatcher
-from parallel.step_plan import StepPlan
+from wideep.cpu import fused
+from wideep.cpu.build import unusable
+from wideep.cpu.decode_plan import DecodePlan
+from wideep.cpu.linear import MAX_ROWS
+from wideep.dbo.schedule import run_sequential
+from wideep.dbo.state import Microbatch, OpState
+from wideep.moe.config import MoEConfig
+from wideep.moe.layer import ExpertShard, MoELayer
+from wideep.parallel.context import ParallelContext
+from wideep.parallel.dispatch import LocalDispatcher
+from wideep.parallel.step_plan import StepPlan
 from tests.cpu.kernels import CPU
 
 pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
@@ -121,11 +121,11 @@ def test_experts_hand_bigger_bf16_batches_to_blas_sooner(dtype, tiles):
     """bfloat16 weights: past EXPERTS_MAX_ROWS_BF16 rows per expert (where the CPU has bf16 dot products) the experts
     run on forward_grouped's BLAS GEMMs, unless the C kernels run on AMX tiles (then every batch stays in C);
     float32 keeps the C kernel up to EXPERTS_MAX_ROWS; all paths agree (cpu/linear.py experts_max_rows)."""
-    from cpu import gemm
-    from cpu.linear import EXPERTS_MAX_ROWS, EXPERTS_MAX_ROWS_BF16, experts_max_rows
-    from moe.experts import Experts
-    from layers.kernels import Kernels
-    from cpu.kernels import table
+    from wideep.cpu import gemm
+    from wideep.cpu.linear import EXPERTS_MAX_ROWS, EXPERTS_MAX_ROWS_BF16, experts_max_rows
+    from wideep.moe.experts import Experts
+    from wideep.layers.kernels import Kernels
+    from wideep.cpu.kernels import table
     if tiles and not gemm.amx_supported():
         pytest.skip("this CPU (or its kernel) gives no AMX tiles")
     E, H, I, k = 8, 64, 32, 2

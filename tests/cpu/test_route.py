@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.config import MoEConfig
+from wideep.moe.config import MoEConfig
 from tests.cpu.kernels import CPU
-from moe.gate import Gate
+from wideep.moe.gate import Gate
 
-pytest.importorskip("cpu.layers")
-from cpu.build import unusable  # noqa: E402
+pytest.importorskip("wideep.cpu.layers")
+from wideep.cpu.build import unusable  # noqa: E402
 
 pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
 
@@ -57,7 +57,7 @@ def test_route_keeps_ids_in_range_on_nan_input():
 
 
 def test_route_rejects_mismatched_shapes():
-    from cpu.layers import route
+    from wideep.cpu.layers import route
     ref, _ = _gate("greedy", "softmax", 16, 2, 1, 1, True, 1.0)
     with pytest.raises(ValueError, match="route: x"):
         route(torch.randn(4, 40), ref.weight.detach(), None, ref.cfg)

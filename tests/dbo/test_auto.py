@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from dbo.auto import AutoSwitch
+from wideep.dbo.auto import AutoSwitch
 
 
 def _run(auto: AutoSwitch, steps: int, cost, seed: int, tokens: int = 16, decode: bool = True,

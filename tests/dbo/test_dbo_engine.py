@@ -19,7 +19,7 @@ WORKLOADS = {
 
 
 def _run(llm, prompts, max_tokens):
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, prompt_logprobs=0,
                                                 ignore_eos=True))
     return [(o.outputs[0].token_ids,
@@ -27,7 +27,7 @@ def _run(llm, prompts, max_tokens):
 
 
 def _rank(model_dir: str, dbo_mode) -> dict:
-    from engine import LLM
+    from wideep.engine import LLM
     kw = dict(progress=False, block_size=8, max_num_batched_tokens=64)
     off = LLM(model_dir, **kw)
     on = LLM(model_dir, ctx=off.ctx, dbo={"enabled": dbo_mode}, **kw)
@@ -39,7 +39,7 @@ def _rank(model_dir: str, dbo_mode) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("dbo")), arch="v3", seed=6, initializer_range=0.2)
 
 
@@ -63,7 +63,7 @@ def test_dbo_auto_equals_off(model_dir):
 
 
 def _rank_eplb(model_dir: str) -> dict:
-    from engine import LLM
+    from wideep.engine import LLM
     kw = dict(progress=False, block_size=8, max_num_batched_tokens=64)
     off = LLM(model_dir, **kw)
     on = LLM(model_dir, ctx=off.ctx, dbo={"enabled": True}, parallel={"num_redundant_experts": 2},
@@ -90,7 +90,7 @@ def test_dbo_with_eplb_rebalancing_during_the_run(model_dir):
 
 
 def _rank_allgather(model_dir: str) -> dict:
-    from engine import LLM
+    from wideep.engine import LLM
     kw = dict(progress=False, block_size=8, max_num_batched_tokens=64, parallel={"dispatch_backend": "allgather"})
     off = LLM(model_dir, **kw)
     on = LLM(model_dir, ctx=off.ctx, dbo={"enabled": True}, **kw)

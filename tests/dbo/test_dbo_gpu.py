@@ -16,7 +16,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @cuda
 def test_cuda_comm_stream_orders_after_compute_and_syncs_off_thread():
-    from parallel.comm_stream import CommStream
+    from wideep.parallel.comm_stream import CommStream
     dev = torch.device("cuda")
     s = CommStream(device=dev)
     a = torch.randn(4096, 4096, device=dev)
@@ -46,7 +46,7 @@ def test_cuda_comm_stream_orders_after_compute_and_syncs_off_thread():
 
 
 def _dbo_rank(model_dir: str, backend: str) -> list:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     # DeepEP carries bf16 only: there the split's different GEMM shapes may move logprobs a little
     kw = dict(progress=False, block_size=8, max_num_batched_tokens=64,
               dtype="bfloat16" if backend == "deepep" else "float32",
@@ -70,7 +70,7 @@ def test_dbo_on_equals_off_on_gpus(tmp_path, backend):
         pytest.skip("needs 2 GPUs")
     if backend == "deepep":
         pytest.importorskip("deep_ep")
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=6, hidden_size=256, initializer_range=0.2)
     tol = 5e-2 if backend == "deepep" else 1e-4
     for (off, on), moved in spawn(_dbo_rank, 2, args=(d, backend), timeout_s=600):

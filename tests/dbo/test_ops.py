@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dbo.schedule import YIELD, run_overlapped, run_sequential
-from dbo.state import Microbatch, OpState, OpStateError
-from parallel import StepPlan
+from wideep.dbo.schedule import YIELD, run_overlapped, run_sequential
+from wideep.dbo.state import Microbatch, OpState, OpStateError
+from wideep.parallel import StepPlan
 
 
 def _state(index: int, **values) -> OpState:
@@ -53,20 +53,20 @@ def test_overwrite_and_leftovers_fail():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("ops")), arch="v3", seed=6, initializer_range=0.2)
 
 
 def test_a_stray_value_in_the_models_operations_is_reported_at_the_layer_end(model_dir):
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, block_size=8)
     model = llm.model
     ops = list(model.step_ops)
     layer = model.model.layers[1]
     ops.insert(ops.index(layer.op_attention) + 1, lambda s: s.put(scratch=0))
     runner, kv = llm.engine.core.runner, llm.engine.core.kv
-    from engine.sched.scheduler import ScheduledBatch
-    from engine.worker.messages import NewRequest
+    from wideep.engine.sched.scheduler import ScheduledBatch
+    from wideep.engine.worker.messages import NewRequest
     seq = llm.engine.core.make_sequence(NewRequest("a", [3, 4, 5], SamplingParams(max_tokens=1), 1, 0.0))
     seq.block_ids = [0]
     ids, meta = runner.build_meta(ScheduledBatch([seq], [3]))
@@ -86,7 +86,7 @@ def test_a_stray_value_in_the_models_operations_is_reported_at_the_layer_end(mod
 
 def test_split_step_equals_plain_step_on_one_rank(model_dir):
     """One process: the split step runs the same operation list over the one-rank dispatcher."""
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     prompts = [[3 + (i * 7 + j) % 200 for j in range(n)] for i, n in enumerate([37, 5, 1, 23])]
     sp = SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=0, ignore_eos=True)
     res = {}

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from dbo.schedule import YIELD, run_overlapped, run_sequential
-from dbo.split import SplitConfig, can_split, split
+from wideep.dbo.schedule import YIELD, run_overlapped, run_sequential
+from wideep.dbo.split import SplitConfig, can_split, split
 
 
 def _tokens(parts):

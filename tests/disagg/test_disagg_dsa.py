@@ -26,12 +26,12 @@ def requests() -> list[dict]:
 
 
 def _rank(model_dir: str) -> dict | str:
-    from attention_mla.kv_cache import LatentKVPool, gather_reference
-    from disagg import make_engine
-    from engine.worker.messages import NewRequest
-    from engine.worker.runner import ModelRunner
-    from engine.sched.scheduler import ScheduledBatch
-    from parallel import StepPlan
+    from wideep.attention_mla.kv_cache import LatentKVPool, gather_reference
+    from wideep.disagg import make_engine
+    from wideep.engine.worker.messages import NewRequest
+    from wideep.engine.worker.runner import ModelRunner
+    from wideep.engine.sched.scheduler import ScheduledBatch
+    from wideep.parallel import StepPlan
     eng = make_engine(model_dir, POOLS, progress=False, block_size=16, parallel={"timeout_s": 60.0})
     if not eng.is_front:
         return eng.run_worker_loop()
@@ -64,7 +64,7 @@ def _rank(model_dir: str) -> dict | str:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg_dsa")), arch="v32", seed=5,
                                 initializer_range=0.25, index_topk=8)
 

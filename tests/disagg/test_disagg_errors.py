@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from disagg.config import DisaggConfig
+from wideep.disagg.config import DisaggConfig
 from tests.faults import sigkill_at_step
 from tests.parallel.spawn import run
 
@@ -38,12 +38,12 @@ def test_config_errors_show_the_numbers():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg_err")), arch="v3", seed=3)
 
 
 def _build(model_dir: str | dict, disagg_by_rank: dict, options_by_rank: dict) -> str:
-    from disagg import make_engine
+    from wideep.disagg import make_engine
     rank = int(os.environ["RANK"])
     if isinstance(model_dir, dict):   # a copy of the checkpoint per rank
         model_dir = model_dir[rank]
@@ -85,7 +85,7 @@ def test_bad_config_fails_on_every_rank(tiny, nprocs, disagg, options, message):
 def test_pools_caching_different_layer_counts_fail_on_every_rank(tiny, tmp_path):
     """The prefill rank's copy of the checkpoint has a layer less (or, with MTP, a drafter the other lacks): a
     transfer would send fewer payloads than the decode rank waits for. Once built, every rank names both counts."""
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     shallow = make_tiny_checkpoint(str(tmp_path / "shallow"), arch="v3", seed=3, num_hidden_layers=3)
     outs = run(_build, 2, args=({0: tiny, 1: shallow}, {"all": ONE_ONE}, {0: {}, 1: {}}), timeout_s=90)
     for o in outs:
@@ -96,8 +96,8 @@ def test_pools_caching_different_layer_counts_fail_on_every_rank(tiny, tmp_path)
 
 
 def _serve_until_killed(model_dir: str, victim: int) -> None:
-    from disagg import make_engine
-    from engine import SamplingParams
+    from wideep.disagg import make_engine
+    from wideep.engine import SamplingParams
     pools = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 2, "ep_size": 2}}
     eng = make_engine(model_dir, pools, progress=False, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
     if eng.roles.rank == victim:

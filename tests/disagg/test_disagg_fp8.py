@@ -14,7 +14,7 @@ ROW_BYTES = {"fp8": 68, "fp4": 56}   # the tiny V3's packed row a layer (tests/e
 
 
 def _rank(model_dir: str, kv: str) -> dict | str:
-    from disagg import make_engine
+    from wideep.disagg import make_engine
     eng = make_engine(model_dir, POOLS, progress=False, block_size=16, kv_cache_dtype=kv,
                       parallel={"timeout_s": 60.0})
     if not eng.is_front:
@@ -28,14 +28,14 @@ def _rank(model_dir: str, kv: str) -> dict | str:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg_fp8")), arch="v3", seed=5, initializer_range=0.1)
 
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("kv", ["fp8", "fp4"])
 def test_packed_cache_transfers_and_serves_as_colocated(model_dir, kv):
-    from engine import LLM
+    from wideep.engine import LLM
     front, prefill = spawn(_rank, 2, args=(model_dir, kv), timeout_s=240)
     assert prefill == "shutdown"
     reqs = requests()[4:]

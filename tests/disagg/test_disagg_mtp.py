@@ -18,7 +18,7 @@ BS = 16
 
 
 def requests(nxt) -> list[dict]:
-    from launch.tiny_cycle import cycle_prompts
+    from wideep.launch.tiny_cycle import cycle_prompts
     prompts = cycle_prompts(nxt, 4, 45, seed=2)
     # 45 tokens > the prefill's 32-token budget: chunked, its first chunk's MTP rows travel a step before the rest
     reqs = [dict(id=f"r{i}", prompt=p[:12 + 11 * i], max_tokens=20, arrival=2 * i) for i, p in enumerate(prompts)]
@@ -28,8 +28,8 @@ def requests(nxt) -> list[dict]:
 
 
 def _rank(model_dir: str, nxt: list[int]) -> dict | str:
-    from attention_mla.kv_cache import gather_reference
-    from disagg import make_engine
+    from wideep.attention_mla.kv_cache import gather_reference
+    from wideep.disagg import make_engine
     eng = make_engine(model_dir, POOLS, progress=False, block_size=BS, speculative_config=MTP,
                       parallel={"timeout_s": 60.0})
     if not eng.is_front:
@@ -57,8 +57,8 @@ def _rank(model_dir: str, nxt: list[int]) -> dict | str:
 
 def _prefilled_alone(model_dir: str, reqs: list[dict]) -> dict:
     """A single process with the drafter: each prompt's MTP rows and first drafts after its prefill."""
-    from attention_mla.kv_cache import gather_reference
-    from engine.front.engine import Engine
+    from wideep.attention_mla.kv_cache import gather_reference
+    from wideep.engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=BS, kv_cache_blocks=16, speculative_config=MTP,
                  enable_prefix_caching=False)
     L, out = eng.core.config.num_hidden_layers, {}
@@ -85,7 +85,7 @@ MIN_ACCEPTANCE = {"v3": 0.5, "v32": 0.2, "glm4_moe_lite": 0.35}
 def cycle(request, tmp_path_factory):
     """test_mtp's MTP cycle checkpoints (its seeds): the target follows its cycle most of the time, the MTP layer
     predicts it."""
-    from launch.tiny_cycle import make_cycle_checkpoint
+    from wideep.launch.tiny_cycle import make_cycle_checkpoint
     arch = request.param
     d, nxt = make_cycle_checkpoint(str(tmp_path_factory.mktemp(f"disagg_mtp_{arch}")), period=12, mix=2.0, gain=20.0,
                                    seed=2 if arch == "glm4_moe_lite" else 1, mtp=True, mtp_mix=0.1, arch=arch)

@@ -24,7 +24,7 @@ def requests() -> list[dict]:
 
 
 def _disagg_rank(model_dir: str) -> dict:
-    from disagg import make_engine
+    from wideep.disagg import make_engine
     eng = make_engine(model_dir, DISAGG, progress=False, block_size=16, parallel={"timeout_s": 60.0})
     if not eng.is_front:
         how = eng.run_worker_loop()
@@ -46,7 +46,7 @@ def _disagg_rank(model_dir: str) -> dict:
 
 
 def _colocated_rank(model_dir: str) -> dict | None:
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=40, max_num_seqs=16,
                  max_num_batched_tokens=64, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:
@@ -59,7 +59,7 @@ def _colocated_rank(model_dir: str) -> dict | None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg")), arch="v3", seed=5, initializer_range=0.3)
 
 

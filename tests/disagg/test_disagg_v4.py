@@ -30,13 +30,13 @@ def requests() -> list[dict]:
 
 def _held(core, seq, n: int) -> list:
     """Every layer's rows a decode from token n reads: entries, keys, window tail, slot states."""
-    from attention_v4.transfer import gather, pieces
+    from wideep.attention_v4.transfer import gather, pieces
     return [layer._read(name, t) for layer in core.kv.views(seq)   # fp8: the packed rows decoded
             for (name, *_), t in zip(pieces(layer, 0, n, True), gather(layer, 0, n, True))]
 
 
 def _rank(model_dir: str, pools: dict = POOLS, kv: str = "auto") -> dict | str:
-    from disagg import make_engine
+    from wideep.disagg import make_engine
     from tests.engine.test_engine import drive
     eng = make_engine(model_dir, pools, progress=False, block_size=BS, dtype="float32", kv_cache_dtype=kv,
                       parallel={"timeout_s": 60.0})
@@ -60,7 +60,7 @@ def _rank(model_dir: str, pools: dict = POOLS, kv: str = "auto") -> dict | str:
 
 def _computed_alone(model_dir: str, reqs, kv: str = "auto") -> dict:
     """The rows one process (no prefix cache) holds after each prompt's prefill."""
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, block_size=BS, dtype="float32", enable_prefix_caching=False, max_num_seqs=1,
               kv_cache_dtype=kv)
     eng, out = llm.engine, {}
@@ -83,7 +83,7 @@ def model_dir(tmp_path_factory):
 
 
 def _alone(model_dir: str, reqs, kv: str = "auto") -> dict:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, dtype="float32", enable_prefix_caching=False, kv_cache_dtype=kv)
     return {r["id"]: llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"],
                                                                 ignore_eos=True))[0].outputs[0].token_ids

@@ -14,8 +14,8 @@ def _rank() -> dict:
     import torch
     import torch.distributed as dist
 
-    from disagg.kv_transfer import TorchKVTransfer, recv_object, send_object
-    from parallel import ParallelConfig, bootstrap, shutdown
+    from wideep.disagg.kv_transfer import TorchKVTransfer, recv_object, send_object
+    from wideep.parallel import ParallelConfig, bootstrap, shutdown
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2, timeout_s=30))
     kv = TorchKVTransfer(ctx, dist.new_group(backend="gloo"))
     out = {}

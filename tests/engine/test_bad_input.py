@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, ConfigError, SamplingParams
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, ConfigError, SamplingParams
+from wideep.launch.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ def _wait(end, n: int, timeout_s: float = 20.0) -> list:
 
 
 def _open(ctx, name: str):
-    from engine.worker.channel import FrontChannel, RankChannel
+    from wideep.engine.worker.channel import FrontChannel, RankChannel
     rank_end = RankChannel(ctx, name)
     front = FrontChannel(ctx, list(range(ctx.world_size)), name) if ctx.rank == 0 else None
     return front, rank_end
@@ -46,8 +46,8 @@ def _exchange(ctx, chans: dict) -> tuple[dict, dict]:
 
 
 def _rank() -> dict:
-    from engine.worker.channel import agree_name
-    from parallel import ParallelConfig, bootstrap, shutdown
+    from wideep.engine.worker.channel import agree_name
+    from wideep.parallel import ParallelConfig, bootstrap, shutdown
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2, timeout_s=30.0))
     a, b = agree_name(ctx), agree_name(ctx)        # two engines in one process, open together
     first = _exchange(ctx, {a: _open(ctx, a), b: _open(ctx, b)})

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model.model_config import ConfigError, ModelConfig
-from launch.tiny import tiny_config
+from wideep.engine.model.model_config import ConfigError, ModelConfig
+from wideep.launch.tiny import tiny_config
 
 
 def test_rope_scaling_and_rope_parameters_agree():

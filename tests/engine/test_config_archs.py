@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.model.model_config import ConfigError, ModelConfig
-from engine.model.loader import CheckpointError, CheckpointReader, text_model_rename
-from launch.tiny import make_tiny_checkpoint, tiny_config
+from wideep.engine.model.model_config import ConfigError, ModelConfig
+from wideep.engine.model.loader import CheckpointError, CheckpointReader, text_model_rename
+from wideep.launch.tiny import make_tiny_checkpoint, tiny_config
 
 
 def test_v32_published_config():
@@ -98,7 +98,7 @@ def test_text_model_rename():
 
 
 def test_kimi_k25_checkpoint_is_read_as_its_text_model(tmp_path):
-    from engine.model.build import load_model
+    from wideep.engine.model.build import load_model
     d = make_tiny_checkpoint(str(tmp_path / "k25"), arch="kimi_k25", seed=1)
     model = load_model(d, progress=False)
     rep = model.load_report
@@ -125,8 +125,8 @@ def test_two_names_for_one_tensor_is_an_error(tmp_path):
 
 
 def test_v32_fp8_checkpoint_dequantises_the_indexer(tmp_path):
-    from engine.model.build import load_model
-    from moe.fp8 import FP8_DTYPE, dequantize_fp8_block
+    from wideep.engine.model.build import load_model
+    from wideep.moe.fp8 import FP8_DTYPE, dequantize_fp8_block
     d = make_tiny_checkpoint(str(tmp_path), arch="v32", fp8=True, seed=2)
     stored = load_file(f"{d}/model.safetensors")
     name = "model.layers.1.self_attn.indexer.wq_b.weight"
@@ -140,7 +140,7 @@ def test_v32_fp8_checkpoint_dequantises_the_indexer(tmp_path):
 
 @pytest.mark.parametrize("arch", ["v32", "glm4_moe_lite", "kimi_k25"])
 def test_make_tiny_cli(arch, tmp_path, capsys):
-    from launch.cli import main
+    from wideep.launch.cli import main
     main(["make-tiny", "--out", str(tmp_path), "--arch", arch])
     assert "wrote a tiny" in capsys.readouterr().out
     reader = CheckpointReader(str(tmp_path), rename=text_model_rename if arch == "kimi_k25" else None)

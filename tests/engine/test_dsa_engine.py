@@ -10,9 +10,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.front.engine import Engine
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.front.engine import Engine
+from wideep.launch.tiny import make_tiny_checkpoint
 from tests.engine.test_engine import drive, greedy
 from tests.parallel.spawn import spawn
 
@@ -82,7 +82,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_equal_alone(model_dir, sing
 
 
 def _rank(model_dir: str, ep: int) -> list:
-    from eplb import EplbConfig
+    from wideep.eplb import EplbConfig
     eplb = EplbConfig(enabled=True, num_redundant_experts=ep, window_size=16, step_interval=3)
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, dispatch_backend="torch", progress=False, dbo={"enabled": True},
               eplb=eplb, parallel={"timeout_s": 60.0}, max_num_batched_tokens=64,

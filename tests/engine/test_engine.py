@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.front.engine import Engine
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.front.engine import Engine
+from wideep.launch.tiny import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -177,14 +177,14 @@ def test_streamed_text_never_splits_a_multibyte_character(model_dir, detokenizer
     DecodeStream, and with the decode-window fallback for tokenizers without it.)"""
     import os
 
-    import engine.front.outputs
+    import wideep.engine.front.outputs as front_outputs
     if detokenizer == "window":
-        monkeypatch.setattr(engine.front.outputs, "DecodeStream", None)
+        monkeypatch.setattr(front_outputs, "DecodeStream", None)
 
     from tokenizers import Tokenizer
 
-    from engine.worker.messages import Delta
-    from engine.front.outputs import RequestState
+    from wideep.engine.worker.messages import Delta
+    from wideep.engine.front.outputs import RequestState
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     want = "héllo €! 你好 🙂 ok"
     ids = tok.encode(want).ids

@@ -18,7 +18,7 @@ def requests() -> list[dict]:
 
 
 def _rank(model_dir: str) -> dict:
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=30, max_num_seqs=16,
                  max_num_batched_tokens=128, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:
@@ -42,7 +42,7 @@ def _rank(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("serve_mr")), arch="v3", seed=5, initializer_range=0.3)
     return d, alone(d, requests())
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-from engine import LLM
-from engine.generation_defaults import generation_defaults
-from launch.openai_api import parse_completion
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM
+from wideep.engine.generation_defaults import generation_defaults
+from wideep.launch.openai_api import parse_completion
+from wideep.launch.tiny import make_tiny_checkpoint
 
 
 def _checkpoint(tmp_path, **gen):

@@ -19,7 +19,7 @@ PROMPTS = {
 
 
 def _run(llm) -> dict:
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     out = {}
     for name, (prompts, n) in PROMPTS.items():
         res = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, prompt_logprobs=0, ignore_eos=True))
@@ -29,7 +29,7 @@ def _run(llm) -> dict:
 
 
 def _rank(model_dir: str) -> dict:
-    from engine import LLM
+    from wideep.engine import LLM
     from tests.parallel.test_dispatch_hierarchical import as_nodes
     kw = dict(progress=False, block_size=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     # prefill steps in normal mode, decode steps (<= 4 tokens per rank) in the padded low-latency mode
@@ -63,7 +63,7 @@ def _rank(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("hier")), arch="v3", seed=3, initializer_range=0.2)
 
 

@@ -14,8 +14,8 @@ TIMEOUT_S = 6.0
 
 
 def _serve_after_idle(model_dir: str, idle_s: float) -> list | str:
-    from engine import SamplingParams
-    from engine.front.engine import Engine
+    from wideep.engine import SamplingParams
+    from wideep.engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=8, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
     if not eng.is_front:
         return eng.run_worker_loop()
@@ -32,7 +32,7 @@ def _serve_after_idle(model_dir: str, idle_s: float) -> list | str:
 
 
 def _front_dies_while_idle(model_dir: str) -> None:
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=8, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
     if eng.is_front:
         time.sleep(1.0)
@@ -42,7 +42,7 @@ def _front_dies_while_idle(model_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("idle")), arch="v3", seed=2)
 
 

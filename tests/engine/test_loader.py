@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.model.loader import CheckpointError, CheckpointReader, expert_ignore, load_weights
-from moe.fp8 import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
+from wideep.engine.model.loader import CheckpointError, CheckpointReader, expert_ignore, load_weights
+from wideep.moe.fp8 import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
 
 META = {"format": "pt"}
 

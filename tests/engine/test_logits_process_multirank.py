@@ -18,7 +18,7 @@ def requests() -> list[tuple[str, list[int], dict]]:
 
 
 def _rank(model_dir: str) -> dict:
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=32, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:
         how = eng.run_worker_loop()
@@ -31,7 +31,7 @@ def _rank(model_dir: str) -> dict:
 
 @pytest.mark.multirank
 def test_two_ranks_equal_one_process(tmp_path):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=5, initializer_range=0.3)
     want = {rid: c.token_ids for rid, c in run_in_one_process(d, requests(), block_size=16, kv_cache_blocks=64).items()}
     front, worker = spawn(_rank, 2, args=(d,), timeout_s=300)

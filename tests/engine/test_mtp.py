@@ -22,10 +22,10 @@ import shutil
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.front.engine import Engine
-from launch import tiny_cycle
-from launch.tiny_cycle import make_cycle_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.front.engine import Engine
+from wideep.launch import tiny_cycle
+from wideep.launch.tiny_cycle import make_cycle_checkpoint
 from tests.engine.test_engine import drive, workload
 
 pytest.importorskip("transformers")
@@ -113,8 +113,8 @@ def test_drafts_equal_a_transformers_reference(tmp_path, arch):
     assert seq.spec.mtp_drafts == [d1, int(logits2[-1].argmax())]
     # and the drafter's own logits at every prompt row against the reference's
     drafter, kv = eng.core.model.drafter, eng.core.kv
-    from attention_mla.meta import AttnMeta, int64_tensor
-    from parallel.step_plan import StepPlan
+    from wideep.attention_mla.meta import AttnMeta, int64_tensor
+    from wideep.parallel.step_plan import StepPlan
     T, bs = len(prompt), 16
     meta = AttnMeta(positions=torch.arange(T), slot_mapping=torch.arange(T) + 5 * bs,
                     block_table=int64_tensor([5, 6], None).view(1, 2), query_lens=[T], ctx_lens=[T], block_size=bs)
@@ -194,7 +194,7 @@ def test_a_bfloat16_drafter_beside_a_float32_model(cycle):
 def _pass_inputs(core, H):
     """Two sequences (blocks 3, 4 and 5, 6 of 16 slots): rows at positions 29, 30, 31 and 20, 21, the last of
     each running the layer; the MTP layer's cache filled with random entries first."""
-    from engine.worker.runner import attn_meta
+    from wideep.engine.worker.runner import attn_meta
     g = torch.Generator().manual_seed(0)
     L = core.config.num_hidden_layers
     core.kv.pools[L].copy_(torch.randn(core.kv.pools[L].shape, generator=g))
@@ -213,8 +213,8 @@ def test_fused_passes_equal_the_layers_operations(cycle, draft_dtype):
     and the argmax, then the later passes, in one C call) against the layer's own operations pass by pass (the fused
     halves, the head by its matmul): drafts, outputs and the cache entries of every row equal, a sequence whose
     lookahead ends at its last block stopping after its first draft; the engine's passes take it (one EP rank)."""
-    from engine.worker.runner import attn_meta
-    from parallel.step_plan import StepPlan
+    from wideep.engine.worker.runner import attn_meta
+    from wideep.parallel.step_plan import StepPlan
     d, nxt = cycle
     llm = _greedy_equal_with_mtp(d, cycle_prompts(nxt, 3), 20, 3, draft_dtype=draft_dtype)
     core = llm.engine.core
@@ -248,7 +248,7 @@ def test_fused_passes_equal_the_layers_operations(cycle, draft_dtype):
 
 
 def test_a_fused_pass_names_a_slot_outside_the_pool(cycle):
-    from parallel.step_plan import StepPlan
+    from wideep.parallel.step_plan import StepPlan
     d, _ = cycle
     eng = Engine(d, progress=False, block_size=16, kv_cache_blocks=16, speculative_config=mtp(2))
     core = eng.core
@@ -265,10 +265,10 @@ def test_a_fused_pass_names_a_slot_outside_the_pool(cycle):
 def test_a_bfloat16_drafter_past_the_kernels_row_limits(cycle, monkeypatch):
     """Rows past the C kernels' limits (made small here) run BLAS on a float32 copy of the bfloat16 weights
     (cpu/linear.py small_linear, moe/experts.py dense_weights): greedy outputs still equal no speculation."""
-    import cpu.linear
+    import wideep.cpu.linear as cpu_linear
     d, nxt = cycle
-    monkeypatch.setattr(cpu.linear, "max_rows", lambda dtype: 2)
-    monkeypatch.setattr(cpu.linear, "EXPERTS_MAX_ROWS", 0)
+    monkeypatch.setattr(cpu_linear, "max_rows", lambda dtype: 2)
+    monkeypatch.setattr(cpu_linear, "EXPERTS_MAX_ROWS", 0)
     llm = _greedy_equal_with_mtp(d, cycle_prompts(nxt, 12), 20, 2, draft_dtype="bfloat16")
     assert llm.engine.metrics()["spec_decode_num_accepted_tokens"] > 0
 
@@ -332,9 +332,9 @@ def test_a_config_naming_an_mtp_layer_the_checkpoint_lacks_is_refused(tmp_path):
 
 def test_the_mtp_layers_mlp_is_the_checkpoints(cycle):
     """MoE where the checkpoint holds the layer's router, dense where it does not (mlp_layer_types stops at L)."""
-    from engine.model.loader import CheckpointReader
-    from engine.model.model_config import ModelConfig
-    from engine.model.mtp import mtp_layer_is_moe
+    from wideep.engine.model.loader import CheckpointReader
+    from wideep.engine.model.model_config import ModelConfig
+    from wideep.engine.model.mtp import mtp_layer_is_moe
     d, _ = cycle
     cfg, names = ModelConfig.from_dir(d), CheckpointReader(d).names
     L = cfg.num_hidden_layers
@@ -383,8 +383,8 @@ def test_backed_off_rows_wait_in_a_stash_and_drafts_are_unchanged(cycle, monkeyp
     """A sequence backing off defers its first-pass rows and runs them before it drafts again: whenever it is
     about to draft, the MTP layer's latents of all its positions equal those of a drafter that ran every row
     at once, its drafts are the same, and it took fewer passes."""
-    from engine.spec_decode import speculator as spec_mod
-    from engine.worker import mtp_drafter
+    from wideep.engine.spec_decode import speculator as spec_mod
+    from wideep.engine.worker import mtp_drafter
     d, nxt = cycle
     prompts = cycle_prompts(nxt, 1, seed=7)   # one sequence: its backed-off steps have no other rows
     sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)

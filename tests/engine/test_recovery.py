@@ -28,7 +28,7 @@ def requests(n: int = 40) -> list[dict]:
 
 
 def _params(r: dict):
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     if r["seed"] is None:
         return greedy(r["max_tokens"])
     return SamplingParams(temperature=0.8, top_k=20, seed=r["seed"], max_tokens=r["max_tokens"], ignore_eos=True)
@@ -38,7 +38,7 @@ def _serve(model_dir: str, victims: dict) -> dict:
     """Every rank; victims: origin rank -> the model step at which it is killed."""
     import os
 
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     rank = int(os.environ["RANK"])
     if rank in victims:
         sigkill_at_step(victims[rank])
@@ -71,7 +71,7 @@ def _serve(model_dir: str, victims: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("elastic")), arch="v3", seed=5, initializer_range=0.3)
     reference = spawn(_serve, 4, args=(d, {}), timeout_s=300)[0]["got"]
     return d, reference
@@ -115,8 +115,8 @@ def _serve_eplb(model_dir: str, victim: int, kill_step: int) -> dict:
     weight transfer is in flight; the survivors drop it and re-plan from the committed placement."""
     import os
 
-    import eplb.rebalancer as rebalancer
-    from engine.front.engine import Engine
+    import wideep.eplb.rebalancer as rebalancer
+    from wideep.engine.front.engine import Engine
     rank = int(os.environ["RANK"])
     staged = {"n": 0}
     stage = rebalancer.Rebalance.stage
@@ -162,7 +162,7 @@ def _serve_without_checkpoint(model_dir: str) -> None:
     import glob
     import os
 
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     rank = int(os.environ["RANK"])
     eng = Engine(model_dir, progress=False, block_size=8, parallel=PARALLEL)
     if rank == 2:
@@ -182,7 +182,7 @@ def _serve_without_checkpoint(model_dir: str) -> None:
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_an_expert_with_no_replica_and_no_checkpoint_is_a_clear_error(tmp_path):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path / "gone"), arch="v3", seed=5, initializer_range=0.3)
     outs = run(_serve_without_checkpoint, 4, args=(d,), timeout_s=300)
     assert outs[2].returncode == -9
@@ -194,7 +194,7 @@ def test_an_expert_with_no_replica_and_no_checkpoint_is_a_clear_error(tmp_path):
 def _front_dies(model_dir: str) -> None:
     import os
 
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     if int(os.environ["RANK"]) == 0:
         sigkill_at_step(5)
     eng = Engine(model_dir, progress=False, block_size=8, parallel=PARALLEL)

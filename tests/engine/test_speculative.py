@@ -15,16 +15,16 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.engine_config import EngineConfig
-from engine.sched.scheduler import StepResult
-from engine.spec_decode.config import SpeculativeConfig
-from engine.spec_decode.ngram import NgramIndex, propose_reference
-from engine.worker.sampler import filter_logits
-from engine.worker.verify import verify
-from launch.tiny import make_tiny_checkpoint
-from launch import tiny_cycle
-from launch.tiny_cycle import make_cycle_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.engine_config import EngineConfig
+from wideep.engine.sched.scheduler import StepResult
+from wideep.engine.spec_decode.config import SpeculativeConfig
+from wideep.engine.spec_decode.ngram import NgramIndex, propose_reference
+from wideep.engine.worker.sampler import filter_logits
+from wideep.engine.worker.verify import verify
+from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch import tiny_cycle
+from wideep.launch.tiny_cycle import make_cycle_checkpoint
 from tests.engine.test_engine import drive, workload
 
 
@@ -45,7 +45,7 @@ def test_the_rank_remembers_failing_drafts_and_probes(method):
     """Sequences whose drafts fail raise the rank's pause; while its recent acceptance is low, new sequences
     start backed off (MTP: retired) except one in PROBE_EVERY; a probe that succeeds lowers the pause again
     and new sequences draft at once."""
-    from engine.spec_decode import speculator as sm
+    from wideep.engine.spec_decode import speculator as sm
     sp = sm.Speculator(SpeculativeConfig(method=method, num_speculative_tokens=2, backoff_steps=4))
     sp.begin(1)
     first = _SpecSeq()
@@ -239,7 +239,7 @@ def test_greedy_equal_with_mostly_wrong_drafts_and_backoff(model_dir):
 def test_greedy_equal_under_preemption_with_prefix_caching(cycle):
     """Random arrivals, a cache that forces preemption, prefix caching on: every output equals the
     request run alone without speculation, and no block leaks."""
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     d, nxt = cycle
     reqs = workload(40, seed=3, max_prompt=60, max_new=40, last_arrival=30)
     ps = cycle_prompts(nxt, 40, seed=9)
@@ -313,7 +313,7 @@ def test_disable_by_batch_size_turns_drafting_off(cycle):
 
 
 def test_prometheus_has_the_spec_decode_families(cycle):
-    from launch.prometheus import render
+    from wideep.launch.prometheus import render
     d, nxt = cycle
     _, m = generate(d, cycle_prompts(nxt, 2), ngram(2), max_tokens=12)
     text = render(m)

@@ -10,8 +10,8 @@ from tests.parallel.spawn import spawn
 
 
 def _sync(n: int) -> list:
-    from engine.worker.step_sync import StepSync
-    from parallel import ParallelConfig, bootstrap, shutdown
+    from wideep.engine.worker.step_sync import StepSync
+    from wideep.parallel import ParallelConfig, bootstrap, shutdown
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2))
     s = StepSync(ctx, low_latency_max_tokens=8)
     res = [s.sync(True, num_tokens=n + 5 * ctx.rank),                       # max 8: low-latency
@@ -25,7 +25,7 @@ def _sync(n: int) -> list:
 
 
 def _engine_plans(model_dir: str) -> dict:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, block_size=8, max_num_batched_tokens=256)
     core = llm.engine.core
     steps, dispatched = [], []
@@ -54,7 +54,7 @@ def _engine_plans(model_dir: str) -> dict:
 
 @pytest.mark.multirank
 def test_sync_gives_every_rank_the_same_plan():
-    from parallel import StepPlan
+    from wideep.parallel import StepPlan
     for plans in spawn(_sync, 2, args=(3,), timeout_s=60):
         assert plans == [(True, StepPlan(8, False, True), 0, 0), (True, StepPlan(9, False, False), 0, 0),
                          (False, StepPlan(), 0, 0), (True, StepPlan(2, True, True), 0, 0),
@@ -64,8 +64,8 @@ def test_sync_gives_every_rank_the_same_plan():
 
 @pytest.mark.multirank
 def test_engine_passes_the_steps_plan_to_every_dispatch(tmp_path):
-    from launch.tiny import make_tiny_checkpoint
-    from parallel import StepPlan
+    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.parallel import StepPlan
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=1)
     ranks = spawn(_engine_plans, 2, args=(d,), timeout_s=120)
     assert ranks[0]["steps"] == ranks[1]["steps"]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.front.engine import Engine
-from engine.front.stop_strings import StopMatcher, find_stop, hold_back
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.front.engine import Engine
+from wideep.engine.front.stop_strings import StopMatcher, find_stop, hold_back
+from wideep.launch.tiny import make_tiny_checkpoint
 
 PROMPT = "hello world"
 MAX = 32

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from attention_v4.pool_layout import StreamGeometry
-from engine import SamplingParams
-from engine.sched.scheduler import Scheduler, StepResult
-from engine.sched.sequence import Sequence
-from engine.sched.v4_blocks import V4BlockManager
+from wideep.attention_v4.pool_layout import StreamGeometry
+from wideep.engine import SamplingParams
+from wideep.engine.sched.scheduler import Scheduler, StepResult
+from wideep.engine.sched.sequence import Sequence
+from wideep.engine.sched.v4_blocks import V4BlockManager
 
 GEO = StreamGeometry(window=7, block_size=4, ratios=(("csa", 4), ("hca", 16)))
 

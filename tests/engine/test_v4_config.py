@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.model.model_config import ConfigError, ModelConfig
+from wideep.engine.model.model_config import ConfigError, ModelConfig
 
 DEEPSEEK = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=200, hidden_size=64,
                 moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, head_dim=32, q_lora_rank=48,

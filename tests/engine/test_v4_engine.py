@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attention_v4.streams import growing_bytes
-from engine import LLM, SamplingParams
+from wideep.attention_v4.streams import growing_bytes
+from wideep.engine import LLM, SamplingParams
 from tests.oracle import hf_prompt_logprobs
 from tests.oracle_v4 import PRO, YARN, make_v4_model
 

@@ -13,9 +13,9 @@ from safetensors import safe_open
 
 pytest.importorskip("transformers")
 
-from cpu.build import unusable
-from engine import LLM, SamplingParams
-from engine.model.build import load_model
+from wideep.cpu.build import unusable
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.model.build import load_model
 from tests.engine.test_v4_quantized import checkpoints  # noqa: F401  (the module fixture: FP8 + FP4 V4 checkpoint)
 
 if unusable() is not None:
@@ -70,7 +70,7 @@ def test_packed_equals_dequantised_at_load(checkpoints):  # noqa: F811
 def test_eplb_moves_carry_the_packed_bytes_and_scales(checkpoints):  # noqa: F811
     """EPLB's weight moves (eplb/transfer.py) pack every stacked expert parameter as raw bytes: the fp4 pairs and
     their e8m0 scales move together, and the experts then compute what the source slot did."""
-    from eplb.transfer import Move, expert_bytes, stage_layer, swap_layer
+    from wideep.eplb.transfer import Move, expert_bytes, stage_layer, swap_layer
     qdir, _ = checkpoints
     model = load_model(qdir, progress=False)
     ex = model.layers[1].ffn.experts
@@ -93,8 +93,8 @@ def test_fp4_that_cannot_stay_packed_is_refused(checkpoints):  # noqa: F811
     with pytest.raises(ValueError, match=r"quantization 'fp4' .* experts_backend 'torch' does not read FP4"):
         load_model(qdir, progress=False, quantization="fp4", experts_backend="torch")
     with pytest.raises(ValueError, match=r"quantization 'fp4' .* not DeepSeek-V4"):
-        from engine.model.build import _apply_quantization
-        from moe.backend import ExpertsChoice
+        from wideep.engine.model.build import _apply_quantization
+        from wideep.moe.backend import ExpertsChoice
         _apply_quantization("fp4", ExpertsChoice("cpu", keep_fp8=False), None)
     # torch experts on the same checkpoint: dequantised at load, as before
     model = load_model(qdir, progress=False, experts_backend="torch")
@@ -103,8 +103,8 @@ def test_fp4_that_cannot_stay_packed_is_refused(checkpoints):  # noqa: F811
 
 
 def test_the_reader_gives_packed_bytes_and_e8m0_scales_as_stored(checkpoints):  # noqa: F811
-    from engine.model.loader import CheckpointError, CheckpointReader, v4_rename
-    from moe.fp4 import scale_to_e8m0
+    from wideep.engine.model.loader import CheckpointError, CheckpointReader, v4_rename
+    from wideep.moe.fp4 import scale_to_e8m0
     qdir, _ = checkpoints
     r = CheckpointReader(qdir, rename=v4_rename)
     name = "layers.2.ffn.experts.3.w2.weight"
@@ -121,7 +121,7 @@ def test_the_reader_gives_packed_bytes_and_e8m0_scales_as_stored(checkpoints):  
 
 
 def _rank_main(model_dir: str, ep: int) -> dict:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, progress=False, enable_prefix_caching=False,
               max_num_batched_tokens=24, parallel={"timeout_s": 60.0},

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attention_v4.fp8 import IndexKeyFp8, KVEntryFp8, check_v4_kv_cache_dtype  # noqa: E402
-from engine import LLM, SamplingParams  # noqa: E402
+from wideep.attention_v4.fp8 import IndexKeyFp8, KVEntryFp8, check_v4_kv_cache_dtype  # noqa: E402
+from wideep.engine import LLM, SamplingParams  # noqa: E402
 from tests.oracle_v4 import make_v4_model  # noqa: E402
 
 _rng = random.Random(7)

@@ -15,9 +15,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from engine import LLM, SamplingParams
-from engine.front.engine import Engine
-from kvstore.hashing import hex_of, prefix_chain
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.front.engine import Engine
+from wideep.kvstore.hashing import hex_of, prefix_chain
 from tests.oracle_v4 import PRO, make_v4_model
 
 from tests.kvstore.test_kv_engine import abort_while_reading, run, stats  # (run: greedy, top-3 logprobs)

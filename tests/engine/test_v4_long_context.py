@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attention_v4.streams import V4Meta, growing_bytes
-from engine import LLM, SamplingParams
-from engine.model.build import load_model
+from wideep.attention_v4.streams import V4Meta, growing_bytes
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.model.build import load_model
 from tests.oracle_v4 import make_v4_model
 
 CONTEXT = 65536 - 16

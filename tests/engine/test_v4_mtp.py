@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("transformers")
 
-from attention_v4.streams import V4Meta
-from engine.model.build import load_model
-from engine.model.loader import CheckpointError, v4_ignore, v4_mtp_blocks, v4_rename
-from engine.model.model_config import ConfigError, ModelConfig
+from wideep.attention_v4.streams import V4Meta
+from wideep.engine.model.build import load_model
+from wideep.engine.model.loader import CheckpointError, v4_ignore, v4_mtp_blocks, v4_rename
+from wideep.engine.model.model_config import ConfigError, ModelConfig
 from tests.oracle_v4 import make_v4_model
 
 PROMPT = [3, 17, 101, 42, 5, 199, 64, 8, 9, 150, 33, 2, 77]

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from engine import LLM, SamplingParams
-from engine.front.engine import Engine
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.front.engine import Engine
 from tests.oracle_v4 import PRO, make_v4_model
 
 V4 = dict(dtype="float32", progress=False)
@@ -163,7 +163,7 @@ def test_the_rank_reports_the_hashes_its_pools_name(v4):
     """KV-aware routing (the default routing with prefix caching): the V4 block manager marks every hash its pools
     come to name or stop naming in the rank's log (drained to the front after each step), and holds() answers by
     the names: the first prompt's hashes are held, and no longer once other prompts' blocks push them out."""
-    from kvstore.hashing import prefix_chain
+    from wideep.kvstore.hashing import prefix_chain
     llm = LLM(v4, enable_prefix_caching=True, block_size=8, kv_cache_blocks=24, **V4)
     b = llm.engine.core.blocks
     assert b.log.enabled

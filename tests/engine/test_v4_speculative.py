@@ -16,12 +16,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-from attention_mla.rope import RotaryEmbedding
-from attention_v4.compressor import Compressor, CompressorState
-from engine import LLM, SamplingParams
-from engine.front.engine import Engine
-from launch.tiny_cycle import cycle_prompts, make_v4_cycle_checkpoint
-from launch.tiny_v4 import PRO
+from wideep.attention_mla.rope import RotaryEmbedding
+from wideep.attention_v4.compressor import Compressor, CompressorState
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.front.engine import Engine
+from wideep.launch.tiny_cycle import cycle_prompts, make_v4_cycle_checkpoint
+from wideep.launch.tiny_v4 import PRO
 from tests.engine.test_engine import drive, workload
 from tests.engine.test_speculative import ngram, same
 
@@ -30,7 +30,7 @@ V4 = dict(dtype="float32", progress=False, enable_prefix_caching=False, block_si
 
 # -- the compressor's rewind -------------------------------------------------------------------------------------
 def _rope():
-    from attention_mla.config import RopeConfig
+    from wideep.attention_mla.config import RopeConfig
     return RotaryEmbedding(RopeConfig(dim=8))
 
 
@@ -183,7 +183,7 @@ def test_sampling_with_drafts_is_seeded(cycle):
 
 # -- DP/EP ranks ---------------------------------------------------------------------------------------------
 def _rank_spec(model_dir: str, ep: int, prompts: list[list[int]]) -> dict:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, parallel={"timeout_s": 60.0}, speculative_config=ngram(3),
               dbo={"enabled": True, "prefill_token_threshold": 2}, **dict(V4, block_size=4))
     sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=0)
@@ -232,7 +232,7 @@ def test_mtp_drafts_are_the_blocks_argmax_over_a_dense_reference(mtp_cycle):
     """After a prompt's prefill the sequence's k drafts are the MTP block's argmax as a dense reference computes
     them: the target over the prompt (its residual streams), the block over positions 0..P-1 with each next token,
     then its own output and draft fed back one position at a time."""
-    from attention_v4.streams import SequenceStreams, V4Meta
+    from wideep.attention_v4.streams import SequenceStreams, V4Meta
     d, nxt = mtp_cycle
     prompt = cycle_prompts(nxt, 1, 30, seed=3)[0]
     eng = Engine(d, **dict(V4, speculative_config=mtp(3)))
@@ -312,7 +312,7 @@ def test_a_draft_dtype_for_the_v4_block_is_refused(mtp_cycle):
 
 
 def _rank_mtp(model_dir: str, ep: int, prompts: list[list[int]], dbo: bool) -> dict:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, parallel={"timeout_s": 60.0}, speculative_config=mtp(2),
               dbo={"enabled": dbo, "prefill_token_threshold": 2}, **dict(V4, block_size=4))
     sp = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)

@@ -25,7 +25,7 @@ def _results(outs) -> list[dict]:
 
 
 def _rank_main(model_dir: str, ep: int, dbo: bool = False, eplb: bool = False) -> dict:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True)
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, progress=False, enable_prefix_caching=False,
               max_num_batched_tokens=24, parallel={"timeout_s": 60.0},
@@ -42,7 +42,7 @@ def _rank_main(model_dir: str, ep: int, dbo: bool = False, eplb: bool = False) -
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     d = str(tmp_path_factory.mktemp("v4_wide_ep"))
     hf = make_v4_model(d, n_routed_experts=8, num_experts_per_tok=2)
     with torch.no_grad():
@@ -100,7 +100,7 @@ _FILL = [[(i * 37 + k * 13) % 190 + 2 for k in range(60)] for i in range(16)]   
 
 def _rank_prefix(model_dir: str, ep: int, cache: bool, tiers: bool = False) -> dict:
     """tiers: small pools and a host tier; between the rounds other prompts push the prefix out of the pools."""
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     kw = dict(kv_cache_blocks=16, kv_cache={"tiers": ["host"], "host_bytes": 1 << 20}) if tiers else {}
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, progress=False, enable_prefix_caching=cache, block_size=8,
@@ -124,7 +124,7 @@ def test_v4_prefix_caching_on_4_ep_ranks(reference):
     """Prefix caching on 4 DP/EP ranks: the second round's requests hit the prefix the first round cached on their
     rank (KV-aware routing sends them there) and give the tokens of one process without prefix caching."""
     d = reference[0]
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(d, progress=False, enable_prefix_caching=False, block_size=8)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     single = [o for prompts in PREFIXED for o in llm.generate(prompts, sp)]
@@ -144,7 +144,7 @@ def test_v4_host_tier_on_4_ep_ranks(reference):
     pools between them, the second round loads it back from the tiers (routed to the ranks whose tiers hold it)
     and gives the tokens of one process without prefix caching."""
     d = reference[0]
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(d, progress=False, enable_prefix_caching=False, block_size=8)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
     single = [o for prompts in PREFIXED for o in llm.generate(prompts, sp)]

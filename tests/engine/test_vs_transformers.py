@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from engine import LLM, SamplingParams
-from moe.fp8 import dequantize_fp8_block, quantize_fp8_block
+from wideep.engine import LLM, SamplingParams
+from wideep.moe.fp8 import dequantize_fp8_block, quantize_fp8_block
 from tests.oracle import hf_greedy, hf_prompt_logprobs, make_hf_model
 
 PROMPTS = [[3, 17, 42, 99, 5, 150, 23, 8, 64, 11, 190, 7], [5, 6], [120, 33, 71, 2, 88, 14, 160]]

@@ -28,7 +28,7 @@ def _results(outs) -> list[dict]:
 
 
 def _rank_main(model_dir: str, ep: int, backends: tuple[str, ...]) -> dict:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True)
     llm = LLM(model_dir, dp_size=ep, ep_size=ep, dispatch_backend=backends[0], progress=False,
               parallel={"timeout_s": 60.0})
@@ -49,7 +49,7 @@ def _rank_main(model_dir: str, ep: int, backends: tuple[str, ...]) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Checkpoint (V3, 16 experts, top-4, 4 groups) + transformers' and single-process results."""
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     d = str(tmp_path_factory.mktemp("wide_ep"))
     hf = make_hf_model("v3", d, bias_std=0.2)
     hf_res = {name: [{"tokens": hf_greedy(hf, p, MAX_TOKENS), "prompt_lp": hf_prompt_logprobs(hf, p).tolist()}

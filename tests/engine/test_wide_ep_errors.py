@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny import make_tiny_checkpoint
 from tests.faults import sigkill_at_step
 from tests.parallel.spawn import run
 
@@ -20,7 +20,7 @@ def tiny(tmp_path_factory):
 
 
 def _build(model_dir: str, kwargs_by_rank: dict) -> str:
-    from engine import LLM
+    from wideep.engine import LLM
     rank = int(os.environ["RANK"])
     llm = LLM(model_dir, progress=False, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5},
               **kwargs_by_rank.get(rank, kwargs_by_rank.get("all", {})))
@@ -50,7 +50,7 @@ def test_size_mismatch_and_config_mismatch_fail_on_every_rank(tiny):
 
 
 def _generate_until_killed(model_dir: str, victim: int) -> None:
-    from engine import LLM, SamplingParams
+    from wideep.engine import LLM, SamplingParams
     llm = LLM(model_dir, progress=False, parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})
     if llm.ctx.rank == victim:
         sigkill_at_step(3)

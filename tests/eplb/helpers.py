@@ -22,7 +22,7 @@ def make_skewed_checkpoint(out_dir: str, seed: int = 5, boost: float = 0.3) -> s
     to 4 experts per MoE layer: without EPLB one or two EP ranks do most expert work."""
     from safetensors.torch import load_file, save_file
 
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     make_tiny_checkpoint(out_dir, arch="v3", seed=seed)
     path = os.path.join(out_dir, "model.safetensors")
     tensors = load_file(path)
@@ -39,8 +39,8 @@ def build_llm(model_dir: str, eplb_cfg, **options):
     the config with enabled=False (placement and redundant slots, no controller of its own)."""
     import dataclasses
 
-    from engine import LLM
-    from eplb import EplbController
+    from wideep.engine import LLM
+    from wideep.eplb import EplbController
     options.setdefault("enable_prefix_caching", False)
     # ParallelConfig checks (experts + redundant) % ep before connecting
     options["parallel"] = dict(options.get("parallel") or {}, num_redundant_experts=eplb_cfg.num_redundant_experts)
@@ -54,7 +54,7 @@ def prompt_logprobs(outs) -> list[list[float]]:
 
 
 def generate(llm):
-    from engine import SamplingParams
+    from wideep.engine import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0, ignore_eos=True)
     outs = llm.generate(PROMPTS, sp)
     return prompt_logprobs(outs), [o.outputs[0].token_ids for o in outs]

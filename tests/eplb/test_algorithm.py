@@ -8,9 +8,9 @@ import time
 import pytest
 import torch
 
-import eplb.algorithm
-from eplb import balancedness, moved_slots, rebalance_experts
-from eplb._packing import fix_duplicates, pack_items, replicate
+import wideep.eplb.algorithm as eplb_algorithm
+from wideep.eplb import balancedness, moved_slots, rebalance_experts
+from wideep.eplb._packing import fix_duplicates, pack_items, replicate
 
 # Input and published output of github.com/deepseek-ai/EPLB's README (data, not code).
 README_WEIGHT = torch.tensor([[90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
@@ -110,7 +110,7 @@ def test_groups_that_do_not_divide_the_experts_take_the_global_policy():
 
 
 def test_docstring_example():
-    result = doctest.testmod(eplb.algorithm)
+    result = doctest.testmod(eplb_algorithm)
     assert result.attempted > 0 and result.failed == 0
 
 

@@ -8,8 +8,8 @@ import re
 import pytest
 import torch
 
-from eplb import EplbConfig
-from launch.cli import main
+from wideep.eplb import EplbConfig
+from wideep.launch.cli import main
 from tests.eplb.helpers import build_llm, experts_match_checkpoint, generate, make_skewed_checkpoint, max_diff
 
 
@@ -62,8 +62,8 @@ def test_eplb_report_png(tmp_path, capsys):
 
 
 def test_initial_placement_file_at_startup(tmp_path, capsys):
-    from engine import LLM
-    from engine.model.build import load_model
+    from wideep.engine import LLM
+    from wideep.engine.model.build import load_model
     d = make_skewed_checkpoint(str(tmp_path / "m"))
     ref = generate(LLM(d, progress=False))
     out = str(tmp_path / "placement.json")

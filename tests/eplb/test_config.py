@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from eplb import EplbConfig
-from launch import run_config
+from wideep.eplb import EplbConfig
+from wideep.launch import run_config
 
 
 @pytest.mark.parametrize("kwargs,match", [

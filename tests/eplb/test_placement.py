@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from eplb import ExpertMap, LoadRecorder, Placement
-from eplb.transfer import expert_bytes, plan_moves, stage_layer, swap_layer
+from wideep.eplb import ExpertMap, LoadRecorder, Placement
+from wideep.eplb.transfer import expert_bytes, plan_moves, stage_layer, swap_layer
 
 
 def test_initial_placement_replicates_round_robin():
@@ -96,12 +96,12 @@ def test_stage_and_swap_on_one_rank_rewrites_only_changed_slots():
 
 
 def test_moe_layer_maps_and_counts_physical_ids():
-    from moe.config import MoEConfig
-    from moe.layer import ExpertShard, MoELayer
+    from wideep.moe.config import MoEConfig
+    from wideep.moe.layer import ExpertShard, MoELayer
     cfg = MoEConfig(hidden_size=8, moe_intermediate_size=4, n_routed_experts=4, top_k=2,
                     n_shared_experts=0, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
                     norm_topk_prob=True, routed_scaling_factor=1.0)
-    from parallel.expert_routing import ExpertRouting
+    from wideep.parallel.expert_routing import ExpertRouting
     routing = ExpertRouting(1, list(range(6)))
     layer = MoELayer(cfg, ExpertShard(6), routing=routing.layers[0])
     torch.manual_seed(0)

@@ -16,7 +16,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def skewed(tmp_path_factory):
     """Skewed checkpoint + the single-process, no-EPLB prompt logprobs and greedy tokens."""
-    from engine import LLM
+    from wideep.engine import LLM
     d = make_skewed_checkpoint(str(tmp_path_factory.mktemp("eplb_rt")))
     llm = LLM(d, progress=False, enable_prefix_caching=False)
     return d, generate(llm)
@@ -25,7 +25,7 @@ def skewed(tmp_path_factory):
 def _rank_rebalances(model_dir: str, ep: int, redundant: int, forced: int) -> dict:
     """Generate; rebalance from the recorded load; generate; then `forced` rebalances from random
     loads (many moves), generating after each."""
-    from eplb import EplbConfig
+    from wideep.eplb import EplbConfig
     cfg = EplbConfig(enabled=True, num_redundant_experts=redundant, window_size=64, step_interval=10**9)
     llm, ctl = build_llm(model_dir, cfg, dp_size=ep, ep_size=ep, dispatch_backend="torch",
                          parallel={"timeout_s": 60.0})
@@ -79,7 +79,7 @@ def test_rebalance_keeps_outputs_and_balances_load(skewed, ep, redundant, forced
 
 def _rank_staged(model_dir: str) -> dict:
     """transfer_layers_per_step = 1 driven by after_step: generate between the staging steps."""
-    from eplb import EplbConfig
+    from wideep.eplb import EplbConfig
     cfg = EplbConfig(enabled=True, num_redundant_experts=2, window_size=16, step_interval=2,
                      transfer_layers_per_step=1)
     llm, ctl = build_llm(model_dir, cfg, dp_size=2, ep_size=2, dispatch_backend="torch",
@@ -108,7 +108,7 @@ def test_staged_rebalance_swaps_once_every_layer_is_staged(skewed):
 
 
 def _rank_engine_driven(model_dir: str) -> dict:
-    from engine import LLM
+    from wideep.engine import LLM
     llm = LLM(model_dir, progress=False, dp_size=2, ep_size=2, dispatch_backend="torch", enable_prefix_caching=False,
               eplb={"enabled": True, "num_redundant_experts": 2, "window_size": 16, "step_interval": 2},
               parallel={"timeout_s": 60.0, "num_redundant_experts": 2})

@@ -20,9 +20,9 @@ def skewed(tmp_path_factory):
 
 
 def _rank_dies_in_transfer(model_dir: str, victim: int) -> str:
-    import eplb.rebalancer as rb
-    from eplb import EplbConfig
-    from parallel import RankLostError
+    import wideep.eplb.rebalancer as rb
+    from wideep.eplb import EplbConfig
+    from wideep.parallel import RankLostError
     cfg = EplbConfig(enabled=True, num_redundant_experts=2, window_size=8, step_interval=10**9)
     llm, ctl = build_llm(model_dir, cfg, dp_size=3, ep_size=3, dispatch_backend="torch",
                          parallel={"timeout_s": TIMEOUT_S, "heartbeat_s": 0.5})

@@ -73,11 +73,11 @@ def compile_sm(fn, args: dict, constexprs: dict, num_warps: int, num_stages: int
 def production_configs():
     """(name, kernel, args, constexprs, num_warps, num_stages) at DeepSeek-V3 shapes, for every tile
     configuration the launchers pick on a GPU."""
-    from attention_mla import triton_decode as td
-    from moe import triton_linear as tlin
-    from moe import triton_moe as tm
-    from moe import triton_quant as tq
-    from moe.tiles import _TABLE
+    from wideep.attention_mla import triton_decode as td
+    from wideep.moe import triton_linear as tlin
+    from wideep.moe import triton_moe as tm
+    from wideep.moe import triton_quant as tq
+    from wideep.moe.tiles import _TABLE
     H, I, P = 7168, 2048, 4096 * 8
     for bound, t in _TABLE:
         for fp8 in (False, True):

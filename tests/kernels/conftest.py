@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-KERNEL_MODULES = ("moe.triton_moe", "moe.triton_quant", "attention_mla.triton_decode",
-                  "attention_mla.triton_indexer")
+KERNEL_MODULES = ("wideep.moe.triton_moe", "wideep.moe.triton_quant", "wideep.attention_mla.triton_decode",
+                  "wideep.attention_mla.triton_indexer")
 
 if not torch.cuda.is_available():
     early = [m for m in KERNEL_MODULES if m in sys.modules]

@@ -7,11 +7,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from engine import LLM, SamplingParams  # noqa: E402
-from launch.tiny import make_tiny_checkpoint  # noqa: E402
-from moe.backend import resolve_experts_backend  # noqa: E402
-from moe.fp8_linear import Fp8Linear  # noqa: E402
-from attention_mla.paged_decode import resolve_attention_backend  # noqa: E402
+from wideep.engine import LLM, SamplingParams  # noqa: E402
+from wideep.launch.tiny import make_tiny_checkpoint  # noqa: E402
+from wideep.moe.backend import resolve_experts_backend  # noqa: E402
+from wideep.moe.fp8_linear import Fp8Linear  # noqa: E402
+from wideep.attention_mla.paged_decode import resolve_attention_backend  # noqa: E402
 
 PROMPTS = [[3, 17, 42, 99, 5, 150, 23], [5, 6]]
 
@@ -25,8 +25,8 @@ def _run(model_dir: str, device: str, **backends):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch, device):
-    import attention_mla.triton_decode as td
-    import moe.triton_moe as tm
+    import wideep.attention_mla.triton_decode as td
+    import wideep.moe.triton_moe as tm
     calls = {"moe": 0, "decode": 0}
 
     def counted(name, fn):
@@ -63,7 +63,7 @@ def test_triton_backends_match_torch(tmp_path, fp8, monkeypatch, device):
 
 def test_resolution_rules(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # resolution only reads it; nothing is compiled here
-    from cpu.build import unusable
+    from wideep.cpu.build import unusable
     f32, bf16 = torch.float32, torch.bfloat16
     cpu_kernels = unusable() is None     # CPU auto: the C kernels (cpu/) when they build, never Triton
     assert resolve_experts_backend("auto", "cpu", f32, None, 64, 32).backend == ("cpu" if cpu_kernels else "grouped")

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from attention_mla.meta import AttnMeta  # noqa: E402
-from attention_mla.triton_indexer import index_scores_paged  # noqa: E402
+from wideep.attention_mla.meta import AttnMeta  # noqa: E402
+from wideep.attention_mla.triton_indexer import index_scores_paged  # noqa: E402
 from tests.attention_mla.test_dsa import DK, H, _pair, _pools, tie_prone  # noqa: E402
 from tests.attention_mla.test_mla import _meta  # noqa: E402
 from tests.kernels.test_mla_decode import _case  # noqa: E402
@@ -78,9 +78,9 @@ def test_bad_inputs_raise(device):
 def test_v32_served_with_triton_attention_matches_torch(tmp_path, monkeypatch, device):
     """A tiny V3.2 (index_topk 4: the 7-token prompt decodes sparsely) with attention_backend triton: the
     scores kernel and the paged decode run at every decode step, tokens and logprobs equal torch's."""
-    import attention_mla.triton_indexer as ti
-    from engine import LLM, SamplingParams
-    from launch.tiny import make_tiny_checkpoint
+    import wideep.attention_mla.triton_indexer as ti
+    from wideep.engine import LLM, SamplingParams
+    from wideep.launch.tiny import make_tiny_checkpoint
     from tests.kernels.test_backends_e2e import PROMPTS
     calls = {"scores": 0}
     real = ti.index_scores_paged

@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from moe.fp8 import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block  # noqa: E402
-from moe.fp8_linear import Fp8Linear  # noqa: E402
-from moe.tiles import MoETiles  # noqa: E402
-from moe.triton_linear import fp8_linear  # noqa: E402
+from wideep.moe.fp8 import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block  # noqa: E402
+from wideep.moe.fp8_linear import Fp8Linear  # noqa: E402
+from wideep.moe.tiles import MoETiles  # noqa: E402
+from wideep.moe.triton_linear import fp8_linear  # noqa: E402
 from tests.kernels.conftest import poisoned  # noqa: E402
 
 TILES = MoETiles(16, 16, 16, group_m=2, num_warps=1, num_stages=1)

@@ -11,13 +11,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from moe import deepgemm  # noqa: E402
-from moe.experts import Experts  # noqa: E402
-from moe.fp8 import (FP8_DTYPE, dequantize_experts_fp8, dequantize_fp8_block, quantize_experts_fp8,  # noqa: E402
+from wideep.moe import deepgemm  # noqa: E402
+from wideep.moe.experts import Experts  # noqa: E402
+from wideep.moe.fp8 import (FP8_DTYPE, dequantize_experts_fp8, dequantize_fp8_block, quantize_experts_fp8,  # noqa: E402
                      quantize_per_token_group)
-from moe.tiles import MoETiles  # noqa: E402
-from moe.triton_moe import fused_moe  # noqa: E402
-from moe.triton_quant import per_token_group_quant_fp8  # noqa: E402
+from wideep.moe.tiles import MoETiles  # noqa: E402
+from wideep.moe.triton_moe import fused_moe  # noqa: E402
+from wideep.moe.triton_quant import per_token_group_quant_fp8  # noqa: E402
 from tests.kernels.conftest import poisoned  # noqa: E402
 
 TILES = MoETiles(16, 16, 16, group_m=2, num_warps=1, num_stages=1)

@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from moe.align import align_by_expert  # noqa: E402
-from moe.experts import Experts  # noqa: E402
-from moe.tiles import MoETiles  # noqa: E402
-from moe.triton_moe import fused_moe, moe_down, moe_gate_up, moe_sum  # noqa: E402
+from wideep.moe.align import align_by_expert  # noqa: E402
+from wideep.moe.experts import Experts  # noqa: E402
+from wideep.moe.tiles import MoETiles  # noqa: E402
+from wideep.moe.triton_moe import fused_moe, moe_down, moe_gate_up, moe_sum  # noqa: E402
 from tests.kernels.conftest import poisoned  # noqa: E402
 
 TILES = MoETiles(16, 16, 16, group_m=2, num_warps=1, num_stages=1)

@@ -15,8 +15,8 @@ def _rel(a, b) -> float:
 
 
 def _experts(E, H, I, fp8):
-    from moe.experts import Experts
-    from moe.fp8 import quantize_experts_fp8
+    from wideep.moe.experts import Experts
+    from wideep.moe.fp8 import quantize_experts_fp8
     w13 = torch.randn(E, 2 * I, H, device="cuda") * H ** -0.5
     w2 = torch.randn(E, H, I, device="cuda") * I ** -0.5
     ex = Experts(E, H, I, device="cuda", dtype=torch.bfloat16, fp8_block=(128, 128) if fp8 else None)
@@ -32,7 +32,7 @@ def _experts(E, H, I, fp8):
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("T", [1, 64, 1024, 4096])  # pairs per expert 0.1 .. 512: every row of the tile table
 def test_fused_moe_bf16_real_tiles(T, fp8):
-    from moe.triton_moe import fused_moe
+    from wideep.moe.triton_moe import fused_moe
     E, H, I, k = 64, 1024, 512, 8
     ex = _experts(E, H, I, fp8)
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -40,7 +40,7 @@ def test_fused_moe_bf16_real_tiles(T, fp8):
     w = torch.rand(T, k, device="cuda")
     if fp8:
         w13, w2 = ex.dense_weights(torch.float32)
-        from moe.experts import Experts
+        from wideep.moe.experts import Experts
         dense = Experts(E, H, I, device="cuda", dtype=torch.float32)
         dense.w13.data, dense.w2.data = w13, w2
         ref = dense.forward_reference(x.float(), ids, w)
@@ -54,8 +54,8 @@ def test_fused_moe_bf16_real_tiles(T, fp8):
 
 @pytest.mark.parametrize("tiles", [None, (16, 32, 4, 2), (32, 32, 8, 2), (64, 16, 8, 2), (16, 64, 4, 3)])
 def test_mla_decode_deepseek_shapes(tiles):  # None: DecodeTiles' production default
-    from attention_mla.paged_decode import paged_decode_reference
-    from attention_mla.triton_decode import DecodeTiles, mla_decode
+    from wideep.attention_mla.paged_decode import paged_decode_reference
+    from wideep.attention_mla.triton_decode import DecodeTiles, mla_decode
     N, C, R, bs = 128, 512, 64, 64
     lens = [1, 64, 3000, 777, 4096, 129]
     nblk = [-(-L // bs) for L in lens]
@@ -77,8 +77,8 @@ def test_mla_decode_deepseek_shapes(tiles):  # None: DecodeTiles' production def
 
 
 def test_group_quant_on_gpu_equals_reference():
-    from moe.fp8 import quantize_per_token_group
-    from moe.triton_quant import per_token_group_quant_fp8
+    from wideep.moe.fp8 import quantize_per_token_group
+    from wideep.moe.triton_quant import per_token_group_quant_fp8
     x = torch.randn(333, 7168, device="cuda", dtype=torch.bfloat16) * 3
     q, s = per_token_group_quant_fp8(x)
     rq, rs = quantize_per_token_group(x)
@@ -87,7 +87,7 @@ def test_group_quant_on_gpu_equals_reference():
 
 
 def test_deepgemm_experts_when_installed():
-    from moe import deepgemm
+    from wideep.moe import deepgemm
     api = deepgemm.load()
     if api is None:
         pytest.skip("deep_gemm does not import")
@@ -102,8 +102,8 @@ def test_deepgemm_experts_when_installed():
 
 
 def test_model_on_cuda_auto_backends_equal_torch(tmp_path):
-    from engine import LLM, SamplingParams
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.engine import LLM, SamplingParams
+    from wideep.launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), "v3")
     sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
     prompts = [[3, 17, 42, 99, 5], [7, 8]]

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from attention_mla.paged_decode import paged_decode_reference  # noqa: E402
-from attention_mla.triton_decode import DecodeTiles, choose_splits, mla_decode  # noqa: E402
+from wideep.attention_mla.paged_decode import paged_decode_reference  # noqa: E402
+from wideep.attention_mla.triton_decode import DecodeTiles, choose_splits, mla_decode  # noqa: E402
 from tests.kernels.conftest import poisoned  # noqa: E402
 
 TILES = DecodeTiles(block_h=16, block_n=16, num_warps=1, num_stages=1)

@@ -9,9 +9,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from attention_mla.fp4_cache import Fp4Latent  # noqa: E402
-from attention_mla.paged_decode import paged_decode_reference  # noqa: E402
-from attention_mla.triton_decode import DecodeTiles, mla_decode  # noqa: E402
+from wideep.attention_mla.fp4_cache import Fp4Latent  # noqa: E402
+from wideep.attention_mla.paged_decode import paged_decode_reference  # noqa: E402
+from wideep.attention_mla.triton_decode import DecodeTiles, mla_decode  # noqa: E402
 from tests.kernels.conftest import poisoned  # noqa: E402
 
 TILES = DecodeTiles(block_h=16, block_n=16, num_warps=1, num_stages=1)
@@ -74,8 +74,8 @@ def test_fp4_decode_rejects_a_pool_that_does_not_fit(device):
 def test_mla_triton_backend_on_fp4_cache_equals_torch(device):
     """MLA decoding over an fp4 cache: backend "triton" (the paged kernel reads the packed rows) == backend
     "torch" (gathers and dequantises)."""
-    from attention_mla.kv_cache import LatentKVPool
-    from attention_mla.meta import AttnMeta
+    from wideep.attention_mla.kv_cache import LatentKVPool
+    from wideep.attention_mla.meta import AttnMeta
     from tests.attention_mla.test_fp4_mla import fp4_mla
     from tests.attention_mla.test_mla import _meta
     m = fp4_mla(20, seed=4).to(device)

@@ -8,9 +8,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from attention_mla.fp8_cache import Fp8Latent  # noqa: E402
-from attention_mla.paged_decode import paged_decode_reference  # noqa: E402
-from attention_mla.triton_decode import DecodeTiles, mla_decode  # noqa: E402
+from wideep.attention_mla.fp8_cache import Fp8Latent  # noqa: E402
+from wideep.attention_mla.paged_decode import paged_decode_reference  # noqa: E402
+from wideep.attention_mla.triton_decode import DecodeTiles, mla_decode  # noqa: E402
 from tests.kernels.conftest import poisoned  # noqa: E402
 
 TILES = DecodeTiles(block_h=16, block_n=16, num_warps=1, num_stages=1)
@@ -72,13 +72,13 @@ def test_fp8_decode_rejects_a_pool_that_does_not_fit(device):
 def test_mla_triton_backend_on_fp8_cache_equals_torch(dsa, device):
     """MLA (and DSA's SparseMLA, top-k below the context) decoding over an fp8 cache: backend "triton"
     (the paged kernel reads the packed rows) == backend "torch" (gathers and dequantises)."""
-    from attention_mla.kv_cache import LatentKVPool
-    from attention_mla.meta import AttnMeta
+    from wideep.attention_mla.kv_cache import LatentKVPool
+    from wideep.attention_mla.meta import AttnMeta
     from tests.attention_mla.test_dsa import DK, _pair
     from tests.attention_mla.test_fp8_mla import fp8_mla
     from tests.attention_mla.test_mla import _meta
     if dsa:
-        from attention_mla.sparse_mla import SparseMLA
+        from wideep.attention_mla.sparse_mla import SparseMLA
         src, _ = _pair(topk=5, seed=4)
         m = SparseMLA(src.cfg, src.dsa, src.rope, kv_cache_dtype="fp8")
         m.load_state_dict(src.state_dict())

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from engine.front.engine import Engine
-from kvstore.hashing import prefix_chain
+from wideep.engine.front.engine import Engine
+from wideep.kvstore.hashing import prefix_chain
 from tests.kvstore.test_kv_engine import A, BS, FILL, model_dir, run, stats  # noqa: F401 (fixture)
 
 FP8_BLOCK_BYTES = 4 * BS * 68      # 4 layers x 16 tokens x (32 e4m3 + one float32 scale + 8 float32 RoPE)

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from kvstore.events import HeldLog, KVEvents
-from kvstore.hashing import chain, from_hex, hex_of, prefix_chain
-from kvstore.router import PrefixRouter
+from wideep.kvstore.events import HeldLog, KVEvents
+from wideep.kvstore.hashing import chain, from_hex, hex_of, prefix_chain
+from wideep.kvstore.router import PrefixRouter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_chain_is_the_same_in_other_processes_and_hash_seeds():
     tokens = list(range(100, 164))
     here = [hex_of(h) for h in chain(tokens, 16, 4)]
-    code = "from kvstore.hashing import chain, hex_of; print(*[hex_of(h) for h in chain(list(range(100, 164)), 16, 4)])"
+    code = "from wideep.kvstore.hashing import chain, hex_of; print(*[hex_of(h) for h in chain(list(range(100, 164)), 16, 4)])"
     for seed in ("1", "2"):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
                              env=dict(os.environ, PYTHONHASHSEED=seed, PYTHONPATH=REPO))

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvstore.hashing import prefix_chain
+from wideep.kvstore.hashing import prefix_chain
 from tests.engine.test_engine import alone, greedy
 from tests.parallel.spawn import spawn
 
@@ -67,7 +67,7 @@ def _script(eng, pool: list[int]) -> dict:
 
 
 def _colocated(model_dir: str):
-    from engine.front.engine import Engine
+    from wideep.engine.front.engine import Engine
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=40, parallel={"timeout_s": 60.0})
     if eng.ctx.rank != 0:
         return eng.run_worker_loop()
@@ -78,7 +78,7 @@ def _colocated(model_dir: str):
 
 
 def _disagg(model_dir: str):
-    from disagg import make_engine
+    from wideep.disagg import make_engine
     pools = {"prefill": {"dp_size": 2, "ep_size": 2, "kv_cache_blocks": 30}, "decode": {"dp_size": 1, "kv_cache_blocks": 40}}
     eng = make_engine(model_dir, pools, progress=False, block_size=16, parallel={"timeout_s": 60.0})
     if not eng.is_front:
@@ -91,7 +91,7 @@ def _disagg(model_dir: str):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("route")), arch="v3", seed=5, initializer_range=0.3)
 
 

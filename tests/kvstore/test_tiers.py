@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
-from kvstore.config import KVCacheConfig
-from kvstore.disk import DiskTier, encode
-from kvstore.events import HeldLog
-from kvstore.host import HostTier
-from kvstore.identity import model_identity
-from kvstore.store import TieredStore, device_block_bytes
+from wideep.kvstore.config import KVCacheConfig
+from wideep.kvstore.disk import DiskTier, encode
+from wideep.kvstore.events import HeldLog
+from wideep.kvstore.host import HostTier
+from wideep.kvstore.identity import model_identity
+from wideep.kvstore.store import TieredStore, device_block_bytes
 
 ROWS = [(4, 6), (4, 3)]            # two "layers": block_size 4, widths 6 and 3
 NBYTES = 4 * (6 + 3) * 4           # float32
@@ -146,7 +146,7 @@ def test_store_spills_loads_and_reads_exact_rows(tmp_path):
 
 
 def test_identity_follows_weights_config_dtype_and_block_size(tmp_path):
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny import make_tiny_checkpoint
     a = make_tiny_checkpoint(str(tmp_path / "a"), seed=1)
     b = make_tiny_checkpoint(str(tmp_path / "b"), seed=2)           # same config, other weights
     c = make_tiny_checkpoint(str(tmp_path / "c"), seed=1)           # a copy of a
@@ -176,8 +176,8 @@ def test_config_errors_show_the_values(bad, match):
 
 
 def test_engine_config_nests_kv_cache(tmp_path):
-    from engine.engine_config import EngineConfig
-    from launch.tiny import make_tiny_checkpoint
+    from wideep.engine.engine_config import EngineConfig
+    from wideep.launch.tiny import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path / "m"))
     cfg = EngineConfig.from_sections({"model": {"path": d}, "kv_cache": {"tiers": ["host"], "routing": "least_loaded"}},
                                      world_size=1)

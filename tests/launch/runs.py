@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from launch.local import run_local_ranks
+from wideep.launch.local import run_local_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,10 +18,10 @@ def outputs(stdout: str) -> list[list[int]]:
 
 
 def run_single_and_ranks(single_argv: list[str], ranks_argv: list[str], nprocs: int, capfd) -> tuple[str, str]:
-    """`python -m launch <single_argv>` in one process, then <ranks_argv> on nprocs local ranks
+    """`python -m wideep.launch <single_argv>` in one process, then <ranks_argv> on nprocs local ranks
     (rank 0's output read through capfd); both must succeed. -> (single stdout, ranks stdout)."""
     env = dict(os.environ, PYTHONPATH=REPO)
-    single = subprocess.run([sys.executable, "-m", "launch", *single_argv], cwd=REPO, env=env,
+    single = subprocess.run([sys.executable, "-m", "wideep.launch", *single_argv], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr
     capfd.readouterr()

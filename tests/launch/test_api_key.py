@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from engine import LLM, SamplingParams
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.launch.tiny import make_tiny_checkpoint
 from tests.launch.test_server import ServerProc, request
 
 KEY = "sk-wideep-test-9f2c"
@@ -109,9 +109,9 @@ def test_protect_metrics(tiny):
     """In process (the same Server class): /metrics needs the key with protect_metrics; /health never."""
     from aiohttp.test_utils import TestClient, TestServer
 
-    from engine.front.async_engine import AsyncEngine
-    from engine.front.engine import Engine
-    from launch.server import Server
+    from wideep.engine.front.async_engine import AsyncEngine
+    from wideep.engine.front.engine import Engine
+    from wideep.launch.server import Server
 
     async def go():
         aengine = AsyncEngine(Engine(tiny, progress=False, max_model_len=64, kv_cache_blocks=16))

@@ -9,10 +9,10 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from launch import reasoning, tool_parsers
-from launch.chat_http import ChatOutput
-from launch.dsv32_encoding import encode_messages
-from launch.tiny import make_tiny_checkpoint
+from wideep.launch import reasoning, tool_parsers
+from wideep.launch.chat_http import ChatOutput
+from wideep.launch.dsv32_encoding import encode_messages
+from wideep.launch.tiny import make_tiny_checkpoint
 
 V3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
@@ -84,9 +84,9 @@ def test_dsv32_encoding():
 def test_chat_output_on_the_fronts_text(tmp_path):
     """The chat output reads the front's text deltas (special tokens kept, the ending EOS left out
     by the front), token by token, a multi-byte character split across tokens included."""
-    from engine.front.outputs import RequestState
-    from engine.sampling_params import SamplingParams
-    from engine.worker.messages import Delta
+    from wideep.engine.front.outputs import RequestState
+    from wideep.engine.sampling_params import SamplingParams
+    from wideep.engine.worker.messages import Delta
     d = make_tiny_checkpoint(str(tmp_path), chat_template_style="r1")
     tok = Tokenizer.from_file(f"{d}/tokenizer.json")
     ids = tok.encode("hmm é</think>Sure." + V3, add_special_tokens=False).ids + [tok.token_to_id(tool_parsers.EOS)]
@@ -107,7 +107,7 @@ def test_chat_output_on_the_fronts_text(tmp_path):
 def test_template_renders_as_transformers_does(style, tmp_path):
     """transformers' apply_chat_template is the oracle for the rendering (sandbox, globals, tojson)."""
     transformers = pytest.importorskip("transformers")
-    from launch.chat_template import load_chat_template
+    from wideep.launch.chat_template import load_chat_template
     d = make_tiny_checkpoint(str(tmp_path), chat_template_style=style)
     tools = [{"type": "function", "function": {"name": "f", "description": "é", "parameters": {"type": "object"}}}]
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
@@ -128,7 +128,7 @@ def test_template_renders_as_transformers_does(style, tmp_path):
 
 
 def test_chat_template_override(tmp_path):
-    from launch.chat_template import TemplateError, load_chat_template
+    from wideep.launch.chat_template import TemplateError, load_chat_template
     d = make_tiny_checkpoint(str(tmp_path / "m"))
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{{ strftime_now('%Y')[:0] }}")

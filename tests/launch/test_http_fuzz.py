@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from engine import LLM, SamplingParams
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.launch.tiny import make_tiny_checkpoint
 from tests.launch.test_server import ServerProc, metrics
 
 CONFIG = """
@@ -240,9 +240,9 @@ def test_a_handler_bug_is_a_json_500_and_the_next_request_works(tiny, want, monk
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from engine.front.async_engine import AsyncEngine
-    from engine.front.engine import Engine
-    from launch import server as server_mod
+    from wideep.engine.front.async_engine import AsyncEngine
+    from wideep.engine.front.engine import Engine
+    from wideep.launch import server as server_mod
 
     real = server_mod.parse_completion
     calls = []
@@ -381,9 +381,9 @@ def test_a_repeated_x_request_id_in_flight_gets_a_suffix(tiny, want):
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from engine.front.async_engine import AsyncEngine
-    from engine.front.engine import Engine
-    from launch.server import Server
+    from wideep.engine.front.async_engine import AsyncEngine
+    from wideep.engine.front.engine import Engine
+    from wideep.launch.server import Server
 
     async def go():
         aengine = AsyncEngine(Engine(tiny, progress=False, max_model_len=64, kv_cache_blocks=16))

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.launch.tiny import make_tiny_checkpoint
 from tests.launch.test_server import ServerProc, write_config
 
 openai = pytest.importorskip("openai")

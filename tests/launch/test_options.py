@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from engine import LLM, SamplingParams
-from launch import run_config
-from launch.cli import build_parser, main
-from launch.options import OPTIONS, SERVE, resolve
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.launch import run_config
+from wideep.launch.cli import build_parser, main
+from wideep.launch.options import OPTIONS, SERVE, resolve
+from wideep.launch.tiny import make_tiny_checkpoint
 
 CONFIG = """
 [model]
@@ -47,13 +47,13 @@ def test_every_flag_is_a_run_config_key():
 
 def test_dispatch_backend_choices_are_the_configs():
     """launch/options.py lists them literally (no torch import for `wideep --help`)."""
-    from parallel.config import DISPATCH_BACKENDS
+    from wideep.parallel.config import DISPATCH_BACKENDS
     [opt] = [o for o in OPTIONS if o.key == "parallel.dispatch_backend"]
     assert opt.spec["choices"] == list(DISPATCH_BACKENDS)
 
 
 def test_kv_cache_dtype_choices_are_the_caches():
-    from attention_mla.fp8_cache import KV_CACHE_DTYPES
+    from wideep.attention_mla.fp8_cache import KV_CACHE_DTYPES
     [opt] = [o for o in OPTIONS if o.key == "engine.kv_cache_dtype"]
     assert opt.spec["choices"] == list(KV_CACHE_DTYPES)
     args = build_parser().parse_args(["generate", "m", "--kv-cache-dtype", "fp8"])
@@ -64,7 +64,7 @@ def test_kv_cache_dtype_choices_are_the_caches():
 
 
 def test_quantization_choices_are_the_loaders():
-    from engine.model.build import QUANTIZATION
+    from wideep.engine.model.build import QUANTIZATION
     [opt] = [o for o in OPTIONS if o.key == "model.quantization"]
     assert opt.spec["choices"] == list(QUANTIZATION)
     args = build_parser().parse_args(["generate", "m", "--quantization", "none"])
@@ -77,7 +77,7 @@ def test_engine_section_keys_are_engine_options():
 
     import dataclasses
 
-    from engine.engine_config import EngineConfig
+    from wideep.engine.engine_config import EngineConfig
     assert run_config.SECTIONS["engine"] <= {f.name for f in dataclasses.fields(EngineConfig)}
 
 
@@ -201,8 +201,8 @@ def test_served_model_names_and_allowed_origins():
 def test_serve_on_cpu_defaults_the_prefill_budget_to_2048():
     """launch/server.py serving_defaults: serve's CPU budget where the run config is silent; an explicit one, a
     CUDA device and prefill/decode pools keep theirs (the library's default stays EngineConfig's 8192)."""
-    from engine.engine_config import EngineConfig
-    from launch.server import SERVE_CPU_MAX_NUM_BATCHED_TOKENS, serving_defaults
+    from wideep.engine.engine_config import EngineConfig
+    from wideep.launch.server import SERVE_CPU_MAX_NUM_BATCHED_TOKENS, serving_defaults
     kw = run_config.llm_kwargs(resolve(_parse("serve", "/m"), SERVE, env={}))
     assert "max_num_batched_tokens" not in kw
     assert serving_defaults(dict(kw, device="cpu"))["max_num_batched_tokens"] == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048

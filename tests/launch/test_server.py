@@ -1,4 +1,4 @@
-"""`wideep serve` over real HTTP on 127.0.0.1: the server runs as `python -m launch serve` in a
+"""`wideep serve` over real HTTP on 127.0.0.1: the server runs as `python -m wideep.launch serve` in a
 subprocess (port 0, the bound port read from its first line), is stopped by its pid with SIGTERM and
 must exit 0. Completions (stream and not) equal LLM.generate (greedy); concurrent requests; /metrics
 parses and moves; every bad input is a 400/404 with a message and the next request still works; a
@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine import LLM, SamplingParams
-from launch.local import LAUNCHER_VARS, start_ranks
-from launch.prometheus import parse
-from launch.tiny import make_tiny_checkpoint
+from wideep.engine import LLM, SamplingParams
+from wideep.launch.local import LAUNCHER_VARS, start_ranks
+from wideep.launch.prometheus import parse
+from wideep.launch.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7], list(range(2, 40)), [9] * 70, "hello world"]
 MAX_TOKENS = [12, 5, 9, 7]
@@ -43,7 +43,7 @@ model_name = "tiny"
 
 
 class ServerProc:
-    """`python -m launch serve <args>` (a config path: `--config` it) on `ranks` local ranks
+    """`python -m wideep.launch serve <args>` (a config path: `--config` it) on `ranks` local ranks
     (torchrun-style env, as launch/local.py sets it); env: extra environment variables."""
 
     def __init__(self, args: str | list[str], ranks: int = 1, start_timeout_s: float = 120.0,
@@ -52,7 +52,7 @@ class ServerProc:
         self.procs, self.lines = [], queue.Queue()
         penv = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS + ("WIDEEP_API_KEY",)}
         penv.update(env or {})
-        cmd = [sys.executable, "-m", "launch", "serve", *args]
+        cmd = [sys.executable, "-m", "wideep.launch", "serve", *args]
         pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if ranks > 1:
             self.procs = start_ranks(cmd, ranks, dict(penv, OMP_NUM_THREADS="1"), **pipes)
@@ -335,7 +335,7 @@ def test_two_ranks_worker_loop(tiny, reference, tmp_path):
 
 
 def test_prometheus_per_rank_families():
-    from launch.prometheus import render
+    from wideep.launch.prometheus import render
     ranks = [{"running": 1, "kv_blocks_used": 3, "dispatch_bytes_remote": 4096, "dbo_split_steps": 7,
               "eplb_rebalances": 2, "eplb_balancedness": 0.93},
              {"running": 0, "kv_blocks_used": 0, "dispatch_bytes_remote": 1024, "dbo_split_steps": 7,
@@ -381,7 +381,7 @@ def test_a_streaming_completion_survives_a_worker_loss(tiny, tmp_path):
 
 
 def test_prometheus_routing_histogram_and_tiers():
-    from launch.prometheus import render
+    from wideep.launch.prometheus import render
     ranks = [{"running": 0, "dispatch_bytes_intra": 300, "dispatch_bytes_inter": 200,
               "moe_nodes_per_token": [1, 10, 5, 0, 0], "moe_nodes_per_token_step": [0, 3, 2, 0, 0]},
              {"running": 0, "moe_nodes_per_token": [0, 0, 0, 0, 0], "moe_nodes_per_token_step": [0, 0, 0, 0, 0]}]

@@ -8,10 +8,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.model.model_config import ModelConfig
-from engine.model.loader import CheckpointReader, load_weights
-from launch.tiny import checkpoint_shapes, make_tiny_checkpoint, tiny_config
-from moe.fp8 import FP8_DTYPE
+from wideep.engine.model.model_config import ModelConfig
+from wideep.engine.model.loader import CheckpointReader, load_weights
+from wideep.launch.tiny import checkpoint_shapes, make_tiny_checkpoint, tiny_config
+from wideep.moe.fp8 import FP8_DTYPE
 
 
 def _all_tensors(d: str) -> dict[str, torch.Tensor]:
@@ -144,8 +144,8 @@ def test_v4_loads_in_transformers_and_generates_through_llm(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "DeepseekV4Config"):
         pytest.skip("transformers without DeepSeek-V4")
-    from engine import LLM, SamplingParams
-    from launch.cli import main
+    from wideep.engine import LLM, SamplingParams
+    from wideep.launch.cli import main
     main(["make-tiny", "--out", str(tmp_path), "--arch", "v4"])
     assert "wrote a tiny DeepSeek-V4 checkpoint" in capsys.readouterr().out
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)

@@ -1,4 +1,4 @@
-"""How `torchrun --nproc-per-node 2 -m launch serve MODEL_DIR` stops (127.0.0.1, gloo, hard timeouts).
+"""How `torchrun --nproc-per-node 2 -m wideep.launch serve MODEL_DIR` stops (127.0.0.1, gloo, hard timeouts).
 
 torchrun starts each rank in its own session, so a terminal's Ctrl-C reaches only torchrun's agent.
 The agent's handler raises SignalException, forwards the signal to every rank, waits for them, and
@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from launch.local import free_port
-from launch.tiny import make_tiny_checkpoint
+from wideep.launch.local import free_port
+from wideep.launch.tiny import make_tiny_checkpoint
 from tests.launch.runs import REPO
 
 pytestmark = pytest.mark.multirank
@@ -49,7 +49,7 @@ def _alive(pid: int) -> bool:
 
 
 class Torchrun:
-    """torchrun --nproc-per-node 2 -m launch serve MODEL_DIR --port 0; waits for rank 0's first line."""
+    """torchrun --nproc-per-node 2 -m wideep.launch serve MODEL_DIR --port 0; waits for rank 0's first line."""
 
     def __init__(self, model: str, start_timeout_s: float = 180.0):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
@@ -57,7 +57,7 @@ class Torchrun:
                                                                  "WIDEEP_API_KEY")}
         env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONPATH=REPO)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "launch", "serve", model, "--port", "0",
+               "--master-port", str(free_port()), "-m", "wideep.launch", "serve", model, "--port", "0",
                "--dispatch-backend", "torch", "--max-model-len", "64", "--kv-cache-blocks", "16"]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe.config import MoEConfig
-from moe.experts import Experts
-from moe.gate import Gate
+from wideep.moe.config import MoEConfig
+from wideep.moe.experts import Experts
+from wideep.moe.gate import Gate
 
 
 @pytest.mark.parametrize("pad_limit", [0, 16, 1000])  # per-expert GEMMs / auto / padded bmm

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from parallel.comm_stream import SimulatedLink, SimulatedNetwork
+from wideep.parallel.comm_stream import SimulatedLink, SimulatedNetwork
 from tests.parallel.spawn import spawn
 
 LAT_US = 40_000  # large, so that scheduling noise on 2 shared cores cannot hide or fake it
@@ -23,8 +23,8 @@ def _fake_experts(d):
 def _check() -> dict:
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, bootstrap, make_dispatcher, shutdown
-    from parallel.comm_stream import CommStream
+    from wideep.parallel import ParallelConfig, bootstrap, make_dispatcher, shutdown
+    from wideep.parallel.comm_stream import CommStream
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2))
     g = torch.Generator().manual_seed(ctx.rank)
     T, H, k, P = 7 + ctx.rank * 5, 16, 3, 8
@@ -92,7 +92,7 @@ def test_link_arithmetic():
 
 
 def test_two_tier_network():
-    from parallel import ParallelConfig
+    from wideep.parallel import ParallelConfig
     net = SimulatedNetwork(SimulatedLink(latency_us=10, gbps=80), SimulatedLink(latency_us=100, gbps=20))
     # the tiers run in parallel: the slower decides; an unused tier (None) costs nothing, not even latency
     assert net.transfer_s(10**6, 10**6) == pytest.approx(100e-6 + 4e-4)
@@ -120,9 +120,9 @@ def test_two_tier_network():
 def test_link_is_fixed_at_construction():
     """A dispatcher's simulated network is a constructor argument, shared by its microbatch copies and
     never reassigned: a run on another network builds other dispatchers (bench/dbo.py builds a core)."""
-    from parallel.context import ParallelContext
-    from parallel.dispatch.hierarchical import HierarchicalDispatcher
-    from parallel.dispatch.torch_normal import TorchDispatcher
+    from wideep.parallel.context import ParallelContext
+    from wideep.parallel.dispatch.hierarchical import HierarchicalDispatcher
+    from wideep.parallel.dispatch.torch_normal import TorchDispatcher
     ctx = ParallelContext(world_size=2, dp_size=2, ep_size=2)   # no process group: nothing is sent here
     net = SimulatedNetwork(SimulatedLink(latency_us=5))
     for cls in (TorchDispatcher, HierarchicalDispatcher):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel import (LocalDispatcher, ParallelConfig, ParallelContext, bootstrap, check_agreement,
+from wideep.parallel import (LocalDispatcher, ParallelConfig, ParallelContext, bootstrap, check_agreement,
                       make_dispatcher)
 
 
@@ -73,7 +73,7 @@ def test_bootstrap_errors_before_connecting():
 
 
 def test_launch_rank_and_world_size_from_env():
-    from parallel import launch_rank, launch_world_size
+    from wideep.parallel import launch_rank, launch_world_size
     assert (launch_rank({}), launch_world_size({})) == (0, 1)
     env = {"RANK": "3", "WORLD_SIZE": "4"}
     assert (launch_rank(env), launch_world_size(env)) == (3, 4)
@@ -114,6 +114,6 @@ def test_make_dispatcher_errors():
 def test_every_parallel_key_is_a_run_config_key():
     import dataclasses
 
-    from launch.run_config import validate
+    from wideep.launch.run_config import validate
     keys = {f.name: getattr(ParallelConfig(), f.name) for f in dataclasses.fields(ParallelConfig)}
     assert validate({"model": {"path": "m"}, "parallel": keys})["parallel"]["ranks_per_node"] == 0

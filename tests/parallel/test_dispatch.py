@@ -47,7 +47,7 @@ def unique_pairs(ids, per: int) -> torch.Tensor:
 def _battery(ep: int) -> dict:
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, StepPlan, bootstrap, check_agreement, make_dispatcher, shutdown
+    from wideep.parallel import ParallelConfig, StepPlan, bootstrap, check_agreement, make_dispatcher, shutdown
 
     ctx = bootstrap(ParallelConfig(dp_size=ep, ep_size=ep, timeout_s=30))
     rank, per = ctx.rank, P // ep
@@ -56,11 +56,11 @@ def _battery(ep: int) -> dict:
     assert ctx.launcher == "torchrun" and ctx.watchdog is not None and ctx.lost_ranks() == []
     assert torch.get_num_threads() == 1
 
-    from parallel.dispatch.handles import TorchHandle, TorchLowLatencyHandle
+    from wideep.parallel.dispatch.handles import TorchHandle, TorchLowLatencyHandle
     torch_d = make_dispatcher(ctx, P, H)
     assert type(torch_d).__name__ == "TorchDispatcher"  # auto on CPU
     ag_d = make_dispatcher(ctx, P, H, "allgather")
-    from parallel.comm_stream import CommStream
+    from wideep.parallel.comm_stream import CommStream
     stream = CommStream()
     ll_d = make_dispatcher(ctx, P, H, "torch", torch_low_latency_max_tokens=64)
     ll_stream_d = make_dispatcher(ctx, P, H, "torch", torch_low_latency_max_tokens=64, stream=stream,

@@ -58,9 +58,9 @@ def expected_bytes(data, rank: int, ep: int, L: int, row: int) -> dict:
 def _battery(ep: int, layouts: tuple[int, ...]) -> dict:
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, StepPlan, bootstrap, make_dispatcher, shutdown
-    from parallel.comm_stream import CommStream
-    from parallel.dispatch.handles import HierarchicalHandle, HierarchicalLowLatencyHandle
+    from wideep.parallel import ParallelConfig, StepPlan, bootstrap, make_dispatcher, shutdown
+    from wideep.parallel.comm_stream import CommStream
+    from wideep.parallel.dispatch.handles import HierarchicalHandle, HierarchicalLowLatencyHandle
 
     base = bootstrap(ParallelConfig(dp_size=ep, ep_size=ep, ranks_per_node=layouts[0], timeout_s=60))
     assert (base.ranks_per_node, base.num_nodes) == (layouts[0], ep // layouts[0])
@@ -154,7 +154,7 @@ def _battery(ep: int, layouts: tuple[int, ...]) -> dict:
         # is exactly its tier's): flat = counts, payload, combine on every tier the group spans;
         # two-level = counts on both, stage 1 and its return inter-node, stage 2 and its return
         # intra-node, a tier of one rank (a local copy) nothing.
-        from parallel.comm_stream import SimulatedLink, SimulatedNetwork
+        from wideep.parallel.comm_stream import SimulatedLink, SimulatedNetwork
         lat = {"intra": 0.001, "inter": 0.004}
         both = max(lat["intra"] if L > 1 else 0, lat["inter"] if N > 1 else 0)
         want_delay = {"torch": 3 * both,

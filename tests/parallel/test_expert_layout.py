@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel import ExpertLayout
+from wideep.parallel import ExpertLayout
 
 
 def test_docstring_example_and_tensors():
@@ -29,8 +29,8 @@ def test_errors_name_the_numbers():
 
 
 def test_the_moe_shard_and_the_dispatcher_use_it():
-    from moe.layer import ExpertShard
-    from parallel import ParallelContext, make_dispatcher
+    from wideep.moe.layer import ExpertShard
+    from wideep.parallel import ParallelContext, make_dispatcher
     shard = ExpertShard(20, ep_rank=3, ep_size=4)
     assert (shard.num_local, shard.first, shard.layout) == (5, 15, ExpertLayout(20, 4))
     with pytest.raises(ValueError, match=r"num_physical_experts \(18\) is not divisible by ep_size \(4\)"):

@@ -9,7 +9,7 @@ from tests.parallel.spawn import spawn
 
 
 def _compare(backend: str) -> float:
-    from parallel import ParallelConfig, bootstrap, make_dispatcher, shutdown
+    from wideep.parallel import ParallelConfig, bootstrap, make_dispatcher, shutdown
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2, backend="nccl"))
     g = torch.Generator(device="cpu").manual_seed(ctx.rank)
     T, H, k, P = 33, 256, 4, 16

@@ -12,7 +12,7 @@ from tests.parallel.test_dispatch import H, P, fake_experts, make_inputs
 
 
 def _mpi_rank() -> dict:
-    from parallel import ParallelConfig, bootstrap, make_dispatcher, shutdown
+    from wideep.parallel import ParallelConfig, bootstrap, make_dispatcher, shutdown
 
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2, timeout_s=30))
     assert ctx.launcher == "mpirun" and ctx.backend == "gloo" and ctx.watchdog is not None

@@ -15,7 +15,7 @@ TIMEOUT_S, HEARTBEAT_S = 20.0, 0.5
 def _loop_until_death(victim: int, idle_ranks: tuple = ()) -> None:
     """Every rank runs dispatch/combine steps; at step 20 the victim exits abruptly and the ranks in
     idle_ranks stop communicating (as if computing), so only the watchdog can stop those."""
-    from parallel import ParallelConfig, bootstrap, make_dispatcher
+    from wideep.parallel import ParallelConfig, bootstrap, make_dispatcher
 
     ctx = bootstrap(ParallelConfig(dp_size=3, ep_size=3, timeout_s=TIMEOUT_S, heartbeat_s=HEARTBEAT_S))
     d = make_dispatcher(ctx, 6, 8, "torch")
@@ -61,7 +61,7 @@ def test_lost_rank_stops_everyone(victim, idle):
 def _host_leaves_first() -> float:
     """Rank 0 (the store host) shuts down at once; rank 1 keeps computing well past the loss
     threshold and must not mistake the vanished store for a dead rank 0."""
-    from parallel import ParallelConfig, bootstrap, shutdown
+    from wideep.parallel import ParallelConfig, bootstrap, shutdown
 
     ctx = bootstrap(ParallelConfig(dp_size=2, ep_size=2, timeout_s=6.0, heartbeat_s=HEARTBEAT_S))
     t = time.monotonic()
@@ -83,7 +83,7 @@ PAUSE_S = 6.0  # longer than the old 5 s staleness threshold, well inside TIMEOU
 
 def _all_reduce_ones(ctx) -> None:
     import torch.distributed as dist
-    from parallel import guard_collective
+    from wideep.parallel import guard_collective
 
     t = torch.ones(1)
     with guard_collective(ctx):
@@ -100,7 +100,7 @@ def _slow_but_alive() -> dict:
 
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, bootstrap, shutdown
+    from wideep.parallel import ParallelConfig, bootstrap, shutdown
 
     ctx = bootstrap(ParallelConfig(dp_size=3, ep_size=3, timeout_s=TIMEOUT_S, heartbeat_s=HEARTBEAT_S))
     pids = [None] * 3
@@ -139,7 +139,7 @@ def _beat_then_die(victim: int | None, beats: int, timeout_s: float) -> dict:
     import json
     import signal
 
-    from parallel import ParallelConfig, bootstrap, shutdown
+    from wideep.parallel import ParallelConfig, bootstrap, shutdown
 
     world = int(os.environ["WORLD_SIZE"])
     ctx = bootstrap(ParallelConfig(dp_size=world, ep_size=world, timeout_s=timeout_s, heartbeat_s=HEARTBEAT_S))

@@ -20,8 +20,8 @@ def _survive(victims: dict) -> dict:
     the current group (its result is the live world size); idle ranks sleep through a round."""
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, RankLostError, bootstrap, guard_collective, shutdown
-    from parallel.reform import reform
+    from wideep.parallel import ParallelConfig, RankLostError, bootstrap, guard_collective, shutdown
+    from wideep.parallel.reform import reform
     ctx = bootstrap(ParallelConfig(dp_size=4, ep_size=4, timeout_s=TIMEOUT_S, heartbeat_s=HEARTBEAT_S,
                                    on_rank_loss="continue"))
     origin = ctx.rank
@@ -74,7 +74,7 @@ def test_front_loss_ends_every_survivor():
 def _front_dies() -> None:
     import torch.distributed as dist
 
-    from parallel import ParallelConfig, bootstrap, guard_collective
+    from wideep.parallel import ParallelConfig, bootstrap, guard_collective
     ctx = bootstrap(ParallelConfig(dp_size=3, ep_size=3, timeout_s=TIMEOUT_S, heartbeat_s=HEARTBEAT_S,
                                    on_rank_loss="continue"))
     for step in range(10**6):

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eplb import rebalance_experts
-from eplb.placement import ExpertMap, Placement
-from moe.config import MoEConfig
-from moe.gate import Gate
-from parallel.dispatch.nodes import NodeLayout
-from parallel.dispatch.routing import NodeHistogram
-from parallel.expert_layout import ExpertLayout
+from wideep.eplb import rebalance_experts
+from wideep.eplb.placement import ExpertMap, Placement
+from wideep.moe.config import MoEConfig
+from wideep.moe.gate import Gate
+from wideep.parallel.dispatch.nodes import NodeLayout
+from wideep.parallel.dispatch.routing import NodeHistogram
+from wideep.parallel.expert_layout import ExpertLayout
 
 E, G, TOPK_GROUP, K, H = 32, 8, 2, 6, 32      # DeepSeek-V3's structure, scaled: 8 groups, 2 kept, top-6
 EP, L = 8, 2                                  # 4 nodes of 2 ranks: 2 expert groups per node

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-from parallel import ParallelConfig, bootstrap
-from parallel.topology import Topology
+from wideep.parallel import ParallelConfig, bootstrap
+from wideep.parallel.topology import Topology
 from tests.parallel.spawn import spawn
 
 
@@ -47,7 +47,7 @@ def test_bootstrap_rejects_a_launcher_layout_before_connecting():
 def _topology_report(ranks_per_node: int) -> dict:
     import torch.distributed as dist
 
-    from parallel import guard_collective, shutdown
+    from wideep.parallel import guard_collective, shutdown
 
     world = int(os.environ["WORLD_SIZE"])
     ctx = bootstrap(ParallelConfig(dp_size=world, ep_size=world, timeout_s=60, ranks_per_node=ranks_per_node))
@@ -92,7 +92,7 @@ def test_two_torchrun_launchers_on_one_host_are_two_nodes():
 
 def _eplb_node_count(model_dir: str) -> dict:
     """Hierarchical EPLB on 4 ranks laid out as 2 simulated nodes: it plans for 2 nodes."""
-    from eplb import EplbConfig
+    from wideep.eplb import EplbConfig
     from tests.eplb.helpers import build_llm, generate
 
     cfg = EplbConfig(enabled=True, num_redundant_experts=4, window_size=64, step_interval=10**9, policy="hierarchical")

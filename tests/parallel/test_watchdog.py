@@ -15,8 +15,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from parallel import ParallelContext, RankLostError, Watchdog, guard_collective
-from parallel.ring import process_ident
+from wideep.parallel import ParallelContext, RankLostError, Watchdog, guard_collective
+from wideep.parallel.ring import process_ident
 
 HB, TIMEOUT = 0.05, 0.6
 
@@ -163,8 +163,8 @@ def test_stall_between_polls_is_not_blamed_on_the_neighbours(monkeypatch):
     """The clock jumps while the polling thread is between two polls (not inside select): the
     silence it did not witness is still not held against the neighbours (seen once in CI, where a
     watchdog thread lost the GIL mid-loop)."""
-    import parallel.ring as ring_mod
-    from parallel.ring import Ring
+    import wideep.parallel.ring as ring_mod
+    from wideep.parallel.ring import Ring
     a, b = Ring(0, 2, HB, TIMEOUT), Ring(1, 2, HB, TIMEOUT)
     try:
         a.set_successor(b.record)
@@ -277,7 +277,7 @@ def test_guard_collective_converts_only_when_a_rank_is_lost():
 
 
 def test_ring_listens_where_the_other_hosts_reach_the_store():
-    from parallel.bootstrap import _ring_address
+    from wideep.parallel.bootstrap import _ring_address
     assert _ring_address("127.0.0.1", several_hosts=False) == ("127.0.0.1", None)
     import ipaddress
     bind, advertise = _ring_address("localhost", several_hosts=True)     # a loopback store: one host after all

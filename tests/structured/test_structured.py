@@ -10,10 +10,10 @@ import re
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.front.engine import Engine
-from launch.tiny import make_tiny_checkpoint
-from structured.params import StructuredOutputsParams
+from wideep.engine import LLM, SamplingParams
+from wideep.engine.front.engine import Engine
+from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.structured.params import StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -252,7 +252,7 @@ def test_bad_params_are_named(so, needle):
 
 
 def test_spec_size_is_bounded():
-    from structured.params import MAX_SPEC_CHARS
+    from wideep.structured.params import MAX_SPEC_CHARS
     with pytest.raises(ValueError, match=f"structured_outputs.regex is {MAX_SPEC_CHARS + 1} characters"):
         SamplingParams(structured_outputs={"regex": "a" * (MAX_SPEC_CHARS + 1)})
 
@@ -294,8 +294,8 @@ def test_replayed_matcher_continues_where_the_output_is(model_dir):
     sequence) gets a matcher that has accepted them: its next bitmask allows only what follows."""
     import torch
 
-    from engine.sched.sequence import Sequence
-    from structured.rows import GrammarRows
+    from wideep.engine.sched.sequence import Sequence
+    from wideep.structured.rows import GrammarRows
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=16)
     tok = eng.core.tokenizer
     rows = GrammarRows(eng.core.grammars)
@@ -313,7 +313,7 @@ def test_replayed_matcher_continues_where_the_output_is(model_dir):
 def test_masked_against_a_bit_by_bit_reference(B, rows):
     import torch
 
-    from structured.backend import _unpack, mask_, unpack_shifts
+    from wideep.structured.backend import _unpack, mask_, unpack_shifts
     V = 77   # not a multiple of 32: the last word's high bits are past the vocabulary
     g = torch.Generator().manual_seed(B + len(rows))
     bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), (V + 31) // 32), dtype=torch.int32, generator=g)
