@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -125,3 +126,17 @@ class AttnMeta:
             qlens = torch.tensor([self.query_lens[b] for b in seqs], device=slots.device)
             slots = slots[torch.repeat_interleave(torch.arange(len(seqs), device=slots.device), qlens)]
         return rows, slots
+
+
+def attn_meta(pos: list[int], slots: list[int], ctx_lens: list[int], qlens: list[int], tables: list[list[int]],
+              block_size: int, device) -> AttnMeta:
+    """Host lists -> AttnMeta (tables padded to the longest with block 0)."""
+    lens = list(map(len, tables))
+    width = max(lens, default=1)
+    if lens and min(lens) == width:   # every table as long (a decode run, mostly): one C-level flatten
+        table = list(chain.from_iterable(tables))
+    else:
+        table = [b for t in tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
+    return AttnMeta(positions=int64_tensor(pos, device), slot_mapping=int64_tensor(slots, device),
+                    block_table=int64_tensor(table, device).view(len(tables), width),
+                    query_lens=qlens, ctx_lens=ctx_lens, block_size=block_size)

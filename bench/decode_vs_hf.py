@@ -237,7 +237,8 @@ def rss_per_param(model_dir: str, dtype: str) -> dict:
 
 
 def _rss_child(model_dir: str, dtype: str) -> None:
-    from wideep.engine.model.build import load_model, parse_dtype
+    from wideep.engine.model.build import parse_dtype
+    from wideep.engine.model.families import load_model
     before = rss_kib()
     model = load_model(model_dir, dtype=parse_dtype(dtype), progress=False)
     after = rss_kib()

@@ -159,7 +159,7 @@ def decode_rows(model_dir: str, trials: int, batch: int = 8, prompt: int = 32, n
 
 
 def _rss_child(model_dir: str, quantization: str) -> None:
-    from wideep.engine.model.build import load_model
+    from wideep.engine.model.families import load_model
     before = rss_kib()
     model = load_model(model_dir, progress=False, quantization=quantization)
     growth = (rss_kib() - before) * 1024

@@ -139,7 +139,8 @@ def decode_rows(model_dir: str, trials: int, batch: int = 8, prompt: int = 32, n
 
 
 def _rss_child(model_dir: str, dtype: str, quantization: str) -> None:
-    from wideep.engine.model.build import load_model, parse_dtype
+    from wideep.engine.model.build import parse_dtype
+    from wideep.engine.model.families import load_model
     before = rss_kib()
     model = load_model(model_dir, dtype=parse_dtype(dtype), progress=False, quantization=quantization)
     after = rss_kib()

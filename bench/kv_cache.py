@@ -46,13 +46,13 @@ CONFIGS = ("least_loaded", "kv_aware", "kv_tiers")
 
 def bytes_per_token(model_dir: str) -> float:
     """KV bytes per token over all layers, float32, as the engine's pools count them: V3 the latent; V4 every stream
-    (window, CSA entries + indexer keys, HCA entries, the boundary states; engine/worker/v4_runner.py)."""
+    (window, CSA entries + indexer keys, HCA entries, the boundary states; engine/model/v4_cache.py)."""
     from types import SimpleNamespace
 
     import torch
 
     from wideep.engine.model.model_config import ModelConfig
-    from wideep.engine.worker.v4_runner import V4StreamCache
+    from wideep.engine.model.v4_cache import V4StreamCache
     cfg = ModelConfig.from_dir(model_dir)
     if cfg.v4 is None:
         return cfg.num_hidden_layers * cfg.mla.latent_dim * 4

@@ -6,7 +6,7 @@ keys 128, window 128, CSA 4:1, HCA 128:1) in bf16, "auto" vs "fp8", from the poo
 each stream (window: one row per token, of which a sequence keeps the last W' = 127; compressed and indexer keys:
 one entry per m tokens, kept for the whole context) and the slot (compressor states: model dtype either way).
 Per model (V4-Flash 43 layers, V4-Pro 61, bench/v4_kv.py's orders): the compressed streams' bytes per token and
-the bytes a decoding sequence holds whatever its length (slot + window blocks), as engine/worker/v4_runner.py
+the bytes a decoding sequence holds whatever its length (slot + window blocks), as engine/model/v4_cache.py
 counts them.
 Drift: the tiny V4 of launch/tiny_v4.py (tests' make_v4_model, float32, D 32, R 8) served by the engine with
 kv_cache_dtype "auto" and "fp8" on `prompts` random prompts of 5-160 tokens in chunks of 19 tokens:
@@ -47,7 +47,7 @@ def model_bytes(cfg, dtype) -> dict:
     """kv -> the whole model's compressed bytes per token and the bytes a decoding sequence holds whatever its
     length (V4StreamCache, pools on the meta device)."""
     from types import SimpleNamespace
-    from wideep.engine.worker.v4_runner import V4StreamCache
+    from wideep.engine.model.v4_cache import V4StreamCache
     model = SimpleNamespace(cfg=cfg, dtype=dtype, device="meta")
     g = StreamGeometry.of(cfg.v4.attention, cfg.v4.layer_kinds, BLOCK)
     out = {}

@@ -249,7 +249,7 @@ def main() -> None:
             if method == "mtp" and not v4:   # the layer the engines share is in the dtype asked for
                 from wideep.engine.model.build import parse_dtype
                 for k in ks[1:]:
-                    got = engines[k].engine.core.model.drafter.eh_proj.weight.dtype
+                    got = engines[k].engine.core.loaded.draft.eh_proj.weight.dtype
                     assert got == parse_dtype(a.draft_dtype), f"k={k}: the MTP layer is {got}, not {a.draft_dtype}"
             for B in batches:
                 before = {k: engines[k].engine.metrics() for k in ks}   # the counters are cumulative: this batch's

@@ -1,7 +1,7 @@
 """DeepSeek-V4's KV streams: bytes per sequence at 8k / 128k / 1M tokens (Flash and Pro shapes, vs DeepSeek-V3.2),
 and the decode attention time per step at 8k and 64k (vs V3.2's DSA) — a report, no target.
 
-Bytes: what the engine's pools hold for one decoding sequence (attention_v4/paged.py, as engine/worker/v4_runner.py
+Bytes: what the engine's pools hold for one decoding sequence (attention_v4/paged.py, as engine/model/v4_cache.py
 allocates them and engine/sched/v4_blocks.py counts them: a slot, the window's live blocks and the compressed streams'
 blocks its tokens fill; blocks of 64 tokens: window 64 rows, CSA 16 entries, HCA 1 entry of 128 tokens), for V4-Flash
 (43 layers: 2 sliding, then CSA / HCA alternating) and V4-Pro (61 layers, transformers' default order) in bf16;
@@ -41,7 +41,7 @@ from wideep.attention_v4.pool_layout import StreamGeometry  # noqa: E402
 from wideep.attention_v4.streams import LayerStreams, SequenceStreams, V4Meta  # noqa: E402
 from bench.results import save  # noqa: E402
 from wideep.engine.model.model_config import ModelConfig  # noqa: E402
-from wideep.engine.worker.v4_runner import V4StreamCache  # noqa: E402
+from wideep.engine.model.v4_cache import V4StreamCache  # noqa: E402
 
 SHAPE = dict(head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_lora_rank=1024, sliding_window=128,
              index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=8, num_experts_per_tok=2,

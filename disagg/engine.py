@@ -15,8 +15,11 @@ sends one payload per cached layer).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 
+from wideep.engine.model.families import family_of
 from wideep.engine.model.model_config import ModelConfig
 from wideep.parallel import ParallelConfig, bootstrap, check_agreement, fingerprint, launch_world_size
 from wideep.parallel.watchdog import guard_collective
@@ -56,9 +59,8 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     mcfg = ModelConfig.from_dir(model)
     from wideep.engine.spec_decode import SpeculativeConfig
     spec = SpeculativeConfig.coerce(options.get("speculative_config", options.get("speculative")))
-    if mcfg.v4 is not None and spec.method == "mtp":
-        raise ValueError("speculative method 'mtp' with DeepSeek-V4 is not supported with prefill/decode "
-                         "disaggregation yet (the MTP block's window rows are not sent with the streams): use 'ngram'")
+    if spec.method == "mtp":
+        family_of(mcfg).refuse("speculative method 'mtp' with prefill/decode disaggregation")
     world = launch_world_size()
     if world < 2:
         raise ValueError(f"prefill/decode disaggregation needs at least 2 ranks (1 prefill + 1 decode); "
@@ -70,28 +72,23 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     check_agreement(ctx, fingerprint([cfg.to_dict(), par, options]), "disagg config / engine options")
     roles = build_roles(ctx, cfg)
     pool_options = dict(options, parallel=par, **getattr(cfg, roles.role).engine_options())
+    if roles.role == "prefill" and spec.method == "mtp":
+        # every prompt's MTP rows must travel, and the last row drafts: no turning drafting off here by batch size
+        # (the only thing that can on a rank that never verifies), which would leave rows in a stash
+        pool_options.pop("speculative_config", None)
+        pool_options["speculative"] = dataclasses.replace(spec, disable_by_batch_size=None)
     hooks = (DecodeHooks if roles.role == "decode" else PrefillHooks)(roles.kv, roles.rank)
     eng = DisaggEngine(model, roles, hooks, **pool_options)
     hooks.attach(eng.core)
-    # every rank's cache shape, to validate prompts at the front and check the pools agree
-    kv = eng.core.kv
-    if eng.core.config.v4 is not None:   # DeepSeek-V4's pools (one per stream): prompt tokens the smallest one holds
-        g = kv.geometry
-        held = min(kv.num_blocks[s] * g.tokens_per_block(s) for s, _ in g.ratios) if g.ratios else 1 << 62
-        mine = {"role": roles.role, "blocks": held // kv.block_size, "block_size": kv.block_size,
-                "dtype": f"{eng.core.model.dtype} ({kv.kv_cache_dtype})", "latent_dim": "v4 streams",
-                "index_dim": eng.core.model.cfg.v4.attention.index_head_dim}
-    else:
-        mine = {"role": roles.role, "blocks": kv.num_blocks, "block_size": kv.block_size,
-                "dtype": f"{kv.pools[0].dtype} ({kv.kv_cache_dtype})", "latent_dim": kv.latent_dim,
-                "index_dim": kv.index_dim, "layers": len(kv.pools)}   # with the MTP drafter's layer
+    # every rank's cache shape (its layers, the MTP drafter's included), to validate prompts at the front and check
+    # the pools agree
+    mine = dict(eng.core.kv.describe(), role=roles.role)
     infos: list = [None] * ctx.world_size
     with guard_collective(ctx):
         dist.all_gather_object(infos, mine, group=ctx.cpu_group)
-    if len({(i["dtype"], i["latent_dim"], i["index_dim"], i.get("layers")) for i in infos}) > 1:
-        raise RuntimeError("the pools cache latents differently: " + ", ".join(
-            f"rank {r} ({i['role']}) {i['dtype']} x {i['latent_dim']} (+ {i['index_dim']} indexer key) "
-            f"in {i.get('layers', 'its')} layers" for r, i in enumerate(infos)))
+    if len({(i["dtype"], i["layout"]) for i in infos}) > 1:
+        raise RuntimeError("the pools cache KV differently: " + ", ".join(
+            f"rank {r} ({i['role']}) {i['dtype']}: {i['layout']}" for r, i in enumerate(infos)))
     pre = [i for i in infos if i["role"] == "prefill"]
     smallest = min(pre, key=lambda i: i["blocks"] * i["block_size"])
     eng.prefill_blocks = (smallest["blocks"], smallest["block_size"])

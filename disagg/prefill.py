@@ -15,7 +15,7 @@ A finished prefill keeps its blocks until every send has completed, so a decode 
 take the KV yet holds this rank's cache, which in turn stops the scheduler from admitting more:
 back-pressure, nothing dropped. Legend: L layers, D = kv_lora_rank + rope dim, T tokens.
 
-MTP speculative decoding: the MTP layer's cache (the pool's last layer, engine/worker/mtp_drafter.py) travels
+MTP speculative decoding: the MTP layer's cache (the pool's last layer, engine/spec_decode/drafter.py) travels
 with the target's, as vLLM and SGLang move the draft layer's KV with the prompt's. The prefill rank runs the
 drafter's first pass over each chunk (row i: the target's hidden state at i and the token at i + 1, the
 last row's being the first sampled token), so its latents (DSA: and its indexer keys) are complete when
@@ -33,8 +33,6 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from wideep.attention_v4.transfer import gather
-from wideep.engine.spec_decode.speculator import Speculator
 from wideep.engine.worker.messages import Abort, NewRequest
 from wideep.engine.worker.rank_loop import RankHooks
 
@@ -67,14 +65,11 @@ class PrefillHooks(RankHooks):
         self.mtp_layer: int | None = None          # the MTP drafter's layer in the cache (method "mtp")
 
     def attach(self, core) -> None:
+        """core: this rank's EngineCore (its speculator drafts whatever the batch: make_engine gave the prefill pool
+        disable_by_batch_size None, so every prompt's MTP rows travel)."""
         self.core = core
-        self.v4 = core.config.v4 is not None
-        if core.runner.drafter is not None:
-            # every prompt's MTP rows must travel, and the last row drafts: no turning drafting off here by batch
-            # size (the only thing that can on a rank that never verifies), which would leave rows in a stash
+        if core.drafter is not None:
             self.mtp_layer = core.config.num_hidden_layers
-            spec = Speculator(dataclasses.replace(core.cfg.speculative, disable_by_batch_size=None))
-            core.scheduler.speculator = core.runner.speculator = spec
 
     # -- admission ----------------------------------------------------------------------------------
     def handle(self, msg) -> bool:
@@ -107,33 +102,23 @@ class PrefillHooks(RankHooks):
                 self.core.blocks.free(seq)
                 del self._sending[rid], self._jobs[rid]
 
-    def _slots(self, seq, lo: int, hi: int, last: bool = False):
-        """Where chunk [lo, hi)'s rows are: the latent slots, or (DeepSeek-V4) the layers' views and the chunk."""
-        if self.v4:
-            return self.core.kv.views(seq), lo, hi, last
-        return self.core.kv.slots(seq.block_ids, lo, hi)
-
-    def _send_rows(self, job: _Job, slots, layer: int) -> None:
+    def _send_rows(self, job: _Job, chunk, layer: int) -> None:
+        """Layer `layer`'s rows of a chunk (the KV cache's: KVCache.gather), each its own send."""
         if job.first_send is None:
             job.first_send = time.time()
-        if self.v4:
-            views, lo, hi, last = slots
-            rows = gather(views[layer], lo, hi, last)
-        else:   # the latents, then DSA's indexer keys: [T, D] copies, the blocks stay writable
-            rows = [pool.index_select(0, slots) for pool in self.core.kv.layer_pools(layer)]
-        for r in rows:
+        for r in self.core.kv.gather(chunk, layer):
             job.handles.append(self.kv.send_start(job.dst, job.tid, r))
             job.bytes += r.numel() * r.element_size()
 
     def on_layer(self, batch):
         """Headers now (before the forward); each layer's rows the moment the layer is done."""
-        L = self.core.model.cfg.num_hidden_layers if self.v4 else len(self.core.kv.pools)
+        L = self.core.kv.transfer_layers   # a cached prefix: every cached layer's rows (the MTP layer's included)
         chunks = []  # (job, slots of this step's tokens, last chunk)
         for s, n in zip(batch.seqs, batch.num_tokens):
             job, lo = self._jobs[s.request_id], s.num_computed
             if lo > job.sent_upto:  # a prefix-cache hit: rows never sent for this request go first, from the cache
                 job.handles += send_object(self.kv, job.dst, job.tid, {"lo": job.sent_upto, "hi": lo, "last": False})
-                slots = self._slots(s, job.sent_upto, lo)
+                slots = self.core.kv.chunk(s, job.sent_upto, lo)
                 for i in range(L):
                     self._send_rows(job, slots, i)
             job.sent_upto = max(job.sent_upto, lo + n)
@@ -141,7 +126,7 @@ class PrefillHooks(RankHooks):
             job.handles += send_object(self.kv, job.dst, job.tid, {"lo": lo, "hi": lo + n, "last": last})
             if last:
                 job.layer_done, job.send_start = [], []
-            chunks.append((job, self._slots(s, lo, lo + n, last), last))
+            chunks.append((job, self.core.kv.chunk(s, lo, lo + n, last), last))
         self._chunks = chunks
         self._t0 = time.perf_counter()
         self.prefilled_tokens += sum(batch.num_tokens)

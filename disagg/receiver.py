@@ -15,9 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 
-from wideep.attention_v4.transfer import pieces, scatter, staging as v4_staging
 from wideep.engine.worker.core import EngineCore
 from wideep.engine.sched.sequence import Sequence
 from wideep.parallel.watchdog import guard_collective
@@ -37,7 +35,6 @@ class Incoming:
     error: BaseException | None = None
     bytes: int = 0
     aborted: bool = False
-    views: list | None = None                  # DeepSeek-V4: the layers' views of its blocks (attention_v4/paged.py)
 
 
 class KVReceiver:
@@ -46,11 +43,10 @@ class KVReceiver:
     steps are doing); the step loop copies finished chunks into the cache and finishes transfers."""
 
     def __init__(self, core: EngineCore, kv: TorchKVTransfer, rank: int):
+        # the cache's rows arrive as the prefill rank sends them: per chunk, layer by layer, each layer's pieces as
+        # the KV cache gathers them (KVCache.staging / scatter: the latents then DSA's indexer keys; DeepSeek-V4's
+        # streams, attention_v4/transfer.py)
         self.core, self.kv, self.rank = core, kv, rank
-        # every per-layer tensor of the cache, in the order the prefill rank sends them (layer by layer:
-        # the latents, then DSA's indexer keys); DeepSeek-V4: each layer's pieces (attention_v4/transfer.py)
-        self.v4 = core.config.v4 is not None
-        self.pools = None if self.v4 else core.kv.all_pools()
         self.pending: dict[str, Incoming] = {}   # request id -> transfer, in arrival order
         self.bytes_received = 0
         self.transfers_done = 0
@@ -71,9 +67,7 @@ class KVReceiver:
         if room <= 0 or not blocks.can_grow(inc.seq, n):
             return False
         blocks.grow(inc.seq, n)
-        if self.v4:   # the layers' views of its blocks, and what its own chunks did not write (the window's head)
-            inc.views = self.core.kv.views(inc.seq)
-            inc.seq.stream_tables.first_written = max(0, n - self.core.kv.geometry.window)
+        self.core.kv.receiving(inc.seq, n)
         inc.accepted = time.time()
         threading.Thread(target=self._receive, args=(inc,), daemon=True, name=f"kv-recv-{inc.tid}").start()
         return True
@@ -81,19 +75,16 @@ class KVReceiver:
     def _receive(self, inc: Incoming) -> None:
         """The transfer's thread: header, L layers (all posted at once, landing as each is sent), ...,
         trailer. Never touches the cache or the blocks."""
+        cache = self.core.kv
         try:
             while True:
-                chunk = recv_object(self.kv, inc.src, inc.tid)
-                rows = chunk["hi"] - chunk["lo"]
-                if self.v4:
-                    staging = [b for layer in inc.views for b in v4_staging(layer, chunk["lo"], chunk["hi"],
-                                                                            chunk["last"])]
-                else:
-                    staging = [torch.empty(rows, p.shape[1], dtype=p.dtype, device=p.device) for p in self.pools]
-                for h in [self.kv.recv_start(inc.src, inc.tid, buf) for buf in staging]:
+                header = recv_object(self.kv, inc.src, inc.tid)
+                chunk = cache.chunk(inc.seq, header["lo"], header["hi"], header["last"])
+                staging = [cache.staging(chunk, layer) for layer in range(cache.transfer_layers)]
+                for h in [self.kv.recv_start(inc.src, inc.tid, buf) for layer in staging for buf in layer]:
                     h.wait()
-                inc.chunks.append((chunk, staging))
-                if chunk["last"]:
+                inc.chunks.append((header, chunk, staging))
+                if header["last"]:
                     break
             inc.trailer = recv_object(self.kv, inc.src, inc.tid)
         except BaseException as e:  # a dead peer: raised in the step loop
@@ -102,27 +93,17 @@ class KVReceiver:
 
     def _store(self, inc: Incoming) -> None:
         """Copy the chunks received so far into the sequence's blocks."""
-        kv = self.core.kv
+        cache = self.core.kv
         while inc.chunks:
-            chunk, staging = inc.chunks.popleft()
-            if self.v4:
-                lo, hi, last = chunk["lo"], chunk["hi"], chunk["last"]
-                for layer in inc.views:
-                    k = len(pieces(layer, lo, hi, last))
-                    scatter(layer, staging[:k], lo, hi, last)
-                    inc.bytes += sum(b.numel() * b.element_size() for b in staging[:k])
-                    staging = staging[k:]
-                continue
-            slots = kv.slots(inc.seq.block_ids, chunk["lo"], chunk["hi"])
-            for pool, buf in zip(self.pools, staging, strict=True):
-                pool.index_copy_(0, slots, buf)
-                inc.bytes += buf.numel() * buf.element_size()
+            _, chunk, staging = inc.chunks.popleft()
+            for layer, rows in enumerate(staging):
+                cache.scatter(chunk, layer, rows)
+                inc.bytes += sum(b.numel() * b.element_size() for b in rows)
 
     def _finish(self, inc: Incoming, t: dict) -> None:
         seq, now = inc.seq, time.time()
         seq.num_computed = len(seq.prompt_token_ids)
-        if self.v4:
-            self.core.kv.adopt(seq)
+        self.core.kv.adopt(seq)
         seq.first_scheduled_time = t["prefill_start"]
         seq.prompt_logprobs = t["prompt_logprobs"]
         if t["generator_state"] is not None:

@@ -28,7 +28,8 @@ def _f(section: str, default: Any, doc: str):
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = _f("model", None, "the HF checkpoint directory (run config: [model] path)")
-    dtype: str = _f("model", "float32", "float32 | bfloat16 | float16 (bf16/fp16 are GPU paths)")
+    dtype: str = _f("model", "float32", "float32 | bfloat16 (CPU: the kernels read bf16 weights as stored; GPU) | "
+                                        "float16 (GPU)")
     device: str | None = _f("model", None, "default: cuda when present, else cpu")
     max_model_len: int | None = _f("model", None, "context length; default max_position_embeddings")
     experts_backend: str = _f("model", "auto", "auto | torch | cpu | triton | deepgemm")

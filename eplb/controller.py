@@ -34,7 +34,7 @@ class EplbController:
         self.model, self.ctx = model, ctx
         self.layers = model.moe_layers()
         if not self.layers or model.placement is None:
-            raise ValueError("EPLB needs a model with MoE layers built by engine.model.build.load_model")
+            raise ValueError("EPLB needs a model with MoE layers built by engine.model.families.load_model")
         p = model.placement
         self.ep_rank, self.ep_size = ctx.ep_rank, ctx.ep_size
         self.num_groups = model.cfg.moe.n_group
@@ -87,6 +87,11 @@ class EplbController:
         self.recorder.flush(self._phy2log)
         return self._all_reduce(self.recorder.window_load())
 
+    def local_window_load(self) -> torch.Tensor:
+        """[L, E] this rank's recorded window alone (no collective: recovery reads it before the ranks re-form)."""
+        self.recorder.flush(self._phy2log)
+        return self.recorder.window_load()
+
     def rank_load(self) -> torch.Tensor:
         """[L, ep] int64 CPU: (token, expert) pairs each EP rank received since
         recorder.reset_rank_load(), summed over the senders (collective)."""
@@ -130,8 +135,7 @@ class EplbController:
 
     def _finish(self) -> dict:
         job, rec = self._job, self._record
-        job.commit()
-        self.model.placement = job.new
+        job.commit()   # the model's routing now holds job.new (model.placement reads it)
         self._phy2log = job.new.phy2log.to(self.device)
         self._job = self._record = None
         rec.update(job.stats(), step=self.steps)

@@ -113,6 +113,7 @@ class Placement:
         for l in range(self.num_layers):
             emap = None if self.is_identity(l) else ExpertMap(self.log2phy[l], self.logcnt[l], ep_rank, device)
             routing.set_placement(l, self.local(l, ep_rank, ep_size), emap)
+        routing.placed(self)
 
 
 class ExpertMap:

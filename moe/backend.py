@@ -6,7 +6,7 @@
             built with the system C compiler at first use; big batches (prefill) stay on torch. An fp8
             checkpoint's routed experts and projections stay fp8 (read as stored, csrc/gemm_fp8.c) when the
             block along K is a multiple of 16; DeepSeek-V4's FP4 routed experts stay packed (engine/model/build.py
-            _v4_experts, csrc/gemm_fp4.c)
+            V4Family._experts, csrc/gemm_fp4.c)
   triton    the fused Triton kernels (moe/triton_moe.py); fp8 weights stay fp8 on the device
   deepgemm  DeepGEMM's grouped FP8 GEMMs (moe/deepgemm.py): fp8 checkpoints, bf16, CUDA, dims % 128
   auto      CPU: cpu when the model is float32 and the kernels build, else torch (interpreted Triton is

@@ -94,6 +94,15 @@ class Experts(nn.Module):
                          "triton": self.forward_triton, "deepgemm": self.forward_deepgemm}[name]
         self._backend = name
 
+    def empty_like(self, num_local: int) -> "Experts":
+        """Experts of this storage format, forward and clamp with num_local slots, their weights uninitialised (a
+        re-layout fills them)."""
+        fp8 = self.fp8_block is not None
+        return Experts(num_local, self.hidden, self.intermediate, device=self.w13.device,
+                       dtype=None if fp8 or self.fp4 else self.w13.dtype, fp8_block=self.fp8_block,
+                       backend=self.backend, deepgemm=self.deepgemm, kernels=self.kernels, limit=self.limit,
+                       fp4=self.fp4).requires_grad_(False)
+
     def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) in `dtype`: the parameters themselves, or a dequantised copy of fp8 / fp4 ones."""
         if self.fp4:

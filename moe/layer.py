@@ -100,6 +100,11 @@ class MoELayer(nn.Module):
         """[P] int64 tokens per physical slot, added in place by route(); None = not recording."""
         return self.routing.load_counts
 
+    def use_experts(self, experts: Experts, shard: ExpertShard) -> None:
+        """This rank's routed experts after a re-layout (recovery after a lost rank): `experts` holds `shard`'s
+        slots, already filled; the routing the layer reads is set by whoever re-laid them."""
+        self.experts, self.shard = experts, shard
+
     @torch.no_grad()
     def copy_local_replicas(self) -> None:
         """Slots holding an expert this rank already holds in an earlier slot (one EP rank with

@@ -6,6 +6,8 @@ Legend: L MoE layers, k this rank's physical slots per layer, P physical slots (
     routing.layers[l].local_phy2log  [k] logical expert each of this rank's slots holds
     routing.layers[l].expert_map     logical ids [T, k] -> physical ids (None: the identity)
     routing.layers[l].load_counts    [P] int64 the layer's route adds its physical ids into (None: off)
+    routing.placement                the placement installed last (eplb.placement.Placement, [L, P]; None: the
+                                     identity of the constructor)
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class ExpertRouting:
         """Every layer starts with the same local slots (the contiguous identity until a placement)."""
         self.num_local = len(local_phy2log)
         self.layers = [LayerRouting(local_phy2log) for _ in range(num_layers)]
+        self.placement = None
 
     def set_placement(self, layer: int, local_phy2log: list[int], expert_map=None) -> None:
         """Which logical expert each local slot of `layer` holds ([k]) and the map its router's ids go
@@ -33,6 +36,10 @@ class ExpertRouting:
                              f"{self.num_local}")
         r = self.layers[layer]
         r.local_phy2log, r.expert_map = list(local_phy2log), expert_map
+
+    def placed(self, placement) -> None:
+        """Every layer now follows `placement` (set_placement was called for each): remember it whole."""
+        self.placement = placement
 
     def resize(self, num_local: int) -> None:
         """The rank now holds num_local slots per layer (re-forming after a lost rank); set_placement follows."""

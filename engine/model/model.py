@@ -164,15 +164,15 @@ class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  shard: ExpertShard | None = None, dispatcher=None, fp8_block: tuple[int, int] | None = None,
                  experts: ExpertsChoice | None = None, attention: str = "torch", kv_cache_dtype: str = "auto",
-                 kernels: Kernels = NATIVE, decode_plan=None):
+                 kernels: Kernels = NATIVE, decode_plan=None, placement=None):
+        """placement: the routed experts' (eplb.placement.Placement), installed into the routing the MoE layers read;
+        None: the identity. dispatcher: None until the engine wires one (use_dispatcher)."""
         super().__init__()
         experts = experts or ExpertsChoice("grouped", keep_fp8=False)
         self.cfg, self.dtype, self.kernels = cfg, dtype, kernels
         # how the layers were built: an MTP drafter's layer (engine/model/mtp.py) is built the same way
         self.layer_options = dict(experts=experts, attention=attention, fp8_block=fp8_block, kv_cache_dtype=kv_cache_dtype)
-        self.drafter = None   # engine/model/mtp.MTPLayer when speculative decoding drafts with it (build.load_model)
         self.shard, self.dispatcher = shard, dispatcher
-        self.placement = None  # eplb.Placement of the routed experts, set by build.load_model
         # the routed experts' placement and load counters as the MoE layers read them, updated in place by
         # EPLB and by re-forming after a lost rank (parallel/expert_routing.py)
         self.routing = None
@@ -180,7 +180,8 @@ class DeepseekModel(nn.Module):
             sh = shard or ExpertShard(cfg.moe.n_routed_experts)
             num_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
             self.routing = ExpertRouting(num_moe, list(sh.layout.slots(sh.ep_rank)))
-        self.huge_page_bytes = 0                     # weights in 2 MiB pages (cpu/huge_pages.py; build.py)
+        self.huge_page_bytes = 0                     # weights in 2 MiB pages (cpu/huge_pages.py; in_huge_pages)
+        self.load_report = None                      # loader.LoadReport, once loaded()
         # "decode": the path the last plain step took (the decode plan's, or "ops")
         self.backends = {"experts": "torch" if experts.backend == "grouped" else experts.backend,
                          "fp8_weights": fp8_block is not None, "attention": attention, "kernels": kernels.name,
@@ -198,12 +199,39 @@ class DeepseekModel(nn.Module):
         for layer in self.model.layers:
             if layer.is_moe:  # the router keeps fp32 whatever the model dtype, as the checkpoints do
                 layer.mlp.gate.float()
+        if placement is not None:
+            sh = shard or ExpertShard(placement.num_physical)
+            placement.install(self.routing, sh.ep_rank, sh.ep_size, self.device)
         self.step_ops = [self.op_embed, *(op for layer in self.model.layers for op in layer.ops()), self.op_final_norm]
         self.decode_plan = decode_plan(self) if decode_plan is not None else None
 
     @property
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
+
+    @property
+    def placement(self):
+        """The routed experts' eplb.placement.Placement as installed last (by the builder, EPLB or recovery), or
+        None for a model without routed experts."""
+        return self.routing.placement if self.routing is not None else None
+
+    def use_dispatcher(self, dispatcher) -> None:
+        """The MoE layers' all-to-all from now on (the engine wires one per parallel context: at start-up and after
+        the ranks re-form)."""
+        self.dispatcher = dispatcher
+
+    def use_shard(self, shard: ExpertShard | None) -> None:
+        """This rank's slice of the physical experts after a re-layout (each MoE layer took its own:
+        MoELayer.use_experts)."""
+        self.shard = shard
+
+    def loaded(self, report) -> None:
+        """The checkpoint is in (loader.LoadReport: what was read and skipped)."""
+        self.load_report = report
+
+    def in_huge_pages(self, nbytes: int) -> None:
+        """nbytes of the weights (the MTP layer's included) now sit in 2 MiB pages (cpu/huge_pages.py)."""
+        self.huge_page_bytes = nbytes
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         """HF tensor name -> destination tensor (a view for stacked experts)."""
@@ -260,6 +288,10 @@ class DeepseekModel(nn.Module):
         on_layer(i), when given, runs as soon as layer i's latents are in kv_pools[i] (right after
         its attention): disaggregation starts that layer's KV transfer. index_pools: DSA's indexer-key
         pools (LatentKVPool.index_pools), None for models without."""
+        if self.dispatcher is None and self.routing is not None:
+            sh = self.shard
+            raise RuntimeError(f"this model's MoE layers have no dispatcher (EP rank {sh.ep_rank if sh else 0} of "
+                               f"{sh.ep_size if sh else 1}): the engine wires its EP group's (use_dispatcher)")
         mb = Microbatch(0, input_ids, meta, kv_pools, plan, self.dispatcher, on_layer, index_pools)
         ops = self.step_ops if self.decode_plan is None else self.decode_plan.ops_for(mb)
         s = OpState(mb)

@@ -12,7 +12,8 @@ and the token at position i + 1, and predicts the token at position i + 2 (DeepS
     logits = shared_head.head(shared_head.norm(x))               # [T, V]
 
 The embeddings are the target's (the checkpoint's `model.layers.{L}.embed_tokens` copy is not read). The
-layer's MoE runs through the model's dispatcher with its own initial placement (EPLB does not move it).
+layer's MoE runs through the model's dispatcher (whichever the engine wired last) with its own initial placement
+(`routing`: EPLB does not move it; recovery after a lost rank re-lays it, engine/model/family.py ExpertGroup).
 Drafting k > 1 tokens feeds the layer's output back as h for the next position, as vLLM does.
 """
 from __future__ import annotations
@@ -22,6 +23,9 @@ from torch import nn
 
 from wideep.dbo.schedule import YIELD
 from wideep.dbo.state import Microbatch, OpState
+from wideep.eplb.placement import Placement
+from wideep.moe.layer import ExpertShard
+from wideep.parallel.expert_routing import ExpertRouting
 
 from .model import DecoderLayer, _materialize, _skip_init, expert_targets
 
@@ -48,9 +52,14 @@ class MTPLayer(nn.Module):
         super().__init__()
         cfg = model.cfg
         self.index = L = cfg.num_hidden_layers
-        self.embed, self.dispatcher, self.rope = model.model.embed_tokens, model.dispatcher, model.rope
+        self.embed, self.rope = model.model.embed_tokens, model.rope
+        self._model_dispatcher = lambda: model.dispatcher
         self.kernels = model.kernels
         dt, opt = dtype or model.dtype, model.layer_options
+        self.routing = None   # its MoE's placement (slot p holds expert p % E), which EPLB leaves alone
+        if moe:
+            sh = model.shard or ExpertShard(cfg.moe.n_routed_experts)
+            self.routing = ExpertRouting(1, list(sh.layout.slots(sh.ep_rank)))
         from wideep.layers import RMSNorm
         with torch.device("meta"), _skip_init():
             H, eps, k = cfg.hidden_size, cfg.rms_norm_eps, model.kernels
@@ -59,16 +68,23 @@ class MTPLayer(nn.Module):
             self.eh_proj = k.linear(2 * H, H, bias=False, dtype=dt)   # the backend's (decode rows: the C kernel)
             self.layer = DecoderLayer(cfg, L, model.rope, model.shard, opt["experts"], opt["attention"], dtype=dt,
                                       fp8_block=opt["fp8_block"], kv_cache_dtype=opt["kv_cache_dtype"], kernels=k,
-                                      moe=moe)
+                                      moe=moe, routing=self.routing.layers[0] if moe else None)
             self.norm = RMSNorm(H, eps, dtype=dt, kernels=k)
             self.head = nn.Linear(H, cfg.vocab_size, bias=False, dtype=dt)
         _materialize(self, device if device is not None else model.device)
         if self.layer.is_moe:
             self.layer.mlp.gate.float()
+            Placement.initial(1, cfg.moe.n_routed_experts, sh.num_physical).install(
+                self.routing, sh.ep_rank, sh.ep_size, self.embed.weight.device)
         self.ops = [op for op in self.layer.ops() if op is not YIELD]
         self.decode_plan = model.decode_plan   # the CPU fast path: fused halves for decode rows (cpu/decode_plan.py)
         self._fuse: bool | None = None         # whether its own weights fit fused.mtp_pass (_fusable)
         self.fused_passes = 0                  # passes run as one fused.mtp_pass call
+
+    @property
+    def dispatcher(self):
+        """The target model's dispatcher, as wired now."""
+        return self._model_dispatcher()
 
     def checkpoint_targets(self) -> dict[str, torch.Tensor]:
         pre = f"model.layers.{self.index}."

@@ -157,7 +157,7 @@ def _ropes(raw: dict[str, Any], head_dim: int) -> tuple[int, RopeConfig, RopeCon
 def _check_quant(raw: dict[str, Any]) -> None:
     """DeepSeek-V4's releases: FP8 e4m3 linears with ue8m0 128x128 block scales, routed experts FP4 (e2m1, an e8m0
     scale per 32) or FP8. The loader dequantises the FP8 linears (engine/model/loader.py); FP4 routed experts stay
-    packed on the CPU backend (engine/model/build.py _v4_experts), else are dequantised too."""
+    packed on the CPU backend (engine/model/v4_family.py V4Family._experts), else are dequantised too."""
     q = raw.get("quantization_config")
     if not q:
         return

@@ -35,6 +35,19 @@ from .model_config import ModelConfig
 CARRY = ("x",)   # what one layer hands the next: the residual streams [T, n, H]
 
 
+def v4_expert_targets(experts, prefix: str, expert: int, slot: int) -> dict[str, torch.Tensor]:
+    """Checkpoint names of logical `expert` of the block named `prefix` ("layers.3." or "mtp.0.") -> views into local
+    `slot` of `experts`: w1 (gate) and w3 (up) rows of w13, w2, and with FP4 weights their e8m0 scales, as stored."""
+    I, pre = experts.intermediate, f"{prefix}ffn.experts.{expert}."
+    out = {pre + "w1.weight": experts.w13.data[slot, :I], pre + "w3.weight": experts.w13.data[slot, I:],
+           pre + "w2.weight": experts.w2.data[slot]}
+    if experts.fp4:   # the packed pairs above and their e8m0 bytes
+        s13, s2 = experts.w13_scale_inv.data, experts.w2_scale_inv.data
+        out |= {pre + "w1.weight_scale_inv": s13[slot, :I], pre + "w3.weight_scale_inv": s13[slot, I:],
+                pre + "w2.weight_scale_inv": s2[slot]}
+    return out
+
+
 class V4DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: dict[str, RotaryEmbedding], shard, experts: ExpertsChoice,
                  routing, device=None, dtype=None, kind: str | None = None, hash_moe: bool | None = None,
@@ -117,7 +130,10 @@ class DeepseekV4Model(nn.Module):
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  shard: ExpertShard | None = None, dispatcher=None, experts: ExpertsChoice | None = None,
-                 num_mtp: int = 0, experts_kernels: Kernels = NATIVE):
+                 num_mtp: int = 0, experts_kernels: Kernels = NATIVE, placement=None, with_streams: bool = False):
+        """placement: the routed experts' (eplb.placement.Placement, [L, P]; None: the initial one), installed into
+        the routing the decoder layers read; the MTP blocks take the initial placement. with_streams: forward's rows
+        carry their residual streams after the hidden state (the MTP drafter's input)."""
         super().__init__()
         if cfg.v4 is None:
             raise ValueError(f"DeepseekV4Model needs a DeepSeek-V4 config, got arch {cfg.arch!r}")
@@ -132,7 +148,6 @@ class DeepseekV4Model(nn.Module):
             raise ValueError(f"DeepSeek-V4's FP4 experts are read as stored by the cpu experts kernel only, not "
                              f"{experts.backend!r}")
         self.cfg, self.dtype, self.shard, self.dispatcher = cfg, dtype, shard, dispatcher
-        self.placement = None
         sh = shard or ExpertShard(cfg.moe.n_routed_experts)
         self.routing = ExpertRouting(cfg.num_hidden_layers, list(sh.layout.slots(sh.ep_rank)))
         # the MTP blocks keep the initial placement (slot p holds expert p % E; eplb.Placement.initial), no EPLB
@@ -156,14 +171,19 @@ class DeepseekV4Model(nn.Module):
         _materialize(self, device)
         for layer in [*self.layers, *self.mtp]:   # the router keeps fp32 whatever the model dtype
             layer.ffn.gate.float()
-        if dispatcher is None:   # one process, every expert local
+        if dispatcher is None and sh.ep_size == 1:   # one process, every expert local (else: the engine wires one)
             from wideep.parallel.context import ParallelContext
             from wideep.parallel.dispatch import LocalDispatcher
-            if sh.ep_size != 1:
-                raise ValueError(f"a DeepSeek-V4 model on {sh.ep_size} EP ranks needs its EP group's dispatcher")
             self.dispatcher = LocalDispatcher(ParallelContext.single(device), sh.num_physical, cfg.hidden_size)
+        from wideep.eplb.placement import Placement
+        E, P = cfg.moe.n_routed_experts, sh.num_physical
+        (placement or Placement.initial(cfg.num_hidden_layers, E, P)).install(self.routing, sh.ep_rank, sh.ep_size,
+                                                                              self.device)
+        if num_mtp:   # their own initial placement, which EPLB leaves alone
+            Placement.initial(num_mtp, E, P).install(self.mtp_routing, sh.ep_rank, sh.ep_size, self.device)
         self.step_ops = [self.op_embed, *(op for layer in self.layers for op in layer.ops()), self.op_final_norm]
-        self.with_streams = False   # forward's rows carry their residual streams too (the MTP drafter sets it)
+        self.with_streams = with_streams
+        self.load_report = None   # loader.LoadReport, once loaded()
         self.decode_plan = None   # the CPU fast path does not take V4 layers (cpu/decode_plan.py)
         # ... and says so: the engine counts its decode steps as declined for this reason (decode_declined_<reason>)
         self.decode_plan_declined = "deepseek_v4_layers" if self.device.type == "cpu" else None
@@ -171,6 +191,19 @@ class DeepseekV4Model(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
+
+    @property
+    def placement(self):
+        """The decoder layers' eplb.placement.Placement as installed last (builder, EPLB, recovery)."""
+        return self.routing.placement
+
+    def use_dispatcher(self, dispatcher) -> None:
+        """The MoE layers' all-to-all from now on (wired by the engine per parallel context)."""
+        self.dispatcher = dispatcher
+
+    def use_shard(self, shard: ExpertShard | None) -> None:
+        """This rank's slice of the physical experts after a re-layout."""
+        self.shard = shard
 
     def new_streams(self) -> SequenceStreams:
         """An empty sequence's streams, every layer's."""
@@ -190,22 +223,19 @@ class DeepseekV4Model(nn.Module):
         blocks = [(f"layers.{i}.", layer) for i, layer in enumerate(self.layers)]
         blocks += [(f"mtp.{k}.", block) for k, block in enumerate(self.mtp)]
         for prefix, layer in blocks:
-            ex, I = layer.ffn.experts, layer.ffn.experts.intermediate
             for slot, e in enumerate(layer.ffn.local_phy2log):
-                pre = f"{prefix}ffn.experts.{e}."
-                if pre + "w2.weight" in targets:
+                if f"{prefix}ffn.experts.{e}.w2.weight" in targets:
                     continue   # a second local replica: copy_local_replicas fills it
-                targets |= {pre + "w1.weight": ex.w13.data[slot, :I], pre + "w3.weight": ex.w13.data[slot, I:],
-                            pre + "w2.weight": ex.w2.data[slot]}
-                if ex.fp4:   # the packed pairs above and their e8m0 bytes, as stored
-                    s13, s2 = ex.w13_scale_inv.data, ex.w2_scale_inv.data
-                    targets |= {pre + "w1.weight_scale_inv": s13[slot, :I], pre + "w3.weight_scale_inv": s13[slot, I:],
-                                pre + "w2.weight_scale_inv": s2[slot]}
+                targets |= v4_expert_targets(layer.ffn.experts, prefix, e, slot)
         for prefix, _ in blocks:   # the shared expert: w1 / w3 / w2 as DeepSeek names them
             for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
                 targets[f"{prefix}ffn.shared_experts.{theirs}.weight"] = targets.pop(
                     f"{prefix}ffn.shared_experts.{ours}.weight")
         return targets
+
+    def loaded(self, report) -> None:
+        """The checkpoint is in (loader.LoadReport: what was read and skipped)."""
+        self.load_report = report
 
     def owns_expert(self, layer: int, expert: int) -> bool:
         """layer: a decoder layer, or L + k for MTP block k; expert: logical id."""
@@ -254,6 +284,10 @@ class DeepseekV4Model(nn.Module):
         i's streams hold the step's tokens."""
         if kv_pools or index_pools:
             raise ValueError("DeepSeek-V4 keeps its KV in the streams of meta: no pools")
+        if self.dispatcher is None:
+            raise RuntimeError(f"this DeepSeek-V4 model holds {self.shard.num_local} of {self.shard.num_physical} "
+                               f"expert slots (EP rank {self.shard.ep_rank} of {self.shard.ep_size}) and no dispatcher: "
+                               f"the engine wires its EP group's (use_dispatcher)")
         if input_ids.shape[0] != sum(meta.lens):
             raise ValueError(f"{input_ids.shape[0]} tokens for chunks of {sum(meta.lens)}")
         s = OpState(Microbatch(0, input_ids, meta, [], plan, self.dispatcher, on_layer))

@@ -39,7 +39,7 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, store=None,
                  log: HeldLog | None = None, on_free=None):
         """on_free(seq): called whenever a sequence's blocks are freed (preempted, finished, aborted): a cache that
-        keeps more than the blocks per sequence (DeepSeek-V4's streams, engine/worker/v4_runner.py) drops it."""
+        keeps more than the blocks per sequence (DeepSeek-V4's streams, engine/model/v4_cache.py) drops it."""
         self.on_free = on_free
         self.allocator = BlockAllocator(num_blocks)
         self.block_size = block_size
@@ -77,6 +77,10 @@ class BlockManager:
     def num_cached(self) -> int:
         """Blocks whose contents are named by a hash (in use or free)."""
         return len(self._by_hash)
+
+    def cached_per_stream(self) -> dict[str, int]:
+        """stream -> named blocks (in use or free): one stream, the latents."""
+        return {"latent": self.num_cached}
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -57,7 +57,10 @@ READ_TIMEOUT_S = 30.0   # the longest a step waits for disk reads when it has no
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, speculator=None,
+                 lookahead: int = 0):
+        """speculator: engine/spec_decode/speculator.Speculator when drafting is on; lookahead: slots grown past a
+        step's tokens (MTP drafting: k - 1, where its later passes write)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= 1")
@@ -69,9 +72,8 @@ class Scheduler:
         self.by_id: dict[str, Sequence] = {}      # every sequence held here, waiting, loading or running
         self.num_preemptions = 0
         self.prefill_tokens = 0                   # prompt (or recomputed) tokens computed, all steps
-        self.speculator = None                    # engine/spec_decode/speculator.Speculator when drafting is on
+        self.speculator, self.lookahead = speculator, lookahead
         self.spec_extra_tokens = 0                # tokens verification steps appended beyond one per sequence
-        self.lookahead = 0                        # slots grown past a step's tokens (MTP drafting: k - 1)
 
     def add(self, seq: Sequence) -> None:
         why = self.blocks.capacity_error(len(seq.prompt_token_ids) + seq.max_tokens - 1)

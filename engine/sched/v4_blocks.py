@@ -78,6 +78,10 @@ class V4BlockManager:
         """Named blocks (in use or free) of every pool."""
         return sum(len(d) for d in self._by_hash.values())
 
+    def cached_per_stream(self) -> dict[str, int]:
+        """stream -> its named blocks (in use or free)."""
+        return {s: len(d) for s, d in self._by_hash.items()}
+
     @property
     def free_slots(self) -> int:
         return len(self._free_slots)

@@ -51,7 +51,7 @@ class SeqSpec:
     failed: int = 0           # backoffs in a row
     retired: bool = False     # MTP: drafts no more, and the drafter no longer keeps its latents
     mtp_drafts: list[int] = field(default_factory=list)   # MTP: the drafter's tokens for the next step
-    stash: Any = None         # MTP: first-pass rows deferred while it backs off (engine/worker/mtp_drafter.py)
+    stash: Any = None         # MTP: first-pass rows deferred while it backs off (engine/spec_decode/drafter.py)
 
 
 class Speculator:

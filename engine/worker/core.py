@@ -1,7 +1,16 @@
-"""One rank's engine parts, built from one EngineConfig: parallel context, model, paged latent cache,
-block manager, scheduler, runner, step sync, EPLB and DBO; request validation and admission.
+"""One rank's engine parts, built from one EngineConfig in named steps, and request validation and admission.
 
-The step loop (engine/worker/rank_loop.py) drives these; the front (engine/front/front.py) validates with them.
+    EngineCore(cfg)   check (the model family's refusals) -> connect -> load -> size_kv -> allocate -> wire -> warm_up
+    load              the model (and the MTP drafter's layer) through its family (engine/model/family.py)
+    size_kv           the context length the cache must hold
+    allocate          the KV cache (the family's streams), its tiers, the block manager, the scheduler (with the
+                      speculator and its lookahead), the MTP drafter
+    wire              what depends on the parallel context: the MoE dispatcher, DBO's overlap, the step sync, EPLB,
+                      and the runner that holds them; recovery after a lost rank runs it again over the survivors
+    warm_up           the tokenizer, the sampling generator, the start-up heap frozen
+
+The step loop (engine/worker/rank_loop.py) drives these; the front (engine/front/front.py) validates with them. Nothing
+here knows a model family: the family object answers.
 """
 from __future__ import annotations
 
@@ -15,23 +24,18 @@ from typing import Sequence as Seq
 
 import torch
 
-from wideep.attention_mla.fp8_cache import latent_layout
-from wideep.attention_v4.fp8 import V4_KV_CACHE_DTYPES
-from wideep.attention_mla.kv_cache import LatentKVPool
 from wideep.kvstore.events import HeldLog
 from wideep.parallel.context import ParallelContext
 
 from ..engine_config import EngineConfig
-from ..model.build import load_model, parse_dtype
+from ..model.build import make_model_dispatcher, parse_dtype
+from ..model.families import family_of
 from ..model.model_config import ModelConfig
 from ..sampling_params import SamplingParams
-from ..sched.block_manager import BlockManager
 from ..sched.scheduler import Scheduler
-from ..sched.v4_blocks import V4BlockManager
 from ..sched.sequence import Sequence
 from .messages import NewRequest
 from .runner import ModelRunner
-from .v4_runner import V4Runner, V4StreamCache
 from .step_sync import StepSync
 
 
@@ -68,93 +72,114 @@ def connect(cfg: EngineConfig, mcfg: ModelConfig) -> ParallelContext:
     return ParallelContext.single("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def refuse_v4(cfg: EngineConfig) -> None:
-    """What the engine does not do with DeepSeek-V4's KV streams yet: an error now, not wrong tokens later."""
-    why = [(cfg.kv_cache_dtype not in V4_KV_CACHE_DTYPES,
-            f"kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in the model dtype or fp8: 'auto', 'fp8')")]
-    bad = [w for on, w in why if on]
-    if bad:
-        raise ValueError("DeepSeek-V4 does not support " + "; ".join(bad) + " yet")
-
-
 def _is_decode(num_tokens: list[int]) -> bool:
     """A step of decodes only (one token per sequence): the DBO auto switch times these apart."""
     return bool(num_tokens) and all(n == 1 for n in num_tokens)
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True):
+    def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True,
+                 speculative_overrides: dict | None = None):
+        """speculative_overrides: SpeculativeConfig fields this rank's speculator takes instead of cfg's (a
+        disaggregated prefill rank drafts whatever its batch: disable_by_batch_size None)."""
         self.cfg = cfg
         mcfg = self.config = ModelConfig.from_dir(cfg.model)
-        if mcfg.v4 is not None:
-            refuse_v4(cfg)
+        self.family = family_of(mcfg)
+        self.family.check(cfg)   # before connecting: the same error on every rank
         self.ctx = ctx = ctx if ctx is not None else connect(cfg, mcfg)
         if not ctx.is_single:
             from wideep.parallel import check_agreement, fingerprint
             check_agreement(ctx, fingerprint([asdict(mcfg), cfg.to_dict()]), "model config / engine config")
         self.model_dir = cfg.model
-        device = cfg.device or str(ctx.device)
+        self.device = cfg.device or str(ctx.device)
         pcfg = cfg.parallel
         from wideep.parallel.comm_stream import SimulatedNetwork
         self.dispatch_options = dict(low_latency_max_tokens=pcfg.deepep_low_latency_max_tokens,
                                      torch_low_latency_max_tokens=pcfg.torch_low_latency_max_tokens,
                                      link=SimulatedNetwork.from_config(pcfg))
-        self.model = load_model(cfg.model, parse_dtype(cfg.dtype), device, progress and ctx.rank == 0, ctx,
-                                pcfg.dispatch_backend, mcfg, num_redundant_experts=pcfg.num_redundant_experts,
-                                eplb=cfg.eplb, experts_backend=cfg.experts_backend,
-                                attention_backend=cfg.attention_backend, dispatch_options=self.dispatch_options,
-                                kv_cache_dtype=cfg.kv_cache_dtype, fuse_decode_stack=cfg.fuse_decode_stack,
-                                mtp=cfg.speculative.method == "mtp", quantization=cfg.quantization,
-                                mtp_dtype=(parse_dtype(cfg.speculative.draft_dtype) if cfg.speculative.draft_dtype
-                                           else None))
-        self.eplb = None
-        if cfg.eplb.enabled and mcfg.moe is not None:
-            from wideep.eplb.controller import EplbController
-            self.eplb = EplbController(self.model, ctx, cfg.eplb)
-        self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
+        self.load(progress)
+        self.size_kv()
+        self.allocate(speculative_overrides or {})
+        self.wire()
+        self.warm_up()
+
+    # -- the named steps ---------------------------------------------------------------------------------
+    def load(self, progress: bool) -> None:
+        """The model on this rank (only its experts), and the MTP drafter's layer when speculative decoding asks."""
+        self.loaded = self.family.load(self.cfg, self.ctx, self.device, progress and self.ctx.rank == 0)
+        self.model = self.loaded.model
+
+    def size_kv(self) -> None:
+        """The context the cache holds per sequence (max_model_len; at most the model's positions)."""
+        mcfg = self.config
+        self.max_model_len = self.cfg.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             raise ValueError(f"max_model_len ({self.max_model_len}) > max_position_embeddings "
                              f"({mcfg.max_position_embeddings})")
-        self.kv = self._kv_cache(device)
+
+    def allocate(self, speculative_overrides: dict) -> None:
+        """The KV cache and its tiers, the block manager, the scheduler with the speculator, the MTP drafter."""
+        cfg = self.cfg
+        self.kv = self.family.kv_cache(cfg, self.loaded, self.max_model_len)
         log = HeldLog(enabled=cfg.enable_prefix_caching and cfg.kv_cache.routing == "kv_aware")
-        self.store = self._kv_store(log) if cfg.kv_cache.tiers else None
-        if mcfg.v4 is None:
-            self.blocks = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, self.store, log)
-        else:   # one pool per stream (DBO may cut a chunk between microbatches: window blocks for all of it)
-            self.blocks = V4BlockManager(self.kv.geometry, self.kv.num_blocks, cfg.max_num_seqs,
-                                         cfg.max_num_batched_tokens, whole_chunks=self._dbo_on(), on_free=self.kv.drop,
-                                         enable_prefix_caching=cfg.enable_prefix_caching, log=log, store=self.store)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        if cfg.speculative.enabled:
+        self.store = self.family.kv_store(cfg, self.kv, log, self.ctx.dp_rank) if cfg.kv_cache.tiers else None
+        self.blocks = self.family.block_manager(cfg, self.kv, self.store, log, whole_chunks=self._dbo_on())
+        spec = dataclasses.replace(cfg.speculative, **speculative_overrides)
+        speculator, self.drafter, lookahead = None, None, 0
+        if spec.enabled:
             from ..spec_decode.speculator import Speculator
-            self.scheduler.speculator = Speculator(cfg.speculative)
+            speculator = Speculator(spec)
+            if spec.method == "mtp":
+                self.drafter = self.family.drafter(self.loaded, self.kv, spec.num_speculative_tokens)
+                lookahead = spec.num_speculative_tokens - 1
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, speculator=speculator,
+                                   lookahead=lookahead)
+
+    def wire(self) -> None:
+        """What depends on the parallel context, built over self.ctx: the MoE dispatcher, DBO's microbatch
+        dispatchers, the step sync, EPLB, and the runner that holds them. At start-up, and again by recovery after a
+        lost rank (engine/worker/recovery.py) once the survivors re-formed and the experts were re-laid."""
+        cfg, ctx, model = self.cfg, self.ctx, self.model
+        model.use_dispatcher(make_model_dispatcher(self.config, ctx, model.placement, self.device,
+                                                   cfg.parallel.dispatch_backend, model.dtype, self.dispatch_options))
         overlap, self.auto = None, None
         if self._dbo_on():
             from wideep.dbo.overlap import Overlap
-            overlap = Overlap(self.model, ctx)  # collective: every rank builds its groups
+            overlap = Overlap(model, ctx)  # collective: every rank builds its groups
             if cfg.dbo.enabled == "auto":
                 from wideep.dbo.auto import AutoSwitch
                 self.auto = AutoSwitch()
-        self.runner = (ModelRunner if mcfg.v4 is None else V4Runner)(self.model, self.kv, overlap)
-        self.runner.grammars = lambda: self.grammars
-        k = cfg.speculative.num_speculative_tokens
-        if getattr(self.model, "drafter", None) is not None or (mcfg.v4 is not None and cfg.speculative.method == "mtp"):
-            if mcfg.v4 is None:
-                from .mtp_drafter import MTPDrafter
-                self.runner.drafter = MTPDrafter(self.model.drafter, self.kv, k)
-            else:   # MTP block 0, its window in layer L of the pools
-                from .v4_mtp_drafter import V4MTPDrafter
-                self.runner.drafter = V4MTPDrafter(self.model, self.kv, k)
-            self.runner.speculator = self.scheduler.speculator
-            self.scheduler.lookahead = k - 1
+        self.eplb = None
+        if cfg.eplb.enabled and self.config.moe is not None:
+            from wideep.eplb.controller import EplbController
+            self.eplb = EplbController(model, ctx, cfg.eplb)
+        d = model.dispatcher
+        self.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
+        self.runner = ModelRunner(model, self.kv, overlap, self.drafter, self.scheduler.speculator,
+                                  grammars=lambda: self.grammars)
+        self._nodes_seen = self._nodes_step = None   # routing histograms (cumulative, last step) of these dispatchers
+
+    def unwire(self) -> None:
+        """Drop everything wire built (their references keep the old process groups alive): before re-forming."""
+        self.model.use_dispatcher(None)
+        if self.runner.overlap is not None:
+            self.runner.overlap.close()
+        if self.eplb is not None:
+            self.eplb.detach()
+        self.runner = self.sync = self.eplb = None
+
+    def rewire(self, ctx: ParallelContext) -> None:
+        """wire over a re-formed context (recovery after a lost rank): the survivors' groups and numbering."""
+        self.ctx = ctx
+        self.wire()
+
+    def warm_up(self) -> None:
+        """The tokenizer, the engine's sampling generator, the grammar compiler's slot; the start-up heap frozen."""
         self.split_steps = 0
         self._plan_declined = getattr(self.model, "decode_plan_declined", None)   # why no CPU decode plan (V4)
         self.declined_decode_steps = 0
-        self._nodes_seen = self._nodes_step = None   # routing histograms: cumulative, and of the last step
-        d = self.model.dispatcher
-        self.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
-        self.tokenizer = _load_tokenizer(cfg.model)
-        self._generator = torch.Generator(device=device).manual_seed(cfg.seed + ctx.rank)
+        self.tokenizer = _load_tokenizer(self.cfg.model)
+        self._generator = torch.Generator(device=self.device).manual_seed(self.cfg.seed + self.ctx.rank)
         self._grammars = None            # structured/compiler.GrammarCompiler, built for the first constrained request
         self._grammars_lock = threading.Lock()
         self.compiling: list[tuple[Sequence, object]] = []   # (sequence, its grammar's Future), not scheduled yet
@@ -176,56 +201,6 @@ class EngineCore:
     def _dbo_on(self) -> bool:
         """Whether steps may be split into two microbatches (dbo.enabled true or "auto", a MoE model)."""
         return bool(self.cfg.dbo.enabled) and self.config.moe is not None
-
-    def _kv_cache(self, device) -> LatentKVPool | V4StreamCache:
-        cfg, mcfg, dt = self.cfg, self.config, self.model.dtype
-        if mcfg.v4 is not None:
-            return V4StreamCache(self.model, cfg.kv_cache_memory, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
-                                 cfg.max_num_batched_tokens, cfg.kv_cache_blocks, cfg.enable_prefix_caching,
-                                 cfg.kv_cache_dtype, mtp_layers=int(cfg.speculative.method == "mtp"))
-        index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
-        layers = mcfg.num_hidden_layers + (self.model.drafter is not None)   # the MTP drafter's own latents last
-        fp8 = latent_layout(cfg.kv_cache_dtype, mcfg.mla.kv_lora_rank, mcfg.mla.qk_rope_head_dim, dt)
-        blocks = cfg.kv_cache_blocks
-        if blocks is None:
-            per_block = LatentKVPool.bytes_per_block(layers, cfg.block_size, mcfg.mla.latent_dim, dt,
-                                                     index_dim, fp8)
-            want = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-            blocks = max(1, min(want, cfg.kv_cache_memory // per_block))
-        return LatentKVPool(layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dt, device,
-                            index_dim=index_dim, fp8=fp8)
-
-    def _kv_store(self, log: HeldLog):
-        """The tiers below the device cache ([kv_cache] tiers): every per-layer pool's block rows (DeepSeek-V4: a
-        store per stream)."""
-        from wideep.kvstore.identity import model_identity
-        from wideep.kvstore.store import TieredStore
-        cfg = self.cfg
-        if self.config.v4 is not None:
-            return self._v4_stores(log)
-        pools = self.kv.all_pools()   # every per-layer tensor: the latents, and DSA's keys
-        identity = None
-        if "disk" in cfg.kv_cache.tiers:
-            # the cache dtype by name (an fp8 tier never serves a full-precision cache, nor the reverse),
-            # with the model dtype its RoPE part is stored in
-            fp8 = self.kv.fp8
-            dtype = str(pools[0].dtype) if fp8 is None else f"{self.kv.kv_cache_dtype}+rope:{fp8.rope_dtype}"
-            identity = model_identity(cfg.model, dtype, cfg.block_size,
-                                      [(cfg.block_size, p.shape[1]) for p in pools])
-        return TieredStore(cfg.kv_cache, pools, cfg.block_size, identity, prefer=self.ctx.dp_rank, log=log)
-
-    def _v4_stores(self, log: HeldLog):
-        from wideep.kvstore.identity import model_identity
-        from wideep.kvstore.streams import StreamStores, block_rows
-        cfg, g = self.cfg, self.kv.geometry
-        pools = self.kv.stream_pools()
-        identities = None
-        if "disk" in cfg.kv_cache.tiers:   # a directory per stream: its blocks' layout and the cache dtype
-            dtype = f"v4:{self.kv.kv_cache_dtype}:{self.model.dtype}"
-            identities = {s: model_identity(cfg.model, f"{dtype}:{s}", cfg.block_size,
-                                            [tuple(r.shape[1:]) for r in block_rows(ps)]) for s, ps in pools.items()}
-        return StreamStores(cfg.kv_cache, pools, {s: g.tokens_per_block(s) for s in pools}, identities,
-                            prefer=self.ctx.dp_rank, log=log)
 
     def take_kv_events(self):
         """-> kvstore.KVEvents: the blocks this rank started or stopped holding since it last said
@@ -407,7 +382,7 @@ class EngineCore:
                "kv_blocks_used": b.num_used, "kv_blocks_free": b.num_free, "kv_blocks_total": b.num_blocks, **b.usage(),
                "prefix_queried_tokens": b.queried_tokens, "prefix_hit_tokens": b.hit_tokens,
                "prefill_tokens": self.scheduler.prefill_tokens, "kv_device_cached_blocks": b.num_cached,
-               "kv_device_cached_bytes": b.num_cached * sum(p[:b.block_size].nbytes for p in self.kv.pools),
+               "kv_device_cached_bytes": sum(n * self.kv.block_bytes()[s] for s, n in b.cached_per_stream().items()),
                **{f"kv_hit_blocks_{tier}": n for tier, n in b.hit_blocks.items()},
                "preemptions": self.scheduler.num_preemptions, "dbo_split_steps": self.split_steps,
                "kv_bytes_per_token": self.kv.bytes_per_token(), "kv_cache_dtype": self.kv.kv_cache_dtype}

@@ -2,14 +2,15 @@
 
     stats = recover(core)      # every survivor, from its step loop, outside any exception handler
 
-1. Drop every reference to the old process groups (dispatchers, DBO's groups, the step sync, EPLB),
-   then re-form the ranks over the survivors (parallel/reform.py: agreement, new groups, renumbering).
-2. Re-plan the experts over the survivors (eplb/survivors.py: every logical expert keeps a replica,
-   what a survivor holds stays) and fill the new slots: a local copy, else a peer copy from a
-   surviving holder (point-to-point over the new group), else the checkpoint files, which every
-   rank can read. If an expert can be had from nowhere, every survivor raises the same error.
-3. Rebuild what depends on the layout: expert shards and weights, the placement and its replica
-   maps, the dispatcher (and DBO's microbatch dispatchers), the step sync, the EPLB controller.
+1. Drop what the engine wired over the old process groups (EngineCore.unwire: dispatchers, DBO's groups, the step
+   sync, EPLB), then re-form the ranks over the survivors (parallel/reform.py: agreement, new groups, renumbering).
+2. Re-plan every group of routed experts the model family names (engine/model/family.py ExpertGroup: the decoder
+   layers', by EPLB's recorded load; the MTP layers', uniformly) over the survivors (eplb/survivors.py: every
+   logical expert keeps a replica, what a survivor holds stays) and fill the new slots: a local copy, else a peer
+   copy from a surviving holder (point-to-point over the new group), else the checkpoint files, which every rank
+   can read. If an expert can be had from nowhere, every survivor raises the same error.
+3. Wire again over the survivors' context (EngineCore.rewire: the step that built the dispatcher, DBO, the step sync,
+   EPLB and the runner at start-up).
 
 Requests on the survivors keep going where they were (their KV is untouched); the front re-admits
 the lost rank's requests (engine/front/front.py). The scheduler's state needs nothing: a step that failed
@@ -24,14 +25,11 @@ import torch.distributed as dist
 
 from wideep.eplb.placement import Placement
 from wideep.eplb.survivors import CHECKPOINT, LOCAL, PEER, plan_survivors
-from wideep.moe.experts import Experts
 from wideep.moe.layer import ExpertShard
-from wideep.parallel.dispatch import make_dispatcher
 from wideep.parallel.reform import reform
 from wideep.parallel.watchdog import guard_collective
 
-from ..model.loader import CheckpointReader, load_weights
-from ..model.model import expert_targets
+from ..model.loader import load_weights
 
 
 class ExpertsUnavailable(RuntimeError):
@@ -43,16 +41,16 @@ def recover(core) -> dict:
     t0 = time.monotonic()
     old = core.ctx
     old_ep, old_members = old.ep_size, list(old.members) if old.members is not None else list(range(old.world_size))
+    groups = core.family.expert_groups(core.loaded)
     load = _window_load(core)
-    _release(core)
+    core.unwire()
     ctx = reform(old)
     survivors_old = [old_members.index(m) for m in ctx.members]     # their old EP ranks, in new order
     stats = {"lost": sorted(set(old_members) - set(ctx.members)), "members": list(ctx.members),
              "epoch": ctx.epoch, "reform_s": ctx.recovery_s}
-    core.ctx = ctx
-    if core.model.placement is not None:
-        stats.update(_relayout(core, old_ep, survivors_old, load))
-    _rebuild(core)
+    if groups:
+        stats.update(_relayout(core, ctx, groups, old_ep, survivors_old, load))
+    core.rewire(ctx)
     stats["recovery_s"] = time.monotonic() - t0
     return stats
 
@@ -62,63 +60,44 @@ def _window_load(core) -> torch.Tensor | None:
     the old group cannot be trusted for an all-reduce; the survivors sum theirs after re-forming."""
     if core.eplb is None:
         return None
-    rec = core.eplb.recorder
-    rec.flush(core.eplb._phy2log)
-    return rec.window_load().to(torch.float64)
+    return core.eplb.local_window_load().to(torch.float64)
 
 
-def _release(core) -> None:
-    """Nothing may keep the old groups alive (their connections close only when nobody refers to
-    them): the dispatchers, DBO's microbatch dispatchers, the step sync, EPLB's controller."""
-    core.model.dispatcher = None
-    if core.runner.overlap is not None:
-        core.runner.overlap.close()
-        core.runner.overlap = None
-    core.sync = None
-    if core.eplb is not None:
-        core.eplb.detach()
-        core.eplb = None
-
-
-def _relayout(core, old_ep: int, survivors_old: list[int], load: torch.Tensor | None) -> dict:
-    ctx, model = core.ctx, core.model
-    mcfg = core.config
+def _relayout(core, ctx, groups: list, old_ep: int, survivors_old: list[int], load: torch.Tensor | None) -> dict:
+    """Every expert group re-planned over the survivors and its new slots filled; the layers take their new experts
+    and the group's routing the new placement."""
+    model, mcfg = core.model, core.config
     if load is not None:   # the survivors' recorded windows, summed
         with guard_collective(ctx):
             dist.all_reduce(load, group=ctx.cpu_group)
-    plan = plan_survivors(model.placement.phy2log, old_ep, survivors_old, mcfg.moe.n_group, load)
-    P = ctx.ep_size * plan.slots_per_rank
-    moe_layers = model.moe_layers()
-    layer_index = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
-    new_experts = [_empty_like(m.experts, plan.slots_per_rank) for m in moe_layers]
-    k_new = plan.slots_per_rank
-    mine = range(ctx.ep_rank * k_new, (ctx.ep_rank + 1) * k_new)
-    peer_bytes = _copy_local_and_peers(ctx, plan, moe_layers, new_experts, k_new)
-    ckpt_targets = {}
-    for l, (moe, ex) in enumerate(zip(moe_layers, new_experts)):
-        for p in mine:
-            if plan.sources[l][p].kind == CHECKPOINT:
-                ckpt_targets.update(expert_targets(ex, layer_index[l], int(plan.phy2log[l, p]), p - mine.start))
-    ckpt_bytes = _load_from_checkpoint(core, ckpt_targets, plan)
-    for moe, ex in zip(moe_layers, new_experts):
-        moe.experts = ex
-        moe.shard = ExpertShard(P, ctx.ep_rank, ctx.ep_size)
-    model.shard = moe_layers[0].shard if moe_layers else None
-    placement = Placement.from_phy2log(plan.phy2log, mcfg.moe.n_routed_experts)
-    model.routing.resize(k_new)
-    placement.install(model.routing, ctx.ep_rank, ctx.ep_size, model.device)
-    model.placement = placement
+    peer_bytes = ckpt_bytes = from_ckpt = 0
+    shard = None
+    for g in groups:
+        plan = plan_survivors(g.placement.phy2log, old_ep, survivors_old, mcfg.moe.n_group,
+                              load if g.rebalanced else None)
+        k_new = plan.slots_per_rank
+        P = ctx.ep_size * k_new
+        new_experts = [m.experts.empty_like(k_new) for m in g.layers]
+        mine = range(ctx.ep_rank * k_new, (ctx.ep_rank + 1) * k_new)
+        peer_bytes += _copy_local_and_peers(ctx, plan, g.layers, new_experts, k_new)
+        ckpt_targets = {}
+        for l, ex in enumerate(new_experts):
+            for p in mine:
+                if plan.sources[l][p].kind == CHECKPOINT:
+                    ckpt_targets.update(g.names(ex, l, int(plan.phy2log[l, p]), p - mine.start))
+        ckpt_bytes += _load_from_checkpoint(core, ctx, ckpt_targets, plan)
+        from_ckpt += len(plan.missing())
+        shard = ExpertShard(P, ctx.ep_rank, ctx.ep_size)
+        for moe, ex in zip(g.layers, new_experts):
+            moe.use_experts(ex, shard)
+        g.routing.resize(k_new)
+        Placement.from_phy2log(plan.phy2log, mcfg.moe.n_routed_experts).install(g.routing, ctx.ep_rank, ctx.ep_size,
+                                                                                 model.device)
+    model.use_shard(shard)
     if model.decode_plan is not None:   # the experts are new parameter objects: its weight structs are stale
         model.decode_plan.invalidate()
-    return {"num_physical": P, "slots_per_rank": k_new, "expert_bytes_peer": peer_bytes,
-            "expert_bytes_checkpoint": ckpt_bytes, "experts_from_checkpoint": len(plan.missing())}
-
-
-def _empty_like(ex: Experts, num_local: int) -> Experts:
-    w = ex.w13
-    return Experts(num_local, ex.hidden, ex.intermediate, device=w.device,
-                   dtype=w.dtype if ex.fp8_block is None else None, fp8_block=ex.fp8_block,
-                   backend=ex.backend, deepgemm=ex.deepgemm, kernels=ex.kernels).requires_grad_(False)
+    return {"num_physical": shard.num_physical, "slots_per_rank": shard.num_local, "expert_bytes_peer": peer_bytes,
+            "expert_bytes_checkpoint": ckpt_bytes, "experts_from_checkpoint": from_ckpt}
 
 
 def _copy_local_and_peers(ctx, plan, moe_layers, new_experts, k_new: int) -> int:
@@ -163,14 +142,14 @@ def _copy_local_and_peers(ctx, plan, moe_layers, new_experts, k_new: int) -> int
     return received
 
 
-def _load_from_checkpoint(core, targets: dict, plan) -> int:
-    """Experts no survivor holds, from the checkpoint files; the same error on every survivor when
-    some rank could not read them."""
-    ctx, error = core.ctx, ""
+def _load_from_checkpoint(core, ctx, targets: dict, plan) -> int:
+    """Experts no survivor holds, from the checkpoint files (read as the model's family names them); the same
+    error on every survivor when some rank could not read them."""
+    error = ""
     nbytes = 0
     if targets:
         try:
-            reader = CheckpointReader(core.model_dir)
+            reader = core.family.reader(core.model_dir)
             nbytes = load_weights(reader, targets, ignore=lambda name: True,
                                   num_hidden_layers=core.config.num_hidden_layers, progress=False).bytes_loaded
         except Exception as e:  # a missing or unreadable checkpoint: reported below, on every rank
@@ -186,23 +165,3 @@ def _load_from_checkpoint(core, targets: dict, plan) -> int:
             f"{core.model_dir!r} could not supply them" + (f" on this rank: {error}" if error else
                                                            " on another rank") + "; the job cannot continue")
     return nbytes
-
-
-def _rebuild(core) -> None:
-    """The dispatcher, DBO's microbatch dispatchers, the step sync and EPLB over the new groups."""
-    from .step_sync import StepSync
-    ctx, model, cfg = core.ctx, core.model, core.cfg
-    pcfg = cfg.parallel
-    num_physical = model.placement.num_physical if model.placement is not None else 0
-    if model.placement is not None:
-        model.dispatcher = make_dispatcher(ctx, num_physical, core.config.hidden_size, pcfg.dispatch_backend,
-                                           dtype=model.dtype, **core.dispatch_options)
-    if cfg.dbo.enabled and core.config.moe is not None:
-        from wideep.dbo.overlap import Overlap
-        core.runner.overlap = Overlap(model, ctx)
-    d = model.dispatcher
-    core._nodes_seen = core._nodes_step = None   # new dispatchers count afresh, over one node now
-    core.sync = StepSync(ctx, d.low_latency_max_tokens if d is not None else 0)
-    if cfg.eplb.enabled and core.config.moe is not None:
-        from wideep.eplb.controller import EplbController
-        core.eplb = EplbController(model, ctx, cfg.eplb)

@@ -1,101 +1,41 @@
-"""Model runner: turns a scheduled batch into step metadata, runs the model, samples.
+"""Model runner: turns a scheduled batch into the model's inputs, runs the model, samples.
 
 The only part of the engine that touches the device. Legend: T tokens this step, B sequences.
+The step's inputs come from the KV cache (the model family's: engine/model/mla_cache.py, v4_cache.py), which knows
+how its streams are addressed; the runner knows no family.
 """
 from __future__ import annotations
 
-from itertools import chain
-
 import torch
 
-from wideep.attention_mla.kv_cache import LatentKVPool
-from wideep.attention_mla.meta import AttnMeta, int64_tensor
+from wideep.attention_mla.meta import int64_tensor
 from wideep.parallel.step_plan import StepPlan
 
-from ..model.model import DeepseekModel
 from ..sched.scheduler import ScheduledBatch, StepResult
+from ..spec_decode.verify import verify
 from .logits_process import LogitsProcessor
 from .sampler import SampleLayout, sample, sample_layout, topn_logprobs
-from .verify import verify
-
-
-def attn_meta(pos, slots, ctx_lens, qlens, tables, block_size: int, device) -> AttnMeta:
-    """Host lists -> AttnMeta (tables padded to the longest with block 0)."""
-    lens = list(map(len, tables))
-    width = max(lens, default=1)
-    if lens and min(lens) == width:   # every table as long (a decode run, mostly): one C-level flatten
-        table = list(chain.from_iterable(tables))
-    else:
-        table = [b for t in tables for b in (t if len(t) == width else t + [0] * (width - len(t)))]
-    return AttnMeta(positions=int64_tensor(pos, device), slot_mapping=int64_tensor(slots, device),
-                    block_table=int64_tensor(table, device).view(len(tables), width),
-                    query_lens=qlens, ctx_lens=ctx_lens, block_size=block_size)
 
 
 class ModelRunner:
     """overlap: a dbo.overlap.Overlap when dual-batch overlap is on; execute(batch, plan) with
     plan.split then runs the step as two microbatches whose all-to-alls hide behind each other's
-    compute. The runner reads sequences and returns a StepResult; the scheduler applies it."""
+    compute. The runner reads sequences and returns a StepResult; the scheduler applies it.
+    drafter: speculative method "mtp"'s (engine/spec_decode/drafter.MTPDrafter), with the scheduler's speculator;
+    grammars: -> the rank's grammar compiler (structured outputs), called when a row first needs it."""
 
-    def __init__(self, model: DeepseekModel, kv: LatentKVPool, overlap=None):
+    def __init__(self, model, kv, overlap=None, drafter=None, speculator=None, grammars=None):
         self.model, self.kv, self.overlap = model, kv, overlap
+        self.drafter, self.speculator, self.grammars = drafter, speculator, grammars
         self.device = model.device
         self.logits_proc: LogitsProcessor | None = None   # built when a request first needs it
         self._rows_seqs: list = []                          # the last step's sampling rows (_sampling_rows)
         self._rows: tuple[SampleLayout, bool] | None = None
-        self.grammars = None   # -> the rank's grammar compiler (structured outputs), set by EngineCore
-        self.drafter = None    # engine/worker/mtp_drafter.MTPDrafter (speculative method "mtp"), set by EngineCore
-        self.speculator = None  # the scheduler's engine/spec_decode/speculator.Speculator, with the drafter
 
-    def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
-                   ) -> tuple[torch.Tensor, AttnMeta]:
-        """-> input_ids [T], AttnMeta for the batch, or for `parts` of it ((b, lo, hi): tokens lo..hi-1
-        of sequence b's tokens this step)."""
-        bs, slot_list, seqs = self.kv.block_size, self.kv.slot_list, batch.seqs
-        if parts is None and batch.num_tokens.count(1) == len(batch.num_tokens):
-            return self._decode_meta(seqs)
-        if parts is None:
-            parts = [(b, 0, n) for b, n in enumerate(batch.num_tokens)]
-        ids, pos, slots, ctx_lens, qlens, tables = [], [], [], [], [], []
-        for b, lo, hi in parts:
-            s = seqs[b]
-            start = s.num_computed + lo
-            end = start + hi - lo
-            if s.draft_token_ids:   # a verification: its token and each draft a decode row of its own
-                toks = s.tokens(s.num_computed, s.num_computed + 1) + s.draft_token_ids
-                for j in range(lo, hi):
-                    p = s.num_computed + j
-                    ids.append(toks[j])
-                    pos.append(p)
-                    slots.append(s.block_ids[p // bs] * bs + p % bs)
-                    ctx_lens.append(p + 1)
-                    qlens.append(1)
-                    tables.append(s.block_ids)
-                continue
-            ids.extend(s.tokens(start, end))
-            pos.extend(range(start, end))
-            slots.extend(slot_list(s.block_ids, start, end))
-            ctx_lens.append(end)
-            qlens.append(hi - lo)
-            tables.append(s.block_ids)
-        return self._meta(ids, pos, slots, ctx_lens, qlens, tables)
-
-    def _decode_meta(self, seqs) -> tuple[torch.Tensor, AttnMeta]:
-        """build_meta when every sequence runs one token (a decode step, the common case): one
-        short loop, no per-sequence ranges or slot lists (slot_list's formula, inlined)."""
-        bs = self.kv.block_size
-        ids, pos, slots, tables = [], [], [], []
-        for s in seqs:
-            p, P = s.num_computed, len(s.prompt_token_ids)
-            ids.append(s.output_token_ids[p - P] if p >= P else s.prompt_token_ids[p])
-            pos.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
-            tables.append(s.block_ids)
-        return self._meta(ids, pos, slots, [p + 1 for p in pos], [1] * len(seqs), tables)
-
-    def _meta(self, ids, pos, slots, ctx_lens, qlens, tables) -> tuple[torch.Tensor, AttnMeta]:
-        return (int64_tensor(ids, self.device),
-                attn_meta(pos, slots, ctx_lens, qlens, tables, self.kv.block_size, self.device))
+    def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None):
+        """-> input_ids [T] and the step's metadata for the batch, or for `parts` of it ((b, lo, hi): tokens lo..hi-1
+        of sequence b's tokens this step): the KV cache's."""
+        return self.kv.step_inputs(batch, parts)
 
     @torch.inference_mode()
     def dummy_step(self, plan: StepPlan) -> None:
@@ -123,6 +63,7 @@ class ModelRunner:
                             device=self.device)
         out = torch.empty(offset[-1], hidden[0].shape[1], dtype=hidden[0].dtype, device=self.device)
         out[rows] = torch.cat(hidden)
+        self.kv.after_split(batch)
         return out
 
     @torch.inference_mode()
@@ -143,14 +84,10 @@ class ModelRunner:
             hidden = self.model(*self.build_meta(batch), self.kv.pools, plan, on_layer=on_layer,
                                 index_pools=self.kv.index_pools)
         self._results(batch, hidden, result)
-        self.sampled(batch, result)
+        self.kv.after_sampling(batch, result)   # DeepSeek-V4: verifications' streams keep the accepted drafts only
         if self.drafter is not None:
             self.drafter.draft(batch, hidden, result, plan, self.speculator)
         return result
-
-    def sampled(self, batch: ScheduledBatch, result: StepResult) -> None:
-        """After sampling and verification, before the drafter: nothing here (the paged cache's rejected slots are
-        rewritten later); DeepSeek-V4's runner rewinds its verifications' streams."""
 
     def _results(self, batch: ScheduledBatch, hidden: torch.Tensor, result: StepResult) -> None:
         """Sample (or verify) the rows of `hidden` [T, H] that predict a next token; prompt logprobs."""

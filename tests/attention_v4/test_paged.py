@@ -18,7 +18,7 @@ from wideep.attention_v4.paged import PagedSequence, V4Pools
 from wideep.attention_v4.pool_layout import StreamGeometry
 from wideep.attention_v4.streams import SequenceStreams, V4Meta
 from wideep.engine import SamplingParams
-from wideep.engine.model.build import load_model
+from wideep.engine.model.families import load_model
 from wideep.engine.sched.sequence import Sequence
 from wideep.engine.sched.v4_blocks import V4BlockManager
 from tests.oracle_v4 import PRO, make_v4_model

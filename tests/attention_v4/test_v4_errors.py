@@ -90,8 +90,9 @@ def test_model_inputs(tmp_path):
     with pytest.raises(ValueError, match=r"DeepseekV4Model needs a DeepSeek-V4 config, got arch 'v3'"):
         from wideep.launch.tiny import tiny_config
         DeepseekV4Model(ModelConfig.from_dict(tiny_config("v3")))
-    with pytest.raises(ValueError, match=r"needs its EP group's dispatcher"):
-        DeepseekV4Model(cfg, shard=ExpertShard(8, 0, 2))
+    unwired = DeepseekV4Model(cfg, shard=ExpertShard(8, 0, 2))
+    with pytest.raises(RuntimeError, match=r"holds 4 of 8 expert slots \(EP rank 0 of 2\) and no dispatcher"):
+        unwired(torch.tensor([1, 2]), V4Meta.build([2], [unwired.new_streams()]))
     from wideep.moe.backend import ExpertsChoice
     with pytest.raises(ValueError, match=r"runs its experts on the torch or cpu backend .* not 'triton'"):
         DeepseekV4Model(cfg, experts=ExpertsChoice("triton", keep_fp8=False))

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from wideep.attention_v4.streams import V4Meta
-from wideep.engine.model.build import load_model
+from wideep.engine.model.families import load_model
 from tests.oracle import hf_prompt_logprobs
 from tests.oracle_v4 import PRO, YARN, make_v4_model
 

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 from wideep.cpu.build import unusable  # noqa: E402
 from wideep.engine import LLM, SamplingParams  # noqa: E402
-from wideep.engine.model.build import load_model  # noqa: E402
+from wideep.engine.model.families import load_model  # noqa: E402
 from wideep.moe.fp8 import FP8_DTYPE, quantize_fp8_block  # noqa: E402
 from wideep.moe.fp8_linear import Fp8Linear  # noqa: E402
 from tests.oracle import make_hf_model  # noqa: E402
@@ -185,7 +185,7 @@ def test_fp8_mtp_drafter_keeps_fp8_and_greedy_equals_no_speculation(tmp_path):
     llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64,
               speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     assert llm.model.backends["fp8_weights"]
-    assert isinstance(llm.model.drafter.layer.self_attn.o_proj, Fp8Linear)
+    assert isinstance(llm.engine.core.loaded.draft.layer.self_attn.o_proj, Fp8Linear)
     got = llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     assert llm.engine.metrics()["spec_decode_acceptance_rate"] > 0

@@ -27,7 +27,8 @@ def requests() -> list[dict]:
 
 
 def _rank(model_dir: str) -> dict | str:
-    from wideep.attention_mla.kv_cache import LatentKVPool, gather_reference
+    from wideep.attention_mla.kv_cache import gather_reference
+    from wideep.engine.model.mla_cache import LatentCache
     from wideep.disagg import make_engine
     from wideep.engine.worker.messages import NewRequest
     from wideep.engine.worker.runner import ModelRunner
@@ -83,7 +84,7 @@ def _rank(model_dir: str) -> dict | str:
     diffs, scale = {}, {}
     for r in reqs + [dict(id="dup", prompt=[5])]:
         n = len(r["prompt"])
-        kv = LatentKVPool(len(core.kv.pools), -(-n // bs), bs, core.kv.latent_dim, core.model.dtype)
+        kv = LatentCache(len(core.kv.pools), -(-n // bs), bs, core.kv.latent_dim, core.model.dtype)
         seq = core.make_sequence(NewRequest(r["id"], r["prompt"], greedy(1), 1, 0.0))
         seq.block_ids = list(range(kv.num_blocks))
         ModelRunner(core.model, kv).execute(ScheduledBatch([seq], [n]), StepPlan(n))  # alone: a 1-rank pool

@@ -26,7 +26,8 @@ def requests() -> list[dict]:
 
 
 def _rank(model_dir: str) -> dict | str:
-    from wideep.attention_mla.kv_cache import LatentKVPool, gather_reference
+    from wideep.attention_mla.kv_cache import gather_reference
+    from wideep.engine.model.mla_cache import LatentCache
     from wideep.disagg import make_engine
     from wideep.engine.worker.messages import NewRequest
     from wideep.engine.worker.runner import ModelRunner
@@ -50,7 +51,7 @@ def _rank(model_dir: str) -> dict | str:
     diffs = {}
     for r in reqs:  # the decode rank computes each prompt itself, into a scratch cache, and compares
         n = len(r["prompt"])
-        kv = LatentKVPool(L, -(-n // bs), bs, core.kv.latent_dim, core.model.dtype, index_dim=core.kv.index_dim)
+        kv = LatentCache(L, -(-n // bs), bs, core.kv.latent_dim, core.model.dtype, index_dim=core.kv.index_dim)
         seq = core.make_sequence(NewRequest(r["id"], r["prompt"], greedy(1), 1, 0.0))
         seq.block_ids = list(range(kv.num_blocks))
         ModelRunner(core.model, kv).execute(ScheduledBatch([seq], [n]), StepPlan(n))

@@ -91,7 +91,7 @@ def test_pools_caching_different_layer_counts_fail_on_every_rank(tiny, tmp_path)
     for o in outs:
         assert o.returncode not in (0, None), (o.rank, o.stderr[-1500:])
         err = o.error or o.stderr
-        assert "the pools cache latents differently" in err and "in 4 layers" in err and "in 3 layers" in err, \
+        assert "the pools cache KV differently" in err and "in 4 layers" in err and "in 3 layers" in err, \
             (o.rank, err[-1500:])
 
 

@@ -131,4 +131,5 @@ def test_v4_mtp_with_disaggregation_is_refused_on_every_rank(model_dir):
     opts = {r: {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}} for r in range(2)}
     for o in run(_build, 2, args=(model_dir, {"all": ONE_ONE}, opts), timeout_s=90):
         assert o.returncode not in (0, None), (o.rank, o.stderr[-1500:])
-        assert "speculative method 'mtp' with DeepSeek-V4 is not supported with prefill/decode" in (o.error or o.stderr)
+        assert ("DeepSeek-V4 does not support speculative method 'mtp' with prefill/decode disaggregation"
+                in (o.error or o.stderr))

@@ -98,7 +98,7 @@ def test_text_model_rename():
 
 
 def test_kimi_k25_checkpoint_is_read_as_its_text_model(tmp_path):
-    from wideep.engine.model.build import load_model
+    from wideep.engine.model.families import load_model
     d = make_tiny_checkpoint(str(tmp_path / "k25"), arch="kimi_k25", seed=1)
     model = load_model(d, progress=False)
     rep = model.load_report
@@ -125,7 +125,7 @@ def test_two_names_for_one_tensor_is_an_error(tmp_path):
 
 
 def test_v32_fp8_checkpoint_dequantises_the_indexer(tmp_path):
-    from wideep.engine.model.build import load_model
+    from wideep.engine.model.families import load_model
     from wideep.moe.fp8 import FP8_DTYPE, dequantize_fp8_block
     d = make_tiny_checkpoint(str(tmp_path), arch="v32", fp8=True, seed=2)
     stored = load_file(f"{d}/model.safetensors")

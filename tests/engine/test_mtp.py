@@ -1,4 +1,4 @@
-"""Speculative decoding with the checkpoint's MTP layer (engine/model/mtp.py, engine/worker/mtp_drafter.py).
+"""Speculative decoding with the checkpoint's MTP layer (engine/model/mtp.py, engine/spec_decode/drafter.py, mla_passes.py).
 
 - The drafter equals a reference built from transformers, for DeepSeek-V3, V3.2 (the MTP layer's sparse
   attention and indexer, prompts past index_topk) and GLM-4.x-MoE-lite: the MTP layer's decoder layer is
@@ -112,7 +112,7 @@ def test_drafts_equal_a_transformers_reference(tmp_path, arch):
     _, logits2 = reference(prompt[1:] + [first, d1], torch.cat([hidden, out[-1:]]))
     assert seq.spec.mtp_drafts == [d1, int(logits2[-1].argmax())]
     # and the drafter's own logits at every prompt row against the reference's
-    drafter, kv = eng.core.model.drafter, eng.core.kv
+    drafter, kv = eng.core.loaded.draft, eng.core.kv
     from wideep.attention_mla.meta import AttnMeta, int64_tensor
     from wideep.parallel.step_plan import StepPlan
     T, bs = len(prompt), 16
@@ -160,7 +160,7 @@ def test_sparse_attention_and_glm_lite_mtp_greedy_equal_and_accept(tmp_path, arc
     prompts = cycle_prompts(nxt, 4)
     llm = _greedy_equal_with_mtp(d, prompts, 30, k)
     core = llm.engine.core
-    assert core.model.drafter.layer.is_moe and core.runner.drafter.passes > 0
+    assert core.loaded.draft.layer.is_moe and core.runner.drafter.passes > 0
     L = core.config.num_hidden_layers
     if name == "v32":   # the drafter's indexer keys live in the pool's last layer, like its latents
         assert len(core.kv.index_pools) == L + 1 and core.kv.index_pools[L].abs().sum() > 0
@@ -179,9 +179,9 @@ def test_a_bfloat16_drafter_beside_a_float32_model(cycle):
     for dt in ("float32", "bfloat16"):
         llm = _greedy_equal_with_mtp(d, prompts, 36, 3, draft_dtype=dt)
         rates[dt] = llm.engine.metrics()["spec_decode_acceptance_rate"]
-    model = llm.engine.core.model
-    layer = model.drafter.layer
-    assert {p.dtype for p in (model.drafter.eh_proj.weight, model.drafter.head.weight, layer.mlp.experts.w13,
+    model, draft = llm.engine.core.model, llm.engine.core.loaded.draft
+    layer = draft.layer
+    assert {p.dtype for p in (draft.eh_proj.weight, draft.head.weight, layer.mlp.experts.w13,
                               layer.self_attn.kv_b_proj.weight, layer.input_layernorm.weight)} == {torch.bfloat16}
     assert layer.mlp.gate.weight.dtype == torch.float32 and model.model.embed_tokens.weight.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in model.model.parameters())
@@ -194,7 +194,7 @@ def test_a_bfloat16_drafter_beside_a_float32_model(cycle):
 def _pass_inputs(core, H):
     """Two sequences (blocks 3, 4 and 5, 6 of 16 slots): rows at positions 29, 30, 31 and 20, 21, the last of
     each running the layer; the MTP layer's cache filled with random entries first."""
-    from wideep.engine.worker.runner import attn_meta
+    from wideep.attention_mla.meta import attn_meta
     g = torch.Generator().manual_seed(0)
     L = core.config.num_hidden_layers
     core.kv.pools[L].copy_(torch.randn(core.kv.pools[L].shape, generator=g))
@@ -213,12 +213,12 @@ def test_fused_passes_equal_the_layers_operations(cycle, draft_dtype):
     and the argmax, then the later passes, in one C call) against the layer's own operations pass by pass (the fused
     halves, the head by its matmul): drafts, outputs and the cache entries of every row equal, a sequence whose
     lookahead ends at its last block stopping after its first draft; the engine's passes take it (one EP rank)."""
-    from wideep.engine.worker.runner import attn_meta
+    from wideep.attention_mla.meta import attn_meta
     from wideep.parallel.step_plan import StepPlan
     d, nxt = cycle
     llm = _greedy_equal_with_mtp(d, cycle_prompts(nxt, 3), 20, 3, draft_dtype=draft_dtype)
     core = llm.engine.core
-    layer, L = core.model.drafter, core.config.num_hidden_layers
+    layer, L = core.loaded.draft, core.config.num_hidden_layers
     assert layer.fused_passes > 0
     ids, prev, pos, slots, max_pos, out_rows, meta = _pass_inputs(core, layer.hnorm.weight.shape[0])
     tables, P = [[3, 4], [5, 6]], 3
@@ -252,7 +252,7 @@ def test_a_fused_pass_names_a_slot_outside_the_pool(cycle):
     d, _ = cycle
     eng = Engine(d, progress=False, block_size=16, kv_cache_blocks=16, speculative_config=mtp(2))
     core = eng.core
-    layer = core.model.drafter
+    layer = core.loaded.draft
     ids, prev, pos, slots, max_pos, out_rows, meta = _pass_inputs(core, layer.hnorm.weight.shape[0])
     S = core.kv.pools[core.config.num_hidden_layers].shape[0]
     bad = slots.clone()
@@ -384,7 +384,7 @@ def test_backed_off_rows_wait_in_a_stash_and_drafts_are_unchanged(cycle, monkeyp
     about to draft, the MTP layer's latents of all its positions equal those of a drafter that ran every row
     at once, its drafts are the same, and it took fewer passes."""
     from wideep.engine.spec_decode import speculator as spec_mod
-    from wideep.engine.worker import mtp_drafter
+    from wideep.engine.spec_decode import drafter as mtp_drafter
     d, nxt = cycle
     prompts = cycle_prompts(nxt, 1, seed=7)   # one sequence: its backed-off steps have no other rows
     sp = SamplingParams(temperature=0.0, max_tokens=80, ignore_eos=True)
@@ -404,7 +404,8 @@ def test_backed_off_rows_wait_in_a_stash_and_drafts_are_unchanged(cycle, monkeyp
 
         def draft(self, batch, *a, _real=real_draft, _log=latents):
             _real(self, batch, *a)
-            pool, bs = self.kv.pools[self.layer.index], self.kv.block_size
+            layer, kv = self.model_passes.layer, self.model_passes.kv
+            pool, bs = kv.pools[layer.index], kv.block_size
             for s in batch.seqs:
                 if s.spec is not None and s.spec.mtp_drafts:
                     slots = [s.block_ids[p // bs] * bs + p % bs for p in range(s.num_computed)]

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/spec_decode/, engine/worker/verify.py): n-gram drafts verified in one forward.
+"""Speculative decoding (engine/spec_decode/, engine/spec_decode/verify.py): n-gram drafts verified in one forward.
 
 - The n-gram index proposes what a scan of the history proposes.
 - Rejection sampling is exact: the tokens verify() emits are distributed as plain sampling's (many
@@ -21,7 +21,7 @@ from wideep.engine.sched.scheduler import StepResult
 from wideep.engine.spec_decode.config import SpeculativeConfig
 from wideep.engine.spec_decode.ngram import NgramIndex, propose_reference
 from wideep.engine.worker.sampler import filter_logits
-from wideep.engine.worker.verify import verify
+from wideep.engine.spec_decode.verify import verify
 from wideep.launch.tiny import make_tiny_checkpoint
 from wideep.launch import tiny_cycle
 from wideep.launch.tiny_cycle import make_cycle_checkpoint

@@ -159,9 +159,10 @@ def test_dbo_equals_plain_steps(v4):
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(attention_backend="cpu"), r"DeepSeek-V4 attention runs on the torch backend only, not attention_backend"),
-    (dict(experts_backend="triton"), r"DeepSeek-V4 experts \(clamped SwiGLU\) run on the torch or cpu backend, not "
-                                     r"experts_backend 'triton'"),
+    (dict(attention_backend="cpu"), r"DeepSeek-V4 does not support attention_backend 'cpu': DeepSeek-V4 attention "
+                                    r"runs on the torch backend only"),
+    (dict(experts_backend="triton"), r"DeepSeek-V4 does not support experts_backend 'triton': DeepSeek-V4 experts "
+                                     r"\(clamped SwiGLU\) run on the torch or cpu backend"),
     (dict(quantization="fp4"), r"quantization 'fp4' keeps DeepSeek-V4's FP4 experts as stored, but the checkpoint's "
                                r"routed experts are not FP4"),
 ])

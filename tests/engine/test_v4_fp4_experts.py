@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 from wideep.cpu.build import unusable
 from wideep.engine import LLM, SamplingParams
-from wideep.engine.model.build import load_model
+from wideep.engine.model.families import load_model
 from tests.engine.test_v4_quantized import checkpoints  # noqa: F401  (the module fixture: FP8 + FP4 V4 checkpoint)
 
 if unusable() is not None:

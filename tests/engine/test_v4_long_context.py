@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from wideep.attention_v4.streams import V4Meta, growing_bytes
 from wideep.engine import LLM, SamplingParams
-from wideep.engine.model.build import load_model
+from wideep.engine.model.families import load_model
 from tests.oracle_v4 import make_v4_model
 
 CONTEXT = 65536 - 16

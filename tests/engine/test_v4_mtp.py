@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("transformers")
 
 from wideep.attention_v4.streams import V4Meta
-from wideep.engine.model.build import load_model
+from wideep.engine.model.families import load_model
 from wideep.engine.model.loader import CheckpointError, v4_ignore, v4_mtp_blocks, v4_rename
 from wideep.engine.model.model_config import ConfigError, ModelConfig
 from tests.oracle_v4 import make_v4_model

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 pytest.importorskip("transformers")
 
 from wideep.attention_v4.streams import V4Meta
-from wideep.engine.model.build import load_model
+from wideep.engine.model.families import load_model
 from wideep.engine.model.loader import CheckpointReader, v4_rename
 from wideep.moe.fp4 import E2M1, dequantize_fp4, pack_fp4
 from tests.oracle_v4 import make_v4_model

@@ -63,7 +63,7 @@ def test_eplb_report_png(tmp_path, capsys):
 
 def test_initial_placement_file_at_startup(tmp_path, capsys):
     from wideep.engine import LLM
-    from wideep.engine.model.build import load_model
+    from wideep.engine.model.families import load_model
     d = make_skewed_checkpoint(str(tmp_path / "m"))
     ref = generate(LLM(d, progress=False))
     out = str(tmp_path / "placement.json")

@@ -1,9 +1,9 @@
-"""DeepSeek-V4's MTP drafter: MTP block 0 (engine/model/v4_model.py V4MTPBlock, a sliding-window decoder layer with
-its own hyper-connection head) drafts k tokens per step, as engine/worker/mtp_drafter.py's MTPDrafter does for the
-MLA models, whose step protocol it keeps (wanted / dummy / draft; every rank runs the same number of passes).
+"""DeepSeek-V4's MTP passes: MTP block 0 (engine/model/v4_model.py V4MTPBlock, a sliding-window decoder layer with
+its own hyper-connection head) drafts k tokens per step under engine/spec_decode/drafter.py's protocol, as
+mla_passes.py does for the MLA models (every rank runs the same number of passes).
 
 Legend: L decoder layers, n hc_mult, H hidden, W sliding window.
-The block's KV is layer L of the V4 pools (V4StreamCache(mtp_layers=1)): window rows addressed by position, in the
+The block's KV is layer L of the V4 pools (engine/model/v4_cache.py V4StreamCache(mtp_layers=1)): window rows addressed by position, in the
 same window blocks as the decoder layers'. Pass 1 runs the block over every position whose next token is now
 known, as one chunk per sequence at its positions (row i: the token at i + 1 and the target's residual streams at
 i, which the model's forward appends to its rows: DeepseekV4Model.with_streams); its window rows are what later
@@ -13,7 +13,7 @@ step's tokens); the next step's pass 1 writes those positions again when they be
 by position, so a rejected draft's rows need no rewind; a block of another kind (CSA/HCA: a compressor state) is
 refused at load.
 
-A sequence backing off defers its rows to a Stash as with the MLA drafter, but the stash keeps only its last W - 1
+A sequence backing off defers its rows to a Stash as with the MLA layer, but the stash keeps only its last W - 1
 rows (Stash.trim) and never has to run early: the block's queries read W positions back, so the pass before the
 sequence drafts again runs the kept rows (and the step's) as one chunk, with its window floored (the layer's view
 reads no row below the chunk when the stash dropped older ones, nor below the window blocks the sequence still
@@ -22,49 +22,46 @@ the outputs of its earlier rows, which no one reads, see fewer. A backed-off seq
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from wideep.attention_mla.meta import int64_tensor
 from wideep.attention_v4.streams import V4Meta
 
-from .mtp_drafter import MTPDrafter
 
+class V4Passes:
+    defers = True
 
-class V4MTPDrafter(MTPDrafter):
-    def __init__(self, model, kv, k: int):
-        self.model, self.kv, self.k = model, kv, k
+    def __init__(self, model, kv):
+        """model: the DeepseekV4Model, built with_streams (its forward's rows carry the residual streams this block
+        reads); kv: its V4StreamCache, with the block's layer L."""
+        if not model.with_streams:
+            raise ValueError("DeepSeek-V4's MTP passes read the residual streams: build the model with_streams")
+        self.model, self.kv = model, kv
         self.device = model.device
-        self.passes = self.rows = 0   # forwards run; rows they ran
+        self.count = self.rows = 0   # forwards run; rows they ran
         # a query reads W positions back, its own included: W - 1 deferred rows before the step's first one (the
         # oldest of them still in a window block the sequence holds: the target's step read it)
         self.keep_last = model.cfg.v4.attention.sliding_window - 1
         self.layer_index = model.cfg.num_hidden_layers   # the block's layer in the pools
-        model.with_streams = True
 
     def _run(self, ids: list[int], streams: torch.Tensor, lens: list[int], seqs: list, first: list[int],
              plan) -> torch.Tensor:
         """The block over chunks lens[j] of seqs[j] starting at positions first[j] -> output streams [T, n, H]."""
-        self.passes += 1
+        self.count += 1
         self.rows += len(ids)
         st = [self.kv.streams[s.request_id] for s in seqs]
         meta = V4Meta.build(lens, st, self.device, [p - x.num_tokens for p, x in zip(first, st)])
         return self.model.mtp_forward(0, int64_tensor(ids, self.device), streams, meta, plan)
 
     def dummy(self, plan) -> None:
-        plan = dataclasses.replace(plan, split=False)
+        """The step's plan.draft_passes passes with zero rows (collective: their MoE all-to-alls)."""
         cfg = self.model.cfg
         empty = torch.empty(0, cfg.v4.hc_mult, cfg.hidden_size, dtype=self.model.dtype, device=self.device)
         for _ in range(plan.draft_passes):
             self._run([], empty, [], [], [], plan)
 
-    @torch.inference_mode()
-    def draft(self, batch, hidden: torch.Tensor, result, plan, speculator) -> None:
-        passes, plan = plan.draft_passes, dataclasses.replace(plan, split=False)
-        seqs = self._collect(batch, hidden, result, passes, speculator)
-        if not passes:
-            return
+    def run(self, seqs: list[tuple], hidden: torch.Tensor, passes: int, plan) -> None:
+        """Pass 1 over `seqs`' rows (drafter.py _collect), one chunk per sequence, then the draft passes."""
         ids, pieces, lens, firsts, live, rows, floored = [], [], [], [], [], 0, []
         bs = self.kv.block_size
         for s, tok, r0, nxt, stash, nxt_ok in seqs:

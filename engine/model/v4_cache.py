@@ -1,5 +1,6 @@
-"""DeepSeek-V4 in the engine: its KV streams as paged pools (attention_v4/paged.py), one per stream, and the
-runner that hands each sequence's view of them to the model.
+"""DeepSeek-V4's KV cache as the engine uses it: its KV streams as paged pools (attention_v4/paged.py), one per
+stream, each sequence's view of them, the step's V4Meta, and the pieces disaggregation moves (the KVCache interface,
+engine/model/family.py; engine/model/mla_cache.py is the MLA family's).
 
 The pools are allocated up front (attention_v4/pool_layout.py has the geometry): a slot per sequence
 (max_num_seqs of them: the compressor states), a window pool (bs rows per block) sized for every slot's decode
@@ -12,7 +13,7 @@ With prefix caching a `state` pool holds the CSA compressors' state at cached bo
 pool_layout.py), sized like the compressed pools by its bytes per token; a sequence starting from a prefix hit gets
 its streams here with the hit's tokens counted and its slot's state copied from the hit's state row.
 kv_cache_dtype "fp8" packs the window, compressed and indexer-key pools (attention_v4/fp8.py); the bytes per block
-count the packed entries (fp4 caches are refused with V4: engine/worker/core.py). The KV tiers move each stream's
+count the packed entries (fp4 caches are refused with V4: engine/model/v4_family.py). The KV tiers move each stream's
 blocks (stream_pools; kvstore/streams.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
 (attention_v4/streams.py V4Meta), and the streams advance once both have run. Speculative decoding: a verification
@@ -27,9 +28,7 @@ from wideep.attention_v4.fp8 import check_v4_kv_cache_dtype, v4_codecs
 from wideep.attention_v4.paged import PagedSequence, V4Pools
 from wideep.attention_v4.pool_layout import StreamGeometry
 from wideep.attention_v4.streams import SequenceStreams, V4Meta
-
-from ..sched.scheduler import ScheduledBatch
-from .runner import ModelRunner
+from wideep.attention_v4.transfer import gather, scatter, staging
 
 
 class V4StreamCache:
@@ -147,18 +146,16 @@ class V4StreamCache:
                 out[s].append(layer[name])
         return out
 
-
-class V4Runner(ModelRunner):
-    """ModelRunner whose step metadata is a V4Meta (each sequence's streams) instead of block tables."""
-
-    def build_meta(self, batch: ScheduledBatch, parts: list[tuple[int, int, int]] | None = None
-                   ) -> tuple[torch.Tensor, V4Meta]:
+    # -- a step's inputs ------------------------------------------------------------------------------
+    def step_inputs(self, batch, parts: list[tuple[int, int, int]] | None = None) -> tuple[torch.Tensor, V4Meta]:
+        """-> input_ids [T], the V4Meta of the batch (each sequence's streams), or of `parts` of it ((b, lo, hi):
+        tokens lo..hi-1 of sequence b's tokens this step)."""
         if parts is None:
             parts = [(b, 0, n) for b, n in enumerate(batch.num_tokens)]
         ids, lens, streams, offsets = [], [], [], []
         for b, lo, hi in parts:
             s = batch.seqs[b]
-            st = self.kv.for_seq(s)
+            st = self.for_seq(s)
             streams.append(st)
             if s.draft_token_ids:   # a verification: its last token and its drafts, one chunk
                 ids.extend((s.tokens(s.num_computed, s.num_computed + 1) + s.draft_token_ids)[lo:hi])
@@ -167,21 +164,63 @@ class V4Runner(ModelRunner):
                 ids.extend(s.tokens(s.num_computed + lo, s.num_computed + hi))
             lens.append(hi - lo)
             offsets.append(lo)
-        return int64_tensor(ids, self.device), V4Meta.build(lens, streams, self.device, offsets)
+        return int64_tensor(ids, self.model.device), V4Meta.build(lens, streams, self.model.device, offsets)
 
-    def sampled(self, batch: ScheduledBatch, result) -> None:
+    def after_sampling(self, batch, result) -> None:
         """Each verification's streams keep its last token and the accepted drafts only: the compressors' states go
         back to the first rejected draft (attention_v4/paged.py PagedSequence.rewind) and the streams count the kept
         tokens, as the scheduler's num_computed will (the MTP drafter, next, reads them so)."""
         for b, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if s.draft_token_ids:
                 keep = 1 + len(result.accepted[b].tokens)
-                st = self.kv.streams[s.request_id]
+                st = self.streams[s.request_id]
                 st.layers[0].seq.rewind(s.num_computed + keep if keep < n else None)
                 st.num_tokens = s.num_computed + keep
 
-    def _forward_split(self, batch: ScheduledBatch, plan) -> torch.Tensor:
-        hidden = super()._forward_split(batch, plan)
-        for s, n in zip(batch.seqs, batch.num_tokens):   # both microbatches' parts are in the streams now
-            self.kv.streams[s.request_id].num_tokens += n
-        return hidden
+    def after_split(self, batch) -> None:
+        """A step run as two microbatches: both parts of each sequence's chunk are in its streams now (the model's
+        forward advances them on plain steps)."""
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            self.streams[s.request_id].num_tokens += n
+
+    # -- what disaggregation moves (attention_v4/transfer.py) -------------------------------------------------
+    @property
+    def transfer_layers(self) -> int:
+        """The layers whose pieces a transfer moves: every layer of the pools."""
+        return len(self.kv.layers)
+
+    def chunk(self, seq, lo: int, hi: int, last: bool = False) -> tuple:
+        """Tokens lo .. hi-1 of `seq` (`last`: the prompt's last chunk, which also moves the window and the
+        compressor states): (the layers' views of its blocks, lo, hi, last)."""
+        return self.views(seq), lo, hi, last
+
+    def gather(self, chunk: tuple, layer: int) -> list[torch.Tensor]:
+        views, lo, hi, last = chunk
+        return gather(views[layer], lo, hi, last)
+
+    def staging(self, chunk: tuple, layer: int) -> list[torch.Tensor]:
+        views, lo, hi, last = chunk
+        return staging(views[layer], lo, hi, last)
+
+    def scatter(self, chunk: tuple, layer: int, rows: list[torch.Tensor]) -> None:
+        views, lo, hi, last = chunk
+        scatter(views[layer], rows, lo, hi, last)
+
+    def receiving(self, seq, num_tokens: int) -> None:
+        """A prompt of num_tokens about to be received into seq's blocks: the window's head, which no chunk writes
+        (only the last W' rows travel), is marked unwritten."""
+        seq.stream_tables.first_written = max(0, num_tokens - self.geometry.window)
+
+    def describe(self) -> dict:
+        """What two caches must agree on to move pieces between them, and how much prompt they hold: the tokens the
+        smallest compressed pool holds."""
+        g = self.geometry
+        held = min(self.num_blocks[s] * g.tokens_per_block(s) for s, _ in g.ratios) if g.ratios else 1 << 62
+        return {"blocks": held // self.block_size, "block_size": self.block_size,
+                "dtype": f"{self.model.dtype} ({self.kv_cache_dtype})",
+                "layout": f"DeepSeek-V4 streams {list(g.streams)}, indexer key "
+                          f"{self.model.cfg.v4.attention.index_head_dim}, {len(self.kv.layers)} layers"}
+
+    def block_bytes(self) -> dict[str, int]:
+        """stream -> the bytes one of its blocks takes over all layers."""
+        return dict(self.per_block)

@@ -1,25 +1,22 @@
-"""The MTP drafter on a rank: after each step, the checkpoint's MTP layer (engine/model/mtp.py) runs over the
-positions whose next token is now known, and then proposes the drafts of the next step.
+"""The MTP drafter on a rank: after each step, the checkpoint's MTP layer (the MLA family's, engine/model/mtp.py; or
+DeepSeek-V4's MTP block) runs over the positions whose next token is now known, and then proposes the drafts of the
+next step. This file is the protocol every family shares (which rows run, when, and the stash); the passes
+themselves are the family's (mla_passes.py, v4_passes.py), given by the model family (engine/model/family.py
+ModelFamily.drafter).
 
-Legend: M rows of the first pass, D sequences drafting, k drafts per step.
-Pass 1 keeps the layer's latent cache (kv_pools[L]) complete: row i is position i with the token at
-i + 1 and the target's hidden state at i — every prefill row, a decode's row, and a verification's
-rows up to its last accepted draft (the rejected drafts' rows are dropped; their slots are rewritten
-later). The last row of each sequence that sampled this step predicts its first draft; the other rows
-only write their latents (a single layer's cache entry depends on its input alone: no queries, attention
-or MoE for them, MTPLayer.first_pass). Passes 2..k
-feed the layer's output and the previous draft back in, one row per drafting sequence, at the
-positions after it: their latents sit in the lookahead slots the scheduler grew (k - 1 past the
-step's tokens) and are rewritten by the next step's pass 1 when those positions become real.
+Pass 1 keeps the layer's KV complete: row i is position i with the token at i + 1 and the target's hidden state at
+i — every prefill row, a decode's row, and a verification's rows up to its last accepted draft. The last row of each
+sequence that sampled this step predicts its first draft. Passes 2..k feed the layer's output and the previous
+draft back in, one row per drafting sequence, at the positions after it (in the lookahead blocks the scheduler grew,
+k - 1 past the step's tokens). Drafts are the layer's argmax (deterministic: verification treats them as one-hot).
 
 Every rank runs the same number of passes, with zero rows when it has none: the layer's MoE dispatch is
 collective. The step sync agrees on it (StepPlan.draft_passes, the most any rank asked for): k when a
 sequence may draft next step, 1 when one must run its first-pass rows without drafting, 0 otherwise.
 A sequence that will not draft next step (backing off, too many running) defers its first-pass rows to a
 Stash, a few views of the step's hidden states, and runs them in the pass before it drafts again (or
-when STASH_ROWS have gathered): a backed-off sequence costs no pass, its latents are complete when it
+when STASH_ROWS have gathered): a backed-off sequence costs no pass, its KV is complete when it
 drafts. Retired sequences and logits-processed ones have no rows at all (engine/spec_decode/speculator.py).
-Drafts are the layer's argmax (deterministic: verification treats them as one-hot).
 """
 from __future__ import annotations
 
@@ -27,10 +24,9 @@ import dataclasses
 
 import torch
 
-from wideep.attention_mla.meta import AttnMeta, int64_tensor
+from wideep.attention_mla.meta import int64_tensor
 
-from ..spec_decode.speculator import can_draft
-from .runner import attn_meta
+from .speculator import can_draft
 
 
 STASH_ROWS = 64        # a backing-off sequence's deferred first-pass rows: past this many they run
@@ -73,28 +69,26 @@ def _keeps(s) -> bool:
 
 
 class MTPDrafter:
-    defers = True      # backing-off sequences' rows wait in a Stash, and run once they would pass STASH_ROWS ...
-    keep_last = None   # ... unless a stash keeps only its last this many rows (DeepSeek-V4: the MTP block's window)
+    """passes: the family's (MLAPasses, V4Passes): dummy(plan) runs a step's passes with zero rows; run(seqs, hidden,
+    passes, plan) runs them over the rows _collect chose; `count` / `rows` count the forwards and rows they ran;
+    `defers` / `keep_last` say how backing-off sequences' rows wait (below)."""
 
-    def __init__(self, layer, kv, k: int):
-        self.layer, self.kv, self.k = layer, kv, k
-        self.device = layer.head.weight.device
-        self.passes = 0   # forwards run (k per step)
+    def __init__(self, passes, k: int):
+        self.model_passes, self.k = passes, k
+        self.defers = passes.defers          # backing-off sequences' rows wait in a Stash, and run once they would
+        #                                      pass STASH_ROWS ...
+        self.keep_last = passes.keep_last    # ... unless a stash keeps only its last this many rows (DeepSeek-V4: the
+        #                                      MTP block's window), when they never have to run early
 
-    def _meta(self, pos: list[int], qlens: list[int], tables: list[list[int]]) -> AttnMeta:
-        """Rows at `pos`: sequence j has qlens[j] consecutive rows ending at its ctx_len; slots from its table."""
-        bs, slots, ctx, r = self.kv.block_size, [], [], 0
-        for q, t in zip(qlens, tables):
-            for p in pos[r:r + q]:
-                slots.append(t[p // bs] * bs + p % bs)
-            ctx.append(pos[r + q - 1] + 1 if q else 0)
-            r += q
-        return attn_meta(pos, slots, ctx, qlens, tables, bs, self.device)
+    @property
+    def passes(self) -> int:
+        """Forwards run (k per drafting step)."""
+        return self.model_passes.count
 
-    def _forward(self, ids: list[int], prev: torch.Tensor, pos, qlens, tables, plan) -> torch.Tensor:
-        self.passes += 1
-        return self.layer(int64_tensor(ids, self.device), prev, self._meta(pos, qlens, tables), self.kv.pools, plan,
-                          self.kv.index_pools)
+    @property
+    def rows(self) -> int:
+        """Rows those forwards ran."""
+        return self.model_passes.rows
 
     def wanted(self, batch, speculator) -> tuple[int, int]:
         """-> (the passes this rank asks for this step, the stashed rows its first pass adds to the step's tokens).
@@ -123,11 +117,7 @@ class MTPDrafter:
 
     def dummy(self, plan) -> None:
         """A rank with nothing this step: the step's passes with zero rows (their MoE all-to-alls)."""
-        plan = dataclasses.replace(plan, split=False)
-        empty = torch.empty(0, self.layer.eh_proj.in_features // 2, dtype=self.layer.eh_proj.weight.dtype,
-                            device=self.device)
-        for _ in range(plan.draft_passes):
-            self._forward([], empty, [], [], [], plan)
+        self.model_passes.dummy(dataclasses.replace(plan, split=False))
 
     def _collect(self, batch, hidden: torch.Tensor, result, passes: int, speculator) -> list[tuple]:
         """The first pass's sequences: (s, sampled token, first row in hidden, the tokens after its rows, its stash
@@ -179,60 +169,5 @@ class MTPDrafter:
         sequence that sampled gets its drafts in s.spec.mtp_drafts."""
         passes, plan = plan.draft_passes, dataclasses.replace(plan, split=False)
         seqs = self._collect(batch, hidden, result, passes, speculator)
-        if not passes:
-            return
-        bs = self.kv.block_size
-        ids, pos, slots, pieces, live = [], [], [], [], []
-        rows = 0
-        for s, tok, r0, nxt, stash, nxt_ok in seqs:
-            m, p0 = len(nxt), s.num_computed
-            if stash is not None:   # the deferred rows first: positions stash.start .. c - 1
-                ids.extend(stash.ids)
-                pieces.extend(stash.parts)
-                p0, m = stash.start, m + stash.rows
-            ids.extend(nxt)
-            pieces.append(hidden[r0:r0 + len(nxt)])
-            t = s.block_ids
-            pos.extend(range(p0, p0 + m))
-            slots.extend(t[p // bs] * bs + p % bs for p in range(p0, p0 + m))
-            rows += m
-            if tok is not None and nxt_ok:   # sampled this step and not backing off next step: it drafts next
-                live.append((s, p0 + m - 1, rows - 1))   # (seq, last row's position, its row)
-        prev = torch.cat(pieces) if pieces else hidden[:0]
-        # only the drafting sequences' last rows need the layer's output: the others stop at their latents
-        qs = [q for _, q, _ in live]
-        meta = attn_meta(qs, [slots[i] for _, _, i in live], [q + 1 for q in qs], [1] * len(live),
-                         [s.block_ids for s, _, _ in live], bs, self.device)
-        later = None
-        if passes > 1 and live:   # each drafting row's later positions, where its lookahead slots exist
-            npos, nslots, nlens = [], [], []
-            for s, q, _ in live:
-                t, ok = s.block_ids, True
-                for p in range(q + 1, q + passes):
-                    ok = ok and p // bs < len(t)
-                    npos.append(p if ok else 0)
-                    nslots.append(t[p // bs] * bs + p % bs if ok else -1)
-                    nlens.append(p + 1 if ok else 0)
-            later = (passes, npos, nslots, nlens)
-        last, drafts, done = self.layer.first_pass(
-            int64_tensor(ids, self.device), prev, int64_tensor(pos, self.device), int64_tensor(slots, self.device),
-            max(pos, default=0), int64_tensor([i for _, _, i in live], self.device), meta, self.kv.pools, plan,
-            self.kv.index_pools, later)
-        self.passes += done
-        for (s, _, _), ds in zip(live, drafts):
-            s.spec.mtp_drafts.extend(ds)
-        if done == passes:
-            return
-        live = [(s, q, j) for j, (s, q, _) in enumerate(live)]
-        for j in range(1, passes):
-            # the next position, where its lookahead slot exists
-            live = [(s, q + 1, i) for (s, q, _), i in zip(live, range(len(live)))
-                    if (q + 1) // bs < len(s.block_ids)]
-            keep = int64_tensor([i for _, _, i in live], self.device)
-            self.passes += 1
-            last, toks = self.layer.draft_pass(
-                int64_tensor([s.spec.mtp_drafts[-1] for s, _, _ in live], self.device), last.index_select(0, keep),
-                self._meta([q for _, q, _ in live], [1] * len(live), [s.block_ids for s, _, _ in live]),
-                self.kv.pools, plan, self.kv.index_pools)
-            for (s, _, _), t in zip(live, toks):
-                s.spec.mtp_drafts.append(t)
+        if passes:
+            self.model_passes.run(seqs, hidden, passes, plan)

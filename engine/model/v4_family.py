@@ -1,0 +1,185 @@
+"""DeepSeek-V4 (engine/model/v4_model.py: sliding-window + CSA/HCA attention, hyper-connections, hash-routed MoE, its
+MTP blocks), behind engine/model/family.py's interface.
+
+Its KV cache is one paged pool per stream (window, compressed entries, indexer keys, a slot per sequence for the
+compressors' state: engine/model/v4_cache.py), its block manager the per-stream one (engine/sched/v4_blocks.py), its
+tiers a TieredStore per stream (kvstore/streams.py). Attention runs on torch; the routed experts on torch or the cpu
+experts kernel (FP4 ones kept packed); its FP8 attention linears are dequantised at load.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from wideep.attention_v4.fp8 import V4_KV_CACHE_DTYPES, check_v4_kv_cache_dtype
+from wideep.kvstore.identity import model_identity
+from wideep.layers import NATIVE, Kernels
+from wideep.moe.backend import ExpertsChoice
+
+from .build import QUANTIZATION, expert_slots, make_model_dispatcher, parse_dtype
+from .family import ExpertGroup, Loaded, ModelFamily
+from .loader import CheckpointReader, load_weights, v4_ignore, v4_mtp_blocks, v4_rename
+from .v4_cache import V4StreamCache
+from .v4_model import v4_expert_targets
+
+_V4_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+class V4Family(ModelFamily):
+    REFUSED = {
+        "speculative method 'mtp' with prefill/decode disaggregation":
+            "the MTP block's window rows are not sent with the streams yet; use method 'ngram'",
+    }
+
+    def check(self, cfg) -> None:
+        name = self.model_name
+        if cfg.kv_cache_dtype not in V4_KV_CACHE_DTYPES:
+            raise ValueError(f"{name} does not support kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in "
+                             f"the model dtype or fp8: 'auto', 'fp8') yet")
+        if cfg.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"{name} does not support attention_backend {cfg.attention_backend!r}: DeepSeek-V4 "
+                             f"attention runs on the torch backend only")
+        if cfg.experts_backend not in ("auto", "torch", "cpu"):
+            raise ValueError(f"{name} does not support experts_backend {cfg.experts_backend!r}: DeepSeek-V4 experts "
+                             f"(clamped SwiGLU) run on the torch or cpu backend")
+        self._check_quantization(cfg.quantization)
+        d = cfg.speculative.draft_dtype
+        if d is not None and parse_dtype(d) != parse_dtype(cfg.dtype):
+            raise ValueError(f"{name} does not support speculative draft_dtype {d!r}: DeepSeek-V4's MTP block runs in "
+                             f"the model's dtype ({cfg.dtype}); leave draft_dtype out")
+
+    def _check_quantization(self, quantization: str) -> None:
+        if quantization == "fp8":
+            raise ValueError(f"{self.model_name} does not support quantization 'fp8': its FP8 linears are dequantised "
+                             f"at load (no V4 kernel reads them as stored yet; its FP4 experts: quantization 'fp4' or "
+                             f"'auto')")
+        if quantization not in QUANTIZATION:
+            raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATION}")
+
+    # -- load ------------------------------------------------------------------------------------------------
+    def load(self, cfg, ctx, device, progress: bool) -> Loaded:
+        mtp = cfg.speculative.method == "mtp"
+        loaded = self.build(cfg.model, parse_dtype(cfg.dtype), device, progress, ctx, cfg.parallel.dispatch_backend,
+                            num_redundant_experts=cfg.parallel.num_redundant_experts, eplb=cfg.eplb,
+                            experts_backend=cfg.experts_backend, attention_backend=cfg.attention_backend,
+                            kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization, mtp=mtp,
+                            dispatcher=False)
+        return loaded
+
+    def build(self, model_dir: str, dtype: torch.dtype, device, progress: bool, ctx, dispatch_backend: str = "auto",
+              num_redundant_experts: int = 0, eplb=None, experts_backend: str = "auto", attention_backend: str = "auto",
+              dispatch_options: dict | None = None, kv_cache_dtype: str = "auto", fuse_decode_stack: bool = True,
+              mtp: bool = False, quantization: str = "auto", dispatcher: bool = True) -> Loaded:
+        """Torch attention; routed experts on torch or the cpu experts kernel (FP4 ones kept packed: _experts); no
+        CPU decode plan. kv_cache_dtype is the pools' (engine/model/v4_cache.py): the model reads its streams in the
+        model dtype either way. The checkpoint's MTP blocks are loaded whenever it holds them; mtp (speculative
+        method "mtp": block 0 drafts, engine/spec_decode/v4_passes.py) needs block 0, a sliding-window block."""
+        from .v4_model import DeepseekV4Model
+        cfg = self.cfg
+        if attention_backend not in ("auto", "torch"):
+            raise ValueError(f"{self.model_name} does not support attention_backend {attention_backend!r}: "
+                             f"DeepSeek-V4 attention runs on the torch backend only")
+        self._check_quantization(quantization)
+        check_v4_kv_cache_dtype(kv_cache_dtype)
+        L = cfg.num_hidden_layers
+        placement, shard = expert_slots(cfg, ctx, eplb, num_redundant_experts, L)
+        reader = self.reader(model_dir)
+        experts, experts_kernels = self._experts(reader, device, dtype, experts_backend, quantization)
+        num_mtp = v4_mtp_blocks(reader.names, cfg.num_nextn_predict_layers)
+        if mtp and not num_mtp:
+            raise ValueError(f"speculative method 'mtp' needs the checkpoint's MTP block (mtp.0.*), but {model_dir!r} "
+                             f"holds none (num_nextn_predict_layers = {cfg.num_nextn_predict_layers}; use method "
+                             f"'ngram')")
+        if mtp and cfg.v4.mtp_layer_kinds[0] != "sliding":
+            raise ValueError(f"speculative method 'mtp': MTP block 0 of {model_dir!r} has {cfg.v4.mtp_layer_kinds[0]!r}"
+                             f" attention (compress_ratios past the layers); only a sliding-window MTP block drafts "
+                             f"(its compressor state would have to be rewound after every draft pass)")
+        model = DeepseekV4Model(cfg, device=device, dtype=dtype, shard=shard,
+                                dispatcher=(make_model_dispatcher(cfg, ctx, placement, device, dispatch_backend, dtype,
+                                                                  dispatch_options) if dispatcher else None),
+                                experts=experts, num_mtp=num_mtp, experts_kernels=experts_kernels, placement=placement,
+                                with_streams=mtp)
+        model.loaded(load_weights(reader, model.checkpoint_targets(), ignore=v4_ignore(model.owns_expert, L),
+                                  progress=progress))
+        model.copy_local_replicas()
+        return Loaded(model.eval(), model.mtp[0] if mtp else None)
+
+    def _experts(self, reader, device, dtype, experts_backend: str, quantization: str) -> tuple[ExpertsChoice, Kernels]:
+        """DeepSeek-V4's routed experts: (choice, the experts' kernel table). FP4 experts in the checkpoint stay packed
+        (keep_fp4, backend "cpu") when quantization is "auto" or "fp4", experts_backend "auto" or "cpu", the CPU
+        kernels are usable for `device` / `dtype` and hidden and moe_intermediate_size are multiples of 32; "fp4"
+        raises naming what is missing. Otherwise: "cpu" when asked (the C kernel on dequantised weights), else
+        torch."""
+        if experts_backend not in ("auto", "torch", "cpu"):
+            raise ValueError(f"{self.model_name} does not support experts_backend {experts_backend!r}: DeepSeek-V4 "
+                             f"experts (clamped SwiGLU) run on the torch or cpu backend")
+        from wideep.cpu.build import unusable_for
+        stored = next((n for n in sorted(reader.names) if _V4_EXPERT.match(n)), None)
+        H, I = self.cfg.hidden_size, self.cfg.moe.moe_intermediate_size
+        why_not = ("the checkpoint's routed experts are not FP4" if stored is None or not reader.is_fp4(stored)
+                   else "quantization 'none' dequantises them" if quantization == "none"
+                   else f"experts_backend {experts_backend!r} does not read FP4 (the cpu one does)"
+                   if experts_backend == "torch"
+                   else f"hidden_size ({H}) and moe_intermediate_size ({I}) must be multiples of 32"
+                   if H % 32 or I % 32 else unusable_for(torch.device(device), dtype))
+        if quantization == "fp4" and why_not is not None:
+            raise ValueError(f"quantization 'fp4' keeps DeepSeek-V4's FP4 experts as stored, but {why_not}")
+        if why_not is not None and experts_backend != "cpu":
+            return ExpertsChoice("grouped", keep_fp8=False), NATIVE
+        why_not_cpu = unusable_for(torch.device(device), dtype)
+        if why_not_cpu is not None:
+            raise ValueError(f"experts_backend 'cpu' is not usable: {why_not_cpu}")
+        from wideep.cpu.kernels import table
+        return (ExpertsChoice("cpu", keep_fp8=False, keep_fp4=why_not is None),
+                Kernels(name="cpu", experts=table()["experts"]))
+
+    def reader(self, model_dir: str) -> CheckpointReader:
+        return CheckpointReader(model_dir, rename=v4_rename)
+
+    # -- the KV cache --------------------------------------------------------------------------------------
+    def kv_cache(self, cfg, loaded: Loaded, max_model_len: int) -> V4StreamCache:
+        """The MTP block that drafts keeps its window in layer L of every pool."""
+        return V4StreamCache(loaded.model, cfg.kv_cache_memory, cfg.block_size, cfg.max_num_seqs, max_model_len,
+                             cfg.max_num_batched_tokens, cfg.kv_cache_blocks, cfg.enable_prefix_caching,
+                             cfg.kv_cache_dtype, mtp_layers=int(loaded.draft is not None))
+
+    def block_manager(self, cfg, kv: V4StreamCache, store, log, whole_chunks: bool):
+        """One pool per stream (DBO may cut a chunk between microbatches: whole_chunks gives window blocks for all
+        of it)."""
+        from ..sched.v4_blocks import V4BlockManager
+        return V4BlockManager(kv.geometry, kv.num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                              whole_chunks=whole_chunks, on_free=kv.drop, enable_prefix_caching=cfg.enable_prefix_caching,
+                              log=log, store=store)
+
+    def kv_store(self, cfg, kv: V4StreamCache, log, prefer: int):
+        """A TieredStore per stream, its disk directory named by the stream's block layout and the cache dtype."""
+        from wideep.kvstore.streams import StreamStores, block_rows
+        g, pools = kv.geometry, kv.stream_pools()
+        identities = None
+        if "disk" in cfg.kv_cache.tiers:
+            dtype = f"v4:{kv.kv_cache_dtype}:{kv.model.dtype}"
+            identities = {s: model_identity(cfg.model, f"{dtype}:{s}", cfg.block_size,
+                                            [tuple(r.shape[1:]) for r in block_rows(ps)]) for s, ps in pools.items()}
+        return StreamStores(cfg.kv_cache, pools, {s: g.tokens_per_block(s) for s in pools}, identities,
+                            prefer=prefer, log=log)
+
+    # -- speculative decoding ------------------------------------------------------------------------------
+    def drafter(self, loaded: Loaded, kv: V4StreamCache, k: int):
+        from ..spec_decode.drafter import MTPDrafter
+        from ..spec_decode.v4_passes import V4Passes
+        return MTPDrafter(V4Passes(loaded.model, kv), k)
+
+    # -- the routed experts --------------------------------------------------------------------------------
+    def expert_groups(self, loaded: Loaded) -> list[ExpertGroup]:
+        model = loaded.model
+        groups = [ExpertGroup("layers", model.moe_layers(),
+                              lambda ex, l, e, slot: v4_expert_targets(ex, f"layers.{l}.", e, slot),
+                              model.routing, model.placement, rebalanced=True,
+                              checkpoint_layers=list(range(len(model.layers))))]
+        if len(model.mtp):
+            groups.append(ExpertGroup("mtp", [block.ffn for block in model.mtp],
+                                      lambda ex, k, e, slot: v4_expert_targets(ex, f"mtp.{k}.", e, slot),
+                                      model.mtp_routing, model.mtp_routing.placement,
+                                      checkpoint_layers=[len(model.layers) + k for k in range(len(model.mtp))]))
+        return groups
