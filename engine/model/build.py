@@ -159,7 +159,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
                                      dispatch_backend, dtype=dtype, **(dispatch_options or {}))
     kernels, plan = NATIVE, None
     if "cpu" in (experts.backend, attention):
-        from wideep.cpu.decode_plan import DecodePlan
+        from .fused_decode import DecodePlan
         from wideep.cpu.kernels import table
         kernels = Kernels.from_table("cpu", table())
         plan = functools.partial(DecodePlan, fuse_stack=fuse_decode_stack)

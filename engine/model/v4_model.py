@@ -164,7 +164,7 @@ class DeepseekV4Model(nn.Module):
             self.dispatcher = LocalDispatcher(ParallelContext.single(device), sh.num_physical, cfg.hidden_size)
         self.step_ops = [self.op_embed, *(op for layer in self.layers for op in layer.ops()), self.op_final_norm]
         self.with_streams = False   # forward's rows carry their residual streams too (the MTP drafter sets it)
-        self.decode_plan = None   # the CPU fast path does not take V4 layers (cpu/decode_plan.py)
+        self.decode_plan = None   # the CPU fast path does not take V4 layers (fused_decode.py)
         # ... and says so: the engine counts its decode steps as declined for this reason (decode_declined_<reason>)
         self.decode_plan_declined = "deepseek_v4_layers" if self.device.type == "cpu" else None
 
