@@ -6,7 +6,7 @@ wall time. On a 2-core machine 4 ranks share 2 cores, so these are baselines for
 not a scaling claim. Last line: {"ep": {"1": {"tok_s": ..., "comm_share": ...}, ...}}.
     python bench/ep_scaling.py [--quick]
 
---decode-ab: the CPU decode plan on and off (cpu/decode_plan.py; off = the layers' operations, the
+--decode-ab: the CPU decode plan on and off (engine/model/fused_decode.py; off = the layers' operations, the
 path every step with ep > 1 took before the plan served it) at ep 2, each rank pinned to its own core
 with one thread, the two taking turns over --rounds rounds of the same requests in one run (prefix
 caching off): mean TPOT (= the decode step) per mode, their ratio, and the paths the plan counted.

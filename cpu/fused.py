@@ -1,9 +1,11 @@
-"""A decoder layer's halves, and a decode step's whole stack of layers, each as one C call: the launchers of
-csrc/fused.c (built by cpu/build.py; it calls the other files' kernels), each passing one struct. What
-they replace: the dozens of small torch ops and Python calls between a layer's kernels, which inside a
-decode step cost ~10x what they cost alone (every layer's weight stream empties the caches the
-interpreter runs from). They make exactly the kernel calls of the operation-by-operation path, in its
-order (docs/kernels.md).
+"""A decoder layer's halves, a decode step's whole stack of layers and an MTP layer's draft passes, each as one C
+call: the launchers of csrc/fused.c (built by cpu/build.py; it calls the other files' kernels), each passing one
+struct, beside the ctypes twins of csrc/wideep.h's structs. They take tensors, pointers and those structs, never a
+model's modules: the model's fused decode (engine/model/fused_decode.py) decides when they run and builds the
+per-layer structs from its modules (engine/model/fused_weights.py). What they replace: the dozens of small torch
+ops and Python calls between a layer's kernels, which inside a decode step cost ~10x what they cost alone (every
+layer's weight stream empties the caches the interpreter runs from). They make exactly the kernel calls of the
+operation-by-operation path, in its order (docs/kernels.md).
 
 Legend: T tokens (each the only query of its sequence on decode steps), H hidden, E experts, k top-k,
 I moe_intermediate_size, Is a SwiGLU's intermediate size. CPU tensors, contiguous; a layer's weights all
@@ -11,15 +13,15 @@ float32 or all bfloat16 (the router's float32 either way: moe/gate.py), or an fp
 routed experts kept as stored (e4m3 + block scales: Fp8Mat; the norms and kv_b_proj in the model dtype), the
 latent cache float32 or bfloat16,
 activations float32 inside (a bfloat16 x in gives bfloat16 outputs, rounded once at the end). A layer's
-weights go to C as a struct made once (…_weights, kept by the module while its weights are the same
-memory); scratch is this thread's, shared by all calls (scratch()).
+weights go to C as a struct made once (MlaWeights, MoeWeights, MlpWeights; Fp8Mat for an fp8 projection), kept by
+the caller with the tensors it points into; scratch is this thread's, shared by all calls (scratch()).
   mla_layer(x, MlaWeights, w_uk_t, cos, sin, pool, ...) -> h, mlp_in   the attention half (decode plan)
   moe_layer(h, x, MoeWeights, load) -> out, ids, wts     the MoE half on one EP rank (decode plan)
-  mlp_layer(h, x, MlpWeights) -> out                     a dense layer's MLP half, h + MLP(x) (DecoderLayer)
+  mlp_layer(h, x, MlpWeights) -> out                     a dense layer's MLP half, h + MLP(x) (decode plan)
   decode_stack(x, layers, ...) -> out, ids, wts          every layer of a decode step (decode plan)
   mtp_pass(layer, ..., prev, ...) -> out, tokens         an MTP layer's draft passes: input, layer, head, argmax
-Tests: tests/cpu/test_fused.py (each call against torch), test_kernels.py (mla_layer), test_moe_layer.py,
-test_decode_plan.py, test_cpu_e2e.py.
+Tests: tests/cpu/test_fused.py (each call against torch, structs from raw tensors), test_cpu_e2e.py (in an engine);
+the structs built from a model's modules and the plan: tests/engine/test_fused_weights.py, test_fused_decode.py.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ import threading
 import torch
 
 from .build import fields, library, register
-from .gemm import FP8, WD_FP8, WDT, as_f32
-from .layers import _METHODS, _bad_tables
+from .gemm import WDT, as_f32
+from .layers import _bad_tables
 
 P, I = ctypes.c_void_p, ctypes.c_int64
 
@@ -41,50 +43,12 @@ class Fp8Mat(ctypes.Structure):
     _fields_ = fields("q s", P) + fields("lds br bk", I)
 
 
-def is_fp8(linear) -> bool:
-    """Whether a projection keeps an fp8 checkpoint's weight as stored (moe/fp8_linear.py Fp8Linear, read by its
-    fields: weight float8_e4m3fn, weight_scale_inv, block) in a block the C takes (K side a multiple of 16)."""
-    return (getattr(linear, "weight_scale_inv", None) is not None and linear.weight.dtype == FP8
-            and linear.block[1] % 16 == 0)
-
-
-def weight_arg(linear, mats: list) -> tuple[int, int]:
-    """(pointer, dtype code) of a projection's weight as the fused structs take it: the tensor's data, or for an
-    fp8 one the address of an Fp8Mat appended to `mats` (which the caller keeps alive with the struct)."""
-    if getattr(linear, "weight_scale_inv", None) is None:
-        return linear.weight.data_ptr(), WDT[linear.weight.dtype]
-    s = linear.weight_scale_inv
-    mats.append(Fp8Mat(linear.weight.data_ptr(), s.data_ptr(), s.shape[1], linear.block[0], linear.block[1]))
-    return ctypes.addressof(mats[-1]), WD_FP8
-
-
 class MlaWeights(ctypes.Structure):
-    """wd_mla_weights (csrc/wideep.h), an attention half's per-layer arguments: made once by
-    mla_layer_weights, kept by the caller while the weights are the same memory."""
+    """wd_mla_weights (csrc/wideep.h), an attention half's per-layer arguments: made once (engine/model/
+    fused_weights.py mla_layer_weights), kept by the caller while the weights are the same memory."""
     _fields_ = (fields("in_w post_w wqa qa_w wq wkva kva_w wkvb wo", P)
                 + fields("in_eps post_eps qa_eps kva_eps scale", ctypes.c_float)
                 + fields("H Q N dn R C dv interleave wdt pwdt", I))
-
-
-def mla_layer_weights(in_norm, post_norm, mla) -> MlaWeights:
-    """The layer's RMSNorm modules and its MLA (attention_mla/mla.py, read by its fields) -> the
-    struct mla_layer takes (pointers to the weights, their sizes, eps, the softmax scale). The projections
-    q_a/q_b (or q), kv_a and o may be fp8 (Fp8Mat structs, kept on the returned struct as `fp8_mats`)."""
-    cfg = mla.cfg
-    Q = cfg.q_lora_rank or 0
-    mats: list[Fp8Mat] = []
-    wqa, _ = weight_arg(mla.q_a_proj, mats) if Q else (None, None)
-    wq, pwdt = weight_arg(mla.q_b_proj if Q else mla.q_proj, mats)
-    (wkva, _), (wo, _) = weight_arg(mla.kv_a_proj_with_mqa, mats), weight_arg(mla.o_proj, mats)
-    w = MlaWeights(
-        in_norm.weight.data_ptr(), post_norm.weight.data_ptr(), wqa,
-        mla.q_a_layernorm.weight.data_ptr() if Q else None, wq, wkva,
-        mla.kv_a_layernorm.weight.data_ptr(), mla.kv_b_proj.weight.data_ptr(), wo,
-        in_norm.eps, post_norm.eps, mla.q_a_layernorm.eps if Q else 0.0, mla.kv_a_layernorm.eps, cfg.softmax_scale,
-        in_norm.weight.shape[0], Q, cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank,
-        cfg.v_head_dim, int(mla.rope.cfg.interleave), WDT[mla.kv_b_proj.weight.dtype], pwdt)
-    w.fp8_mats = mats
-    return w
 
 
 def mla_layer_buffer(w: MlaWeights, T: int, max_len: int) -> int:
@@ -92,11 +56,6 @@ def mla_layer_buffer(w: MlaWeights, T: int, max_len: int) -> int:
     D = w.C + w.R
     return (T * (2 * w.H + w.Q + w.N * (w.dn + w.R) + 2 * D + w.R + w.N * w.R + w.N * D + w.N * w.C + w.N * w.dv)
             + w.N * (max_len + 1))
-
-
-def f32_rows(t: torch.Tensor, rows: int, cols: int) -> bool:
-    """Whether t is what the fused calls read as [rows, cols]: float32, on the CPU, contiguous."""
-    return t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous() and t.shape == (rows, cols)
 
 
 def _out(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -129,7 +88,7 @@ def mla_layer(x: torch.Tensor, w: MlaWeights, w_uk_t: torch.Tensor, cos: torch.T
     """x [T, H] (each token the only query of its sequence), the layer's weights (mla_layer_weights)
     and W_UK^T (MLA.w_uk_t), cos/sin [T, R/2], a float32 or bfloat16 pool [S, C+R], slots [T], table [T, M],
     lens [T] int32 (AttnMeta.seq_tables) -> (h [T, H], mlp_in [T, H]) in x's dtype: the decoder layer's
-    attention half in one call (cpu/decode_plan.py checks that every weight and input fits)."""
+    attention half in one call (the caller checks that every weight and input fits)."""
     T, H = x.shape
     dtype, x = x.dtype, as_f32(x)
     h, mlp_in = torch.empty(T, H), torch.empty(T, H)
@@ -148,36 +107,11 @@ def mla_layer(x: torch.Tensor, w: MlaWeights, w_uk_t: torch.Tensor, cos: torch.T
 
 
 class MoeWeights(ctypes.Structure):
-    """wd_moe_weights (csrc/wideep.h), an MoE half's per-layer arguments: made once by moe_layer_weights,
-    kept by the caller while the weights are the same memory."""
+    """wd_moe_weights (csrc/wideep.h), an MoE half's per-layer arguments: made once (engine/model/
+    fused_weights.py moe_layer_weights), kept by the caller while the weights are the same memory."""
     _fields_ = (fields("gw gbias w13 w2 sg su sd", P) + [("scale", ctypes.c_float)]
                 + fields("H E I Is k G topk_group sigmoid method norm wdt", I) + fields("s13 s2", P)
                 + fields("br bk sdt", I))
-
-
-def moe_layer_weights(gate, w13: torch.Tensor, w2: torch.Tensor, shared, scales=None) -> MoeWeights:
-    """The router (moe/gate.py Gate, read by its fields), w13 [E, 2I, H], w2 [E, H, I] with every
-    expert local (float32 or bfloat16, or float8_e4m3fn with scales = (w13_scale_inv, w2_scale_inv, block) as
-    moe/experts.py keeps them), the shared experts (a layers/mlp.py MLP read by its fields, or None; float32,
-    bfloat16 or fp8 projections) -> the struct moe_layer takes (fp8 shared experts' Fp8Mat structs kept on it
-    as `fp8_mats`)."""
-    cfg, bias = gate.cfg, gate.e_score_correction_bias
-    E, I2, H = w13.shape
-    mats: list[Fp8Mat] = []
-    sw, sdt = (None, None, None), 0
-    if shared is not None:
-        (sg, sdt), (su, _), (sd, _) = (weight_arg(m, mats) for m in (shared.gate_proj, shared.up_proj,
-                                                                     shared.down_proj))
-        sw = (sg, su, sd)
-    fp8 = w13.dtype == FP8
-    s13, s2, (br, bk) = (scales[0].data_ptr(), scales[1].data_ptr(), scales[2]) if fp8 else (None, None, (0, 0))
-    w = MoeWeights(gate.weight.data_ptr(), None if bias is None else bias.data_ptr(), w13.data_ptr(), w2.data_ptr(),
-                   *sw, cfg.routed_scaling_factor, H, E, I2 // 2,
-                   shared.gate_proj.weight.shape[0] if shared is not None else 0, cfg.top_k, cfg.n_group,
-                   cfg.topk_group, int(cfg.scoring_func == "sigmoid"), _METHODS[cfg.topk_method],
-                   int(cfg.norm_topk_prob), WD_FP8 if fp8 else WDT[w13.dtype], s13, s2, br, bk, sdt)
-    w.fp8_mats = mats
-    return w
 
 
 def moe_layer_scratch(w: MoeWeights, T: int) -> tuple[int, int]:
@@ -194,8 +128,8 @@ def moe_layer(h: torch.Tensor, x: torch.Tensor, w: MoeWeights, load_counts: torc
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h, x [T, H] (the residual and the post-attention-normed mlp_in), the layer's weights
     (moe_layer_weights), load_counts [E] int64 or None -> (h + MoE(x) [T, H], topk_ids [T, k],
-    topk_weights [T, k]): route, routed and shared experts, residual in one call (cpu/decode_plan.py
-    checks that every weight and input fits); out in h's dtype."""
+    topk_weights [T, k]): route, routed and shared experts, residual in one call (the caller checks that every
+    weight and input fits); out in h's dtype."""
     T, H = x.shape
     dtype, h, x = h.dtype, as_f32(h), as_f32(x)
     out, ids, wts = torch.empty(T, H), torch.empty(T, w.k, dtype=torch.int64), torch.empty(T, w.k)
@@ -211,20 +145,9 @@ def moe_layer(h: torch.Tensor, x: torch.Tensor, w: MoeWeights, load_counts: torc
 
 
 class MlpWeights(ctypes.Structure):
-    """wd_mlp_weights (csrc/wideep.h), a dense layer's SwiGLU MLP for mlp_layer and decode_stack:
-    mlp_layer_weights."""
+    """wd_mlp_weights (csrc/wideep.h), a dense layer's SwiGLU MLP for mlp_layer and decode_stack (engine/model/
+    fused_weights.py mlp_layer_weights)."""
     _fields_ = fields("sg su sd", P) + fields("H Is wdt", I)
-
-
-def mlp_layer_weights(mlp) -> MlpWeights:
-    """A layers/mlp.py MLP (read by its fields; float32, bfloat16 or fp8 projections) -> the struct decode_stack
-    takes for a dense layer (fp8 ones' Fp8Mat structs kept on it as `fp8_mats`)."""
-    mats: list[Fp8Mat] = []
-    (sg, wdt), (su, _), (sd, _) = (weight_arg(m, mats) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
-    g = mlp.gate_proj.weight
-    w = MlpWeights(sg, su, sd, g.shape[1], g.shape[0], wdt)
-    w.fp8_mats = mats
-    return w
 
 
 def mlp_layer_scratch(w: MlpWeights, T: int) -> int:
@@ -269,7 +192,7 @@ def decode_stack(x: torch.Tensor, layers, mla: list[MlaWeights], moe: list[MoeWe
     cos/sin [T, R/2], slots [T], table [T, M], lens [T] int32 (AttnMeta.paged_decode_tables) -> (the last
     layer's output [T, H] in x's dtype, the MoE layers' topk_ids and topk_weights [n_moe, T, k]). Every
     layer runs what mla_layer and moe_layer (or the dense MLP) run, in order, the activations float32 from
-    the first layer to the last (cpu/decode_plan.py checks that every layer fits)."""
+    the first layer to the last (the caller checks that every layer fits)."""
     T, H = x.shape
     dtype, x = x.dtype, as_f32(x)
     moes = [w for w in moe if w is not None]
@@ -309,21 +232,21 @@ def _ptr(t: torch.Tensor | None):
 
 
 def mtp_pass(layer, mla: MlaWeights, moe: MoeWeights | None, mlp: MlpWeights | None, ids: torch.Tensor | None,
-             embed: torch.Tensor | None, enorm, hnorm, eh_proj: torch.Tensor | None, prev: torch.Tensor, norm,
-             head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+             embed: torch.Tensor | None, enorm: tuple[torch.Tensor, float], hnorm: tuple[torch.Tensor, float],
+             eh_proj: torch.Tensor | None, prev: torch.Tensor, norm: tuple[torch.Tensor, float], head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
              lens: torch.Tensor, max_len: int, block_size: int, out_rows: torch.Tensor | None = None,
              rest: torch.Tensor | None = None, rest_slots: torch.Tensor | None = None,
              rest_cos: torch.Tensor | None = None, rest_sin: torch.Tensor | None = None,
              later: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A multi-token-prediction layer's draft passes in one call (engine/model/mtp.py MTPLayer). The first, over the
+    """A multi-token-prediction layer's draft passes in one call (engine/model/fused_mtp.py). The first, over the
     rows of prev [N, H] float32: with `embed` ([V, H], the target's, float32 or bfloat16), each row's input is
     eh_proj([enorm(embed[ids]) ; hnorm(prev)]), else prev itself. Rows `rest` [M] only write their cache entries
     (at rest_slots, with the RoPE of rest_cos/rest_sin [M, R/2]); rows out_rows [T] (None: all) run the decoder
     layer (`layer` a one-element LayerDesc array, its structs mla/moe/mlp, as decode_stack takes them; cos/sin,
     slots, table, lens theirs) and the head. later: (slots, lens int32, cos, sin), each [T, P - 1] (cos/sin
     [T, P - 1, R/2]): P - 1 more passes, each feeding a row's draft and output back in at its next position; a slot
-    of -1 stops that row there. enorm, hnorm, norm: RMSNorm modules, whose weights, eh_proj [H, 2H] and head [V, H]
-    are of one dtype, float32 or bfloat16. -> (each row's last layer output [T, H] float32, tokens [T, P] int64: each
+    of -1 stops that row there. enorm, hnorm, norm: RMSNorms as (weight [H], eps); their weights, eh_proj [H, 2H] and
+    head [V, H] are of one dtype, float32 or bfloat16. -> (each row's last layer output [T, H] float32, tokens [T, P] int64: each
     pass's argmax of head(norm(out)), the first of equal maxima as torch.argmax's; -1 past a row's stop)."""
     N, H = prev.shape
     T = N if out_rows is None else out_rows.shape[0]
@@ -349,15 +272,15 @@ def mtp_pass(layer, mla: MlaWeights, moe: MoeWeights | None, mlp: MlpWeights | N
     buf = scratch(fbase + (T * (3 * H + mla.R) if Pn > 1 else 0))
     ibuf = scratch(ineed + (T * (5 + table.shape[1]) if Pn > 1 else 0), torch.int64)
     rc = library().wd_mtp_pass(MtpPassArgs(
-        layer=ctypes.addressof(layer), ids=_ptr(ids), embed=_ptr(embed), enorm_w=enorm.weight.data_ptr(),
-        hnorm_w=hnorm.weight.data_ptr(), eh_w=_ptr(eh_proj), norm_w=norm.weight.data_ptr(), head_w=head.data_ptr(),
+        layer=ctypes.addressof(layer), ids=_ptr(ids), embed=_ptr(embed), enorm_w=enorm[0].data_ptr(),
+        hnorm_w=hnorm[0].data_ptr(), eh_w=_ptr(eh_proj), norm_w=norm[0].data_ptr(), head_w=head.data_ptr(),
         prev=prev.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(), rest_cos=_ptr(rest_cos),
         rest_sin=_ptr(rest_sin), ncos=_ptr(ncos), nsin=_ptr(nsin), slots=slots.data_ptr(), table=table.data_ptr(),
         rest=_ptr(rest), rest_slots=_ptr(rest_slots), out_rows=_ptr(out_rows), nslots=_ptr(nslots),
         lens=lens.data_ptr(), nlens=_ptr(nlens), out=out.data_ptr(), wts=wts.data_ptr(), buf=buf.data_ptr(),
         pf=buf.data_ptr() + 4 * fbase if Pn > 1 else None, tok=tok.data_ptr(), moe_ids=moe_ids.data_ptr(),
         ibuf=ibuf.data_ptr(), pi=ibuf.data_ptr() + 8 * ineed if Pn > 1 else None, failed=ctypes.addressof(failed),
-        enorm_eps=enorm.eps, hnorm_eps=hnorm.eps, norm_eps=norm.eps, T=T, n_in=N, n_rest=M, passes=Pn, H=H, V=V,
+        enorm_eps=enorm[1], hnorm_eps=hnorm[1], norm_eps=norm[1], T=T, n_in=N, n_rest=M, passes=Pn, H=H, V=V,
         edt=WDT[embed.dtype] if embed is not None else wdt, wdt=wdt, max_blocks=table.shape[1], max_len=max_len,
         bs=block_size))
     if rc <= -2:

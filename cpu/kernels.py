@@ -8,7 +8,7 @@ from __future__ import annotations
 
 def table() -> dict:
     """name -> kernel: every per-op kernel of the CPU backend (the fused decode halves are the decode
-    plan's, cpu/decode_plan.py, not per-op)."""
+    plan's, engine/model/fused_decode.py, not per-op)."""
     from .gemm import bmm_nt, experts
     from .layers import mla_decode, rmsnorm, rope, route
     from .linear import Linear, experts_max_rows, small_linear, small_linear_fp8

@@ -152,7 +152,7 @@ class RouteArgs(ctypes.Structure):
                 + [("scale", F)])
 
 
-_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
+ROUTE_METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}   # the C router's codes of a topk_method
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,7 +179,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg)
             x=x.data_ptr(), w=weight.data_ptr(), bias=None if bias is None else bias.data_ptr(),
             logits=logits.data_ptr(), wts=wts.data_ptr(), ids=ids.data_ptr(), T=T, H=H, E=E, G=G,
             topk_group=cfg.topk_group, k=k, sigmoid=int(cfg.scoring_func == "sigmoid"),
-            method=_METHODS[cfg.topk_method], norm=int(cfg.norm_topk_prob), scale=cfg.routed_scaling_factor))
+            method=ROUTE_METHODS[cfg.topk_method], norm=int(cfg.norm_topk_prob), scale=cfg.routed_scaling_factor))
     return ids, wts
 
 

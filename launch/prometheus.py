@@ -99,7 +99,8 @@ _PER_RANK = [   # (name, key in a rank's stats, type, help); absent keys are ski
     ("wideep_rank_eplb_balancedness", "eplb_balancedness", "gauge",
      "Mean per-layer load balancedness (mean/max per rank) the last EPLB plan reached on its window."),
 ]
-_DECODE_PLAN = [   # the CPU decode plan's counters (cpu/decode_plan.py): (name, stats key prefix, label, help)
+# the CPU decode plan's counters (engine/model/fused_decode.py): (name, stats key prefix, label, help)
+_DECODE_PLAN = [
     ("wideep_rank_decode_steps_total", "decode_steps_", "path",
      "Plain steps by the path they ran (stack|layers|mlp_halves: fused C calls; ops: the operations)."),
     ("wideep_rank_decode_declined_total", "decode_declined_", "reason",

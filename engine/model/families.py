@@ -49,7 +49,7 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
     them, "fp4" raising where it cannot; "none" dequantises them.
 
     The per-op kernels (layers/kernels.py) are the CPU backend's when either backend resolved to "cpu"
-    (cpu/kernels.py), with its decode plan (cpu/decode_plan.py; fuse_decode_stack: its whole-stack
+    (cpu/kernels.py), with its decode plan (engine/model/fused_decode.py; fuse_decode_stack: its whole-stack
     call); torch ops otherwise.
 
     The engine loads through the family (ModelFamily.load), which also builds the MTP drafter's layer when

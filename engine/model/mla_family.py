@@ -64,7 +64,7 @@ class MLAFamily(ModelFamily):
             placement, shard = expert_slots(cfg, ctx, eplb, num_redundant_experts, len(cfg.moe_layers))
         kernels, plan = NATIVE, None
         if "cpu" in (experts.backend, attention):
-            from wideep.cpu.decode_plan import DecodePlan
+            from .fused_decode import DecodePlan
             from wideep.cpu.kernels import table
             kernels = Kernels.from_table("cpu", table())
             plan = functools.partial(DecodePlan, fuse_stack=fuse_decode_stack)

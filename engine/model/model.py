@@ -157,7 +157,7 @@ class DeepseekModel(nn.Module):
     The forward is `step_ops` (dbo/schedule.py): embed, every layer's operations, final norm, on an
     OpState per microbatch (dbo/state.py); forward() runs them in order, dbo.overlap.Overlap runs two
     microbatches through them. `decode_plan` (a factory of the backend's fast path, given by the
-    builder; the CPU one is cpu/decode_plan.py) may hand a plain step other operations that run the
+    builder; the CPU one is fused_decode.py) may hand a plain step other operations that run the
     same kernels fused: it decides once per step, from the step's inputs, and counts why when it
     does not."""
 

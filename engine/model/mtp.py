@@ -77,7 +77,7 @@ class MTPLayer(nn.Module):
             Placement.initial(1, cfg.moe.n_routed_experts, sh.num_physical).install(
                 self.routing, sh.ep_rank, sh.ep_size, self.embed.weight.device)
         self.ops = [op for op in self.layer.ops() if op is not YIELD]
-        self.decode_plan = model.decode_plan   # the CPU fast path: fused halves for decode rows (cpu/decode_plan.py)
+        self.decode_plan = model.decode_plan   # the CPU fast path: fused halves for decode rows (fused_decode.py)
         self._fuse: bool | None = None         # whether its own weights fit fused.mtp_pass (_fusable)
         self.fused_passes = 0                  # passes run as one fused.mtp_pass call
 
@@ -160,50 +160,19 @@ class MTPLayer(nn.Module):
                index_pools: list | None, rows: tuple | None = None, later: tuple | None = None
                ) -> tuple[torch.Tensor, list[list[int]], int] | None:
         """The pass (with `later`, the passes: first_pass) as one fused.mtp_pass call -> (out, each row's drafts,
-        passes), or None where it cannot be (then nothing was done). rows: (out_rows, rest, their slots, cos, sin)
-        when only out_rows run the layer (first_pass), else every row does."""
+        passes), or None where it cannot be (then nothing was done): the decode plan's (fused_mtp.py). rows:
+        (out_rows, rest, their slots, cos, sin) when only out_rows run the layer (first_pass), else every row does."""
         if index_pools is not None or not self._fusable():
             return None
-        n_out = rows[0].shape[0] if rows is not None else token_ids.shape[0]
-        mb = Microbatch(0, token_ids[:n_out], meta, kv_pools, plan, self.dispatcher)
-        call = self.decode_plan.extra_layer_call(self.layer, mb, token_ids.shape[0])
-        if call is None:
-            return None
-        from wideep.cpu import fused
-        desc, w = call
-        table, lens, max_len = meta.paged_decode_tables(self.layer.self_attn.mode)
-        cos, sin = self.rope.cos_sin(meta.positions, max_position=max(meta.ctx_lens) - 1)
-        out_rows, rest, rest_slots, rest_cos, rest_sin = rows if rows is not None else (None,) * 5
-        P, more = 1, None
-        if later is not None and later[0] > 1:
-            P, pos, sl, ln = later
-            ncos, nsin = self.rope.cos_sin(torch.tensor(pos, device=prev.device), max_position=max(pos))
-            more = (torch.tensor(sl, device=prev.device).view(n_out, P - 1),
-                    torch.tensor(ln, dtype=torch.int32, device=prev.device).view(n_out, P - 1),
-                    ncos.contiguous().view(n_out, P - 1, -1), nsin.contiguous().view(n_out, P - 1, -1))
-        out, tok = fused.mtp_pass(desc, w.mla, w.moe, w.mlp, token_ids, self.embed.weight, self.enorm, self.hnorm,
-                                  self.eh_proj.weight, fused.as_f32(prev).contiguous(), self.norm, self.head.weight,
-                                  cos, sin, meta.slot_mapping, table, lens, max_len, meta.block_size, out_rows, rest,
-                                  rest_slots, rest_cos, rest_sin, more)
-        self.fused_passes += P
-        drafts = [[d for d in row if d >= 0] for row in tok.tolist()]   # SYNC: drafts to the host
-        if self.layer.is_moe:   # the rows each pass ran through the layer's MoE: those with a draft from it
-            for j in range(P):
-                self.dispatcher.account_local(sum(len(d) > j for d in drafts))
-        return out.to(prev.dtype), drafts, P
+        done = self.decode_plan.mtp_passes(self, token_ids, prev, meta, kv_pools, plan, rows, later)
+        if done is not None:
+            self.fused_passes += done[2]
+        return done
 
     def _fusable(self) -> bool:
-        """Whether the pass's own weights fit fused.mtp_pass (the layer's are the decode plan's to judge): the norms,
-        eh_proj and the head bias-free CPU tensors of one dtype, float32 or bfloat16, the embeddings either."""
+        """Whether the pass's own weights fit fused.mtp_pass (the decode plan judges: fused_mtp.py fits)."""
         if self._fuse is None:
-            from wideep.cpu.decode_plan import WEIGHT_DTYPES
-            ws = [self.enorm.weight, self.hnorm.weight, self.eh_proj.weight, self.norm.weight, self.head.weight]
-            e = self.embed.weight
-            self._fuse = (self.decode_plan is not None and ws[0].dtype in WEIGHT_DTYPES
-                          and all(w.dtype == ws[0].dtype and w.is_contiguous() and w.device.type == "cpu" for w in ws)
-                          and getattr(self.eh_proj, "bias", None) is None and self.head.bias is None
-                          and not hasattr(self.eh_proj, "weight_scale_inv")
-                          and e.dtype in WEIGHT_DTYPES and e.is_contiguous() and e.device.type == "cpu")
+            self._fuse = self.decode_plan is not None and self.decode_plan.mtp_fits(self)
         return self._fuse
 
     def _input(self, token_ids: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:

@@ -184,7 +184,7 @@ class DeepseekV4Model(nn.Module):
         self.step_ops = [self.op_embed, *(op for layer in self.layers for op in layer.ops()), self.op_final_norm]
         self.with_streams = with_streams
         self.load_report = None   # loader.LoadReport, once loaded()
-        self.decode_plan = None   # the CPU fast path does not take V4 layers (cpu/decode_plan.py)
+        self.decode_plan = None   # the CPU fast path does not take V4 layers (fused_decode.py)
         # ... and says so: the engine counts its decode steps as declined for this reason (decode_declined_<reason>)
         self.decode_plan_declined = "deepseek_v4_layers" if self.device.type == "cpu" else None
 

@@ -63,7 +63,7 @@ def test_cpu_backends_match_torch(tmp_path, monkeypatch):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))
     assert calls["decode_stack"] == 0 and calls["moe_layer"] == 5 and calls["mla_layer"] == 2 * 4
     assert llm.model.backends["decode"] == "layers" and llm.model.decode_plan.stack_declined["disabled"] == 4
-    for o, (toks, lps) in zip(outs, got):   # (bit-equality per step: tests/cpu/test_decode_plan.py; here the
+    for o, (toks, lps) in zip(outs, got):   # (bit-equality per step: tests/engine/test_fused_decode.py; here the
         assert o.outputs[0].token_ids == toks   # prompts now hit the prefix cache, so the prefills differ)
         for a, b in zip(o.outputs[0].logprobs, lps):
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) < 1e-5

@@ -1,8 +1,10 @@
-"""The fused decoder-layer calls (cpu/fused.py) on their own, against plain torch written here from the
-same weight tensors: a dense layer's MLP half (mlp_layer) == h + down(silu(gate x) * up x); a decode
-step's stack of layers (decode_stack) == mla_layer, then moe_layer or mlp_layer, layer by layer
-(bit-equal: the same C calls) == the layers' math in torch (naive MLA over the gathered cache, the
-router, the experts' loop). Fresh random weights, odd sizes (H, C, I not multiples of 16)."""
+"""The fused decoder-layer calls (cpu/fused.py) on their own, their structs made here from raw tensors, against
+plain torch written here from the same weight tensors: a dense layer's MLP half (mlp_layer, float32 or fp8
+projections as Fp8Mat) == h + down(silu(gate x) * up x); a decode step's stack of layers (decode_stack) ==
+mla_layer, then moe_layer or mlp_layer, layer by layer (bit-equal: the same C calls) == the layers' math in torch
+(naive MLA over the gathered cache, the router, the experts' loop); a slot outside a layer's pool named before
+that layer writes; an MTP layer's draft passes (mtp_pass). Fresh random weights, odd sizes (H, C, I not multiples
+of 16). The structs built from a model's modules: tests/engine/test_fused_weights.py."""
 from __future__ import annotations
 
 import ctypes
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from wideep.cpu import fused
 from wideep.cpu.build import unusable
+from wideep.cpu.gemm import WD_FP8, WDT
 
 pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
 
@@ -36,34 +39,23 @@ def _swiglu(x, g, u, d):
 @pytest.mark.parametrize("T,h,i", [(1, 40, 22), (3, 17, 33), (7, 64, 16), (64, 40, 22)])
 def test_mlp_layer_equals_torch(T, h, i):
     torch.manual_seed(T * 100 + h + i)
-    lin = SimpleNamespace(gate_proj=torch.nn.Linear(h, i, bias=False), up_proj=torch.nn.Linear(h, i, bias=False),
-                          down_proj=torch.nn.Linear(i, h, bias=False))
+    g, u, d = _rand(i, h), _rand(i, h), _rand(h, i)
     res, x = torch.randn(T, h), torch.randn(T, h)
-    w = fused.mlp_layer_weights(lin)
-    assert (w.H, w.Is) == (h, i)
-    with torch.no_grad():
-        ref = res + lin.down_proj(F.silu(lin.gate_proj(x)) * lin.up_proj(x))
-    torch.testing.assert_close(fused.mlp_layer(res, x, w), ref, atol=1e-5, rtol=1e-5)
+    w = fused.MlpWeights(g.data_ptr(), u.data_ptr(), d.data_ptr(), H=h, Is=i, wdt=WDT[torch.float32])
+    torch.testing.assert_close(fused.mlp_layer(res, x, w), res + _swiglu(x, g, u, d), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("T,h,i,block", [(1, 200, 136, (128, 128)), (3, 40, 22, (16, 16)), (17, 64, 48, (32, 32))])
 def test_mlp_layer_with_fp8_weights_equals_torch_on_the_dequantised(T, h, i, block):
-    """An fp8 checkpoint's MLP kept as stored (Fp8Linear: e4m3 + block scales, given to C as fused.Fp8Mat)."""
-    from wideep.moe.fp8 import quantize_fp8_block
-    from wideep.moe.fp8_linear import Fp8Linear
+    """An fp8 checkpoint's MLP kept as stored: e4m3 bytes + block scales, each projection an Fp8Mat the struct points
+    at (dtype code WD_FP8)."""
+    from wideep.moe.fp8 import dequantize_fp8_block, quantize_fp8_block
     torch.manual_seed(T + h + i)
-    lin = SimpleNamespace(gate_proj=Fp8Linear(h, i, block=block, backend="torch"),
-                          up_proj=Fp8Linear(h, i, block=block, backend="torch"),
-                          down_proj=Fp8Linear(i, h, block=block, backend="torch"))
-    for m in vars(lin).values():
-        q, sc = quantize_fp8_block(_rand(m.out_features, m.in_features), block)
-        m.weight.data.copy_(q)
-        m.weight_scale_inv.data.copy_(sc)
+    qs = [quantize_fp8_block(_rand(n, k), block) for n, k in ((i, h), (i, h), (h, i))]   # gate, up, down
+    mats = [fused.Fp8Mat(q.data_ptr(), sc.data_ptr(), sc.shape[1], *block) for q, sc in qs]
+    w = fused.MlpWeights(*(ctypes.addressof(m) for m in mats), H=h, Is=i, wdt=WD_FP8)
     res, x = torch.randn(T, h), torch.randn(T, h)
-    w = fused.mlp_layer_weights(lin)
-    assert w.wdt == 2 and len(w.fp8_mats) == 3
-    with torch.no_grad():
-        ref = res + lin.down_proj(F.silu(lin.gate_proj(x)) * lin.up_proj(x))   # torch: dequantise, F.linear
+    ref = res + _swiglu(x, *(dequantize_fp8_block(q, sc, block) for q, sc in qs))
     torch.testing.assert_close(fused.mlp_layer(res, x, w), ref, atol=1e-5, rtol=1e-5)
 
 
@@ -219,6 +211,34 @@ def test_decode_stack_equals_the_layer_calls_and_torch(T, interleave):
     torch.testing.assert_close(wts, torch.stack(ref_wts), atol=1e-5, rtol=1e-5)
 
 
+def test_a_bad_slot_is_named_with_its_layer_before_that_layer_writes():
+    """decode_stack and mla_layer refuse a slot outside a layer's pool, naming the token (decode_stack: and the
+    layer), before that layer writes anything; the stack's earlier layers have run."""
+    torch.manual_seed(4)
+    attn = [_attention_layer(0, False), _attention_layer(18, False)]
+    mlps = [_dense_layer(), _moe_layer(2, True, 4, 2, True, True, 2.5)]
+    table, lens = torch.tensor([[0, 1, 2], [3, 4, 5]]), torch.tensor([9, 6], dtype=torch.int32)
+    pos = (lens - 1).float()[:, None] * torch.arange(1, R // 2 + 1) * 0.1
+    cos, sin, x = pos.cos().contiguous(), pos.sin().contiguous(), torch.randn(2, H)
+    pools = [torch.randn(8 * BS, C + R), torch.randn(6 * BS, C + R)]   # 32 rows, then 24
+    good = int(table[0, 2]) * BS                                       # token 0 at position 8
+    for layer in (0, 1):   # a slot outside both pools; outside layer 1's only
+        bad, got = pools[layer].shape[0], [p.clone() for p in pools]
+        descs = (fused.LayerDesc * 2)()
+        for d, a, m, pool in zip(descs, attn, mlps, got):
+            d.mla, d.wuk_t, d.pool, d.S = ctypes.addressof(a.w), a.w_uk_t.data_ptr(), pool.data_ptr(), pool.shape[0]
+            d.moe, d.mlp = (ctypes.addressof(m.w), None) if "gw" in m.t else (None, ctypes.addressof(m.w))
+        with pytest.raises(ValueError, match=f"decode_stack: layer {layer}: token 1's slot {bad} is outside the "
+                                             f"pool's {bad} rows"):
+            fused.decode_stack(x, descs, [a.w for a in attn], [None, mlps[1].w], [mlps[0].w, None], cos, sin,
+                               torch.tensor([good, bad]), table, lens, 9, BS)
+        assert torch.equal(got[layer], pools[layer]) and all(not torch.equal(got[i], pools[i]) for i in range(layer))
+    pool, bad = pools[1].clone(), pools[1].shape[0]
+    with pytest.raises(ValueError, match=f"mla_layer: token 1's slot {bad} is outside the pool's {bad} rows"):
+        fused.mla_layer(x, attn[1].w, attn[1].w_uk_t, cos, sin, pool, torch.tensor([good, bad]), table, lens, 9, BS)
+    assert torch.equal(pool, pools[1])
+
+
 @pytest.mark.parametrize("wdt", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rest", [False, True])
 def test_mtp_pass_equals_its_input_the_stack_call_and_the_head(wdt, rest):
@@ -230,7 +250,7 @@ def test_mtp_pass_equals_its_input_the_stack_call_and_the_head(wdt, rest):
     V, T = 50, 2
     a, m = _attention_layer(18, False), _moe_layer(2, True, 4, 2, True, True, 2.5)
     embed = _rand(V, H, std=1.0)
-    norms = [SimpleNamespace(weight=(1 + _rand(H)).to(wdt), eps=1e-6) for _ in range(3)]   # enorm, hnorm, norm
+    norms = [((1 + _rand(H)).to(wdt), 1e-6) for _ in range(3)]   # enorm, hnorm, norm: (weight, eps)
     eh, head = _rand(H, 2 * H).to(wdt), _rand(V, H).to(wdt)
     nblocks = 8
     pool = torch.randn(nblocks * BS, C + R)
@@ -255,7 +275,7 @@ def test_mtp_pass_equals_its_input_the_stack_call_and_the_head(wdt, rest):
                               out_slots, table, lens, int(lens.max()), BS, out_rows, rest_rows, rest_slots, rcos, rsin)
 
     f = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[wdt]
-    x = F.linear(torch.cat([_rms(embed[ids], norms[0].weight.float(), 1e-6), _rms(prev, norms[1].weight.float(), 1e-6)],
+    x = F.linear(torch.cat([_rms(embed[ids], norms[0][0].float(), 1e-6), _rms(prev, norms[1][0].float(), 1e-6)],
                            -1), eh.float())
     ref_pool = pool.clone()
     if rest:
@@ -268,7 +288,7 @@ def test_mtp_pass_equals_its_input_the_stack_call_and_the_head(wdt, rest):
                                        int(lens.max()), BS)
     torch.testing.assert_close(out, ref_out, atol=f, rtol=f)
     torch.testing.assert_close(got_pool, ref_pool, atol=f, rtol=f)
-    logits = F.linear(_rms(out, norms[2].weight.float(), 1e-6), head.float())
+    logits = F.linear(_rms(out, norms[2][0].float(), 1e-6), head.float())
     assert tok.shape == (T, 1)
     tok = tok[:, 0]
     assert (logits.gather(1, tok[:, None]).squeeze(1) >= logits.max(-1).values - f * logits.abs().max()).all()
@@ -293,7 +313,7 @@ def test_mtp_pass_later_passes_equal_one_pass_at_a_time():
     V, T, P = 50, 3, 3
     a, m = _attention_layer(18, True), _moe_layer(2, True, 4, 2, True, True, 2.5)
     embed = _rand(V, H, std=1.0)
-    norms = [SimpleNamespace(weight=1 + _rand(H), eps=1e-6) for _ in range(3)]
+    norms = [(1 + _rand(H), 1e-6) for _ in range(3)]
     eh, head = _rand(H, 2 * H), _rand(V, H)
     pool = torch.randn(12 * BS, C + R)
     table = torch.tensor([[0, 1, 2], [3, 4, 5], [6, 7, 8]])

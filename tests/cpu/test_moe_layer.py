@@ -1,113 +1,21 @@
-"""An MoE layer's half after attention as one C call (cpu/fused.py moe_layer, the decode plan's) against
-the same layer's operations run one by one: the output, EPLB's load counts, the dispatcher's counters
-and routing histogram; and every case where the decode plan must leave the work to the operations."""
+"""Around the MoE half's one C call (the fused decode's: engine/model/fused_decode.py; the call against the
+layer's operations: tests/engine/test_fused_weights.py): the dispatcher's routing histogram counts the rows a
+fused half ran as local to one node, and the routed experts hand bigger bfloat16 batches to BLAS where it is
+faster (cpu/linear.py experts_max_rows)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from wideep.cpu import fused
 from wideep.cpu.build import unusable
-from wideep.cpu.decode_plan import DecodePlan
-from wideep.cpu.linear import MAX_ROWS
-from wideep.dbo.schedule import run_sequential
-from wideep.dbo.state import Microbatch, OpState
-from wideep.moe.config import MoEConfig
-from wideep.moe.layer import ExpertShard, MoELayer
 from wideep.parallel.context import ParallelContext
 from wideep.parallel.dispatch import LocalDispatcher
-from wideep.parallel.step_plan import StepPlan
-from tests.cpu.kernels import CPU
 
 pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not built: {unusable()}")
 
-CASES = [   # (method, scoring, E, k, groups, topk_group, shared, norm, scale)
-    ("noaux_tc", "sigmoid", 16, 4, 4, 2, 1, True, 2.5),           # DeepSeek-V3-like, a shared expert
-    ("group_limited_greedy", "softmax", 12, 3, 3, 2, 2, False, 1.0),   # V2-like, two shared experts
-    ("greedy", "softmax", 8, 2, 1, 1, 0, True, 1.0),              # no shared experts
-]
-H, I = 48, 24
-
-
-def _layer(method, scoring, E, k, G, tg, shared, norm, scale, seed=0) -> MoELayer:
-    cfg = MoEConfig(n_routed_experts=E, n_shared_experts=shared, hidden_size=H, moe_intermediate_size=I, top_k=k,
-                    n_group=G, topk_group=tg, topk_method=method, scoring_func=scoring, norm_topk_prob=norm,
-                    routed_scaling_factor=scale)
-    torch.manual_seed(seed)
-    layer = MoELayer(cfg, experts_backend="cpu", linear=CPU.linear, kernels=CPU)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return layer
-
-
-def _dispatcher(E: int) -> LocalDispatcher:
-    return LocalDispatcher(ParallelContext.single("cpu"), E, H)
-
-
-def _by_operations(layer: MoELayer, h: torch.Tensor, x: torch.Tensor, dispatcher) -> torch.Tensor:
-    s = OpState(Microbatch(0, None, None, [], StepPlan(), dispatcher), mlp_in=x)
-    return h + run_sequential(layer.ops(), s).result("mlp_out")
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("T", [1, 5, MAX_ROWS])
-def test_moe_layer_equals_the_operations(case, T):
-    layer = _layer(*case)
-    E = case[2]
-    h, x = torch.randn(T, H), torch.randn(T, H)
-    ref_d, fused_d = _dispatcher(E), _dispatcher(E)
-    layer.routing.load_counts = torch.zeros(E, dtype=torch.int64)
-    ref = _by_operations(layer, h, x, ref_d)
-    ref_counts, layer.routing.load_counts = layer.load_counts, torch.zeros(E, dtype=torch.int64)
-    assert DecodePlan._moe_unfit(layer) is None and DecodePlan._counts_fit(layer)
-    w = fused.moe_layer_weights(layer.gate, layer.experts.w13, layer.experts.w2, layer.shared_experts)
-    out, _, _ = fused.moe_layer(h, x, w, layer.load_counts)
-    fused_d.account_local(T)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    assert torch.equal(layer.load_counts, ref_counts) and int(ref_counts.sum()) == T * case[3]
-    assert fused_d.stats.as_dict() | {"comm_s": 0} == ref_d.stats.as_dict() | {"comm_s": 0}
-    assert fused_d.routing.tolist() == ref_d.routing.tolist() == [0, T]
-
-
-def test_what_the_plan_leaves_to_the_operations():
-    """The layer-level conditions (checked once, when the plan builds its structs) and the per-step ones."""
-    layer = _layer(*CASES[0])
-    E = CASES[0][2]
-    assert DecodePlan._moe_unfit(layer) is None
-    layer.routing.load_counts = torch.zeros(E + 1, dtype=torch.int64)                    # a counter of another size
-    assert not DecodePlan._counts_fit(layer)
-    layer.routing.load_counts = torch.zeros(E, dtype=torch.int32)
-    assert not DecodePlan._counts_fit(layer)
-    layer.routing.load_counts = None
-    layer.shared_experts.up_proj.bias = torch.nn.Parameter(torch.zeros(layer.shared_experts.up_proj.out_features))
-    assert DecodePlan._moe_unfit(layer) == "shared-expert biases"                # a bias the kernel has no slot for
-    layer.shared_experts.up_proj.bias = None
-    layer.experts.backend = "grouped"
-    assert "experts backend 'grouped'" in DecodePlan._moe_unfit(layer)
-    layer.experts.backend = "cpu"
-    w13 = layer.experts.w13.data
-    layer.experts.w13.data = w13.transpose(1, 2).contiguous().transpose(1, 2)
-    assert "not contiguous CPU tensors of one dtype" in DecodePlan._moe_unfit(layer)
-    layer.experts.w13.data = w13.bfloat16()                                      # w2 still float32
-    assert "not contiguous CPU tensors of one dtype" in DecodePlan._moe_unfit(layer)
-    layer.experts.w13.data = w13.half()
-    assert "float32 or bfloat16" in DecodePlan._moe_unfit(layer)
-    layer.experts.w13.data = w13
-    layer.gate.weight.data = layer.gate.weight.data.bfloat16()                   # the router stays float32
-    assert DecodePlan._moe_unfit(layer) == "a router whose weights are not float32 contiguous CPU tensors"
-
-
-def test_redundant_slots_on_one_rank_run_the_operations():
-    """EPLB's redundant slots on one rank: more local slots than logical experts, physical ids that are
-    not the router's: the fused call would read the wrong slots, so the operations run."""
-    cfg = _layer(*CASES[0]).cfg
-    layer = MoELayer(cfg, ExpertShard(cfg.n_routed_experts + 2), experts_backend="cpu", linear=CPU.linear,
-                     kernels=CPU)
-    assert "18 local slots for 16 experts" in DecodePlan._moe_unfit(layer)
-
 
 def test_add_local_is_for_one_node():
-    d = _dispatcher(8)
+    d = LocalDispatcher(ParallelContext.single("cpu"), 8, 48)
     d.routing.add_local(3)
     assert d.routing.tolist() == [0, 3]
     d.routing.nodes = type(d.routing.nodes)(4, 2, 0)   # a two-node EP group

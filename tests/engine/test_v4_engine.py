@@ -173,8 +173,8 @@ def test_backends_without_v4_kernels_are_refused(v4, options, match):
 
 
 def test_the_cpu_decode_plan_never_sees_v4_layers(v4):
-    """The CPU backend's fused decode (cpu/decode_plan.py) is not built for V4: every step runs the torch ops, and
-    the engine's metrics say so with a reason (its decode steps counted as declined)."""
+    """The CPU backend's fused decode (engine/model/fused_decode.py) is not built for V4: every step runs the torch
+    ops, and the engine's metrics say so with a reason (its decode steps counted as declined)."""
     hf, d = v4
     llm = LLM(d, **V4)
     assert llm.model.decode_plan is None and llm.model.backends["decode"] == "ops"

@@ -1,8 +1,8 @@
-"""The CPU decode plan (cpu/decode_plan.py): a decode step's decoder layers as one C call (decode_stack)
-against the same step a layer half at a time, and both against the operations: bit-equal outputs and
-caches (the same C calls), EPLB's load counts, the dispatcher's counters and routing histogram; the
-path each kind of step takes and the reason counted when it is not the whole stack (a per-layer hook,
-an EPLB map, a prefill, too many rows); a bad slot named with its layer."""
+"""The CPU decode plan (engine/model/fused_decode.py): a decode step's decoder layers as one C call
+(decode_stack) against the same step a layer half at a time, and both against the operations: bit-equal outputs
+and caches (the same C calls), EPLB's load counts, the dispatcher's counters and routing histogram; the path each
+kind of step takes and the reason counted when it is not the whole stack (a per-layer hook, an EPLB map, a
+prefill, too many rows); a bad slot named with its layer."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,7 @@
-"""The CPU decode fast path: the one component that decides, once per plain step, whether the step's
-decoder layers run as fused C calls (cpu/fused.py), and counts why when they do not.
+"""The MLA family's decode step as fused CPU calls: the one component that decides, once per plain step, whether
+the step's decoder layers (model.py DeepseekModel) run as the C calls of cpu/fused.py, and counts why when they do
+not. It is the model's, not the kernels': it reads the model's modules (the checks and structs: fused_weights.py;
+the MTP layer's passes: fused_mtp.py); cpu/ holds the kernels and their launchers only.
 
 Paths (the model's backends["decode"] names the one the last step took; stats() counts them):
   stack   every decoder layer in one C call (fused.decode_stack): Python run between two layers' weight
@@ -18,7 +20,7 @@ Paths (the model's backends["decode"] names the one the last step took; stats() 
           latent cache (fp8 / fp4) is declined: the fused layer call writes and reads float32 / bfloat16
           rows; its attention runs on the C paged decode (mla_decode reads both packed layouts) instead.
 Each fused call runs the kernels the operations run, in their order: the outputs, caches, EPLB load
-counts and dispatcher counters equal the operations' (tests/cpu/test_decode_plan.py).
+counts and dispatcher counters equal the operations' (tests/engine/test_fused_decode.py).
 A float32 model or a bfloat16 one (every weight of the layers in one dtype, the router's float32 as
 moe/gate.py keeps it; the latent cache float32 or bfloat16): the C reads bfloat16 weights as stored and
 keeps the activations float32 inside each call (the stack path: from the first layer to the last).
@@ -26,11 +28,9 @@ An fp8 checkpoint kept as stored (quantization "auto"/"fp8" on the CPU kernels) 
 and routed / shared experts go to C as e4m3 bytes + block scales (fused.Fp8Mat, the MoE struct's scales), read
 as stored by the fp8 GEMM; the norms, kv_b_proj and W_UK^T stay in the model dtype.
 
-The plan reads the model by its fields only (cpu/ imports no other package of wideep): model.model.layers
-(DecoderLayer: self_attn, input_layernorm, post_attention_layernorm, mlp, is_moe, op_kv_written,
-mlp_ops()), op_embed, op_final_norm, step_ops, backends. The layers' weights go to C as structs built
-once, on first use, kept with the tensors they point into (a pointer never outlives its memory);
-invalidate() after replacing a parameter object. Writes in place (loading, EPLB's moves) need nothing.
+The layers' weights go to C as structs built once, on first use, kept with the tensors they point into (a pointer
+never outlives its memory); invalidate() after replacing a parameter object. Writes in place (loading, EPLB's
+moves) need nothing.
 """
 from __future__ import annotations
 
@@ -39,54 +39,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import fused
-from .linear import ROWS_CAP, max_rows
+from wideep.cpu import fused
+from wideep.cpu.linear import ROWS_CAP, max_rows
+from wideep.dbo.state import Microbatch, OpState
+from wideep.moe.layer import MoELayer
+
+from . import fused_mtp
+from .fused_weights import (WEIGHT_DTYPES, attention_unfit, mla_layer_weights, mlp_layer_weights, mlp_unfit,
+                            moe_layer_weights, moe_unfit)
+from .model import CARRY, DecoderLayer, DeepseekModel
+from .mtp import MTPLayer
 
 # why a step ran its operations (every plain step is counted once: a path, or one of these)
 REASONS = ("no_tokens", "too_many_rows", "sparse_attention", "fp8_kv_cache", "fp4_kv_cache", "weights_unfit",
            "not_all_decode", "kv_pool")
 # why a fused step ran layer by layer instead of as one stack call
 STACK_REASONS = ("disabled", "layer_hook", "ep_group", "expert_map", "moe_unfit")
-
-
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)   # what the fused calls read as stored (fused.WDT)
-
-
-def _f32(t: torch.Tensor | None) -> bool:
-    return t is None or (t.dtype == torch.float32 and not t.is_cuda and t.is_contiguous())
-
-
-def _fits(dtype: torch.dtype, *ts: torch.Tensor) -> bool:
-    """Every tensor is a contiguous CPU tensor of `dtype` (the layer's weight dtype)."""
-    return all(t.dtype == dtype and not t.is_cuda and t.is_contiguous() for t in ts)
-
-
-def _fp8_fits(linear) -> bool:
-    """An fp8 projection (moe/fp8_linear.py Fp8Linear) the fused calls read as stored: contiguous e4m3 weight and
-    float32 scales on the CPU, in a block whose K side is whole 16-float vectors."""
-    return (fused.is_fp8(linear) and _fits(linear.weight.dtype, linear.weight)
-            and _fits(torch.float32, linear.weight_scale_inv))
-
-
-def _fp8_moe_unfit(ex, shared: list) -> str | None:
-    """Why an MoE half with fp8 routed experts or fp8 shared experts cannot be fused, or None."""
-    if ex.fp8_block is not None:
-        if ex.fp8_block[1] % 16 or not (_fits(ex.w13.dtype, ex.w13, ex.w2)
-                                        and _fits(torch.float32, ex.w13_scale_inv, ex.w2_scale_inv)):
-            return "fp8 experts in a block the C does not take, or not contiguous CPU tensors"
-    elif ex.w13.dtype not in WEIGHT_DTYPES or not _fits(ex.w13.dtype, ex.w13, ex.w2):
-        return "expert weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
-    if any(hasattr(lin, "weight_scale_inv") for lin in shared):
-        if not all(_fp8_fits(lin) for lin in shared):
-            return "shared experts partly fp8, or fp8 in a block the C does not take"
-    elif shared and not (shared[0].weight.dtype in WEIGHT_DTYPES
-                         and _fits(shared[0].weight.dtype, *(lin.weight for lin in shared))):
-        return "shared-expert weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
-    return None
-
-
-def _no_bias(*linears) -> bool:
-    return all(getattr(m, "bias", None) is None for m in linears)
 
 
 @dataclass
@@ -105,7 +73,7 @@ class _Layer:
 
 
 class DecodePlan:
-    def __init__(self, model, fuse_stack: bool = True):
+    def __init__(self, model: DeepseekModel, fuse_stack: bool = True):
         """model: an engine DeepseekModel built with the CPU kernel table. fuse_stack: the whole-stack call
         (EngineConfig.fuse_decode_stack); off, fused steps run layer by layer."""
         self.model, self.fuse_stack = model, fuse_stack
@@ -118,7 +86,7 @@ class DecodePlan:
         self._extra: dict[int, _Layer] = {}   # layers outside the stack (extra_layer_ops), by id
 
     # -- the decision -------------------------------------------------------------------------------
-    def ops_for(self, mb) -> list:
+    def ops_for(self, mb: Microbatch) -> list:
         """The operations of a plain step of microbatch `mb` (dbo/state.py Microbatch): fused ones, or the
         model's step_ops, decided here once for the whole step."""
         why = self._why_not(mb)
@@ -139,7 +107,7 @@ class DecodePlan:
         self.model.backends["decode"] = path
         return ops
 
-    def _why_not(self, mb) -> str | None:
+    def _why_not(self, mb: Microbatch) -> str | None:
         T = mb.input_ids.shape[0]
         if T == 0:
             return "no_tokens"
@@ -160,7 +128,7 @@ class DecodePlan:
             return "kv_pool"
         return None
 
-    def _why_not_stack(self, mb) -> str | None:
+    def _why_not_stack(self, mb: Microbatch) -> str | None:
         if not self.fuse_stack:
             return "disabled"
         if mb.on_layer is not None:
@@ -176,12 +144,12 @@ class DecodePlan:
         return None
 
     @staticmethod
-    def _counts_fit(moe) -> bool:
+    def _counts_fit(moe: MoELayer) -> bool:
         lc = moe.load_counts
         return lc is None or (lc.dtype == torch.int64 and lc.is_contiguous() and not lc.is_cuda
                               and lc.shape == (moe.cfg.n_routed_experts,))
 
-    def _layer_ops(self, mb, attention: bool = True) -> list:
+    def _layer_ops(self, mb: Microbatch, attention: bool = True) -> list:
         model, local = self.model, getattr(mb.dispatcher, "local_only", False)
         ops = [model.op_embed]
         for layer, w in zip(model.model.layers, self._layers):
@@ -189,7 +157,7 @@ class DecodePlan:
         ops.append(model.op_final_norm)
         return ops
 
-    def _halves(self, layer, w: _Layer, local: bool, attention: bool = True) -> list:
+    def _halves(self, layer: DecoderLayer, w: _Layer, local: bool, attention: bool = True) -> list:
         """One layer's operations: its fused attention half (or its own), then its fused MLP / MoE half where
         every expert is local and unmapped, else the MoE's own operations."""
         ops = [w.attn_op if attention else layer.op_attention, layer.op_kv_written]
@@ -199,14 +167,14 @@ class DecodePlan:
             return ops + [w.moe_op]
         return ops + w.moe_ops
 
-    def extra_layer_ops(self, layer, mb) -> list | None:
+    def extra_layer_ops(self, layer: DecoderLayer, mb: Microbatch) -> list | None:
         """The fused halves of a decoder layer outside the model's stack (speculative decoding's MTP layer,
         its latents in kv_pools[layer.index]) for microbatch mb, or None (then it runs its own operations):
         every row a decode row of at most max_rows, and the layer's halves fit as the stack's would."""
         w = self._extra_fits(layer, mb, mb.input_ids.shape[0])
         return None if w is None else self._halves(layer, w, getattr(mb.dispatcher, "local_only", False))
 
-    def _extra_fits(self, layer, mb, rows: int) -> _Layer | None:
+    def _extra_fits(self, layer: DecoderLayer, mb: Microbatch, rows: int) -> _Layer | None:
         T = mb.input_ids.shape[0]
         if T == 0 or rows > ROWS_CAP or mb.index_pools is not None:
             return None
@@ -225,7 +193,7 @@ class DecodePlan:
             self._extra[id(layer)] = w
         return w if w.fits else None
 
-    def extra_layer_call(self, layer, mb, rows: int):
+    def extra_layer_call(self, layer: DecoderLayer, mb: Microbatch, rows: int):
         """The layer outside the stack (extra_layer_ops) as one call, decode_stack's, for microbatch mb (its rows
         run the layer) within a call that computes `rows` (>= mb's) rows in all: -> (a one-element LayerDesc array with this
         step's fields set, its _Layer) where its halves fuse and its MoE is local, unmapped and fused (a layer of
@@ -246,6 +214,19 @@ class DecodePlan:
         lc = layer.mlp.load_counts if layer.is_moe else None
         d.load = lc.data_ptr() if lc is not None else None
         return w.desc, w
+
+    # -- the MTP layer's draft passes (fused_mtp.py) ------------------------------------------------------------
+    def mtp_fits(self, mtp: MTPLayer) -> bool:
+        """Whether the MTP layer's own weights (its norms, eh_proj, head, the embeddings) fit one fused.mtp_pass
+        call; its decoder layer is judged per call (extra_layer_call)."""
+        return fused_mtp.fits(mtp)
+
+    def mtp_passes(self, mtp: MTPLayer, token_ids: torch.Tensor, prev: torch.Tensor, meta, kv_pools: list, plan,
+                   rows: tuple | None = None, later: tuple | None = None
+                   ) -> tuple[torch.Tensor, list[list[int]], int] | None:
+        """The MTP layer's pass (with `later`, its passes) as one fused.mtp_pass call -> (out, each row's drafts,
+        passes), or None where its layer does not fuse for these rows (then nothing was done): fused_mtp.passes."""
+        return fused_mtp.passes(self, mtp, token_ids, prev, meta, kv_pools, plan, rows, later)
 
     def stats(self) -> dict:
         """Flat counters for the rank's stats: decode_steps_<path>, decode_declined_<reason>,
@@ -275,18 +256,18 @@ class DecodePlan:
             self._stack_ops = [self.model.op_embed, self._op_stack, self.model.op_final_norm]
         return self._layers
 
-    def _layer(self, i: int, layer) -> _Layer:
+    def _layer(self, i: int, layer: DecoderLayer) -> _Layer:
         w = _Layer(moe_ops=layer.mlp_ops())
-        why = self._attention_unfit(layer)
+        why = attention_unfit(layer)
         if why:
             self.unfit[f"layer {i} attention"] = why
         else:
             a = layer.self_attn
-            w.mla = fused.mla_layer_weights(layer.input_layernorm, layer.post_attention_layernorm, a)
+            w.mla = mla_layer_weights(layer.input_layernorm, layer.post_attention_layernorm, a)
             w.keep += [*a.parameters(), layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             w.attn_op = self._attention_op(i, layer, w.mla)
         if layer.is_moe:
-            why = self._moe_unfit(layer.mlp)
+            why = moe_unfit(layer.mlp)
             if why:   # the layer's MoE operations run instead: not a reason to leave the fused path
                 self.moe_unfit[i] = why
             else:
@@ -295,85 +276,23 @@ class DecodePlan:
                 if ex.limit is not None or ex.fp4:   # wd_moe_weights has neither (V4 models build no plan)
                     raise ValueError("the fused CPU decode takes no clamped SwiGLU and no fp4 experts")
                 scales = (ex.w13_scale_inv, ex.w2_scale_inv, ex.fp8_block) if ex.fp8_block is not None else None
-                w.moe = fused.moe_layer_weights(m.gate, ex.w13, ex.w2, m.shared_experts, scales)
+                w.moe = moe_layer_weights(m.gate, ex.w13, ex.w2, m.shared_experts, scales)
                 w.keep += list(m.parameters())
                 w.moe_op = self._moe_op(i, m, w.moe)
         else:
-            mlp = layer.mlp
-            g = mlp.gate_proj.weight
-            lins = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-            if any(hasattr(lin, "weight_scale_inv") for lin in lins):
-                if not (_no_bias(*lins) and all(_fp8_fits(lin) for lin in lins)):
-                    self.unfit[f"layer {i} mlp"] = "fp8 projections with biases, beside plain ones or in a block " \
-                                                   "the C does not take"
-                else:
-                    w.mlp = fused.mlp_layer_weights(mlp)
-                    w.keep += list(mlp.parameters())
-                    w.mlp_op = self._mlp_op(i, w.mlp)
-            elif not (_no_bias(mlp.gate_proj, mlp.up_proj, mlp.down_proj) and g.dtype in WEIGHT_DTYPES
-                    and _fits(g.dtype, g, mlp.up_proj.weight, mlp.down_proj.weight)):
-                self.unfit[f"layer {i} mlp"] = "its projections are not bias-free float32 or bfloat16 CPU weights"
+            why = mlp_unfit(layer.mlp)
+            if why:
+                self.unfit[f"layer {i} mlp"] = why
             else:
-                w.mlp = fused.mlp_layer_weights(mlp)
-                w.keep += list(mlp.parameters())
+                w.mlp = mlp_layer_weights(layer.mlp)
+                w.keep += list(layer.mlp.parameters())
                 w.mlp_op = self._mlp_op(i, w.mlp)
         return w
 
-    @staticmethod
-    def _attention_unfit(layer) -> str | None:
-        a = layer.self_attn
-        if a.backend != "cpu":
-            return f"attention backend {a.backend!r}"
-        if a.kv_fp8 is not None:
-            return f"an {a.kv_fp8.name.split('_')[0]} latent cache"
-        if hasattr(a, "indexer"):
-            return "sparse attention (DSA)"
-        if layer.input_layernorm.kernel is None or layer.post_attention_layernorm.kernel is None \
-                or a.kv_a_layernorm.kernel is None or (a.cfg.q_lora_rank and a.q_a_layernorm.kernel is None):
-            return "norms without the C kernel"
-        projs = ([a.q_a_proj, a.q_b_proj] if a.cfg.q_lora_rank else [a.q_proj]) + [a.kv_a_proj_with_mqa, a.kv_b_proj,
-                                                                                    a.o_proj]
-        if not _no_bias(*projs):
-            return "projection biases"
-        if not all(hasattr(p, "weight") for p in projs):
-            return "projections without a weight"
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, a.kv_a_layernorm]
-        norms += [a.q_a_layernorm] if a.cfg.q_lora_rank else []
-        dtype = a.kv_b_proj.weight.dtype
-        quantised = [p for p in projs if hasattr(p, "weight_scale_inv")]
-        if quantised:   # an fp8 checkpoint kept as stored: the C reads them as they are (fused.Fp8Mat)
-            if len(quantised) != len(projs) - 1 or not all(_fp8_fits(p) for p in quantised):
-                return ("fp8 projections beside plain ones, or in a block the C does not take (K side a multiple "
-                        "of 16)")
-            projs = [a.kv_b_proj]
-        if dtype not in WEIGHT_DTYPES or not _fits(dtype, *(p.weight for p in projs), *(n.weight for n in norms)):
-            return "weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16 (or fp8 blocks)"
-        return None
-
-    @staticmethod
-    def _moe_unfit(m) -> str | None:
-        ex, sh = m.experts, m.shared_experts
-        if ex.backend != "cpu":
-            return f"experts backend {ex.backend!r}"
-        if m.gate.kernel is None:
-            return "a router without the C kernel"
-        if ex.num_local != m.cfg.n_routed_experts:
-            return f"{ex.num_local} local slots for {m.cfg.n_routed_experts} experts (EP shard or replicas)"
-        linears = [sh.gate_proj, sh.up_proj, sh.down_proj] if sh is not None else []
-        if not _no_bias(*linears):
-            return "shared-expert biases"
-        if not (_f32(m.gate.weight) and _f32(m.gate.e_score_correction_bias)):
-            return "a router whose weights are not float32 contiguous CPU tensors"
-        if ex.fp8_block is not None or any(hasattr(lin, "weight_scale_inv") for lin in linears):
-            return _fp8_moe_unfit(ex, linears)
-        if ex.w13.dtype not in WEIGHT_DTYPES or not _fits(ex.w13.dtype, ex.w13, ex.w2, *(lin.weight for lin in linears)):
-            return "expert weights that are not contiguous CPU tensors of one dtype, float32 or bfloat16"
-        return None
-
-    def _attention_op(self, i: int, layer, w):
+    def _attention_op(self, i: int, layer: DecoderLayer, w: fused.MlaWeights):
         attn, mode = layer.self_attn, self._mode
 
-        def op_attention_half(s) -> None:
+        def op_attention_half(s: OpState) -> None:
             mb = s.inputs
             meta = mb.meta
             cos, sin = s.peek("rope")
@@ -383,24 +302,20 @@ class DecodePlan:
             s.put(h=h, mlp_in=mlp_in)
         return op_attention_half
 
-    def _moe_op(self, i: int, moe, w):
-        carry = ("x", "rope")
-
-        def op_moe_half(s) -> None:
+    def _moe_op(self, i: int, moe: MoELayer, w: fused.MoeWeights):
+        def op_moe_half(s: OpState) -> None:
             h, x = s.take("h"), s.take("mlp_in")
             out, _, _ = fused.moe_layer(h, x, w, moe.load_counts)
             s.inputs.dispatcher.account_local(x.shape[0])
             s.put(x=out)
-            s.end_layer(i, carry)
+            s.end_layer(i, CARRY)
         return op_moe_half
 
-    def _mlp_op(self, i: int, w):
-        carry = ("x", "rope")
-
-        def op_mlp_half(s) -> None:
+    def _mlp_op(self, i: int, w: fused.MlpWeights):
+        def op_mlp_half(s: OpState) -> None:
             h, x = s.take("h"), s.take("mlp_in")
             s.put(x=fused.mlp_layer(h, x, w))
-            s.end_layer(i, carry)
+            s.end_layer(i, CARRY)
         return op_mlp_half
 
     def _stack_descs(self):
@@ -414,7 +329,7 @@ class DecodePlan:
             d.mlp = ctypes.addressof(w.mlp) if w.mlp is not None else None
         return descs
 
-    def _op_stack(self, s) -> None:
+    def _op_stack(self, s: OpState) -> None:
         mb = s.inputs
         meta, descs, layers = mb.meta, self._descs, self.model.model.layers
         cos, sin = s.peek("rope")
