@@ -161,14 +161,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker, a.checkpoint, a)
-    from wideep.launch.local import run_local_ranks
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.cli.local import run_local_ranks
+    from wideep.launch.tiny.tiny import make_tiny_checkpoint
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     slo = {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo}
     res, kv = {}, {}
     with tempfile.TemporaryDirectory() as d:
         if a.model == "v4":
-            from wideep.launch.tiny_v4 import tiny_v4_model
+            from wideep.launch.tiny.tiny_v4 import tiny_v4_model
             tiny_v4_model(0, **MODEL_V4).save_pretrained(d)
         else:
             make_tiny_checkpoint(d, arch="v3", seed=0, **MODEL)

@@ -106,7 +106,7 @@ def experts_rows(trials: int, cold: int) -> list[dict]:
 def make_v4_fp4(out_dir: str, hidden: int, inter: int, experts: int) -> None:
     """A widened tiny V4 saved by transformers, its routed experts rewritten as FP4 pairs + e8m0 scales."""
     from safetensors.torch import load_file, save_file
-    from wideep.launch.tiny_v4 import tiny_v4_model
+    from wideep.launch.tiny.tiny_v4 import tiny_v4_model
     model = tiny_v4_model(0, hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
                           num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe"] * 2)
     model.save_pretrained(out_dir)

@@ -178,7 +178,7 @@ def main() -> None:
     torch.manual_seed(0)
     res = {"bf16_dot": gemm.bf16_dot(), "trials": a.trials, "torch": torch.__version__, "gemm": gemm_rows(a.trials),
            "experts": experts_row(a.trials), "cold": cold_rows(max(3, a.trials // 3), a.cold)}
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.tiny import make_tiny_checkpoint
     with tempfile.TemporaryDirectory() as d:
         h = a.hidden
         make_tiny_checkpoint(d, arch="v3", fp8=True, seed=0, vocab_size=4096, hidden_size=h, intermediate_size=4 * h,

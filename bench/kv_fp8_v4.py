@@ -62,7 +62,7 @@ def model_bytes(cfg, dtype) -> dict:
 
 def drift(num_prompts: int) -> dict:
     from wideep.engine import LLM, SamplingParams
-    from wideep.launch.tiny_v4 import tiny_v4_model
+    from wideep.launch.tiny.tiny_v4 import tiny_v4_model
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 200) for _ in range(rng.randint(5, 160))] for _ in range(num_prompts)]
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)

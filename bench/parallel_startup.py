@@ -96,7 +96,7 @@ def main() -> None:
     if a.rank_out:
         return rank_main(a.rank_out, a.ranks_per_node, a.steady_s)
     sys.path.insert(0, str(REPO))
-    from wideep.launch.local import run_local_ranks
+    from wideep.launch.cli.local import run_local_ranks
     results = {}
     for world in [int(w) for w in a.worlds.split(",")]:
         with tempfile.TemporaryDirectory(prefix="wideep-startup-") as d:

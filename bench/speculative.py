@@ -206,8 +206,8 @@ def main() -> None:
         a.batches, a.ks, a.new, a.prompt, a.trials = "1,8", "1,3", 24, 48, 1
     torch.set_num_threads(a.threads)
     from wideep.engine import LLM
-    from wideep.launch.tiny import make_tiny_checkpoint
-    from wideep.launch.tiny_cycle import make_cycle_checkpoint
+    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.tiny_cycle import make_cycle_checkpoint
     v4 = a.model == "v4"
     shape = (V4_QUICK if a.quick else V4_MODEL) if v4 else QUICK if a.quick else MODEL
     mix = a.mix if a.mix is not None else 0.1 if v4 else (0.15 if a.quick else 0.06)
@@ -220,8 +220,8 @@ def main() -> None:
     result["arch"] = a.model
     with tempfile.TemporaryDirectory() as tmp:
         if v4:
-            from wideep.launch.tiny_cycle import make_v4_cycle_checkpoint as make_cycle
-            from wideep.launch.tiny_v4 import tiny_v4_model
+            from wideep.launch.tiny.tiny_cycle import make_v4_cycle_checkpoint as make_cycle
+            from wideep.launch.tiny.tiny_v4 import tiny_v4_model
             rnd = os.path.join(tmp, "random")
             tiny_v4_model(0, **shape).save_pretrained(rnd)
         else:

@@ -267,7 +267,7 @@ def main() -> None:
     vllm_py = ensure_vllm(a.vllm_venv)
     vllm_version = subprocess.run([vllm_py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                                   text=True).stdout.strip()
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.tiny import make_tiny_checkpoint
     result = {"model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
                                               "n_routed_experts", "num_experts_per_tok", "vocab_size")},
               "vllm": vllm_version, "input_len": a.input_len, "output_len": a.output_len, "cores": "server 0, client 1",

@@ -2,7 +2,7 @@
 degenerate initial values randomised) saved with save_pretrained."""
 from __future__ import annotations
 
-from wideep.launch.tiny_v4 import FLASH, PRO, tiny_v4_model
+from wideep.launch.tiny.tiny_v4 import FLASH, PRO, tiny_v4_model
 
 __all__ = ["FLASH", "PRO", "YARN", "make_v4_model"]
 

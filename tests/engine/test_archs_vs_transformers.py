@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from wideep.engine import LLM, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.tiny import make_tiny_checkpoint
 from tests.oracle import hf_greedy, hf_prompt_logprobs, load_tiny_in_hf, make_hf_model
 
 _rng = random.Random(17)

@@ -24,8 +24,8 @@ import torch
 
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.engine import Engine
-from wideep.launch import tiny_cycle
-from wideep.launch.tiny_cycle import make_cycle_checkpoint
+from wideep.launch.tiny import tiny_cycle
+from wideep.launch.tiny.tiny_cycle import make_cycle_checkpoint
 from tests.engine.test_engine import drive, workload
 
 pytest.importorskip("transformers")

@@ -22,9 +22,9 @@ from wideep.engine.spec_decode.config import SpeculativeConfig
 from wideep.engine.spec_decode.ngram import NgramIndex, propose_reference
 from wideep.engine.worker.sampler import filter_logits
 from wideep.engine.worker.verify import verify
-from wideep.launch.tiny import make_tiny_checkpoint
-from wideep.launch import tiny_cycle
-from wideep.launch.tiny_cycle import make_cycle_checkpoint
+from wideep.launch.tiny import tiny_cycle
+from wideep.launch.tiny.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.tiny_cycle import make_cycle_checkpoint
 from tests.engine.test_engine import drive, workload
 
 
@@ -313,7 +313,7 @@ def test_disable_by_batch_size_turns_drafting_off(cycle):
 
 
 def test_prometheus_has_the_spec_decode_families(cycle):
-    from wideep.launch.prometheus import render
+    from wideep.launch.server.prometheus import render
     d, nxt = cycle
     _, m = generate(d, cycle_prompts(nxt, 2), ngram(2), max_tokens=12)
     text = render(m)

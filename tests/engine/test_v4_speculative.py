@@ -20,8 +20,8 @@ from wideep.attention_mla.rope import RotaryEmbedding
 from wideep.attention_v4.compressor import Compressor, CompressorState
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.engine import Engine
-from wideep.launch.tiny_cycle import cycle_prompts, make_v4_cycle_checkpoint
-from wideep.launch.tiny_v4 import PRO
+from wideep.launch.tiny.tiny_cycle import cycle_prompts, make_v4_cycle_checkpoint
+from wideep.launch.tiny.tiny_v4 import PRO
 from tests.engine.test_engine import drive, workload
 from tests.engine.test_speculative import ngram, same
 

@@ -314,7 +314,7 @@ def serve(cfg: dict) -> int:
     from wideep.engine.front.engine import Engine
     from wideep.parallel import launch_rank
 
-    from . import run_config
+    from ..cli import run_config
     if launch_rank() != 0:
         # torchrun and Ctrl-C signal every rank at once. A worker that died first would leave rank 0's
         # graceful shutdown waiting for a lost rank; instead workers leave when rank 0 shuts down
