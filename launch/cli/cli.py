@@ -116,13 +116,13 @@ def cmd_run(a) -> None:
 
 
 def cmd_serve(a) -> None:
-    """OpenAI-compatible HTTP server on rank 0 (launch/server.py); SPMD under torchrun/mpirun."""
+    """OpenAI-compatible HTTP server on rank 0 (launch/cli/serve.py); SPMD under torchrun/mpirun."""
     from .options import SERVE, resolve
     try:
-        from ..server import server
+        from .serve import serve
     except ImportError as e:
         raise SystemExit(f"wideep serve needs aiohttp: pip install -e '.[serve]' ({e})") from None
-    rc = server.serve(resolve(a, SERVE))
+    rc = serve(resolve(a, SERVE))
     if rc:
         raise SystemExit(rc)
 

@@ -199,10 +199,10 @@ def test_served_model_names_and_allowed_origins():
 
 
 def test_serve_on_cpu_defaults_the_prefill_budget_to_2048():
-    """launch/server.py serving_defaults: serve's CPU budget where the run config is silent; an explicit one, a
+    """launch/cli/serve.py serving_defaults: serve's CPU budget where the run config is silent; an explicit one, a
     CUDA device and prefill/decode pools keep theirs (the library's default stays EngineConfig's 8192)."""
     from wideep.engine.engine_config import EngineConfig
-    from wideep.launch.server.server import SERVE_CPU_MAX_NUM_BATCHED_TOKENS, serving_defaults
+    from wideep.launch.cli.serve import SERVE_CPU_MAX_NUM_BATCHED_TOKENS, serving_defaults
     kw = run_config.llm_kwargs(resolve(_parse("serve", "/m"), SERVE, env={}))
     assert "max_num_batched_tokens" not in kw
     assert serving_defaults(dict(kw, device="cpu"))["max_num_batched_tokens"] == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048
