@@ -14,9 +14,9 @@ builds the engine on every rank).
 
 Every error is JSON {"error": {"message", "type", "code"}}: bad input 400 (404 an unknown model or
 path, 405 a wrong method, 413 a body over 1 MiB, 415 a non-JSON Content-Type), and the server goes on
-serving. With an API key ([server] api_key, --api-key, WIDEEP_API_KEY), /v1/* (and /metrics with
-protect_metrics) answer 401 unless the request sends `Authorization: Bearer KEY`; /health stays open
-for load balancers. A client that disconnects aborts its request (handler_cancellation, plus failed
+serving. With an API key ([server] api_key, --api-key, WIDEEP_API_KEY; launch/server/api_key.py), /v1/*
+(and /metrics with protect_metrics) answer 401 unless the request sends `Authorization: Bearer KEY`;
+/health stays open for load balancers. A client that disconnects aborts its request (handler_cancellation, plus failed
 writes). SIGINT/SIGTERM to rank 0: stop accepting, abort in-flight requests, engine.shutdown()
 (releases the workers, which ignore these signals so that a launcher signalling every rank stops
 them cleanly). A request's `X-Request-Id` header becomes its id and is echoed (launch/request_ids.py);
@@ -25,7 +25,6 @@ CORS is off unless allowed_origins names origins (launch/cors.py).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import signal
 import sys
@@ -38,6 +37,7 @@ from wideep.engine.front.async_engine import AsyncEngine, EngineDeadError
 from wideep.engine.generation_defaults import generation_defaults
 
 from . import chat_http, prometheus, tokenize_api
+from .api_key import ApiKey
 from .cors import Cors
 from .http_body import _error, _sse, read_json
 from .openai_api import BadRequest, Completion, cached_tokens, parse_completion
@@ -59,8 +59,7 @@ class Server:
                  chat: dict | None = None):
         self.aengine, self.model_name, self.aliases = aengine, model_name, (*aliases, *unlisted)
         self.listed = (model_name, *aliases)
-        self._key = f"Bearer {api_key}".encode() if api_key else None
-        self.protect_metrics = protect_metrics
+        self.api_key = ApiKey(api_key, protect_metrics) if api_key else None
         self.cors = Cors(tuple(allowed_origins)) if allowed_origins else None
         core = aengine.engine.core
         self.tokenizer, self.root, self.max_model_len = core.tokenizer, core.model_dir, core.max_model_len
@@ -73,17 +72,12 @@ class Server:
         self.decode_ids = tok.decode if tok is not None else None
         self.chat = chat_http.make_handler(self, **(chat or {}))
 
-    def _needs_key(self, path: str) -> bool:
-        return self._key is not None and (path.startswith("/v1/") or (self.protect_metrics and path == "/metrics"))
-
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         """API key check, and every error answered as JSON (aiohttp's own 404/405/413 are text)."""
-        if self._needs_key(request.path):
-            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(got, self._key):  # constant time: no timing oracle on the key
-                return _error(401, "missing or invalid API key: send the header `Authorization: Bearer <key>`",
-                              headers={"WWW-Authenticate": "Bearer"})
+        refused = self.api_key.refusal(request) if self.api_key else None
+        if refused is not None:
+            return refused
         try:
             return await handler(request)
         except web.HTTPException as e:
