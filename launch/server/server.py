@@ -2,15 +2,15 @@
 rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engine.shutdown() (launch/cli/serve.py
 builds the engine on every rank).
 
-    POST /v1/completions   OpenAI completions (a prompt or a batch; n, stop, echo: launch/openai_api.py),
+    POST /v1/completions   OpenAI completions (a prompt or a batch; n, stop, echo: launch/server/openai_api.py),
                            stream true (SSE `data: {...}` chunks, `data: [DONE]`) | false
-    POST /v1/chat/completions  OpenAI chat (launch/chat_http.py: template, reasoning, tool calls)
+    POST /v1/chat/completions  OpenAI chat (launch/server/chat_http.py: template, reasoning, tool calls)
     GET  /v1/models        the served names (vLLM's model cards: root, created, max_model_len)
     POST /tokenize         vLLM's: {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize       vLLM's: {"tokens"} -> {"prompt"}
     GET  /version          {"version": wideep's version}
     GET  /health           200 while the engine serves, 503 once it has stopped
-    GET  /metrics          Prometheus text (launch/prometheus.py)
+    GET  /metrics          Prometheus text (launch/server/prometheus.py)
 
 Every error is JSON {"error": {"message", "type", "code"}}: bad input 400 (404 an unknown model or
 path, 405 a wrong method, 413 a body over 1 MiB, 415 a non-JSON Content-Type), and the server goes on
@@ -19,8 +19,8 @@ serving. With an API key ([server] api_key, --api-key, WIDEEP_API_KEY; launch/se
 /health stays open for load balancers. A client that disconnects aborts its request (handler_cancellation, plus failed
 writes). SIGINT/SIGTERM to rank 0: stop accepting, abort in-flight requests, engine.shutdown()
 (releases the workers, which ignore these signals so that a launcher signalling every rank stops
-them cleanly). A request's `X-Request-Id` header becomes its id and is echoed (launch/request_ids.py);
-CORS is off unless allowed_origins names origins (launch/cors.py).
+them cleanly). A request's `X-Request-Id` header becomes its id and is echoed (launch/server/request_ids.py);
+CORS is off unless allowed_origins names origins (launch/server/cors.py).
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
   transformers' own final hidden states: the engine's first and second drafts after a prefill are that
   reference's argmaxes.
 - Greedy outputs equal no speculation (k = 1 and 3; V3.2 and GLM-lite, its config with and without
-  mlp_layer_types), under preemption, with stop tokens; the MTP models of launch/tiny_cycle.py accept part of
+  mlp_layer_types), under preemption, with stop tokens; the MTP models of launch/tiny/tiny_cycle.py accept part of
   their drafts; a checkpoint without an MTP layer, or whose config names one it does not hold, is refused.
 - draft_dtype "bfloat16" beside a float32 model: the layer's weights bfloat16 (router and embeddings float32), its
   passes on the fused C halves and, past the kernels' row limits, on BLAS over float32 copies; greedy outputs equal,

@@ -4,7 +4,7 @@
 - Rejection sampling is exact: the tokens verify() emits are distributed as plain sampling's (many
   seeded trials on a 6-token vocabulary, frequencies within a few standard errors).
 - Greedy outputs (tokens and logprobs) equal without speculation: on a random tiny model (drafts
-  mostly rejected) and on launch/tiny_cycle's model (drafts mostly right), k = 1..3, under KV
+  mostly rejected) and on launch/tiny/tiny_cycle's model (drafts mostly right), k = 1..3, under KV
   pressure with preemption and prefix caching, with stop tokens and max_tokens inside the accepted
   drafts; the metrics count the drafts; bad configs are errors that name the problem.
 """

@@ -1,4 +1,4 @@
-"""The flag table (launch/options.py): every flag is a run-config key; `wideep serve|run|generate
+"""The flag table (launch/cli/options.py): every flag is a run-config key; `wideep serve|run|generate
 MODEL_DIR` works without a config; flags override the file; the API key comes from flag > env > file."""
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_every_flag_is_a_run_config_key():
 
 
 def test_dispatch_backend_choices_are_the_configs():
-    """launch/options.py lists them literally (no torch import for `wideep --help`)."""
+    """launch/cli/options.py lists them literally (no torch import for `wideep --help`)."""
     from wideep.parallel.config import DISPATCH_BACKENDS
     [opt] = [o for o in OPTIONS if o.key == "parallel.dispatch_backend"]
     assert opt.spec["choices"] == list(DISPATCH_BACKENDS)

@@ -44,7 +44,7 @@ model_name = "tiny"
 
 class ServerProc:
     """`python -m wideep.launch serve <args>` (a config path: `--config` it) on `ranks` local ranks
-    (torchrun-style env, as launch/local.py sets it); env: extra environment variables."""
+    (torchrun-style env, as launch/cli/local.py sets it); env: extra environment variables."""
 
     def __init__(self, args: str | list[str], ranks: int = 1, start_timeout_s: float = 120.0,
                  env: dict[str, str] | None = None):
