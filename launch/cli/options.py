@@ -112,9 +112,10 @@ OPTIONS: tuple[Option, ...] = (
            spec={"action": "store_const", "const": True}),
     Option("dbo.enabled", "dual-batch overlap ([dbo] enabled); 'auto': split only where it measured faster",
            flag="--enable-dbo", spec={"nargs": "?", "const": True, "type": _dbo}),
-    Option("speculative.*", "speculative decoding as JSON, vLLM's keys: method (ngram), num_speculative_tokens, "
-           "prompt_lookup_min/max, disable_by_batch_size ([speculative] in the run config)",
-           flag="--speculative-config", spec={"type": json_table}),
+    Option("speculative.*", "speculative decoding as JSON ([speculative] in the run config): method (ngram: "
+           "prompt/output lookup | mtp: the checkpoint's MTP layer), num_speculative_tokens, prompt_lookup_min, "
+           "prompt_lookup_max (ngram), draft_dtype (mtp), disable_by_batch_size, min_acceptance, backoff_steps",
+           flag="--speculative-config", spec={"type": json_table}),   # = engine/spec_decode/config.py's fields
     Option("server.host", "bind address (default 127.0.0.1: this host only)", commands=(SERVE,)),
     Option("server.port", "default 8000; 0 picks a free port (printed)", commands=(SERVE,), spec=INT),
     Option("server.model_name", "the `model` names clients may pass; the first is the one responses report "

@@ -71,6 +71,15 @@ def test_quantization_choices_are_the_loaders():
     assert resolve(args, "generate")["model"]["quantization"] == "none"
 
 
+def test_speculative_config_help_names_every_method_and_key():
+    import dataclasses
+
+    from wideep.engine.spec_decode.config import METHODS, SpeculativeConfig
+    [opt] = [o for o in OPTIONS if o.key == "speculative.*"]
+    for name in (*METHODS, *(f.name for f in dataclasses.fields(SpeculativeConfig))):
+        assert name in opt.help, name
+
+
 def test_engine_section_keys_are_engine_options():
     """[engine] is passed to the engine as keywords: a key EngineConfig does not have would fail only at serve time."""
     import inspect
