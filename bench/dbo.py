@@ -261,7 +261,7 @@ def main() -> None:
     if a.worker:
         worker(a.worker[0], a.worker[1], int(a.worker[2]))
         return
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     trials = 8 if a.quick else 20
     out = {}
     with tempfile.TemporaryDirectory() as d:

@@ -90,7 +90,7 @@ def decode_ab_worker(model_dir: str, batch: int, prompt: int, new: int, rounds: 
 
 def decode_ab(rounds: int) -> None:
     from wideep.launch.cli.local import run_local_ranks
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     batch, prompt, new = 16, 32, 32
     with tempfile.TemporaryDirectory() as d:
         _checkpoint(make_tiny_checkpoint, d)
@@ -135,7 +135,7 @@ def main() -> None:
         worker(d, int(b), int(p), int(n))
         return
     from wideep.launch.cli.local import run_local_ranks
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     batch, prompt, new = (8, 32, 8) if a.quick else (16, 64, 32)
     res = {}
     with tempfile.TemporaryDirectory() as d:

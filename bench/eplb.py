@@ -240,7 +240,7 @@ def skewed_checkpoint(out_dir: str, boost: float = 0.3, moe_intermediate_size: i
     sends most tokens to 4 experts of one group and 2 of the next, a different group per layer."""
     from safetensors.torch import load_file, save_file
 
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     make_tiny_checkpoint(out_dir, arch="v3", seed=0, vocab_size=1024, hidden_size=256, intermediate_size=512,
                          moe_intermediate_size=moe_intermediate_size, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,

@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900.0)
     a = ap.parse_args()
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     results = {}
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=0, hidden_size=64, num_hidden_layers=3, first_k_dense_replace=1,

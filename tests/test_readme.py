@@ -46,7 +46,7 @@ TOML = _blocks("toml")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), arch="v3", seed=0)
 
 

@@ -1,5 +1,5 @@
 """`wideep serve` on every rank: the Engine built from the run config; rank 0 serves HTTP
-(launch/server/server.py serve_front), every other rank follows rank 0's steps in engine.run_worker_loop()
+(launch/server/app.py serve_front), every other rank follows rank 0's steps in engine.run_worker_loop()
 until rank 0 calls engine.shutdown()."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import signal
 
 from ..server import chat_http
-from ..server.server import DEFAULT_HOST, DEFAULT_PORT, serve_front
+from ..server.app import DEFAULT_HOST, DEFAULT_PORT, serve_front
 from . import run_config
 
 

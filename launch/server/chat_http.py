@@ -1,4 +1,4 @@
-"""The /v1/chat/completions handler (launch/server/server.py routes it): the prompt from the chat template,
+"""The /v1/chat/completions handler (launch/server/app.py routes it): the prompt from the chat template,
 tokenized without special tokens added a second time, then the engine's output turned back into
 OpenAI chat objects. The engine's front detokenizes (one detokenizer for both endpoints, so stop
 strings are cut and held back the same way); chat asks it to keep the special tokens

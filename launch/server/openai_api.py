@@ -1,4 +1,4 @@
-"""OpenAI /v1/completions request parsing and response shapes (no HTTP here; launch/server/server.py serves it).
+"""OpenAI /v1/completions request parsing and response shapes (no HTTP here; launch/server/app.py serves it).
 
 Request fields: prompt (a string, a list of token ids, or a batch: a list of either — one choice
 per prompt and sample, index = prompt * n + sample, as OpenAI orders them), max_tokens (16; 0 only

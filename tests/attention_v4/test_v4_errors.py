@@ -88,7 +88,7 @@ def test_model_inputs(tmp_path):
     from wideep.engine.model.v4_model import DeepseekV4Model
     cfg = ModelConfig.from_dict(DEEPSEEK)
     with pytest.raises(ValueError, match=r"DeepseekV4Model needs a DeepSeek-V4 config, got arch 'v3'"):
-        from wideep.launch.tiny.tiny import tiny_config
+        from wideep.launch.tiny.checkpoint import tiny_config
         DeepseekV4Model(ModelConfig.from_dict(tiny_config("v3")))
     with pytest.raises(ValueError, match=r"needs its EP group's dispatcher"):
         DeepseekV4Model(cfg, shard=ExpertShard(8, 0, 2))

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     from wideep.engine import LLM
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("stack")), "v3", num_hidden_layers=3, first_k_dense_replace=1,
                              n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, vocab_size=200,
                              seed=3, initializer_range=0.2)

@@ -71,7 +71,7 @@ def _serve(model_dir: str, victims: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("elastic")), arch="v3", seed=5, initializer_range=0.3)
     reference = spawn(_serve, 4, args=(d, {}), timeout_s=300)[0]["got"]
     return d, reference
@@ -182,7 +182,7 @@ def _serve_without_checkpoint(model_dir: str) -> None:
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_an_expert_with_no_replica_and_no_checkpoint_is_a_clear_error(tmp_path):
-    from wideep.launch.tiny.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path / "gone"), arch="v3", seed=5, initializer_range=0.3)
     outs = run(_serve_without_checkpoint, 4, args=(d,), timeout_s=300)
     assert outs[2].returncode == -9

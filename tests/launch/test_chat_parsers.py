@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from wideep.launch.chat import reasoning, tool_parsers
 from wideep.launch.chat.dsv32_encoding import encode_messages
 from wideep.launch.server.chat_http import ChatOutput
-from wideep.launch.tiny.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 V3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")

@@ -8,9 +8,9 @@ import pytest
 
 from wideep.engine import LLM, SamplingParams
 from wideep.launch.cli import run_config
-from wideep.launch.cli.cli import build_parser, main
+from wideep.launch.cli.main import build_parser, main
 from wideep.launch.cli.options import OPTIONS, SERVE, resolve
-from wideep.launch.tiny.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 CONFIG = """
 [model]

@@ -23,7 +23,7 @@ import pytest
 from wideep.engine import LLM, SamplingParams
 from wideep.launch.cli.local import LAUNCHER_VARS, start_ranks
 from wideep.launch.server.prometheus import parse
-from wideep.launch.tiny.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7], list(range(2, 40)), [9] * 70, "hello world"]
 MAX_TOKENS = [12, 5, 9, 7]
