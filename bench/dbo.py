@@ -241,7 +241,7 @@ def _row(r: dict) -> dict:
 
 
 def _run(model_dir: str, setting: str, ranks: int, trials: int) -> dict:
-    from wideep.launch.local import run_local_ranks
+    from wideep.launch.cli.local import run_local_ranks
     rc, text = run_local_ranks([], ranks, timeout_s=1800, capture=True,
                                cmd=[sys.executable, os.path.abspath(__file__), "--worker", model_dir, setting,
                                     str(trials)])
@@ -261,7 +261,7 @@ def main() -> None:
     if a.worker:
         worker(a.worker[0], a.worker[1], int(a.worker[2]))
         return
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     trials = 8 if a.quick else 20
     out = {}
     with tempfile.TemporaryDirectory() as d:

@@ -64,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.results import rss_kib, save  # noqa: E402
 from wideep.cpu.gemm import bf16_dot  # noqa: E402
 from wideep.engine import LLM, SamplingParams  # noqa: E402
-from wideep.launch.tiny import make_tiny_checkpoint  # noqa: E402
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint  # noqa: E402
 
 GIB = 1 << 30
 

@@ -36,7 +36,7 @@ MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, moe_interm
              qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=32, num_experts_per_tok=6,
              n_group=4, topk_group=2, initializer_range=0.05, max_position_embeddings=2048)
 BLOCK = 16
-# window 128, CSA 4:1, HCA 128:1 as in V4-Flash/Pro; the rest small (launch/tiny_v4.py randomises what transformers
+# window 128, CSA 4:1, HCA 128:1 as in V4-Flash/Pro; the rest small (launch/tiny/v4.py randomises what transformers
 # initialises to degenerate values)
 MODEL_V4 = dict(vocab_size=2048, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 head_dim=64, q_lora_rank=128, n_routed_experts=32, num_experts_per_tok=6, sliding_window=128, o_groups=2,
@@ -161,14 +161,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         return worker(a.worker, a.checkpoint, a)
-    from wideep.launch.local import run_local_ranks
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.cli.local import run_local_ranks
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     slo = {"ttft_s": a.ttft_slo, "tpot_s": a.tpot_slo}
     res, kv = {}, {}
     with tempfile.TemporaryDirectory() as d:
         if a.model == "v4":
-            from wideep.launch.tiny_v4 import tiny_v4_model
+            from wideep.launch.tiny.v4 import tiny_v4_model
             tiny_v4_model(0, **MODEL_V4).save_pretrained(d)
         else:
             make_tiny_checkpoint(d, arch="v3", seed=0, **MODEL)

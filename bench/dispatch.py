@@ -157,7 +157,7 @@ def main() -> None:
     if a.worker:
         worker(*a.worker)
         return
-    from wideep.launch.local import run_local_ranks
+    from wideep.launch.cli.local import run_local_ranks
     trials = 3 if a.quick else 7
     detail = {}
     for ranks in map(int, a.sizes.split(",")):

@@ -73,7 +73,7 @@ def worker(model_dir: str, out_dir: str, requests: int, victim: int, kill_step: 
 
 
 def _run(n: int, model_dir: str, requests: int, victim: int, kill_step: int, timeout_s: float) -> dict:
-    from wideep.launch.local import start_ranks
+    from wideep.launch.cli.local import start_ranks
     out = tempfile.mkdtemp(prefix=f"wideep-elastic{n}-")
     cmd = [sys.executable, __file__, "--worker", model_dir, out, str(requests), str(victim), str(kill_step)]
     procs = start_ranks(cmd, n, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO)))
@@ -126,7 +126,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=900.0)
     a = ap.parse_args()
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     results = {}
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=2, hidden_size=64, num_hidden_layers=3, first_k_dense_replace=1,

@@ -89,8 +89,8 @@ def decode_ab_worker(model_dir: str, batch: int, prompt: int, new: int, rounds: 
 
 
 def decode_ab(rounds: int) -> None:
-    from wideep.launch.local import run_local_ranks
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.cli.local import run_local_ranks
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     batch, prompt, new = 16, 32, 32
     with tempfile.TemporaryDirectory() as d:
         _checkpoint(make_tiny_checkpoint, d)
@@ -134,8 +134,8 @@ def main() -> None:
         d, b, p, n = a.worker
         worker(d, int(b), int(p), int(n))
         return
-    from wideep.launch.local import run_local_ranks
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.cli.local import run_local_ranks
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     batch, prompt, new = (8, 32, 8) if a.quick else (16, 64, 32)
     res = {}
     with tempfile.TemporaryDirectory() as d:

@@ -240,7 +240,7 @@ def skewed_checkpoint(out_dir: str, boost: float = 0.3, moe_intermediate_size: i
     sends most tokens to 4 experts of one group and 2 of the next, a different group per layer."""
     from safetensors.torch import load_file, save_file
 
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     make_tiny_checkpoint(out_dir, arch="v3", seed=0, vocab_size=1024, hidden_size=256, intermediate_size=512,
                          moe_intermediate_size=moe_intermediate_size, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
@@ -257,7 +257,7 @@ def skewed_checkpoint(out_dir: str, boost: float = 0.3, moe_intermediate_size: i
 
 
 def end_to_end(quick: bool, ep: int, moe_intermediate_size: int = 512, batch: int = 16, trials: int = 7) -> dict:
-    from wideep.launch.local import run_local_ranks
+    from wideep.launch.cli.local import run_local_ranks
     batch, prompt, trials = (batch // 2, 128, 4) if quick else (batch, 128, trials)
     redundant = ep  # one replica slot per rank: 32 + ep slots
     with tempfile.TemporaryDirectory() as d:
@@ -300,7 +300,7 @@ def main() -> None:
         e2e = end_to_end(a.quick, 4)
         e2e_ep2 = end_to_end(a.quick, 2)  # 2 ranks on 2 cores, moe_intermediate 512
         if a.png:
-            from wideep.launch.eplb_cli import draw_report
+            from wideep.launch.cli.eplb_cli import draw_report
             draw_report(torch.tensor(e2e["load"]), torch.tensor(e2e["phy2log_initial"]),
                         torch.tensor(e2e["phy2log_final"]), 4, a.png, title="bench/eplb.py: ep 4, skewed router")
         keys = ("eplb_vs_off_step_time_ratio", "bytes_moved_migration", "bytes_moved_scratch", "balancedness_before",

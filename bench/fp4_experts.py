@@ -6,7 +6,7 @@ scales), bfloat16 and float32, with V4's clamped SwiGLU. Warm: the same weights 
 last-level cache); cold: a sweep over `--cold` copies of each (past the cache: every read from memory, as a decode
 step's are), per-copy ms of the best sweep; at 1 token only the 6 experts it picks are read (~5 MB of fp4 a
 copy), so its cold row stays cache-resident unless --cold is far larger. Trials interleave the cases; the best of each counts.
-Memory: a V4 checkpoint (launch/tiny_v4.py, widened; its routed experts quantised to FP4 as DeepSeek stores them,
+Memory: a V4 checkpoint (launch/tiny/v4.py, widened; its routed experts quantised to FP4 as DeepSeek stores them,
 the rest float32) loaded in a fresh process with quantization "auto" (FP4 kept packed) and "none" (dequantised to
 float32 at load): resident-set growth, the routed experts' stored bytes per parameter, and the RSS growth less the
 other parameters' bytes per routed-expert parameter. Decode: that checkpoint served both ways, the decode step's
@@ -106,7 +106,7 @@ def experts_rows(trials: int, cold: int) -> list[dict]:
 def make_v4_fp4(out_dir: str, hidden: int, inter: int, experts: int) -> None:
     """A widened tiny V4 saved by transformers, its routed experts rewritten as FP4 pairs + e8m0 scales."""
     from safetensors.torch import load_file, save_file
-    from wideep.launch.tiny_v4 import tiny_v4_model
+    from wideep.launch.tiny.v4 import tiny_v4_model
     model = tiny_v4_model(0, hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
                           num_hidden_layers=2, layer_types=["sliding_attention"] * 2, mlp_layer_types=["moe"] * 2)
     model.save_pretrained(out_dir)

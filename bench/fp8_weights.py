@@ -11,7 +11,7 @@ gemm_tpl.h's kernel, whose loads (wideep.h ld(), a memcpy) GCC 12 compiles to a 
 vector on this CPU: it is not float32's ceiling.
 
 Decode: that checkpoint served both ways (bfloat16 activations), the decode step's time (decode_rows).
-Memory: a tiny V3 checkpoint (launch/tiny.py, fp8: every projection e4m3 + block scales) loaded in a fresh
+Memory: a tiny V3 checkpoint (launch/tiny/checkpoint.py, fp8: every projection e4m3 + block scales) loaded in a fresh
 process with quantization "auto" (fp8 kept), and dequantised at load ("none") in bfloat16 and float32: resident
 set growth per parameter, and the bytes of the parameters themselves per parameter.
 Kept: bench/results/fp8_weights.json. Last line: JSON.
@@ -179,7 +179,7 @@ def main() -> None:
     torch.manual_seed(0)
     res = {"bf16_dot": gemm.bf16_dot(), "trials": a.trials, "torch": torch.__version__, "gemm": gemm_rows(a.trials),
            "experts": experts_row(a.trials), "cold": cold_rows(max(3, a.trials // 3), a.cold)}
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     with tempfile.TemporaryDirectory() as d:
         h = a.hidden
         make_tiny_checkpoint(d, arch="v3", fp8=True, seed=0, vocab_size=4096, hidden_size=h, intermediate_size=4 * h,

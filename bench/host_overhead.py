@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--save-as", default="host_overhead", help="the results file's name (bench/results/NAME.json)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     # a row is (batch, processed); its name is "256" or "256+processing"
     rows = [(int(x), False) for x in a.batches.split(",")] + [(int(x), True) for x in a.processed.split(",") if x]
     name = {r: f"{r[0]}+processing" if r[1] else str(r[0]) for r in rows}

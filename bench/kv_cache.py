@@ -187,8 +187,8 @@ def main() -> None:
     a.conversations = a.conversations or (24 if a.quick else 48)
     if a.worker:
         return worker(a.worker, a.checkpoint, a.disk_dir, a)
-    from wideep.launch.local import run_local_ranks
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.cli.local import run_local_ranks
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     log = lambda *x: print(*x, file=sys.stderr, flush=True)  # noqa: E731
     res, answers = {}, {}
     passthrough = ["--conversations", str(a.conversations), "--turns", str(a.turns), "--system-prompts",
@@ -201,7 +201,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         model_dir = os.path.join(d, "model")
         if a.arch == "v4":
-            from wideep.launch.tiny_v4 import tiny_v4_model
+            from wideep.launch.tiny.v4 import tiny_v4_model
             tiny_v4_model(0, **MODEL_V4).save_pretrained(model_dir)
         else:
             make_tiny_checkpoint(model_dir, arch="v3", seed=0, **MODEL)

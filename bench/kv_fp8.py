@@ -58,7 +58,7 @@ def bytes_per_token() -> dict:
 def drift(num_prompts: int, init: float) -> dict:
     """kv_cache_dtype -> prompt-logprob drift against "auto" and teacher-forced greedy agreement."""
     from wideep.engine import LLM, SamplingParams
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 250) for _ in range(rng.randint(32, 160))] for _ in range(num_prompts)]
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)

@@ -8,7 +8,7 @@ one entry per m tokens, kept for the whole context) and the slot (compressor sta
 Per model (V4-Flash 43 layers, V4-Pro 61, bench/v4_kv.py's orders): the compressed streams' bytes per token and
 the bytes a decoding sequence holds whatever its length (slot + window blocks), as engine/model/v4_cache.py
 counts them.
-Drift: the tiny V4 of launch/tiny_v4.py (tests' make_v4_model, float32, D 32, R 8) served by the engine with
+Drift: the tiny V4 of launch/tiny/v4.py (tests' make_v4_model, float32, D 32, R 8) served by the engine with
 kv_cache_dtype "auto" and "fp8" on `prompts` random prompts of 5-160 tokens in chunks of 19 tokens:
 |prompt logprob - auto's| (mean, max) and the teacher-forced greedy choice equal to auto's.
 
@@ -62,7 +62,7 @@ def model_bytes(cfg, dtype) -> dict:
 
 def drift(num_prompts: int) -> dict:
     from wideep.engine import LLM, SamplingParams
-    from wideep.launch.tiny_v4 import tiny_v4_model
+    from wideep.launch.tiny.v4 import tiny_v4_model
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 200) for _ in range(rng.randint(5, 160))] for _ in range(num_prompts)]
     sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1, ignore_eos=True)

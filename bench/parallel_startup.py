@@ -1,6 +1,6 @@
 """Where one rank's start-up goes in the parallel layer: CPU seconds and wall seconds per phase.
 
-Starts W gloo ranks on this host (launch/local.py's spawner) for each W, and each rank times:
+Starts W gloo ranks on this host (launch/cli/local.py's spawner) for each W, and each rank times:
 interpreter start, `import torch`, `import wideep.parallel`, then bootstrap's phases: the rendezvous store,
 init_process_group (gloo's full mesh), node groups, the watchdog (ring + verdict log), the config
 agreement check; then the watchdog's steady state (store operations per rank per second over
@@ -96,7 +96,7 @@ def main() -> None:
     if a.rank_out:
         return rank_main(a.rank_out, a.ranks_per_node, a.steady_s)
     sys.path.insert(0, str(REPO))
-    from wideep.launch.local import run_local_ranks
+    from wideep.launch.cli.local import run_local_ranks
     results = {}
     for world in [int(w) for w in a.worlds.split(",")]:
         with tempfile.TemporaryDirectory(prefix="wideep-startup-") as d:

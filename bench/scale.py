@@ -130,7 +130,7 @@ def _store_ops(ctx) -> int:
 
 
 def run(n: int, model_dir: str, requests: int, nodes: int, timeout_s: float) -> dict:
-    from wideep.launch.local import start_ranks
+    from wideep.launch.cli.local import start_ranks
     out = tempfile.mkdtemp(prefix=f"wideep-scale{n}-")
     rpn = n // nodes if nodes > 1 else 0
     cmd = [sys.executable, __file__, "--worker", model_dir, out, str(requests), str(rpn)]
@@ -186,7 +186,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=900.0)
     a = ap.parse_args()
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     results = {}
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=0, hidden_size=64, num_hidden_layers=3, first_k_dense_replace=1,

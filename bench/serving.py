@@ -154,7 +154,7 @@ def main() -> None:
     import torch
 
     from wideep.engine.front.engine import Engine
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     torch.set_num_threads(a.threads)
     plen = tuple(int(x) for x in a.prompt_len.split(","))
     n, rounds, B = a.requests or (96 if a.quick else 240), a.rounds or (1 if a.quick else 3), a.max_num_seqs

@@ -2,10 +2,10 @@
 
 Four workloads, each at batch 1, 8 and 32 (all requests arrive together; prefix caching off on every
 engine, the same threads, dtype and batch for every k):
-- "ngram": launch/tiny_cycle's model (its greedy continuation follows a fixed cycle of tokens; `--ngram-mix`
+- "ngram": launch/tiny/cycle.py's model (its greedy continuation follows a fixed cycle of tokens; `--ngram-mix`
   small: it never leaves it) and prompts that hold the cycle: the n-gram drafts are right.
 - "mtp": a cycle model perturbed more (`--mix`: its own greedy tokens leave the cycle now and then) with
-  an MTP layer built to predict the cycle (launch/tiny_cycle.py mtp=True): the checkpoint's own MTP
+  an MTP layer built to predict the cycle (launch/tiny/cycle.py mtp=True): the checkpoint's own MTP
   drafts, mostly right (DeepSeek-V3 reports 85-90 % for its MTP module).
 - "ngram_rejected": a random model and prompts over a 12-token alphabet, so n-gram drafts are proposed
   often and almost always rejected (the worst case for drafting's cost: the backoff must hold it).
@@ -33,9 +33,9 @@ checked equal to k = 0's.
                                 [--workloads ngram,mtp,ngram_rejected,mtp_rejected] [--quick] [--model v3|v4]
                                 [--draft-dtype float32|bfloat16]
 
---model v4: the same four workloads on DeepSeek-V4 (launch/tiny_cycle.py make_v4_cycle_checkpoint, its MTP block
+--model v4: the same four workloads on DeepSeek-V4 (launch/tiny/cycle.py make_v4_cycle_checkpoint, its MTP block
 built the same way; V4_MODEL below: 8 layers of sliding / CSA / HCA attention, the torch ops); the random model of
-"ngram_rejected" is launch/tiny_v4.py's. Saved as speculative_v4.
+"ngram_rejected" is launch/tiny/v4.py's. Saved as speculative_v4.
 
 Last line (JSON): {"workloads": {name: {"batch": {B: {"k": {k: {"tpot_ms", "decode_tok_s", "speedup",
 "speedup_range", "acceptance", "mean_acceptance_length", "backoffs"}}}}}}, "targets": {...}, "model": {...},
@@ -69,7 +69,7 @@ MODEL = dict(vocab_size=4096, hidden_size=512, intermediate_size=2048, moe_inter
              q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
              n_routed_experts=32, num_experts_per_tok=6, n_group=8, topk_group=4, max_position_embeddings=2048,
              initializer_range=0.05)
-# DeepSeek-V4 (launch/tiny_v4.py overrides): 8 layers, the MTP block one sliding-window layer beside them
+# DeepSeek-V4 (launch/tiny/v4.py overrides): 8 layers, the MTP block one sliding-window layer beside them
 V4_MODEL = dict(vocab_size=4096, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=8, num_attention_heads=8,
                 head_dim=64, q_lora_rank=128, n_routed_experts=16, num_experts_per_tok=4, sliding_window=64, o_groups=2,
                 o_lora_rank=64, index_n_heads=8, index_head_dim=32, index_topk=16, qk_rope_head_dim=16,
@@ -187,7 +187,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=9)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--mix", type=float, default=None,
-                    help="the cycle model's layer-output scale (launch/tiny_cycle.py): larger, fewer tokens follow the "
+                    help="the cycle model's layer-output scale (launch/tiny/cycle.py): larger, fewer tokens follow the "
                          "cycle; default 0.06 (0.15 with --quick; 0.1 with --model v4): the MTP workloads' target, ~85-90 %% acceptance")
     ap.add_argument("--ngram-mix", type=float, default=0.03,
                     help="the n-gram workload's cycle model: small enough that its greedy output stays on the prompt's "
@@ -206,8 +206,8 @@ def main() -> None:
         a.batches, a.ks, a.new, a.prompt, a.trials = "1,8", "1,3", 24, 48, 1
     torch.set_num_threads(a.threads)
     from wideep.engine import LLM
-    from wideep.launch.tiny import make_tiny_checkpoint
-    from wideep.launch.tiny_cycle import make_cycle_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
+    from wideep.launch.tiny.cycle import make_cycle_checkpoint
     v4 = a.model == "v4"
     shape = (V4_QUICK if a.quick else V4_MODEL) if v4 else QUICK if a.quick else MODEL
     mix = a.mix if a.mix is not None else 0.1 if v4 else (0.15 if a.quick else 0.06)
@@ -220,8 +220,8 @@ def main() -> None:
     result["arch"] = a.model
     with tempfile.TemporaryDirectory() as tmp:
         if v4:
-            from wideep.launch.tiny_cycle import make_v4_cycle_checkpoint as make_cycle
-            from wideep.launch.tiny_v4 import tiny_v4_model
+            from wideep.launch.tiny.cycle import make_v4_cycle_checkpoint as make_cycle
+            from wideep.launch.tiny.v4 import tiny_v4_model
             rnd = os.path.join(tmp, "random")
             tiny_v4_model(0, **shape).save_pretrained(rnd)
         else:

@@ -68,7 +68,7 @@ SCHEMAS = {   # compile time is reported for each
 def train_tokenizer(path: str, vocab: int, corpus_mb: int) -> int:
     """A byte-level BPE of `vocab` tokens (BOS id 0, EOS id 1, as the tiny checkpoint's config) -> its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from wideep.launch.tiny import BOS, EOS
+    from wideep.launch.tiny.checkpoint import BOS, EOS
     files, total = [], 0
     for f in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
         try:
@@ -156,7 +156,7 @@ def main() -> None:
     ap.add_argument("--save-as", default="structured")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     fractions = {"0%": 0, "50%": a.batch // 2, "100%": a.batch}
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", num_hidden_layers=1, first_k_dense_replace=0, hidden_size=64,

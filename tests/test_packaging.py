@@ -109,7 +109,7 @@ def test_the_unpacked_wheel_builds_and_runs_the_kernels(wheel, tmp_path):
 def test_wheel_declares_the_cli(wheel):
     (entry,) = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
     text = wheel.read(entry).decode()
-    assert "wideep = wideep.launch.cli:main" in text
+    assert "wideep = wideep.launch.cli.main:main" in text
 
 
 def test_wideep_reexports_the_public_api():
@@ -159,7 +159,7 @@ import importlib, sys
 engine, layers, launch, cpu = map(importlib.import_module, ("engine", "layers", "launch", "cpu"))  # this directory's
 assert all(m.MINE for m in (engine, layers, launch, cpu))
 from wideep import LLM, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 make_tiny_checkpoint(sys.argv[1])
 out = LLM(sys.argv[1]).generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_tokens=4))
 assert len(out[0].outputs[0].token_ids) == 4, out

@@ -46,7 +46,7 @@ TOML = _blocks("toml")
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), arch="v3", seed=0)
 
 
@@ -86,7 +86,7 @@ def test_python_example_runs(where, line, marker, code, tiny, tmp_path):
 @pytest.mark.parametrize("where, line, marker, text", TOML, ids=[f"{f}:{n}" for f, n, *_ in TOML])
 def test_toml_example_loads(where, line, marker, text, tmp_path):
     from wideep.engine.engine_config import EngineConfig
-    from wideep.launch import run_config
+    from wideep.launch.cli import run_config
     path = tmp_path / "x.toml"
     path.write_text(text)
     cfg = run_config.load(str(path), require_model=False)   # a fragment ([eplb] alone) is fine

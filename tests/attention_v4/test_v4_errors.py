@@ -88,7 +88,7 @@ def test_model_inputs(tmp_path):
     from wideep.engine.model.v4_model import DeepseekV4Model
     cfg = ModelConfig.from_dict(DEEPSEEK)
     with pytest.raises(ValueError, match=r"DeepseekV4Model needs a DeepSeek-V4 config, got arch 'v3'"):
-        from wideep.launch.tiny import tiny_config
+        from wideep.launch.tiny.checkpoint import tiny_config
         DeepseekV4Model(ModelConfig.from_dict(tiny_config("v3")))
     unwired = DeepseekV4Model(cfg, shard=ExpertShard(8, 0, 2))
     with pytest.raises(RuntimeError, match=r"holds 4 of 8 expert slots \(EP rank 0 of 2\) and no dispatcher"):

@@ -9,7 +9,7 @@ import torch
 from wideep.cpu import fused, gemm, layers
 from wideep.cpu.build import unusable
 from wideep.engine import LLM, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from wideep.moe.backend import resolve_experts_backend
 from wideep.attention_mla.paged_decode import resolve_attention_backend
 

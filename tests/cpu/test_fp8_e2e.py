@@ -173,9 +173,9 @@ def test_fp8_experts_sharded_over_two_ep_ranks(fp8_dir, dequantised):
 
 
 def test_fp8_mtp_drafter_keeps_fp8_and_greedy_equals_no_speculation(tmp_path):
-    """An fp8 checkpoint with an MTP layer (launch/tiny_cycle.py): the drafter's decoder layer keeps fp8 too, and
+    """An fp8 checkpoint with an MTP layer (launch/tiny/cycle.py): the drafter's decoder layer keeps fp8 too, and
     speculative decoding with its drafts gives the tokens of no speculation."""
-    from wideep.launch.tiny_cycle import make_cycle_checkpoint
+    from wideep.launch.tiny.cycle import make_cycle_checkpoint
     from tests.engine.test_mtp import cycle_prompts
     d, nxt = make_cycle_checkpoint(str(tmp_path), period=12, mix=2.0, gain=20.0, seed=1, mtp=True, mtp_mix=0.1)
     _quantise(d)

@@ -39,7 +39,7 @@ def _rank(model_dir: str, dbo_mode) -> dict:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("dbo")), arch="v3", seed=6, initializer_range=0.2)
 
 

@@ -70,7 +70,7 @@ def test_dbo_on_equals_off_on_gpus(tmp_path, backend):
         pytest.skip("needs 2 GPUs")
     if backend == "deepep":
         pytest.importorskip("deep_ep")
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=6, hidden_size=256, initializer_range=0.2)
     tol = 5e-2 if backend == "deepep" else 1e-4
     for (off, on), moved in spawn(_dbo_rank, 2, args=(d, backend), timeout_s=600):

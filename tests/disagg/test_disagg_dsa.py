@@ -65,7 +65,7 @@ def _rank(model_dir: str) -> dict | str:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg_dsa")), arch="v32", seed=5,
                                 initializer_range=0.25, index_topk=8)
 

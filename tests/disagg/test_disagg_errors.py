@@ -38,7 +38,7 @@ def test_config_errors_show_the_numbers():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg_err")), arch="v3", seed=3)
 
 
@@ -85,7 +85,7 @@ def test_bad_config_fails_on_every_rank(tiny, nprocs, disagg, options, message):
 def test_pools_caching_different_layer_counts_fail_on_every_rank(tiny, tmp_path):
     """The prefill rank's copy of the checkpoint has a layer less (or, with MTP, a drafter the other lacks): a
     transfer would send fewer payloads than the decode rank waits for. Once built, every rank names both counts."""
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     shallow = make_tiny_checkpoint(str(tmp_path / "shallow"), arch="v3", seed=3, num_hidden_layers=3)
     outs = run(_build, 2, args=({0: tiny, 1: shallow}, {"all": ONE_ONE}, {0: {}, 1: {}}), timeout_s=90)
     for o in outs:

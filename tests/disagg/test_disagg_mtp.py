@@ -18,7 +18,7 @@ BS = 16
 
 
 def requests(nxt) -> list[dict]:
-    from wideep.launch.tiny_cycle import cycle_prompts
+    from wideep.launch.tiny.cycle import cycle_prompts
     prompts = cycle_prompts(nxt, 4, 45, seed=2)
     # 45 tokens > the prefill's 32-token budget: chunked, its first chunk's MTP rows travel a step before the rest
     reqs = [dict(id=f"r{i}", prompt=p[:12 + 11 * i], max_tokens=20, arrival=2 * i) for i, p in enumerate(prompts)]
@@ -85,7 +85,7 @@ MIN_ACCEPTANCE = {"v3": 0.5, "v32": 0.2, "glm4_moe_lite": 0.35}
 def cycle(request, tmp_path_factory):
     """test_mtp's MTP cycle checkpoints (its seeds): the target follows its cycle most of the time, the MTP layer
     predicts it."""
-    from wideep.launch.tiny_cycle import make_cycle_checkpoint
+    from wideep.launch.tiny.cycle import make_cycle_checkpoint
     arch = request.param
     d, nxt = make_cycle_checkpoint(str(tmp_path_factory.mktemp(f"disagg_mtp_{arch}")), period=12, mix=2.0, gain=20.0,
                                    seed=2 if arch == "glm4_moe_lite" else 1, mtp=True, mtp_mix=0.1, arch=arch)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from wideep.launch import run_config
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.cli import run_config
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.runs import outputs, run_single_and_ranks
 
 BASE = """

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from wideep.launch.prometheus import parse
+from wideep.launch.server.prometheus import parse
 from tests.launch.test_server import (MAX_TOKENS, PROMPTS, ServerProc, complete, reference,  # noqa: F401
                                      request, tiny, write_config)
 

@@ -59,7 +59,7 @@ def _colocated_rank(model_dir: str) -> dict | None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("disagg")), arch="v3", seed=5, initializer_range=0.3)
 
 

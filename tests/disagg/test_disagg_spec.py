@@ -15,7 +15,7 @@ NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2, prom
 
 
 def requests(nxt) -> list[dict]:
-    from wideep.launch.tiny_cycle import cycle_prompts
+    from wideep.launch.tiny.cycle import cycle_prompts
     prompts = cycle_prompts(nxt, 6, 30, seed=2)
     return [dict(id=f"r{i}", prompt=p[:12 + 7 * i], max_tokens=24, arrival=2 * i) for i, p in enumerate(prompts)]
 
@@ -35,7 +35,7 @@ def _rank(model_dir: str, nxt: list[int]) -> dict | str:
 
 @pytest.fixture(scope="module", params=["v3", "v4"])
 def cycle(request, tmp_path_factory):
-    from wideep.launch.tiny_cycle import make_cycle_checkpoint, make_v4_cycle_checkpoint
+    from wideep.launch.tiny.cycle import make_cycle_checkpoint, make_v4_cycle_checkpoint
     d = str(tmp_path_factory.mktemp(f"disagg_spec_{request.param}"))
     if request.param == "v4":
         pytest.importorskip("transformers")

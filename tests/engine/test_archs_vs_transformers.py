@@ -1,7 +1,7 @@
 """DeepSeek-V3.2 (DSA), GLM-4.x-MoE-lite and Kimi-K2.5's text model against transformers, float32:
 prompt logprobs within 1e-4 and 16 greedy tokens equal. V3.2 with index_topk well below the prompts
 (8 against 40-200 tokens) and above every context; models built by transformers and our own tiny
-checkpoints (launch/tiny.py) loaded into transformers' classes."""
+checkpoints (launch/tiny/checkpoint.py) loaded into transformers' classes."""
 from __future__ import annotations
 
 import random
@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("transformers")
 
 from wideep.engine import LLM, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.oracle import hf_greedy, hf_prompt_logprobs, load_tiny_in_hf, make_hf_model
 
 _rng = random.Random(17)
@@ -30,7 +30,7 @@ HF_BUILT = {
     # one dense layer, then MoE; one expert group; dv (24) != dn (16); decoder norms at eps 1e-5
     "glm4_moe_lite": dict(arch="glm4_moe_lite", bias_std=0.2, prompts=SHORT),
 }
-TINY = {  # launch/tiny.py checkpoints as their makers publish them, read by transformers
+TINY = {  # launch/tiny/checkpoint.py checkpoints as their makers publish them, read by transformers
     "v32": dict(prompts=LONG),            # index_topk 16, YaRN, rope_scaling spelling
     "glm4_moe_lite": dict(prompts=SHORT),
     "kimi_k25": dict(prompts=SHORT),      # text under language_model.*, plus a vision tower nobody serves here

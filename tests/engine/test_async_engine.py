@@ -14,7 +14,7 @@ import pytest
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.async_engine import AsyncEngine, EngineDeadError
 from wideep.engine.front.engine import Engine
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7], list(range(2, 40)), [9] * 70, [200, 100, 50, 25, 12]]
 MAX_TOKENS = [12, 5, 9, 1]

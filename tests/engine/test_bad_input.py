@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from wideep.engine import LLM, ConfigError, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

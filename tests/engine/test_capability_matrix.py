@@ -52,9 +52,9 @@ RANK_LOSS = {"on_rank_loss": "continue", "num_redundant_experts": 4, "timeout_s"
 
 # -- the checkpoints and the requests ------------------------------------------------------------------------
 def make_checkpoint(family: str, out_dir: str) -> tuple[str, list[int]]:
-    from wideep.launch.tiny import _write_tokenizer
-    from wideep.launch.tiny_cycle import make_cycle_checkpoint, make_v4_cycle_checkpoint
-    from wideep.launch.tiny_v4 import FLASH, PRO
+    from wideep.launch.tiny.checkpoint import _write_tokenizer
+    from wideep.launch.tiny.cycle import make_cycle_checkpoint, make_v4_cycle_checkpoint
+    from wideep.launch.tiny.v4 import FLASH, PRO
     if family in ("v3", "v32"):
         return make_cycle_checkpoint(out_dir, arch=family, mtp=True, seed=1)
     d, nxt = make_v4_cycle_checkpoint(out_dir, mtp=True, seed=1, vocab_size=256,
@@ -68,7 +68,7 @@ def waves(nxt: list[int], kind: str = "plain") -> list[list[tuple[str, list[int]
     hits once the first wave's blocks are named). kind "structured": half the requests constrained (a regex, a
     choice); "pressure": one wave of 4 prompts of 8 tokens, which a cache of 3 blocks per rank (DeepSeek-V4: of
     every stream) admits two by two and then cannot grow (preemption)."""
-    from wideep.launch.tiny_cycle import cycle_prompts
+    from wideep.launch.tiny.cycle import cycle_prompts
     if kind == "pressure":
         kw = dict(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
         return [[(f"p{i}", p, kw) for i, p in enumerate(cycle_prompts(nxt, 4, 8, seed=6))]]

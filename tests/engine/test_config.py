@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from wideep.engine.model.model_config import ConfigError, ModelConfig
-from wideep.launch.tiny import tiny_config
+from wideep.launch.tiny.checkpoint import tiny_config
 
 
 def test_rope_scaling_and_rope_parameters_agree():

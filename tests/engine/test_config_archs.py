@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 from wideep.engine.model.model_config import ConfigError, ModelConfig
 from wideep.engine.model.loader import CheckpointError, CheckpointReader, text_model_rename
-from wideep.launch.tiny import make_tiny_checkpoint, tiny_config
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint, tiny_config
 
 
 def test_v32_published_config():
@@ -140,7 +140,7 @@ def test_v32_fp8_checkpoint_dequantises_the_indexer(tmp_path):
 
 @pytest.mark.parametrize("arch", ["v32", "glm4_moe_lite", "kimi_k25"])
 def test_make_tiny_cli(arch, tmp_path, capsys):
-    from wideep.launch.cli import main
+    from wideep.launch.cli.main import main
     main(["make-tiny", "--out", str(tmp_path), "--arch", arch])
     assert "wrote a tiny" in capsys.readouterr().out
     reader = CheckpointReader(str(tmp_path), rename=text_model_rename if arch == "kimi_k25" else None)

@@ -12,7 +12,7 @@ import torch
 
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.engine import Engine
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.engine.test_engine import drive, greedy
 from tests.parallel.spawn import spawn
 

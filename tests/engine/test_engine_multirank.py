@@ -42,7 +42,7 @@ def _rank(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("serve_mr")), arch="v3", seed=5, initializer_range=0.3)
     return d, alone(d, requests())
 

@@ -102,7 +102,7 @@ def test_prefix_cache_hit_equals_recompute(model_dir):  # noqa: F811
 
 def test_config_accepts_fp4_and_refuses_a_kv_lora_rank_it_cannot_group(model_dir, tmp_path):  # noqa: F811
     assert EngineConfig.from_options(model_dir, world_size=1, kv_cache_dtype="fp4").kv_cache_dtype == "fp4"
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=1, kv_lora_rank=24)
     with pytest.raises(ValueError, match="kv_cache_dtype fp4 needs kv_lora_rank a positive multiple of 16.*got 24"):
         LLM(d, progress=False, block_size=16, kv_cache_blocks=16, kv_cache_dtype="fp4")
@@ -112,7 +112,7 @@ def test_dsa_model_on_fp4_cache(tmp_path):
     """DeepSeek-V3.2's tiny model (DSA, C 32): SparseMLA over packed fp4 latents, the indexer keys in float32
     (4 x 32 x 4 bytes); prompt-logprob drift measured mean 0.250, max 1.63 nats (4 prompts; fp8: mean 0.12,
     max 0.82 in test_fp8_kv_cache.py). Bounds: mean 0.45, max 3.0."""
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v32", seed=5, initializer_range=0.1)
     sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=0, ignore_eos=True)
     lp = {}

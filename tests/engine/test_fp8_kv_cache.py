@@ -11,7 +11,7 @@ import torch
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.engine import Engine
 from wideep.engine.engine_config import EngineConfig
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 rng = random.Random(3)
 PROMPTS = [[rng.randrange(2, 200) for _ in range(rng.randint(20, 120))] for _ in range(8)]

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(unusable() is not None, reason=f"CPU kernels not
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     from wideep.engine import LLM
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("stack")), "v3", num_hidden_layers=3, first_k_dense_replace=1,
                              n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2, vocab_size=200,
                              seed=3, initializer_range=0.2)
@@ -169,7 +169,7 @@ def test_the_reason_is_counted_for_every_step_it_does_not_fuse(llm):
 
 
 def test_prometheus_shows_the_paths_and_reasons():
-    from wideep.launch.prometheus import parse, render
+    from wideep.launch.server.prometheus import parse, render
     text = render({"per_rank": [{"decode_steps_stack": 7, "decode_steps_ops": 2, "decode_declined_too_many_rows": 2,
                                  "decode_stack_declined_ep_group": 0}]})
     got = parse(text)

@@ -7,8 +7,8 @@ import os
 
 from wideep.engine import LLM
 from wideep.engine.generation_defaults import generation_defaults
-from wideep.launch.openai_api import parse_completion
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.server.openai_api import parse_completion
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 
 def _checkpoint(tmp_path, **gen):

@@ -42,7 +42,7 @@ def _front_dies_while_idle(model_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("idle")), arch="v3", seed=2)
 
 

@@ -11,7 +11,7 @@ from wideep.engine import LLM, SamplingParams
 from wideep.engine.sched.sequence import Sequence
 from wideep.engine.worker.logits_process import LogitsProcessor
 from wideep.engine.worker.sampler import filter_logits
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 V = 32
 

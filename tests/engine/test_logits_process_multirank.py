@@ -31,7 +31,7 @@ def _rank(model_dir: str) -> dict:
 
 @pytest.mark.multirank
 def test_two_ranks_equal_one_process(tmp_path):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=5, initializer_range=0.3)
     want = {rid: c.token_ids for rid, c in run_in_one_process(d, requests(), block_size=16, kv_cache_blocks=64).items()}
     front, worker = spawn(_rank, 2, args=(d,), timeout_s=300)

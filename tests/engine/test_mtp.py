@@ -7,7 +7,7 @@
   transformers' own final hidden states: the engine's first and second drafts after a prefill are that
   reference's argmaxes.
 - Greedy outputs equal no speculation (k = 1 and 3; V3.2 and GLM-lite, its config with and without
-  mlp_layer_types), under preemption, with stop tokens; the MTP models of launch/tiny_cycle.py accept part of
+  mlp_layer_types), under preemption, with stop tokens; the MTP models of launch/tiny/cycle.py accept part of
   their drafts; a checkpoint without an MTP layer, or whose config names one it does not hold, is refused.
 - draft_dtype "bfloat16" beside a float32 model: the layer's weights bfloat16 (router and embeddings float32), its
   passes on the fused C halves and, past the kernels' row limits, on BLAS over float32 copies; greedy outputs equal,
@@ -24,8 +24,8 @@ import torch
 
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.engine import Engine
-from wideep.launch import tiny_cycle
-from wideep.launch.tiny_cycle import make_cycle_checkpoint
+from wideep.launch.tiny import cycle as tiny_cycle
+from wideep.launch.tiny.cycle import make_cycle_checkpoint
 from tests.engine.test_engine import drive, workload
 
 pytest.importorskip("transformers")

@@ -74,7 +74,7 @@ def _serve(model_dir: str, victims: dict, options: dict | None = None, vocab: in
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path_factory.mktemp("elastic")), arch="v3", seed=5, initializer_range=0.3)
     reference = spawn(_serve, 4, args=(d, {}), timeout_s=300)[0]["got"]
     return d, reference
@@ -108,7 +108,7 @@ def test_a_lost_rank_loses_no_request_deepseek_v4(tmp_path, layers):
     back from the checkpoint under V4's tensor names."""
     pytest.importorskip("transformers")
     from tests.oracle_v4 import make_v4_model
-    from wideep.launch.tiny_v4 import FLASH, PRO
+    from wideep.launch.tiny.v4 import FLASH, PRO
     d = str(tmp_path / "v4")
     make_v4_model(d, layer_types=FLASH if layers == "flash" else PRO)
     options = dict(kv_cache_blocks=None, kv_cache_memory=64 << 20)
@@ -212,7 +212,7 @@ def _serve_without_checkpoint(model_dir: str) -> None:
 @pytest.mark.multirank
 @pytest.mark.slow
 def test_an_expert_with_no_replica_and_no_checkpoint_is_a_clear_error(tmp_path):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path / "gone"), arch="v3", seed=5, initializer_range=0.3)
     outs = run(_serve_without_checkpoint, 4, args=(d,), timeout_s=300)
     assert outs[2].returncode == -9

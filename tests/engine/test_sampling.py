@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from wideep.engine import LLM, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 PROMPTS = [[5, 9, 77, 3], [100, 2]]
 

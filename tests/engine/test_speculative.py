@@ -4,7 +4,7 @@
 - Rejection sampling is exact: the tokens verify() emits are distributed as plain sampling's (many
   seeded trials on a 6-token vocabulary, frequencies within a few standard errors).
 - Greedy outputs (tokens and logprobs) equal without speculation: on a random tiny model (drafts
-  mostly rejected) and on launch/tiny_cycle's model (drafts mostly right), k = 1..3, under KV
+  mostly rejected) and on launch/tiny/cycle.py's model (drafts mostly right), k = 1..3, under KV
   pressure with preemption and prefix caching, with stop tokens and max_tokens inside the accepted
   drafts; the metrics count the drafts; bad configs are errors that name the problem.
 """
@@ -22,9 +22,9 @@ from wideep.engine.spec_decode.config import SpeculativeConfig
 from wideep.engine.spec_decode.ngram import NgramIndex, propose_reference
 from wideep.engine.worker.sampler import filter_logits
 from wideep.engine.spec_decode.verify import verify
-from wideep.launch.tiny import make_tiny_checkpoint
-from wideep.launch import tiny_cycle
-from wideep.launch.tiny_cycle import make_cycle_checkpoint
+from wideep.launch.tiny import cycle as tiny_cycle
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
+from wideep.launch.tiny.cycle import make_cycle_checkpoint
 from tests.engine.test_engine import drive, workload
 
 
@@ -313,7 +313,7 @@ def test_disable_by_batch_size_turns_drafting_off(cycle):
 
 
 def test_prometheus_has_the_spec_decode_families(cycle):
-    from wideep.launch.prometheus import render
+    from wideep.launch.server.prometheus import render
     d, nxt = cycle
     _, m = generate(d, cycle_prompts(nxt, 2), ngram(2), max_tokens=12)
     text = render(m)

@@ -54,7 +54,7 @@ def _rank(model_dir: str, nxt: list[int], dbo: bool, method: str, at_once: bool 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    from wideep.launch.tiny_cycle import make_cycle_checkpoint
+    from wideep.launch.tiny.cycle import make_cycle_checkpoint
     from tests.engine.test_engine import alone
     d, nxt = make_cycle_checkpoint(str(tmp_path_factory.mktemp("spec_mr")), period=12, mix=2.0, gain=20.0, seed=1,
                                    mtp=True, mtp_mix=0.1)
@@ -82,7 +82,7 @@ def test_speculative_on_dp_ranks_equals_alone(reference, dp, dbo, method):
 
 @pytest.fixture(scope="module")
 def reference_v32(tmp_path_factory):
-    from wideep.launch.tiny_cycle import make_cycle_checkpoint
+    from wideep.launch.tiny.cycle import make_cycle_checkpoint
     from tests.engine.test_engine import alone
     d, nxt = make_cycle_checkpoint(str(tmp_path_factory.mktemp("spec_mr_v32")), period=12, mix=2.0, gain=20.0,
                                    seed=1, mtp=True, mtp_mix=0.1, arch="v32")

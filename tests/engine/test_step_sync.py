@@ -64,7 +64,7 @@ def test_sync_gives_every_rank_the_same_plan():
 
 @pytest.mark.multirank
 def test_engine_passes_the_steps_plan_to_every_dispatch(tmp_path):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     from wideep.parallel import StepPlan
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=1)
     ranks = spawn(_engine_plans, 2, args=(d,), timeout_s=120)

@@ -12,7 +12,7 @@ import pytest
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.engine import Engine
 from wideep.engine.front.stop_strings import StopMatcher, find_stop, hold_back
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 PROMPT = "hello world"
 MAX = 32

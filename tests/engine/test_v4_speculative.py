@@ -3,7 +3,7 @@ its drafts, and the rejected drafts must leave no trace in its streams.
 
 - The compressor's Rewind rebuilds, for every position of a chunk, the state feeding only the tokens before it
   gives (CSA with its overlap rows, HCA), to float32 rounding (the projections of 7 rows and of 1 round apart).
-- Greedy outputs (tokens, logprobs within 1e-4) equal without speculation on launch/tiny_cycle's V4 model (drafts
+- Greedy outputs (tokens, logprobs within 1e-4) equal without speculation on launch/tiny/cycle.py's V4 model (drafts
   mostly right, some rejected, so windows close on rejected drafts), both layer orders, k = 1 and 3, with DBO
   cutting verification chunks between microbatches, under KV pressure with preemption and prefix caching, and
   with stop tokens inside the accepted drafts; every pool is whole after.
@@ -20,8 +20,8 @@ from wideep.attention_mla.rope import RotaryEmbedding
 from wideep.attention_v4.compressor import Compressor, CompressorState
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.engine import Engine
-from wideep.launch.tiny_cycle import cycle_prompts, make_v4_cycle_checkpoint
-from wideep.launch.tiny_v4 import PRO
+from wideep.launch.tiny.cycle import cycle_prompts, make_v4_cycle_checkpoint
+from wideep.launch.tiny.v4 import PRO
 from tests.engine.test_engine import drive, workload
 from tests.engine.test_speculative import ngram, same
 
@@ -220,7 +220,7 @@ def mtp(k=3, **kw):
 
 @pytest.fixture(scope="module", params=["flash", "pro"])
 def mtp_cycle(request, tmp_path_factory):
-    """launch/tiny_cycle.py's V4 model with an MTP block built to predict the token after next (acceptance ~0.86
+    """launch/tiny/cycle.py's V4 model with an MTP block built to predict the token after next (acceptance ~0.86
     at k = 3 on the flash order)."""
     kw = {} if request.param == "flash" else dict(layer_types=PRO)
     return make_v4_cycle_checkpoint(str(tmp_path_factory.mktemp("v4mtp")), period=12, mix=0.25, gain=20.0, seed=1,

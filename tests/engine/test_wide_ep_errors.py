@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.faults import sigkill_at_step
 from tests.parallel.spawn import run
 

@@ -15,7 +15,7 @@ PROMPTS = [[3 + (7 * i + j) % 200 for j in range(4 + (5 * i) % 23)] for i in ran
 
 @pytest.fixture(scope="module")
 def v3_routing(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("width")), arch="v3", seed=2, hidden_size=32,
                                 num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=64, n_group=8,
                                 topk_group=4, num_experts_per_tok=8, moe_intermediate_size=16, initializer_range=0.3)

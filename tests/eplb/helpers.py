@@ -22,7 +22,7 @@ def make_skewed_checkpoint(out_dir: str, seed: int = 5, boost: float = 0.3) -> s
     to 4 experts per MoE layer: without EPLB one or two EP ranks do most expert work."""
     from safetensors.torch import load_file, save_file
 
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     make_tiny_checkpoint(out_dir, arch="v3", seed=seed)
     path = os.path.join(out_dir, "model.safetensors")
     tensors = load_file(path)

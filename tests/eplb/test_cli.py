@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from wideep.eplb import EplbConfig
-from wideep.launch.cli import main
+from wideep.launch.cli.main import main
 from tests.eplb.helpers import build_llm, experts_match_checkpoint, generate, make_skewed_checkpoint, max_diff
 
 

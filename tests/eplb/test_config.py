@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from wideep.eplb import EplbConfig
-from wideep.launch import run_config
+from wideep.launch.cli import run_config
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("triton")
 
 from wideep.engine import LLM, SamplingParams  # noqa: E402
-from wideep.launch.tiny import make_tiny_checkpoint  # noqa: E402
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint  # noqa: E402
 from wideep.moe.backend import resolve_experts_backend  # noqa: E402
 from wideep.moe.fp8_linear import Fp8Linear  # noqa: E402
 from wideep.attention_mla.paged_decode import resolve_attention_backend  # noqa: E402

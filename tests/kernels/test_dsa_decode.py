@@ -80,7 +80,7 @@ def test_v32_served_with_triton_attention_matches_torch(tmp_path, monkeypatch, d
     scores kernel and the paged decode run at every decode step, tokens and logprobs equal torch's."""
     import wideep.attention_mla.triton_indexer as ti
     from wideep.engine import LLM, SamplingParams
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     from tests.kernels.test_backends_e2e import PROMPTS
     calls = {"scores": 0}
     real = ti.index_scores_paged

@@ -103,7 +103,7 @@ def test_deepgemm_experts_when_installed():
 
 def test_model_on_cuda_auto_backends_equal_torch(tmp_path):
     from wideep.engine import LLM, SamplingParams
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), "v3")
     sp = SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, ignore_eos=True)
     prompts = [[3, 17, 42, 99, 5], [7, 8]]

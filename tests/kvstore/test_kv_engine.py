@@ -13,8 +13,8 @@ import pytest
 from wideep.engine import SamplingParams
 from wideep.engine.front.engine import Engine
 from wideep.kvstore.hashing import hex_of, prefix_chain
-from wideep.launch.prometheus import parse, render
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.server.prometheus import parse, render
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 BS = 16
 BLOCK_BYTES = 4 * BS * 40 * 4          # the tiny model: 4 layers, latent 32 + rope 8, float32

@@ -91,7 +91,7 @@ def _disagg(model_dir: str):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     return make_tiny_checkpoint(str(tmp_path_factory.mktemp("route")), arch="v3", seed=5, initializer_range=0.3)
 
 

@@ -146,7 +146,7 @@ def test_store_spills_loads_and_reads_exact_rows(tmp_path):
 
 
 def test_identity_follows_weights_config_dtype_and_block_size(tmp_path):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     a = make_tiny_checkpoint(str(tmp_path / "a"), seed=1)
     b = make_tiny_checkpoint(str(tmp_path / "b"), seed=2)           # same config, other weights
     c = make_tiny_checkpoint(str(tmp_path / "c"), seed=1)           # a copy of a
@@ -177,7 +177,7 @@ def test_config_errors_show_the_values(bad, match):
 
 def test_engine_config_nests_kv_cache(tmp_path):
     from wideep.engine.engine_config import EngineConfig
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path / "m"))
     cfg = EngineConfig.from_sections({"model": {"path": d}, "kv_cache": {"tiers": ["host"], "routing": "least_loaded"}},
                                      world_size=1)

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from wideep.launch.local import run_local_ranks
+from wideep.launch.cli.local import run_local_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

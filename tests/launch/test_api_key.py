@@ -11,7 +11,7 @@ import os
 import pytest
 
 from wideep.engine import LLM, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.test_server import ServerProc, request
 
 KEY = "sk-wideep-test-9f2c"
@@ -111,7 +111,7 @@ def test_protect_metrics(tiny):
 
     from wideep.engine.front.async_engine import AsyncEngine
     from wideep.engine.front.engine import Engine
-    from wideep.launch.server import Server
+    from wideep.launch.server.app import Server
 
     async def go():
         aengine = AsyncEngine(Engine(tiny, progress=False, max_model_len=64, kv_cache_blocks=16))

@@ -9,10 +9,10 @@ import json
 import pytest
 from tokenizers import Tokenizer
 
-from wideep.launch import reasoning, tool_parsers
-from wideep.launch.chat_http import ChatOutput
-from wideep.launch.dsv32_encoding import encode_messages
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.chat import reasoning, tool_parsers
+from wideep.launch.chat.dsv32_encoding import encode_messages
+from wideep.launch.server.chat_http import ChatOutput
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 V3 = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```"
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
@@ -107,7 +107,7 @@ def test_chat_output_on_the_fronts_text(tmp_path):
 def test_template_renders_as_transformers_does(style, tmp_path):
     """transformers' apply_chat_template is the oracle for the rendering (sandbox, globals, tojson)."""
     transformers = pytest.importorskip("transformers")
-    from wideep.launch.chat_template import load_chat_template
+    from wideep.launch.chat.chat_template import load_chat_template
     d = make_tiny_checkpoint(str(tmp_path), chat_template_style=style)
     tools = [{"type": "function", "function": {"name": "f", "description": "é", "parameters": {"type": "object"}}}]
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"},
@@ -128,7 +128,7 @@ def test_template_renders_as_transformers_does(style, tmp_path):
 
 
 def test_chat_template_override(tmp_path):
-    from wideep.launch.chat_template import TemplateError, load_chat_template
+    from wideep.launch.chat.chat_template import TemplateError, load_chat_template
     d = make_tiny_checkpoint(str(tmp_path / "m"))
     f = tmp_path / "t.jinja"
     f.write_text("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}{{ strftime_now('%Y')[:0] }}")

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from wideep.engine.front.outputs import RequestState
 from wideep.engine.sampling_params import RequestOutput
 from wideep.engine.worker.messages import Delta
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.test_chat_parsers import V3, V31, V32
 
 openai = pytest.importorskip("openai")
@@ -72,7 +72,7 @@ class ScriptedEngine:
 def run(case: str, fn, auto_tools: bool = True):
     from aiohttp.test_utils import TestServer
 
-    from wideep.launch.server import Server
+    from wideep.launch.server.app import Server
     arch, style, opts, _, _ = CASES[case]
 
     async def go(tmp):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.test_server import ServerProc, request
 
 openai = pytest.importorskip("openai")

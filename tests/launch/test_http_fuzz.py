@@ -11,7 +11,7 @@ import json
 import pytest
 
 from wideep.engine import LLM, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.test_server import ServerProc, metrics
 
 CONFIG = """
@@ -242,7 +242,7 @@ def test_a_handler_bug_is_a_json_500_and_the_next_request_works(tiny, want, monk
 
     from wideep.engine.front.async_engine import AsyncEngine
     from wideep.engine.front.engine import Engine
-    from wideep.launch import server as server_mod
+    from wideep.launch.server import app as server_mod
 
     real = server_mod.parse_completion
     calls = []
@@ -383,7 +383,7 @@ def test_a_repeated_x_request_id_in_flight_gets_a_suffix(tiny, want):
 
     from wideep.engine.front.async_engine import AsyncEngine
     from wideep.engine.front.engine import Engine
-    from wideep.launch.server import Server
+    from wideep.launch.server.app import Server
 
     async def go():
         aengine = AsyncEngine(Engine(tiny, progress=False, max_model_len=64, kv_cache_blocks=16))

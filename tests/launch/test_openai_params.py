@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from wideep.engine import LLM, SamplingParams
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.test_server import ServerProc, write_config
 
 openai = pytest.importorskip("openai")

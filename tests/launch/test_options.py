@@ -1,4 +1,4 @@
-"""The flag table (launch/options.py): every flag is a run-config key; `wideep serve|run|generate
+"""The flag table (launch/cli/options.py): every flag is a run-config key; `wideep serve|run|generate
 MODEL_DIR` works without a config; flags override the file; the API key comes from flag > env > file."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 
 from wideep.engine import LLM, SamplingParams
-from wideep.launch import run_config
-from wideep.launch.cli import build_parser, main
-from wideep.launch.options import OPTIONS, SERVE, resolve
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.cli import run_config
+from wideep.launch.cli.main import build_parser, main
+from wideep.launch.cli.options import OPTIONS, SERVE, resolve
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 CONFIG = """
 [model]
@@ -46,7 +46,7 @@ def test_every_flag_is_a_run_config_key():
 
 
 def test_dispatch_backend_choices_are_the_configs():
-    """launch/options.py lists them literally (no torch import for `wideep --help`)."""
+    """launch/cli/options.py lists them literally (no torch import for `wideep --help`)."""
     from wideep.parallel.config import DISPATCH_BACKENDS
     [opt] = [o for o in OPTIONS if o.key == "parallel.dispatch_backend"]
     assert opt.spec["choices"] == list(DISPATCH_BACKENDS)
@@ -69,6 +69,15 @@ def test_quantization_choices_are_the_loaders():
     assert opt.spec["choices"] == list(QUANTIZATION)
     args = build_parser().parse_args(["generate", "m", "--quantization", "none"])
     assert resolve(args, "generate")["model"]["quantization"] == "none"
+
+
+def test_speculative_config_help_names_every_method_and_key():
+    import dataclasses
+
+    from wideep.engine.spec_decode.config import METHODS, SpeculativeConfig
+    [opt] = [o for o in OPTIONS if o.key == "speculative.*"]
+    for name in (*METHODS, *(f.name for f in dataclasses.fields(SpeculativeConfig))):
+        assert name in opt.help, name
 
 
 def test_engine_section_keys_are_engine_options():
@@ -199,10 +208,10 @@ def test_served_model_names_and_allowed_origins():
 
 
 def test_serve_on_cpu_defaults_the_prefill_budget_to_2048():
-    """launch/server.py serving_defaults: serve's CPU budget where the run config is silent; an explicit one, a
+    """launch/cli/serve.py serving_defaults: serve's CPU budget where the run config is silent; an explicit one, a
     CUDA device and prefill/decode pools keep theirs (the library's default stays EngineConfig's 8192)."""
     from wideep.engine.engine_config import EngineConfig
-    from wideep.launch.server import SERVE_CPU_MAX_NUM_BATCHED_TOKENS, serving_defaults
+    from wideep.launch.cli.serve import SERVE_CPU_MAX_NUM_BATCHED_TOKENS, serving_defaults
     kw = run_config.llm_kwargs(resolve(_parse("serve", "/m"), SERVE, env={}))
     assert "max_num_batched_tokens" not in kw
     assert serving_defaults(dict(kw, device="cpu"))["max_num_batched_tokens"] == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048

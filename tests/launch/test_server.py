@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from wideep.engine import LLM, SamplingParams
-from wideep.launch.local import LAUNCHER_VARS, start_ranks
-from wideep.launch.prometheus import parse
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.cli.local import LAUNCHER_VARS, start_ranks
+from wideep.launch.server.prometheus import parse
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 PROMPTS = [[5, 6, 7], list(range(2, 40)), [9] * 70, "hello world"]
 MAX_TOKENS = [12, 5, 9, 7]
@@ -44,7 +44,7 @@ model_name = "tiny"
 
 class ServerProc:
     """`python -m wideep.launch serve <args>` (a config path: `--config` it) on `ranks` local ranks
-    (torchrun-style env, as launch/local.py sets it); env: extra environment variables."""
+    (torchrun-style env, as launch/cli/local.py sets it); env: extra environment variables."""
 
     def __init__(self, args: str | list[str], ranks: int = 1, start_timeout_s: float = 120.0,
                  env: dict[str, str] | None = None):
@@ -335,7 +335,7 @@ def test_two_ranks_worker_loop(tiny, reference, tmp_path):
 
 
 def test_prometheus_per_rank_families():
-    from wideep.launch.prometheus import render
+    from wideep.launch.server.prometheus import render
     ranks = [{"running": 1, "kv_blocks_used": 3, "dispatch_bytes_remote": 4096, "dbo_split_steps": 7,
               "eplb_rebalances": 2, "eplb_balancedness": 0.93},
              {"running": 0, "kv_blocks_used": 0, "dispatch_bytes_remote": 1024, "dbo_split_steps": 7,
@@ -381,7 +381,7 @@ def test_a_streaming_completion_survives_a_worker_loss(tiny, tmp_path):
 
 
 def test_prometheus_routing_histogram_and_tiers():
-    from wideep.launch.prometheus import render
+    from wideep.launch.server.prometheus import render
     ranks = [{"running": 0, "dispatch_bytes_intra": 300, "dispatch_bytes_inter": 200,
               "moe_nodes_per_token": [1, 10, 5, 0, 0], "moe_nodes_per_token_step": [0, 3, 2, 0, 0]},
              {"running": 0, "moe_nodes_per_token": [0, 0, 0, 0, 0], "moe_nodes_per_token_step": [0, 0, 0, 0, 0]}]

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -37,7 +37,7 @@ def serve(model_dir, fn):
 
     from wideep.engine.front.async_engine import AsyncEngine
     from wideep.engine.front.engine import Engine
-    from wideep.launch.server import Server
+    from wideep.launch.server.app import Server
 
     async def go():
         aengine = AsyncEngine(Engine(model_dir, progress=False, max_model_len=2048, kv_cache_blocks=256, block_size=16))
@@ -150,7 +150,7 @@ def test_bad_structured_requests_are_400(model_dir, extra, needle):
 def test_backend_flag():
     import argparse
 
-    from wideep.launch.options import add_options
+    from wideep.launch.cli.options import add_options
     p = argparse.ArgumentParser()
     add_options(p, "serve")
     assert p.parse_args(["d", "--structured-outputs-backend", "guidance"]).engine__structured_outputs_backend == "guidance"

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from wideep.engine.model.model_config import ModelConfig
 from wideep.engine.model.loader import CheckpointReader, load_weights
-from wideep.launch.tiny import checkpoint_shapes, make_tiny_checkpoint, tiny_config
+from wideep.launch.tiny.checkpoint import checkpoint_shapes, make_tiny_checkpoint, tiny_config
 from wideep.moe.fp8 import FP8_DTYPE
 
 
@@ -145,7 +145,7 @@ def test_v4_loads_in_transformers_and_generates_through_llm(tmp_path, capsys):
     if not hasattr(transformers, "DeepseekV4Config"):
         pytest.skip("transformers without DeepSeek-V4")
     from wideep.engine import LLM, SamplingParams
-    from wideep.launch.cli import main
+    from wideep.launch.cli.main import main
     main(["make-tiny", "--out", str(tmp_path), "--arch", "v4"])
     assert "wrote a tiny DeepSeek-V4 checkpoint" in capsys.readouterr().out
     hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), output_loading_info=True)

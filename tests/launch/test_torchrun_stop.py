@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from wideep.launch.local import free_port
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.cli.local import free_port
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.runs import REPO
 
 pytestmark = pytest.mark.multirank

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from wideep.launch.local import LAUNCHER_VARS, free_port, start_ranks  # noqa: F401 (free_port: for tests)
+from wideep.launch.cli.local import LAUNCHER_VARS, free_port, start_ranks  # noqa: F401 (free_port: for tests)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -114,6 +114,6 @@ def test_make_dispatcher_errors():
 def test_every_parallel_key_is_a_run_config_key():
     import dataclasses
 
-    from wideep.launch.run_config import validate
+    from wideep.launch.cli.run_config import validate
     keys = {f.name: getattr(ParallelConfig(), f.name) for f in dataclasses.fields(ParallelConfig)}
     assert validate({"model": {"path": "m"}, "parallel": keys})["parallel"]["ranks_per_node"] == 0

@@ -12,7 +12,7 @@ import pytest
 
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.front.engine import Engine
-from wideep.launch.tiny import make_tiny_checkpoint
+from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from wideep.structured.params import StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")

@@ -43,7 +43,7 @@ def _rank(model_dir: str) -> dict:
 
 @pytest.mark.multirank
 def test_four_ranks_equal_one_process(tmp_path):
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=5, initializer_range=0.3)
     reqs = requests()
     want = {rid: (c.token_ids, c.finish_reason)
@@ -76,7 +76,7 @@ def _disagg_rank(model_dir: str) -> dict | None:
 def test_disaggregated_prefill_then_decode_equals_one_process(tmp_path):
     """The prefill pool samples the first token under the grammar; the decode pool's matcher replays
     it and goes on: the outputs are one process's."""
-    from wideep.launch.tiny import make_tiny_checkpoint
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     d = make_tiny_checkpoint(str(tmp_path), arch="v3", seed=5, initializer_range=0.3)
     want = {rid: (c.token_ids, c.finish_reason)
             for rid, c in run_in_one_process(d, requests(), block_size=16, kv_cache_blocks=64).items()}

@@ -1,6 +1,6 @@
 """A tiny random DeepSeek-V4 (DeepseekV4ForCausalLM), built with transformers 5.24's own classes and saved by them:
 V4's tensor layout is transformers' to define for its reference implementation, so the checkpoint is written
-through it rather than by hand (launch/tiny.py writes the V2/V3 ones without transformers).
+through it rather than by hand (launch/tiny/checkpoint.py writes the V2/V3 ones without transformers).
 
 transformers initialises several V4 tensors to values that hide bugs (its hash table tid2eid is all zeros, the gate
 biases, attention sinks, compressor position biases and hyper-connection bases are zeros, their scales and the

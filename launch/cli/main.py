@@ -13,7 +13,7 @@ TINY_NAMES = {"v2": "DeepSeek-V2", "v3": "DeepSeek-V3", "v32": "DeepSeek-V3.2", 
 
 
 def cmd_make_tiny(a) -> None:
-    from .tiny import make_tiny_checkpoint
+    from ..tiny.checkpoint import make_tiny_checkpoint
     style = None if a.chat_template_style == "none" else a.chat_template_style
     path = make_tiny_checkpoint(a.out, arch=a.arch, fp8=a.fp8, seed=a.seed, chat_template_style=style)
     print(f"wrote a tiny {TINY_NAMES[a.arch]}{' FP8' if a.fp8 else ''} checkpoint to {path}")
@@ -54,7 +54,7 @@ def cmd_demo(a) -> None:
     import random
 
     from .local import run_local_ranks
-    from .tiny import make_tiny_checkpoint
+    from ..tiny.checkpoint import make_tiny_checkpoint
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as d:
         make_tiny_checkpoint(d, arch="v3", seed=0)
@@ -116,13 +116,13 @@ def cmd_run(a) -> None:
 
 
 def cmd_serve(a) -> None:
-    """OpenAI-compatible HTTP server on rank 0 (launch/server.py); SPMD under torchrun/mpirun."""
+    """OpenAI-compatible HTTP server on rank 0 (launch/cli/serve.py); SPMD under torchrun/mpirun."""
     from .options import SERVE, resolve
     try:
-        from . import server
+        from .serve import serve
     except ImportError as e:
         raise SystemExit(f"wideep serve needs aiohttp: pip install -e '.[serve]' ({e})") from None
-    rc = server.serve(resolve(a, SERVE))
+    rc = serve(resolve(a, SERVE))
     if rc:
         raise SystemExit(rc)
 

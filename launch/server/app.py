@@ -1,30 +1,30 @@
-"""`wideep serve --config x.toml`: an OpenAI-compatible HTTP server (aiohttp) on rank 0; every other
-rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engine.shutdown().
+"""The OpenAI-compatible HTTP server (aiohttp) of `wideep serve`, on rank 0 (serve_front); every other
+rank follows rank 0's steps in engine.run_worker_loop() until rank 0 calls engine.shutdown() (launch/cli/serve.py
+builds the engine on every rank).
 
-    POST /v1/completions   OpenAI completions (a prompt or a batch; n, stop, echo: launch/openai_api.py),
+    POST /v1/completions   OpenAI completions (a prompt or a batch; n, stop, echo: launch/server/openai_api.py),
                            stream true (SSE `data: {...}` chunks, `data: [DONE]`) | false
-    POST /v1/chat/completions  OpenAI chat (launch/chat_http.py: template, reasoning, tool calls)
+    POST /v1/chat/completions  OpenAI chat (launch/server/chat_http.py: template, reasoning, tool calls)
     GET  /v1/models        the served names (vLLM's model cards: root, created, max_model_len)
     POST /tokenize         vLLM's: {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize       vLLM's: {"tokens"} -> {"prompt"}
     GET  /version          {"version": wideep's version}
     GET  /health           200 while the engine serves, 503 once it has stopped
-    GET  /metrics          Prometheus text (launch/prometheus.py)
+    GET  /metrics          Prometheus text (launch/server/prometheus.py)
 
 Every error is JSON {"error": {"message", "type", "code"}}: bad input 400 (404 an unknown model or
 path, 405 a wrong method, 413 a body over 1 MiB, 415 a non-JSON Content-Type), and the server goes on
-serving. With an API key ([server] api_key, --api-key, WIDEEP_API_KEY), /v1/* (and /metrics with
-protect_metrics) answer 401 unless the request sends `Authorization: Bearer KEY`; /health stays open
-for load balancers. A client that disconnects aborts its request (handler_cancellation, plus failed
+serving. With an API key ([server] api_key, --api-key, WIDEEP_API_KEY; launch/server/api_key.py), /v1/*
+(and /metrics with protect_metrics) answer 401 unless the request sends `Authorization: Bearer KEY`;
+/health stays open for load balancers. A client that disconnects aborts its request (handler_cancellation, plus failed
 writes). SIGINT/SIGTERM to rank 0: stop accepting, abort in-flight requests, engine.shutdown()
 (releases the workers, which ignore these signals so that a launcher signalling every rank stops
-them cleanly). A request's `X-Request-Id` header becomes its id and is echoed (launch/request_ids.py);
-CORS is off unless allowed_origins names origins (launch/cors.py).
+them cleanly). A request's `X-Request-Id` header becomes its id and is echoed (launch/server/request_ids.py);
+CORS is off unless allowed_origins names origins (launch/server/cors.py).
 """
 from __future__ import annotations
 
 import asyncio
-import hmac
 import os
 import signal
 import sys
@@ -37,6 +37,7 @@ from wideep.engine.front.async_engine import AsyncEngine, EngineDeadError
 from wideep.engine.generation_defaults import generation_defaults
 
 from . import chat_http, prometheus, tokenize_api
+from .api_key import ApiKey
 from .cors import Cors
 from .http_body import _error, _sse, read_json
 from .openai_api import BadRequest, Completion, cached_tokens, parse_completion
@@ -58,8 +59,7 @@ class Server:
                  chat: dict | None = None):
         self.aengine, self.model_name, self.aliases = aengine, model_name, (*aliases, *unlisted)
         self.listed = (model_name, *aliases)
-        self._key = f"Bearer {api_key}".encode() if api_key else None
-        self.protect_metrics = protect_metrics
+        self.api_key = ApiKey(api_key, protect_metrics) if api_key else None
         self.cors = Cors(tuple(allowed_origins)) if allowed_origins else None
         core = aengine.engine.core
         self.tokenizer, self.root, self.max_model_len = core.tokenizer, core.model_dir, core.max_model_len
@@ -72,17 +72,12 @@ class Server:
         self.decode_ids = tok.decode if tok is not None else None
         self.chat = chat_http.make_handler(self, **(chat or {}))
 
-    def _needs_key(self, path: str) -> bool:
-        return self._key is not None and (path.startswith("/v1/") or (self.protect_metrics and path == "/metrics"))
-
     @web.middleware
     async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
         """API key check, and every error answered as JSON (aiohttp's own 404/405/413 are text)."""
-        if self._needs_key(request.path):
-            got = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(got, self._key):  # constant time: no timing oracle on the key
-                return _error(401, "missing or invalid API key: send the header `Authorization: Bearer <key>`",
-                              headers={"WWW-Authenticate": "Bearer"})
+        refused = self.api_key.refusal(request) if self.api_key else None
+        if refused is not None:
+            return refused
         try:
             return await handler(request)
         except web.HTTPException as e:
@@ -289,51 +284,3 @@ async def serve_front(engine, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT
     print(f"wideep serve: stopped{f' ({err!r})' if err else ''}", file=sys.stderr if died else sys.stdout,
           flush=True)
     return 1 if died or err else 0
-
-
-# serve's chunked-prefill budget on CPU when the run config sets none (the library's LLM / Engine keep 8192, as
-# vLLM keeps a smaller budget for its server than for its LLM class). Measured with `bench/vs_vllm.py
-# --wideep-budgets` (one core, bf16, 128 in / 64 out, docs/benchmarks.md): at concurrency 64, 2048 against 8192
-# gives TTFT p50 1015 ms instead of 1497 at the same TPOT p50 (64.6 / 63.0 ms) and throughput (771 / 760 tok/s);
-# at concurrency 16 the two are equal; 1024 and 512 lower TTFT further (692 / 533 ms) at 13 / 18 % more TPOT.
-SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048
-
-
-def serving_defaults(kwargs: dict) -> dict:
-    """The engine options serve applies where the run config is silent: the CPU budget above (not on CUDA, and
-    not for prefill/decode pools, which size their own steps)."""
-    import torch
-    device = kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu")
-    if kwargs.get("disagg") is None and "max_num_batched_tokens" not in kwargs and str(device).startswith("cpu"):
-        kwargs = dict(kwargs, max_num_batched_tokens=SERVE_CPU_MAX_NUM_BATCHED_TOKENS)
-    return kwargs
-
-
-def serve(cfg: dict) -> int:
-    """Every rank: build the Engine from the run config; rank 0 serves HTTP, the others follow it."""
-    from wideep.engine.front.engine import Engine
-    from wideep.parallel import launch_rank
-
-    from . import run_config
-    if launch_rank() != 0:
-        # torchrun and Ctrl-C signal every rank at once. A worker that died first would leave rank 0's
-        # graceful shutdown waiting for a lost rank; instead workers leave when rank 0 shuts down
-        # (or, if rank 0 dies, when the watchdog says so). Set before the model loads: rank 0 may
-        # serve, and be signalled, while a slower worker is still loading.
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_IGN)
-    kwargs = serving_defaults(run_config.llm_kwargs(cfg))
-    if kwargs.get("disagg") is not None:  # prefill/decode pools: rank 0 (the front) is a decode rank
-        from wideep.disagg import make_engine
-        engine = make_engine(**kwargs)
-    else:
-        engine = Engine(**kwargs)
-    if not engine.is_front:
-        engine.run_worker_loop()
-        return 0
-    s = cfg.get("server", {})
-    return asyncio.run(serve_front(engine, s.get("host", DEFAULT_HOST), s.get("port", DEFAULT_PORT),
-                                   s.get("model_name"), s.get("api_key"), s.get("protect_metrics", False),
-                                   under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
-                                   allowed_origins=tuple(s.get("allowed_origins") or ()),
-                                   chat={k: s[k] for k in chat_http.OPTIONS if k in s}))

@@ -1,4 +1,4 @@
-"""The /v1/chat/completions handler (launch/server.py routes it): the prompt from the chat template,
+"""The /v1/chat/completions handler (launch/server/app.py routes it): the prompt from the chat template,
 tokenized without special tokens added a second time, then the engine's output turned back into
 OpenAI chat objects. The engine's front detokenizes (one detokenizer for both endpoints, so stop
 strings are cut and held back the same way); chat asks it to keep the special tokens
@@ -19,13 +19,13 @@ from aiohttp import web
 
 from wideep.engine.front.async_engine import EngineDeadError
 
-from . import reasoning, tool_parsers
-from .chat import BadRequest, ChatRequest, parse_chat
-from .chat_template import TemplateError
-from .dsv32_encoding import EncodingError
+from ..chat import reasoning, tool_parsers
+from ..chat.chat_template import TemplateError
+from ..chat.dsv32_encoding import EncodingError
+from ..chat.reasoning import ReasoningSplitter, held_back
+from .chat_api import BadRequest, ChatRequest, parse_chat
 from .http_body import _error, _sse
 from .openai_api import Completion, cached_tokens, finite
-from .reasoning import ReasoningSplitter, held_back
 from .structured_api import ForcedToolOutput
 
 
@@ -237,7 +237,7 @@ def make_handler(server, chat_template: str | None = None, reasoning_parser: str
                  tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> ChatHandler:
     """The [server] chat options (OPTIONS) -> the handler; the template is loaded (and compiled) here,
     so a broken --chat-template fails at start-up."""
-    from .chat_template import load_chat_template
+    from ..chat.chat_template import load_chat_template
     if reasoning_parser not in (None, *reasoning.PARSERS):
         raise ValueError(f"--reasoning-parser {reasoning_parser!r}: one of {list(reasoning.PARSERS)}")
     if tool_call_parser not in (None, *tool_parsers.PARSERS):

@@ -1,4 +1,5 @@
-"""The error every request parser raises (launch/openai_api.py, chat.py, structured_api.py, http_body.py)."""
+"""The error every request parser raises (launch/server/: openai_api.py, chat_api.py, structured_api.py,
+http_body.py)."""
 from __future__ import annotations
 
 

@@ -2,7 +2,7 @@
 fixed permutation of the vocabulary made of cycles of `period` tokens. Speculative decoding's tests
 and bench/speculative.py use it where drafts must be right (n-gram lookup on text that repeats).
 
-How: a random tiny checkpoint (launch/tiny.py), then lm_head row v := the embedding of cycle^-1(v)
+How: a random tiny checkpoint (launch/tiny/checkpoint.py), then lm_head row v := the embedding of cycle^-1(v)
 (times `gain`), and every layer's output projections (attention o_proj, MLP/expert down_proj) scaled
 by `mix`. The residual stream stays close to the current token's embedding, so the logits peak at
 cycle(t); the layers still run (attention over the paged cache, routing, experts) and, with a larger
@@ -57,8 +57,8 @@ def cycle_head(emb: torch.Tensor, period: int, gain: float, seed: int) -> tuple[
 def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gain: float = 1.0, seed: int = 0,
                           mtp: bool = False, mtp_hidden: float = 0.05, mtp_mix: float | None = None,
                           arch: str = "v3", **overrides) -> tuple[str, list[int]]:
-    """-> (the checkpoint directory, nxt [V] as cycle_of gives it). overrides: launch/tiny.tiny_config's for
-    `arch` ("v3", "v32": DSA's indexer in every layer, "glm4_moe_lite"; launch/tiny.py).
+    """-> (the checkpoint directory, nxt [V] as cycle_of gives it). overrides: launch/tiny/tiny.tiny_config's for
+    `arch` ("v3", "v32": DSA's indexer in every layer, "glm4_moe_lite"; launch/tiny/checkpoint.py).
 
     mtp: also an MTP layer (`model.layers.{L}.*`, num_nextn_predict_layers = 1; the arch's own decoder layer, a
     MoE one, as DeepSeek-V3, V3.2 and GLM-4.x-lite publish it) built to predict
@@ -69,7 +69,7 @@ def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gai
     cycle(token i + 1), the target's own next prediction, wherever the layers' perturbation is small."""
     from safetensors.torch import load_file, save_file
 
-    from .tiny import make_tiny_checkpoint, tiny_config
+    from .checkpoint import make_tiny_checkpoint, tiny_config
     if arch not in ("v3", "v32", "glm4_moe_lite"):
         raise ValueError(f"a cycle checkpoint's arch is 'v3', 'v32' or 'glm4_moe_lite', got {arch!r}")
     L = tiny_config(arch, **overrides)["num_hidden_layers"]
@@ -105,7 +105,7 @@ def make_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gai
 def make_v4_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, gain: float = 1.0, seed: int = 0,
                              mtp: bool = False, mtp_hidden: float = 0.05, mtp_mix: float | None = None,
                              **overrides) -> tuple[str, list[int]]:
-    """make_cycle_checkpoint for DeepSeek-V4 (launch/tiny_v4.py, saved by transformers; overrides: its
+    """make_cycle_checkpoint for DeepSeek-V4 (launch/tiny/v4.py, saved by transformers; overrides: its
     DeepseekV4Config fields): head row v := the embedding of cycle^-1(v) (times `gain`), and every attention's
     wo_b and every expert's w2 (shared ones too) scaled by `mix`. The hyper-connections mix residual streams that
     all start as the token's embedding, so the head still sees it: the logits peak at cycle(t) where the layers'
@@ -119,7 +119,7 @@ def make_v4_cycle_checkpoint(out_dir: str, period: int = 16, mix: float = 0.02, 
     target's own next prediction, wherever the block's perturbation is small."""
     from safetensors.torch import load_file, save_file
 
-    from .tiny_v4 import tiny_v4_model
+    from .v4 import tiny_v4_model
     tiny_v4_model(seed, **overrides).save_pretrained(out_dir)
     path = os.path.join(out_dir, "model.safetensors")
     t = load_file(path)

@@ -1,6 +1,6 @@
 """The prompt of a chat request: the checkpoint's Jinja chat template rendered as Hugging Face renders it
 (jinja2's immutable sandbox, trim_blocks + lstrip_blocks, loopcontrols, and HF's globals raise_exception,
-strftime_now and its `tojson` filter), or DeepSeek-V3.2's Python encoding (launch/dsv32_encoding.py)
+strftime_now and its `tojson` filter), or DeepSeek-V3.2's Python encoding (launch/chat/dsv32_encoding.py)
 for a DeepseekV32ForCausalLM checkpoint that ships no template.
 
 Where the template comes from, first found: --chat-template FILE, tokenizer_config.json `chat_template`

@@ -1,7 +1,7 @@
 """Run-config files (TOML): model, parallel sizes, engine options, EPLB/DBO sections, what to run.
 
 The same file works single-process and under torchrun/mpirun: dp_size/ep_size default to
-"auto" (the launcher's world size). CLI flags (launch/options.py) override file values; a file used
+"auto" (the launcher's world size). CLI flags (launch/cli/options.py) override file values; a file used
 with a model given on the command line may leave out [model] path.
 
     [model]    path, dtype, max_model_len, experts_backend (auto|torch|triton|deepgemm),
@@ -51,7 +51,7 @@ class ServerSection:
     api_key: str | None = None
     protect_metrics: bool = False
     allowed_origins: list[str] | None = None      # CORS; None: off
-    chat_template: str | None = None        # launch/chat_http.OPTIONS
+    chat_template: str | None = None        # launch/server/chat_http.OPTIONS
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False

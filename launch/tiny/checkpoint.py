@@ -1,6 +1,6 @@
 """Random-weight checkpoints in HF format, small enough for CPU tests and demos: DeepSeek-V2, V3, V3.2
 (with DSA's indexer), GLM-4.x-MoE-lite and Kimi-K2.5 (a V3 text model under a multimodal config, with a
-tiny vision tower and projector that wideep never reads); DeepSeek-V4 through transformers (launch/tiny_v4.py).
+tiny vision tower and projector that wideep never reads); DeepSeek-V4 through transformers (launch/tiny/v4.py).
 
 Written without transformers, tensor names and config fields as their makers publish them, so the
 same files load in wideep and in transformers' classes of the same names (the reference).
@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from wideep.moe.fp8 import quantize_fp8_block
 
-from .tiny_chat import SPECIALS, chat_template
+from .chat import SPECIALS, chat_template
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -71,7 +71,7 @@ def tiny_config(arch: str = "v3", **overrides: Any) -> dict[str, Any]:
     existing ones."""
     if arch == "v4":
         raise ValueError("arch 'v4' has no hand-written config here: transformers' DeepseekV4Config makes it "
-                         "(make_tiny_checkpoint(arch='v4'), launch/tiny_v4.py)")
+                         "(make_tiny_checkpoint(arch='v4'), launch/tiny/v4.py)")
     if arch not in ARCHS:
         raise ValueError(f"arch {arch!r} is not one of {sorted(ARCHS)} (or 'v4')")
     config = dict(DEFAULTS["v3" if arch == "kimi_k25" else arch])
@@ -220,7 +220,7 @@ def _write_json(out_dir: str, file: str, obj: Any) -> None:
 
 def _write_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int, chat_style: str | None) -> bool:
     """Byte-level tokenizer, one token per UTF-8 byte, no merges. Ids bos/eos are specials, and
-    DeepSeek's chat tokens (launch/tiny_chat.SPECIALS) take the last ids; the other ids take bytes in
+    DeepSeek's chat tokens (launch/tiny/chat.py SPECIALS) take the last ids; the other ids take bytes in
     order of usefulness (ASCII first; bytes that never occur in UTF-8 last), so vocab_size 256
     round-trips all text. chat_style: the chat template written (None: none). Returns False without
     `tokenizers`."""
@@ -260,9 +260,9 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed
 
     fp8=True stores every attention/MLP `*_proj.weight` as float8_e4m3fn + `_scale_inv` [128x128
     blocks] and adds DeepSeek-V3's quantization_config. Same arguments, same bytes.
-    chat_template_style: "v3" | "r1" | "v31" (launch/tiny_chat.py), None for no template, "auto": v3,
+    chat_template_style: "v3" | "r1" | "v31" (launch/tiny/chat.py), None for no template, "auto": v3,
     except V3.2, which (as the real one) ships none and is served with its Python encoding.
-    arch "v4": transformers' DeepseekV4ForCausalLM of launch/tiny_v4.py (needs transformers >= 5.24), overrides
+    arch "v4": transformers' DeepseekV4ForCausalLM of launch/tiny/v4.py (needs transformers >= 5.24), overrides
     are DeepseekV4Config fields; one shard, no fp8. wideep serves it with enable_prefix_caching=False.
     """
     if shards < 1:
@@ -286,7 +286,7 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed
 
 def _make_tiny_v4(out_dir: str, fp8: bool, seed: int, shards: int, chat_template_style: str | None,
                   overrides: dict[str, Any]) -> str:
-    from .tiny_v4 import tiny_v4_model
+    from .v4 import tiny_v4_model
     if fp8 or shards != 1:
         raise ValueError(f"a tiny DeepSeek-V4 is written by transformers' save_pretrained as one float32 file: fp8 "
                          f"({fp8}) and shards ({shards}) other than 1 are not available for arch 'v4'")

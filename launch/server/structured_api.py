@@ -109,7 +109,7 @@ def tool_spec(tools: list, forced: str) -> StructuredOutputsParams:
 
 
 class ForcedToolOutput:
-    """ChatOutput's interface (launch/chat_http.py) for a forced tool choice: the text is held until
+    """ChatOutput's interface (launch/server/chat_http.py) for a forced tool choice: the text is held until
     the output ends, then returned as tool_calls (content empty); text that is not a complete call
     (the output was cut by max_tokens) is returned as content instead."""
 

@@ -1,4 +1,4 @@
-"""vLLM's /tokenize and /detokenize bodies (no HTTP here; launch/server.py serves them).
+"""vLLM's /tokenize and /detokenize bodies (no HTTP here; launch/server/app.py serves them).
 
     POST /tokenize    {"prompt": str, "add_special_tokens": true, "return_token_strs": false, "model"?}
                       -> {"count": n, "max_model_len": m, "tokens": [ids], "token_strs": [str] | null}

@@ -1,4 +1,4 @@
-"""OpenAI /v1/completions request parsing and response shapes (no HTTP here; launch/server.py serves it).
+"""OpenAI /v1/completions request parsing and response shapes (no HTTP here; launch/server/app.py serves it).
 
 Request fields: prompt (a string, a list of token ids, or a batch: a list of either — one choice
 per prompt and sample, index = prompt * n + sample, as OpenAI orders them), max_tokens (16; 0 only
@@ -8,7 +8,7 @@ with logprobs, the prompt's token logprobs too, the first null), stream, stream_
 model (must name the served model when given), presence_penalty, frequency_penalty, logit_bias
 ({"token id": bias}), and wideep/vLLM extensions stop_token_ids, ignore_eos, include_stop_str_in_output,
 skip_special_tokens, repetition_penalty, min_p, min_tokens; structured outputs (response_format,
-structured_outputs: launch/structured_api.py). Choices carry vLLM's stop_reason (the matched stop
+structured_outputs: launch/server/structured_api.py). Choices carry vLLM's stop_reason (the matched stop
 string or stop token id). Sampling fields left out take the checkpoint's generation_config.json
 defaults.
 Unknown fields are ignored, as OpenAI clients send many (user, ...); fields that would change the

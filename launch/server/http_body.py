@@ -1,4 +1,4 @@
-"""What every HTTP handler of `wideep serve` shares (launch/server.py, launch/chat_http.py): reading a
+"""What every HTTP handler of `wideep serve` shares (launch/server/app.py, launch/server/chat_http.py): reading a
 JSON body, the OpenAI error shape, server-sent-event lines."""
 from __future__ import annotations
 

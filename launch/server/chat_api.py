@@ -1,10 +1,10 @@
-"""OpenAI /v1/chat/completions: request parsing and response shapes (no HTTP here: launch/chat_http.py).
+"""OpenAI /v1/chat/completions: request parsing and response shapes (no HTTP here: launch/server/chat_http.py).
 
-The sampling fields are the completions endpoint's (launch/openai_api.parse_completion checks them, so
+The sampling fields are the completions endpoint's (launch/server/openai_api.parse_completion checks them, so
 both endpoints accept and reject the same ones); chat adds messages, add_generation_prompt,
 continue_final_message, chat_template_kwargs, max_completion_tokens (= max_tokens; unset: up to the
 context), logprobs (bool) + top_logprobs, tools and tool_choice ("auto" | "none" | "required" | a named
-function: the last two constrain the output to calls of the tools, launch/structured_api.py).
+function: the last two constrain the output to calls of the tools, launch/server/structured_api.py).
 response_format / structured_outputs are the completions endpoint's.
 """
 from __future__ import annotations

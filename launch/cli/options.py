@@ -112,9 +112,10 @@ OPTIONS: tuple[Option, ...] = (
            spec={"action": "store_const", "const": True}),
     Option("dbo.enabled", "dual-batch overlap ([dbo] enabled); 'auto': split only where it measured faster",
            flag="--enable-dbo", spec={"nargs": "?", "const": True, "type": _dbo}),
-    Option("speculative.*", "speculative decoding as JSON, vLLM's keys: method (ngram), num_speculative_tokens, "
-           "prompt_lookup_min/max, disable_by_batch_size ([speculative] in the run config)",
-           flag="--speculative-config", spec={"type": json_table}),
+    Option("speculative.*", "speculative decoding as JSON ([speculative] in the run config): method (ngram: "
+           "prompt/output lookup | mtp: the checkpoint's MTP layer), num_speculative_tokens, prompt_lookup_min, "
+           "prompt_lookup_max (ngram), draft_dtype (mtp), disable_by_batch_size, min_acceptance, backoff_steps",
+           flag="--speculative-config", spec={"type": json_table}),   # = engine/spec_decode/config.py's fields
     Option("server.host", "bind address (default 127.0.0.1: this host only)", commands=(SERVE,)),
     Option("server.port", "default 8000; 0 picks a free port (printed)", commands=(SERVE,), spec=INT),
     Option("server.model_name", "the `model` names clients may pass; the first is the one responses report "
@@ -128,9 +129,9 @@ OPTIONS: tuple[Option, ...] = (
            spec={"action": "store_const", "const": True}),
     Option("server.chat_template", "a Jinja chat template FILE instead of the checkpoint's", commands=(SERVE,)),
     Option("server.reasoning_parser", "split <think> reasoning into reasoning_content", commands=(SERVE,),
-           spec={"choices": ["deepseek_r1", "deepseek_v3"]}),   # = launch/reasoning.PARSERS
+           spec={"choices": ["deepseek_r1", "deepseek_v3"]}),   # = launch/chat/reasoning.PARSERS
     Option("server.tool_call_parser", "parse tool calls of this format", commands=(SERVE,),
-           spec={"choices": ["deepseek_v3", "deepseek_v31", "deepseek_v32"]}),   # = launch/tool_parsers.PARSERS
+           spec={"choices": ["deepseek_v3", "deepseek_v31", "deepseek_v32"]}),   # = launch/chat/tool_parsers.PARSERS
     Option("server.enable_auto_tool_choice", "tool_choice \"auto\": parse the model's tool calls", commands=(SERVE,),
            spec={"action": "store_const", "const": True}),
     Option("run.prompt_ids", "a prompt as comma-separated token ids (repeat for more prompts)", commands=(RUN,),
@@ -148,7 +149,7 @@ OPTIONS: tuple[Option, ...] = (
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:
     """The positional MODEL_DIR, --config, and every option of `command`; unset ones stay None."""
     parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR", help="the checkpoint directory")
-    parser.add_argument("--config", help="a TOML run config (launch/run_config.py); flags override its values")
+    parser.add_argument("--config", help="a TOML run config (launch/cli/run_config.py); flags override its values")
     for o in OPTIONS:
         if command in o.commands:
             takes_value = o.spec.get("action") in (None, "append")
