@@ -28,7 +28,7 @@ class SamplingParams:
     Logprobs are of the raw model distribution. N is capped by the engine (max_logprobs, default
     20, and the vocabulary) when the request is added. seed: in [-2**63, 2**64), torch's range.
 
-    Logits processing, as vLLM defines it (engine/worker/logits_process.py applies it): min_tokens:
+    Logits processing, as vLLM defines it (engine/sampling/logits_process.py applies it): min_tokens:
     EOS and stop_token_ids are masked until that many tokens are out (stop strings, matched on the
     front's text, must not end a request before then either: vLLM's rule); logit_bias {token id: bias}
     (clamped to [-100, 100], ids checked against the vocabulary at admission) is added to the logits;
@@ -156,7 +156,7 @@ class SamplingParams:
 
     @property
     def penalised(self) -> bool:
-        """Needs the per-sequence token counts (engine/worker/logits_process.py)."""
+        """Needs the per-sequence token counts (engine/sampling/logits_process.py)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 

@@ -20,7 +20,7 @@ import torch
 from wideep.attention_mla.meta import int64_tensor
 
 from ..sched.scheduler import Accepted, StepResult
-from ..worker.sampler import draw, filter_logits, logsumexp, sample_layout, topn_logprobs
+from ..sampling.sampler import draw, filter_logits, logsumexp, sample_layout, topn_logprobs
 
 
 def _sample_row(logits: torch.Tensor, drafts: list[int], p, gen) -> tuple[int, int]:

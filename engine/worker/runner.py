@@ -13,8 +13,8 @@ from wideep.parallel.step_plan import StepPlan
 
 from ..sched.scheduler import ScheduledBatch, StepResult
 from ..spec_decode.verify import verify
-from .logits_process import LogitsProcessor
-from .sampler import SampleLayout, sample, sample_layout, topn_logprobs
+from ..sampling.logits_process import LogitsProcessor
+from ..sampling.sampler import SampleLayout, sample, sample_layout, topn_logprobs
 
 
 class ModelRunner:

@@ -9,8 +9,8 @@ import torch
 
 from wideep.engine import LLM, SamplingParams
 from wideep.engine.sched.sequence import Sequence
-from wideep.engine.worker.logits_process import LogitsProcessor
-from wideep.engine.worker.sampler import filter_logits
+from wideep.engine.sampling.logits_process import LogitsProcessor
+from wideep.engine.sampling.sampler import filter_logits
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 
 V = 32

@@ -66,7 +66,7 @@ def test_kept_layout_samples_as_a_fresh_one():
     one built from the rows' params that step (greedy, seeded, shared-generator and filtered rows)."""
     import torch
 
-    from wideep.engine.worker.sampler import sample, sample_layout
+    from wideep.engine.sampling.sampler import sample, sample_layout
     shared, seeded = torch.Generator().manual_seed(5), torch.Generator().manual_seed(9)
     params = [SamplingParams(temperature=0.0), SamplingParams(seed=1), SamplingParams(),
               SamplingParams(temperature=0.7, top_k=3), SamplingParams(min_p=0.2, top_p=0.9), SamplingParams()]
@@ -91,7 +91,7 @@ def test_logsumexp_equals_torchs_on_peaked_spread_and_masked_rows():
     value; and torch's answers for a row all -inf, +inf and nan."""
     import torch
 
-    from wideep.engine.worker.sampler import logsumexp
+    from wideep.engine.sampling.sampler import logsumexp
     g = torch.Generator().manual_seed(0)
     x = torch.randn(6, 4096, generator=g) * torch.tensor([0.1, 1.0, 30.0, 100.0, 300.0, 30.0])[:, None]
     x[5, ::3] = float("-inf")

@@ -20,7 +20,7 @@ from wideep.engine.engine_config import EngineConfig
 from wideep.engine.sched.scheduler import StepResult
 from wideep.engine.spec_decode.config import SpeculativeConfig
 from wideep.engine.spec_decode.ngram import NgramIndex, propose_reference
-from wideep.engine.worker.sampler import filter_logits
+from wideep.engine.sampling.sampler import filter_logits
 from wideep.engine.spec_decode.verify import verify
 from wideep.launch.tiny import cycle as tiny_cycle
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
