@@ -78,10 +78,7 @@ def _is_decode(num_tokens: list[int]) -> bool:
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True,
-                 speculative_overrides: dict | None = None):
-        """speculative_overrides: SpeculativeConfig fields this rank's speculator takes instead of cfg's (a
-        disaggregated prefill rank drafts whatever its batch: disable_by_batch_size None)."""
+    def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True):
         self.cfg = cfg
         mcfg = self.config = ModelConfig.from_dir(cfg.model)
         self.family = family_of(mcfg)
@@ -99,7 +96,7 @@ class EngineCore:
                                      link=SimulatedNetwork.from_config(pcfg))
         self.load(progress)
         self.size_kv()
-        self.allocate(speculative_overrides or {})
+        self.allocate()
         self.wire()
         self.warm_up()
 
@@ -117,14 +114,15 @@ class EngineCore:
             raise ValueError(f"max_model_len ({self.max_model_len}) > max_position_embeddings "
                              f"({mcfg.max_position_embeddings})")
 
-    def allocate(self, speculative_overrides: dict) -> None:
-        """The KV cache and its tiers, the block manager, the scheduler with the speculator, the MTP drafter."""
+    def allocate(self) -> None:
+        """The KV cache and its tiers, the block manager, the scheduler with the speculator, the MTP drafter; DBO's
+        auto switch (its timings outlive a re-wiring)."""
         cfg = self.cfg
         self.kv = self.family.kv_cache(cfg, self.loaded, self.max_model_len)
         log = HeldLog(enabled=cfg.enable_prefix_caching and cfg.kv_cache.routing == "kv_aware")
         self.store = self.family.kv_store(cfg, self.kv, log, self.ctx.dp_rank) if cfg.kv_cache.tiers else None
         self.blocks = self.family.block_manager(cfg, self.kv, self.store, log, whole_chunks=self._dbo_on())
-        spec = dataclasses.replace(cfg.speculative, **speculative_overrides)
+        spec = cfg.speculative
         speculator, self.drafter, lookahead = None, None, 0
         if spec.enabled:
             from ..spec_decode.speculator import Speculator
@@ -134,6 +132,10 @@ class EngineCore:
                 lookahead = spec.num_speculative_tokens - 1
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, speculator=speculator,
                                    lookahead=lookahead)
+        self.auto = None
+        if self._dbo_on() and cfg.dbo.enabled == "auto":
+            from wideep.dbo.auto import AutoSwitch
+            self.auto = AutoSwitch()
 
     def wire(self) -> None:
         """What depends on the parallel context, built over self.ctx: the MoE dispatcher, DBO's microbatch
@@ -142,13 +144,10 @@ class EngineCore:
         cfg, ctx, model = self.cfg, self.ctx, self.model
         model.use_dispatcher(make_model_dispatcher(self.config, ctx, model.placement, self.device,
                                                    cfg.parallel.dispatch_backend, model.dtype, self.dispatch_options))
-        overlap, self.auto = None, None
+        overlap = None
         if self._dbo_on():
             from wideep.dbo.overlap import Overlap
             overlap = Overlap(model, ctx)  # collective: every rank builds its groups
-            if cfg.dbo.enabled == "auto":
-                from wideep.dbo.auto import AutoSwitch
-                self.auto = AutoSwitch()
         self.eplb = None
         if cfg.eplb.enabled and self.config.moe is not None:
             from wideep.eplb.controller import EplbController
