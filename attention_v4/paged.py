@@ -106,6 +106,11 @@ class PagedLayerStreams:
         self._empty = torch.zeros(0, self.cfg.head_dim, device=pools.device, dtype=pools.dtype)
         self.floor = 0   # window rows before this position are not read (the MTP drafter's deferred rows)
 
+    def read_from(self, position: int) -> None:
+        """Window rows before `position` are not read from now on (0: all are); the MTP drafter floors a deferred
+        chunk's window at the rows the sequence still holds."""
+        self.floor = position
+
     def _window_index(self, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens lo .. hi-1 -> (window blocks, rows) in the pool."""
         bs, table = self.geo.block_size, self.seq.tables.window

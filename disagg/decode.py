@@ -73,6 +73,11 @@ class DisaggEngine(Engine):
         super().__init__(model, ctx=roles.pool_ctx, job_ctx=roles.ctx, hooks=hooks, domains=domains, **options)
         self.loop.idle_sleep_s = cfg.idle_sleep_s
         self.prefill_blocks: tuple[int, int] | None = None   # (blocks, block_size) of the smallest prefill rank
+
+    def know_prefill_capacity(self, blocks: int, block_size: int) -> None:
+        """The smallest prefill rank's cache (make_engine learns it once the pools are up): prompts that could
+        never fit it are refused at the front."""
+        self.prefill_blocks = (blocks, block_size)
         self._tid = 0
 
     @property
@@ -115,14 +120,11 @@ class DisaggEngine(Engine):
         """The decode pool's view (running, KV blocks, tokens/s) plus per-pool views: each prefill
         rank's own latest stats and KV-transfer totals; per-request transfer bytes and time are in
         finished_requests."""
+        self._front_only("metrics")
         front, cfg = self.front, self.roles.cfg
         decode = {r: front.rank_stats[r] for r in cfg.decode_ranks if r in front.rank_stats}
         prefill = {r: front.rank_stats.get(r) for r in cfg.prefill_ranks}
-        saved, front.rank_stats = front.rank_stats, decode
-        try:
-            m = super().metrics(window_s)
-        finally:
-            front.rank_stats = saved
+        m = front.metrics(window_s, ranks=cfg.decode_ranks)
         st = list(decode.values())
         fin = [f for f in m["finished_requests"] if "kv_transfer_bytes" in f]
         waiting_for_blocks = sum(s.get("kv_transfers_waiting_for_blocks", 0) for s in st)

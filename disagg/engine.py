@@ -91,5 +91,5 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
             f"rank {r} ({i['role']}) {i['dtype']}: {i['layout']}" for r, i in enumerate(infos)))
     pre = [i for i in infos if i["role"] == "prefill"]
     smallest = min(pre, key=lambda i: i["blocks"] * i["block_size"])
-    eng.prefill_blocks = (smallest["blocks"], smallest["block_size"])
+    eng.know_prefill_capacity(smallest["blocks"], smallest["block_size"])
     return eng

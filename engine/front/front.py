@@ -267,15 +267,16 @@ class Front:
             d.running = True
 
     # -- metrics ------------------------------------------------------------------------------------
-    def metrics(self, window_s: float = 10.0, waiting_extra: int = 0) -> dict:
+    def metrics(self, window_s: float = 10.0, waiting_extra: int = 0, ranks: list[int] | None = None) -> dict:
         """Engine-wide: running/waiting, KV blocks, prefix-cache hit rate, tokens/s over the last
-        window_s seconds, per-rank stats, and per-request TTFT/TPOT/queue time of finished requests."""
+        window_s seconds, per-rank stats, and per-request TTFT/TPOT/queue time of finished requests.
+        ranks: only these ranks' stats count (a disaggregated job's decode pool; default every rank's)."""
         now = time.monotonic()
         while self.tokens_log and now - self.tokens_log[0][0] > window_s:
             self.tokens_log.popleft()
         span = now - self.tokens_log[0][0] if len(self.tokens_log) > 1 else 0.0
         recent = sum(n for _, n in list(self.tokens_log)[1:])
-        st = [self.rank_stats[r] for r in sorted(self.rank_stats)]
+        st = [self.rank_stats[r] for r in sorted(self.rank_stats) if ranks is None or r in ranks]
 
         def total(key):
             return sum(s.get(key, 0) for s in st)

@@ -71,7 +71,7 @@ class V4Passes:
                 pieces.extend(stash.parts)
                 p0, m = stash.start, m + stash.rows
                 view = self.kv.streams[s.request_id].layers[self.layer_index]
-                view.floor = max(p0 if stash.trimmed else 0, min(s.stream_tables.window, default=0) * bs)
+                view.read_from(max(p0 if stash.trimmed else 0, min(s.stream_tables.window, default=0) * bs))
                 floored.append(view)
             ids.extend(nxt)
             pieces.append(hidden[r0:r0 + len(nxt)])
@@ -85,7 +85,7 @@ class V4Passes:
             out = self._run(ids, prev, lens, [s for s, *_ in seqs], firsts, plan)
         finally:
             for view in floored:
-                view.floor = 0
+                view.read_from(0)
         for j in range(passes):
             if j:   # the next position, where its lookahead window block exists
                 keep = [i for i, (s, q, _) in enumerate(live) if (q + 1) // bs in s.stream_tables.window]
