@@ -1,7 +1,7 @@
-"""Model families: the one place that tells the MLA family (DeepSeek-V2/V3/V3.2, GLM-4.x-MoE-lite, Kimi-K2.5's text
-model: engine/model/mla_family.py) from DeepSeek-V4 (engine/model/v4_family.py), and where the next family plugs in.
-The engine (engine/worker, engine/sched, engine/front), disagg/, kvstore/ and eplb/ know this interface, never a
-family's classes:
+"""Model families: the interface the engine knows instead of the models. The MLA family (DeepSeek-V2/V3/V3.2,
+GLM-4.x-MoE-lite, Kimi-K2.5's text model: engine/model/mla_family.py) and DeepSeek-V4 (engine/model/v4_family.py)
+implement it, families.py picks one from the config, and the next family plugs in here. The engine (engine/worker,
+engine/sched, engine/front), disagg/, kvstore/ and eplb/ call this interface, never a family's classes:
 
     family = family_of(model_config)        (engine/model/families.py: the one place that picks)
     family.check(engine_config)              what the family does not serve: ValueError naming the model and the
@@ -20,7 +20,7 @@ family's classes:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -49,7 +49,6 @@ class ExpertGroup:
     routing: object                       # parallel/expert_routing.ExpertRouting the layers read
     placement: object                     # eplb.placement.Placement, [len(layers), P]
     rebalanced: bool = False
-    checkpoint_layers: list[int] = field(default_factory=list)   # each layer's index in the checkpoint
 
 
 class ModelFamily:

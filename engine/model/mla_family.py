@@ -154,9 +154,9 @@ class MLAFamily(ModelFamily):
         index = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
         groups = [ExpertGroup("layers", model.moe_layers(),
                               lambda ex, l, e, slot: expert_targets(ex, index[l], e, slot),
-                              model.routing, model.placement, rebalanced=True, checkpoint_layers=index)]
+                              model.routing, model.placement, rebalanced=True)]
         if draft is not None and draft.layer.is_moe:
             groups.append(ExpertGroup("mtp", [draft.layer.mlp],
                                       lambda ex, l, e, slot: expert_targets(ex, draft.index, e, slot),
-                                      draft.routing, draft.routing.placement, checkpoint_layers=[draft.index]))
+                                      draft.routing, draft.routing.placement))
         return groups

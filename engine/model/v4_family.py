@@ -175,11 +175,9 @@ class V4Family(ModelFamily):
         model = loaded.model
         groups = [ExpertGroup("layers", model.moe_layers(),
                               lambda ex, l, e, slot: v4_expert_targets(ex, f"layers.{l}.", e, slot),
-                              model.routing, model.placement, rebalanced=True,
-                              checkpoint_layers=list(range(len(model.layers))))]
+                              model.routing, model.placement, rebalanced=True)]
         if len(model.mtp):
             groups.append(ExpertGroup("mtp", [block.ffn for block in model.mtp],
                                       lambda ex, k, e, slot: v4_expert_targets(ex, f"mtp.{k}.", e, slot),
-                                      model.mtp_routing, model.mtp_routing.placement,
-                                      checkpoint_layers=[len(model.layers) + k for k in range(len(model.mtp))]))
+                                      model.mtp_routing, model.mtp_routing.placement))
         return groups
