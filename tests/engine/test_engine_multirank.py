@@ -37,7 +37,7 @@ def _rank(model_dir: str) -> dict:
     m = eng.metrics()
     eng.shutdown()
     return {"got": got, "idle_steps": idle_steps["n"], "metrics_preemptions": m["preemptions"],
-            "free": eng.core.blocks.num_free, "total": eng.core.blocks.allocator.num_blocks}
+            "free": eng.core.blocks.num_free, "total": eng.core.blocks.allocators["latent"].num_blocks}
 
 
 @pytest.fixture(scope="module")
