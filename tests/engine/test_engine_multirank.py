@@ -24,7 +24,7 @@ def _rank(model_dir: str) -> dict:
     if eng.ctx.rank != 0:
         how = eng.run_worker_loop()
         b = eng.core.blocks
-        return {"how": how, "free": b.num_free, "total": b.allocator.num_blocks,
+        return {"how": how, "free": b.num_free, "total": b.allocators["latent"].num_blocks,
                 "preemptions": eng.core.scheduler.num_preemptions}
     idle_steps = {"n": 0}
 
