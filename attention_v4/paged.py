@@ -13,7 +13,7 @@ C compressor width (CSA 2D, HCA D). Per layer:
 With kv_cache_dtype "fp8" the window, compressed and index_keys pools are uint8 [N_s, E_s, W] of packed entries
 (attention_v4/fp8.py: quantised on write, dequantised on read); the compressor states stay in the model dtype.
 A sequence holds a slot (the compressor states: what it keeps whatever its length) and, per stream, the blocks of
-its table (attention_v4/pool_layout.py StreamTables, filled by the block manager, read here at each step). Every
+its table (kvstore/spec.py StreamTables, filled by the block manager, read here at each step). Every
 count (entries, buffered rows, whether prev is set) follows from the position p0 a chunk starts at, so the pools
 hold tensors only and a chunk continues the sequence's open windows. PagedLayerStreams has the interface of
 streams.LayerStreams, the dense reference it is tested against.
@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import torch
 
+from wideep.kvstore.spec import KVSpec
+
 from .compressor import CompressorState
 from .config import V4AttentionConfig
 from .fp8 import v4_codecs
-from .pool_layout import StreamGeometry
 
 
-def _layout(cfg: V4AttentionConfig, kind: str, geo: StreamGeometry) -> tuple[dict, dict]:
+def _layout(cfg: V4AttentionConfig, kind: str, geo: KVSpec) -> tuple[dict, dict]:
     """-> (per-slot shapes, per-block shapes) of one layer's pools: name -> (stream, shape without the leading
     Z / N_s); slot tensors have stream "slot"."""
     D, DI, m = cfg.head_dim, cfg.index_head_dim, cfg.ratio(kind)
@@ -58,7 +59,7 @@ def _stored(shape: tuple[int, int], codec) -> tuple[int, int]:
 class V4Pools:
     """Every layer's pools: num_blocks[stream] blocks per stream (geometry.streams), num_slots slots."""
 
-    def __init__(self, cfg: V4AttentionConfig, kinds: tuple[str, ...], geometry: StreamGeometry,
+    def __init__(self, cfg: V4AttentionConfig, kinds: tuple[str, ...], geometry: KVSpec,
                  num_blocks: dict[str, int], num_slots: int, device, dtype, kv_cache_dtype: str = "auto"):
         missing = [s for s in geometry.streams if num_blocks.get(s, 0) < 1]
         if missing or num_slots < 1:
@@ -78,11 +79,11 @@ class V4Pools:
             self.stream_of.append({n: st for n, (st, _) in block.items()})
 
     @staticmethod
-    def bytes_per_slot(cfg: V4AttentionConfig, kinds, geometry: StreamGeometry, elt: int) -> int:
+    def bytes_per_slot(cfg: V4AttentionConfig, kinds, geometry: KVSpec, elt: int) -> int:
         return sum(a * b for k in kinds for a, b in _layout(cfg, k, geometry)[0].values()) * elt
 
     @staticmethod
-    def bytes_per_block(cfg: V4AttentionConfig, kinds, geometry: StreamGeometry, elt: int,
+    def bytes_per_block(cfg: V4AttentionConfig, kinds, geometry: KVSpec, elt: int,
                         codecs: dict | None = None) -> dict[str, int]:
         """stream -> the bytes one block of it takes over all layers; codecs: attention_v4/fp8.py v4_codecs."""
         codecs, out = codecs or {}, dict.fromkeys(geometry.streams, 0)
@@ -181,7 +182,7 @@ class PagedLayerStreams:
 
     def _entry_index(self, stream: str, first: int, last: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Entries first .. last-1 of a compressed stream -> (blocks, rows) in its pool."""
-        E, table = self.geo.rows(stream), getattr(self.seq.tables, stream)
+        E, table = self.geo.rows(stream), self.seq.tables.full[stream]
         if -(-last // E) > len(table):
             raise RuntimeError(f"{stream} entries up to {last - 1} need {-(-last // E)} blocks, the sequence's "
                                f"table has {len(table)}")
@@ -207,13 +208,13 @@ class PagedLayerStreams:
         z = self.seq.tables.slot
         held = sum(t[z].numel() * t.element_size() for n, t in self.t.items() if n not in self.stream_of)
         for n, st in self.stream_of.items():
-            held += len(getattr(self.seq.tables, st)) * self.t[n][0].numel() * self.t[n].element_size()
+            held += len(self.seq.tables.table(st)) * self.t[n][0].numel() * self.t[n].element_size()
         return held
 
 
 class PagedSequence:
     """A sequence's views of every layer's pools, as SequenceStreams' `layers`; `tables` (its slot and block tables,
-    attention_v4/pool_layout.py StreamTables) are the block manager's, read at each step.
+    kvstore/spec.py StreamTables) are the block manager's, read at each step.
 
     Speculative decoding: while `verifying` (a chunk of its last token and drafts), every compressor state stored
     leaves its Rewind here; rewind(p) then stores each one's state at position p, the tokens before p being the

@@ -19,8 +19,8 @@ Targets: (c) computes <= 0.5x the prefill tokens of (a), TTFT p50 (c) <= 0.6x (a
 across (a)/(b)/(c).
     python bench/kv_cache.py [--quick] [--model v4]
 --model v4: the small random DeepSeek-V4 of bench/disagg.py (MODEL_V4: window 128, CSA 4:1, HCA 128:1) instead of the
-V3-shaped model; its hits stop at multiples of 128 tokens (engine/sched/v4_blocks.py) and its tiers hold every
-stream (kvstore/streams.py); the host tier gets --host-blocks x 16 tokens of its bytes per token; results go to
+V3-shaped model; its hits stop at multiples of 128 tokens (engine/sched/block_manager.py) and its tiers hold every
+stream (kvstore/store.py); the host tier gets --host-blocks x 16 tokens of its bytes per token; results go to
 kv_cache_v4[_quick].json (reported, no target).
 Last line: JSON with prefill_tokens_ratio, ttft_p50_ratio ((c)/(a)), outputs_equal, per configuration.
 """
@@ -58,7 +58,7 @@ def bytes_per_token(model_dir: str) -> float:
         return cfg.num_hidden_layers * cfg.mla.latent_dim * 4
     kv = V4StreamCache(SimpleNamespace(cfg=cfg, dtype=torch.float32, device="meta"), None, BLOCK, 1, 1, 1,
                        num_blocks=1, prefix_caching=True)
-    return sum(kv.per_block[s] / kv.geometry.tokens_per_block(s) for s in kv.geometry.streams)
+    return sum(kv.per_block[s] / kv.spec.tokens_per_block(s) for s in kv.spec.streams)
 
 
 def conversations(a) -> list[dict]:

@@ -24,7 +24,7 @@ import torch
 
 from wideep.attention_v4.fp8 import v4_codecs
 from wideep.attention_v4.paged import V4Pools
-from wideep.attention_v4.pool_layout import StreamGeometry
+from wideep.attention_v4.pool_layout import v4_kv_spec
 from bench.v4_kv import BLOCK, MODELS, v4_config
 
 KVS = ("auto", "fp8")
@@ -34,7 +34,7 @@ def per_layer(att, dtype) -> dict:
     """kind -> kv -> stream -> bytes per token of one layer, and its slot bytes."""
     elt, out = torch.empty(0, dtype=dtype).element_size(), {}
     for kind in ("sliding", "csa", "hca"):
-        g = StreamGeometry.of(att, (kind,), BLOCK)
+        g = v4_kv_spec(att, (kind,), BLOCK)
         out[kind] = {}
         for kv in KVS:
             blk = V4Pools.bytes_per_block(att, (kind,), g, elt, v4_codecs(att, kv, dtype))
@@ -49,7 +49,7 @@ def model_bytes(cfg, dtype) -> dict:
     from types import SimpleNamespace
     from wideep.engine.model.v4_cache import V4StreamCache
     model = SimpleNamespace(cfg=cfg, dtype=dtype, device="meta")
-    g = StreamGeometry.of(cfg.v4.attention, cfg.v4.layer_kinds, BLOCK)
+    g = v4_kv_spec(cfg.v4.attention, cfg.v4.layer_kinds, BLOCK)
     out = {}
     for kv in KVS:
         c = V4StreamCache(model, None, BLOCK, 1, 1, 1, num_blocks=dict.fromkeys(g.streams, 1), kv_cache_dtype=kv)

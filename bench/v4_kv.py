@@ -2,9 +2,9 @@
 and the decode attention time per step at 8k and 64k (vs V3.2's DSA) — a report, no target.
 
 Bytes: what the engine's pools hold for one decoding sequence (attention_v4/paged.py, as engine/model/v4_cache.py
-allocates them and engine/sched/v4_blocks.py counts them: a slot, the window's live blocks and the compressed streams'
-blocks its tokens fill; blocks of 64 tokens: window 64 rows, CSA 16 entries, HCA 1 entry of 128 tokens), for V4-Flash
-(43 layers: 2 sliding, then CSA / HCA alternating) and V4-Pro (61 layers, transformers' default order) in bf16;
+allocates them and engine/sched/block_manager.py counts them: a slot, the window's live blocks and the compressed
+streams' blocks its tokens fill; blocks of 64 tokens: window 64 rows, CSA 16 entries, HCA 1 entry of 128 tokens), for
+V4-Flash (43 layers: 2 sliding, then CSA / HCA alternating) and V4-Pro (61 layers, transformers' default order) in bf16;
 V3.2 as attention_mla's LatentKVPool allocates it (61 layers, latent 576 + indexer key 128). A run checks the pools: a three-layer model (one sliding, one CSA, one
 HCA layer at the released attention shapes, hidden 512) prefills `--measure` tokens in chunks of 1024 into the pools
 (the block manager growing and trimming its tables) and into the dense reference: outputs equal, and per kind the
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from wideep.attention_mla.kv_cache import LatentKVPool  # noqa: E402
 from wideep.attention_v4.attention import V4Attention  # noqa: E402
 from wideep.attention_v4.compressor import CompressorState  # noqa: E402
-from wideep.attention_v4.pool_layout import StreamGeometry  # noqa: E402
+from wideep.attention_v4.pool_layout import v4_kv_spec  # noqa: E402
 from wideep.attention_v4.streams import LayerStreams, SequenceStreams, V4Meta  # noqa: E402
 from bench.results import save  # noqa: E402
 from wideep.engine.model.model_config import ModelConfig  # noqa: E402
@@ -67,10 +67,10 @@ def engine_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     window's blocks and the compressed streams' blocks its tokens fill (the block manager's count), allocated on
     the meta device (shapes and dtypes, no memory)."""
     model = SimpleNamespace(cfg=cfg, dtype=dtype, device="meta")
-    g = StreamGeometry.of(cfg.v4.attention, cfg.v4.layer_kinds, BLOCK)
+    g = v4_kv_spec(cfg.v4.attention, cfg.v4.layer_kinds, BLOCK)
     out = {}
     for name, n in CONTEXTS.items():
-        sizes = {"window": g.decode_window()} | {s: g.entry_blocks(s, n) for s, _ in g.ratios}
+        sizes = {"window": g.decode_window()} | {s: g.entry_blocks(s, n) for s in g.full}
         out[name] = V4StreamCache(model, None, BLOCK, 1, n, 1, num_blocks=sizes).kv.nbytes()
     kv = V4StreamCache(model, None, BLOCK, 1, 1, 1, num_blocks=dict.fromkeys(g.streams, 1))
     return out | {"per_token": kv.bytes_per_token(), "per_sequence_fixed": kv.per_seq,
@@ -91,7 +91,7 @@ def measured(n: int) -> dict:
     from wideep.attention_v4.paged import PagedSequence, V4Pools
     from wideep.engine.sampling_params import SamplingParams
     from wideep.engine.sched.sequence import Sequence
-    from wideep.engine.sched.v4_blocks import V4BlockManager
+    from wideep.engine.sched.block_manager import BlockManager
     cfg = v4_config(hidden_size=512, num_attention_heads=2, o_groups=1,
                     layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"])
     att, kinds = cfg.v4.attention, cfg.v4.layer_kinds
@@ -101,11 +101,11 @@ def measured(n: int) -> dict:
     for layer in layers:
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    geo = StreamGeometry.of(att, kinds, BLOCK)
+    geo = v4_kv_spec(att, kinds, BLOCK)
     chunk, same = 1024, True
-    sizes = {"window": geo.peak(n, chunk, False)["window"]} | {s: geo.entry_blocks(s, n) for s, _ in geo.ratios}
+    sizes = {"window": geo.peak(n, chunk, False)["window"]} | {s: geo.entry_blocks(s, n) for s in geo.full}
     pools = V4Pools(att, kinds, geo, sizes, 1, "cpu", torch.float32)
-    blocks = V4BlockManager(geo, sizes, 1, chunk)
+    blocks = BlockManager(geo, sizes, 1, chunk)
     seq = Sequence("measure", None, [1] * n, SamplingParams(), 1)
     blocks.grow(seq, min(chunk, n))   # (the first chunk's blocks: the views read the tables from here on)
     paged = SequenceStreams(PagedSequence(pools, seq.stream_tables).layers)

@@ -1,217 +1,134 @@
-"""One rank's tiers below its device cache: full blocks the device cache evicts spill to the host
-tier, whose LRU blocks go down to the disk tier; a prompt whose prefix sits in a lower tier loads
-it back instead of recomputing it.
+"""One rank's tiers below its device cache, over the streams of its KV spec (kvstore/spec.py): a StreamTier
+(kvstore/tier.py: the host tier, then the disk tier) per stream, all named by the same hash chain. The MLA family's
+cache is one stream (its latents, with DSA's indexer keys in the same rows); DeepSeek-V4's several (window, csa, hca,
+the boundary states).
 
-The block manager (engine/sched/block_manager.py) calls, never touching the device itself:
-    spill(block, h)         device block `block` (hash h) is about to be reused: keep its rows
-    in_host(hashes)         how many of these blocks, from the first, the host tier holds
-    load(block, h)          host -> device block (the host keeps its copy: an evicted block that
-                            is already below costs nothing to spill again)
-    prefetch(hashes)        start reading the disk blocks that continue the chain (into the host
-                            tier, on reader threads); the sequence waits for them meanwhile
-    poll() / reading(hashes) / wait(hashes, timeout_s)
-Tiers are inclusive (a loaded block stays below), and every block is named by its hash chain
-(kvstore/hashing.py); the disk tier is also keyed by the model's identity (kvstore/identity.py).
+Legend: s a stream, N_s its pool blocks, B_t the bytes one block takes in tensor t of the stream (one per layer and
+name: latents, entries, indexer keys, snapshots), r_s = (sum_t B_t) / tokens_per_block(s) the stream's bytes per
+token. Each per-layer tensor [N_s, ...] is moved as a 2-D view [N_s, B_t / element size] whose row is one block, so a
+tier's "block_size" is 1 row. With several streams host_bytes and disk_bytes are shared by r_s: every tier holds about
+as many tokens of every stream, which is what a hit needs (all streams of a prefix, kvstore's hashes naming each
+stream's block).
+
+The block manager (engine/sched/block_manager.py) calls, with the stream first:
+    spill(s, block, h)      device block `block` of stream s (hash h) is about to be reused: keep its rows
+    where(s, h)             "host" | "disk" (there, or being read from it) | None
+    in_host(s, hashes)      how many of these blocks, from the first, s's host tier holds (touching them)
+    pin/unpin(s, hashes), load(s, block, h) (-> whether it came up from disk)
+    prefetch(pairs)         start reading these (stream, hash) blocks from the disk tier (as far as it holds them)
+    poll() / reading(pairs) / wait(pairs, timeout_s)
 """
 from __future__ import annotations
 
-import time
-from concurrent.futures import Future, wait as wait_futures
+import dataclasses
 
 import torch
 
 from .config import KVCacheConfig
-from .disk import DiskTier
 from .events import HeldLog
-from .host import HostTier
+from .spec import KVSpec
+from .tier import StreamTier
 
 
-def device_block_bytes(pools: list[torch.Tensor], block: int, block_size: int) -> bytes:
-    """A device block's rows of every tensor, laid out as HostTier.to_bytes does."""
-    rows = [p[block * block_size:(block + 1) * block_size].reshape(-1).view(torch.uint8) for p in pools]
-    return b"".join(r.cpu().numpy().tobytes() for r in rows)  # SYNC: only when the engine closes
+def block_rows(pools: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-layer tensors [N, ...] -> 2-D views [N, rest] (one row per pool block)."""
+    return [p.view(p.shape[0], -1) for p in pools]
 
 
 class TieredStore:
-    """pools: every tensor holding a block's state, [S, D_t] with S = num_blocks * block_size (the
-    layer_pools of each layer: the latent, and DSA's indexer keys); identity: the model's (kvstore/identity.py), needed with a disk tier;
-    prefer: the rank-<k> disk directory to claim first; log: where held blocks are marked."""
+    def __init__(self, cfg: KVCacheConfig, spec: KVSpec, pools: dict[str, list[torch.Tensor]],
+                 identities: dict[str, str] | None = None, prefer: int = 0, log: HeldLog | None = None):
+        """pools: stream -> its per-layer tensors, [N_s, ...] each; identities: stream -> the model's identity for
+        that stream's blocks (kvstore/identity.py, with a disk tier); prefer: the rank-<k> disk directory to claim
+        first; log: where held blocks are marked."""
+        self.cfg, self.log = cfg, log or HeldLog(enabled=False)
+        rows = {s: block_rows(ps) for s, ps in pools.items()}
+        nbytes = {s: sum(r.shape[1] * r.element_size() for r in rs) for s, rs in rows.items()}
+        rate = {s: nbytes[s] / spec.tokens_per_block(s) for s in rows}
+        total = sum(rate.values())
+        if len(rows) > 1:   # (one stream: its tier says when a block does not fit)
+            least = max(spec.tokens_per_block(s) * total for s in rows)   # host_bytes giving every stream one block
+            for name in ("host_bytes",) + ("disk_bytes",) * ("disk" in cfg.tiers):
+                have = getattr(cfg, name)
+                if have < least:
+                    raise ValueError(f"kv_cache.{name} ({have}) is shared by the {spec.model} streams "
+                                     f"{sorted(rows)} by their bytes per token; it must be at least {int(least) + 1} "
+                                     f"for one block of each (block bytes {nbytes})")
+        self.stores: dict[str, StreamTier] = {}
+        for s, rs in rows.items():
+            share = cfg if len(rows) == 1 else dataclasses.replace(
+                cfg, host_bytes=int(cfg.host_bytes * rate[s] / total),
+                disk_bytes=max(1, int(cfg.disk_bytes * rate[s] / total)))
+            self.stores[s] = StreamTier(share, rs, 1, identities[s] if identities else None, prefer, self.log,
+                                        tokens_per_block=spec.tokens_per_block(s))
+        self.has_disk = any(st.disk is not None for st in self.stores.values())
 
-    def __init__(self, cfg: KVCacheConfig, pools: list[torch.Tensor], block_size: int, identity: str | None,
-                 prefer: int = 0, log: HeldLog | None = None):
-        self.cfg, self.pools, self.block_size = cfg, pools, block_size
-        self.log = log or HeldLog(enabled=False)
-        rows = [(block_size, p.shape[1]) for p in pools]
-        self.block_nbytes = sum(block_size * p.shape[1] * p.element_size() for p in pools)
-        capacity = cfg.host_bytes // self.block_nbytes
-        if capacity < 1:
-            raise ValueError(f"kv_cache.host_bytes ({cfg.host_bytes}) is smaller than one KV block "
-                             f"({self.block_nbytes} bytes: {block_size} tokens x "
-                             f"{self.block_nbytes // block_size} bytes over {len(pools)} per-layer tensors)")
-        self.host = HostTier(capacity, rows, [p.dtype for p in pools], pools[0].device)
-        self.disk = None
-        if "disk" in cfg.tiers:
-            if identity is None:
-                raise ValueError("a disk tier needs the model's identity")
-            self.disk = DiskTier(cfg.disk_dir, identity, cfg.disk_bytes, self.block_nbytes, prefer, self.log.mark)
-            for h in self.disk.hashes():
-                self.log.mark(h)
-        self._reads: dict[int, Future] = {}       # block hash -> disk read in flight
-        self._from_disk: set[int] = set()         # host blocks read from disk, not loaded since
-        self.counts = {"spill_bytes_host": 0, "spill_bytes_disk": 0, "load_bytes_host": 0, "load_bytes_disk": 0,
-                       "spills": 0, "loads": 0, "disk_reads": 0, "disk_misses": 0}
-        self.seconds = {"spill": 0.0, "load": 0.0, "disk_read": 0.0}
+    # -- down / up, per stream -------------------------------------------------------------------------
+    def spill(self, s: str, block: int, h: int) -> None:
+        self.stores[s].spill(block, h)
 
-    def holds(self, h: int) -> bool:
-        return h in self.host or (self.disk is not None and h in self.disk)
+    def where(self, s: str, h: int) -> str | None:
+        st = self.stores[s]
+        if h in st.host:
+            return "host"
+        if st.reading([h]) or (st.disk is not None and h in st.disk):
+            return "disk"
+        return None
 
-    # -- down ------------------------------------------------------------------------------------------
-    def _room(self) -> bool:
-        """Room for one more host block: the least recently used one goes down to the disk tier (or
-        away). False when every host block is pinned."""
-        if len(self.host) < self.host.capacity:
-            return True
-        v = self.host.victim()
-        if v is None:
-            return False
-        if self.disk is not None:
-            if v in self.disk:
-                self.disk.touch(v)
-            else:
-                self.disk.write(v, self.host.to_bytes(v))
-                self.counts["spill_bytes_disk"] += self.block_nbytes
-        self.host.drop(v)
-        self._from_disk.discard(v)
-        self.log.mark(v)
-        return True
+    def in_host(self, s: str, hashes: list[int]) -> int:
+        return self.stores[s].in_host(hashes)
 
-    def spill(self, block: int, h: int) -> None:
-        t0 = time.perf_counter()
-        if h in self.host:
-            self.host.touch(h)
-            return
-        if not self._room():
-            return   # every host block is being loaded: this one is simply evicted
-        self.host.add(h)
-        self.host.from_device(h, self.pools, block)
-        self.log.mark(h)
-        self.counts["spills"] += 1
-        self.counts["spill_bytes_host"] += self.block_nbytes
-        self.seconds["spill"] += time.perf_counter() - t0
+    def pin(self, s: str, hashes: list[int]) -> None:
+        self.stores[s].pin(hashes)
 
-    # -- up --------------------------------------------------------------------------------------------
-    def in_host(self, hashes: list[int]) -> int:
-        n = 0
-        for h in hashes:
-            if h not in self.host:
-                break
-            self.host.touch(h)
-            n += 1
-        return n
+    def unpin(self, s: str, hashes: list[int]) -> None:
+        self.stores[s].unpin(hashes)
 
-    def pin(self, hashes: list[int]) -> None:
-        for h in hashes:
-            self.host.pin(h)
+    def load(self, s: str, block: int, h: int) -> bool:
+        """Host block h of stream s -> its device block. -> whether it came up from the disk tier."""
+        return self.stores[s].load(block, h)
 
-    def unpin(self, hashes: list[int]) -> None:
-        for h in hashes:
-            self.host.unpin(h)
-
-    def load(self, block: int, h: int) -> bool:
-        """Host block h -> device block `block`. -> whether it came up from the disk tier."""
-        t0 = time.perf_counter()
-        self.host.to_device(h, self.pools, block)
-        self.host.touch(h)
-        self.counts["loads"] += 1
-        self.counts["load_bytes_host"] += self.block_nbytes
-        self.seconds["load"] += time.perf_counter() - t0
-        if h in self._from_disk:
-            self._from_disk.discard(h)
-            return True
-        return False
-
-    def prefetch(self, hashes: list[int]) -> list[int]:
-        """Start reading the blocks that continue the chain from the disk tier (as far as it holds
-        them, at most what the host tier holds). -> the hashes being read."""
-        if self.disk is None:
-            return []
+    def prefetch(self, pairs: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Start reading these (stream, hash) blocks from the disk tier, each stream's in order as far as it holds
+        them (kvstore/tier.py prefetch). -> the pairs being read."""
         out = []
-        for h in hashes[:self.host.capacity]:
-            if h in self.host and h not in self._reads:
-                continue
-            if h not in self.disk and h not in self._reads:
-                break
-            if h not in self._reads:
-                self._reads[h] = self.disk.read_start(h)
-                self.disk.touch(h)
-            out.append(h)
+        for s, st in self.stores.items():
+            hs = [h for t, h in pairs if t == s]
+            out += [(s, h) for h in st.prefetch(hs)] if hs else []
         return out
 
-    def reading(self, hashes: list[int]) -> bool:
-        return any(h in self._reads for h in hashes)
-
-    def wait(self, hashes: list[int], timeout_s: float) -> None:
-        """Block until these reads are done (or timeout_s passed), then install them."""
-        futs = [self._reads[h] for h in hashes if h in self._reads]
-        if futs:
-            wait_futures(futs, timeout=timeout_s)
-        self.poll()
-
     def poll(self) -> None:
-        """Install finished disk reads in the host tier; an unreadable file is dropped (a miss)."""
-        for h, fut in list(self._reads.items()):
-            if not fut.done():
-                continue
-            del self._reads[h]
-            payload, why, seconds = fut.result()
-            self.counts["disk_reads"] += 1
-            self.seconds["disk_read"] += seconds
-            if payload is None:
-                self.counts["disk_misses"] += 1
-                self.disk.drop(h)
-                continue
-            if h in self.host or not self._room():
-                continue
-            self.host.add(h)
-            self.host.from_bytes(h, payload)
-            self._from_disk.add(h)
-            self.log.mark(h)
-            self.counts["load_bytes_disk"] += self.block_nbytes
+        for st in self.stores.values():
+            st.poll()
+
+    def reading(self, pairs: list[tuple[str, int]]) -> bool:
+        self.poll()
+        return any(self.stores[s].reading([h]) for s, h in pairs)
+
+    def wait(self, pairs: list[tuple[str, int]], timeout_s: float) -> None:
+        for s, st in self.stores.items():
+            st.wait([h for t, h in pairs if t == s], timeout_s)
 
     # -- the rest --------------------------------------------------------------------------------------
+    def holds(self, h: int) -> bool:
+        return any(st.holds(h) for st in self.stores.values())
+
     def stats(self) -> dict:
-        c, s, disk = self.counts, self.seconds, self.disk
-        out = {"kv_host_blocks": len(self.host), "kv_host_bytes": len(self.host) * self.block_nbytes,
-               "kv_host_capacity_blocks": self.host.capacity,
-               "kv_spills": c["spills"], "kv_spill_bytes_host": c["spill_bytes_host"],
-               "kv_spill_bytes_disk": c["spill_bytes_disk"], "kv_spill_s": s["spill"],
-               "kv_loads": c["loads"], "kv_load_bytes_host": c["load_bytes_host"],
-               "kv_load_bytes_disk": c["load_bytes_disk"], "kv_load_s": s["load"]}
-        if disk is not None:
-            out.update(kv_disk_blocks=len(disk), kv_disk_bytes=len(disk) * disk.file_nbytes,
-                       kv_disk_capacity_blocks=disk.capacity, kv_disk_reads=c["disk_reads"],
-                       kv_disk_read_s=s["disk_read"], kv_disk_write_s=disk.write_s,
-                       kv_disk_misses=c["disk_misses"])
+        """The tiers' figures summed over the streams (and, with several, each stream's host blocks)."""
+        out: dict = {}
+        for s, st in self.stores.items():
+            one = st.stats()
+            for k, v in one.items():
+                out[k] = out.get(k, 0) + v
+            if len(self.stores) > 1:
+                out[f"kv_host_blocks_{s}"] = one["kv_host_blocks"]
         return out
 
     def flush(self) -> None:
-        """Wait for the disk tier's queued writes (tests; close does it too)."""
-        if self.disk is not None:
-            self.disk.flush()
+        for st in self.stores.values():
+            st.flush()
 
-    def close(self, device_blocks: list[tuple[int, int]]) -> None:
-        """Release the disk tier; with persist_on_close, first write to it what the host tier and
-        the device cache (device_blocks: (block, hash), least recently used first) hold."""
-        if self.disk is None:
-            return
-        if self.cfg.persist_on_close:
-            for h in self.host.hashes():
-                if h not in self.disk:
-                    self.disk.write(h, self.host.to_bytes(h))
-            for block, h in device_blocks:
-                if h not in self.disk:
-                    self.disk.write(h, device_block_bytes(self.pools, block, self.block_size))
-                else:
-                    self.disk.touch(h)
-        self.disk.close()
-        self.disk = None
+    def close(self, device_blocks: dict[str, list[tuple[int, int]]]) -> None:
+        """Release the disk tiers (with persist_on_close, writing the host and device blocks of every stream)."""
+        for s, st in self.stores.items():
+            st.close(device_blocks.get(s, []))

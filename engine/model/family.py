@@ -10,9 +10,12 @@ engine/sched, engine/front), disagg/, kvstore/ and eplb/ call this interface, ne
                                              reason or None
     loaded = family.load(engine_config, ctx, device, progress)      Loaded: the model, the MTP drafter's layer
     kv = family.kv_cache(engine_config, loaded, max_model_len)      the KV streams as paged pools: the KVCache
-                                             interface (engine/model/mla_cache.py lists it), each a family's
-    blocks = family.block_manager(engine_config, kv, store, log, whole_chunks)
-    store = family.kv_store(engine_config, kv, log, prefer)         the host/disk tiers of every stream
+                                             interface (engine/model/mla_cache.py lists it), each a family's; its
+                                             `spec` declares the streams (kvstore/spec.py KVSpec)
+    blocks = family.block_manager(engine_config, kv, store, log, whole_chunks)      engine/sched/block_manager.py's
+                                             BlockManager over kv.spec, with the family's pool sizes and slots
+    store = family.kv_store(engine_config, kv, log, prefer)         kvstore/store.py's TieredStore over kv.spec:
+                                             the host/disk tiers of every stream
     drafter = family.drafter(loaded, kv, k)  speculative method "mtp": engine/spec_decode/drafter.MTPDrafter
     family.expert_groups(loaded)             the routed experts by placement (ExpertGroup): what EPLB rebalances and
                                              what recovery after a lost rank re-lays over the survivors

@@ -11,6 +11,10 @@ What the engine reads of any family's cache (the KVCache interface, engine/model
                                                                [latents [hi-lo, D]] (+ [indexer keys [hi-lo, Dk]])
     receiving(seq, n) / adopt(seq)                             nothing to prepare: the block table is the state
     describe(), block_bytes(), bytes_per_token(), drop(seq)
+    spec                                                       the KV streams (kvstore/spec.py KVSpec): one, "latent"
+                                                               (a chain: bs rows per block, a row per token; DSA's
+                                                               indexer keys share its rows), its table seq.block_ids
+    stream_pools()                                             stream -> its per-layer tensors [N, ...] (the KV tiers)
 """
 from __future__ import annotations
 
@@ -19,11 +23,19 @@ import torch
 from wideep.attention_mla.fp8_cache import latent_layout
 from wideep.attention_mla.kv_cache import LatentKVPool
 from wideep.attention_mla.meta import AttnMeta, attn_meta, int64_tensor
+from wideep.kvstore.spec import FULL, KVSpec, StreamSpec
 
 
 class LatentCache(LatentKVPool):
+    def __init__(self, *args, model: str = "the model", **kwargs):
+        """LatentKVPool's arguments; model: its name, for messages."""
+        super().__init__(*args, **kwargs)
+        self.spec = KVSpec(self.block_size, (StreamSpec("latent", FULL, rows=self.block_size),),
+                           boundary=self.block_size, model=model)
+
     @classmethod
-    def sized(cls, cfg, mcfg, dtype: torch.dtype, device, num_layers: int, max_model_len: int) -> "LatentCache":
+    def sized(cls, cfg, mcfg, dtype: torch.dtype, device, num_layers: int, max_model_len: int,
+              model: str = "the model") -> "LatentCache":
         """For EngineConfig `cfg`: kv_cache_blocks, or as many blocks as max_num_seqs full-length sequences need,
         capped by kv_cache_memory. num_layers: the decoder layers (+ 1 for the MTP drafter's)."""
         index_dim = mcfg.dsa.index_head_dim if mcfg.dsa is not None else 0   # DSA: indexer keys beside the latents
@@ -34,7 +46,7 @@ class LatentCache(LatentKVPool):
             want = cfg.max_num_seqs * -(-max_model_len // cfg.block_size)
             blocks = max(1, min(want, cfg.kv_cache_memory // per_block))
         return cls(num_layers, blocks, cfg.block_size, mcfg.mla.latent_dim, dtype, device, index_dim=index_dim,
-                   fp8=fp8)
+                   fp8=fp8, model=model)
 
     # -- a step's inputs ------------------------------------------------------------------------------
     def step_inputs(self, batch, parts: list[tuple[int, int, int]] | None = None
@@ -130,6 +142,11 @@ class LatentCache(LatentKVPool):
         return {"blocks": self.num_blocks, "block_size": self.block_size,
                 "dtype": f"{self.pools[0].dtype} ({self.kv_cache_dtype})",
                 "layout": f"latent {self.latent_dim} + indexer key {self.index_dim} in {len(self.pools)} layers"}
+
+    def stream_pools(self) -> dict[str, list[torch.Tensor]]:
+        """stream -> every layer's block tensors of it, [N, ...] each (what the KV tiers move): the latents, and DSA's
+        indexer keys."""
+        return {"latent": [p.view(self.num_blocks, -1) for p in self.all_pools()]}
 
     def block_bytes(self) -> dict[str, int]:
         """stream -> the bytes one of its blocks takes over all layers: one stream, the latents (with DSA's indexer

@@ -2,8 +2,9 @@
 (engine/model/model.py DeepseekModel, its MTP layer engine/model/mtp.py), behind engine/model/family.py's interface.
 
 Its KV cache is one paged latent pool per layer (+ DSA's indexer keys in the same slots; the MTP drafter's layer
-last: engine/model/mla_cache.py), its block manager the plain paged one (engine/sched/block_manager.py), its tiers a
-TieredStore over every per-layer pool. On the CPU kernels a decode step may run fused (the decode plan).
+last: engine/model/mla_cache.py), declared as one stream, "latent": the block manager (engine/sched/block_manager.py)
+and the tiers (kvstore/store.py) work from that spec. On the CPU kernels a decode step may run fused (the decode
+plan).
 """
 from __future__ import annotations
 
@@ -121,24 +122,28 @@ class MLAFamily(ModelFamily):
     # -- the KV cache --------------------------------------------------------------------------------------
     def kv_cache(self, cfg, loaded: Loaded, max_model_len: int) -> LatentCache:
         layers = self.cfg.num_hidden_layers + (loaded.draft is not None)   # the MTP drafter's own latents last
-        return LatentCache.sized(cfg, self.cfg, loaded.model.dtype, loaded.model.device, layers, max_model_len)
+        return LatentCache.sized(cfg, self.cfg, loaded.model.dtype, loaded.model.device, layers, max_model_len,
+                                 model=self.model_name)
 
     def block_manager(self, cfg, kv: LatentCache, store, log, whole_chunks: bool):
         from ..sched.block_manager import BlockManager
-        return BlockManager(kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching, store, log)
+        return BlockManager(kv.spec, {"latent": kv.num_blocks}, enable_prefix_caching=cfg.enable_prefix_caching,
+                            log=log, store=store)
 
     def kv_store(self, cfg, kv: LatentCache, log, prefer: int):
-        """The tiers below the device cache ([kv_cache] tiers): every per-layer pool's block rows."""
+        """The tiers below the device cache ([kv_cache] tiers): the latent stream's block rows of every per-layer
+        pool."""
         from wideep.kvstore.store import TieredStore
         pools = kv.all_pools()   # every per-layer tensor: the latents, and DSA's keys
-        identity = None
+        identities = None
         if "disk" in cfg.kv_cache.tiers:
             # the cache dtype by name (an fp8 tier never serves a full-precision cache, nor the reverse),
             # with the model dtype its RoPE part is stored in
             fp8 = kv.fp8
             dtype = str(pools[0].dtype) if fp8 is None else f"{kv.kv_cache_dtype}+rope:{fp8.rope_dtype}"
-            identity = model_identity(cfg.model, dtype, cfg.block_size, [(cfg.block_size, p.shape[1]) for p in pools])
-        return TieredStore(cfg.kv_cache, pools, cfg.block_size, identity, prefer=prefer, log=log)
+            identities = {"latent": model_identity(cfg.model, dtype, cfg.block_size,
+                                                   [(cfg.block_size, p.shape[1]) for p in pools])}
+        return TieredStore(cfg.kv_cache, kv.spec, kv.stream_pools(), identities, prefer=prefer, log=log)
 
     # -- speculative decoding ------------------------------------------------------------------------------
     def drafter(self, loaded: Loaded, kv: LatentCache, k: int):

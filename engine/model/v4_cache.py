@@ -2,11 +2,11 @@
 stream, each sequence's view of them, the step's V4Meta, and the pieces disaggregation moves (the KVCache interface,
 engine/model/family.py; engine/model/mla_cache.py is the MLA family's).
 
-The pools are allocated up front (attention_v4/pool_layout.py has the geometry): a slot per sequence
+The pools are allocated up front (attention_v4/pool_layout.py has the geometry, a KV spec): a slot per sequence
 (max_num_seqs of them: the compressor states), a window pool (bs rows per block) sized for every slot's decode
 window plus one step's tokens, and one pool per compressed stream (CSA: entries + indexer keys; HCA: entries;
 max(1, bs // m) entries per block) sharing the rest of kv_cache_memory by their bytes per token. With
-kv_cache_blocks N every pool holds the streams of N * bs tokens. The block manager (engine/sched/v4_blocks.py)
+kv_cache_blocks N every pool holds the streams of N * bs tokens. The block manager (engine/sched/block_manager.py)
 gives each sequence its slot and tables and counts every pool at admission; whenever it frees them (preempted:
 the sequence recomputes every stream from its tokens; finished; aborted) the views here are dropped.
 With prefix caching a `state` pool holds the CSA compressors' state at cached boundaries (one row per boundary,
@@ -14,7 +14,7 @@ pool_layout.py), sized like the compressed pools by its bytes per token; a seque
 its streams here with the hit's tokens counted and its slot's state copied from the hit's state row.
 kv_cache_dtype "fp8" packs the window, compressed and indexer-key pools (attention_v4/fp8.py); the bytes per block
 count the packed entries (fp4 caches are refused with V4: engine/model/v4_family.py). The KV tiers move each stream's
-blocks (stream_pools; kvstore/streams.py). A DBO
+blocks (stream_pools; kvstore/store.py). A DBO
 step may cut a sequence's chunk in two, one part per microbatch: the second part's meta starts past the first's
 (attention_v4/streams.py V4Meta), and the streams advance once both have run. Speculative decoding: a verification
 is one chunk of the sequence's last token and its drafts; after it the streams keep the accepted ones (sampled).
@@ -26,14 +26,14 @@ import torch
 from wideep.attention_mla.meta import int64_tensor
 from wideep.attention_v4.fp8 import check_v4_kv_cache_dtype, v4_codecs
 from wideep.attention_v4.paged import PagedSequence, V4Pools
-from wideep.attention_v4.pool_layout import StreamGeometry
+from wideep.attention_v4.pool_layout import v4_kv_spec
 from wideep.attention_v4.streams import SequenceStreams, V4Meta
 from wideep.attention_v4.transfer import gather, scatter, staging
 
 
 class V4StreamCache:
     """This rank's V4 pools and the sequences' views, by request id. Has what the engine reads of a KV cache
-    (block_size, num_blocks (here per stream), pools (the MLA path's: none), bytes_per_token, kv_cache_dtype)."""
+    (spec, block_size, num_blocks (here per stream), pools (the MLA path's: none), bytes_per_token, kv_cache_dtype)."""
 
     pools: list = []
     index_pools = None
@@ -49,7 +49,7 @@ class V4StreamCache:
         att, kinds = v4.attention, v4.layer_kinds + v4.mtp_layer_kinds[:mtp_layers]
         self.model, self.block_size = model, block_size
         self.kv_cache_dtype = check_v4_kv_cache_dtype(kv_cache_dtype)
-        g = self.geometry = StreamGeometry.of(att, kinds, block_size, prefix_caching)
+        g = self.spec = v4_kv_spec(att, kinds, block_size, prefix_caching)
         self.per_block = V4Pools.bytes_per_block(att, kinds, g, elt, v4_codecs(att, kv_cache_dtype, model.dtype))
         self.per_slot = V4Pools.bytes_per_slot(att, kinds, g, elt)
         if isinstance(num_blocks, int):
@@ -64,7 +64,7 @@ class V4StreamCache:
         """Slots and windows first (what every sequence holds whatever its length: at short contexts they
         dominate), then the compressed pools in proportion to their bytes per token, at most what Z sequences of L
         tokens fill."""
-        g = self.geometry
+        g = self.spec
         out = {}
         if g.window:   # with prefix caching as many again: cached prefixes' window tails
             out["window"] = max(Z * g.decode_window() * (1 + (g.boundary > 0)) + -(-budget // g.block_size) + 1,
@@ -78,12 +78,12 @@ class V4StreamCache:
         grown = [s for s in g.streams if s != "window"]   # the compressed pools (and boundary states)
         rate = sum(self.per_block[s] / g.tokens_per_block(s) for s in grown)   # bytes per token
         tokens = min(Z * L, int((memory - fixed) / rate)) if rate else 0
-        least = max((g.tokens_per_block(s) for s, _ in g.ratios), default=0)
+        least = max((g.tokens_per_block(s) for s in g.full), default=0)
         if tokens < least:
             raise ValueError(f"kv_cache_memory ({memory} bytes) leaves {memory - fixed} bytes past the slots and "
                              f"windows every sequence holds ({fixed}), less than one block of each compressed stream "
                              f"({round(least * rate)} bytes)")
-        for s, _ in g.ratios:
+        for s in g.full:
             out[s] = max(1, min(tokens // g.tokens_per_block(s), Z * g.entry_blocks(s, L)))
         if "state" in g.streams:
             out["state"] = max(1, min(tokens, Z * L) // g.boundary)
@@ -92,12 +92,12 @@ class V4StreamCache:
     @property
     def per_seq(self) -> int:
         """Bytes a decoding sequence holds whatever its length: its slot and its window blocks."""
-        return self.per_slot + self.geometry.decode_window() * self.per_block.get("window", 0)
+        return self.per_slot + self.spec.decode_window() * self.per_block.get("window", 0)
 
     def bytes_per_token(self) -> float:
         """Compressed-stream bytes per token, all layers (a sequence's slot and window are `per_seq` more)."""
-        g = self.geometry
-        return sum(self.per_block[s] / g.tokens_per_block(s) for s, _ in g.ratios)
+        g = self.spec
+        return sum(self.per_block[s] / g.tokens_per_block(s) for s in g.full)
 
     def for_seq(self, seq) -> SequenceStreams:
         """The streams of a sequence about to run from token seq.num_computed (0: new, or recomputing)."""
@@ -140,7 +140,7 @@ class V4StreamCache:
 
     def stream_pools(self) -> dict[str, list[torch.Tensor]]:
         """stream -> every layer's block tensors of it, [N_s, ...] each (what the KV tiers move)."""
-        out = {s: [] for s in self.geometry.streams}
+        out = {s: [] for s in self.spec.streams}
         for layer, streams in zip(self.kv.layers, self.kv.stream_of):
             for name, s in streams.items():
                 out[s].append(layer[name])
@@ -209,13 +209,13 @@ class V4StreamCache:
     def receiving(self, seq, num_tokens: int) -> None:
         """A prompt of num_tokens about to be received into seq's blocks: the window's head, which no chunk writes
         (only the last W' rows travel), is marked unwritten."""
-        seq.stream_tables.first_written = max(0, num_tokens - self.geometry.window)
+        seq.stream_tables.first_written = max(0, num_tokens - self.spec.window)
 
     def describe(self) -> dict:
         """What two caches must agree on to move pieces between them, and how much prompt they hold: the tokens the
         smallest compressed pool holds."""
-        g = self.geometry
-        held = min(self.num_blocks[s] * g.tokens_per_block(s) for s, _ in g.ratios) if g.ratios else 1 << 62
+        g = self.spec
+        held = min(self.num_blocks[s] * g.tokens_per_block(s) for s in g.full) if g.full else 1 << 62
         return {"blocks": held // self.block_size, "block_size": self.block_size,
                 "dtype": f"{self.model.dtype} ({self.kv_cache_dtype})",
                 "layout": f"DeepSeek-V4 streams {list(g.streams)}, indexer key "

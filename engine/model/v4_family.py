@@ -2,9 +2,9 @@
 MTP blocks), behind engine/model/family.py's interface.
 
 Its KV cache is one paged pool per stream (window, compressed entries, indexer keys, a slot per sequence for the
-compressors' state: engine/model/v4_cache.py), its block manager the per-stream one (engine/sched/v4_blocks.py), its
-tiers a TieredStore per stream (kvstore/streams.py). Attention runs on torch; the routed experts on torch or the cpu
-experts kernel (FP4 ones kept packed); its FP8 attention linears are dequantised at load.
+compressors' state: engine/model/v4_cache.py), declared as a KV spec (attention_v4/pool_layout.py): the block manager
+(engine/sched/block_manager.py) and the tiers (kvstore/store.py) work from it. Attention runs on torch; the routed
+experts on torch or the cpu experts kernel (FP4 ones kept packed); its FP8 attention linears are dequantised at load.
 """
 from __future__ import annotations
 
@@ -145,24 +145,23 @@ class V4Family(ModelFamily):
                              cfg.kv_cache_dtype, mtp_layers=int(loaded.draft is not None))
 
     def block_manager(self, cfg, kv: V4StreamCache, store, log, whole_chunks: bool):
-        """One pool per stream (DBO may cut a chunk between microbatches: whole_chunks gives window blocks for all
-        of it)."""
-        from ..sched.v4_blocks import V4BlockManager
-        return V4BlockManager(kv.geometry, kv.num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                              whole_chunks=whole_chunks, on_free=kv.drop, enable_prefix_caching=cfg.enable_prefix_caching,
-                              log=log, store=store)
+        """One pool per stream, a slot per sequence (DBO may cut a chunk between microbatches: whole_chunks gives
+        window blocks for all of it); the cache drops a sequence's streams when its blocks are freed."""
+        from ..sched.block_manager import BlockManager
+        return BlockManager(kv.spec, kv.num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                            whole_chunks=whole_chunks, on_free=kv.drop, enable_prefix_caching=cfg.enable_prefix_caching,
+                            log=log, store=store)
 
     def kv_store(self, cfg, kv: V4StreamCache, log, prefer: int):
-        """A TieredStore per stream, its disk directory named by the stream's block layout and the cache dtype."""
-        from wideep.kvstore.streams import StreamStores, block_rows
-        g, pools = kv.geometry, kv.stream_pools()
+        """The tiers of every stream, each stream's disk directory named by its block layout and the cache dtype."""
+        from wideep.kvstore.store import TieredStore, block_rows
+        pools = kv.stream_pools()
         identities = None
         if "disk" in cfg.kv_cache.tiers:
             dtype = f"v4:{kv.kv_cache_dtype}:{kv.model.dtype}"
             identities = {s: model_identity(cfg.model, f"{dtype}:{s}", cfg.block_size,
                                             [tuple(r.shape[1:]) for r in block_rows(ps)]) for s, ps in pools.items()}
-        return StreamStores(cfg.kv_cache, pools, {s: g.tokens_per_block(s) for s in pools}, identities,
-                            prefer=prefer, log=log)
+        return TieredStore(cfg.kv_cache, kv.spec, pools, identities, prefer=prefer, log=log)
 
     # -- speculative decoding ------------------------------------------------------------------------------
     def drafter(self, loaded: Loaded, kv: V4StreamCache, k: int):

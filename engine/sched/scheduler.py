@@ -170,7 +170,8 @@ class Scheduler:
             n = min(len(s.prompt_token_ids) + len(s.output_token_ids) - s.num_computed, budget)
             if spec is not None and n == 1 and s.num_computed + 1 == s.num_tokens and s.output_token_ids:
                 n += self._drafts(s, budget - 1)   # a decode: its drafts ride after its token
-            # a decode inside its last block needs no block: no checks
+            # a decode inside its last block needs no block: no checks (block_ids is a chain spec's one table; a spec
+            # of several streams leaves it empty and always asks the block manager)
             if -(-(s.num_computed + n) // bs) <= len(s.block_ids) or self._grow_or_preempt(s, n):
                 seqs.append(s)
                 num_tokens.append(n)

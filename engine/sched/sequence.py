@@ -24,7 +24,7 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0            # tokens whose latent is in the cache
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)   # its block table when the KV spec is a chain (one stream)
     block_hashes: list[int] = field(default_factory=list)  # prefix-cache hashes of its full computed blocks
     generator: torch.Generator | None = None
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -41,14 +41,16 @@ class Sequence:
     num_reported: int = 0            # output tokens already reported to the front
     hold_blocks: bool = False        # when it finishes, the scheduler releases it with its blocks held:
     #                                  their owner frees them (a prefill whose KV is still being sent)
-    kv_prefetched: int = 0           # times its prefix's disk blocks were read (V3: once; V4: at most twice)
+    kv_prefetched: int = 0           # times its prefix's disk blocks were read (a chain spec: once; else at most
+    #                                  twice)
     extra_metrics: dict = field(default_factory=dict)   # per-request figures of other parts (disaggregation)
     grammar: Any = None              # structured outputs: structured.rows.SequenceGrammar, made when it first samples
     draft_token_ids: list[int] = field(default_factory=list)   # speculative decoding: this step's drafts, verified
     #                                  after the last token (the scheduler sets them, apply clears them)
     spec: Any = None                 # the speculator's per-sequence state (engine/spec_decode/speculator.py SeqSpec)
-    stream_tables: Any = None        # DeepSeek-V4: its slot and per-stream block tables (attention_v4/pool_layout.py
-    #                                  StreamTables, given by engine/sched/v4_blocks.py; block_ids stays empty)
+    stream_tables: Any = None        # a KV spec that is not a chain: its slot and per-stream block
+    #                                  tables (kvstore/spec.py StreamTables, given by engine/sched/block_manager.py;
+    #                                  block_ids stays empty)
 
     @property
     def token_ids(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""The paged pools (attention_v4/paged.py, one per stream, tables from engine/sched/v4_blocks.py) against the dense
+"""The paged pools (attention_v4/paged.py, one per stream, tables from engine/sched/block_manager.py) against the dense
 reference streams: the same outputs, bit for bit, for sequences interleaved in steps of random chunk lengths (chunks
 ending mid-window, contexts up to 20 windows) with window blocks going back to a small pool as the sequences
 advance and coming back to others (pools filled with NaN first: a row read before it is written would show), blocks
@@ -15,12 +15,12 @@ import torch
 pytest.importorskip("transformers")
 
 from wideep.attention_v4.paged import PagedSequence, V4Pools
-from wideep.attention_v4.pool_layout import StreamGeometry
+from wideep.attention_v4.pool_layout import v4_kv_spec
 from wideep.attention_v4.streams import SequenceStreams, V4Meta
 from wideep.engine import SamplingParams
 from wideep.engine.model.families import load_model
 from wideep.engine.sched.sequence import Sequence
-from wideep.engine.sched.v4_blocks import V4BlockManager
+from wideep.engine.sched.block_manager import BlockManager
 from tests.oracle_v4 import PRO, make_v4_model
 
 W = 5
@@ -42,17 +42,17 @@ def _seq(i: int, n: int) -> Sequence:
 def test_pools_equal_dense_streams(model, block_size, whole_chunks):
     rng = random.Random(block_size + whole_chunks)
     att, kinds = model.cfg.v4.attention, model.cfg.v4.layer_kinds
-    geo = StreamGeometry.of(att, kinds, block_size)
+    geo = v4_kv_spec(att, kinds, block_size)
     lens = [70, 33, 101]
     max_chunk = 30
     # the window pool holds what the three sequences need at once, no more: its blocks must be reused
     sizes = {"window": 3 * max(geo.peak(n, max_chunk, whole_chunks)["window"] for n in lens)}
-    sizes |= {s: sum(geo.entry_blocks(s, n) for n in lens) + 2 for s, _ in geo.ratios}
+    sizes |= {s: sum(geo.entry_blocks(s, n) for n in lens) + 2 for s in geo.full}
     pools = V4Pools(att, kinds, geo, sizes, 4, "cpu", torch.float32)
     for layer in pools.layers:
         for t in layer.values():
             t.fill_(math.nan)
-    blocks = V4BlockManager(geo, sizes, 4, max_chunk, whole_chunks)
+    blocks = BlockManager(geo, sizes, 4, max_chunk, whole_chunks)
     blocks._free_slots = [1, 2, 0, 3]   # slots 3, 0, 2 in order; slot 1 never used
     seqs = [_seq(i, n) for i, n in enumerate(lens)]
     dense = [model.new_streams() for _ in lens]
@@ -82,8 +82,8 @@ def test_pools_equal_dense_streams(model, block_size, whole_chunks):
             t, c = seqs[i].stream_tables, seqs[i].num_computed
             # only the blocks of the next query's window are left, the compressed streams hold what closed
             assert set(t.window) == geo.window_reads(c), (i, c)
-            for s, _ in geo.ratios:
-                assert len(getattr(t, s)) == geo.entry_blocks(s, c)
+            for s in geo.full:
+                assert len(t.full[s]) == geo.entry_blocks(s, c)
     if block_size < 64:   # (blocks of 64 hold these contexts in two)
         assert len(window_used) > sizes["window"] and len(handed["window"]) == sizes["window"], \
             "window blocks that went back were handed out again"

@@ -94,7 +94,7 @@ def _rank(model_dir: str) -> dict | str:
     hits = eng.metrics()["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"]
     eng.shutdown()
     return {"got": got, "errors": errors, "reasons": reasons, "diffs": diffs, "scale": scale, "prefill_prefix_hits": hits,
-            "free": core.blocks.num_free, "total": core.blocks.allocator.num_blocks}
+            "free": core.blocks.num_free, "total": core.blocks.allocators["latent"].num_blocks}
 
 
 @pytest.fixture(scope="module")

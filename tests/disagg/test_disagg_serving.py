@@ -29,7 +29,7 @@ def _disagg_rank(model_dir: str) -> dict:
     if not eng.is_front:
         how = eng.run_worker_loop()
         b = eng.core.blocks
-        return {"how": how, "free": b.num_free, "total": b.allocator.num_blocks}
+        return {"how": how, "free": b.num_free, "total": b.allocators["latent"].num_blocks}
     seen = {"waiting_for_blocks": 0, "arrived_during_long": 0}
 
     def check(e):
@@ -42,7 +42,7 @@ def _disagg_rank(model_dir: str) -> dict:
     eng.shutdown()
     b = eng.core.blocks
     return {"got": got, "seen": seen, "finished": m["finished_requests"], "pools": m["pools"],
-            "kv_transfer": m["kv_transfer"], "free": b.num_free, "total": b.allocator.num_blocks}
+            "kv_transfer": m["kv_transfer"], "free": b.num_free, "total": b.allocators["latent"].num_blocks}
 
 
 def _colocated_rank(model_dir: str) -> dict | None:

@@ -107,7 +107,7 @@ def test_bad_request_in_batch_accepts_nothing_and_engine_keeps_serving(llm):
         llm.generate([[3, 4, 5], [999]], sp)
     assert not llm.engine.core.scheduler.has_work()
     assert llm.generate([[3, 4, 5]], sp)[0].outputs[0].token_ids == good
-    blocks = llm.engine.core.blocks.allocator
+    blocks = llm.engine.core.blocks.allocators["latent"]
     assert blocks.num_free == blocks.num_blocks
 
 

@@ -76,7 +76,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_equal_alone(model_dir, sing
     core = eng.core
     assert core.scheduler.num_preemptions > 0, "the cache was meant to be small enough to preempt"
     assert core.blocks.hit_tokens > 0, "the shared system prompt was meant to hit the prefix cache"
-    assert core.blocks.num_free == core.blocks.allocator.num_blocks
+    assert core.blocks.num_free == core.blocks.allocators["latent"].num_blocks
     eng.shutdown()
     assert [got[r["id"]] for r in reqs] == [tok for tok, _ in single]
 

@@ -57,7 +57,7 @@ def test_300_requests_under_preemption_equal_alone_and_leak_nothing(model_dir):
     reqs = workload(320, seed=0)
     eng = Engine(model_dir, progress=False, block_size=16, kv_cache_blocks=48, max_num_seqs=24,
                  max_num_batched_tokens=256)
-    blocks = eng.core.blocks.allocator
+    blocks = eng.core.blocks.allocators["latent"]
     peak = {"used": 0}
 
     def check(e):
@@ -128,7 +128,7 @@ def test_abort_frees_blocks_and_others_are_unaffected(model_dir):
     while eng.has_unfinished_requests():
         done.update({o.request_id: o.outputs[0].token_ids for o in eng.step() if o.finished})
     assert done == {k: v for k, v in ref.items() if k != "a1"}
-    assert eng.core.blocks.num_free == eng.core.blocks.allocator.num_blocks
+    assert eng.core.blocks.num_free == eng.core.blocks.allocators["latent"].num_blocks
     with pytest.raises(ValueError, match="unknown request id 'a1'"):
         eng.abort("a1")
 

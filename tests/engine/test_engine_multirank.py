@@ -24,7 +24,7 @@ def _rank(model_dir: str) -> dict:
     if eng.ctx.rank != 0:
         how = eng.run_worker_loop()
         b = eng.core.blocks
-        return {"how": how, "free": b.num_free, "total": b.allocator.num_blocks,
+        return {"how": how, "free": b.num_free, "total": b.allocators["latent"].num_blocks,
                 "preemptions": eng.core.scheduler.num_preemptions}
     idle_steps = {"n": 0}
 
@@ -37,7 +37,7 @@ def _rank(model_dir: str) -> dict:
     m = eng.metrics()
     eng.shutdown()
     return {"got": got, "idle_steps": idle_steps["n"], "metrics_preemptions": m["preemptions"],
-            "free": eng.core.blocks.num_free, "total": eng.core.blocks.allocator.num_blocks}
+            "free": eng.core.blocks.num_free, "total": eng.core.blocks.allocators["latent"].num_blocks}
 
 
 @pytest.fixture(scope="module")

@@ -295,7 +295,7 @@ def test_greedy_equal_under_preemption_and_stop_tokens(cycle):
     got = drive(eng, reqs)
     assert eng.core.scheduler.num_preemptions > 0
     assert eng.metrics()["spec_decode_num_accepted_tokens"] > 0
-    assert eng.core.blocks.num_free == eng.core.blocks.allocator.num_blocks
+    assert eng.core.blocks.num_free == eng.core.blocks.allocators["latent"].num_blocks
     llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, enable_prefix_caching=False)
     for r in reqs:
         want = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))

@@ -251,7 +251,7 @@ def test_greedy_equal_under_preemption_with_prefix_caching(cycle):
     m = eng.metrics()
     assert eng.core.scheduler.num_preemptions > 0
     assert m["spec_decode_num_accepted_tokens"] > 0
-    assert eng.core.blocks.num_free == eng.core.blocks.allocator.num_blocks
+    assert eng.core.blocks.num_free == eng.core.blocks.allocators["latent"].num_blocks
     llm = LLM(d, progress=False, block_size=16, kv_cache_blocks=64, enable_prefix_caching=False)
     for r in reqs:
         want = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True))
@@ -275,7 +275,7 @@ def test_stop_tokens_and_max_tokens_inside_accepted_drafts(cycle):
     for n in (1, 2, 7, 13):
         out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[0].outputs[0]
         assert out.token_ids == base.token_ids[:n] and out.finish_reason == "length"
-    assert llm.engine.core.blocks.num_free == llm.engine.core.blocks.allocator.num_blocks
+    assert llm.engine.core.blocks.num_free == llm.engine.core.blocks.allocators["latent"].num_blocks
 
 
 def seeded_twice(model, prompts, sp: SamplingParams, spec: dict) -> None:
@@ -285,7 +285,7 @@ def seeded_twice(model, prompts, sp: SamplingParams, spec: dict) -> None:
         llm = LLM(model, progress=False, block_size=16, kv_cache_blocks=64, speculative_config=spec)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp)])
         assert llm.engine.metrics()["spec_decode_num_accepted_tokens"] > 0
-        assert llm.engine.core.blocks.num_free == llm.engine.core.blocks.allocator.num_blocks
+        assert llm.engine.core.blocks.num_free == llm.engine.core.blocks.allocators["latent"].num_blocks
     assert runs[0] == runs[1] and all(len(t) == sp.max_tokens for t in runs[0])
 
 

@@ -37,7 +37,7 @@ def _rank(model_dir: str, nxt: list[int], dbo: bool, method: str, at_once: bool 
     if eng.ctx.rank != 0:
         how = eng.run_worker_loop()
         b = eng.core.blocks
-        return {"how": how, "free": b.num_free, "total": b.allocator.num_blocks,
+        return {"how": how, "free": b.num_free, "total": b.allocators["latent"].num_blocks,
                 "split": eng.core.split_steps}
     reqs = requests(nxt)
     if at_once:
@@ -48,7 +48,7 @@ def _rank(model_dir: str, nxt: list[int], dbo: bool, method: str, at_once: bool 
     eng.shutdown()
     return {"got": got, "accepted": m["spec_decode_num_accepted_tokens"],
             "per_rank_accepted": [s["spec_num_accepted_tokens"] for s in m["per_rank"]],
-            "free": eng.core.blocks.num_free, "total": eng.core.blocks.allocator.num_blocks,
+            "free": eng.core.blocks.num_free, "total": eng.core.blocks.allocators["latent"].num_blocks,
             "split": eng.core.split_steps, "preemptions": m["preemptions"]}
 
 

@@ -236,7 +236,8 @@ def _two_ranks(model_dir: str, stop: str, want_text: str, k: int) -> dict:
     if eng.ctx.rank != 0:
         how = eng.run_worker_loop()
         b = eng.core.blocks
-        return {"how": how, "free": b.num_free, "total": b.allocator.num_blocks, "work": eng.core.scheduler.has_work()}
+        return {"how": how, "free": b.num_free, "total": b.allocators["latent"].num_blocks,
+                "work": eng.core.scheduler.has_work()}
     p = greedy(max_tokens=64, stop=stop, output_kind="final_only")
     for rid in ("a", "b"):
         eng.add_request(rid, PROMPT, p)

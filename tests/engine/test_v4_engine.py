@@ -104,7 +104,7 @@ def test_admission_counts_the_pools_bytes(v4):
     memory = 3 << 20
     llm = LLM(d, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=memory, **V4)
     core = llm.engine.core
-    kv, att, kinds, g = core.kv, core.model.cfg.v4.attention, core.model.cfg.v4.layer_kinds, core.kv.geometry
+    kv, att, kinds, g = core.kv, core.model.cfg.v4.attention, core.model.cfg.v4.layer_kinds, core.kv.spec
     per_block = dict.fromkeys(g.streams, 0)
     for layer, stream_of in zip(kv.kv.layers, kv.kv.stream_of):
         for n, st in stream_of.items():

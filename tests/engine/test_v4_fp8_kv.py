@@ -118,7 +118,7 @@ def test_admission_counts_the_fp8_pools_bytes(v4):
         llm = LLM(d, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, kv_cache_memory=memory, **kw)
         kv = llm.engine.core.kv
         att = llm.engine.core.model.cfg.v4.attention
-        per_block = dict.fromkeys(kv.geometry.streams, 0)
+        per_block = dict.fromkeys(kv.spec.streams, 0)
         for layer, stream_of in zip(kv.kv.layers, kv.kv.stream_of):
             for n, st in stream_of.items():
                 per_block[st] += layer[n][0].nbytes
@@ -129,7 +129,7 @@ def test_admission_counts_the_fp8_pools_bytes(v4):
         slot = sum(t[0].nbytes for layer, so in zip(kv.kv.layers, kv.kv.stream_of) for n, t in layer.items()
                    if n not in so)
         assert kv.per_block == per_block and kv.per_slot == slot
-        assert kv.kv.nbytes() == sum(kv.num_blocks[s] * per_block[s] for s in kv.geometry.streams) + 4 * slot <= memory
+        assert kv.kv.nbytes() == sum(kv.num_blocks[s] * per_block[s] for s in kv.spec.streams) + 4 * slot <= memory
         sizes[kw.get("kv_cache_dtype", "auto")] = (per_block, kv.num_blocks, kv.kv.nbytes())
         out = llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
         assert len(out[0].outputs[0].token_ids) == 3

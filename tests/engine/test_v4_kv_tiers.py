@@ -1,4 +1,4 @@
-"""DeepSeek-V4's streams in the host and disk KV tiers (kvstore/streams.py, engine/sched/v4_blocks.py): a prefix whose
+"""DeepSeek-V4's streams in the host and disk KV tiers (kvstore/store.py, engine/sched/block_manager.py): a prefix whose
 blocks (window tail, compressed entries and indexer keys, the boundary state row) left the pools for the host tier
 or further to disk is loaded back and gives the outputs of a device-cache hit bit for bit; a restart reuses the disk
 tier; a damaged block file is a miss (recomputed, output unchanged); the 120-request replay under KV pressure with
@@ -91,7 +91,7 @@ def test_restart_reuses_the_disk_tier(v4, tmp_path):
     run(eng, "a0", A)
     device = run(eng, "a1", A)
     eng.shutdown()   # persist_on_close: the pools' named blocks go to disk, a directory per stream
-    streams = eng.core.kv.geometry.streams
+    streams = eng.core.kv.spec.streams
     assert len(glob.glob(os.path.join(str(tmp_path), "*", "rank-0"))) == len(streams)
     eng = engine(v4, tmp_path)
     assert run(eng, "b0", A) == device

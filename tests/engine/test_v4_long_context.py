@@ -73,7 +73,7 @@ def test_64k_context_chunked_and_paged_equals_one_dense_prefill(tmp_path):
     kv, att, kinds = core.kv, core.model.cfg.v4.attention, core.model.cfg.v4.layer_kinds
     for k in ("csa", "hca"):   # each compressed stream: the entries n tokens close, up to one part-filled block
         data = sum(growing_bytes(att, x, n, 4) for x in kinds if x == k)
-        blocks = kv.geometry.entry_blocks(k, n) * kv.per_block[k]
+        blocks = kv.spec.entry_blocks(k, n) * kv.per_block[k]
         assert data <= blocks < data + kv.per_block[k], (k, n, data, blocks)
     assert real < 24 << 20, f"64k tokens of the tiny V4 hold {real} bytes"
     assert all(a.num_free == a.num_blocks for a in core.blocks.allocators.values())

@@ -1,6 +1,6 @@
-"""DeepSeek-V4 prefix caching (engine/sched/v4_blocks.py, attention_v4/pool_layout.py): a hit restores the compressed
-blocks, the window tail and the CSA compressors' state at a boundary where every window is closed, so outputs with
-and without prefix caching are equal (greedy, float32) for prompts sharing prefixes that end mid-window and at window
+"""DeepSeek-V4 prefix caching (engine/sched/block_manager.py, attention_v4/pool_layout.py): a hit restores the
+compressed blocks, the window tail and the CSA compressors' state at a boundary where every window is closed, so outputs
+with and without prefix caching are equal (greedy, float32) for prompts sharing prefixes that end mid-window and at window
 boundaries, for a prompt continuing another's output (state written during decode), with DBO splitting chunks, and
 through 120 requests under KV pressure (preemption, eviction of cached blocks) where every output equals the request
 run alone and no pool leaks a block."""

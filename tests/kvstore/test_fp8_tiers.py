@@ -27,15 +27,15 @@ def engine(model_dir, tmp_path, kv_cache_dtype="fp8", **kw):
 @pytest.mark.parametrize("kv", ["fp8", "fp4"])
 def test_packed_blocks_spill_reload_and_persist(model_dir, tmp_path, kv):
     eng = engine(model_dir, tmp_path, kv)
-    assert eng.core.store.block_nbytes == BLOCK_BYTES[kv]
+    assert eng.core.store.stores["latent"].block_nbytes == BLOCK_BYTES[kv]
     run(eng, "a0", A)
     device = run(eng, "a1", A)
     hashes = prefix_chain(A, BS)
     for i, f in enumerate(FILL):                     # other prompts, until A's blocks left the device
-        if not any(h in hashes for _, h in eng.core.blocks.cached_blocks()):
+        if not any(h in hashes for _, h in eng.core.blocks.cached_blocks()["latent"]):
             break
         run(eng, f"f{i}", f)
-    assert all(h in eng.core.store.host for h in hashes)
+    assert all(h in eng.core.store.stores["latent"].host for h in hashes)
     host = run(eng, "a2", A)
     assert stats(eng)["kv_hit_blocks_host"] == 4 and host == device       # bit for bit
     eng.shutdown()
@@ -52,14 +52,14 @@ def test_fp8_and_full_precision_tiers_never_mix(model_dir, tmp_path):
     alone = Engine(model_dir, progress=False, block_size=BS, kv_cache_blocks=12, enable_prefix_caching=False)
     want = run(alone, "x", A)
     full = engine(model_dir, tmp_path, kv_cache_dtype="auto", host_bytes=6 * 4 * BS * 160)
-    mine = full.core.store.disk.dir
-    assert len(full.core.store.disk) == 0                                  # another identity, another directory
+    mine = full.core.store.stores["latent"].disk.dir
+    assert len(full.core.store.stores["latent"].disk) == 0                 # another identity, another directory
     for f in glob.glob(os.path.join(str(tmp_path), "*", "rank-0", "*.kv")):   # the fp8 files, planted
         if os.path.dirname(f) != mine:
             os.link(f, os.path.join(mine, os.path.basename(f)))
     full.shutdown()
     full = engine(model_dir, tmp_path, kv_cache_dtype="auto", host_bytes=6 * 4 * BS * 160, persist_on_close=False)
-    assert len(full.core.store.disk) >= 4
+    assert len(full.core.store.stores["latent"].disk) >= 4
     got = run(full, "b0", A)
     s = stats(full)
     assert s["kv_hit_blocks_disk"] == 0 and s["prefill_tokens"] == 70 and got == want
@@ -71,7 +71,7 @@ def test_fp4_never_reads_fp8_blocks(model_dir, tmp_path):
     run(eng, "a0", A)
     eng.shutdown()
     fp4 = engine(model_dir, tmp_path, "fp4", persist_on_close=False)
-    assert len(fp4.core.store.disk) == 0                                   # another identity, another directory
+    assert len(fp4.core.store.stores["latent"].disk) == 0                  # another identity, another directory
     run(fp4, "b0", A)
     assert stats(fp4)["kv_hit_blocks_disk"] == 0 and stats(fp4)["prefill_tokens"] == 70
     fp4.shutdown()

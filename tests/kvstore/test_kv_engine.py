@@ -54,17 +54,18 @@ def test_spill_to_host_and_disk_then_reload_gives_identical_logprobs(model_dir, 
     assert stats(eng)["kv_hit_blocks_device"] == 4 and device[0] == first[0]
     hashes = prefix_chain(A, BS)
     for i, f in enumerate(FILL):                     # other prompts, until A's blocks left the device
-        if not any(h in hashes for _, h in eng.core.blocks.cached_blocks()):
+        if not any(h in hashes for _, h in eng.core.blocks.cached_blocks()["latent"]):
             break
         run(eng, f"f{i}", f)
-    assert all(h in eng.core.store.host for h in hashes)
+    assert all(h in eng.core.store.stores["latent"].host for h in hashes)
     host = run(eng, "a2", A)
     s = stats(eng)
     assert s["kv_hit_blocks_host"] == 4 and s["kv_spill_bytes_host"] > 0
     assert host == device                            # tokens, top logprobs, cumulative: bit for bit
     for i, f in enumerate(FILL):                     # 32 blocks: through host (6) down to disk
         run(eng, f"g{i}", f)
-    assert not any(h in eng.core.store.host or h in dict(map(reversed, eng.core.blocks.cached_blocks()))
+    assert not any(h in eng.core.store.stores["latent"].host
+                   or h in dict(map(reversed, eng.core.blocks.cached_blocks()["latent"]))
                    for h in hashes)
     before = stats(eng)
     from_disk = run(eng, "a3", A)
@@ -139,14 +140,14 @@ def test_another_models_tier_is_never_used(model_dir, tmp_path_factory, tmp_path
     alone = Engine(other, progress=False, block_size=BS, kv_cache_blocks=12, enable_prefix_caching=False)
     want = run(alone, "x", A)
     eng = engine(other, tmp_path)
-    mine = eng.core.store.disk.dir
-    assert len(eng.core.store.disk) == 0
+    mine = eng.core.store.stores["latent"].disk.dir
+    assert len(eng.core.store.stores["latent"].disk) == 0
     for f in glob.glob(os.path.join(str(tmp_path), "*", "rank-0", "*.kv")):   # model_dir's files, planted
         if os.path.dirname(f) != mine:
             os.link(f, os.path.join(mine, os.path.basename(f)))
     eng.shutdown()
     eng = engine(other, tmp_path, persist_on_close=False)
-    assert len(eng.core.store.disk) >= 4             # it sees the planted files ...
+    assert len(eng.core.store.stores["latent"].disk) >= 4             # it sees the planted files ...
     got = run(eng, "b0", A)
     s = stats(eng)
     assert s["kv_hit_blocks_disk"] == 0 and s["kv_disk_misses"] >= 1 and s["prefill_tokens"] == 70
@@ -186,12 +187,12 @@ def test_dsa_index_keys_spill_and_reload_with_the_latents(tmp_path_factory, tmp_
     eng = Engine(d, progress=False, block_size=BS, kv_cache_blocks=12,
                  kv_cache=dict(tiers=["host", "disk"], disk_dir=str(tmp_path), host_bytes=6 * 2 * BLOCK_BYTES))
     pools = eng.core.kv.layer_pools(0)
-    assert len(pools) == 2 and eng.core.store.block_nbytes == sum(
+    assert len(pools) == 2 and eng.core.store.stores["latent"].block_nbytes == sum(
         BS * p.shape[1] * p.element_size() for i in range(len(eng.core.kv.pools)) for p in eng.core.kv.layer_pools(i))
     device = (run(eng, "a0", A), run(eng, "a1", A))[1]
     hashes = prefix_chain(A, BS)
     for i, f in enumerate(FILL):
-        if not any(h in hashes for _, h in eng.core.blocks.cached_blocks()):
+        if not any(h in hashes for _, h in eng.core.blocks.cached_blocks()["latent"]):
             break
         run(eng, f"f{i}", f)
     for p in eng.core.kv.index_pools:                # what the device held is gone: only the tiers have it

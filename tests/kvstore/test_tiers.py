@@ -14,7 +14,7 @@ from wideep.kvstore.disk import DiskTier, encode
 from wideep.kvstore.events import HeldLog
 from wideep.kvstore.host import HostTier
 from wideep.kvstore.identity import model_identity
-from wideep.kvstore.store import TieredStore, device_block_bytes
+from wideep.kvstore.tier import StreamTier, device_block_bytes
 
 ROWS = [(4, 6), (4, 3)]            # two "layers": block_size 4, widths 6 and 3
 NBYTES = 4 * (6 + 3) * 4           # float32
@@ -123,7 +123,7 @@ def test_store_spills_loads_and_reads_exact_rows(tmp_path):
     p = pools(num_blocks=6, seed=3)
     cfg = KVCacheConfig(tiers=("host", "disk"), host_bytes=2 * NBYTES, disk_dir=str(tmp_path))
     log = HeldLog()
-    st = TieredStore(cfg, p, 4, "i" * 32, log=log)
+    st = StreamTier(cfg, p, 4, "i" * 32, log=log)
     want = {h: device_block_bytes(p, h, 4) for h in range(4)}     # hash h <- device block h
     for h in range(4):
         st.spill(h, h)
@@ -142,7 +142,7 @@ def test_store_spills_loads_and_reads_exact_rows(tmp_path):
     st.close([(5, 1)])
     with pytest.raises(ValueError, match=r"kv_cache.host_bytes \(10\) is smaller than one KV block \(144 bytes: "
                                          r"4 tokens x 36 bytes over 2 per-layer tensors\)"):
-        TieredStore(KVCacheConfig(tiers=("host",), host_bytes=10), p, 4, None)
+        StreamTier(KVCacheConfig(tiers=("host",), host_bytes=10), p, 4, None)
 
 
 def test_identity_follows_weights_config_dtype_and_block_size(tmp_path):
