@@ -19,7 +19,7 @@ import torch
 import xgrammar as xgr
 
 from .backend import special_token_ids
-from .json_strings import length_conflicts, strict_strings
+from .json_strings import length_conflicts, strict_schema, strict_strings
 from .params import StructuredOutputsParams
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
@@ -94,18 +94,18 @@ class XGrammarBackend:
         kind = spec.kind
         try:
             if kind in ("json", "json_object"):   # json_object: an object (xgrammar's builtin JSON is any value)
-                schema = spec.json if kind == "json" else ANY_OBJECT
-                bad = length_conflicts(json.loads(schema))
+                schema = json.loads(spec.json if kind == "json" else ANY_OBJECT)
+                bad = length_conflicts(schema)
                 if bad:
                     raise ValueError(f"{bad[0]}: a string with minLength/maxLength and a pattern or format is not "
                                      f"supported by xgrammar (it would ignore the length); put the length into the "
                                      f"pattern or use --structured-outputs-backend guidance")
-                return self._strict(xgr.Grammar.from_json_schema(schema,
+                return self._strict(xgr.Grammar.from_json_schema(json.dumps(strict_schema(schema)),
                                                                   any_whitespace=not spec.disable_any_whitespace))
             if kind == "structural_tag":
                 return self._strict(xgr.Grammar.from_structural_tag(spec.structural_tag))
             if kind == "regex":
-                return self.compiler.compile_regex(spec.regex)
+                return self.compiler.compile_regex(spec.regex)   # its own regex path has no such quirk
             if kind == "choice":
                 return self.compiler.compile_grammar(_ebnf_choice(spec.choice))
             return self.compiler.compile_grammar(spec.grammar)

@@ -47,6 +47,32 @@ def test_length_bounded_strings_are_strict_json(backend, text, ok):
         assert 1 <= len(json.loads(text)) <= 4
 
 
+@pytest.mark.parametrize("schema", [{"type": "string", "maxLength": 1}, {"type": "string", "minLength": 1, "maxLength": 1},
+                                    {"anyOf": [{"type": "string", "maxLength": 1}, {"type": "integer"}]}])
+def test_the_shortest_bounds_too(backend, schema):
+    """xgrammar writes the class inline for the shortest bounds (found by the fuzz test)."""
+    spec = StructuredOutputsParams(json=schema)
+    assert not accepts(backend, spec, '"\x1c"') and accepts(backend, spec, '"\\u001c"') and accepts(backend, spec, '"a"')
+
+
+def accepts_bytes(backend, spec: StructuredOutputsParams, data: bytes) -> bool:
+    """Fed one byte token at a time (the tiny tokenizer has one per byte): bytes that are no UTF-8 too."""
+    byte = {v[0]: i for i, v in enumerate(backend.info.decoded_vocab) if len(v) == 1}
+    m = xgr.GrammarMatcher(backend.compile(spec), terminate_without_stop_token=True)
+    return all(m.accept_token(byte[b]) for b in data) and m.is_terminated()
+
+
+def test_no_surrogate_bytes_in_bounded_strings(backend):
+    """A surrogate's three UTF-8 bytes would decode to three U+FFFD: one character in the grammar, three in the
+    text. Refused in length-bounded JSON strings and DSML raw parameters; real characters of any width taken."""
+    spec = StructuredOutputsParams(json={"type": "string", "maxLength": 2})
+    assert not accepts_bytes(backend, spec, b'"\xed\xa0\x80"')
+    assert accepts_bytes(backend, spec, '"日😀"'.encode())
+    tag = tool_call_tag("tool_calls", TOOLS, "get_weather")
+    assert not accepts_bytes(backend, tag, CALL.replace("Paris", "\ud800").encode("utf-8", "surrogatepass"))
+    assert accepts_bytes(backend, tag, CALL.replace("Paris", "日😀").encode())
+
+
 def test_xgrammar_alone_admits_control_characters():
     """The quirk worked around (if xgrammar fixes it, strict_strings has nothing to rewrite and this says so)."""
     ebnf = str(xgr.Grammar.from_json_schema(json.dumps({"type": "object", "properties": {
@@ -65,6 +91,32 @@ def test_length_bounds_xgrammar_would_ignore_are_refused(backend):
     assert length_conflicts({"type": "object", "properties": {"pattern": {"type": "string", "maxLength": 2}}}) == []
     with pytest.raises(ValueError, match=r"structured_outputs.json does not compile: schema.properties.a: .*pattern"):
         backend.compile(StructuredOutputsParams(json=schema))
+
+
+@pytest.mark.parametrize("fmt,good,bad", [
+    ("date", ["2024-02-29", "2000-02-29", "0001-01-01", "2023-04-30"], ["2023-02-29", "1900-02-29", "2024-04-31",
+                                                                      "0000-01-01", "2024-13-01"]),
+    ("ipv4", ["1.2.3.4", "255.0.10.199"], ["01.2.3.4", "256.1.1.1", "1.2.3"]),
+    ("date-time", ["2024-02-29T23:59:59Z", "2024-01-01T00:00:00.123456-05:30"],
+     ["2024-01-01T00:00:001Z", "2024-01-01T24:00:00Z", "2024-04-31T00:00:00Z"])])
+def test_formats_take_exactly_the_valid_values(backend, fmt, good, bad):
+    spec = StructuredOutputsParams(json={"type": "string", "format": fmt})
+    for v in good:
+        assert accepts(backend, spec, json.dumps(v)), v
+    for v in bad:
+        assert not accepts(backend, spec, json.dumps(v)), v
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_optional_groups_with_a_repetition(backend, kind):
+    """xgrammar alone takes "a00Z" for a schema's pattern a(x[0-9]{1,3})?Z (the group's start dropped); its bare
+    regex path does not."""
+    pattern = "^a(x[0-9]{1,3})?Z$"
+    spec = StructuredOutputsParams(json={"type": "string", "pattern": pattern}) if kind == "json" else \
+        StructuredOutputsParams(regex=pattern[1:-1])
+    text = (lambda s: json.dumps(s)) if kind == "json" else (lambda s: s)
+    assert accepts(backend, spec, text("ax12Z")) and accepts(backend, spec, text("aZ"))
+    assert not accepts(backend, spec, text("a00Z")) and not accepts(backend, spec, text("a0Z"))
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
