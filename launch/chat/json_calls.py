@@ -29,12 +29,13 @@ def parse_calls(text: str, forced: str) -> list[ToolCall]:
 
 class JsonToolCalls:
     def __init__(self, forced: str):
-        self.forced, self.text = forced, ""
+        self.forced, self.parts = forced, []
         self.calls: list[ToolCall] = []
 
     def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
-        self.text += text
+        self.parts.append(text)
         if not final:
             return "", []
-        self.calls = parse_calls(self.text, self.forced)
-        return ("", self.calls) if self.calls else (self.text, [])
+        whole = "".join(self.parts)
+        self.calls = parse_calls(whole, self.forced)
+        return ("", self.calls) if self.calls else (whole, [])

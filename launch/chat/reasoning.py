@@ -49,43 +49,47 @@ class ReasoningSplit:
     """Feed the front's output deltas (text and token ids) in order; each feed returns the new (reasoning,
     content) text. decode(ids) -> their text as the front decodes it (the same skip_special_tokens), which
     places the `</think>` token in the text. think_id / end_id: the tokenizer's <think> / </think> (None: it
-    has none, so nothing ends the reasoning)."""
+    has none, so nothing ends the reasoning). Text positions are absolute (from the output's start); only the
+    text not returned yet is kept."""
 
     def __init__(self, in_reasoning: bool, think_id: int | None, end_id: int | None,
                  decode: Callable[[list[int]], str]):
         self.in_reasoning, self.think_id, self.end_id, self.decode = in_reasoning, think_id, end_id, decode
         self.ended = not in_reasoning     # no reasoning, or its end was seen
-        self.ids: list[int] = []
-        self.text = ""                    # the output text so far
-        self.sent = 0                     # text[:sent] was returned
-        self.cut: tuple[int, int] | None = None   # text[a:b] is the </think> token's text
-        self.skip_think = None            # characters of a leading <think> token's text (dropped)
+        self.ids: list[int] = []          # the output's tokens up to the end of the reasoning
+        self.base, self.buf = 0, ""       # buf: the text from position base on, not returned yet
+        self.cut: tuple[int, int] | None = None   # [a, b): the </think> token's text
+        self.skip = None                  # [0, skip): a leading <think> token's text, dropped
 
     def feed(self, text: str, token_ids: list[int]) -> tuple[str, str]:
-        if not self.in_reasoning:
+        if not self.in_reasoning or (self.cut is not None and self.base >= self.cut[1]):
             return "", text
-        self.ids += token_ids
-        self.text += text
-        if self.skip_think is None and self.ids:
-            self.skip_think = len(self.decode([self.think_id])) if self.ids[0] == self.think_id else 0
-        if self.cut is None and self.end_id is not None and self.end_id in token_ids:
-            k = self.ids.index(self.end_id)
-            mark = self.decode([self.end_id])
-            at = len(self.decode(self.ids[:k]))
-            if mark and not self.text.startswith(mark, at):   # the front's text may differ from one decode
-                found = self.text.find(mark, max(0, at - len(mark)))
-                at = found if found >= 0 else at
-            self.cut, self.ended = (at, at + len(mark)), True
-        start = max(self.sent, self.skip_think or 0)
         if self.cut is None:
-            reasoning, content = self.text[start:], ""
-            self.sent = max(self.sent, len(self.text))
-        else:
-            a, b = self.cut
-            reasoning = self.text[start:a] if start < a else ""
-            content = self.text[max(start, b):]
-            self.sent = max(self.sent, len(self.text))
+            self.ids += token_ids
+        self.buf += text
+        if self.skip is None and self.ids:
+            self.skip = len(self.decode([self.think_id])) if self.ids[0] == self.think_id else 0
+        if self.cut is None and self.end_id is not None and self.end_id in token_ids:
+            self._place_end()
+        end = self.base + len(self.buf)
+        a, b = self.cut if self.cut is not None else (end, end)
+        lo = max(self.base, self.skip or 0)
+        reasoning = self.buf[lo - self.base:a - self.base] if lo < a else ""
+        content = self.buf[max(lo, b) - self.base:] if b < end else ""
+        self.base, self.buf = end, ""
         return reasoning, content
+
+    def _place_end(self) -> None:
+        """Where the first </think> token's text is: after the text of the tokens before it."""
+        k = self.ids.index(self.end_id)
+        mark = self.decode([self.end_id])
+        at = len(self.decode(self.ids[:k]))
+        rel = at - self.base
+        if mark and rel >= 0 and not self.buf.startswith(mark, rel):   # the front's text may differ from one decode
+            found = self.buf.find(mark, max(0, rel - len(mark)))
+            at = self.base + found if found >= 0 else at
+        self.cut, self.ended = (at, at + len(mark)), True
+        del self.ids[k:]
 
 
 def split(text: str, token_ids: list[int], in_reasoning: bool, think_id: int | None, end_id: int | None,

@@ -56,6 +56,7 @@ class ChatHandler:
         self.specials = sorted(tok.id_to_token(i) for i in special_token_ids(tok)) if tok is not None else []
         ids = {t: tok.token_to_id(t) if tok is not None else None for t in (reasoning.THINK, reasoning.END_THINK)}
         self.think_id, self.end_id = ids[reasoning.THINK], ids[reasoning.END_THINK]
+        self._special_markup: dict[str, bool] = {}
 
     def _parse(self, body: dict, defaults: dict | None = None) -> ChatRequest:
         return parse_chat(body, self.server.model_name, self.server.aliases, auto_tools=self.auto_tools,
@@ -63,8 +64,10 @@ class ChatHandler:
 
     def _markup_special(self, parser: str) -> bool:
         """Is any of the parser's markup a special token of this tokenizer (dropped by skip_special_tokens)?"""
-        ids = {self.tok.token_to_id(s) for s in tool_parsers.markup_tokens(parser)} - {None}
-        return bool(ids & special_token_ids(self.tok))
+        if parser not in self._special_markup:
+            ids = {self.tok.token_to_id(s) for s in tool_parsers.markup_tokens(parser)} - {None}
+            self._special_markup[parser] = bool(ids & special_token_ids(self.tok))
+        return self._special_markup[parser]
 
     def output_format(self, req: ChatRequest, prompt: str) -> tuple[object, OutputFormat]:
         """-> (the engine's SamplingParams, how the choices' output is read)."""
