@@ -69,6 +69,9 @@ def _messages(body: dict) -> list[dict]:
         m = dict(m, content=_content(i, m))
         if m["content"] is None and not (role == "assistant" and m.get("tool_calls")):
             raise BadRequest(f"'messages[{i}].content' is required for role {role!r}")
+        for key in ("reasoning_content", "reasoning", "task", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise BadRequest(f"'messages[{i}].{key}' must be a string, got {type(m[key]).__name__}")
         calls = m.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
