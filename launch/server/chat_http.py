@@ -83,10 +83,12 @@ class ChatHandler:
         if so is not None and in_reasoning and self.end_id is not None:   # the answer is constrained, not the reasoning
             so = dataclasses.replace(so, after_token=self.end_id)
         params = dataclasses.replace(params, skip_special_tokens=front_skip, structured_outputs=so)
-        fmt = OutputFormat(in_reasoning, parser, lambda ids: self.tok.decode(ids, skip_special_tokens=front_skip),
-                           self.think_id, self.end_id, tuple(self.specials) if front_skip != req.params.skip_special_tokens
-                           else (), None if req.parallel_tool_calls else 1,
-                           forced if forced and parser is None else None)
+        stripped = front_skip != req.params.skip_special_tokens   # kept for the parser only: taken out again
+        fmt = OutputFormat(in_reasoning=in_reasoning, tool_parser=parser,
+                           decode=lambda ids: self.tok.decode(ids, skip_special_tokens=front_skip),
+                           think_id=self.think_id, end_id=self.end_id, strip=tuple(self.specials) if stripped else (),
+                           max_calls=None if req.parallel_tool_calls else 1,
+                           forced_json=forced if forced and parser is None else None)
         return params, fmt
 
     def messages_ids(self, body: dict) -> list[int]:
@@ -100,7 +102,8 @@ class ChatHandler:
     def prompt(self, req: ChatRequest) -> tuple[str, list[int]]:
         if self.template is None:
             raise BadRequest("this model has no chat template (tokenizer_config.json chat_template or "
-                             "chat_template.jinja); start the server with --chat-template FILE")
+                             "chat_template.jinja); start the server with --chat-template FILE, or --tokenizer-mode "
+                             "deepseek_v4 / deepseek_v32 for DeepSeek's encodings")
         try:
             text = self.template.render(req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
                                         continue_final_message=req.continue_final_message, kwargs=req.template_kwargs)
