@@ -42,7 +42,7 @@ class SamplingParams:
     CompletionOutput.stop_reason names the string or stop token that ended it; the stop token (EOS
     or one of stop_token_ids) that ends a request is not in its text unless include_stop_str_in_output.
     skip_special_tokens: the text leaves the tokenizer's special tokens out (vLLM's default, True);
-    the chat endpoint turns it off when its reasoning or tool-call parser needs the markup.
+    the chat endpoint turns it off only when its tool-call parser's markup is special tokens.
 
     structured_outputs: a StructuredOutputsParams (or a dict of its fields: json / regex / choice /
     grammar / json_object), vLLM's field: the output is constrained to match it (structured/); EOS is

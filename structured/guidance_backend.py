@@ -62,6 +62,10 @@ class GuidanceBackend:
 
     def compile(self, spec: StructuredOutputsParams) -> str:
         kind = spec.kind
+        if kind == "structural_tag":   # xgrammar's format; llguidance reads none of it
+            raise ValueError("structured_outputs.structural_tag is not supported by --structured-outputs-backend "
+                             "guidance (it is xgrammar's format, e.g. a DeepSeek model's DSML tool-call block for "
+                             "tool_choice required / named); use --structured-outputs-backend xgrammar")
         try:
             if kind == "json":
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(

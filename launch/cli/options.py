@@ -12,6 +12,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..chat.chat_template import TOKENIZER_MODES
+from ..chat.reasoning import PARSERS as REASONING_PARSERS
+from ..chat.tool_parsers import PARSERS as TOOL_PARSERS
+
 SERVE, RUN, GENERATE = "serve", "run", "generate"
 ENGINE = (SERVE, RUN, GENERATE)  # what builds an engine: every command here
 
@@ -128,10 +132,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("server.protect_metrics", "/metrics needs the API key too", commands=(SERVE,),
            spec={"action": "store_const", "const": True}),
     Option("server.chat_template", "a Jinja chat template FILE instead of the checkpoint's", commands=(SERVE,)),
+    Option("server.tokenizer_mode", "the prompt format: auto (the checkpoint's template, else DeepSeek-V3.2's / "
+           "V4's encoding by architecture) or one of DeepSeek's encodings", commands=(SERVE,),
+           spec={"choices": list(TOKENIZER_MODES)}),
     Option("server.reasoning_parser", "split <think> reasoning into reasoning_content", commands=(SERVE,),
-           spec={"choices": ["deepseek_r1", "deepseek_v3"]}),   # = launch/chat/reasoning.PARSERS
+           spec={"choices": list(REASONING_PARSERS)}),
     Option("server.tool_call_parser", "parse tool calls of this format", commands=(SERVE,),
-           spec={"choices": ["deepseek_v3", "deepseek_v31", "deepseek_v32"]}),   # = launch/chat/tool_parsers.PARSERS
+           spec={"choices": list(TOOL_PARSERS)}),
     Option("server.enable_auto_tool_choice", "tool_choice \"auto\": parse the model's tool calls", commands=(SERVE,),
            spec={"action": "store_const", "const": True}),
     Option("run.prompt_ids", "a prompt as comma-separated token ids (repeat for more prompts)", commands=(RUN,),

@@ -55,6 +55,7 @@ class ServerSection:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    tokenizer_mode: str | None = None       # "auto" | "deepseek_v32" | "deepseek_v4" (launch/chat/chat_template.py)
 
     def __post_init__(self):
         for key in ("model_name", "allowed_origins"):

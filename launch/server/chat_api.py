@@ -4,20 +4,23 @@ The sampling fields are the completions endpoint's (launch/server/openai_api.par
 both endpoints accept and reject the same ones); chat adds messages, add_generation_prompt,
 continue_final_message, chat_template_kwargs, max_completion_tokens (= max_tokens; unset: up to the
 context), logprobs (bool) + top_logprobs, tools and tool_choice ("auto" | "none" | "required" | a named
-function: the last two constrain the output to calls of the tools, launch/server/structured_api.py).
-response_format / structured_outputs are the completions endpoint's.
+function: the last two constrain the output to calls of the tools, launch/server/structured_api.py),
+parallel_tool_calls (false: one call), reasoning_effort (passed to the template as chat_template_kwargs
+reasoning_effort, as vLLM does; DeepSeek-V4's encoding reads it). response_format / structured_outputs are the
+completions endpoint's.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
+from ..chat.dsv4_text import EFFORTS
 from .openai_api import BadRequest, _bool, _int, parse_completion
 from .structured_api import forced_tool, tool_spec
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT_ONLY = ("messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs",
-             "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+             "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class ChatRequest:
     parse_tools: bool = False     # tool_choice "auto" with tools
     top_logprobs: int | None = None  # None: no logprobs
     forced_tool: str | None = None   # tool_choice "required" or a tool's name: the output is constrained to calls
+    parallel_tool_calls: bool = True
 
 
 def _content(i: int, m: dict):
@@ -65,6 +69,9 @@ def _messages(body: dict) -> list[dict]:
         m = dict(m, content=_content(i, m))
         if m["content"] is None and not (role == "assistant" and m.get("tool_calls")):
             raise BadRequest(f"'messages[{i}].content' is required for role {role!r}")
+        for key in ("reasoning_content", "reasoning", "task", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise BadRequest(f"'messages[{i}].{key}' must be a string, got {type(m[key]).__name__}")
         calls = m.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list):
@@ -98,10 +105,12 @@ def _tools(body: dict) -> list | None:
 
 
 def parse_chat(body, served_model: str, aliases: tuple[str, ...] = (), *, auto_tools: bool = False,
-               max_logprobs: int | None = None, defaults: dict | None = None) -> ChatRequest:
+               max_logprobs: int | None = None, defaults: dict | None = None, call_block: str | None = None
+               ) -> ChatRequest:
     """body (decoded JSON) -> ChatRequest; BadRequest on bad input. auto_tools: the server runs with
     --enable-auto-tool-choice and a tool-call parser. defaults: the checkpoint's generation_config.json
-    sampling values for the fields the body leaves out (engine.generation_defaults)."""
+    sampling values for the fields the body leaves out (engine.generation_defaults). call_block: the prompt
+    encoding's DSML call block (a forced tool choice is constrained to it), None for a chat template."""
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
     messages = _messages(body)
@@ -115,6 +124,12 @@ def parse_chat(body, served_model: str, aliases: tuple[str, ...] = (), *, auto_t
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise BadRequest(f"'chat_template_kwargs' must be an object, got {kwargs!r}")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise BadRequest(f"'reasoning_effort' must be one of {list(EFFORTS)}, got {effort!r}"[:300])
+        kwargs = dict(kwargs, reasoning_effort=effort)
+    parallel = _bool(body, "parallel_tool_calls", True)
     want_lp = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, lo=0)
     if top is not None and not want_lp:
@@ -134,7 +149,7 @@ def parse_chat(body, served_model: str, aliases: tuple[str, ...] = (), *, auto_t
             raise BadRequest(f"'tool_choice' {choice!r} constrains the output itself: it cannot be combined "
                              f"with response_format / structured_outputs")
         try:
-            params = dataclasses.replace(params, structured_outputs=tool_spec(tools, forced))
+            params = dataclasses.replace(params, structured_outputs=tool_spec(tools, forced, call_block, parallel))
         except ValueError as e:   # SamplingParams' own checks (min_tokens with a constraint)
             raise BadRequest(str(e).replace("SamplingParams.", "")) from None
     cont = _bool(body, "continue_final_message", False)
@@ -143,4 +158,4 @@ def parse_chat(body, served_model: str, aliases: tuple[str, ...] = (), *, auto_t
         raise BadRequest("'continue_final_message' needs the last message from the assistant and "
                          "'add_generation_prompt': false")
     return ChatRequest(messages, params, stream, include_usage, gen, cont, kwargs, tools, parse_tools,
-                       (top or 0) if want_lp else None, forced)
+                       (top or 0) if want_lp else None, forced, parallel)

@@ -1,9 +1,9 @@
 """The /v1/chat/completions handler (launch/server/app.py routes it): the prompt from the chat template,
 tokenized without special tokens added a second time, then the engine's output turned back into
-OpenAI chat objects. The engine's front detokenizes (one detokenizer for both endpoints, so stop
-strings are cut and held back the same way); chat asks it to keep the special tokens
-(skip_special_tokens false) when the reasoning split or a tool-call parser needs <think>, </think>
-and the tool-call markup. n > 1: one ChatOutput per choice.
+OpenAI chat objects (launch/chat/output.py). The engine's front detokenizes (one detokenizer for both
+endpoints, so stop strings are cut and held back the same way) with the request's skip_special_tokens; only
+where the tool-call parser's markup is special tokens of this tokenizer does it keep them, and the chat output
+takes them out again. The reasoning split finds </think> by token id. n > 1: one ChatOutput per choice.
 
 Stream: per choice a first chunk with delta {"role": "assistant", "content": ""}, then
 reasoning_content / content deltas, each tool call as a tool_calls delta once it is complete and
@@ -19,57 +19,15 @@ from aiohttp import web
 
 from wideep.engine.front.async_engine import EngineDeadError
 
+from wideep.structured.backend import special_token_ids
+
 from ..chat import reasoning, tool_parsers
 from ..chat.chat_template import TemplateError
 from ..chat.dsv32_encoding import EncodingError
-from ..chat.reasoning import ReasoningSplitter, held_back
+from ..chat.output import ChatOutput, OutputFormat
 from .chat_api import BadRequest, ChatRequest, parse_chat
 from .http_body import _error, _sse
 from .openai_api import Completion, cached_tokens, finite
-from .structured_api import ForcedToolOutput
-
-
-class ChatOutput:
-    """One choice's text as it grows: text deltas in (special tokens kept when a parser is at work),
-    (reasoning, content, tool calls) deltas out."""
-
-    def __init__(self, in_reasoning: bool, tool_parser: str | None):
-        self.tool_parser = tool_parser
-        self.splitter = ReasoningSplitter(in_reasoning)
-        self.marker = tool_parsers.start_marker(tool_parser) if tool_parser else None
-        self.tool_buf = ""      # content from the tool-call marker on (or a marker's possible start)
-        self.in_tools = False
-        self.calls: list = []   # the calls sent so far
-        self.reasoning_seen = False
-
-    def feed(self, text: str, final: bool) -> dict:
-        """-> {"reasoning_content": str, "content": str, "tool_calls": [...]}, the new parts only."""
-        r, c = self.splitter.feed(text, final)
-        self.reasoning_seen = self.reasoning_seen or bool(r)
-        out = {"reasoning_content": r, "content": self._content(c, final), "tool_calls": []}
-        if self.in_tools:
-            content, calls = tool_parsers.parse_partial(self.tool_parser, self.tool_buf, final)
-            new = calls[len(self.calls):]
-            out["tool_calls"] = [call.openai(len(self.calls) + i) for i, call in enumerate(new)]
-            self.calls = calls
-            if final:
-                out["content"] += content
-        return out
-
-    def _content(self, c: str, final: bool) -> str:
-        if self.marker is None:
-            return c
-        if self.in_tools:
-            self.tool_buf += c
-            return ""
-        buf = self.tool_buf + c
-        i = buf.find(self.marker)
-        if i >= 0:
-            self.in_tools, self.tool_buf = True, buf[i:]
-            return buf[:i]
-        keep = 0 if final else held_back(buf, self.marker)
-        self.tool_buf = buf[len(buf) - keep:]
-        return buf[:len(buf) - keep]
 
 
 def _logprobs(decode, token_ids: list[int], lps: list[dict] | None, top: int | None) -> dict | None:
@@ -93,21 +51,59 @@ class ChatHandler:
     def __init__(self, server, template, reasoning_parser: str | None, tool_parser: str | None, auto_tools: bool):
         self.server, self.template = server, template
         self.reasoning_parser, self.tool_parser, self.auto_tools = reasoning_parser, tool_parser, auto_tools
-        self.tok = server.aengine.engine.core.tokenizer
+        self.tok = tok = server.aengine.engine.core.tokenizer
+        self.call_block = template.call_block if template is not None else None
+        self.specials = sorted(tok.id_to_token(i) for i in special_token_ids(tok)) if tok is not None else []
+        ids = {t: tok.token_to_id(t) if tok is not None else None for t in (reasoning.THINK, reasoning.END_THINK)}
+        self.think_id, self.end_id = ids[reasoning.THINK], ids[reasoning.END_THINK]
+        self._special_markup: dict[str, bool] = {}
+
+    def _parse(self, body: dict, defaults: dict | None = None) -> ChatRequest:
+        return parse_chat(body, self.server.model_name, self.server.aliases, auto_tools=self.auto_tools,
+                          defaults=defaults, call_block=self.call_block)
+
+    def _markup_special(self, parser: str) -> bool:
+        """Is any of the parser's markup a special token of this tokenizer (dropped by skip_special_tokens)?"""
+        if parser not in self._special_markup:
+            ids = {self.tok.token_to_id(s) for s in tool_parsers.markup_tokens(parser)} - {None}
+            self._special_markup[parser] = bool(ids & special_token_ids(self.tok))
+        return self._special_markup[parser]
+
+    def output_format(self, req: ChatRequest, prompt: str) -> tuple[object, OutputFormat]:
+        """-> (the engine's SamplingParams, how the choices' output is read)."""
+        params, forced = req.params, req.forced_tool
+        in_reasoning = reasoning.starts_in_reasoning(self.reasoning_parser, prompt, req.template_kwargs)
+        if forced:   # constrained: the encoding's own DSML calls, or JSON
+            parser = {"function_calls": "deepseek_v32", "tool_calls": "deepseek_v4"}.get(self.call_block)
+        else:
+            parser = self.tool_parser if req.parse_tools else None
+        keep = parser is not None and self._markup_special(parser)
+        front_skip = params.skip_special_tokens and not keep
+        so = params.structured_outputs
+        if so is not None and in_reasoning and self.end_id is not None:   # the answer is constrained, not the reasoning
+            so = dataclasses.replace(so, after_token=self.end_id)
+        params = dataclasses.replace(params, skip_special_tokens=front_skip, structured_outputs=so)
+        stripped = front_skip != req.params.skip_special_tokens   # kept for the parser only: taken out again
+        fmt = OutputFormat(in_reasoning=in_reasoning, tool_parser=parser,
+                           decode=lambda ids: self.tok.decode(ids, skip_special_tokens=front_skip),
+                           think_id=self.think_id, end_id=self.end_id, strip=tuple(self.specials) if stripped else (),
+                           max_calls=None if req.parallel_tool_calls else 1,
+                           forced_json=forced if forced and parser is None else None)
+        return params, fmt
 
     def messages_ids(self, body: dict) -> list[int]:
         """vLLM's chat form of /tokenize: the prompt ids this endpoint would run for the same messages,
         tools, add_generation_prompt, continue_final_message and chat_template_kwargs."""
         if self.tok is None:
             raise BadRequest("chat needs the checkpoint's tokenizer.json")
-        req = parse_chat({k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs")},
-                         self.server.model_name, self.server.aliases, auto_tools=self.auto_tools)
+        req = self._parse({k: v for k, v in body.items() if k not in ("add_special_tokens", "return_token_strs")})
         return self.prompt(req)[1]
 
     def prompt(self, req: ChatRequest) -> tuple[str, list[int]]:
         if self.template is None:
             raise BadRequest("this model has no chat template (tokenizer_config.json chat_template or "
-                             "chat_template.jinja); start the server with --chat-template FILE")
+                             "chat_template.jinja); start the server with --chat-template FILE, or --tokenizer-mode "
+                             "deepseek_v4 / deepseek_v32 for DeepSeek's encodings")
         try:
             text = self.template.render(req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
                                         continue_final_message=req.continue_final_message, kwargs=req.template_kwargs)
@@ -128,8 +124,7 @@ class ChatHandler:
         try:
             if self.tok is None:
                 raise BadRequest("chat needs the checkpoint's tokenizer.json")
-            req = parse_chat(body, self.server.model_name, self.server.aliases, auto_tools=self.auto_tools,
-                             defaults=self.server.defaults)
+            req = self._parse(body, self.server.defaults)
             text, ids = self.prompt(req)
         except BadRequest as e:
             return _error(e.status, str(e))
@@ -137,14 +132,8 @@ class ChatHandler:
             return _error(400, "the chat template rendered an empty prompt")
         rid = self.server.request_ids.assign(request, "chatcmpl")   # X-Request-Id, echoed by the server
         created, model = int(time.time()), self.server.model_name
-        in_reasoning = reasoning.starts_in_reasoning(self.reasoning_parser, text, req.template_kwargs)
-        forced = req.forced_tool
-        tool_parser = self.tool_parser if req.parse_tools and not forced else None
-        params = req.params
-        if (in_reasoning or tool_parser is not None) and not forced:   # the parsers read <think>, </think>, the markup
-            params = dataclasses.replace(params, skip_special_tokens=False)
-        outs = {i: ForcedToolOutput(forced) if forced else ChatOutput(in_reasoning, tool_parser)
-                for i in range(params.n)}
+        params, fmt = self.output_format(req, text)
+        outs = {i: ChatOutput(fmt) for i in range(params.n)}
         decode = lambda t: self.tok.decode([t], skip_special_tokens=False)  # noqa: E731
         try:
             gen = self.server.aengine.generate(ids, params, request_id=rid)
@@ -163,7 +152,7 @@ class ChatHandler:
                 last = first
                 async for last in gen:
                     pass
-                choices = [self._choice(outs[c.index], c, in_reasoning, req.top_logprobs, decode)
+                choices = [self._choice(outs[c.index], c, fmt.in_reasoning, req.top_logprobs, decode)
                            for c in last.outputs]
                 n_out = sum(len(c.token_ids) for c in last.outputs)
                 return web.json_response(dict(env, object="chat.completion", choices=choices,
@@ -176,9 +165,9 @@ class ChatHandler:
 
     def _choice(self, out: ChatOutput, c, in_reasoning: bool, top: int | None, decode) -> dict:
         """A finished CompletionOutput -> its chat.completion choice."""
-        d = out.feed(c.text, final=True)
-        # Whitespace before a tool-call block (DSML's "\n\n") is no answer.
-        content = None if out.calls and not d["content"].strip() else d["content"]
+        d = out.feed(c.text, c.token_ids, final=True)
+        # No answer after the reasoning (it never ended), or only calls: content null, as vLLM.
+        content = None if not out.ended_reasoning or (out.calls and not d["content"].strip()) else d["content"]
         msg = {"role": "assistant", "content": content}
         if in_reasoning or d["reasoning_content"]:
             msg["reasoning_content"] = msg["reasoning"] = d["reasoning_content"]
@@ -205,7 +194,7 @@ class ChatHandler:
                 for c in res.outputs:
                     out, done = outs[c.index], c.finish_reason is not None
                     n += len(c.token_ids)
-                    d = out.feed(c.text, final=done)
+                    d = out.feed(c.text, c.token_ids, final=done)
                     delta = {k: v for k, v in d.items() if v}
                     lp = _logprobs(decode, c.token_ids, c.logprobs, req.top_logprobs)
                     if delta or lp or done:
@@ -230,11 +219,12 @@ def _finish(out: ChatOutput, c) -> str | None:
     return "tool_calls" if out.calls and c.finish_reason == "stop" else c.finish_reason
 
 
-OPTIONS = ("chat_template", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice")
+OPTIONS = ("chat_template", "reasoning_parser", "tool_call_parser", "enable_auto_tool_choice", "tokenizer_mode")
 
 
 def make_handler(server, chat_template: str | None = None, reasoning_parser: str | None = None,
-                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False) -> ChatHandler:
+                 tool_call_parser: str | None = None, enable_auto_tool_choice: bool = False,
+                 tokenizer_mode: str | None = None) -> ChatHandler:
     """The [server] chat options (OPTIONS) -> the handler; the template is loaded (and compiled) here,
     so a broken --chat-template fails at start-up."""
     from ..chat.chat_template import load_chat_template
@@ -244,5 +234,5 @@ def make_handler(server, chat_template: str | None = None, reasoning_parser: str
         raise ValueError(f"--tool-call-parser {tool_call_parser!r}: one of {list(tool_parsers.PARSERS)}")
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
-    template = load_chat_template(server.aengine.engine.core.model_dir, chat_template)
+    template = load_chat_template(server.aengine.engine.core.model_dir, chat_template, tokenizer_mode)
     return ChatHandler(server, template, reasoning_parser, tool_call_parser, enable_auto_tool_choice)

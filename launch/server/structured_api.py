@@ -6,18 +6,19 @@ Completions and chat: response_format {"type": "json_object"} | {"type": "json_s
 "regex" | "choice" | "grammar" | "json_object", "disable_any_whitespace"}; vLLM's older guided_json /
 guided_regex / guided_choice / guided_grammar mean the same. At most one of them per request.
 
-Chat tool_choice, as vLLM does it: "required" constrains the output to a JSON array (at least one item)
-of {"name": a tool's name, "parameters": that tool's parameters}; {"type": "function", "function":
-{"name"}} constrains it to that tool's parameters object. The output then comes back as tool_calls.
-Unlike vLLM, the call's JSON has no free whitespace: the arguments are re-serialised for the client
-anyway, and whitespace would only spend tokens (a model that wanders into it never closes the call).
+Chat tool_choice "required" or {"type": "function", "function": {"name"}}: with DeepSeek-V3.2's or V4's
+encoding, the output is constrained to the model's own DSML call block for the allowed tools, arguments
+matching their schemas (structured/tool_call_tags.py), and read by the same parser as unconstrained calls.
+With a chat template, as vLLM does it generically: "required" constrains the output to a JSON array (at least
+one item) of {"name": a tool's name, "parameters": that tool's parameters}; a named tool to that tool's
+parameters object (launch/chat/json_calls.py reads them). Unlike vLLM, the call's JSON has no free
+whitespace: the arguments are re-serialised for the client anyway, and whitespace would only spend tokens (a
+model that wanders into it never closes the call). parallel_tool_calls false: one call.
 """
 from __future__ import annotations
 
-import json
-import uuid
-
 from wideep.structured.params import StructuredOutputsParams
+from wideep.structured.tool_call_tags import NO_ARGUMENTS, tool_call_tag
 
 from .errors import BadRequest
 
@@ -92,11 +93,18 @@ def forced_tool(choice, tools: list | None) -> str | None:
 
 
 def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+    return tool["function"].get("parameters") or NO_ARGUMENTS
 
 
-def tool_spec(tools: list, forced: str) -> StructuredOutputsParams:
-    """The schema the output must match for tool_choice `forced` ("required" or a tool's name)."""
+def tool_spec(tools: list, forced: str, call_block: str | None = None, parallel: bool = True
+              ) -> StructuredOutputsParams:
+    """What the output must match for tool_choice `forced` ("required" or a tool's name). call_block: the
+    encoding's DSML block ("function_calls" | "tool_calls"; None: JSON)."""
+    if call_block is not None:
+        try:
+            return tool_call_tag(call_block, tools, forced, parallel)
+        except (ValueError, TypeError) as e:
+            raise BadRequest(f"'tools': {str(e).splitlines()[0]}") from None
     if forced != "required":
         tool = next(t for t in tools if t["function"]["name"] == forced)
         return _spec({"json": _parameters(tool), "disable_any_whitespace": True},
@@ -105,43 +113,6 @@ def tool_spec(tools: list, forced: str) -> StructuredOutputsParams:
                                                "parameters": _parameters(t)},
               "required": ["name", "parameters"]} for t in tools]
     schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+    if not parallel:
+        schema["maxItems"] = 1
     return _spec({"json": schema, "disable_any_whitespace": True}, "tools")
-
-
-class ForcedToolOutput:
-    """ChatOutput's interface (launch/server/chat_http.py) for a forced tool choice: the text is held until
-    the output ends, then returned as tool_calls (content empty); text that is not a complete call
-    (the output was cut by max_tokens) is returned as content instead."""
-
-    def __init__(self, forced: str):
-        self.forced, self.text = forced, ""
-        self.calls: list = []
-
-    def feed(self, text: str, final: bool) -> dict:
-        """text: the front's new text (special tokens left out; the ending EOS is no text)."""
-        self.text += text
-        out = {"reasoning_content": "", "content": "", "tool_calls": []}
-        if not final:
-            return out
-        text = self.text
-        self.calls = parse_calls(text, self.forced)
-        if self.calls:
-            out["tool_calls"] = [dict(index=i, id=f"chatcmpl-tool-{uuid.uuid4().hex[:24]}", type="function",
-                                      function={"name": n, "arguments": a}) for i, (n, a) in enumerate(self.calls)]
-        else:
-            out["content"] = text
-        return out
-
-
-def parse_calls(text: str, forced: str) -> list[tuple[str, str]]:
-    """The constrained output -> [(tool name, arguments as JSON text)]; [] when it is not complete."""
-    try:
-        v = json.loads(text)
-    except ValueError:
-        return []
-    if forced != "required":
-        return [(forced, json.dumps(v, ensure_ascii=False))] if isinstance(v, dict) else []
-    if not isinstance(v, list):
-        return []
-    return [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in v
-            if isinstance(c, dict) and isinstance(c.get("name"), str) and "parameters" in c]

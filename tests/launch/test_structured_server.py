@@ -123,6 +123,26 @@ def test_tool_choice_required_and_named(model_dir):
     serve(model_dir, fn)
 
 
+def test_tool_choice_in_v32s_own_call_block(tmp_path):
+    """DeepSeek-V3.2's encoding (no template): a forced tool choice is its DSML function_calls block, arguments
+    valid for the schema, read by the DSML parser (no --tool-call-parser); parallel_tool_calls false: one call."""
+    d = make_tiny_checkpoint(str(tmp_path), arch="v32", seed=3, initializer_range=0.3, max_position_embeddings=2048)
+
+    async def fn(client):
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for seed in range(3):
+            r = await client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice=named,
+                                                     seed=seed, max_tokens=300)
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls" and c.message.content is None, c.message
+            (call,) = c.message.tool_calls
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMA)
+        r = await client.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="required",
+                                                 parallel_tool_calls=False, seed=7, max_tokens=300)
+        assert len(r.choices[0].message.tool_calls) == 1 and r.choices[0].finish_reason == "tool_calls"
+    serve(d, fn)
+
+
 @pytest.mark.parametrize("extra,needle", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
      "structured_outputs.json does not compile: Unsupported type"),
