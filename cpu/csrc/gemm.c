@@ -19,6 +19,10 @@
 
 #define MCHUNK 32
 
+#if WD_AVX2   /* 8-float vectors instead (gemm_avx2.c): 16-float ones spill without AVX-512 */
+#define linear_f32 linear_f32_avx2
+#define linear_bf16cvt linear_bf16cvt_avx2
+#else
 #define WT float
 #define LDW(p) ld(p)
 #define LDW_PART(p, n) ld_part(p, n)
@@ -38,6 +42,7 @@
 #undef LDW
 #undef LDW_PART
 #undef SFX
+#endif
 
 void linear(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy, int64_t M, int64_t N,
             int64_t K) {

@@ -165,6 +165,18 @@ WD_INTERNAL void linear_w(const float *x, int64_t ldx, const void *w, int64_t wd
                           int64_t M, int64_t N, int64_t K);
 WD_INTERNAL void bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const void *w, int64_t wdt, int64_t swb,
                         int64_t ldw, float *y, int64_t syb, int64_t ldy, int64_t M, int64_t N, int64_t K);
+/* gemm_avx2.c: linear for float32 (linear_f32_avx2) and bfloat16 weights widened (linear_bf16cvt_avx2) on 8-float
+   AVX2 + FMA vectors, for builds with those and no AVX-512, where gemm_tpl.h's 16-float vectors spill (gemm.c
+   calls them instead of its own then); elsewhere not built */
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define WD_AVX2 1
+#else
+#define WD_AVX2 0
+#endif
+WD_INTERNAL void linear_f32_avx2(const float *x, int64_t ldx, const float *w, int64_t ldw, float *y, int64_t ldy,
+                                 int64_t M, int64_t N, int64_t K);
+WD_INTERNAL void linear_bf16cvt_avx2(const float *x, int64_t ldx, const uint16_t *w, int64_t ldw, float *y,
+                                     int64_t ldy, int64_t M, int64_t N, int64_t K);
 /* gemm_bf16dp.c: whether this CPU has AVX512-BF16, whether its kernel is on, and the kernel (built for x86-64
    by compilers that know the instructions, whatever -march says; called only where the CPU has them) */
 #if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 11 : __GNUC__ >= 10)
