@@ -3,7 +3,10 @@ the system compiler at first use, load it with ctypes, check that every struct t
 layout the C has; say why the kernels cannot run when they cannot.
 
 The kernels are plain C with GCC/Clang vector extensions, so no torch headers and no build step at
-install: `cc -O3 -march=native -shared` takes a few seconds. The library is cached under
+install: `cc -O3 -march=native -shared` takes a few seconds. WIDEEP_CPU_MARCH builds for another -march (x86-64-v3:
+the AVX2 + FMA baseline, as .ci/avx2 does on any x86-64 machine); one this CPU cannot run (the compiler's predefined
+ISA macros against /proc/cpuinfo: missing_isa) is refused, never loaded. A build that fails is logged once and the
+torch paths run instead. The library is cached under
 $WIDEEP_CACHE_DIR (default ~/.cache/wideep), keyed by every source file's content, the compiler, its
 flags and this CPU's feature flags (a cache shared by different machines never loads a library built
 for another CPU). Ranks that build at once each write their own file and rename it into place, so a
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -34,11 +38,67 @@ import tempfile
 
 import torch
 
+log = logging.getLogger("wideep.cpu")
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11")
-# -O1 keeps the reports' stacks readable; recover off: a UBSan finding aborts, as an ASan one does
-SANITIZE_FLAGS = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                  "-march=native", "-shared", "-fPIC", "-std=gnu11")
+
+
+def march() -> str:
+    """The CPU the library is built for: WIDEEP_CPU_MARCH (a compiler -march value: x86-64-v3 is the AVX2 + FMA
+    baseline, CI builds it on any x86-64 machine), default native (this CPU)."""
+    m = os.environ.get("WIDEEP_CPU_MARCH", "native").strip() or "native"
+    if not all(c.isalnum() or c in "-_.+" for c in m):
+        raise BuildError(f"WIDEEP_CPU_MARCH={m!r} is not a compiler -march value")
+    return m
+
+
+def flags(arch: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of a build for `arch` (default march())."""
+    return ("-O3", f"-march={arch or march()}", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
+
+
+def sanitize_flags(arch: str | None = None) -> tuple[str, ...]:
+    """-O1 keeps the reports' stacks readable; recover off: a UBSan finding aborts, as an ASan one does."""
+    return ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+            f"-march={arch or march()}", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi")
+
+
+FLAGS: tuple[str, ...] | None = None   # tests set it to build for another CPU; None: flags()
+
+
+# the compiler's predefined macro for an instruction set -> /proc/cpuinfo's flag for it
+ISA_MACROS = {"__SSE4_2__": "sse4_2", "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c",
+              "__BMI2__": "bmi2", "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl",
+              "__AVX512DQ__": "avx512dq", "__AVX512CD__": "avx512cd", "__AVX512BF16__": "avx512_bf16",
+              "__AVX512VNNI__": "avx512_vnni", "__AVX512FP16__": "avx512_fp16", "__AVXVNNI__": "avx_vnni",
+              "__AMX_TILE__": "amx_tile", "__AMX_BF16__": "amx_bf16", "__AMX_INT8__": "amx_int8"}
+
+
+def isa_of(arch: str, cc: str | None = None) -> set[str]:
+    """The x86 instruction sets (cpuinfo's flag names) a build for -march=`arch` may execute, from the compiler's
+    predefined macros; empty where the compiler does not know the value or the target is not x86."""
+    path_cc = shutil.which(cc or os.environ.get("CC", "cc"))
+    if path_cc is None:
+        return set()
+    r = subprocess.run([path_cc, f"-march={arch}", "-dM", "-E", "-"], input="", capture_output=True, text=True,
+                       timeout=60)
+    if r.returncode != 0:
+        return set()
+    defined = {line.split()[1] for line in r.stdout.splitlines() if line.startswith("#define ")}
+    return {flag for macro, flag in ISA_MACROS.items() if macro in defined}
+
+
+def host_isa() -> set[str]:
+    """This CPU's flags (/proc/cpuinfo), those ISA_MACROS names."""
+    sig = _cpu_signature().split(":", 1)[-1].split()
+    return set(sig) & set(ISA_MACROS.values())
+
+
+def missing_isa(arch: str) -> list[str]:
+    """The instruction sets a build for `arch` may use that this CPU lacks ([] for native: the compiler asks the
+    CPU); a library built so must never run here."""
+    if arch == "native":
+        return []
+    return sorted(isa_of(arch) - host_isa())
 
 
 class BuildError(RuntimeError):
@@ -97,15 +157,18 @@ def build(name: str, source: str | dict[str, str]) -> ctypes.CDLL:
     """Compile `source` (one C file's text, or {file name: text} of .c files and the headers they include)
     as one library, once per machine, source and flags, and load it. Raises BuildError saying why not."""
     files = {f"{name}.c": source} if isinstance(source, str) else dict(source)
+    if FLAGS is None and march() != "native" and missing_isa(march()):
+        raise BuildError(f"WIDEEP_CPU_MARCH={march()} builds for instructions this CPU lacks "
+                         f"({', '.join(missing_isa(march()))}): the library would die with SIGILL here")
     cc = os.environ.get("CC", "cc")
     path_cc = shutil.which(cc)
     if path_cc is None:
         raise BuildError(f"no C compiler: {cc!r} is not on PATH (install gcc or clang, or set CC)")
-    flags = SANITIZE_FLAGS if sanitizing() else FLAGS
+    opts = sanitize_flags() if sanitizing() else FLAGS or flags()
     if sanitizing() and "asan" not in os.environ.get("LD_PRELOAD", ""):
         raise BuildError("WIDEEP_CPU_SANITIZE=1 needs the ASan runtime preloaded: "
                          f"LD_PRELOAD=$({cc} -print-file-name=libasan.so) ASAN_OPTIONS=detect_leaks=0 (.ci/sanitize)")
-    parts = [f"{n}\0{text}" for n, text in sorted(files.items())] + [path_cc, " ".join(flags), _cpu_signature()]
+    parts = [f"{n}\0{text}" for n, text in sorted(files.items())] + [path_cc, " ".join(opts), _cpu_signature()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     lib = os.path.join(_cache_dir(), f"{name}{'-asan' if sanitizing() else ''}-{key}.so")
     if not os.path.exists(lib):
@@ -116,7 +179,7 @@ def build(name: str, source: str | dict[str, str]) -> ctypes.CDLL:
                     f.write(text)
             cfiles = [os.path.join(src, n) for n in sorted(files) if n.endswith(".c")]
             try:
-                r = subprocess.run([path_cc, *flags, "-o", tmp, *cfiles, "-lm"], capture_output=True, text=True,
+                r = subprocess.run([path_cc, *opts, "-o", tmp, *cfiles, "-lm"], capture_output=True, text=True,
                                    timeout=300)
                 if r.returncode != 0:
                     raise BuildError(f"{cc} could not build the {name} kernels:\n{r.stderr[-2000:]}")
@@ -200,6 +263,7 @@ def unusable() -> str | None:
             lib = build("wideep_cpu", sources())
         except BuildError as e:
             _error = str(e)
+            log.warning("the CPU kernels are not built, torch's operations run instead: %s", _error)
             return _error
         table = layouts(lib)
         for struct, cls in _structs.items():

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.skipif(not _has_avx2_fma(), reason="this CPU has no AV
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(build, "FLAGS", ("-O3", "-march=x86-64-v3", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"))
+        mp.setattr(build, "FLAGS", build.flags("x86-64-v3"))
         mp.setenv("WIDEEP_CACHE_DIR", str(tmp_path_factory.mktemp("avx2")))
         lib = build.build("wideep_cpu_x86_64_v3", build.sources())
     for name, cls in (("wd_bmm_nt", gemm.BmmNtArgs), ("wd_experts", gemm.ExpertsArgs),

@@ -136,9 +136,11 @@ def test_a_build_without_avx512_widens_exactly_too(monkeypatch, tmp_path):
     """Built for AVX2 (x86-64-v3), the e2m1 widening is the integer form instead of vpermps: every code and
     extreme scale still exactly the reference's, and the GEMM and the experts (clamped) match it."""
     from wideep.cpu import build
-    monkeypatch.setattr(build, "FLAGS", ("-O3", "-march=x86-64-v3", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"))
+    monkeypatch.setattr(build, "FLAGS", build.flags("x86-64-v3"))
     monkeypatch.setenv("WIDEEP_CACHE_DIR", str(tmp_path))
     lib = build.build("wideep_cpu_x86_64_v3", build.sources())
+    if build.missing_isa("x86-64-v3"):
+        pytest.skip(f"built for x86-64-v3; not run: this CPU lacks {build.missing_isa('x86-64-v3')}")
     lib.wd_linear_fp4.argtypes, lib.wd_linear_fp4.restype = [ctypes.POINTER(gemm.LinearFp4Args)], ctypes.c_int64
     lib.wd_experts.argtypes, lib.wd_experts.restype = [ctypes.POINTER(gemm.ExpertsArgs)], ctypes.c_int64
     w, s = _every_code_and_scale()

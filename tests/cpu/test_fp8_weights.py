@@ -116,9 +116,11 @@ def test_a_build_without_avx512_widens_exactly_too(monkeypatch, tmp_path):
     subnormals included, still exactly the reference's."""
     import ctypes
     from wideep.cpu import build
-    monkeypatch.setattr(build, "FLAGS", ("-O3", "-march=x86-64-v3", "-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"))
+    monkeypatch.setattr(build, "FLAGS", build.flags("x86-64-v3"))
     monkeypatch.setenv("WIDEEP_CACHE_DIR", str(tmp_path))
     lib = build.build("wideep_cpu_x86_64_v3", build.sources())
+    if build.missing_isa("x86-64-v3"):
+        pytest.skip(f"built for x86-64-v3; not run: this CPU lacks {build.missing_isa('x86-64-v3')}")
     lib.wd_linear_fp8.argtypes, lib.wd_linear_fp8.restype = [ctypes.POINTER(gemm.LinearFp8Args)], ctypes.c_int64
     codes = torch.arange(256, dtype=torch.uint8)
     w = codes[(codes & 0x7F) != 0x7F].view(FP8_DTYPE).view(2, 127).contiguous()
