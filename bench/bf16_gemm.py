@@ -4,7 +4,7 @@ torch's F.linear in bfloat16 and float32, on decode shapes (1-64 rows: the weigh
 (128-2048 rows: compute). Trials interleave them (dot, tiles, widen, f32, torch_bf16, torch_f32, dot, ...) so that
 load on a shared machine hits all; the best of each counts. cpu/linear.py's choice (the C kernel up to MAX_ROWS rows,
 AMX_TILE_MAX_ROWS on the tiles, torch's bfloat16 GEMM past it) rests on this.
-Kept: bench/results/bf16_gemm.json. Last line: JSON, per shape ms of each and the ratios f32 / dot, torch_bf16 / dot,
+Kept (with --record): bench/results/bf16_gemm.json. Last line: JSON, per shape ms of each and the ratios f32 / dot, torch_bf16 / dot,
 and on the tiles torch_bf16 / tiles.
     python bench/bf16_gemm.py [--trials 15]
 """

@@ -26,7 +26,7 @@ The same engine on the torch backends (experts_backend / attention_backend "torc
 paths) runs beside it: "torch_backends" has its prefill and decode step ms; "prefill_ms" and
 "prefill_vs_torch_backends" compare the best prefill of each (one thread, same trials).
 Printed: a table, one line per thread count (step ms, GB/s streamed, both ceilings, the fraction).
-Kept: bench/results/decode_vs_hf.json (decode_vs_hf_quick.json with --quick, ..._bf16.json with --bf16;
+Kept (with --record): bench/results/decode_vs_hf.json (decode_vs_hf_quick.json with --quick, ..._bf16.json with --bf16;
 bench/results.py).
 Last line: JSON with wideep_tok_s, hf_tok_s, ratio (= hf time / wideep time), hf_eager_tok_s,
 ratio_eager, ratio_decode (hf decode step / wideep decode step), decode_step_ms,

@@ -17,7 +17,7 @@ Ranks share this host's cores, so the measured step time includes ranks waiting 
 links are slow enough (defaults below) to dominate it. Last line: JSON, worst case over the
 configurations: {"inter_node_bytes_vs_min": {"two_level": .., "flat": ..}, "outputs_equal": ..,
 "step_time_two_level_vs_flat": .. (worst; _best beside it), "step_ms": {"RANKSxNODES": {"flat": ..,
-"two_level": ..}} (wall ms per step, median), "detail": {...}}; kept in bench/results/dispatch.json.
+"two_level": ..}} (wall ms per step, median), "detail": {...}}; kept (with --record) in bench/results/dispatch.json.
     python bench/dispatch.py [--quick] [--sizes 8,16,32] [--nodes 2,4] [--slow 10]
 """
 from __future__ import annotations

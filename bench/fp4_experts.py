@@ -11,7 +11,7 @@ the rest float32) loaded in a fresh process with quantization "auto" (FP4 kept p
 float32 at load): resident-set growth, the routed experts' stored bytes per parameter, and the RSS growth less the
 other parameters' bytes per routed-expert parameter. Decode: that checkpoint served both ways, the decode step's
 time (decode_rows).
-Last line: JSON (not kept in bench/results/: run it to see).
+Last line: JSON (not kept (with --record) in bench/results/: run it to see).
     python bench/fp4_experts.py [--trials 10] [--cold 12]
 """
 from __future__ import annotations

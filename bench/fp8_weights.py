@@ -14,7 +14,7 @@ Decode: that checkpoint served both ways (bfloat16 activations), the decode step
 Memory: a tiny V3 checkpoint (launch/tiny/checkpoint.py, fp8: every projection e4m3 + block scales) loaded in a fresh
 process with quantization "auto" (fp8 kept), and dequantised at load ("none") in bfloat16 and float32: resident
 set growth per parameter, and the bytes of the parameters themselves per parameter.
-Kept: bench/results/fp8_weights.json. Last line: JSON.
+Kept (with --record): bench/results/fp8_weights.json. Last line: JSON.
     python bench/fp8_weights.py [--trials 15]
 """
 from __future__ import annotations

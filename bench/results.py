@@ -1,10 +1,13 @@
-"""Benchmark results kept in the repository: bench/results/<name>.json, one file per benchmark.
+"""Benchmark results: bench/results/<name>.json, one file per benchmark, written only when the run is recorded.
 
 Each benchmark calls save(name, result) with the dict it prints as its last line; the file is that
 dict plus the conditions of the run (META): the commit it ran on ("-dirty" when tracked files had
-uncommitted changes), the command (argv), the date (UTC) and the machine (cores, CPU model, load
-average when the run ended: the machine may be shared, and the load says how much).
-bench/summary.py builds the README's benchmark table from these files.
+uncommitted changes), the command (argv), the date (UTC) and the machine (cores, CPU model, its ISA flags, the
+native kernels' build and where they run instead of torch, load average when the run ended: the machine may be
+shared, and the load says how much).
+A run is recorded into bench/results/ (the files bench/summary.py builds the README's table from) with --record on
+any benchmark's command line (taken out before the benchmark parses its arguments) or WIDEEP_BENCH_RECORD=1; any
+other run writes to $WIDEEP_BENCH_DIR (default: <tmp>/wideep-bench), leaving the recorded files alone.
 """
 from __future__ import annotations
 
@@ -19,6 +22,15 @@ from pathlib import Path
 META = ("commit", "command", "date", "machine")
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parents[1]
+RECORD = "--record" in sys.argv[1:] or os.environ.get("WIDEEP_BENCH_RECORD", "0") not in ("", "0")
+if "--record" in sys.argv[1:]:   # every benchmark takes it: out of the way of its own argument parser
+    sys.argv[1:] = [a for a in sys.argv[1:] if a != "--record"]
+
+
+def scratch() -> Path:
+    """Where an unrecorded run's files go."""
+    import tempfile
+    return Path(os.environ.get("WIDEEP_BENCH_DIR") or Path(tempfile.gettempdir()) / "wideep-bench")
 
 
 def commit(repo: Path = REPO) -> str:
@@ -45,11 +57,37 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def kernels() -> dict | None:
+    """The ISA paths the run took: the native kernels' build (-march), their run-time switches (AVX512-BF16 dot
+    products, AMX tiles), torch's CPU capability and where the C kernels ran instead of torch (cpu/tune.py), when
+    the run loaded them; None when it did not."""
+    build = sys.modules.get("wideep.cpu.build")
+    if build is None or build._lib is None:
+        return None
+    import torch
+    from wideep.cpu import gemm, tune
+    c = tune.choices()
+    return {"march": build.march(), "bf16_dot": gemm.bf16_dot(), "amx": gemm.amx_on(),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "limits": c["limits"],
+            "limits_measured": c["measured"]}
+
+
 def machine() -> dict:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (None, None, None)
-    return {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "platform": platform.platform(),
-            "python": platform.python_version(),
-            "load_avg_1_5_15m": [round(x, 2) if x is not None else None for x in load]}
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "asimd", "sve", "bf16")
+           if f in flags]
+    out = {"nproc": os.cpu_count(), "cpu_model": cpu_model(), "isa": isa, "platform": platform.platform(),
+           "python": platform.python_version(),
+           "load_avg_1_5_15m": [round(x, 2) if x is not None else None for x in load]}
+    k = kernels()
+    if k is not None:
+        out["kernels"] = k
+    return out
 
 
 def rss_kib() -> int:
@@ -72,12 +110,12 @@ def command(argv: list[str] | None = None) -> str:
 
 
 def save(name: str, result: dict, directory: Path | None = None) -> Path:
-    """Writes <directory or bench/results>/<name>.json -> its path. Prints the path to stderr only, so a
-    benchmark's stdout still ends with its JSON line."""
+    """Writes <directory>/<name>.json (default: bench/results when the run is recorded, else scratch()) -> its
+    path. Prints the path to stderr only, so a benchmark's stdout still ends with its JSON line."""
     clash = sorted(set(META) & set(result))
     if clash:
         raise ValueError(f"{name}: result keys {clash} are the run's conditions (bench/results.py META)")
-    out = Path(directory) if directory is not None else RESULTS
+    out = Path(directory) if directory is not None else RESULTS if RECORD else scratch()
     out.mkdir(parents=True, exist_ok=True)
     record = {**result, "commit": commit(), "command": command(),
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

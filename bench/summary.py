@@ -343,7 +343,21 @@ def row(r: Row, records: dict[str, dict]) -> str:
         if any(rec is not None for _, rec in runs):
             target += " (" + "; ".join(f"{run.tag}: {v}" for (run, _), v in zip(runs, verdicts)) + ")"
     commits = dict.fromkeys(rec.get("commit", "?") for _, rec in runs if rec is not None)
-    return f"| {r.label} | {command} | {result} | {target} | {' / '.join(commits) or '—'} |"
+    cpus = dict.fromkeys(cpu_of(rec.get("machine", {})) for _, rec in runs if rec is not None)
+    return (f"| {r.label} | {command} | {result} | {target} | {' / '.join(cpus) or '—'} | "
+            f"{' / '.join(commits) or '—'} |")
+
+
+def cpu_of(m: dict) -> str:
+    """A run's CPU in a few words: its model and, where the file says, its widest vector ISA and the native kernels'
+    build when not for this CPU."""
+    name = m.get("cpu_model", "?").replace("(R)", "").replace("(TM)", "").replace(" Processor", "").strip()
+    isa = m.get("isa")
+    if isa:
+        name += " (" + ("AMX" if "amx_bf16" in isa else "AVX-512" if "avx512f" in isa else
+                        "AVX2" if "avx2" in isa else isa[-1]) + ")"
+    march = m.get("kernels", {}).get("march", "native")
+    return name if march == "native" else f"{name}, kernels for {march}"
 
 
 def conditions(records: dict[str, dict]) -> str:
@@ -360,7 +374,8 @@ def conditions(records: dict[str, dict]) -> str:
 def table(results: Path) -> str:
     """The generated block, markers included."""
     records = load(results)
-    lines = [START, "", "| benchmark | command | result | target | commit |", "|---|---|---|---|---|",
+    lines = [START, "", "| benchmark | command | result | target | CPU | commit |",
+             "|---|---|---|---|---|---|",
              *(row(r, records) for r in ROWS), "", conditions(records), "", END]
     return "\n".join(lines)
 

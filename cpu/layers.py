@@ -20,6 +20,7 @@ import ctypes
 
 import torch
 
+from .tune import compare, register as register_tuned, limit as tuned_limit
 from .build import fields, library, register
 from .gemm import WDT, as_f32, check_float, check_float32
 
@@ -126,6 +127,8 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
         raise ValueError(f"mla_decode: block_table [B={B}, M] int64 and seq_lens [B] int32, got "
                          f"{block_table.dtype} {tuple(block_table.shape)}, {seq_lens.dtype} {tuple(seq_lens.shape)}")
     q, block_table, seq_lens = q.contiguous(), block_table.contiguous(), seq_lens.contiguous()
+    if fp8 is None and B and not tuned_limit("mla_decode"):   # this machine measured torch's faster (cpu/tune.py)
+        return mla_decode_torch(q, kv_pool, block_table, seq_lens, block_size, kv_lora_rank, scale, max_len)
     out = torch.empty(B, Nh, kv_lora_rank)
     num_blocks, scratch = kv_pool.shape[0] // block_size, torch.empty(Nh * (max_len + 1))
     if B and library().wd_mla_decode(MlaDecodeArgs(
@@ -135,6 +138,38 @@ def mla_decode(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor
             **fp8_args)):
         raise _bad_tables("mla_decode", seq_lens, block_table, max_len, block_size, num_blocks)
     return out
+
+
+def mla_decode_torch(q: torch.Tensor, kv_pool: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     block_size: int, kv_lora_rank: int, scale: float, max_len: int) -> torch.Tensor:
+    """mla_decode's result by torch's operations (a float32 or bfloat16 pool): each sequence's first max_len rows
+    gathered through its blocks, one batched product, a masked float32 softmax, one batched product."""
+    B, S = q.shape[0], kv_pool.shape[0]
+    nblk = -(-max_len // block_size)
+    pos = torch.arange(nblk * block_size)[:max_len]
+    slots = (block_table[:, pos // block_size] * block_size + pos % block_size).clamp_(0, S - 1)   # [B, L]
+    ctx = kv_pool[slots].float()                                                                  # [B, L, D]
+    scores = torch.bmm(q, ctx.transpose(1, 2)) * scale                                            # [B, Nh, L]
+    scores.masked_fill_((pos[None, :] >= seq_lens[:, None].long())[:, None, :], float("-inf"))
+    return torch.bmm(scores.softmax(-1), ctx[..., :kv_lora_rank])
+
+
+def _measure_mla_decode(cap: int, B: int = 8, heads: int = 16, C: int = 512, R: int = 64, L: int = 512,
+                        bs: int = 64):
+    """tune's measure(cap): the C paged decode against mla_decode_torch, B sequences of L tokens, DeepSeek-V3's
+    latent widths -> (1: C, or 0: torch; {"B8": C time / torch time})."""
+    g = torch.Generator().manual_seed(2)
+    D, nblk = C + R, -(-L // bs)
+    pool = torch.randn(B * nblk * bs, D, generator=g)
+    table = torch.arange(B * nblk, dtype=torch.int64).view(B, nblk)
+    lens = torch.full((B,), L, dtype=torch.int32)
+    q = torch.randn(B, heads, D, generator=g)
+    r = compare(lambda: mla_decode(q, pool, table, lens, bs, C, D ** -0.5, L),
+                     lambda: mla_decode_torch(q, pool, table, lens, bs, C, D ** -0.5, L))
+    return (1 if r <= 1.0 and cap else 0), {f"B{B}": round(r, 3)}
+
+
+register_tuned("mla_decode", lambda: 1, _measure_mla_decode)
 
 
 def _bad_tables(who: str, seq_lens: torch.Tensor, block_table: torch.Tensor, max_len: int, block_size: int,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemm
+from . import gemm, tune
 
 MAX_ROWS = 64
 # bfloat16 weights where the CPU has AMX tiles (amx_bf16) but the C kernels do not use them (gemm.amx off): oneDNN's
@@ -65,8 +65,9 @@ def amx_bf16() -> bool:
 _AMX: bool | None = None
 
 
-def max_rows(weight_dtype: torch.dtype) -> int:
-    """The most rows a call with weights of this dtype runs on the C kernel (then BLAS / oneDNN)."""
+def builtin_max_rows(weight_dtype: torch.dtype) -> int:
+    """The most rows a call with weights of this dtype runs on the C kernel by the constants above (measured on an
+    AVX-512 / AMX Xeon)."""
     if weight_dtype == torch.bfloat16:
         if gemm.amx_on():
             return AMX_TILE_MAX_ROWS
@@ -75,17 +76,38 @@ def max_rows(weight_dtype: torch.dtype) -> int:
     return MAX_ROWS
 
 
+def max_rows(weight_dtype: torch.dtype) -> int:
+    """The most rows a call with weights of this dtype runs on the C kernel (then BLAS / oneDNN): the built-in
+    limit, or less where this machine measured the C slower (cpu/tune.py; 0: never)."""
+    return min(builtin_max_rows(weight_dtype),
+               tune.limit("linear_bf16" if weight_dtype == torch.bfloat16 else "linear_f32"))
+
+
 @functools.lru_cache(maxsize=1)
 def _dot_cpu() -> bool:
     """Whether this CPU has AVX512-BF16 (then BLAS's bfloat16 GEMMs run dot products; without, they convert)."""
     return gemm.bf16_dot_supported()
 
 
-def experts_max_rows(weight_dtype: torch.dtype, x_dtype: torch.dtype) -> int | None:
-    """The mean rows per local expert up to which the experts kernel runs a batch (None: every batch)."""
+def builtin_experts_max_rows(weight_dtype: torch.dtype, x_dtype: torch.dtype) -> int | None:
+    """The mean rows per local expert up to which the experts kernel runs a batch by the constants above (None:
+    every batch)."""
     if weight_dtype == torch.bfloat16 and x_dtype == torch.bfloat16 and _dot_cpu():
         return None if gemm.amx_on() else EXPERTS_MAX_ROWS_BF16
     return EXPERTS_MAX_ROWS
+
+
+def experts_max_rows(weight_dtype: torch.dtype, x_dtype: torch.dtype) -> int | None:
+    """The mean rows per local expert up to which the experts kernel runs a batch (None: every batch): the built-in
+    limit, or less where this machine measured the C slower (cpu/tune.py; 0: never). FP8 / FP4 weights keep the
+    built-in limit: the kernel reads them as stored, where torch's GEMMs would need a dequantised copy."""
+    built = builtin_experts_max_rows(weight_dtype, x_dtype)
+    if weight_dtype not in (torch.float32, torch.bfloat16):
+        return built
+    tuned = tune.limit("experts_bf16" if weight_dtype == torch.bfloat16 else "experts_f32")
+    if built is None:
+        return None if tuned >= tune.EXPERT_ROWS[-1] else tuned
+    return min(built, tuned)
 
 
 def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -126,3 +148,85 @@ def small_linear_fp8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+
+# -- measured against torch on this machine (cpu/tune.py) ---------------------------------------------------------
+def _measure_linear(dt: torch.dtype):
+    """tune's measure(cap) for the streamed GEMM with weights of dtype dt against F.linear: a 2048 x 1024 weight,
+    the weights streamed from memory, by rows."""
+    def measure(cap: int):
+        K, N = 1024, 2048
+        x_all = torch.randn(tune.LINEAR_ROWS[-1], K, generator=torch.Generator().manual_seed(0))
+        ws = tune.streamed(N, K, dt)
+
+        def at(m):
+            x = x_all[:m]
+            xt = x.to(dt)
+            return tune.compare(tune.rotating(ws, lambda w: gemm.linear(x, w)),
+                                tune.rotating(ws, lambda w: F.linear(xt, w)))
+        return tune.run_of_wins(tune.LINEAR_ROWS, cap, at)
+    return measure
+
+
+EXPERTS, HIDDEN, INTER, TOPK = 16, 1024, 256, 4
+PAD_LIMIT = 16   # as moe/experts.py's forward_grouped: padded bmm up to this many rows per expert, else a GEMM each
+
+
+def grouped_experts(x, w13, w2, ids, wts):
+    """The torch side of the experts comparison: moe/experts.py forward_grouped's operations."""
+    E = w13.shape[0]
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    sid = flat[order]
+    counts = torch.bincount(sid, minlength=E)
+    rows = order // ids.shape[1]
+    xs = x[rows]
+    ch = counts.tolist()
+    if max(ch) <= PAD_LIMIT:
+        starts = torch.cumsum(counts, 0) - counts
+        within = torch.arange(len(order)) - starts[sid]
+        padded = x.new_zeros(E, max(ch), x.shape[1])
+        padded[sid, within] = xs
+        gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
+        ys = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))[sid, within]
+    else:
+        ys = torch.empty_like(xs)
+        s = 0
+        for e, n in enumerate(ch):
+            if n:
+                gate, up = F.linear(xs[s:s + n], w13[e]).chunk(2, dim=-1)
+                ys[s:s + n] = F.linear(F.silu(gate) * up, w2[e])
+                s += n
+    out = torch.zeros_like(x)
+    out.index_add_(0, rows, ys * wts.reshape(-1)[order, None].to(ys.dtype))
+    return out
+
+
+def _measure_experts(dt: torch.dtype):
+    """tune's measure(cap) for the routed experts with weights (and rows) of dtype dt against torch's grouped GEMMs:
+    16 experts, H 1024, I 256, top-4, by mean rows per expert."""
+    def measure(cap: int):
+        g = torch.Generator().manual_seed(1)
+        w13 = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.03).to(dt)
+        w2 = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.03).to(dt)
+
+        def at(rows):
+            T = max(1, rows * EXPERTS // TOPK)
+            x = torch.randn(T, HIDDEN, generator=g).to(dt)
+            ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(T)])
+            wts = torch.rand(T, TOPK, generator=g)
+            return tune.compare(lambda: gemm.experts(x, w13, w2, ids, wts),
+                                lambda: grouped_experts(x, w13, w2, ids, wts), trials=3)
+        return tune.run_of_wins(tune.EXPERT_ROWS, cap, at)
+    return measure
+
+
+def _builtin_experts(dt: torch.dtype) -> int:
+    got = builtin_experts_max_rows(dt, dt)
+    return tune.EXPERT_ROWS[-1] if got is None else got
+
+
+tune.register("linear_f32", lambda: builtin_max_rows(torch.float32), _measure_linear(torch.float32))
+tune.register("linear_bf16", lambda: builtin_max_rows(torch.bfloat16), _measure_linear(torch.bfloat16))
+tune.register("experts_f32", lambda: _builtin_experts(torch.float32), _measure_experts(torch.float32))
+tune.register("experts_bf16", lambda: _builtin_experts(torch.bfloat16), _measure_experts(torch.bfloat16))

@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# "auto" picks the CPU kernels by the built-in limits, not by measuring this machine (cpu/tune.py): every CPU runs
+# the same paths, the C kernels included; tests/cpu/test_tune.py measures.
+os.environ.setdefault("WIDEEP_CPU_TUNE", "off")
 
 
 def pytest_collection_modifyitems(config, items):

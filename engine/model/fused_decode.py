@@ -19,6 +19,11 @@ Paths (the model's backends["decode"] names the one the last step took; stats() 
   ops     the model's step_ops (big steps, DSA, an fp8 or fp4 cache, ...), its reason counted. A packed
           latent cache (fp8 / fp4) is declined: the fused layer call writes and reads float32 / bfloat16
           rows; its attention runs on the C paged decode (mla_decode reads both packed layouts) instead.
+Fused or not is measured on this model, on this machine (unless WIDEEP_CPU_TUNE=off, cpu/tune.py: then a step that
+fits is fused): for each (path, rows rounded up to a power of two) the first steps take turns between the fused calls
+and the model's operations (the operations' own kernels chosen by cpu/tune.py), CALIBRATION_STEPS timed steps each
+after an untimed one, counted as "calibrating" when the operations run; the faster side then takes every such step
+(the operations' steps counted as "measured_slower"; calibration_ms has each side's best).
 Each fused call runs the kernels the operations run, in their order: the outputs, caches, EPLB load
 counts and dispatcher counters equal the operations' (tests/engine/test_fused_decode.py).
 A float32 model or a bfloat16 one (every weight of the layers in one dtype, the router's float32 as
@@ -35,12 +40,14 @@ moves) need nothing.
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from wideep.cpu import fused
-from wideep.cpu.linear import ROWS_CAP, max_rows
+from wideep.cpu import tune
+from wideep.cpu.linear import ROWS_CAP, builtin_max_rows
 from wideep.dbo.state import Microbatch, OpState
 from wideep.moe.layer import MoELayer
 
@@ -51,8 +58,10 @@ from .model import CARRY, DecoderLayer, DeepseekModel
 from .mtp import MTPLayer
 
 # why a step ran its operations (every plain step is counted once: a path, or one of these)
-REASONS = ("no_tokens", "too_many_rows", "sparse_attention", "fp8_kv_cache", "fp4_kv_cache", "weights_unfit",
+REASONS = ("no_tokens", "measured_slower", "calibrating", "too_many_rows", "sparse_attention", "fp8_kv_cache", "fp4_kv_cache", "weights_unfit",
            "not_all_decode", "kv_pool")
+# timed steps of each side per (path, rows) bucket before the plan keeps the faster (cpu/tune.py's switch)
+CALIBRATION_STEPS = 3
 # why a fused step ran layer by layer instead of as one stack call
 STACK_REASONS = ("disabled", "layer_hook", "ep_group", "expert_map", "moe_unfit")
 
@@ -84,23 +93,63 @@ class DecodePlan:
         self.moe_unfit: dict[int, str] = {}   # MoE layer -> why its half runs as its operations
         self._layers: list[_Layer] | None = None
         self._extra: dict[int, _Layer] = {}   # layers outside the stack (extra_layer_ops), by id
+        self._tuning = tune.tuning()
+        self.calibration: dict[tuple[str, int], str] = {}   # (path, rows bucket) -> "fused" | "ops", as measured
+        self.calibration_ms: dict[tuple[str, int], dict] = {}   # -> the best step ms of each side
+        self._timings: dict[tuple[str, int], dict] = {}
 
     # -- the decision -------------------------------------------------------------------------------
     def ops_for(self, mb: Microbatch) -> list:
         """The operations of a plain step of microbatch `mb` (dbo/state.py Microbatch): fused ones, or the
         model's step_ops, decided here once for the whole step."""
         why = self._why_not(mb)
-        model = self.model
-        if why is not None:
+        if why is not None and why != "not_all_decode":
             self.declined[why] += 1
-            if why == "not_all_decode":   # a small prefill or mixed step: attention as operations, MLP halves fused
-                return self._took("mlp_halves", self._layer_ops(mb, attention=False))
-            return self._took("ops", model.step_ops)
-        stack_why = self._why_not_stack(mb)
-        if stack_why is None:
-            return self._took("stack", self._stack_ops)
-        self.stack_declined[stack_why] += 1
-        return self._took("layers", self._layer_ops(mb))
+            return self._took("ops", self.model.step_ops)
+        stack_why = None if why is not None else self._why_not_stack(mb)
+        path = "mlp_halves" if why is not None else "stack" if stack_why is None else "layers"
+        bucket = (path, 1 << (mb.input_ids.shape[0] - 1).bit_length())
+        trial = self._calibrating(bucket)
+        side = trial or self.calibration.get(bucket, "fused")
+        if side == "ops":   # this model's operations measured faster here (or being measured)
+            self.declined["calibrating" if trial else "measured_slower"] += 1
+            ops = self._took("ops", self.model.step_ops)
+        else:
+            if why is not None:   # a small prefill or mixed step: attention as operations, MLP halves fused
+                self.declined[why] += 1
+            elif stack_why is not None:
+                self.stack_declined[stack_why] += 1
+            ops = self._took(path, self._layer_ops(mb, attention=False) if why is not None
+                             else self._stack_ops if stack_why is None else self._layer_ops(mb))
+        return self._timed(bucket, side, ops) if trial else ops
+
+    # -- fused or operations, measured on this model (cpu/tune.py's switch) ------------------------------
+    def _calibrating(self, bucket) -> str | None:
+        """While a (path, rows rounded up to a power of two) bucket is being measured: which side this step runs
+        ("fused" / "ops", in turns, CALIBRATION_STEPS timed steps each after one untimed step each); None once it is
+        decided (self.calibration[bucket]) or when the choices are not measured (WIDEEP_CPU_TUNE=off: fused)."""
+        if bucket in self.calibration or not self._tuning:
+            return None
+        t = self._timings.setdefault(bucket, {"fused": [], "ops": []})
+        f, o = len(t["fused"]), len(t["ops"])
+        if min(f, o) > CALIBRATION_STEPS:
+            best = {k: min(v[1:]) for k, v in t.items()}
+            self.calibration[bucket] = "fused" if best["fused"] <= best["ops"] else "ops"
+            self.calibration_ms[bucket] = {k: round(v * 1e3, 3) for k, v in best.items()}
+            return None
+        return "fused" if f <= o else "ops"
+
+    def _timed(self, bucket, side: str, ops: list) -> list:
+        """ops between two that time them (the step's layers, this rank's wall time) into the bucket's trials."""
+        t = self._timings[bucket][side]
+        start = []
+
+        def op_calibration_start(s: OpState) -> None:
+            start.append(time.perf_counter())
+
+        def op_calibration_stop(s: OpState) -> None:
+            t.append(time.perf_counter() - start[0])
+        return [op_calibration_start, *ops, op_calibration_stop]
 
     def _took(self, path: str, ops: list) -> list:
         self.steps[path] += 1
@@ -230,8 +279,9 @@ class DecodePlan:
 
     def stats(self) -> dict:
         """Flat counters for the rank's stats: decode_steps_<path>, decode_declined_<reason>,
-        decode_stack_declined_<reason>."""
+        decode_stack_declined_<reason>, decode_fused_<path>_<rows> (1: measured faster fused, 0: as operations)."""
         return {**{f"decode_steps_{k}": v for k, v in self.steps.items()},
+                **{f"decode_fused_{p}_{rows}": int(c == "fused") for (p, rows), c in self.calibration.items()},
                 **{f"decode_declined_{k}": v for k, v in self.declined.items()},
                 **{f"decode_stack_declined_{k}": v for k, v in self.stack_declined.items()}}
 
@@ -247,7 +297,7 @@ class DecodePlan:
             attn = layers[0].self_attn
             self._mode = attn.mode
             self._latent_width = attn.cfg.kv_lora_rank + attn.cfg.qk_rope_head_dim
-            self._max_rows = max_rows(attn.o_proj.weight.dtype)
+            self._max_rows = builtin_max_rows(attn.o_proj.weight.dtype)
             self._layers = [self._layer(i, layer) for i, layer in enumerate(layers)]
             packed = {a.self_attn.kv_fp8.name for a in layers if a.self_attn.kv_fp8 is not None}
             self._unfit_reason = ("fp4_kv_cache" if "fp4_e2m1" in packed else "fp8_kv_cache" if packed

@@ -397,6 +397,9 @@ class EngineCore:
                 out["moe_nodes_per_token_step"] = self._nodes_step.tolist()
         if self.model.decode_plan is not None:
             out.update(self.model.decode_plan.stats())
+        if self.model.backends.get("kernels") == "cpu":   # where this rank's C kernels run (cpu/tune.py)
+            from wideep.cpu import tune
+            out.update({f"cpu_kernel_limit_{k}": v for k, v in tune.choices()["limits"].items()})
         elif self._plan_declined is not None:   # a model the CPU fast path does not take at all (DeepSeek-V4)
             out[f"decode_declined_{self._plan_declined}"] = self.declined_decode_steps
         if self.scheduler.speculator is not None:

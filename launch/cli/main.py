@@ -1,4 +1,4 @@
-"""`wideep …` (= `python -m wideep.launch …`): make-tiny, generate, demo, run, serve."""
+"""`wideep …` (= `python -m wideep.launch …`): make-tiny, generate, demo, run, serve, env."""
 from __future__ import annotations
 
 import argparse
@@ -128,6 +128,35 @@ def cmd_serve(a) -> None:
         raise SystemExit(rc)
 
 
+def cmd_env(a) -> None:
+    """The CPU's features, the native kernels' build and where each runs instead of torch (cpu/tune.py)."""
+    import torch
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from wideep.cpu import build, tune
+    if a.remeasure:
+        import os
+        os.environ["WIDEEP_CPU_TUNE"] = "measure"
+    why = build.unusable()
+    got = tune.measure() if a.remeasure and why is None else tune.choices()
+    out = {**tune.cpu_features(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+           "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "native_kernels": why or f"built for -march={build.march()} ({build._lib._name})",
+           "kernels": got["limits"], "measured": got["measured"], "ratios_c_over_torch": got.get("ratios", {})}
+    if not got["measured"]:
+        out["why_not_measured"] = got.get("why")
+    if a.json:
+        print(json.dumps(out))
+        return
+    print(f"cpu:      {out['cpu']} ({out['machine']})\nisa:      {' '.join(out['isa']) or '-'}")
+    print(f"torch:    {out['torch']}, {out['torch_threads']} thread(s), kernels for {out['torch_cpu_capability']}")
+    print(f"native:   {out['native_kernels']}")
+    how = "measured here" if got["measured"] else f"built-in ({got.get('why')})"
+    print(f"choices:  {tune.describe(got['limits'])} [{how}]")
+    for k, r in out["ratios_c_over_torch"].items():
+        print(f"  {k:13s} C/torch time: " + ", ".join(f"{s}: {v}" for s, v in r.items()))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .options import GENERATE, RUN, SERVE, add_options, token_ids
     p = argparse.ArgumentParser(prog="wideep", description="wide expert-parallel DeepSeek serving runtime")
@@ -165,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      "wideep serve MODEL_DIR [--config x.toml] [flags]")
     add_options(s, SERVE)
     s.set_defaults(fn=cmd_serve)
+    e = sub.add_parser("env", help="the CPU's features and where the native kernels run instead of torch's "
+                                   "(measured on this machine; cpu/tune.py)")
+    e.add_argument("--threads", type=int, default=0, help="torch's thread count to choose for (default: torch's)")
+    e.add_argument("--remeasure", action="store_true", help="measure again (and print) instead of the kept file")
+    e.add_argument("--json", action="store_true", help="one JSON line")
+    e.set_defaults(fn=cmd_env)
     from .eplb_cli import add_parsers
     add_parsers(sub)
     return p

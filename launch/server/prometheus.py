@@ -101,12 +101,17 @@ _PER_RANK = [   # (name, key in a rank's stats, type, help); absent keys are ski
 ]
 # the CPU decode plan's counters (engine/model/fused_decode.py): (name, stats key prefix, label, help)
 _DECODE_PLAN = [
-    ("wideep_rank_decode_steps_total", "decode_steps_", "path",
+    ("wideep_rank_decode_steps_total", "decode_steps_", "path", "counter",
      "Plain steps by the path they ran (stack|layers|mlp_halves: fused C calls; ops: the operations)."),
-    ("wideep_rank_decode_declined_total", "decode_declined_", "reason",
+    ("wideep_rank_decode_declined_total", "decode_declined_", "reason", "counter",
      "Plain steps whose decoder layers did not run fused, by reason."),
-    ("wideep_rank_decode_stack_declined_total", "decode_stack_declined_", "reason",
+    ("wideep_rank_decode_stack_declined_total", "decode_stack_declined_", "reason", "counter",
      "Fused steps that ran layer by layer instead of as one stack call, by reason."),
+    ("wideep_rank_decode_fused", "decode_fused_", "bucket", "gauge",
+     "Per (path, rows) bucket: 1 when the fused calls measured faster on this rank, 0 when the operations did."),
+    ("wideep_cpu_kernel_limit", "cpu_kernel_limit_", "kernel", "gauge",
+     "Where each C kernel runs instead of torch, as measured on this rank's CPU (cpu/tune.py): the most rows "
+     "(linear_*), mean rows per expert (experts_*), 1/0 (mla_decode); 0: torch's operation."),
 ]
 _HISTOGRAMS = [
     ("wideep_time_to_first_token_seconds", "ttft_s", "Arrival to first token, finished requests."),
@@ -150,11 +155,11 @@ def render(m: dict) -> str:
             lines.append(f'{name}_bucket{{dp_rank="{r}",le="+Inf"}} {cum}')
             lines.append(f'{name}_sum{{dp_rank="{r}"}} {sum(j * n for j, n in enumerate(counts))}')
             lines.append(f'{name}_count{{dp_rank="{r}"}} {cum}')
-    for name, prefix, label, help_ in _DECODE_PLAN:
+    for name, prefix, label, kind, help_ in _DECODE_PLAN:
         samples = [(r, key[len(prefix):], v) for r, st in enumerate(ranks) for key, v in st.items()
                    if key.startswith(prefix)]
         if samples:
-            head(name, "counter", help_)
+            head(name, kind, help_)
             lines.extend(f'{name}{{dp_rank="{r}",{label}="{k}"}} {_num(v)}' for r, k, v in samples)
     per_pos = m.get("spec_decode_num_accepted_tokens_per_pos")
     if per_pos:
