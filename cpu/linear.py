@@ -120,6 +120,9 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             or x.device.type != "cpu" or weight.stride(-1) != 1):
         if weight.dtype != x.dtype:   # weights of another dtype than the rows (a bfloat16 MTP drafter's): a copy
             return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        if x.dtype == torch.bfloat16 and rows and x.device.type == "cpu" and tune.limit("bf16_widen"):
+            # this CPU measured torch's bfloat16 GEMM slower than float32 copies (cpu/tune.py: no bf16 dot products)
+            return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
         return F.linear(x, weight, bias)
     y = gemm.linear(x.reshape(rows, K), weight)
     if bias is not None:
@@ -230,3 +233,16 @@ tune.register("linear_f32", lambda: builtin_max_rows(torch.float32), _measure_li
 tune.register("linear_bf16", lambda: builtin_max_rows(torch.bfloat16), _measure_linear(torch.bfloat16))
 tune.register("experts_f32", lambda: _builtin_experts(torch.float32), _measure_experts(torch.float32))
 tune.register("experts_bf16", lambda: _builtin_experts(torch.bfloat16), _measure_experts(torch.bfloat16))
+
+
+def _measure_widen(cap: int):
+    """tune's measure for bf16_widen: 256 rows of bfloat16 through a 2048 x 1024 bfloat16 weight, torch's bfloat16
+    F.linear against F.linear on float32 copies (the widening counted) -> (1: widen, 0; {"256": widen / bf16})."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 1024, generator=g).to(torch.bfloat16)
+    w = torch.randn(2048, 1024, generator=g).to(torch.bfloat16)
+    r = tune.compare(lambda: F.linear(x.float(), w.float()).to(torch.bfloat16), lambda: F.linear(x, w), trials=3)
+    return int(r <= 1.0), {"256": round(r, 3)}   # a switch, not a limit: the built-in 0 is no cap
+
+
+tune.register("bf16_widen", lambda: 0, _measure_widen)

@@ -10,7 +10,10 @@ over a grid of sizes, and runs only where it wins:
                             bmm or per-expert GEMM of moe/experts.py forward_grouped), by mean rows per expert: the
                             rows per expert up to which C runs (0: never; a "cpu" auto-choice needs > 0);
   mla_decode                the paged latent decode (cpu/layers.py mla_decode) against the torch path's gather, bmm
-                            and softmax: 1 (C) or 0 (torch).
+                            and softmax: 1 (C) or 0 (torch);
+  bf16_widen                for the bfloat16 projections past the C kernel's rows (a prefill's): torch's bfloat16
+                            F.linear against F.linear on float32 copies (x and w widened for the call; faster where
+                            the CPU has no bfloat16 dot products), at 256 rows: 1 (widen) or 0.
 A size counts as won when C's best time is at most torch's; a kernel's limit is the last grid point of the run of
 wins from the smallest size (measuring stops at the first loss). The limits never exceed the built-in ones
 (cpu/linear.py: where the fused decode and the experts kernel were designed to stop).
@@ -36,7 +39,7 @@ import torch
 
 log = logging.getLogger("wideep.cpu")
 
-KERNELS = ("linear_f32", "linear_bf16", "experts_f32", "experts_bf16", "mla_decode")
+KERNELS = ("linear_f32", "linear_bf16", "experts_f32", "experts_bf16", "mla_decode", "bf16_widen")
 ENV_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "WIDEEP_CPU_BF16_DOT",
             "WIDEEP_CPU_AMX")
 LINEAR_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -158,7 +161,8 @@ def describe(limits: dict) -> str:
         n = limits[k]
         return "torch" if n == 0 else f"C up to {n} rows"
     return (f"linear f32 {rows('linear_f32')}, bf16 {rows('linear_bf16')}; experts f32 {rows('experts_f32')} "
-            f"per expert, bf16 {rows('experts_bf16')} per expert; mla_decode {'C' if limits['mla_decode'] else 'torch'}")
+            f"per expert, bf16 {rows('experts_bf16')} per expert; mla_decode {'C' if limits['mla_decode'] else 'torch'}; "
+            f"bfloat16 rows past the C on {'float32 copies' if limits['bf16_widen'] else 'torch bfloat16'}")
 
 
 def reset() -> None:

@@ -63,7 +63,8 @@ def test_measured_once_kept_in_the_cache_and_read_back(monkeypatch, tmp_path):
     builtin = json.loads(subprocess.run([sys.executable, "-c", "import json; from wideep.cpu import tune; "
                                          "print(json.dumps(tune.builtin()))"], env=env, capture_output=True,
                                         text=True, timeout=300).stdout)
-    assert all(0 <= first["limits"][k] <= builtin[k] for k in tune.KERNELS)
+    assert all(0 <= first["limits"][k] <= builtin[k] for k in tune.KERNELS if k != "bf16_widen")
+    assert first["limits"]["bf16_widen"] in (0, 1)
     again = code.replace("c = tune.choices()", "tune.measure = None; c = tune.choices()")   # measuring would fail
     r = subprocess.run([sys.executable, "-c", again], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -87,6 +88,15 @@ def test_linear_runs_torch_where_c_measured_slower(limits):
     assert linear.max_rows(torch.float32) == 2
     assert torch.equal(linear.small_linear(x, w), F.linear(x, w))      # 3 rows > 2: torch
     torch.testing.assert_close(linear.small_linear(x[:2], w), F.linear(x[:2], w), atol=1e-5, rtol=1e-5)
+
+
+def test_bfloat16_rows_past_the_kernel_widen_where_measured_faster(limits):
+    from wideep.cpu import linear
+    x, w = torch.randn(300, 40).to(torch.bfloat16), torch.randn(24, 40).to(torch.bfloat16)
+    limits(bf16_widen=1)
+    assert torch.equal(linear.small_linear(x, w), F.linear(x.float(), w.float()).to(torch.bfloat16))
+    limits(bf16_widen=0)
+    assert torch.equal(linear.small_linear(x, w), F.linear(x, w))
 
 
 def test_experts_limit_applies_to_float_weights_only(limits):
