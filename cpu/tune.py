@@ -8,7 +8,7 @@ over a grid of sizes, and runs only where it wins:
                             1, 2, 4, ... rows up to the built-in cap: the rows up to which C runs (0: never);
   experts_f32, experts_bf16 the routed experts (cpu/gemm.py experts) against torch's grouped GEMMs (the sort, padded
                             bmm or per-expert GEMM of moe/experts.py forward_grouped), by mean rows per expert: the
-                            rows per expert up to which C runs (0: never; a "cpu" auto-choice needs > 0);
+                            rows per expert up to which C runs (0: never);
   mla_decode                the paged latent decode (cpu/layers.py mla_decode) against the torch path's gather, bmm
                             and softmax: 1 (C) or 0 (torch);
   bf16_widen                for the bfloat16 projections past the C kernel's rows (a prefill's): torch's bfloat16
@@ -16,7 +16,9 @@ over a grid of sizes, and runs only where it wins:
                             the CPU has no bfloat16 dot products), at 256 rows: 1 (widen) or 0.
 A size counts as won when C's best time is at most torch's; a kernel's limit is the last grid point of the run of
 wins from the smallest size (measuring stops at the first loss). The limits never exceed the built-in ones
-(cpu/linear.py: where the fused decode and the experts kernel were designed to stop).
+(cpu/linear.py: where the fused decode and the experts kernel were designed to stop; bf16_widen is a switch). The
+backends stay "cpu" where the kernels build: these limits pick C or torch per call, and the fused decode, whose one
+call per step a kernel-by-kernel comparison does not price, is measured on the model (engine/model/fused_decode.py).
 
 Measured once per machine: the results are kept beside the built library (build.py's cache directory), keyed by the
 library (its sources, flags and CPU), torch's version, the thread count and the environment variables that cap
