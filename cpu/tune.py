@@ -163,7 +163,8 @@ def describe(limits: dict) -> str:
         n = limits[k]
         return "torch" if n == 0 else f"C up to {n} rows"
     return (f"linear f32 {rows('linear_f32')}, bf16 {rows('linear_bf16')}; experts f32 {rows('experts_f32')} "
-            f"per expert, bf16 {rows('experts_bf16')} per expert; mla_decode {'C' if limits['mla_decode'] else 'torch'}; "
+            f"per expert, bf16 {rows('experts_bf16')} per expert; "
+            f"mla_decode {'C' if limits['mla_decode'] else 'torch'}; "
             f"bfloat16 rows past the C on {'float32 copies' if limits['bf16_widen'] else 'torch bfloat16'}")
 
 

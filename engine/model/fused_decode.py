@@ -45,8 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wideep.cpu import fused
-from wideep.cpu import tune
+from wideep.cpu import fused, tune
 from wideep.cpu.linear import ROWS_CAP, builtin_max_rows
 from wideep.dbo.state import Microbatch, OpState
 from wideep.moe.layer import MoELayer
@@ -58,8 +57,8 @@ from .model import CARRY, DecoderLayer, DeepseekModel
 from .mtp import MTPLayer
 
 # why a step ran its operations (every plain step is counted once: a path, or one of these)
-REASONS = ("no_tokens", "measured_slower", "calibrating", "too_many_rows", "sparse_attention", "fp8_kv_cache", "fp4_kv_cache", "weights_unfit",
-           "not_all_decode", "kv_pool")
+REASONS = ("no_tokens", "measured_slower", "calibrating", "too_many_rows", "sparse_attention", "fp8_kv_cache",
+           "fp4_kv_cache", "weights_unfit", "not_all_decode", "kv_pool")
 # timed steps of each side per (path, rows) bucket before the plan keeps the faster (cpu/tune.py's switch)
 CALIBRATION_STEPS = 3
 # why a fused step ran layer by layer instead of as one stack call
