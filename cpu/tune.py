@@ -168,11 +168,6 @@ def describe(limits: dict) -> str:
             f"bfloat16 rows past the C on {'float32 copies' if limits['bf16_widen'] else 'torch bfloat16'}")
 
 
-def reset() -> None:
-    """Forget the choices made in this process (tests)."""
-    _choices.clear()
-
-
 def _key() -> str:
     import hashlib
     from .build import library
@@ -197,22 +192,17 @@ def _read(path: str) -> dict | None:
     return got if isinstance(got, dict) and set(got.get("limits", {})) == set(KERNELS) else None
 
 
-def _best(fn, trials: int) -> float:
-    best = float("inf")
-    for _ in range(trials):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def compare(c_fn, torch_fn, trials: int = 5) -> float:
     """C's best time over torch's, trials interleaved (one warm-up call each first)."""
     c_fn(), torch_fn()
+
+    def once(fn) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
     c = t = float("inf")
     for _ in range(trials):
-        c = min(c, _best(c_fn, 1))
-        t = min(t, _best(torch_fn, 1))
+        c, t = min(c, once(c_fn)), min(t, once(torch_fn))
     return c / t
 
 
