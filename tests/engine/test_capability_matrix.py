@@ -142,17 +142,29 @@ def _cell(model_dir: str, nxt: list[int], cap: str, options: dict, parallel: dic
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports free on 127.0.0.1 now: each engine of a set of ranks rendezvous on its own (a closed
-    engine's store may hold its port a while)."""
+    """n distinct TCP ports free on 127.0.0.1 now, each engine of a set of ranks rendezvousing on its own (a closed
+    engine's store may hold its port a while). They come from below the kernel's ephemeral range: the cells run for
+    minutes after this, and a port from bind(("", 0)) could meanwhile be handed to one of gloo's own connections."""
+    import random
     import socket
-    socks = [socket.socket() for _ in range(n)]
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pool = list(range(max(1024, low - 12000), low))
+    random.SystemRandom().shuffle(pool)
+    ports = []
+    for port in pool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"fewer than {n} free TCP ports below {low} on 127.0.0.1")
 
 
 def _two_ranks(model_dir: str, nxt: list[int], caps: list[str], ports: list[int]) -> dict:
