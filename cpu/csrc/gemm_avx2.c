@@ -61,6 +61,11 @@ AI __m256 row1(const float *x, const void *wr, int64_t K, int bf) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
+#if WD_PF_AHEAD > 0
+        const char *pf = (const char *)wr + k * (bf ? 2 : 4) + WD_PF_AHEAD;
+        __builtin_prefetch(pf, 0, WD_PF_HINT);
+        if (!bf) __builtin_prefetch(pf + 64, 0, WD_PF_HINT);
+#endif
         a0 = _mm256_fmadd_ps(ldw(wr, k, bf), _mm256_loadu_ps(x + k), a0);
         a1 = _mm256_fmadd_ps(ldw(wr, k + 8, bf), _mm256_loadu_ps(x + k + 8), a1);
         a2 = _mm256_fmadd_ps(ldw(wr, k + 16, bf), _mm256_loadu_ps(x + k + 16), a2);

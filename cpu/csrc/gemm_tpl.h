@@ -3,6 +3,18 @@
    this instance's functions. The activations are float32 in every instance. Why the loops are shaped so:
    gemm.c. */
 
+/* the lines WD_PF_AHEAD bytes past a step of 32 weights (wideep.h says why) */
+#if WD_PF_AHEAD > 0
+#define PF_AHEAD(p)                                                                                \
+    do {                                                                                           \
+        const char *pf_ = (const char *)(p) + WD_PF_AHEAD;                                         \
+        for (int l_ = 0; l_ < (int)(32 * sizeof(WT)); l_ += 64)                                    \
+            __builtin_prefetch(pf_ + l_, 0, WD_PF_HINT);                                           \
+    } while (0)
+#else
+#define PF_AHEAD(p) ((void)0)
+#endif
+
 /* part[j] (16 lanes whose sum is x[j] . wr) for MB rows of x. Two accumulators per row halve the FMA
    dependency chains (one row of x too: its weights then stream ~13 % faster, measured A/B; four
    accumulators stream slower). Features past the last multiple of 16: one zero-padded step. */
@@ -12,6 +24,7 @@ static inline void SFX(row_##MB)(const float *x, int64_t ldx, const WT *wr, int6
     for (int j = 0; j < MB; j++) a[j] = b[j] = bc(0);                                              \
     int64_t k = 0, K16 = K & ~(int64_t)15;                                                         \
     for (; k + 32 <= K16; k += 32) {                                                               \
+        PF_AHEAD(wr + k);                                                                          \
         v16 w0 = LDW(wr + k), w1 = LDW(wr + k + 16);                                               \
         for (int j = 0; j < MB; j++) {                                                             \
             a[j] += w0 * ld(x + j * ldx + k);                                                      \

@@ -165,6 +165,21 @@ WD_INTERNAL void linear_w(const float *x, int64_t ldx, const void *w, int64_t wd
                           int64_t M, int64_t N, int64_t K);
 WD_INTERNAL void bmm_nt(int64_t B, const float *x, int64_t sxb, int64_t ldx, const void *w, int64_t wdt, int64_t swb,
                         int64_t ldw, float *y, int64_t syb, int64_t ldy, int64_t M, int64_t N, int64_t K);
+/* The streamed GEMM's rows of 1-3 tokens (gemm_tpl.h, gemm_avx2.c) read the weights at the memory's pace, one
+   weight row after another, and the hardware prefetcher stops at every 4 KiB page (a float32 row of K 1024 is one
+   page): every step of 32 weights asks for the lines WD_PF_AHEAD bytes further on, past the row's end into the
+   next row's (a prefetch past the matrix's end does not fault), with locality hint WD_PF_HINT (2: into L2).
+   Measured on the AMX Xeon, K 1024, N 2048, float32 weights streamed from memory, 40 interleaved calls each, GB/s
+   at 1 / 2 / 3 rows: none 12.4 / 10.9 / 8.6; 512 B ahead 12.6 / 12.5 / 10.8; 1 KiB 13.3 / 12.8 / 11.8; 2 KiB
+   14.1 / 13.9 / 13.1; 4 KiB 14.5 / 14.2 / 13.2; 8 KiB the same; 16 KiB 14.1 / 14.2 / 13.1; hint 3 (into L1) ~5 %
+   slower, hint 0 (non-temporal) 0.55x; F.linear (MKL) 14.1 / 13.2 / 12.4. At K 7168, N 512: 12.9 GB/s at 1 row
+   against 11.6 without and MKL's 15.0; 11.2 at 3 rows against 8.8 and MKL's 10.9. */
+#ifndef WD_PF_AHEAD
+#define WD_PF_AHEAD 4096
+#endif
+#ifndef WD_PF_HINT
+#define WD_PF_HINT 2
+#endif
 /* gemm_avx2.c: linear for float32 (linear_f32_avx2) and bfloat16 weights widened (linear_bf16cvt_avx2) on 8-float
    AVX2 + FMA vectors, for builds with those and no AVX-512, where gemm_tpl.h's 16-float vectors spill (gemm.c
    calls them instead of its own then); elsewhere not built */
