@@ -29,16 +29,27 @@ def limits(monkeypatch):
 
 
 def test_run_of_wins_stops_at_the_first_loss_and_at_the_cap():
-    ratios = {1: 0.5, 2: 0.9, 4: 1.2, 8: 0.7}
+    ratios = {1: 0.5, 2: 0.8, 4: 1.2, 8: 0.7}
     seen = []
 
     def at(s):
         seen.append(s)
         return ratios[s]
-    assert tune.run_of_wins((1, 2, 4, 8), 64, at) == (2, {1: 0.5, 2: 0.9, 4: 1.2})
+    assert tune.run_of_wins((1, 2, 4, 8), 64, at) == (2, {1: 0.5, 2: 0.8, 4: 1.2})
     assert seen == [1, 2, 4]                                             # 8 (a win again) never measured
     assert tune.run_of_wins((1, 2, 4, 8), 2, lambda s: 0.5) == (2, {1: 0.5, 2: 0.5})   # the built-in cap
     assert tune.run_of_wins((1, 2), 64, lambda s: 1.01)[0] == 0           # loses at once: never C
+
+
+def test_a_ratio_near_one_is_the_median_of_three_measurements():
+    got = {1: [0.5], 2: [1.05, 0.97, 0.98], 4: [0.95, 1.3, 1.02]}
+    seen = []
+
+    def at(s):
+        seen.append(s)
+        return got[s].pop(0)
+    assert tune.run_of_wins((1, 2, 4), 64, at) == (2, {1: 0.5, 2: 0.98, 4: 1.02})
+    assert seen == [1, 2, 2, 2, 4, 4, 4]
 
 
 def test_a_bad_switch_is_an_error_naming_it(monkeypatch):
