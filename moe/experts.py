@@ -160,12 +160,19 @@ class Experts(nn.Module):
             gate, up = torch.bmm(padded, w13.transpose(1, 2)).chunk(2, dim=-1)
             ys = torch.bmm(self._act(gate, up), w2.transpose(1, 2))[sorted_ids, within]   # [M, H]
         else:
+            # the table's matmul where it has one (the CPU's: its GEMM at the rows it wins, bfloat16 on float32
+            # copies where this CPU measured torch's bfloat16 GEMM slower, cpu/tune.py), else torch's
             ys = torch.empty_like(xs)
+            mm = self.kernels.matmul if x.device.type == "cpu" and self.kernels.matmul is not None else None
             start = 0
             for e, n in enumerate(counts_host):
                 if n:
-                    gate, up = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
-                    torch.mm(self._act(gate, up), w2[e].t(), out=ys[start:start + n])
+                    if mm is None:
+                        gate, up = F.linear(xs[start:start + n], w13[e]).chunk(2, dim=-1)
+                        torch.mm(self._act(gate, up), w2[e].t(), out=ys[start:start + n])
+                    else:
+                        gate, up = mm(xs[start:start + n], w13[e]).chunk(2, dim=-1)
+                        ys[start:start + n] = mm(self._act(gate, up), w2[e])
                     start += n
         ys *= topk_weights.reshape(-1)[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, rows, ys)
