@@ -422,7 +422,9 @@ def main() -> None:
            "prefill_ms": min(prefill_ms),
            "prefill_vs_torch_backends": round(min(prefill_ms) / min(p for p, _ in torch_ms), 3),
            "torch_backends": {"prefill_ms": min(p for p, _ in torch_ms), "decode_step_ms": min(d for _, d in torch_ms),
-                              "greedy_sequences_equal": sum(p == q for p, q in zip(ours, ref_ours)) / len(ours)},
+                              "greedy_sequences_equal": sum(p == q for p, q in zip(ours, ref_ours)) / len(ours),
+                              "greedy_sequences_equal_transformers":
+                                  sum(p == q for p, q in zip(ref_ours, theirs)) / len(ours)},
            "decode_step_ms": first["decode_step_ms"], "decode_roofline_fraction": first["fraction"],
            "decode_roofline_fraction_2t": second["fraction"] if second else None,
            "decode_roofline_ceiling": first["ceiling"], "decode_roofline_ceiling_gbs": first["ceiling_gbs"],
