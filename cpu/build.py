@@ -177,17 +177,22 @@ def build(name: str, source: str | dict[str, str]) -> ctypes.CDLL:
             for n, text in files.items():
                 with open(os.path.join(src, n), "w") as f:
                     f.write(text)
-            cfiles = [os.path.join(src, n) for n in sorted(files) if n.endswith(".c")]
             try:
-                r = subprocess.run([path_cc, *opts, "-o", tmp, *cfiles, "-lm"], capture_output=True, text=True,
-                                   timeout=300)
-                if r.returncode != 0:
-                    raise BuildError(f"{cc} could not build the {name} kernels:\n{r.stderr[-2000:]}")
+                compile_library([path_cc], opts, src, tmp, name)
                 os.replace(tmp, lib)
             finally:
                 if os.path.exists(tmp):
                     os.remove(tmp)
     return ctypes.CDLL(lib)
+
+
+def compile_library(cc: list[str], opts, src: str, out: str, name: str = "wideep_cpu") -> None:
+    """Compile every .c file of directory src with the command cc (a compiler and its leading arguments: a cross
+    compiler's target too) and opts into the shared library out; raises BuildError with the compiler's words."""
+    cfiles = [os.path.join(src, n) for n in sorted(os.listdir(src)) if n.endswith(".c")]
+    r = subprocess.run([*cc, *opts, "-o", out, *cfiles, "-lm"], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise BuildError(f"{os.path.basename(cc[0])} could not build the {name} kernels:\n{r.stderr[-2000:]}")
 
 
 def fields(names: str, ctype) -> list[tuple[str, type]]:
