@@ -50,6 +50,13 @@ static inline v16 ld_e4m3_part(const uint8_t *p, int64_t n) {
     return ld_e4m3(t);
 }
 
+#if WD_AVX2   /* 8-float vectors instead (gemm_fp8_avx2.c): 16-float ones spill without AVX-512 */
+void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
+                int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    linear_fp8_avx2(x, ldx, w, ldw, s, lds, br, bk, y, ldy, M, N, K);
+}
+#else
+
 /* The accumulators are named variables, not arrays: with the loop over blocks around the loop over K, GCC
    kept arrays of them on the stack, loading and storing one around every FMA (measured: 1 row of 4096 x 4096
    ran at a quarter of the bfloat16 kernel's speed). The `if (MB > j)` are constants: each instance keeps
@@ -214,6 +221,8 @@ void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, cons
         }
     }
 }
+
+#endif
 
 /* out [N, K] (rows ldo apart, float32 or bfloat16: odt) = the dequantised weight, for the big-batch GEMMs
    (prefill), which run on BLAS over a dequantised copy: their work per weight is high enough that
