@@ -15,7 +15,7 @@
    AVX-512 the 16 values of the format sit in one register and vpermps picks each lane's by its nibble (the
    low 4 bits of a 32-bit index): one shuffle-port operation per 16 weights, where widening the bytes in order
    took three (measured on this CPU, bench/fp4_experts.py's experts, warm, best of 5: 1.03 -> 0.64 ms at 1 token,
-   9.3 -> 6.4 ms at 16). Elsewhere: integer
+   9.3 -> 6.4 ms at 16). AVX2 without AVX-512: gemm_fp4_avx2.c. Elsewhere: integer
    operations build the float's bits (magnitude codes 2..7 are normals 2^(e-1) * (1 + m/2); 1 is 0.5; 0 is 0).
    The scales: a lane vector of each lane's block scale per chunk. The loops are gemm_fp8.c's: one to three
    rows of x read each weight row once, front to back; four or more rows run blocks of 4 weight rows x up to 4

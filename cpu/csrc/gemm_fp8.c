@@ -15,7 +15,8 @@
 
    e4m3 -> float32: on AVX-512 the byte is moved into a float16 whose exponent field is the e4m3 one
    (bias 15 instead of 7: the value times 2^-8) and widened by vcvtph2ps, which handles the e4m3
-   subnormals as float16 subnormals exactly; the 2^8 is folded into the scale. Elsewhere: integer
+   subnormals as float16 subnormals exactly; the 2^8 is folded into the scale (with AVX2 and no AVX-512,
+   gemm_fp8_avx2.c's GEMM does the same with F16C, and this file keeps only the dequantiser). Elsewhere: integer
    operations (normals rebiased, subnormals as m * 2^-9 by int -> float). Bytes 0x7f / 0xff (e4m3's NaN,
    which no quantiser writes: moe/fp8.py clamps to +-448) read as +-480. */
 #include "wideep.h"
