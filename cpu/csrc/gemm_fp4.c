@@ -15,7 +15,7 @@
    AVX-512 the 16 values of the format sit in one register and vpermps picks each lane's by its nibble (the
    low 4 bits of a 32-bit index): one shuffle-port operation per 16 weights, where widening the bytes in order
    took three (measured on this CPU, bench/fp4_experts.py's experts, warm, best of 5: 1.03 -> 0.64 ms at 1 token,
-   9.3 -> 6.4 ms at 16). Elsewhere: integer
+   9.3 -> 6.4 ms at 16). AVX2 without AVX-512: gemm_fp4_avx2.c. Elsewhere: integer
    operations build the float's bits (magnitude codes 2..7 are normals 2^(e-1) * (1 + m/2); 1 is 0.5; 0 is 0).
    The scales: a lane vector of each lane's block scale per chunk. The loops are gemm_fp8.c's: one to three
    rows of x read each weight row once, front to back; four or more rows run blocks of 4 weight rows x up to 4
@@ -32,6 +32,13 @@ static inline float e8m0(uint8_t b) {
 }
 static const float E2M1_TAB[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                                    -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+#if WD_AVX2   /* 8-float vectors instead (gemm_fp4_avx2.c): 16-float ones spill without AVX-512 */
+void linear_fp4(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
+                float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *xp) {
+    linear_fp4_avx2(x, ldx, w, ldw, s, lds, y, ldy, M, N, K, xp);
+}
+#else
 
 /* The weights go by chunks of 128 along K: 64 bytes, read as 16 int32 lanes of 8 codes each, lane l holding
    weights 8l .. 8l+7 with weight 8l + j in bits 4j .. 4j+3. Nibble j of every lane at once is one shift and
@@ -226,6 +233,8 @@ void linear_fp4(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, cons
             for (int64_t j = 0; j < mb; j++) y[(m + j) * ldy + n] = hsum(part[j]);
         }
 }
+
+#endif
 
 /* out [N, K] (rows ldo apart, float32 or bfloat16: odt) = the dequantised weight, value by value (a check on
    the vector path, and the copy BLAS would run on) */

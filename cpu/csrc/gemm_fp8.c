@@ -15,7 +15,8 @@
 
    e4m3 -> float32: on AVX-512 the byte is moved into a float16 whose exponent field is the e4m3 one
    (bias 15 instead of 7: the value times 2^-8) and widened by vcvtph2ps, which handles the e4m3
-   subnormals as float16 subnormals exactly; the 2^8 is folded into the scale. Elsewhere: integer
+   subnormals as float16 subnormals exactly; the 2^8 is folded into the scale (with AVX2 and no AVX-512,
+   gemm_fp8_avx2.c's GEMM does the same with F16C, and this file keeps only the dequantiser). Elsewhere: integer
    operations (normals rebiased, subnormals as m * 2^-9 by int -> float). Bytes 0x7f / 0xff (e4m3's NaN,
    which no quantiser writes: moe/fp8.py clamps to +-448) read as +-480. */
 #include "wideep.h"
@@ -49,6 +50,13 @@ static inline v16 ld_e4m3_part(const uint8_t *p, int64_t n) {
     memcpy(t, p, n);
     return ld_e4m3(t);
 }
+
+#if WD_AVX2   /* 8-float vectors instead (gemm_fp8_avx2.c): 16-float ones spill without AVX-512 */
+void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
+                int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    linear_fp8_avx2(x, ldx, w, ldw, s, lds, br, bk, y, ldy, M, N, K);
+}
+#else
 
 /* The accumulators are named variables, not arrays: with the loop over blocks around the loop over K, GCC
    kept arrays of them on the stack, loading and storing one around every FMA (measured: 1 row of 4096 x 4096
@@ -214,6 +222,8 @@ void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, cons
         }
     }
 }
+
+#endif
 
 /* out [N, K] (rows ldo apart, float32 or bfloat16: odt) = the dequantised weight, for the big-batch GEMMs
    (prefill), which run on BLAS over a dequantised copy: their work per weight is high enough that

@@ -235,11 +235,18 @@ WD_INTERNAL int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const i
    [ceil(N/br), ceil(K/bk)] (rows lds apart); bk a multiple of 16 */
 WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
                             int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
+/* gemm_fp8_avx2.c: the same on 8-float AVX2 + FMA vectors where WD_AVX2 (gemm_fp8.c calls it then) */
+WD_INTERNAL void linear_fp8_avx2(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s,
+                                 int64_t lds, int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N,
+                                 int64_t K);
 /* gemm_fp4.c: y = x @ W^T for W [N, K] e2m1 pairs w (rows ldw bytes apart) times the e8m0 scales s [N, K/32]
    (rows lds apart); K a multiple of 32; xp: FP4_XP(M, K) floats of scratch */
 #define FP4_XP(M, K) ((M) * (((K) + 127) / 128 * 128))
 WD_INTERNAL void linear_fp4(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const uint8_t *s, int64_t lds,
                             float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *xp);
+/* gemm_fp4_avx2.c: the same on 8-float AVX2 + FMA vectors where WD_AVX2 (gemm_fp4.c calls it then) */
+WD_INTERNAL void linear_fp4_avx2(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const uint8_t *s,
+                                 int64_t lds, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K, float *xp);
 /* experts.c: x [T, H] float32 or bfloat16 (xdt); wdt WD_FP8: s13 [El, 2 ceil(I/br), ceil(H/bk)] (gate's scale
    rows, then up's), s2 [El, ceil(H/br), ceil(I/bk)] float32 (moe/fp8.py quantize_experts_fp8); WD_FP4: w13
    [El, 2I, H/2], w2 [El, H, I/2] e2m1 pairs, s13 [El, 2I, H/32], s2 [El, H, I/32] e8m0 bytes (H, I multiples

@@ -112,8 +112,9 @@ def test_bad_fp8_inputs_are_clear_errors():
 
 @pytest.mark.skipif(__import__("platform").machine() not in ("x86_64", "AMD64"), reason="x86-64 builds only")
 def test_a_build_without_avx512_widens_exactly_too(monkeypatch, tmp_path):
-    """Built for AVX2 (x86-64-v3), the e4m3 widening is the integer form instead of vcvtph2ps: every value,
-    subnormals included, still exactly the reference's."""
+    """Built for AVX2 (x86-64-v3), the dequantiser's e4m3 widening is the integer form instead of AVX-512's
+    vcvtph2ps (the GEMM is gemm_fp8_avx2.c's, on F16C): every value, subnormals included, still exactly the
+    reference's."""
     import ctypes
     from wideep.cpu import build
     monkeypatch.setattr(build, "FLAGS", build.flags("x86-64-v3"))
