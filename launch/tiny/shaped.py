@@ -166,7 +166,8 @@ def shard_name(k: int, n: int) -> str:
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    # torch's CPU generator keeps 32 bits of a seed: fold seed and name into those
+    return torch.Generator().manual_seed(zlib.crc32(name.encode(), zlib.crc32(str(seed).encode())))
 
 
 def _bits(count: int, g: torch.Generator) -> torch.Tensor:
