@@ -93,6 +93,8 @@ def truncated_config(like: str, layers: int) -> dict[str, Any]:
         c["num_nextn_predict_layers"] = 0
     if "compress_ratios" in c:
         c["compress_ratios"] = c["compress_ratios"][:layers]
+    if "first_k_dense_replace" in c:   # the same layer types; wideep refuses a value above num_hidden_layers
+        c["first_k_dense_replace"] = min(c["first_k_dense_replace"], layers)
     return c
 
 
