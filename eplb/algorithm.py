@@ -234,7 +234,7 @@ def _invert(phy2log, E, phyrank=None):
     are listed by phyrank ([L, P], the replica each slot holds), or ascending without it."""
     L, P = phy2log.shape
     logcnt = torch.zeros(L, E, dtype=torch.int64).scatter_add_(1, phy2log, torch.ones_like(phy2log))
-    M = int(logcnt.max())  # SYNC: planner output size, CPU
+    M = int(logcnt.max()) if L else 1  # SYNC: planner output size, CPU (L = 0: a model without MoE layers)
     if phyrank is None:
         slots = (phy2log * P + torch.arange(P)).argsort(-1)   # grouped by expert, slots ascending
         experts = phy2log.gather(1, slots)

