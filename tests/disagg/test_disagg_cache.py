@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from tests.disagg import prefill_hits
 from tests.engine.test_engine import alone, drive, greedy
 from tests.parallel.spawn import spawn
 
@@ -91,7 +92,7 @@ def _rank(model_dir: str) -> dict | str:
         mine = [gather_reference(p, seq.block_ids, n, bs) for p in kv.pools]
         diffs[r["id"]] = max((a - b).abs().max().item() for a, b in zip(received[r["id"]], mine))
         scale[r["id"]] = min(a.abs().max().item() for a in mine)
-    hits = eng.metrics()["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"]
+    hits = prefill_hits(eng)
     eng.shutdown()
     return {"got": got, "errors": errors, "reasons": reasons, "diffs": diffs, "scale": scale, "prefill_prefix_hits": hits,
             "free": core.blocks.num_free, "total": core.blocks.allocators["latent"].num_blocks}

@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from tests.disagg import prefill_hits
 from tests.engine.test_engine import alone, drive, greedy
 from tests.parallel.spawn import spawn
 
@@ -58,7 +59,7 @@ def _rank(model_dir: str) -> dict | str:
         mine = [gather_reference(p, seq.block_ids, n, bs) for i in range(L) for p in kv.layer_pools(i)]
         diffs[r["id"]] = [(a - b).abs().max().item() / max(1.0, b.abs().max().item())
                           for a, b in zip(received[r["id"]], mine, strict=True)]
-    hits = eng.metrics()["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"]
+    hits = prefill_hits(eng)
     eng.shutdown()
     return {"got": got, "diffs": diffs, "hits": hits, "index_dim": core.kv.index_dim, "layers": L}
 

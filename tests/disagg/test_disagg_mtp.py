@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.disagg import prefill_hits
 from tests.engine.test_engine import alone, drive, greedy
 from tests.parallel.spawn import spawn
 
@@ -47,10 +48,11 @@ def _rank(model_dir: str, nxt: list[int]) -> dict | str:
     *first, hit = requests(nxt)
     got = drive(eng, first)
     got.update(drive(eng, [hit]))   # the prefill rank has cached the whole prompt it repeats by now
+    hits = prefill_hits(eng, 32)
     m = eng.metrics()
     eng.shutdown()
     return {"got": got, "received": received, "drafts": m["spec_decode_num_draft_tokens"],
-            "hits": m["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"],
+            "hits": hits,
             "accepted": m["spec_decode_num_accepted_tokens"], "transfers": m["kv_transfers_total"],
             "layers": len(core.kv.pools), "hidden_layers": L}
 

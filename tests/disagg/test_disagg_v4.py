@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tests.disagg import prefill_hits
 from tests.parallel.spawn import spawn
 
 POOLS = {"prefill": {"dp_size": 1, "ep_size": 1, "max_num_batched_tokens": 19, "kv_cache_blocks": 40},
@@ -51,8 +52,8 @@ def _rank(model_dir: str, pools: dict = POOLS, kv: str = "auto") -> dict | str:
     eng.receiver._finish = spy
     reqs = requests()
     got = drive(eng, reqs)
+    hits = prefill_hits(eng)
     m = eng.metrics()
-    hits = m["pools"]["prefill"]["per_rank"][0]["prefix_hit_tokens"]
     nbytes = {f["request_id"]: f["kv_transfer_bytes"] for f in m["finished_requests"]}
     eng.shutdown()
     return {"got": got, "received": received, "hits": hits, "bytes": nbytes}
