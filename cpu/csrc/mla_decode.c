@@ -2,11 +2,19 @@
    mla_decode): read through the block table, never gathered. */
 #include "wideep.h"
 
+#define FP8_ROWS 16   /* rows dequantised at a time: 16 x 576 floats stay in L1 */
+
+#if WD_AVX2   /* 8-float vectors instead (mla_decode_avx2.c): 16-float ones spill without AVX-512 */
+#define fp8_rows fp8_rows_avx2
+#define fp4_rows fp4_rows_avx2
+#define softmax_row softmax_row_avx2
+#define pv_rows pv_rows_avx2
+#else
+
 /* e4m3 bytes -> float: the byte's exponent and mantissa bits placed at the top of a float32's exponent
    and mantissa give the value times 2^-120 (e4m3 subnormals land on float32 subnormals, exactly), so
    one shift and one multiply by scale * 2^120 dequantise; 16 at a time. (0x7f / 0xff, e4m3's NaN, read
    as +-480: the quantiser never writes them.) */
-#define FP8_ROWS 16   /* rows dequantised at a time: 16 x 576 floats stay in L1 */
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 static inline v16 e4m3x16(const uint8_t *p, v16 scale) {
     u8x16 b;
@@ -109,6 +117,51 @@ PV_TILE(4, 4, , float, ld) PV_TILE(4, 1, , float, ld) PV_TILE(1, 4, , float, ld)
 PV_TILE(4, 4, b, uint16_t, ld_bf16) PV_TILE(4, 1, b, uint16_t, ld_bf16) PV_TILE(1, 4, b, uint16_t, ld_bf16)
 PV_TILE(1, 1, b, uint16_t, ld_bf16)
 
+/* s[j] = exp((s[j] - max) * scale) for j < L; returns 1 / their sum (the caller multiplies by it last) */
+static float softmax_row(float *s, int64_t L, float scale) {
+    float mx = -INFINITY, sum = 0;
+    for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
+    v16 acc = bc(0);
+    int64_t j = 0;
+    for (; j + 16 <= L; j += 16) {
+        v16 e = vexp((ld(s + j) - bc(mx)) * bc(scale));
+        st(s + j, e);
+        acc += e;
+    }
+    for (int l = 0; l < 16; l++) sum += acc[l];
+    for (; j < L; j++) { s[j] = expf((s[j] - mx) * scale); sum += s[j]; }
+    return 1.0f / sum;
+}
+
+/* o [Nh, C] += p [Nh, nj] (rows L apart) @ the nj rows (D apart; float32 blk, or bfloat16 blk16 where blk is
+   NULL)[:, :C]: tiles of 4 or 1 heads x 64 or 16 columns, the columns past the last multiple of 16 one at a time */
+static void pv_rows(const float *blk, const uint16_t *blk16, int64_t D, int64_t nj, const float *sp, int64_t L,
+                    float *ob, int64_t C, int64_t Nh) {
+    int64_t C16 = C & ~(int64_t)15, bf = blk16 != NULL;
+    for (int64_t c0 = 0, wide; c0 < C16; c0 += wide ? 64 : 16) {
+        wide = C16 - c0 >= 64;
+        for (int64_t n0 = 0, four; n0 < Nh; n0 += four ? 4 : 1) {
+            four = Nh - n0 >= 4;
+            const float *p = sp + n0 * L;
+            float *o = ob + n0 * C + c0;
+            if (bf) {
+                if (four && wide) pvb_4_4(blk16 + c0, D, nj, p, L, o, C);
+                else if (four) pvb_4_1(blk16 + c0, D, nj, p, L, o, C);
+                else if (wide) pvb_1_4(blk16 + c0, D, nj, p, L, o, C);
+                else pvb_1_1(blk16 + c0, D, nj, p, L, o, C);
+            } else if (four && wide) pv_4_4(blk + c0, D, nj, p, L, o, C);
+            else if (four) pv_4_1(blk + c0, D, nj, p, L, o, C);
+            else if (wide) pv_1_4(blk + c0, D, nj, p, L, o, C);
+            else pv_1_1(blk + c0, D, nj, p, L, o, C);
+        }
+    }
+    for (int64_t j = 0; j < nj; j++)
+        for (int64_t n = 0; n < Nh; n++)
+            for (int64_t c = C16; c < C; c++)
+                ob[n * C + c] += sp[n * L + j] * (bf ? from_bf16(blk16[j * D + c]) : blk[j * D + c]);
+}
+#endif
+
 /* Absorbed MLA decode over the paged latent cache, one query token per sequence: scores = q . latent
    over the sequence's blocks (read through the block table, never gathered), fp32 softmax, out =
    p @ latent[:, :C]. scratch: Nh * (max_len + 1) floats. pool8 (else NULL): the cache is packed fp8
@@ -122,7 +175,6 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
                    const int64_t *table, int64_t max_blocks, const int32_t *lens, int64_t max_len, int64_t bs,
                    float scale, float *out, float *scratch, const uint8_t *pool8, int64_t W, int64_t soff,
                    int64_t roff, int64_t group, float *kb, int64_t fp4, int64_t toff) {
-    int64_t C16 = C & ~(int64_t)15;
     if (pool8 && fp4 && C % 16) return -1;   /* fp4 rows hold whole groups of 16 (the launcher checks first) */
     for (int64_t b = 0; b < B; b++) {      /* nothing outside the pool or the scratch is ever read */
         if (lens[b] < 1 || lens[b] > max_len || (lens[b] - 1) / bs >= max_blocks) return -1;
@@ -149,46 +201,12 @@ int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D, int64_t C, 
             if (bf) linear_bf16(qb, D, p16 + ROW0(j0) * D, D, sc + j0, L, Nh, CHUNK(j0), D);
             else linear(qb, D, ROWS(j0, CHUNK(j0)), D, sc + j0, L, Nh, CHUNK(j0), D);
         }
-        for (int64_t n = 0; n < Nh; n++) {       /* p = exp((s - max) * scale); the 1 / sum comes last */
-            float *s = sc + n * L, mx = -INFINITY, sum = 0;
-            for (int64_t j = 0; j < L; j++) mx = s[j] > mx ? s[j] : mx;
-            v16 acc = bc(0);
-            int64_t j = 0;
-            for (; j + 16 <= L; j += 16) {
-                v16 e = vexp((ld(s + j) - bc(mx)) * bc(scale));
-                st(s + j, e);
-                acc += e;
-            }
-            for (int l = 0; l < 16; l++) sum += acc[l];
-            for (; j < L; j++) { s[j] = expf((s[j] - mx) * scale); sum += s[j]; }
-            inv[n] = 1.0f / sum;
-        }
+        for (int64_t n = 0; n < Nh; n++) inv[n] = softmax_row(sc + n * L, L, scale);   /* the 1 / sum comes last */
         memset(ob, 0, Nh * C * sizeof(float));
         for (int64_t j0 = 0, nj; j0 < L; j0 += nj) {
             nj = CHUNK(j0);
-            const float *blk = bf ? NULL : ROWS(j0, nj);
-            const uint16_t *blk16 = bf ? p16 + ROW0(j0) * D : NULL;
-            for (int64_t c0 = 0, wide; c0 < C16; c0 += wide ? 64 : 16) {
-                wide = C16 - c0 >= 64;
-                for (int64_t n0 = 0, four; n0 < Nh; n0 += four ? 4 : 1) {
-                    four = Nh - n0 >= 4;
-                    const float *p = sc + n0 * L + j0;
-                    float *o = ob + n0 * C + c0;
-                    if (bf) {
-                        if (four && wide) pvb_4_4(blk16 + c0, D, nj, p, L, o, C);
-                        else if (four) pvb_4_1(blk16 + c0, D, nj, p, L, o, C);
-                        else if (wide) pvb_1_4(blk16 + c0, D, nj, p, L, o, C);
-                        else pvb_1_1(blk16 + c0, D, nj, p, L, o, C);
-                    } else if (four && wide) pv_4_4(blk + c0, D, nj, p, L, o, C);
-                    else if (four) pv_4_1(blk + c0, D, nj, p, L, o, C);
-                    else if (wide) pv_1_4(blk + c0, D, nj, p, L, o, C);
-                    else pv_1_1(blk + c0, D, nj, p, L, o, C);
-                }
-            }
-            for (int64_t j = j0; j < j0 + nj; j++)
-                for (int64_t n = 0; n < Nh; n++)
-                    for (int64_t c = C16; c < C; c++)
-                        ob[n * C + c] += sc[n * L + j] * (bf ? from_bf16(blk16[(j - j0) * D + c]) : blk[(j - j0) * D + c]);
+            if (bf) pv_rows(NULL, p16 + ROW0(j0) * D, D, nj, sc + j0, L, ob, C, Nh);
+            else pv_rows(ROWS(j0, nj), NULL, D, nj, sc + j0, L, ob, C, Nh);
         }
 #undef ROWS
 #undef ROW0

@@ -269,6 +269,16 @@ WD_INTERNAL int64_t mla_decode(const float *q, int64_t B, int64_t Nh, int64_t D,
                                int64_t max_len, int64_t bs, float scale, float *out, float *scratch,
                                const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t group,
                                float *kb, int64_t fp4, int64_t toff);
+/* mla_decode_avx2.c: mla_decode.c's vector loops on 8-float AVX2 + FMA vectors where WD_AVX2 (mla_decode.c calls them
+   then): packed fp8 / fp4 rows [first, first + n) dequantised into kb [n, D]; one head's softmax in place (returns
+   1 / sum); o [Nh, C] += p [Nh, nj] (rows L apart) @ nj float32 (blk) or bfloat16 (blk16) rows [:, :C] */
+WD_INTERNAL const float *fp8_rows_avx2(const uint8_t *pool8, int64_t W, int64_t soff, int64_t roff, int64_t rdt,
+                                       int64_t group, int64_t C, int64_t D, int64_t first, int64_t n, float *kb);
+WD_INTERNAL const float *fp4_rows_avx2(const uint8_t *pool8, int64_t W, int64_t soff, int64_t toff, int64_t roff,
+                                       int64_t rdt, int64_t C, int64_t D, int64_t first, int64_t n, float *kb);
+WD_INTERNAL float softmax_row_avx2(float *s, int64_t L, float scale);
+WD_INTERNAL void pv_rows_avx2(const float *blk, const uint16_t *blk16, int64_t D, int64_t nj, const float *p, int64_t L,
+                              float *o, int64_t C, int64_t Nh);
 /* mla_amx.c: mla_decode over a bfloat16 pool (read in place) on AMX tiles; 0 (nothing done) when it cannot (D or C
    not a multiple of 32, no scratch): the caller runs its own loops then. The lengths and block ids are the
    caller's to check first. */
