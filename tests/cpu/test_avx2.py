@@ -4,7 +4,9 @@ float64 torch references: the streamed GEMM on odd shapes (M 1 .. 33, N not a mu
 and K < 8), float32 and bfloat16 weights (widened: the library's AVX512-BF16 and AMX paths off), strided x, w and
 y; bmm_nt's batches; the routed experts on that GEMM. FP8 (e4m3 + float32 block scales) and FP4 (e2m1 + e8m0
 scales) weights against the same GEMM on their dequantised values (moe/fp8.py, moe/fp4.py): K tails, partial scale
-blocks, every e4m3 value and e2m1 code exact through an identity-like x; their routed experts. Skipped unless this
+blocks, every e4m3 value and e2m1 code exact through an identity-like x; their routed experts. The paged MLA decode
+(mla_decode_avx2.c's loops) over float32, bfloat16, fp8 and fp4 latent caches on odd batches, lengths, heads and
+widths against float64 over the same (dequantised) pool. Skipped unless this
 CPU has AVX2 and FMA (the tests never run an instruction the host lacks)."""
 from __future__ import annotations
 
@@ -15,7 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from wideep.cpu import build, gemm
+from wideep.attention_mla.fp4_cache import Fp4Latent
+from wideep.attention_mla.fp8_cache import Fp8Latent
+from wideep.attention_mla.kv_cache import gather_reference
+from wideep.cpu import build, gemm, layers
 from wideep.moe.experts import Experts
 from wideep.moe.fp4 import dequantize_fp4, pack_fp4
 from wideep.moe.fp8 import FP8_DTYPE, dequantize_experts_fp8, dequantize_fp8_block, quantize_experts_fp8, quantize_fp8_block
@@ -250,3 +255,40 @@ def test_experts_fp4_equal_reference(lib, T, E, k, H, I):
     got = _run_experts(lib, x, w13, w2, s13, s2, ids, wts, gemm.WD_FP4, H, I, E, xp=gemm.fp4_xp(T * k, max(H, I)))
     want = _reference(dequantize_fp4(w13, s13).view(E, 2 * I, H), dequantize_fp4(w2, s2).view(E, H, I), x, ids, wts)
     torch.testing.assert_close(got, want, atol=2e-6 * (H + I) ** 0.5 * want.abs().max().item(), rtol=1e-5)
+
+
+def _decode64(q, pool, table, lens, block_size, C, scale):
+    """the paged MLA decode in float64 over pool [S, D] (float32 values) -> [B, Nh, C] float32"""
+    out = []
+    for b, L in enumerate(lens):
+        ctx = gather_reference(pool.double(), table[b, :-(-L // block_size)].tolist(), L, block_size)   # [L, D]
+        out.append((q[b].double() @ ctx.t() * scale).softmax(-1) @ ctx[:, :C])
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "fp8", "fp4"])
+@pytest.mark.parametrize("lens,block_size,heads,C,R", [([1], 4, 1, 16, 8), ([5, 1, 12], 4, 8, 48, 8),
+                                                       ([100, 33, 64, 7, 50], 32, 3, 64, 16),
+                                                       # every tile: 4 + 1 heads, 3 + 2 and 3 + 1 vectors of 8
+                                                       ([17, 40, 9], 16, 5, 80, 5), ([30, 19], 8, 7, 96, 0),
+                                                       ([77, 3, 64, 130], 64, 16, 512, 64)])
+def test_mla_decode_equals_float64(lib, monkeypatch, kind, lens, block_size, heads, C, R):
+    monkeypatch.setattr(layers, "library", lambda: lib)             # the x86-64-v3 build, whatever this CPU has
+    monkeypatch.setattr(layers, "tuned_limit", lambda name: 1)      # never torch's path instead
+    lib.wd_mla_decode.argtypes, lib.wd_mla_decode.restype = [ctypes.POINTER(layers.MlaDecodeArgs)], ctypes.c_int64
+    g = torch.Generator().manual_seed(len(lens) + block_size + C)
+    B, M, D = len(lens), max(-(-n // block_size) for n in lens), C + R
+    nblocks = B * M + 2
+    latents = torch.randn(nblocks * block_size, D, generator=g) * torch.rand(nblocks * block_size, 1, generator=g)
+    table = torch.randperm(nblocks, generator=g)[:B * M].view(B, M)
+    q = torch.randn(B, heads, D, generator=g)
+    layout = {"fp8": Fp8Latent(C, R, torch.bfloat16), "fp4": Fp4Latent(C, R, torch.float32)}.get(kind)
+    if layout is not None:
+        pool = layout.quantize(latents)
+        values = layout.dequantize(pool, torch.float32)
+    else:
+        pool = latents.to(getattr(torch, kind))
+        values = pool.float()
+    got = layers.mla_decode(q, pool, table, torch.tensor(lens, dtype=torch.int32), block_size, C, 0.11, max(lens),
+                            fp8=layout)
+    torch.testing.assert_close(got, _decode64(q, values, table, lens, block_size, C, 0.11), atol=1e-5, rtol=1e-5)
