@@ -46,13 +46,14 @@ class AttnMeta:
             self._cache["starts"] = starts
         return self._cache["starts"]
 
-    def attention_split(self, mode: str, paged: bool) -> tuple[list[int], list[int], list[int]]:
+    def attention_split(self, mode: str, paged: bool, chunk: int = 1) -> tuple[list[int], list[int], list[int]]:
         """Which sequences each attention form serves this step -> (paged, absorbed, naive), computed
         once per step (every layer asks; the per-sequence work is not repeated per layer). mode
-        "absorbed" / "naive" forces that form for every query; otherwise ("auto") a single-token query
-        (a decode) is absorbed and a longer one naive. With `paged`, the absorbed single-token queries
-        go to the paged decode kernel instead. Sequences without a query this step are in none."""
-        key = ("split", mode, paged)
+        "absorbed" / "naive" forces that form for every query; otherwise ("auto") a sequence of at most
+        `chunk` query tokens (1: a decode) is absorbed and a longer one naive. With `paged`, the absorbed
+        sequences of at most `chunk` query tokens go to the paged decode kernel instead, one kernel row a
+        query token (token_tables). Sequences without a query this step are in none."""
+        key = ("split", mode, paged, chunk)
         if key not in self._cache:
             qlens = self.query_lens
             if mode == "naive":
@@ -60,10 +61,10 @@ class AttnMeta:
             elif mode == "absorbed":
                 absorbed = [b for b, q in enumerate(qlens) if q]
             else:
-                absorbed = [b for b, q in enumerate(qlens) if q == 1]
-            on_pages = [b for b in absorbed if qlens[b] == 1] if paged else []
+                absorbed = [b for b, q in enumerate(qlens) if 0 < q <= chunk]
+            on_pages = [b for b in absorbed if qlens[b] <= chunk] if paged else []
             if on_pages:
-                absorbed = [b for b in absorbed if qlens[b] != 1]
+                absorbed = [b for b in absorbed if qlens[b] > chunk]
             if len(on_pages) + len(absorbed) == len(qlens):
                 naive = []
             else:
@@ -82,16 +83,34 @@ class AttnMeta:
             self._cache[key] = (table.contiguous(), int64_tensor(lens, table.device).int(), max(lens, default=0))
         return self._cache[key]
 
-    def paged_decode_tables(self, mode: str):
-        """When every token of the step is the only query of its sequence on the paged kernels
-        (attention_split(mode, True)) and the slots are int64 and contiguous -> seq_tables of those
+    def token_tables(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """For the paged kernels, one kernel row a query token of `seqs` (in query_rows order): (its sequence's
+        block_table row [T', M], the keys it sees [T'] int32: its position + 1, the cache written before it
+        attends, max of those as a host int). seq_tables when every one of `seqs` has one query."""
+        qlens = self.query_lens
+        if all(qlens[b] == 1 for b in seqs):
+            return self.seq_tables(seqs)
+        key = ("token_tables", tuple(seqs))
+        if key not in self._cache:
+            ctx = self.ctx_lens
+            owner = [i for i, b in enumerate(seqs) for _ in range(qlens[b])]
+            lens = [ctx[b] - qlens[b] + j + 1 for b in seqs for j in range(qlens[b])]
+            table = self.block_table[seqs] if list(seqs) != list(range(self.block_table.shape[0])) else self.block_table
+            table = table[int64_tensor(owner, table.device)].contiguous()
+            self._cache[key] = (table, int64_tensor(lens, table.device).int(), max(lens, default=0))
+        return self._cache[key]
+
+    def paged_decode_tables(self, mode: str, chunk: int = 1):
+        """When every token of the step is a query on the paged kernels (attention_split(mode, True, chunk); chunk
+        1: each the only query of its sequence) and the slots are int64 and contiguous -> token_tables of those
         sequences, else None. Computed once per step (a fused decode asks for every layer)."""
-        key = ("paged_decode", mode)
+        key = ("paged_decode", mode, chunk)
         if key not in self._cache:
             T, slots = self.slot_mapping.shape[0], self.slot_mapping
             ok = T > 0 and slots.dtype == torch.int64 and slots.is_contiguous()
-            paged = self.attention_split(mode, True)[0] if ok else []
-            self._cache[key] = self.seq_tables(paged) if ok and len(paged) == T else None
+            paged = self.attention_split(mode, True, chunk)[0] if ok else []
+            ok = ok and sum(self.query_lens[b] for b in paged) == T
+            self._cache[key] = self.token_tables(paged) if ok else None
         return self._cache[key]
 
     def context_slots(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,12 @@ from .rope import RotaryEmbedding
 
 FORMS = ("auto", "naive", "absorbed")   # which form attends: auto = absorbed for one-query sequences
 BACKENDS = ("torch", "cpu", "triton")
+# Backend "cpu", form "auto": a step of at most this many tokens attends every query on the paged kernel, one kernel
+# row a token (prefill chunks, mixed steps, speculative verification): one C call per layer instead of a K/V
+# expansion and a few torch calls per sequence, and the same calls the fused CPU step (engine/model/fused_decode.py)
+# makes for such a step. Its arithmetic is close to the naive form's at these sizes (DeepSeek-V3's dims, a fresh
+# 64-token prompt: ~10 % more; less than naive once a cached context precedes the chunk). = cpu/linear.py MAX_ROWS.
+PAGED_STEP_TOKENS = 64
 
 
 class MLA(nn.Module):
@@ -75,6 +81,12 @@ class MLA(nn.Module):
                              f"{self.kernels.name!r} (layers/kernels.py)")
         self._attend_paged = {"cpu": self.attend_paged_cpu, "triton": self._attend_paged_seqs, "torch": None}[name]
         self._backend = name
+
+    def paged_chunk(self, T: int) -> int:
+        """The longest query a sequence may have and still attend on the paged kernel in a step of T tokens
+        (AttnMeta.attention_split's chunk): T on the cpu backend when T <= PAGED_STEP_TOKENS (every query of
+        the step), else 1 (decodes only)."""
+        return T if self._backend == "cpu" and self.mode == "auto" and T <= PAGED_STEP_TOKENS else 1
 
     # -- projections -------------------------------------------------------------------------
     def q_latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,8 +187,10 @@ class MLA(nn.Module):
 
     def attend_paged(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor, meta: AttnMeta,
                      seqs: list[int]) -> torch.Tensor:
-        """Decode sequences `seqs` (one query each, in that order): q_nope [B, N, dn], q_pe [B, N, R]
-        -> [B, N, dv], attending over the paged cache in the backend's kernel (bound at construction)."""
+        """The query tokens of sequences `seqs` (in query_rows order; one each on the triton backend, any
+        number within paged_chunk on the cpu one): q_nope [B, N, dn], q_pe [B, N, R] -> [B, N, dv], each
+        attending over its sequence's paged cache up to its own position, in the backend's kernel (bound at
+        construction)."""
         return self._attend_paged(q_nope, q_pe, kv_pool, meta, seqs)
 
     def _attend_paged_seqs(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor, meta: AttnMeta,
@@ -214,7 +228,8 @@ class MLA(nn.Module):
 
     def attend_paged_cpu(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_pool: torch.Tensor, meta: AttnMeta,
                          seqs: list[int]) -> torch.Tensor:
-        """attend_paged in the C kernels: q_nope [B, N, dn], q_pe [B, N, R] -> [B, N, dv]. The absorbed
+        """attend_paged in the C kernels, one kernel row a query token (meta.token_tables): q_nope [B, N, dn],
+        q_pe [B, N, R] -> [B, N, dv]. The absorbed
         query is written in place ([B, N, C+R], no concatenation), and every weight is read as stored."""
         bmm_nt, mla_decode = self.kernels.bmm_nt, self.kernels.mla_decode
         cfg = self.cfg
@@ -222,7 +237,7 @@ class MLA(nn.Module):
         q = q_nope.new_empty(B, N, C + cfg.qk_rope_head_dim)
         bmm_nt(q_nope.transpose(0, 1), self.w_uk_t(), out=q[:, :, :C].transpose(0, 1))       # [N, B, C]
         q[:, :, C:] = q_pe
-        table, lens, max_len = meta.seq_tables(seqs)
+        table, lens, max_len = meta.token_tables(seqs)
         out_lat = mla_decode(q, kv_pool, table, lens, meta.block_size, C, cfg.softmax_scale, max_len, self.kv_fp8)
         out = q_nope.new_empty(B, N, cfg.v_head_dim)
         bmm_nt(out_lat.transpose(0, 1), self._kv_b()[1], out=out.transpose(0, 1))           # [N, B, dv]
@@ -240,8 +255,8 @@ class MLA(nn.Module):
         q_nope, q_pe, latent = self.project(x, cos, sin)
         self.write_cache(kv_pool, meta.slot_mapping, latent)
         out = x.new_empty(T, cfg.num_heads, cfg.v_head_dim)
-        paged, absorbed, naive = meta.attention_split(self.mode, self.backend != "torch")
-        if len(paged) == T:   # every token decodes: no gather, no scatter
+        paged, absorbed, naive = meta.attention_split(self.mode, self.backend != "torch", self.paged_chunk(T))
+        if not absorbed and not naive:   # every token on the paged kernel: no gather, no scatter
             out = self.attend_paged(q_nope, q_pe, kv_pool, meta, paged)
         elif paged:
             rows = meta.query_rows(paged, x.device)

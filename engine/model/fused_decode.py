@@ -6,16 +6,19 @@ the MTP layer's passes: fused_mtp.py); cpu/ holds the kernels and their launcher
 Paths (the model's backends["decode"] names the one the last step took; stats() counts them):
   stack   every decoder layer in one C call (fused.decode_stack): Python run between two layers' weight
           streams finds the caches emptied and costs ~10x, so the whole stack is checked before one call.
-          Needs one EP rank, no EPLB map, no per-layer hook, every layer's halves fusable.
+          Needs one EP rank, no EPLB map, no per-layer hook, every layer's halves fusable, and every token of
+          the step a query on the paged kernel: decodes, and on the cpu backend any step of at most
+          attention_mla/mla.py PAGED_STEP_TOKENS tokens (prefill chunks, mixed steps, speculative verification;
+          MLA.paged_chunk: one kernel row a token, each seeing its sequence up to its own position).
   layers  per layer: the attention half in one call (fused.mla_layer: norm, projections, RoPE, cache
           write, paged decode, output projection, residual, post-norm), the per-layer hook, then the
           MoE half in one call (fused.moe_layer) when every expert is local and unmapped, else the
           layer's own MoE operations — router, dispatch, local experts, combine: the EP group's
           all-to-all runs between the fused halves — or a dense layer's MLP half in one call
           (fused.mlp_layer).
-  mlp_halves  a step that is not all decodes (a prefill chunk, a mixed step) of at most max_rows tokens (cpu/linear.py:
-          64; bfloat16 weights on AMX tiles 256, or 16 where the CPU has them but the C does not use them):
-          the attention as its operations, the MoE / MLP halves as in `layers`.
+  mlp_halves  a step of at most max_rows tokens (cpu/linear.py: 64; bfloat16 weights on AMX tiles 256, or 16 where
+          the CPU has them but the C does not use them) whose attention is not all on the paged kernel (a prompt
+          in the naive form): the attention as its operations, the MoE / MLP halves as in `layers`.
   ops     the model's step_ops (big steps, DSA, an fp8 or fp4 cache, ...), its reason counted. A packed
           latent cache (fp8 / fp4) is declined: the fused layer call writes and reads float32 / bfloat16
           rows; its attention runs on the C paged decode (mla_decode reads both packed layouts) instead.
@@ -45,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from wideep.attention_mla.mla import PAGED_STEP_TOKENS
 from wideep.cpu import fused, tune
 from wideep.cpu.linear import ROWS_CAP, builtin_max_rows
 from wideep.dbo.state import Microbatch, OpState
@@ -168,13 +172,19 @@ class DecodePlan:
             return "too_many_rows"
         if self.unfit:
             return self._unfit_reason
-        if mb.meta.paged_decode_tables(self._mode) is None:
+        if self._tables(mb.meta, T) is None:
             return "not_all_decode"
         D = self._latent_width
         if not all(p.dtype in WEIGHT_DTYPES and p.dim() == 2 and p.shape[1] == D and p.is_contiguous()
                    and not p.is_cuda for p in mb.kv_pools[:len(layers)]):
             return "kv_pool"
         return None
+
+    def _tables(self, meta, T: int):
+        """The step's paged tables, one row a token (AttnMeta.paged_decode_tables with the chunk MLA.forward
+        uses for a step of T tokens: a short prefill or mixed step attends on the paged kernel too), or None when
+        some token's attention is another form."""
+        return meta.paged_decode_tables(self._mode, self._attn.paged_chunk(T))
 
     def _why_not_stack(self, mb: Microbatch) -> str | None:
         if not self.fuse_stack:
@@ -276,6 +286,14 @@ class DecodePlan:
         passes), or None where its layer does not fuse for these rows (then nothing was done): fused_mtp.passes."""
         return fused_mtp.passes(self, mtp, token_ids, prev, meta, kv_pools, plan, rows, later)
 
+    def step_tokens(self) -> int | None:
+        """The most tokens a step of short prompts and decodes may hold and still run fused (the scheduler's
+        mixed_step_tokens by default): the paged kernel's step size on the cpu backend within the dtype's row
+        limit; None when the attention pages decodes only (another backend, a forced form)."""
+        attn = self.model.model.layers[0].self_attn
+        n = min(attn.paged_chunk(PAGED_STEP_TOKENS), builtin_max_rows(attn.o_proj.weight.dtype))
+        return n if n > 1 else None
+
     def stats(self) -> dict:
         """Flat counters for the rank's stats: decode_steps_<path>, decode_declined_<reason>,
         decode_stack_declined_<reason>, decode_fused_<path>_<rows> (1: measured faster fused, 0: as operations)."""
@@ -294,7 +312,7 @@ class DecodePlan:
             self.unfit, self.moe_unfit = {}, {}
             layers = self.model.model.layers
             attn = layers[0].self_attn
-            self._mode = attn.mode
+            self._mode, self._attn = attn.mode, attn
             self._latent_width = attn.cfg.kv_lora_rank + attn.cfg.qk_rope_head_dim
             self._max_rows = builtin_max_rows(attn.o_proj.weight.dtype)
             self._layers = [self._layer(i, layer) for i, layer in enumerate(layers)]
@@ -345,7 +363,7 @@ class DecodePlan:
             mb = s.inputs
             meta = mb.meta
             cos, sin = s.peek("rope")
-            table, lens, max_len = meta.paged_decode_tables(mode)
+            table, lens, max_len = self._tables(meta, mb.input_ids.shape[0])
             h, mlp_in = fused.mla_layer(s.take("x"), w, attn.w_uk_t(), cos, sin, mb.kv_pools[i], meta.slot_mapping,
                                         table, lens, max_len, meta.block_size)
             s.put(h=h, mlp_in=mlp_in)
@@ -383,7 +401,7 @@ class DecodePlan:
         meta, descs, layers = mb.meta, self._descs, self.model.model.layers
         cos, sin = s.peek("rope")
         x = s.take("x")
-        table, lens, max_len = meta.paged_decode_tables(self._mode)
+        table, lens, max_len = self._tables(meta, x.shape[0])
         for d, layer, pool in zip(descs, layers, mb.kv_pools):
             d.wuk_t, d.pool, d.S = layer.self_attn.w_uk_t().data_ptr(), pool.data_ptr(), pool.shape[0]
             d.pdt = fused.WDT[pool.dtype]

@@ -82,3 +82,49 @@ def test_chunked_prefill_equals_single_prefill():
         meta = AttnMeta(pos, slots, table, [b - a], [b], bs)
         outs.append(m(x[a:b], meta, pool, *m.rope.cos_sin(pos)))
     torch.testing.assert_close(torch.cat(outs), full, atol=1e-5, rtol=1e-5)
+
+
+def test_token_tables_give_each_query_its_sequence_row_and_position():
+    """Two chunks after cached contexts and a decode: one kernel row a query token, its sequence's table row, the
+    keys up to its own position (the cache is written before it attends)."""
+    table = torch.tensor([[4, 5, 0], [7, 0, 0], [1, 2, 3]])
+    meta = AttnMeta(torch.tensor([3, 4, 5, 0, 9]), torch.arange(5), table, [3, 1, 1], [6, 1, 10], 4)
+    t, lens, max_len = meta.token_tables([0, 1, 2])
+    assert t.tolist() == [[4, 5, 0]] * 3 + [[7, 0, 0], [1, 2, 3]]
+    assert lens.tolist() == [4, 5, 6, 1, 10] and lens.dtype == torch.int32 and max_len == 10
+    assert meta.token_tables([2, 0])[1].tolist() == [10, 4, 5, 6]
+    assert meta.attention_split("auto", True) == ([1, 2], [], [0])      # chunk 1: decodes only on the pages
+    assert meta.attention_split("auto", True, 3) == ([0, 1, 2], [], [])
+    assert meta.paged_decode_tables("auto") is None and meta.paged_decode_tables("auto", 5)[2] == 10
+
+
+@pytest.mark.skipif(__import__("wideep.cpu.build", fromlist=["unusable"]).unusable() is not None,
+                    reason="CPU kernels not built")
+def test_the_cpu_backend_attends_short_steps_on_the_paged_kernel():
+    """Backend "cpu": a step of at most PAGED_STEP_TOKENS tokens (prefills, a chunk after a cached context, a
+    decode) attends every query on the paged C kernel, equal to the naive form; a longer step's prompts go naive."""
+    from wideep.attention_mla import mla as mla_module
+    from wideep.cpu.kernels import table
+    from wideep.layers.kernels import Kernels
+    m = _mla(20, seed=7)
+    m.kernels = Kernels.from_table("cpu", table())
+    lens = [7, 1, 13]
+    meta = _meta(lens, block_size=4)
+    x = torch.randn(sum(lens), 48)
+    cos_sin = m.rope.cos_sin(meta.positions)
+    outs = {}
+    for mode, backend in (("naive", "torch"), ("auto", "cpu")):
+        m.mode, m.backend = mode, backend
+        outs[backend] = m(x, meta, torch.zeros(64 * 4, 32), *cos_sin)
+    assert m.paged_chunk(sum(lens)) == sum(lens) and m.paged_chunk(mla_module.PAGED_STEP_TOKENS + 1) == 1
+    torch.testing.assert_close(outs["cpu"], outs["torch"], atol=1e-5, rtol=1e-5)
+    # the second chunk of a 13-token prompt after its cached first 6 tokens
+    full = _meta([13], 4)
+    pool = torch.zeros(64 * 4, 32)
+    m(x[:6], AttnMeta(full.positions[:6], full.slot_mapping[:6], full.block_table, [6], [6], 4), pool,
+      *m.rope.cos_sin(full.positions[:6]))
+    chunk = AttnMeta(full.positions[6:], full.slot_mapping[6:], full.block_table, [7], [13], 4)
+    got = m(x[6:13], chunk, pool, *m.rope.cos_sin(full.positions[6:]))
+    m.mode, m.backend = "naive", "torch"
+    want = m(x[:13], full, torch.zeros(64 * 4, 32), *m.rope.cos_sin(full.positions))[6:]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

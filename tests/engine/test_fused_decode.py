@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from wideep.attention_mla import mla as mla_module
 from wideep.cpu import fused as cl
 from wideep.cpu.build import unusable
 from wideep.parallel.step_plan import StepPlan
@@ -141,11 +142,56 @@ def test_every_path_equals_the_operations(llm):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_the_reason_is_counted_for_every_step_it_does_not_fuse(llm):
+def _sequence(core, name: str, prompt_len: int, computed: int, first_block: int):
+    """A sequence with a prompt of prompt_len tokens, the first `computed` of them in the cache (written by
+    _prefill), blocks first_block .. first_block + 7."""
+    from wideep.engine import SamplingParams
+    from wideep.engine.worker.messages import NewRequest
+    b = first_block // 8
+    s = core.make_sequence(NewRequest(name, [3 + (7 * b + j) % 150 for j in range(prompt_len)],
+                                      SamplingParams(max_tokens=1), b, 0.0))
+    s.block_ids = list(range(first_block, first_block + 8))
+    return s
+
+
+def test_a_mixed_step_runs_the_stack_and_equals_the_operations(llm, monkeypatch):
+    """Decodes, a whole prompt and a prompt's second chunk (after its cached first one) in one step of at most
+    PAGED_STEP_TOKENS tokens: every query attends on the paged kernel, one kernel row a token, so the step runs
+    the whole stack, equal to the operations' (the same C calls), its caches too; and each chunk's rows equal
+    those of the same tokens prefilled alone (causal: a token sees its own position and the ones before)."""
+    from wideep.engine.sched.scheduler import ScheduledBatch
+    core, model = llm.engine.core, llm.model
+    old = [_sequence(core, "m0", 6, 0, 0), _sequence(core, "m1", 9, 0, 8)]
+    ids, meta = core.runner.build_meta(ScheduledBatch(old, [5, 4]))     # m0 5 of 6 tokens, m1 its first chunk
+    model(ids, meta, core.kv.pools, StepPlan(9))
+    old[0].num_computed, old[1].num_computed = 5, 4
+    new = _sequence(core, "m2", 7, 0, 16)
+    ids, meta = core.runner.build_meta(ScheduledBatch(old + [new], [1, 5, 7]))
+    assert meta.query_lens == [1, 5, 7] and meta.paged_decode_tables("auto", 13) is not None
+    ref_pools = [p.clone() for p in core.kv.pools]
+    ref = _ops_run(model, ids, meta, ref_pools)
+    pools = [p.clone() for p in core.kv.pools]
+    out = model(ids, meta, pools, StepPlan(13))
+    assert model.backends["decode"] == "stack"
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(pools, ref_pools):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    alone_ids, alone_meta = core.runner.build_meta(ScheduledBatch([new], [7]))
+    alone = model(alone_ids, alone_meta, [p.clone() for p in core.kv.pools], StepPlan(7))
+    torch.testing.assert_close(out[6:], alone, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(mla_module, "PAGED_STEP_TOKENS", 0)     # the chunks' attention in the naive form
+    naive = _ops_run(model, ids, meta, [p.clone() for p in core.kv.pools])
+    torch.testing.assert_close(out, naive, rtol=1e-4, atol=1e-4)
+
+
+def test_the_reason_is_counted_for_every_step_it_does_not_fuse(llm, monkeypatch):
     plan = llm.model.decode_plan
     model, kv = llm.model, llm.engine.core.kv
     before = dict(plan.declined), dict(plan.stack_declined), dict(plan.steps)
-    ids, meta = _decode_batch(llm, [4, 2])           # (its prefill: a small prefill step -> mlp_halves)
+    ids, meta = _decode_batch(llm, [4, 2])           # (its prefill: a small prefill step -> the stack)
+    with monkeypatch.context() as m:                 # a prefill past the paged kernel's step size -> mlp_halves
+        m.setattr(mla_module, "PAGED_STEP_TOKENS", 4)
+        _decode_batch(llm, [5, 3])
     model(ids, meta, [p.clone() for p in kv.pools], StepPlan(2), on_layer=lambda i: None)
     layer = model.model.layers[2].mlp
     layer.routing.expert_map = lambda t: t
@@ -160,7 +206,7 @@ def test_the_reason_is_counted_for_every_step_it_does_not_fuse(llm):
     d = {k: plan.declined[k] - before[0][k] for k in plan.declined}
     sd = {k: plan.stack_declined[k] - before[1][k] for k in plan.stack_declined}
     st = {k: plan.steps[k] - before[2][k] for k in plan.steps}
-    assert st == {"stack": 0, "layers": 2, "mlp_halves": 1, "ops": 1}
+    assert st == {"stack": 1, "layers": 2, "mlp_halves": 1, "ops": 1}
     assert d["not_all_decode"] == 1 and d["no_tokens"] == 1 and sum(d.values()) == 2
     assert sd["layer_hook"] == 1 and sd["expert_map"] == 1 and sum(sd.values()) == 2
     assert model.backends["decode"] == "ops"
