@@ -50,6 +50,10 @@ class EngineConfig:
                                                "part unquantised")
     max_num_seqs: int = _f("engine", 256, "most running sequences per rank")
     max_num_batched_tokens: int = _f("engine", 8192, "most tokens in one step per rank (prefill is chunked)")
+    max_mixed_step_tokens: int | None = _f("engine", None, "while fewer sequences decode, a step with decodes takes "
+                                                        "short prompts' tokens only up to this many tokens in all "
+                                                        "(their rest next step); 0: off; default: the step size "
+                                                        "the model's fused CPU path takes (64 tokens), else off")
     enable_prefix_caching: bool = _f("engine", True, "reuse cached KV blocks of shared prompt prefixes")
     max_logprobs: int = _f("engine", 20, "the most logprobs / prompt_logprobs a request may ask for")
     seed: int = _f("engine", 0, "sampling seed of requests without their own")
@@ -67,6 +71,8 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
             _check_int(name, getattr(self, name), 1)
         _check_int("max_logprobs", self.max_logprobs, 0)
+        if self.max_mixed_step_tokens is not None:
+            _check_int("max_mixed_step_tokens", self.max_mixed_step_tokens, 0)
         for name in ("kv_cache_blocks", "max_model_len"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1)

@@ -58,14 +58,22 @@ READ_TIMEOUT_S = 30.0   # the longest a step waits for disk reads when it has no
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, speculator=None,
-                 lookahead: int = 0):
+                 lookahead: int = 0, mixed_step_tokens: int | None = None):
         """speculator: engine/spec_decode/speculator.Speculator when drafting is on; lookahead: slots grown past a
-        step's tokens (MTP drafting: k - 1, where its later passes write)."""
+        step's tokens (MTP drafting: k - 1, where its later passes write). mixed_step_tokens (None: off): while
+        fewer sequences decode, a step with decodes takes short prompts' tokens (at most that many pending) only
+        up to this many tokens in all, the rest of a prompt in the next steps: the step size a model runs fastest
+        (EngineConfig.max_mixed_step_tokens). A longer prompt is chunked by max_num_batched_tokens alone (cut
+        into many small chunks, it would re-read its growing context every chunk)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
                              f"({max_num_batched_tokens}) must be >= 1")
+        if mixed_step_tokens is not None and (isinstance(mixed_step_tokens, bool)
+                                              or not isinstance(mixed_step_tokens, int) or mixed_step_tokens < 1):
+            raise ValueError(f"mixed_step_tokens must be a positive integer or None, got {mixed_step_tokens!r}")
         self.blocks = blocks
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.mixed_step_tokens = mixed_step_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[tuple[Sequence, list[int]]] = []   # waiting for these blocks to come up from disk
@@ -158,18 +166,31 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         num_tokens: list[int] = []
+        i, running, bs = 0, self.running, self.blocks.block_size
+        # the room short prompts' chunks have in a step with decodes (mixed_step_tokens); None: no such limit
+        mixed, cap = None, self.mixed_step_tokens
+        if cap is not None:
+            decoding = sum(1 for s in running if s.num_computed + 1 == s.num_tokens)
+            if 0 < decoding < cap:
+                mixed = cap - decoding
         # 1. running sequences, oldest first; make room by preempting the newest (which leaves the
         #    end of `running`, so index i stays valid and preempted sequences are never visited)
-        i, running, bs = 0, self.running, self.blocks.block_size
         spec = self.speculator
         if spec is not None:
             spec.begin(len(running))
         while i < len(running) and budget > 0:
             s = running[i]
             # num_pending and blocks.missing inlined: this loop visits every running sequence every step
-            n = min(len(s.prompt_token_ids) + len(s.output_token_ids) - s.num_computed, budget)
+            pending = len(s.prompt_token_ids) + len(s.output_token_ids) - s.num_computed
+            n = min(pending, budget)
             if spec is not None and n == 1 and s.num_computed + 1 == s.num_tokens and s.output_token_ids:
                 n += self._drafts(s, budget - 1)   # a decode: its drafts ride after its token
+            elif mixed is not None and 1 < pending <= cap:   # a short prompt's chunk beside decodes
+                n = min(n, mixed)
+                if n <= 0:
+                    i += 1
+                    continue
+                mixed -= n
             # a decode inside its last block needs no block: no checks (block_ids is a chain spec's one table; a spec
             # of several streams leaves it empty and always asks the block manager)
             if -(-(s.num_computed + n) // bs) <= len(s.block_ids) or self._grow_or_preempt(s, n):
@@ -189,6 +210,13 @@ class Scheduler:
                 self.loading.append((self.waiting.popleft(), match.reading))
                 continue
             n = min(s.num_pending, budget)
+            if mixed is not None and s.num_pending <= cap:   # a short prompt beside decodes
+                n = min(n, mixed)
+                if n <= 0:
+                    self.blocks.free(s)  # hand prefix hits back while it waits
+                    s.num_computed = 0
+                    break
+                mixed -= n
             if not self.blocks.can_grow(s, n):
                 self.blocks.free(s)  # hand prefix hits back while it waits
                 s.num_computed = 0

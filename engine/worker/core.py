@@ -130,8 +130,12 @@ class EngineCore:
             if spec.method == "mtp":
                 self.drafter = self.family.drafter(self.loaded, self.kv, spec.num_speculative_tokens)
                 lookahead = spec.num_speculative_tokens - 1
+        mixed = cfg.max_mixed_step_tokens
+        if mixed is None:   # the step the model's fused path takes, where it has one
+            plan = self.model.decode_plan
+            mixed = plan.step_tokens() if plan is not None else None
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, speculator=speculator,
-                                   lookahead=lookahead)
+                                   lookahead=lookahead, mixed_step_tokens=mixed or None)
         self.auto = None
         if self._dbo_on() and cfg.dbo.enabled == "auto":
             from wideep.dbo.auto import AutoSwitch

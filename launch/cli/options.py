@@ -104,6 +104,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("engine.max_num_seqs", "most sequences in one step per rank (default 256)", spec=INT),
     Option("engine.max_num_batched_tokens", "most tokens in one step per rank (default 8192; serve on CPU: 2048)",
            spec=INT),
+    Option("engine.max_mixed_step_tokens", "a step with decodes takes short prompts' tokens up to this many tokens "
+           "in all (0: off; default: the fused CPU step's size, else off)", spec=INT),
     Option("engine.enable_prefix_caching", "reuse cached KV blocks of shared prompt prefixes (default on)",
            spec={"action": argparse.BooleanOptionalAction}),
     Option("engine.max_logprobs", "the most logprobs / prompt_logprobs a request may ask for (default 20)",
