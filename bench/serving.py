@@ -12,7 +12,7 @@ modes are saturated: tok/s = generated tokens / (last finish - first arrival), m
 Latency: continuous at --load x capacity: TTFT (arrival -> first token seen by the driver), TPOT
 ((finish - first token) / (tokens - 1)), p50/p99; goodput (DistServe) = requests/s meeting both SLOs,
 SLOs = 10 x the single-request TTFT and 5 x its TPOT (--ttft/tpot-slo-scale), measured and printed.
-    python bench/serving.py [--quick] [--lengths loguniform|uniform]
+    python bench/serving.py [--quick] [--lengths loguniform|uniform] [--dtype bfloat16]
 Last line: JSON with continuous_tok_s, static_tok_s, ratio, goodput_rps, ttft_p99_s, tpot_p99_s, ...
 """
 from __future__ import annotations
@@ -150,6 +150,7 @@ def main() -> None:
     ap.add_argument("--tpot-slo-scale", type=float, default=5.0, help="TPOT SLO = this x single-request TPOT")
     ap.add_argument("--rounds", type=int, help="interleaved continuous/static rounds (ratio: median)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steady on shared cores)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's dtype")
     a = ap.parse_args()
     import torch
 
@@ -165,7 +166,7 @@ def main() -> None:
         # Prefix caching off: both modes replay the same prompts, and the second must not find the
         # first's blocks cached.
         eng = Engine(d, progress=False, max_num_seqs=B, max_num_batched_tokens=512, kv_cache_blocks=4 * B * 6,
-                     enable_prefix_caching=False)
+                     enable_prefix_caching=False, dtype=a.dtype)
         base = workload(n, 0, a.lengths, plen)
         drive(eng, poisson(base[:B], math.inf, 0), "continuous", B, "warm")
         slo = slos(eng, plen, a.ttft_slo_scale, a.tpot_slo_scale, B)
@@ -210,9 +211,9 @@ def main() -> None:
         "throughput_rate_rps": round(rate, 3), "capacity_rps": cap["req_s"],
         "workload": {"requests": n, "prompt_len": list(plen), "max_tokens": [1, 64], "lengths": a.lengths,
                      "mean_max_tokens": round(sum(mt) / n, 1), "max_num_seqs": B, "rounds": rounds,
-                     "threads": a.threads, **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers",
+                     "threads": a.threads, "dtype": a.dtype, **{k: MODEL[k] for k in ("hidden_size", "num_hidden_layers",
                                                                    "n_routed_experts", "num_experts_per_tok")}}}
-    save("serving", out)
+    save("serving" + ("" if a.dtype == "float32" else "_bf16"), out)
     print(json.dumps(out), flush=True)
 
 

@@ -285,11 +285,12 @@ ROWS = (
             lambda r: (f"bytes per sequence at 128k: V4-Flash {n(r['v4_flash_kv_bytes_128k'] / 2**20)} MiB, V4-Pro "
                        f"{n(r['v4_pro_kv_bytes_128k'] / 2**20)} MiB, V3.2 {n(r['v32_kv_bytes_128k'] / 2**20)} MiB; "
                        f"pools equal the dense streams: {'yes' if r['measured']['paged_equals_dense'] else 'NO'}")),)),
-    Row("continuous vs static batching", "3×", (
-        Run("serving", "python bench/serving.py",
+    Row("continuous vs static batching", "3×", tuple(
+        Run(name, "python bench/serving.py" + flag,
             lambda r: (f"{n(r['ratio'])}× throughput, {n(r['step_ratio'])}× fewer steps "
                        f"({r['workload']['requests']} requests, rounds: {r['workload']['rounds']})"),
-            lambda r: [r["ratio"] >= 3]),)),
+            lambda r: [r["ratio"] >= 3], tag=tag)
+        for name, flag, tag in (("serving", "", "float32"), ("serving_bf16", " --dtype bfloat16", "bfloat16")))),
     Row("prefill/decode disaggregation", "≤ 0.5×", (
         Run("disagg", "python bench/disagg.py", _disagg, lambda r: [r["tpot_p99_ratio"] <= 0.5], tag="default"),
         Run("disagg_quick", "python bench/disagg.py --quick", _disagg, lambda r: [r["tpot_p99_ratio"] <= 0.5],
