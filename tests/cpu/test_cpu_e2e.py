@@ -50,19 +50,18 @@ def test_cpu_backends_match_torch(tmp_path, monkeypatch):
     assert llm.model.backends == {"experts": "cpu", "fp8_weights": False, "attention": "cpu", "kernels": "cpu",
                                   "decode": "stack"}
     plan = llm.engine.metrics()["decode_plan"]
-    assert plan["steps"] == {"stack": 4, "layers": 0, "mlp_halves": 1, "ops": 0}
-    assert plan["declined"]["not_all_decode"] == 1 and sum(plan["declined"].values()) == 1
-    # prefill (one step, 13 tokens): the MoE layer ran its whole MoE half (router, routed and shared
-    # experts, residual) as one C call (13 rows are under cpu.linear.MAX_ROWS); 4 decode steps: both
-    # layers, attention and MoE or dense MLP halves, as one C call a step
-    assert calls["decode_stack"] == 4 and calls["moe_layer"] == 1 and calls["experts"] == 0
+    assert plan["steps"] == {"stack": 5, "layers": 0, "mlp_halves": 0, "ops": 0}
+    assert sum(plan["declined"].values()) == 0
+    # prefill (one step, 13 tokens: every query on the paged kernel, attention_mla/mla.py PAGED_STEP_TOKENS) and 4
+    # decode steps: both layers, attention and MoE or dense MLP halves, as one C call a step
+    assert calls["decode_stack"] == 5 and calls["moe_layer"] == 0 and calls["experts"] == 0
     assert calls["mla_layer"] == 0 and calls["mla_decode"] == 0 and calls["linear"] > 0
-    # the same engine with the whole-step call off: every decode step's attention halves one call each
+    # the same engine with the whole-step call off: every step's attention halves one call each (the prefill too)
     calls.update({n: 0 for n in calls})
     llm.model.decode_plan.fuse_stack = False
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=5, logprobs=3, ignore_eos=True))
-    assert calls["decode_stack"] == 0 and calls["moe_layer"] == 5 and calls["mla_layer"] == 2 * 4
-    assert llm.model.backends["decode"] == "layers" and llm.model.decode_plan.stack_declined["disabled"] == 4
+    assert calls["decode_stack"] == 0 and calls["moe_layer"] == 5 and calls["mla_layer"] == 2 * 5
+    assert llm.model.backends["decode"] == "layers" and llm.model.decode_plan.stack_declined["disabled"] == 5
     for o, (toks, lps) in zip(outs, got):   # (bit-equality per step: tests/engine/test_fused_decode.py; here the
         assert o.outputs[0].token_ids == toks   # prompts now hit the prefix cache, so the prefills differ)
         for a, b in zip(o.outputs[0].logprobs, lps):

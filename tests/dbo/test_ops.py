@@ -76,10 +76,10 @@ def test_a_stray_value_in_the_models_operations_is_reported_at_the_layer_end(mod
     def run(op_list):
         return run_sequential(op_list, OpState(Microbatch(0, ids, meta, kv.pools, StepPlan(3),
                                                           model.dispatcher))).result("hidden")
-    # forward runs the decode plan's operations (a small prefill: its MoE and MLP halves fused into one C
-    # call each, with their own kernel for the shared experts' SiLU: equal to float32 rounding)
+    # forward runs the decode plan's operations (a small prefill: every query on the paged kernel, the whole step
+    # one C call, with its own kernel for the shared experts' SiLU: equal to float32 rounding)
     plan_ops = model.decode_plan.ops_for(s.inputs)
-    assert model.backends["decode"] == "mlp_halves"
+    assert model.backends["decode"] == "stack"
     assert torch.equal(run(plan_ops), model(ids, meta, kv.pools, StepPlan(3)))
     torch.testing.assert_close(run(model.step_ops), run(plan_ops), rtol=1e-5, atol=1e-5)
 
