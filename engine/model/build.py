@@ -31,10 +31,13 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 QUANTIZATION = ("auto", "fp8", "fp4", "none")
+# quantization "fp8" on an unquantised checkpoint: its projections and experts quantised at load in DeepSeek's tiles
+ONLINE_FP8_BLOCK = (128, 128)
 
 
-def _apply_quantization(quantization: str, experts: ExpertsChoice, fp8_block) -> ExpertsChoice:
-    """The experts choice with keep_fp8 as `quantization` asks (load_model's docstring says what each means)."""
+def _apply_quantization(quantization: str, experts: ExpertsChoice, fp8_block, online: bool = False) -> ExpertsChoice:
+    """The experts choice with keep_fp8 as `quantization` asks (load_model's docstring says what each means).
+    online: the checkpoint is unquantised and "fp8" quantises it at load (fp8_block: ONLINE_FP8_BLOCK)."""
     if quantization not in QUANTIZATION:
         raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATION}")
     if quantization == "fp4":
@@ -47,9 +50,9 @@ def _apply_quantization(quantization: str, experts: ExpertsChoice, fp8_block) ->
             raise ValueError("quantization 'fp8' keeps an fp8 checkpoint's weights as stored, but the checkpoint has "
                              "no quantization_config with quant_method 'fp8'")
         if not experts.keep_fp8:
-            raise ValueError(f"quantization 'fp8': the experts backend {experts.backend!r} computes on dequantised "
-                             f"weights (fp8 is kept by cpu, triton and deepgemm; the block along K, "
-                             f"{fp8_block[1]}, must be a multiple of 16)")
+            raise ValueError(f"quantization 'fp8'{' (quantised at load)' if online else ''}: the experts backend "
+                             f"{experts.backend!r} computes on dequantised weights (fp8 is kept by cpu, triton and "
+                             f"deepgemm; the block along K, {fp8_block[1]}, must be a multiple of 16)")
     return experts
 
 

@@ -41,7 +41,10 @@ def load_model(model_dir: str, dtype: torch.dtype = torch.float32, device: str |
 
     quantization (QUANTIZATION; what an fp8 checkpoint's weights are in memory, docs/kernels.md): "auto" keeps
     them fp8 where the experts backend computes on fp8 (cpu, triton, deepgemm) and dequantises them at load
-    into `dtype` elsewhere; "fp8" keeps them fp8 or raises saying why it cannot; "none" dequantises at load
+    into `dtype` elsewhere; "fp8" keeps them fp8 or raises saying why it cannot, and quantises an unquantised
+    (bfloat16 / float32) checkpoint at load into that format (vLLM's online FP8: the projections DeepSeek's fp8
+    checkpoints quantise and the routed and shared experts, e4m3 in 128 x 128 tiles with a float32 scale each;
+    kv_b_proj, the router, norms, embeddings and head stay in `dtype`); "none" dequantises at load
     whatever the backend (the float32 / bfloat16 model of the same weights). The checkpoint's
     quantization_config says whether it is fp8 (vLLM's and SGLang's `quantization` detect it the same way).
     DeepSeek-V4 (engine/model/v4_family.py): its FP8 linears are dequantised at load; its FP4 routed experts stay

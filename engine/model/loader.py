@@ -301,3 +301,56 @@ def load_weights(reader: CheckpointReader, targets: dict[str, torch.Tensor], *,
         log.info("skipping %d tensors that are not the text model's (e.g. %s)", len(reader.other), reader.other[0])
     return LoadReport(loaded=len(targets), bytes_loaded=nbytes, skipped_mtp=len(mtp), ignored=len(ignored),
                       other_modalities=len(reader.other))
+
+
+class OnlineFp8Reader:
+    """A CheckpointReader of an unquantised (bfloat16 / float32) checkpoint read as DeepSeek's FP8 format
+    (quantization "fp8" on such a checkpoint, vLLM's online FP8): every weight in `fp8_names` (the model's fp8
+    targets) comes out as e4m3 in block x block tiles (moe/fp8.py quantize_fp8_block, the format DeepSeek-V3
+    publishes) and its `<name>_scale_inv` beside it, computed from the stored tensor when asked (one weight
+    quantised at a time: the loader asks for a weight and then its scale, both in its shard's turn). Every other
+    tensor, and every other question, goes to the wrapped reader."""
+
+    def __init__(self, reader: CheckpointReader, fp8_names: set[str], block: tuple[int, int]):
+        missing = sorted(n for n in fp8_names if n not in reader.names)
+        if missing:   # load_weights names them; nothing to quantise from
+            fp8_names = set(fp8_names) - set(missing)
+        self._r, self._fp8, self.block_size = reader, frozenset(fp8_names), block
+        self.names = reader.names | frozenset(n + SCALE_SUFFIX for n in self._fp8)
+        self._last: tuple[str, torch.Tensor, torch.Tensor] | None = None
+
+    def __getattr__(self, name: str):   # model_dir, other, is_fp4, ...
+        return getattr(self._r, name)
+
+    def _weight(self, name: str) -> str | None:
+        """The fp8 weight whose scale `name` is, or None."""
+        w = name[:-len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+        return w if w in self._fp8 else None
+
+    def file_of(self, name: str) -> str:
+        return self._r.file_of(self._weight(name) or name)
+
+    def shape(self, name: str, packed: bool = False) -> tuple[int, ...]:
+        w = self._weight(name)
+        if w is None:
+            return self._r.shape(name, packed)
+        rows, cols = self._r.shape(w)
+        return -(-rows // self.block_size[0]), -(-cols // self.block_size[1])
+
+    def _quantised(self, w: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._last is None or self._last[0] != w:
+            from wideep.moe.fp8 import quantize_fp8_block
+            t = self._r.get(w, torch.float32)
+            if t.dim() != 2:
+                raise CheckpointError(f"quantization 'fp8' quantises 2-D weights in blocks, but {w!r} has shape "
+                                      f"{tuple(t.shape)}")
+            self._last = (w, *quantize_fp8_block(t, self.block_size))
+        return self._last[1], self._last[2]
+
+    def get(self, name: str, dtype: torch.dtype, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+        w = self._weight(name)
+        if w is not None:
+            return self._quantised(w)[1].to(dtype)
+        if name in self._fp8 and dtype == FP8_DTYPE:
+            return self._quantised(name)[0]
+        return self._r.get(name, dtype, block_size)

@@ -16,11 +16,12 @@ from wideep.attention_mla.paged_decode import resolve_attention_backend
 from wideep.kvstore.identity import model_identity
 from wideep.layers import NATIVE, Kernels
 from wideep.moe.backend import ExpertsChoice, resolve_experts_backend
+from wideep.moe.fp8 import FP8_DTYPE
 
-from .build import (_apply_quantization, _dtype_name, _unquantised_as_plain, expert_slots, make_model_dispatcher,
-                    parse_dtype)
+from .build import (ONLINE_FP8_BLOCK, _apply_quantization, _dtype_name, _unquantised_as_plain, expert_slots,
+                    make_model_dispatcher, parse_dtype)
 from .family import ExpertGroup, Loaded, ModelFamily
-from .loader import CheckpointReader, expert_ignore, load_weights, text_model_rename
+from .loader import CheckpointReader, OnlineFp8Reader, expert_ignore, load_weights, text_model_rename
 from .mla_cache import LatentCache
 from .model import DeepseekModel, expert_targets
 
@@ -55,10 +56,13 @@ class MLAFamily(ModelFamily):
             raise ValueError(f"speculative draft_dtype {_dtype_name(mtp_dtype)!r} beside a {_dtype_name(dtype)} model: "
                              f"the MTP layer's weights can be bfloat16 beside a float32 model, else the model's dtype")
         fp8_block = cfg.quant.weight_block_size if cfg.quant is not None else None
+        online = quantization == "fp8" and fp8_block is None   # an unquantised checkpoint quantised at load
+        if online:
+            fp8_block = ONLINE_FP8_BLOCK
         experts = (resolve_experts_backend(experts_backend, device, dtype, fp8_block, cfg.hidden_size,
                                            cfg.moe.moe_intermediate_size) if cfg.moe is not None
                    else ExpertsChoice("grouped", keep_fp8=False))
-        experts = _apply_quantization(quantization, experts, fp8_block)
+        experts = _apply_quantization(quantization, experts, fp8_block, online)
         attention = resolve_attention_backend(attention_backend, device, dtype)
         shard = placement = None
         if cfg.moe is not None:
@@ -75,13 +79,15 @@ class MLAFamily(ModelFamily):
                               fp8_block=fp8_block if experts.keep_fp8 else None, experts=experts, attention=attention,
                               kv_cache_dtype=kv_cache_dtype, kernels=kernels, decode_plan=plan, placement=placement)
         reader = self.reader(model_dir)
-        if experts.keep_fp8:
+        if experts.keep_fp8 and not online:   # online: every projection the fp8 format quantises is fp8
             _unquantised_as_plain(model, reader.names, kernels.linear, dtype)
         targets = model.checkpoint_targets()
         draft = None
         if mtp:   # the MTP layer as speculative decoding's drafter (engine/model/mtp.py)
-            draft = self._mtp_layer(model, reader, model_dir, mtp_dtype, kernels, attention, experts)
+            draft = self._mtp_layer(model, reader, model_dir, mtp_dtype, kernels, attention, experts, online)
             targets.update(draft.checkpoint_targets())
+        if online:
+            reader = OnlineFp8Reader(reader, {n for n, t in targets.items() if t.dtype == FP8_DTYPE}, fp8_block)
         model.loaded(load_weights(reader, targets, ignore=expert_ignore(model.owns_expert),
                                   num_hidden_layers=cfg.num_hidden_layers, progress=progress))
         model.copy_local_replicas()
@@ -94,7 +100,8 @@ class MLAFamily(ModelFamily):
             model.in_huge_pages(collapse_module(model) + (collapse_module(draft) if draft is not None else 0))
         return Loaded(model.eval(), draft)
 
-    def _mtp_layer(self, model, reader, model_dir: str, mtp_dtype, kernels, attention: str, experts):
+    def _mtp_layer(self, model, reader, model_dir: str, mtp_dtype, kernels, attention: str, experts,
+                   online: bool = False):
         cfg = self.cfg
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError(f"speculative method 'mtp' needs the checkpoint's MTP layer, but {model_dir!r} has "
@@ -111,7 +118,7 @@ class MLAFamily(ModelFamily):
                              f"({_dtype_name(model.dtype)}); leave draft_dtype out")
         from .mtp import MTPLayer, mtp_layer_is_moe
         draft = MTPLayer(model, mtp_layer_is_moe(cfg, reader.names, model_dir), dtype=mtp_dtype)
-        if experts.keep_fp8:
+        if experts.keep_fp8 and not online:
             _unquantised_as_plain(draft.layer, reader.names, kernels.linear, mtp_dtype or model.dtype,
                                   prefix=f"model.layers.{draft.index}.")
         return draft
@@ -141,6 +148,8 @@ class MLAFamily(ModelFamily):
             # with the model dtype its RoPE part is stored in
             fp8 = kv.fp8
             dtype = str(pools[0].dtype) if fp8 is None else f"{kv.kv_cache_dtype}+rope:{fp8.rope_dtype}"
+            if cfg.quantization == "fp8" and self.cfg.quant is None:   # weights quantised at load: other latents
+                dtype += "+weights:fp8"
             identities = {"latent": model_identity(cfg.model, dtype, cfg.block_size,
                                                    [(cfg.block_size, p.shape[1]) for p in pools])}
         return TieredStore(cfg.kv_cache, kv.spec, kv.stream_pools(), identities, prefer=prefer, log=log)
