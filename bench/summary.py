@@ -207,6 +207,16 @@ def _spec_checks(r: dict) -> list[bool]:
     return [t["ngram"]["met_1p5x_at_70pct"], t["mtp"]["met_1p5x_at_70pct"], t["ngram"]["met_within_5pct_when_rejected"],
             t["mtp"]["met_within_5pct_when_rejected"]]
 
+def _shapes(r: dict) -> str:
+    d = {x["batch"]: x for x in r["decode"]}
+    fp8 = f", {n(r['fp8_bytes_per_param'])} bytes per fp8 weight" if r.get("fp8_bytes_per_param") else ""
+    return (f"{r['like']} × {r['layers']} layers ({r['quantization']}): decode "
+            + ", ".join(f"{n(x['tok_s'])} tok/s at {b}" for b, x in d.items())
+            + f", **{n(r['decode_bandwidth_fraction'])}** of {n(r['decode'][0]['ceiling_gbs'])} GB/s at batch 1; "
+            f"load {n(r['load']['load_s'])} s ({n(r['load']['gbs'])} GB/s), peak RSS {n(r['load_peak_rss_ratio'])}× "
+            f"after{fp8}; prefill {n(r['prefill']['tok_s'])} tok/s at {r['prefill']['tokens']}")
+
+
 ROWS = (
     Row("decode vs transformers", "roofline ≥ 0.7 / 0 prefix-cache hits", (
         Run("decode_vs_hf", "python bench/decode_vs_hf.py --trials 3", _decode,
@@ -300,6 +310,10 @@ ROWS = (
             lambda r: (f"decode step {n(r['decode_step_ms_plan_on'])} ms with the fused attention halves vs "
                        f"{n(r['decode_step_ms_plan_off'])} ms op by op ({n(r['on_over_off'])}×; "
                        f"{r['rounds']} interleaved rounds); outputs equal: {'yes' if r['outputs_equal'] else 'NO'}")),)),
+    Row("published shapes, random weights", "decode ≥ 0.7 of read bandwidth / load peak RSS ≤ 1.15× / load ≥ 1 GB/s", (
+        Run("shapes_quick", "python bench/shapes.py --quick", _shapes,
+            lambda r: [r["decode_bandwidth_fraction"] >= 0.7, r["load_peak_rss_ratio"] <= 1.15,
+                       r["load"]["gbs"] >= 1.0]),)),
     Row("EP scaling", "baseline", (
         Run("ep_scaling", "python bench/ep_scaling.py",
             lambda r: f"ep {' / '.join(r['ep'])}: {' / '.join(n(v['tok_s']) for v in r['ep'].values())} tok/s "
