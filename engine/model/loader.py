@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from wideep.moe.fp4 import PACKED_DTYPES, dequantize_fp4, scale_to_e8m0, scale_to_float
@@ -111,6 +110,80 @@ def v4_mtp_blocks(names, num_nextn_predict_layers: int) -> int:
     return len(ks)
 
 
+# safetensors' dtype names -> torch's
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                      "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
+
+
+class SafetensorsFile:
+    """One .safetensors file read with pread, a tensor at a time into memory of its own: the file is never mapped
+    into the process, so loading a checkpoint adds to the resident set only what the model keeps (a mapped file's
+    pages count in it while they are touched: a peak of the checkpoint's size). keys / get_slice(name).get_shape()
+    / .get_dtype() / get_tensor(name): safetensors' safe_open calls that CheckpointReader makes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path!r} is not a safetensors file (shorter than its 8-byte header size)")
+            n = int.from_bytes(head, "little")
+            size = os.fstat(f.fileno()).st_size
+            if n > size - 8:
+                raise CheckpointError(f"{path!r} is not a safetensors file (header of {n} bytes in {size})")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{path!r} has an unreadable safetensors header: {e}") from None
+        header.pop("__metadata__", None)
+        self._base, self._size, self._header = 8 + n, size, header
+        for name, info in header.items():
+            lo, hi = info["data_offsets"]
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{path!r}: tensor {name!r} has dtype {info['dtype']!r}, which wideep does "
+                                      f"not read")
+            if not 0 <= lo <= hi or self._base + hi > size:
+                raise CheckpointError(f"{path!r}: tensor {name!r} lies past the end of the file ({size} bytes)")
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __del__(self):
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def get_slice(self, name: str) -> "_Slice":
+        return _Slice(self._header[name])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        info = self._header[name]
+        lo, hi = info["data_offsets"]
+        dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        view, done = memoryview(buf.numpy()), 0
+        while done < hi - lo:   # pread may return less than asked: go on from there
+            got = os.preadv(self._fd, [view[done:]], self._base + lo + done)
+            if got <= 0:
+                raise CheckpointError(f"{self.path!r}: tensor {name!r} ends early (read {done} of {hi - lo} bytes)")
+            done += got
+        return buf.view(dtype).view(shape) if hi > lo else torch.empty(shape, dtype=dtype)
+
+
+class _Slice:
+    def __init__(self, info: dict):
+        self._info = info
+
+    def get_shape(self) -> list[int]:
+        return list(self._info["shape"])
+
+    def get_dtype(self) -> str:
+        return self._info["dtype"]
+
+
 class CheckpointReader:
     """Lazy, memory-mapped view of `model.safetensors` or a sharded `model.safetensors.index.json`.
 
@@ -175,7 +248,7 @@ class CheckpointReader:
 
     def _handle(self, file: str):
         if file not in self._handles:
-            self._handles[file] = safe_open(os.path.join(self.model_dir, file), framework="pt")
+            self._handles[file] = SafetensorsFile(os.path.join(self.model_dir, file))
         return self._handles[file]
 
     def file_of(self, name: str) -> str:

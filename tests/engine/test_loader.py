@@ -190,3 +190,46 @@ def test_index_pointing_to_missing_shard(tmp_path):
     (tmp_path / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"'b'.*model-00002-of-00002\.safetensors.*does not exist"):
         CheckpointReader(str(tmp_path))
+
+
+def test_every_stored_dtype_reads_back_exactly_without_mapping_the_file(tmp_path):
+    """SafetensorsFile (pread into memory of its own, never a mapping: a loaded checkpoint adds to the resident set
+    only what the model keeps) reads what safetensors wrote, bit for bit, in every dtype a checkpoint holds."""
+    from wideep.engine.model.loader import SafetensorsFile
+    g = torch.Generator().manual_seed(5)
+    tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(4, 7, generator=g).bfloat16(),
+               "f16": torch.randn(2, 3, generator=g).half(), "f64": torch.randn(3, generator=g).double(),
+               "fp8": torch.randn(6, 4, generator=g).to(torch.float8_e4m3fn),
+               "e8m0": torch.rand(5, 2, generator=g).to(torch.float8_e8m0fnu),
+               "i8": torch.randint(-128, 127, (9,), dtype=torch.int8, generator=g),
+               "u8": torch.randint(0, 255, (3, 3), dtype=torch.uint8, generator=g),
+               "i32": torch.arange(7, dtype=torch.int32), "i64": torch.arange(5), "b": torch.tensor([True, False]),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path, metadata=META)
+    f = SafetensorsFile(path)
+    assert sorted(f.keys()) == sorted(tensors)
+    for name, t in tensors.items():
+        got = f.get_tensor(name)
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert torch.equal(got.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.bool else got,
+                           t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.bool else t), name
+        assert f.get_slice(name).get_shape() == list(t.shape)
+    maps = open("/proc/self/maps").read()
+    assert path not in maps
+
+
+def test_a_damaged_safetensors_file_is_named(tmp_path):
+    from wideep.engine.model.loader import SafetensorsFile
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(64, 64)}, str(path), metadata=META)
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])                  # cut short: the tensor lies past the end
+    with pytest.raises(CheckpointError, match=r"tensor 'w' lies past the end of the file"):
+        SafetensorsFile(str(path))
+    path.write_bytes(b"\x05\x00")
+    with pytest.raises(CheckpointError, match="is not a safetensors file"):
+        SafetensorsFile(str(path))
+    path.write_bytes((10).to_bytes(8, "little") + b"{not json}")
+    with pytest.raises(CheckpointError, match="unreadable safetensors header"):
+        SafetensorsFile(str(path))
