@@ -21,20 +21,30 @@ def _check_block(block: tuple[int, int]) -> tuple[int, int]:
     return int(block[0]), int(block[1])
 
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [rows, cols] -> (q [rows, cols] float8_e4m3fn, scale_inv [ceil(rows/br), ceil(cols/bc)] fp32)."""
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (128, 128),
+                       scratch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] -> (q [rows, cols] float8_e4m3fn, scale_inv [ceil(rows/br), ceil(cols/bc)] fp32): each tile's
+    scale its absolute maximum / 448 (at least 1e-12 / 448), q = w / scale clamped to +-448, rounded to e4m3.
+    scratch: w is a float32 tensor the caller gives up (its values are overwritten): no copy of it is made."""
     br, bc = _check_block(block)
     if w.dim() != 2:
         raise ValueError(f"FP8 block quantisation takes a 2-D weight, got shape {tuple(w.shape)}")
     rows, cols = w.shape
     nr, nc = -(-rows // br), -(-cols // bc)
-    padded = w.new_zeros(nr * br, nc * bc, dtype=torch.float32)
-    padded[:rows, :cols] = w.float()
+    if rows % br or cols % bc:   # partial edge tiles: zeros around them (they change no tile's maximum)
+        padded = w.new_zeros(nr * br, nc * bc, dtype=torch.float32)
+        padded[:rows, :cols] = w
+    elif scratch and w.dtype == torch.float32 and w.is_contiguous():
+        padded = w
+    else:
+        padded = w.to(torch.float32, copy=True).contiguous()
     tiles = padded.view(nr, br, nc, bc)
-    amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [nr, nc]
+    # max |x| = max(max x, -min x): two reads, no |x| written
+    amax = torch.maximum(tiles.amax(dim=(1, 3)), tiles.amin(dim=(1, 3)).neg_()).clamp_(min=1e-12)  # [nr, nc]
     scale_inv = amax / FP8_MAX
-    q = (tiles / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(nr * br, nc * bc)[:rows, :cols].contiguous(), scale_inv.contiguous()
+    q = tiles.div_(scale_inv[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.view(nr * br, nc * bc)
+    return (q if q.shape == (rows, cols) else q[:rows, :cols].contiguous()), scale_inv.contiguous()
 
 
 def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128),

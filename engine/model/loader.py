@@ -417,7 +417,7 @@ class OnlineFp8Reader:
             if t.dim() != 2:
                 raise CheckpointError(f"quantization 'fp8' quantises 2-D weights in blocks, but {w!r} has shape "
                                       f"{tuple(t.shape)}")
-            self._last = (w, *quantize_fp8_block(t, self.block_size))
+            self._last = (w, *quantize_fp8_block(t, self.block_size, scratch=True))   # t: a fresh tensor of ours
         return self._last[1], self._last[2]
 
     def get(self, name: str, dtype: torch.dtype, block_size: tuple[int, int] | None = None) -> torch.Tensor:
