@@ -70,13 +70,26 @@ def _load_child(model_dir: str, dtype: str, quantization: str) -> None:
     tensors = dict(model.named_parameters())
     tensors.update(model.named_buffers())
     n8 = sum(t.numel() for t in tensors.values() if t.dtype == FP8_DTYPE)
+    experts = {n: t for n, t in tensors.items() if ".experts." in n}
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    logical = 0   # the routed experts' weights as the checkpoint's config counts them: E x 3 x H x I per MoE layer
+    if experts:
+        import re
+        layers = {int(m.group(1)) for m in (re.search(r"layers\.(\d+)\.", n) for n in experts) if m}
+        logical = (len(layers) * cfg["n_routed_experts"] * 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"])
     scales = sum(t.numel() * t.element_size() for n, t in tensors.items() if n.endswith("scale_inv"))
     print(json.dumps({"load_s": round(load_s, 2), "rss_before_mb": round(before["VmRSS"] / 1024, 1),
                       "rss_after_mb": round(after["VmRSS"] / 1024, 1), "peak_rss_mb": round(after["VmHWM"] / 1024, 1),
                       "params": sum(t.numel() for t in tensors.values()),
                       "param_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
                       "fp8_params": n8, "fp8_bytes": n8 + scales,
+                      "routed_expert_params": logical,
+                      "routed_expert_bytes": sum(t.numel() * t.element_size() for t in experts.values()),
                       "backends": {k: v for k, v in model.backends.items() if isinstance(v, (str, bool, int))}}))
+
+
+def _per(load: dict, nbytes: str, count: str) -> float | None:
+    return round(load[nbytes] / load[count], 4) if load[count] else None
 
 
 def _checkpoint_bytes(d: str) -> int:
@@ -116,6 +129,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16, help="tokens generated per request in the decode runs")
     ap.add_argument("--prefill", type=int, default=2048, help="prompt tokens of the one-chunk prefill")
     ap.add_argument("--dir", help="an existing make-shaped checkpoint (not written again)")
+    ap.add_argument("--ceiling-gib", type=float, default=1.0, help="size of each read-ceiling buffer (three of them)")
+    ap.add_argument("--load-only", action="store_true", help="the load figures only (no engine: DeepSeek-V4)")
     ap.add_argument("--load-child", nargs=3, metavar=("DIR", "DTYPE", "QUANT"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.load_child:
@@ -147,12 +162,20 @@ def main() -> None:
         load = json.loads(r.stdout.strip().splitlines()[-1])
         load["gbs"] = round(nbytes / load["load_s"] / 1e9, 2)
         log(f"load: {load}")
+        if a.load_only:
+            out = {"like": a.like, "layers": cfg["num_hidden_layers"], "dtype": a.dtype, "quantization": a.quantization,
+                   "checkpoint": {"bytes": nbytes, "write_s": write_s}, "load": load,
+                   "load_peak_rss_ratio": round(load["peak_rss_mb"] / load["rss_after_mb"], 3),
+                   "routed_expert_bytes_per_param": _per(load, "routed_expert_bytes", "routed_expert_params")}
+            save(f"shapes_load_{a.like.removeprefix('deepseek-')}_{a.layers}", out)
+            print(json.dumps(out), flush=True)
+            return
         mem_before = _mem_available()
         llm = LLM(d, dtype=a.dtype, quantization=a.quantization, progress=False, enable_prefix_caching=False,
                   max_num_seqs=max(batches), max_num_batched_tokens=max(a.prefill, 64))
         meter = DecodeMeter(llm)
         from wideep.cpu.huge_pages import collapse
-        x, xh = torch.rand(GIB // 4), torch.rand(GIB // 4)
+        x, xh = torch.rand(int(a.ceiling_gib * GIB) // 4), torch.rand(int(a.ceiling_gib * GIB) // 4)
         y = torch.empty_like(x)
         collapse([xh])
         decode = []
@@ -179,10 +202,12 @@ def main() -> None:
     out = {"like": a.like, "layers": cfg["num_hidden_layers"], "dtype": a.dtype, "quantization": a.quantization,
            "threads": 1, "checkpoint": {"bytes": nbytes, "write_s": write_s, "warm_read_s": round(warm_s, 1)},
            "load": load, "load_peak_rss_ratio": round(load["peak_rss_mb"] / load["rss_after_mb"], 3),
-           "fp8_bytes_per_param": round(load["fp8_bytes"] / load["fp8_params"], 4) if load["fp8_params"] else None,
+           "fp8_bytes_per_param": _per(load, "fp8_bytes", "fp8_params"),
+           "routed_expert_bytes_per_param": _per(load, "routed_expert_bytes", "routed_expert_params"),
            "decode": decode, "decode_bandwidth_fraction": decode[0]["fraction"], "prefill": prefill, "kv": kv,
            "mem_available_before_engine_gb": round(mem_before / 1e9, 2)}
-    save("shapes" + ("_quick" if a.quick else ""), out)
+    save("shapes" + ("_quick" if a.quick else "" if a.like == "deepseek-v2-lite" and a.layers == 4
+                     else f"_{a.like.removeprefix('deepseek-')}_{a.layers}"), out)
     print(json.dumps(out), flush=True)
 
 
