@@ -45,13 +45,14 @@ def fp8_dir(tmp_path_factory):
     return _quantise(d)
 
 
-def _quantise(d: str) -> str:
-    """The checkpoint in d (one model.safetensors) rewritten in DeepSeek-V3's fp8 format, 128 x 128 blocks."""
+def _quantise(d: str, keep=lambda name: False) -> str:
+    """The checkpoint in d (one model.safetensors) rewritten in DeepSeek-V3's fp8 format, 128 x 128 blocks (a weight
+    that keep(name) names stays unquantised)."""
     from safetensors.torch import load_file, save_file
     path = os.path.join(d, "model.safetensors")
     out = {}
     for name, t in load_file(path).items():
-        if _quantised(name, t):
+        if _quantised(name, t) and not keep(name):
             out[name], out[name + "_scale_inv"] = quantize_fp8_block(t, (128, 128))
         else:
             out[name] = t

@@ -4,8 +4,6 @@ into an fp8 checkpoint (kv_b_proj left unquantised, as the online path keeps it)
 bit-equal, the same tokens and logprobs; one byte a weight plus a float32 scale per 128 x 128 tile; errors."""
 from __future__ import annotations
 
-import json
-import os
 import shutil
 
 import pytest
@@ -16,8 +14,9 @@ pytest.importorskip("transformers")
 from wideep.cpu.build import unusable  # noqa: E402
 from wideep.engine import LLM, SamplingParams  # noqa: E402
 from wideep.engine.model.families import load_model  # noqa: E402
-from wideep.moe.fp8 import FP8_DTYPE, quantize_fp8_block  # noqa: E402
+from wideep.moe.fp8 import FP8_DTYPE  # noqa: E402
 from wideep.moe.fp8_linear import Fp8Linear  # noqa: E402
+from tests.cpu.test_fp8_e2e import _quantise  # noqa: E402
 from tests.oracle import make_hf_model  # noqa: E402
 
 if unusable() is not None:
@@ -34,20 +33,7 @@ def dirs(tmp_path_factory):
                   kv_lora_rank=160, q_lora_rank=136, num_attention_heads=4)
     fp8 = str(tmp_path_factory.mktemp("fp8"))
     shutil.copytree(plain, fp8, dirs_exist_ok=True)
-    from safetensors.torch import load_file, save_file
-    path = os.path.join(fp8, "model.safetensors")
-    out = {}
-    for name, t in load_file(path).items():
-        if (t.dim() == 2 and name.endswith(".weight") and "layernorm" not in name and "embed" not in name
-                and "lm_head" not in name and not name.endswith("mlp.gate.weight") and "kv_b_proj" not in name):
-            out[name], out[name + "_scale_inv"] = quantize_fp8_block(t, (128, 128))
-        else:
-            out[name] = t
-    save_file(out, path, metadata={"format": "pt"})
-    cfg = json.load(open(os.path.join(fp8, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                  "weight_block_size": [128, 128]}
-    json.dump(cfg, open(os.path.join(fp8, "config.json"), "w"))
+    _quantise(fp8, keep=lambda name: "kv_b_proj" in name)
     return plain, fp8
 
 
