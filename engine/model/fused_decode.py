@@ -289,8 +289,11 @@ class DecodePlan:
     def step_tokens(self) -> int | None:
         """The most tokens a step of short prompts and decodes may hold and still run fused (the scheduler's
         mixed_step_tokens by default): the paged kernel's step size on the cpu backend within the dtype's row
-        limit; None when the attention pages decodes only (another backend, a forced form)."""
+        limit; None when the attention pages decodes only (another backend, a forced form) or the plan never fuses
+        a step (DSA's sparse attention, a packed fp8 / fp4 latent cache)."""
         attn = self.model.model.layers[0].self_attn
+        if self.model.cfg.dsa is not None or any(a.self_attn.kv_fp8 is not None for a in self.model.model.layers):
+            return None
         n = min(attn.paged_chunk(PAGED_STEP_TOKENS), builtin_max_rows(attn.o_proj.weight.dtype))
         return n if n > 1 else None
 

@@ -93,6 +93,7 @@ def test_a_bad_mixed_step_size_is_named(bad):
 
 
 def test_the_default_is_the_fused_cpu_steps_size(tmp_path):
+    """64 on the cpu backend; off on the torch one, where the option says 0, and where the plan never fuses a step."""
     from wideep.cpu.build import unusable
     from wideep.engine import LLM
     from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
@@ -106,3 +107,5 @@ def test_the_default_is_the_fused_cpu_steps_size(tmp_path):
         set_ = LLM(d, dtype="float32", progress=False, attention_backend="cpu", experts_backend="cpu",
                    max_mixed_step_tokens=0)
         assert set_.engine.core.scheduler.mixed_step_tokens is None
+        fp8_cache = LLM(d, dtype="float32", progress=False, attention_backend="cpu", kv_cache_dtype="fp8")
+        assert fp8_cache.engine.core.scheduler.mixed_step_tokens is None   # the plan never fuses such steps
