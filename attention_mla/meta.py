@@ -92,12 +92,10 @@ class AttnMeta:
             return self.seq_tables(seqs)
         key = ("token_tables", tuple(seqs))
         if key not in self._cache:
-            ctx = self.ctx_lens
-            owner = [i for i, b in enumerate(seqs) for _ in range(qlens[b])]
+            ctx, bt = self.ctx_lens, self.block_table
             lens = [ctx[b] - qlens[b] + j + 1 for b in seqs for j in range(qlens[b])]
-            table = self.block_table[seqs] if list(seqs) != list(range(self.block_table.shape[0])) else self.block_table
-            table = table[int64_tensor(owner, table.device)].contiguous()
-            self._cache[key] = (table, int64_tensor(lens, table.device).int(), max(lens, default=0))
+            table = bt[int64_tensor([b for b in seqs for _ in range(qlens[b])], bt.device)]   # each token's row
+            self._cache[key] = (table, int64_tensor(lens, bt.device).int(), max(lens, default=0))
         return self._cache[key]
 
     def paged_decode_tables(self, mode: str, chunk: int = 1):
