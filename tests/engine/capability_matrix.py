@@ -27,6 +27,8 @@ CAPABILITIES = {
     "disagg": ("prefill/decode disaggregation", "1 prefill + 1 decode rank"),
     "kv_tiers": ("host/disk KV tiers + KV-aware routing", "2 EP ranks, host and disk tiers, kv_aware routing"),
     "fp8_kv": ("FP8 KV cache", "2 EP ranks, kv_cache_dtype fp8 (against one process with fp8)"),
+    "fp8_weights": ("online FP8 weights", "2 EP ranks, quantization fp8 on the float32 checkpoint (against one "
+                                          "process with fp8)"),
     "ngram": ("n-gram speculation", "2 EP ranks, k = 2"),
     "mtp": ("MTP speculation", "2 EP ranks, k = 2"),
     "structured": ("structured outputs", "2 EP ranks, regex and choice requests"),
@@ -36,7 +38,8 @@ CAPABILITIES = {
 }
 
 # every cell is "equal" unless listed here
-REFUSED: dict[tuple[str, str], str] = {}
+REFUSED: dict[tuple[str, str], str] = {
+    (v4, "fp8_weights"): "refused: does not support quantization 'fp8'" for v4 in ("v4_flash", "v4_pro")}
 
 
 def expected(family: str, capability: str) -> str:
