@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from wideep.attention_mla.rope import RotaryEmbedding
-from wideep.layers import RMSNorm
+from wideep.layers import NATIVE, Kernels, RMSNorm
 
+from . import decode
 from .compressor import Compressor, apply_rope_tail
 from .config import V4AttentionConfig
 from .indexer import Indexer
@@ -37,26 +38,34 @@ def unweighted_rmsnorm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class V4Attention(nn.Module):
     """Parameters as DeepSeek's checkpoints name them: wq_a, q_norm, wq_b, wkv, norm, wo_a, wo_b, attn_sink,
-    compressor (CSA/HCA), indexer (CSA)."""
+    compressor (CSA/HCA), indexer (CSA). batched_decode: a decode step's sequences run as one batch
+    (attention_v4/decode.py) instead of one at a time (the reference, _sequence); the model's builder sets it."""
 
-    def __init__(self, cfg: V4AttentionConfig, kind: str, rope: RotaryEmbedding, device=None, dtype=None):
+    batched_decode = False
+
+    def __init__(self, cfg: V4AttentionConfig, kind: str, rope: RotaryEmbedding, device=None, dtype=None,
+                 linear=nn.Linear, kernels: Kernels = NATIVE):
+        """linear: the projections' class (nn.Linear, a backend's, or Fp8Linear.factory: layers/kernels.py);
+        kernels: the backend's table for the norms."""
         super().__init__()
         self.cfg, self.kind, self.rope = cfg, kind, rope
+        self.matmul = kernels.matmul   # wo_a's groups one at a time on it (a decode step's rows: the C GEMM)
         H, N, D, Q, G = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.q_lora_rank, cfg.o_groups
         kw = dict(bias=False, device=device, dtype=dtype)
-        self.wq_a = nn.Linear(H, Q, **kw)
-        self.q_norm = RMSNorm(Q, cfg.rms_norm_eps, device=device, dtype=dtype)
-        self.wq_b = nn.Linear(Q, N * D, **kw)
-        self.wkv = nn.Linear(H, D, **kw)
-        self.norm = RMSNorm(D, cfg.rms_norm_eps, device=device, dtype=dtype)
-        self.wo_a = nn.Linear(N * D // G, G * cfg.o_lora_rank, **kw)   # G blocks [Lo, N*D/G], stacked
-        self.wo_b = nn.Linear(G * cfg.o_lora_rank, H, **kw)
+        norm = dict(device=device, dtype=dtype, kernels=kernels)
+        self.wq_a = linear(H, Q, **kw)
+        self.q_norm = RMSNorm(Q, cfg.rms_norm_eps, **norm)
+        self.wq_b = linear(Q, N * D, **kw)
+        self.wkv = linear(H, D, **kw)
+        self.norm = RMSNorm(D, cfg.rms_norm_eps, **norm)
+        self.wo_a = linear(N * D // G, G * cfg.o_lora_rank, **kw)   # G blocks [Lo, N*D/G], stacked
+        self.wo_b = linear(G * cfg.o_lora_rank, H, **kw)
         self.attn_sink = nn.Parameter(torch.empty(N, device=device, dtype=torch.float32))
         ratio = cfg.ratio(kind)
-        self.compressor = (Compressor(H, D, ratio, kind == "csa", cfg.rms_norm_eps, device=device, dtype=dtype)
-                           if ratio else None)
+        self.compressor = (Compressor(H, D, ratio, kind == "csa", cfg.rms_norm_eps, device=device, dtype=dtype,
+                                      linear=linear, kernels=kernels) if ratio else None)
         self.indexer = (Indexer(H, Q, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, ratio, cfg.rms_norm_eps,
-                                device=device, dtype=dtype) if kind == "csa" else None)
+                                device=device, dtype=dtype, linear=linear, kernels=kernels) if kind == "csa" else None)
 
     def forward(self, x: torch.Tensor, meta: V4Meta, layer: int) -> torch.Tensor:
         """x [T, H] (the step's tokens, sequences one after another) -> [T, H]; each sequence's streams of
@@ -68,16 +77,23 @@ class V4Attention(nn.Module):
         q_lat = self.q_norm(self.wq_a(x))                                       # [T, Q]
         q = apply_rope_tail(unweighted_rmsnorm(self.wq_b(q_lat).view(T, N, D), cfg.rms_norm_eps), cos, sin, self.rope)
         kv = apply_rope_tail(self.norm(self.wkv(x)), cos, sin, self.rope)      # [T, D]
-        out = torch.empty_like(q)
-        for start, n, p0, seq in zip(meta.starts, meta.lens, meta.first, meta.streams):
-            s = slice(start, start + n)
-            out[s] = self._sequence(x[s], q_lat[s], q[s], kv[s], meta.positions[s], p0, cos[s], sin[s],
-                                    seq.layers[layer])
+        if self.batched_decode and decode.batchable(meta, layer):
+            out = decode.attend(self, x, q_lat, q, kv, meta, layer, cos, sin)
+        else:
+            out = torch.empty_like(q)
+            for start, n, p0, seq in zip(meta.starts, meta.lens, meta.first, meta.streams):
+                s = slice(start, start + n)
+                out[s] = self._sequence(x[s], q_lat[s], q[s], kv[s], meta.positions[s], p0, cos[s], sin[s],
+                                        seq.layers[layer])
         out = apply_rope_tail(out, cos, -sin, self.rope)                        # undo V's rotation
         G = cfg.o_groups
-        grouped = out.reshape(T, G, N * D // G).transpose(0, 1)                 # [G, T, N*D/G]
         w = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)                       # [G, Lo, N*D/G]
-        low = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, G * cfg.o_lora_rank)   # [T, G*Lo]
+        if self.matmul is not None:
+            grouped = out.reshape(T, G, N * D // G)
+            low = torch.cat([self.matmul(grouped[:, g], w[g]) for g in range(G)], dim=-1)   # [T, G*Lo]
+        else:
+            grouped = out.reshape(T, G, N * D // G).transpose(0, 1)             # [G, T, N*D/G]
+            low = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, G * cfg.o_lora_rank)
         return self.wo_b(low)
 
     def _sequence(self, x, q_lat, q, kv, positions, p0: int, cos, sin, st: LayerStreams) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from wideep.attention_mla.rope import RotaryEmbedding
-from wideep.layers import RMSNorm
+from wideep.layers import NATIVE, Kernels, RMSNorm
 
 
 @dataclass
@@ -55,14 +55,16 @@ class CompressorState:
 class Compressor(nn.Module):
     """wkv, wgate [C, H], ape [m, C] (fp32), norm [D]; names as DeepSeek's checkpoints spell them."""
 
-    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, device=None, dtype=None):
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float, device=None, dtype=None,
+                 linear=nn.Linear, kernels: Kernels = NATIVE):
+        """linear: the projections' class; kernels: the backend's table for the norm (layers/kernels.py)."""
         super().__init__()
         self.dim, self.ratio, self.overlap = dim, ratio, overlap
         width = 2 * dim if overlap else dim
-        self.wkv = nn.Linear(hidden, width, bias=False, device=device, dtype=dtype)
-        self.wgate = nn.Linear(hidden, width, bias=False, device=device, dtype=dtype)
+        self.wkv = linear(hidden, width, bias=False, device=device, dtype=dtype)
+        self.wgate = linear(hidden, width, bias=False, device=device, dtype=dtype)
         self.ape = nn.Parameter(torch.empty(ratio, width, device=device, dtype=torch.float32))
-        self.norm = RMSNorm(dim, eps, device=device, dtype=dtype)
+        self.norm = RMSNorm(dim, eps, device=device, dtype=dtype, kernels=kernels)
 
     @property
     def width(self) -> int:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from wideep.attention_mla.rope import RotaryEmbedding
+from wideep.layers import NATIVE, Kernels
 
 from .compressor import Compressor, apply_rope_tail
 
@@ -20,12 +21,13 @@ class Indexer(nn.Module):
     """wq_b [NI*DI, Q], weights_proj [NI, H], compressor (DeepSeek's names)."""
 
     def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, topk: int, ratio: int, eps: float,
-                 device=None, dtype=None):
+                 device=None, dtype=None, linear=nn.Linear, kernels: Kernels = NATIVE):
         super().__init__()
         self.heads, self.head_dim, self.topk, self.ratio = heads, head_dim, topk, ratio
-        self.wq_b = nn.Linear(q_lora_rank, heads * head_dim, bias=False, device=device, dtype=dtype)
-        self.weights_proj = nn.Linear(hidden, heads, bias=False, device=device, dtype=dtype)
-        self.compressor = Compressor(hidden, head_dim, ratio, True, eps, device=device, dtype=dtype)
+        self.wq_b = linear(q_lora_rank, heads * head_dim, bias=False, device=device, dtype=dtype)
+        self.weights_proj = linear(hidden, heads, bias=False, device=device, dtype=dtype)
+        self.compressor = Compressor(hidden, head_dim, ratio, True, eps, device=device, dtype=dtype, linear=linear,
+                                     kernels=kernels)
 
     def select(self, x: torch.Tensor, q_lat: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, rope: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:

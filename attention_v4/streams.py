@@ -109,6 +109,7 @@ class V4Meta:
     first: tuple[int, ...]
     streams: tuple[SequenceStreams, ...]
     positions: torch.Tensor = field(repr=False)
+    cache: dict = field(default_factory=dict, repr=False, compare=False)   # per-step indices (attention_v4/decode.py)
 
     @classmethod
     def build(cls, lens: list[int], streams: list[SequenceStreams], device="cpu",

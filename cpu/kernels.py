@@ -10,8 +10,8 @@ def table() -> dict:
     """name -> kernel: every per-op kernel of the CPU backend (the fused decode halves are the decode
     plan's, engine/model/fused_decode.py, not per-op)."""
     from .gemm import bmm_nt, experts
-    from .layers import mla_decode, rmsnorm, rope, route
+    from .layers import hc_enter, hc_leave, mla_decode, rmsnorm, rope, route
     from .linear import Linear, experts_max_rows, small_linear, small_linear_fp8
     return {"rmsnorm": rmsnorm, "rope": rope, "linear": Linear, "matmul": small_linear, "route": route,
             "experts": experts, "experts_max_rows": experts_max_rows, "mla_decode": mla_decode, "bmm_nt": bmm_nt,
-            "fp8_linear": small_linear_fp8}
+            "fp8_linear": small_linear_fp8, "hc_enter": hc_enter, "hc_leave": hc_leave}

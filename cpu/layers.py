@@ -218,5 +218,64 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg)
     return ids, wts
 
 
+class HcEnterArgs(ctypes.Structure):
+    """wd_hc_enter_args (csrc/wideep.h)."""
+    _fields_ = fields("x fn base scale pre post comb y", P) + fields("T n H iters head xdt ydt", I) + fields("eps norm_eps", F)
+
+
+class HcLeaveArgs(ctypes.Structure):
+    """wd_hc_leave_args (csrc/wideep.h)."""
+    _fields_ = fields("x out post comb y", P) + fields("T n H xdt odt", I)
+
+
+def _hc_streams(who: str, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3 or x.dtype not in WDT or x.is_cuda:
+        raise ValueError(f"{who}: streams must be a float32 or bfloat16 CPU tensor [T, n, H], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def hc_enter(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, eps: float,
+             norm_eps: float, head: bool = False):
+    """A hyper-connection's entry (layers/hyper_connection.py: HyperConnection.weights then collapse; head: HyperHead,
+    pre only): streams x [T, n, H] -> (y [T, H] in x's dtype, pre [T, n], post [T, n], comb [T, n, n]; post and comb
+    None for the head), float32 inside."""
+    x = _hc_streams("hc_enter", x)
+    T, n, H = x.shape
+    J = n if head else (2 + n) * n
+    for name, t, shape in (("fn", fn, (J, n * H)), ("base", base, (J,)), ("scale", scale, (1 if head else 3,))):
+        check_float32(name, t, len(shape))
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"hc_enter: {name} must be contiguous {list(shape)}, got {tuple(t.shape)}")
+    y, pre = torch.empty(T, H, dtype=x.dtype), torch.empty(T, n)
+    post, comb = (None, None) if head else (torch.empty(T, n), torch.empty(T, n, n))
+    if T:
+        _done("hc_enter", library().wd_hc_enter(HcEnterArgs(
+            x=x.data_ptr(), fn=fn.data_ptr(), base=base.data_ptr(), scale=scale.data_ptr(), pre=pre.data_ptr(),
+            post=None if head else post.data_ptr(), comb=None if head else comb.data_ptr(), y=y.data_ptr(), T=T, n=n,
+            H=H, iters=iters, head=int(head), xdt=WDT[x.dtype], ydt=WDT[x.dtype], eps=eps, norm_eps=norm_eps)))
+    return y, pre, post, comb
+
+
+def hc_leave(x: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """A hyper-connection's exit: streams x [T, n, H], the block's out [T, H], post [T, n], comb [T, n, n] (float32)
+    -> the next streams [T, n, H] in x's dtype = post * out + comb^T x (HyperConnection.expand), float32 inside."""
+    x = _hc_streams("hc_leave", x)
+    T, n, H = x.shape
+    if out.shape != (T, H) or out.dtype not in WDT:
+        raise ValueError(f"hc_leave: out must be float32 or bfloat16 [{T}, {H}], got {out.dtype} {tuple(out.shape)}")
+    out = out if out.is_contiguous() else out.contiguous()
+    for name, t, shape in (("post", post, (T, n)), ("comb", comb, (T, n, n))):
+        check_float32(name, t, len(shape))
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"hc_leave: {name} must be contiguous {list(shape)}, got {tuple(t.shape)}")
+    y = torch.empty_like(x)
+    if T:
+        _done("hc_leave", library().wd_hc_leave(HcLeaveArgs(
+            x=x.data_ptr(), out=out.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), y=y.data_ptr(), T=T, n=n,
+            H=H, xdt=WDT[x.dtype], odt=WDT[out.dtype])))
+    return y
+
+
 register({"wd_rmsnorm": (RmsnormArgs, I), "wd_rope": (RopeArgs, I), "wd_mla_decode": (MlaDecodeArgs, I),
-          "wd_route": (RouteArgs, None)})
+          "wd_route": (RouteArgs, None), "wd_hc_enter": (HcEnterArgs, I), "wd_hc_leave": (HcLeaveArgs, I)})

@@ -17,6 +17,9 @@ backend it is on: the choice was made once, here. `NATIVE` (every entry None) is
                       (limit: the clamped SwiGLU; fp4 weights: uint8 pairs with w13_scale=, w2_scale= e8m0 bytes)
                       and experts_max_rows(weight dtype, x dtype) -> the mean rows per local expert up to
                       which that kernel beats BLAS (None: every batch; the module's grouped GEMMs past it)
+    HyperConnection:  hc_enter(streams [T, n, H], fn, base, scale, iters, eps, norm_eps, head=False)
+                      -> (collapsed [T, H], pre [T, n], post, comb [T, n, n]; head: post, comb None) and
+                      hc_leave(streams, out [T, H], post, comb) -> streams [T, n, H] (= weights + collapse, expand)
     MLA paged decode: mla_decode(q [B, N, C+R], pool, table, lens, block_size, C, scale, max_len, fp8) -> [B, N, C]
                       and bmm_nt(x [N, B, K], w [N, M, K], out=[N, B, M]) for the absorbed projections
 The CPU backend's table is cpu/kernels.py (engine/model/build.py fills this from it).
@@ -40,6 +43,8 @@ class Kernels:
     route: Callable | None = None
     experts: Callable | None = None
     experts_max_rows: Callable | None = None
+    hc_enter: Callable | None = None
+    hc_leave: Callable | None = None
     mla_decode: Callable | None = None
     bmm_nt: Callable | None = None
 

@@ -41,6 +41,19 @@ static const wd_layout table[] = {
     FIELD(wd_layer_desc, mla) FIELD(wd_layer_desc, wuk_t) FIELD(wd_layer_desc, pool) FIELD(wd_layer_desc, S)
     FIELD(wd_layer_desc, moe) FIELD(wd_layer_desc, mlp) FIELD(wd_layer_desc, load)
 
+    SIZE(wd_hc_enter_args)
+    FIELD(wd_hc_enter_args, x) FIELD(wd_hc_enter_args, fn) FIELD(wd_hc_enter_args, base)
+    FIELD(wd_hc_enter_args, scale) FIELD(wd_hc_enter_args, pre) FIELD(wd_hc_enter_args, post)
+    FIELD(wd_hc_enter_args, comb) FIELD(wd_hc_enter_args, y) FIELD(wd_hc_enter_args, T) FIELD(wd_hc_enter_args, n)
+    FIELD(wd_hc_enter_args, H) FIELD(wd_hc_enter_args, iters) FIELD(wd_hc_enter_args, head)
+    FIELD(wd_hc_enter_args, xdt) FIELD(wd_hc_enter_args, ydt) FIELD(wd_hc_enter_args, eps)
+    FIELD(wd_hc_enter_args, norm_eps)
+
+    SIZE(wd_hc_leave_args)
+    FIELD(wd_hc_leave_args, x) FIELD(wd_hc_leave_args, out) FIELD(wd_hc_leave_args, post)
+    FIELD(wd_hc_leave_args, comb) FIELD(wd_hc_leave_args, y) FIELD(wd_hc_leave_args, T) FIELD(wd_hc_leave_args, n)
+    FIELD(wd_hc_leave_args, H) FIELD(wd_hc_leave_args, xdt) FIELD(wd_hc_leave_args, odt)
+
     SIZE(wd_rmsnorm_args)
     FIELD(wd_rmsnorm_args, wdt)
     FIELD(wd_rmsnorm_args, x) FIELD(wd_rmsnorm_args, w) FIELD(wd_rmsnorm_args, y) FIELD(wd_rmsnorm_args, ldx)

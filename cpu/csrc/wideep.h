@@ -536,6 +536,30 @@ typedef struct {
 } wd_mtp_pass_args;
 int64_t wd_mtp_pass(const wd_mtp_pass_args *a);
 
+/* DeepSeek-V4's hyper-connection entry (layers/hyper_connection.py HyperConnection.weights + collapse; head: HyperHead,
+   pre only): x [T, n, H] (xdt) -> pre [T, n], post [T, n], comb [T, n, n] float32, y [T, H] (ydt) = sum_k pre_k x_k.
+   fn [J, n H] (J = (2 + n) n, or n for the head), base [J], scale [3] (head: [1]), float32. Returns 0, or -1 (nothing
+   written) without memory for the float32 copies. */
+typedef struct {
+    const void *x;
+    const float *fn, *base, *scale;
+    float *pre, *post, *comb;
+    void *y;
+    int64_t T, n, H, iters, head, xdt, ydt;
+    float eps, norm_eps;
+} wd_hc_enter_args;
+int64_t wd_hc_enter(const wd_hc_enter_args *a);
+
+/* ... and its exit: y [T, n, H] (xdt) = post [T, n] * out [T, H] (odt) + comb [T, n, n]^T x [T, n, H] (xdt), float32
+   inside, one rounding. y must not overlap x. */
+typedef struct {
+    const void *x, *out;
+    const float *post, *comb;
+    void *y;
+    int64_t T, n, H, xdt, odt;
+} wd_hc_leave_args;
+int64_t wd_hc_leave(const wd_hc_leave_args *a);
+
 /* ---- the layout of every struct above, for the load-time check (layouts.c) ---- */
 
 /* one field (or, with field NULL, the struct's sizeof in size); the table ends with name NULL */

@@ -8,6 +8,7 @@ experts on torch or the cpu experts kernel (FP4 ones kept packed); its FP8 atten
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -23,6 +24,10 @@ from .loader import CheckpointReader, load_weights, v4_ignore, v4_mtp_blocks, v4
 from .v4_cache import V4StreamCache
 from .v4_model import v4_expert_targets
 
+# "torch": the reference (every op on torch, a decode step's attention one sequence at a time); "cpu": the CPU
+# kernels' projections / norms / head and batched decode steps (attention_v4/decode.py); "auto": "cpu" where usable,
+# else torch with batched decode steps
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 _V4_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
@@ -37,9 +42,9 @@ class V4Family(ModelFamily):
         if cfg.kv_cache_dtype not in V4_KV_CACHE_DTYPES:
             raise ValueError(f"{name} does not support kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in "
                              f"the model dtype or fp8: 'auto', 'fp8') yet")
-        if cfg.attention_backend not in ("auto", "torch"):
+        if cfg.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"{name} does not support attention_backend {cfg.attention_backend!r}: DeepSeek-V4 "
-                             f"attention runs on the torch backend only")
+                             f"attention runs on {' / '.join(ATTENTION_BACKENDS)}")
         if cfg.experts_backend not in ("auto", "torch", "cpu"):
             raise ValueError(f"{name} does not support experts_backend {cfg.experts_backend!r}: DeepSeek-V4 experts "
                              f"(clamped SwiGLU) run on the torch or cpu backend")
@@ -77,15 +82,18 @@ class V4Family(ModelFamily):
         method "mtp": block 0 drafts, engine/spec_decode/v4_passes.py) needs block 0, a sliding-window block."""
         from .v4_model import DeepseekV4Model
         cfg = self.cfg
-        if attention_backend not in ("auto", "torch"):
-            raise ValueError(f"{self.model_name} does not support attention_backend {attention_backend!r}: "
-                             f"DeepSeek-V4 attention runs on the torch backend only")
+        native = self._native(attention_backend, device, dtype)
         self._check_quantization(quantization)
         check_v4_kv_cache_dtype(kv_cache_dtype)
         L = cfg.num_hidden_layers
         placement, shard = expert_slots(cfg, ctx, eplb, num_redundant_experts, L)
         reader = self.reader(model_dir)
-        experts, experts_kernels = self._experts(reader, device, dtype, experts_backend, quantization)
+        experts = self._experts(reader, device, dtype, experts_backend, quantization, native)
+        kernels = NATIVE
+        if native or experts.backend == "cpu":
+            from wideep.cpu.kernels import table
+            kernels = (dataclasses.replace(Kernels.from_table("cpu", table()), route=None) if native
+                       else Kernels(name="cpu", experts=table()["experts"]))
         num_mtp = v4_mtp_blocks(reader.names, cfg.num_nextn_predict_layers)
         if mtp and not num_mtp:
             raise ValueError(f"speculative method 'mtp' needs the checkpoint's MTP block (mtp.0.*), but {model_dir!r} "
@@ -98,19 +106,36 @@ class V4Family(ModelFamily):
         model = DeepseekV4Model(cfg, device=device, dtype=dtype, shard=shard,
                                 dispatcher=(make_model_dispatcher(cfg, ctx, placement, device, dispatch_backend, dtype,
                                                                   dispatch_options) if dispatcher else None),
-                                experts=experts, num_mtp=num_mtp, experts_kernels=experts_kernels, placement=placement,
-                                with_streams=mtp)
+                                experts=experts, num_mtp=num_mtp, kernels=kernels, placement=placement,
+                                with_streams=mtp, batched_decode=attention_backend != "torch")
         model.loaded(load_weights(reader, model.checkpoint_targets(), ignore=v4_ignore(model.owns_expert, L),
                                   progress=progress))
         model.copy_local_replicas()
         return Loaded(model.eval(), model.mtp[0] if mtp else None)
 
-    def _experts(self, reader, device, dtype, experts_backend: str, quantization: str) -> tuple[ExpertsChoice, Kernels]:
-        """DeepSeek-V4's routed experts: (choice, the experts' kernel table). FP4 experts in the checkpoint stay packed
-        (keep_fp4, backend "cpu") when quantization is "auto" or "fp4", experts_backend "auto" or "cpu", the CPU
-        kernels are usable for `device` / `dtype` and hidden and moe_intermediate_size are multiples of 32; "fp4"
-        raises naming what is missing. Otherwise: "cpu" when asked (the C kernel on dequantised weights), else
-        torch."""
+    def _native(self, attention_backend: str, device, dtype) -> bool:
+        """Whether the model runs on the CPU backend's kernels (attention_backend "cpu", or "auto" where they are
+        usable): its projections, norms and head on the C kernels, its decode steps batched (attention_v4/decode.py).
+        "torch" is the reference (every op on torch, a decode step one sequence at a time); "auto" elsewhere batches
+        the decode steps on torch."""
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"{self.model_name} does not support attention_backend {attention_backend!r}: "
+                             f"DeepSeek-V4 attention runs on {' / '.join(ATTENTION_BACKENDS)}")
+        if attention_backend == "torch":
+            return False
+        from wideep.cpu.build import unusable_for
+        why_not = unusable_for(torch.device(device), dtype)
+        if attention_backend == "cpu" and why_not is not None:
+            raise ValueError(f"{self.model_name}: attention_backend 'cpu' is not usable: {why_not}")
+        return why_not is None
+
+    def _experts(self, reader, device, dtype, experts_backend: str, quantization: str,
+                 native: bool = False) -> ExpertsChoice:
+        """DeepSeek-V4's routed experts. FP4 experts in the checkpoint stay packed (keep_fp4, backend "cpu") when
+        quantization is "auto" or "fp4", experts_backend "auto" or "cpu", the CPU kernels are usable for `device` /
+        `dtype` and hidden and moe_intermediate_size are multiples of 32; "fp4" raises naming what is missing.
+        Otherwise: "cpu" (the C kernel on dequantised weights) when asked, or for "auto" on the native path (native:
+        _native's answer), else torch."""
         if experts_backend not in ("auto", "torch", "cpu"):
             raise ValueError(f"{self.model_name} does not support experts_backend {experts_backend!r}: DeepSeek-V4 "
                              f"experts (clamped SwiGLU) run on the torch or cpu backend")
@@ -125,14 +150,12 @@ class V4Family(ModelFamily):
                    if H % 32 or I % 32 else unusable_for(torch.device(device), dtype))
         if quantization == "fp4" and why_not is not None:
             raise ValueError(f"quantization 'fp4' keeps DeepSeek-V4's FP4 experts as stored, but {why_not}")
-        if why_not is not None and experts_backend != "cpu":
-            return ExpertsChoice("grouped", keep_fp8=False), NATIVE
+        if why_not is not None and (experts_backend == "torch" or (experts_backend == "auto" and not native)):
+            return ExpertsChoice("grouped", keep_fp8=False)
         why_not_cpu = unusable_for(torch.device(device), dtype)
         if why_not_cpu is not None:
             raise ValueError(f"experts_backend 'cpu' is not usable: {why_not_cpu}")
-        from wideep.cpu.kernels import table
-        return (ExpertsChoice("cpu", keep_fp8=False, keep_fp4=why_not is None),
-                Kernels(name="cpu", experts=table()["experts"]))
+        return ExpertsChoice("cpu", keep_fp8=False, keep_fp4=why_not is None)
 
     def reader(self, model_dir: str) -> CheckpointReader:
         return CheckpointReader(model_dir, rename=v4_rename)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from wideep.attention_mla.rope import RotaryEmbedding
+from wideep.attention_v4 import decode
 from wideep.attention_v4.attention import V4Attention
 from wideep.attention_v4.streams import SequenceStreams, V4Meta
 from wideep.dbo.schedule import YIELD
@@ -53,21 +54,23 @@ class V4DecoderLayer(nn.Module):
                  routing, device=None, dtype=None, kind: str | None = None, hash_moe: bool | None = None,
                  kernels: Kernels = NATIVE):
         """kind / hash_moe: the attention kind and hash routing, by default the config's for `layer`. kernels:
-        the routed experts' table (its experts kernel when experts.backend is "cpu"; no route kernel)."""
+        the backend's table (layers/kernels.py; no route kernel: V4's gates are sqrtsoftplus or hash): its
+        linear class for the attention's and shared expert's projections, its rmsnorm, its experts kernel when
+        experts.backend is "cpu"."""
         super().__init__()
         v4, H = cfg.v4, cfg.hidden_size
         self.index, self.kind = layer, v4.layer_kinds[layer] if kind is None else kind
         hash_moe = v4.hash_layers[layer] if hash_moe is None else hash_moe
         hc = dict(n=v4.hc_mult, sinkhorn_iters=v4.hc_sinkhorn_iters, eps=v4.hc_eps, norm_eps=cfg.rms_norm_eps,
-                  device=device)
+                  device=device, kernels=kernels)
         self.hc_attn, self.hc_ffn = HyperConnection(H, **hc), HyperConnection(H, **hc)
-        self.attn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.attn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
         self.attn = V4Attention(v4.attention, self.kind, rope["main" if self.kind == "sliding" else "compress"],
-                                device=device, dtype=dtype)
-        self.ffn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
+                                device=device, dtype=dtype, linear=kernels.linear, kernels=kernels)
+        self.ffn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
         self.ffn = MoELayer(cfg.moe, shard, device=device, dtype=dtype, experts_backend=experts.backend,
                             routing=routing, hash_vocab=cfg.vocab_size if hash_moe else None, kernels=kernels,
-                            fp4_experts=experts.keep_fp4)
+                            fp4_experts=experts.keep_fp4, linear=kernels.linear)
 
     def ops(self) -> list:
         return [self.op_attention, self.op_kv_written, *self.ffn.ops(), self.op_residual]
@@ -79,14 +82,13 @@ class V4DecoderLayer(nn.Module):
 
     def op_attention(self, s: OpState) -> None:
         x = s.take("x")
-        pre, post, comb = self.hc_attn.weights(x)
-        out = self.attn(self.attn_norm(HyperConnection.collapse(x, pre)), s.inputs.meta, self.index)
-        x = HyperConnection.expand(x, out, post, comb)
-        pre, post, comb = self.hc_ffn.weights(x)
-        s.put(streams=x, hc_post=post, hc_comb=comb, mlp_in=self.ffn_norm(HyperConnection.collapse(x, pre)))
+        y, post, comb = self.hc_attn.enter(x)
+        x = self.hc_attn.leave(x, self.attn(self.attn_norm(y), s.inputs.meta, self.index), post, comb)
+        y, post, comb = self.hc_ffn.enter(x)
+        s.put(streams=x, hc_post=post, hc_comb=comb, mlp_in=self.ffn_norm(y))
 
     def op_residual(self, s: OpState) -> None:
-        s.put(x=HyperConnection.expand(s.take("streams"), s.take("mlp_out"), s.take("hc_post"), s.take("hc_comb")))
+        s.put(x=self.hc_ffn.leave(s.take("streams"), s.take("mlp_out"), s.take("hc_post"), s.take("hc_comb")))
         s.end_layer(self.index, CARRY)
 
 
@@ -111,12 +113,12 @@ class V4MTPBlock(V4DecoderLayer):
         v4, H = cfg.v4, cfg.hidden_size
         super().__init__(cfg, cfg.num_hidden_layers + k, rope, shard, experts, routing, device=device, dtype=dtype,
                          kind=v4.mtp_layer_kinds[k], hash_moe=False, kernels=kernels)
-        self.e_proj = nn.Linear(H, H, bias=False, device=device, dtype=dtype)
-        self.h_proj = nn.Linear(H, H, bias=False, device=device, dtype=dtype)
-        self.enorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
-        self.hnorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
-        self.norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype)
-        self.hc_head = HyperHead(H, v4.hc_mult, v4.hc_eps, cfg.rms_norm_eps, device=device)
+        self.e_proj = kernels.linear(H, H, bias=False, device=device, dtype=dtype)
+        self.h_proj = kernels.linear(H, H, bias=False, device=device, dtype=dtype)
+        self.enorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
+        self.hnorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
+        self.hc_head = HyperHead(H, v4.hc_mult, v4.hc_eps, cfg.rms_norm_eps, device=device, kernels=kernels)
 
 
 class DeepseekV4Model(nn.Module):
@@ -126,11 +128,15 @@ class DeepseekV4Model(nn.Module):
     num_mtp: how many multi-token-prediction blocks (V4MTPBlock below) to hold in `mtp`, loaded with the rest
     and never run by the forward; at most the config's num_nextn_predict_layers.
     experts: the routed experts' forward: torch ("grouped" / "reference") or "cpu" (the C experts kernel, clamped
-    SwiGLU included; experts_kernels: a table with that kernel), with keep_fp4 the FP4 weights as stored."""
+    SwiGLU included; kernels: a table with that kernel), with keep_fp4 the FP4 weights as stored. kernels: the
+    backend's table (layers/kernels.py: linears, norms, the head's matmul, the experts; route None).
+    batched_decode: a decode step's attention runs as one batch (attention_v4/decode.py; False: one sequence at a
+    time, the reference)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  shard: ExpertShard | None = None, dispatcher=None, experts: ExpertsChoice | None = None,
-                 num_mtp: int = 0, experts_kernels: Kernels = NATIVE, placement=None, with_streams: bool = False):
+                 num_mtp: int = 0, kernels: Kernels = NATIVE, placement=None, with_streams: bool = False,
+                 batched_decode: bool = True):
         """placement: the routed experts' (eplb.placement.Placement, [L, P]; None: the initial one), installed into
         the routing the decoder layers read; the MTP blocks take the initial placement. with_streams: forward's rows
         carry their residual streams after the hidden state (the MTP drafter's input)."""
@@ -147,13 +153,17 @@ class DeepseekV4Model(nn.Module):
         if experts.keep_fp4 and experts.backend != "cpu":
             raise ValueError(f"DeepSeek-V4's FP4 experts are read as stored by the cpu experts kernel only, not "
                              f"{experts.backend!r}")
-        self.cfg, self.dtype, self.shard, self.dispatcher = cfg, dtype, shard, dispatcher
+        if kernels.route is not None:
+            raise ValueError("DeepSeek-V4's gates (sqrtsoftplus, hash) take no route kernel: pass a table without one")
+        self.cfg, self.dtype, self.shard, self.dispatcher, self.kernels = cfg, dtype, shard, dispatcher, kernels
         sh = shard or ExpertShard(cfg.moe.n_routed_experts)
         self.routing = ExpertRouting(cfg.num_hidden_layers, list(sh.layout.slots(sh.ep_rank)))
         # the MTP blocks keep the initial placement (slot p holds expert p % E; eplb.Placement.initial), no EPLB
         self.mtp_routing = ExpertRouting(num_mtp, [p % cfg.moe.n_routed_experts for p in sh.layout.slots(sh.ep_rank)])
         self.backends = {"experts": "cpu" if experts.backend == "cpu" else "torch", "fp8_weights": False,
-                         "fp4_experts": experts.keep_fp4, "attention": "torch", "kernels": "torch", "decode": "ops"}
+                         "fp4_experts": experts.keep_fp4,
+                         "attention": "batched_decode" if batched_decode else "torch", "kernels": kernels.name,
+                         "decode": "batched" if batched_decode else "ops"}
         att = cfg.v4.attention
         self.rope = {"main": RotaryEmbedding(att.rope_main, device=device),
                      "compress": RotaryEmbedding(att.rope_compress, device=device)}
@@ -161,16 +171,17 @@ class DeepseekV4Model(nn.Module):
         with torch.device("meta"), _skip_init():
             self.embed = nn.Embedding(cfg.vocab_size, H, dtype=dtype)
             self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, self.rope, shard, experts, self.routing.layers[i],
-                                                       dtype=dtype, kernels=experts_kernels)
+                                                       dtype=dtype, kernels=kernels)
                                         for i in range(cfg.num_hidden_layers))
-            self.hc_head = HyperHead(H, n, cfg.v4.hc_eps, cfg.rms_norm_eps)
+            self.hc_head = HyperHead(H, n, cfg.v4.hc_eps, cfg.rms_norm_eps, kernels=kernels)
             self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
             self.head = None if cfg.tie_word_embeddings else nn.Linear(H, cfg.vocab_size, bias=False, dtype=dtype)
             self.mtp = nn.ModuleList(V4MTPBlock(cfg, k, self.rope, shard, experts, self.mtp_routing.layers[k],
-                                                dtype=dtype, kernels=experts_kernels) for k in range(num_mtp))
+                                                dtype=dtype, kernels=kernels) for k in range(num_mtp))
         _materialize(self, device)
         for layer in [*self.layers, *self.mtp]:   # the router keeps fp32 whatever the model dtype
             layer.ffn.gate.float()
+            layer.attn.batched_decode = batched_decode
         if dispatcher is None and sh.ep_size == 1:   # one process, every expert local (else: the engine wires one)
             from wideep.parallel.context import ParallelContext
             from wideep.parallel.dispatch import LocalDispatcher
@@ -184,9 +195,11 @@ class DeepseekV4Model(nn.Module):
         self.step_ops = [self.op_embed, *(op for layer in self.layers for op in layer.ops()), self.op_final_norm]
         self.with_streams = with_streams
         self.load_report = None   # loader.LoadReport, once loaded()
-        self.decode_plan = None   # the CPU fast path does not take V4 layers (fused_decode.py)
-        # ... and says so: the engine counts its decode steps as declined for this reason (decode_declined_<reason>)
-        self.decode_plan_declined = "deepseek_v4_layers" if self.device.type == "cpu" else None
+        self.decode_plan = None   # the MLA family's fused CPU decode does not take V4 layers (fused_decode.py)
+        # V4's own: decode steps batched (attention_v4/decode.py), counted in the engine's decode_steps_v4_batched;
+        # the reference (batched_decode off) says why it has no fast path: its decode steps counted as declined
+        self.step_paths = {"v4_batched": 0} if batched_decode else {}
+        self.decode_plan_declined = "deepseek_v4_layers" if self.device.type == "cpu" and not batched_decode else None
 
     @property
     def device(self) -> torch.device:
@@ -290,6 +303,8 @@ class DeepseekV4Model(nn.Module):
                                f"the engine wires its EP group's (use_dispatcher)")
         if input_ids.shape[0] != sum(meta.lens):
             raise ValueError(f"{input_ids.shape[0]} tokens for chunks of {sum(meta.lens)}")
+        if self.step_paths and decode.batchable(meta, 0):
+            self.step_paths["v4_batched"] += 1
         s = OpState(Microbatch(0, input_ids, meta, [], plan, self.dispatcher, on_layer))
         for op in self.step_ops:
             if op is not YIELD:
@@ -300,8 +315,8 @@ class DeepseekV4Model(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [n, H] (or forward's rows with_streams: their first H columns) -> logits [n, V] fp32."""
-        w = self.embed.weight if self.head is None else self.head.weight
-        return (hidden[:, :self.cfg.hidden_size] @ w.t()).float()
+        w, h = self.embed.weight if self.head is None else self.head.weight, hidden[:, :self.cfg.hidden_size]
+        return (h @ w.t() if self.kernels.matmul is None else self.kernels.matmul(h, w)).float()
 
     # -- the MTP blocks as a drafter -------------------------------------------------------------------------
     def streams_of(self, rows: torch.Tensor) -> torch.Tensor:

@@ -404,8 +404,10 @@ class EngineCore:
         if self.model.backends.get("kernels") == "cpu":   # where this rank's C kernels run (cpu/tune.py)
             from wideep.cpu import tune
             out.update({f"cpu_kernel_limit_{k}": v for k, v in tune.choices()["limits"].items()})
-        elif self._plan_declined is not None:   # a model the CPU fast path does not take at all (DeepSeek-V4)
+        if self._plan_declined is not None:   # a model the CPU fast path does not take at all (DeepSeek-V4's reference)
             out[f"decode_declined_{self._plan_declined}"] = self.declined_decode_steps
+        for path, n in getattr(self.model, "step_paths", {}).items():   # DeepSeek-V4's batched decode steps
+            out[f"decode_steps_{path}"] = n
         if self.scheduler.speculator is not None:
             out.update(self.scheduler.speculator.stats())
         if self.eplb is not None:

@@ -159,8 +159,8 @@ def test_dbo_equals_plain_steps(v4):
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(attention_backend="cpu"), r"DeepSeek-V4 does not support attention_backend 'cpu': DeepSeek-V4 attention "
-                                    r"runs on the torch backend only"),
+    (dict(attention_backend="triton"), r"DeepSeek-V4 does not support attention_backend 'triton': DeepSeek-V4 "
+                                       r"attention runs on auto / torch / cpu"),
     (dict(experts_backend="triton"), r"DeepSeek-V4 does not support experts_backend 'triton': DeepSeek-V4 experts "
                                      r"\(clamped SwiGLU\) run on the torch or cpu backend"),
     (dict(quantization="fp4"), r"quantization 'fp4' keeps DeepSeek-V4's FP4 experts as stored, but the checkpoint's "
@@ -172,14 +172,20 @@ def test_backends_without_v4_kernels_are_refused(v4, options, match):
         LLM(d, **dict(V4, **options))
 
 
-def test_the_cpu_decode_plan_never_sees_v4_layers(v4):
-    """The CPU backend's fused decode (engine/model/fused_decode.py) is not built for V4: every step runs the torch
-    ops, and the engine's metrics say so with a reason (its decode steps counted as declined)."""
+@pytest.mark.parametrize("backend,decode,experts,kernels", [("auto", "batched", "cpu", "cpu"),
+                                                             ("torch", "ops", "torch", "torch")])
+def test_v4_decode_paths(v4, backend, decode, experts, kernels):
+    """V4's decode steps run batched on the CPU kernels by default (attention_v4/decode.py; "torch": the reference,
+    one sequence at a time); the MLA family's fused decode (engine/model/fused_decode.py) is not built for V4, and the
+    engine's metrics say so with a reason (its decode steps counted as declined)."""
     hf, d = v4
-    llm = LLM(d, **V4)
-    assert llm.model.decode_plan is None and llm.model.backends["decode"] == "ops"
-    assert llm.model.backends["attention"] == llm.model.backends["experts"] == "torch"
+    llm = LLM(d, attention_backend=backend, **V4)
+    assert llm.model.decode_plan is None and llm.model.backends["decode"] == decode
+    assert llm.model.backends["experts"] == experts and llm.model.backends["kernels"] == kernels
     llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    declined = llm.engine.metrics()["decode_plan"]["declined"]
-    assert declined == {"deepseek_v4_layers": 5}, declined   # 6 tokens: the prefill's, then 5 decode steps
+    counts = llm.engine.metrics()["decode_plan"]   # 6 tokens: the prefill's, then 5 decode steps
+    if decode == "ops":
+        assert counts == {"declined": {"deepseek_v4_layers": 5}}, counts
+    else:
+        assert counts == {"steps": {"v4_batched": 5}}, counts
     llm.shutdown()
