@@ -217,6 +217,14 @@ def _shapes(r: dict) -> str:
             f"after{fp8}; prefill {n(r['prefill']['tok_s'])} tok/s at {r['prefill']['tokens']}")
 
 
+def _v4_decode(r: dict) -> str:
+    s = r["steps"]
+    return ("native / torch step " + ", ".join(f"**{n(x['ratio'])}** at {b} ({n(x['native_ms'])} vs "
+                                                            f"{n(x['torch_ms'])} ms)" for b, x in s.items())
+            + f"; {n(s['1']['gb_per_s'])} GB/s of weights at 1 vs V3's {n(r['v3_reference']['bytes_per_s'])}: "
+            f"**{n(r['v4_vs_v3'])}×**")
+
+
 ROWS = (
     Row("decode vs transformers", "roofline ≥ 0.7 / 0 prefix-cache hits", (
         Run("decode_vs_hf", "python bench/decode_vs_hf.py --trials 3", _decode,
@@ -314,6 +322,11 @@ ROWS = (
         Run("shapes_quick", "python bench/shapes.py --quick", _shapes,
             lambda r: [r["decode_bandwidth_fraction"] >= 0.7, r["load_peak_rss_ratio"] <= 1.15,
                        r["load"]["gbs"] >= 1.0]),)),
+    Row("DeepSeek-V4 decode step", "≤ 0.35× torch at batch 1 / at 16 / ≤ 1.3× a V3 step of the same bytes", tuple(
+        Run(name, "python bench/v4_decode.py --quick" + flag, _v4_decode,
+            lambda r: [r["ratio_b1"] <= 0.35, r["ratio_b16"] <= 0.35, r["v4_vs_v3"] <= 1.3], tag=tag)
+        for name, flag, tag in (("v4_decode_quick", "", "float32"),
+                                ("v4_decode_quick_bf16", " --dtype bfloat16", "bfloat16")))),
     Row("EP scaling", "baseline", (
         Run("ep_scaling", "python bench/ep_scaling.py",
             lambda r: f"ep {' / '.join(r['ep'])}: {' / '.join(n(v['tok_s']) for v in r['ep'].values())} tok/s "
