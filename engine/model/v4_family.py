@@ -3,8 +3,10 @@ MTP blocks), behind engine/model/family.py's interface.
 
 Its KV cache is one paged pool per stream (window, compressed entries, indexer keys, a slot per sequence for the
 compressors' state: engine/model/v4_cache.py), declared as a KV spec (attention_v4/pool_layout.py): the block manager
-(engine/sched/block_manager.py) and the tiers (kvstore/store.py) work from it. Attention runs on torch; the routed
-experts on torch or the cpu experts kernel (FP4 ones kept packed); its FP8 attention linears are dequantised at load.
+(engine/sched/block_manager.py) and the tiers (kvstore/store.py) work from it. On the CPU kernels (attention_backend
+"auto" / "cpu") its projections, norms, hyper-connections and head run on the C kernel table and a decode step's
+attention runs batched over its sequences (attention_v4/decode.py); "torch" is the reference. The routed experts run on
+torch or the cpu experts kernel (FP4 ones kept packed); its FP8 attention linears are dequantised at load.
 """
 from __future__ import annotations
 
