@@ -22,6 +22,7 @@ from torch import nn
 
 from wideep.attention_mla.rope import RotaryEmbedding
 from wideep.layers import NATIVE, Kernels, RMSNorm
+from wideep.moe.fp8_linear import Fp8Linear
 
 from . import decode
 from .compressor import Compressor, apply_rope_tail
@@ -44,9 +45,10 @@ class V4Attention(nn.Module):
     batched_decode = False
 
     def __init__(self, cfg: V4AttentionConfig, kind: str, rope: RotaryEmbedding, device=None, dtype=None,
-                 linear=nn.Linear, kernels: Kernels = NATIVE):
-        """linear: the projections' class (nn.Linear, a backend's, or Fp8Linear.factory: layers/kernels.py);
-        kernels: the backend's table for the norms."""
+                 linear=nn.Linear, kernels: Kernels = NATIVE, side_linear=None):
+        """linear: the projections' class (nn.Linear, a backend's, or Fp8Linear.factory: layers/kernels.py; DeepSeek
+        stores wq_a, wq_b, wkv, wo_a, wo_b in FP8); side_linear: the compressor's and indexer's (stored in bf16;
+        default `linear`); kernels: the backend's table for the norms."""
         super().__init__()
         self.cfg, self.kind, self.rope = cfg, kind, rope
         self.matmul = kernels.matmul   # wo_a's groups one at a time on it (a decode step's rows: the C GEMM)
@@ -62,10 +64,11 @@ class V4Attention(nn.Module):
         self.wo_b = linear(G * cfg.o_lora_rank, H, **kw)
         self.attn_sink = nn.Parameter(torch.empty(N, device=device, dtype=torch.float32))
         ratio = cfg.ratio(kind)
+        side = side_linear or linear
         self.compressor = (Compressor(H, D, ratio, kind == "csa", cfg.rms_norm_eps, device=device, dtype=dtype,
-                                      linear=linear, kernels=kernels) if ratio else None)
+                                      linear=side, kernels=kernels) if ratio else None)
         self.indexer = (Indexer(H, Q, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, ratio, cfg.rms_norm_eps,
-                                device=device, dtype=dtype, linear=linear, kernels=kernels) if kind == "csa" else None)
+                                device=device, dtype=dtype, linear=side, kernels=kernels) if kind == "csa" else None)
 
     def forward(self, x: torch.Tensor, meta: V4Meta, layer: int) -> torch.Tensor:
         """x [T, H] (the step's tokens, sequences one after another) -> [T, H]; each sequence's streams of
@@ -87,14 +90,26 @@ class V4Attention(nn.Module):
                                         seq.layers[layer])
         out = apply_rope_tail(out, cos, -sin, self.rope)                        # undo V's rotation
         G = cfg.o_groups
-        w = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)                       # [G, Lo, N*D/G]
-        if self.matmul is not None:
-            grouped = out.reshape(T, G, N * D // G)
-            low = torch.cat([self.matmul(grouped[:, g], w[g]) for g in range(G)], dim=-1)   # [T, G*Lo]
+        return self.wo_b(self._wo_a(out.reshape(T, G, N * D // G)))
+
+    def _wo_a(self, grouped: torch.Tensor) -> torch.Tensor:
+        """grouped [T, G, N*D/G] -> [T, G*Lo]: group g through wo_a's rows g*Lo .. (g+1)*Lo (its weight, or as fp8
+        on the fp8 kernel when the blocks do not straddle groups)."""
+        cfg, (T, G, _) = self.cfg, grouped.shape
+        Lo, wo = cfg.o_lora_rank, self.wo_a
+        if isinstance(wo, Fp8Linear):
+            br = wo.block[0]
+            if wo.kernel is not None and Lo % br == 0:
+                s = Lo // br
+                return torch.cat([wo.kernel(grouped[:, g], wo.weight[g * Lo:(g + 1) * Lo],
+                                            wo.weight_scale_inv[g * s:(g + 1) * s], wo.block) for g in range(G)], -1)
+            w = wo.dequantized(grouped.dtype).view(G, Lo, -1)
         else:
-            grouped = out.reshape(T, G, N * D // G).transpose(0, 1)             # [G, T, N*D/G]
-            low = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, G * cfg.o_lora_rank)
-        return self.wo_b(low)
+            w = wo.weight.view(G, Lo, -1)                                       # [G, Lo, N*D/G]
+        if self.matmul is not None:
+            return torch.cat([self.matmul(grouped[:, g], w[g]) for g in range(G)], dim=-1)   # [T, G*Lo]
+        low = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2))            # [G, T, Lo]
+        return low.transpose(0, 1).reshape(T, G * Lo)
 
     def _sequence(self, x, q_lat, q, kv, positions, p0: int, cos, sin, st: LayerStreams) -> torch.Tensor:
         """One sequence's T new tokens at positions p0.. ([T]): q [T, N, D], kv [T, D] -> o [T, N, D] (still

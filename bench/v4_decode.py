@@ -7,7 +7,7 @@ GEMMs, or the C kernel for FP4 experts kept packed), same checkpoint, same dtype
 - step: B prompts of --prompt tokens, generating; after the prefill and two warm-up steps, the median of --steps
   decode steps, per batch of --batches; one engine at a time (one process serves one engine), a new one per trial,
   the trials alternating torch, native, torch, native ..., so the ratio native / torch is measured in one run
-  (--one-at-a-time, for a checkpoint slow to load: one engine per side, all its trials in a row).
+  (--one-at-a-time, for a big checkpoint: each side once, in its own process, all its trials in a row).
 - bytes: what a batch-1 decode step must read of the weights: every parameter but the routed experts and the embedding
   (one row), plus the experts the routers chose (counted per layer from the gates' outputs); bytes_per_s = that / the
   step. The V3 reference: a DeepSeek-V3 of the same hidden size and expert shapes (its CPU decode plan, the fused
@@ -20,10 +20,10 @@ Last line: JSON with ratio_b<B> (native / torch step) per batch, v4_vs_v3, the s
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +103,21 @@ def _stop(eng, batch: int, tag: str) -> None:
         eng.step()
 
 
+def _side(d: str, dtype: str, name: str, batch: int, prompt: int, steps: int, trials: int):
+    """One engine of `name` ("torch" / "native"): its decode step times, and at batch 1 the native side's bytes."""
+    eng = _engine(d, dtype, "torch" if name == "torch" else "auto", batch)
+    meter = V4Meter(eng.core.model) if name == "native" and batch == 1 else None
+    _start(eng, batch, prompt, name)
+    times, nbytes = [], []
+    for _ in range(trials):
+        ts, nb = _time(eng, meter, steps)
+        times += ts
+        nbytes += nb
+    _stop(eng, batch, name)
+    eng.shutdown()
+    return times, nbytes
+
+
 def _v3_bytes_per_s(dtype: str, prompt: int, steps: int) -> dict:
     """The V3 reference's batch-1 decode: seconds and bytes per step (DecodeMeter) -> bytes/s."""
     from bench.decode_vs_hf import DecodeMeter
@@ -132,9 +147,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=200)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--trials", type=int, default=3)
-    ap.add_argument("--one-at-a-time", action="store_true", help="one load per side (a checkpoint slow to load)")
+    ap.add_argument("--one-at-a-time", action="store_true", help="each side in its own process, once (a big checkpoint)")
+    ap.add_argument("--side", default=None, help=argparse.SUPPRESS)   # (a child of --one-at-a-time)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.side is not None:
+        times, nbytes = _side(a.dir, a.dtype, a.side, int(a.batches), a.prompt, a.steps, a.trials)
+        print(json.dumps({"times": times, "bytes": nbytes}), flush=True)
+        return
     batches = [int(b) for b in a.batches.split(",")]
     if a.quick:
         a.steps, a.trials = 10, 2
@@ -150,19 +170,21 @@ def main() -> None:
     for batch in batches:
         times = {"torch": [], "native": []}
         nbytes = []
-        for _ in range(1 if a.one_at_a_time else a.trials):   # trials alternate torch, native, torch, native ...
-            for name, backend in (("torch", "torch"), ("native", "auto")):
-                eng = _engine(d, a.dtype, backend, batch)
-                meter = V4Meter(eng.core.model) if name == "native" and batch == 1 else None
-                _start(eng, batch, a.prompt, name)
-                for _ in range(a.trials if a.one_at_a_time else 1):
-                    ts, nb = _time(eng, meter, a.steps)
+        if a.one_at_a_time:   # each side in its own process, one after the other: a freed engine's memory is
+            for name in ("torch", "native"):   # not all given back, and two big ones do not fit
+                r = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", name, "--dir", d, "--dtype",
+                                    a.dtype, "--batches", str(batch), "--prompt", str(a.prompt), "--steps",
+                                    str(a.steps), "--trials", str(a.trials)], capture_output=True, text=True)
+                if r.returncode:
+                    raise RuntimeError(f"the {name} side failed:\n{r.stderr[-3000:]}")
+                got = json.loads(r.stdout.strip().splitlines()[-1])
+                times[name], nbytes = times[name] + got["times"], nbytes + got["bytes"]
+        else:
+            for _ in range(a.trials):   # trials alternate torch, native, torch, native ...
+                for name in ("torch", "native"):
+                    ts, nb = _side(d, a.dtype, name, batch, a.prompt, a.steps, 1)
                     times[name] += ts
                     nbytes += nb
-                _stop(eng, batch, name)
-                eng.shutdown()
-                del eng
-                gc.collect()
         med = {k: statistics.median(v) for k, v in times.items()}
         row = {f"{k}_ms": round(v * 1e3, 3) for k, v in med.items()}
         row["ratio"] = round(med["native"] / med["torch"], 4)

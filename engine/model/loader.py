@@ -270,6 +270,10 @@ class CheckpointReader:
         """Whether `name` is stored as FP4 pairs (int8 / uint8 with a block scale beside it)."""
         return self._slice(name).get_dtype() in ("I8", "U8") and name + SCALE_SUFFIX in self._file_of
 
+    def is_fp8(self, name: str) -> bool:
+        """Whether `name` is stored as e4m3 (an fp8 weight, its block scale beside it)."""
+        return self._slice(name).get_dtype() == "F8_E4M3" and name + SCALE_SUFFIX in self._file_of
+
     def _scale(self, name: str) -> torch.Tensor:
         scale_name = name + SCALE_SUFFIX
         if scale_name not in self._file_of:
@@ -290,6 +294,8 @@ class CheckpointReader:
             return t.view(torch.uint8)
         if t.dtype in PACKED_DTYPES and dtype.is_floating_point:
             return dequantize_fp4(t, self._scale(name), dtype)
+        if name.endswith(SCALE_SUFFIX) and dtype.is_floating_point:   # a block scale (e8m0 as float8_e8m0fnu or bytes)
+            return scale_to_float(t).to(dtype)
         if t.dtype != FP8_DTYPE or dtype == FP8_DTYPE:
             return t.to(dtype)
         return dequantize_fp8_block(t, self._scale(name), block_size or self.block_size, dtype)

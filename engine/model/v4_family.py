@@ -20,9 +20,9 @@ from wideep.kvstore.identity import model_identity
 from wideep.layers import NATIVE, Kernels
 from wideep.moe.backend import ExpertsChoice
 
-from .build import QUANTIZATION, expert_slots, make_model_dispatcher, parse_dtype
+from .build import ONLINE_FP8_BLOCK, QUANTIZATION, expert_slots, make_model_dispatcher, parse_dtype
 from .family import ExpertGroup, Loaded, ModelFamily
-from .loader import CheckpointReader, load_weights, v4_ignore, v4_mtp_blocks, v4_rename
+from .loader import CheckpointReader, OnlineFp8Reader, load_weights, v4_ignore, v4_mtp_blocks, v4_rename
 from .v4_cache import V4StreamCache
 from .v4_model import v4_expert_targets
 
@@ -57,10 +57,6 @@ class V4Family(ModelFamily):
                              f"the model's dtype ({cfg.dtype}); leave draft_dtype out")
 
     def _check_quantization(self, quantization: str) -> None:
-        if quantization == "fp8":
-            raise ValueError(f"{self.model_name} does not support quantization 'fp8': its FP8 linears are dequantised "
-                             f"at load (no V4 kernel reads them as stored yet; its FP4 experts: quantization 'fp4' or "
-                             f"'auto')")
         if quantization not in QUANTIZATION:
             raise ValueError(f"quantization {quantization!r} is not one of {QUANTIZATION}")
 
@@ -91,6 +87,7 @@ class V4Family(ModelFamily):
         placement, shard = expert_slots(cfg, ctx, eplb, num_redundant_experts, L)
         reader = self.reader(model_dir)
         experts = self._experts(reader, device, dtype, experts_backend, quantization, native)
+        fp8_block, online = self._fp8_linears(reader, quantization, native, attention_backend, device, dtype)
         kernels = NATIVE
         if native or experts.backend == "cpu":
             from wideep.cpu.kernels import table
@@ -109,9 +106,13 @@ class V4Family(ModelFamily):
                                 dispatcher=(make_model_dispatcher(cfg, ctx, placement, device, dispatch_backend, dtype,
                                                                   dispatch_options) if dispatcher else None),
                                 experts=experts, num_mtp=num_mtp, kernels=kernels, placement=placement,
-                                with_streams=mtp, batched_decode=attention_backend != "torch")
-        model.loaded(load_weights(reader, model.checkpoint_targets(), ignore=v4_ignore(model.owns_expert, L),
-                                  progress=progress))
+                                with_streams=mtp, batched_decode=attention_backend != "torch", fp8_block=fp8_block)
+        model.backends["fp8_online"] = online
+        targets = model.checkpoint_targets()
+        if online:   # a bf16 / float32 checkpoint: its FP8 targets quantised at load, in DeepSeek's format
+            from wideep.moe.fp8 import FP8_DTYPE
+            reader = OnlineFp8Reader(reader, {n for n, t in targets.items() if t.dtype == FP8_DTYPE}, fp8_block)
+        model.loaded(load_weights(reader, targets, ignore=v4_ignore(model.owns_expert, L), progress=progress))
         model.copy_local_replicas()
         return Loaded(model.eval(), model.mtp[0] if mtp else None)
 
@@ -130,6 +131,31 @@ class V4Family(ModelFamily):
         if attention_backend == "cpu" and why_not is not None:
             raise ValueError(f"{self.model_name}: attention_backend 'cpu' is not usable: {why_not}")
         return why_not is None
+
+    def _fp8_linears(self, reader, quantization: str, native: bool, attention_backend: str, device,
+                     dtype) -> tuple[tuple[int, int] | None, bool]:
+        """(fp8_block, online): whether the attention's five projections and the shared experts keep FP8 weights (the
+        blocks) and whether they are quantised at load. DeepSeek stores them FP8: kept as stored for "auto" / "fp4"
+        on the CPU kernels (the fp8 GEMM reads the e4m3 bytes; the block along K a multiple of 16), else
+        dequantised. "fp8": kept, or quantised at load from a bf16 / float32 checkpoint into 128 x 128 tiles
+        (vLLM's online FP8); an error naming what is missing where the CPU kernels are not in use."""
+        probe = "layers.0.attn.wq_a.weight"
+        stored = probe in reader.names and reader.is_fp8(probe)
+        block = reader.block_size if stored else ONLINE_FP8_BLOCK
+        if quantization == "fp8":
+            if not native:
+                from wideep.cpu.build import unusable_for
+                why = ("attention_backend 'torch' computes on dequantised weights" if attention_backend == "torch"
+                       else unusable_for(torch.device(device), dtype))
+                raise ValueError(f"{self.model_name}: quantization 'fp8' keeps the FP8 projections on the cpu "
+                                 f"kernels' fp8 GEMM, but {why}")
+            if block[1] % 16:
+                raise ValueError(f"{self.model_name}: quantization 'fp8' needs the fp8 block along K ({block[1]}) to "
+                                 f"be a multiple of 16 (the cpu fp8 GEMM)")
+            return block, not stored
+        if stored and native and quantization in ("auto", "fp4") and block[1] % 16 == 0:
+            return block, False
+        return None, False
 
     def _experts(self, reader, device, dtype, experts_backend: str, quantization: str,
                  native: bool = False) -> ExpertsChoice:
@@ -184,6 +210,8 @@ class V4Family(ModelFamily):
         identities = None
         if "disk" in cfg.kv_cache.tiers:
             dtype = f"v4:{kv.kv_cache_dtype}:{kv.model.dtype}"
+            if cfg.quantization == "fp8" and kv.model.backends.get("fp8_online"):   # quantised at load: other KV
+                dtype += "+weights:fp8"
             identities = {s: model_identity(cfg.model, f"{dtype}:{s}", cfg.block_size,
                                             [tuple(r.shape[1:]) for r in block_rows(ps)]) for s, ps in pools.items()}
         return TieredStore(cfg.kv_cache, kv.spec, pools, identities, prefer=prefer, log=log)

@@ -26,6 +26,7 @@ from wideep.dbo.state import Microbatch, OpState
 from wideep.layers import NATIVE, Kernels, RMSNorm
 from wideep.layers.hyper_connection import HyperConnection, HyperHead
 from wideep.moe.backend import ExpertsChoice
+from wideep.moe.fp8_linear import Fp8Linear
 from wideep.moe.layer import ExpertShard, MoELayer
 from wideep.parallel.expert_routing import ExpertRouting
 from wideep.parallel.step_plan import StepPlan
@@ -52,12 +53,14 @@ def v4_expert_targets(experts, prefix: str, expert: int, slot: int) -> dict[str,
 class V4DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rope: dict[str, RotaryEmbedding], shard, experts: ExpertsChoice,
                  routing, device=None, dtype=None, kind: str | None = None, hash_moe: bool | None = None,
-                 kernels: Kernels = NATIVE):
+                 kernels: Kernels = NATIVE, fp8_block: tuple[int, int] | None = None):
         """kind / hash_moe: the attention kind and hash routing, by default the config's for `layer`. kernels:
         the backend's table (layers/kernels.py; no route kernel: V4's gates are sqrtsoftplus or hash): its
         linear class for the attention's and shared expert's projections, its rmsnorm, its experts kernel when
-        experts.backend is "cpu"."""
+        experts.backend is "cpu". fp8_block: the attention's five projections and the shared expert's keep FP8 weights
+        in these blocks (moe/fp8_linear.py, read by kernels.fp8_linear), as DeepSeek stores them."""
         super().__init__()
+        linear = kernels.linear if fp8_block is None else Fp8Linear.factory(fp8_block, kernel=kernels.fp8_linear)
         v4, H = cfg.v4, cfg.hidden_size
         self.index, self.kind = layer, v4.layer_kinds[layer] if kind is None else kind
         hash_moe = v4.hash_layers[layer] if hash_moe is None else hash_moe
@@ -66,11 +69,11 @@ class V4DecoderLayer(nn.Module):
         self.hc_attn, self.hc_ffn = HyperConnection(H, **hc), HyperConnection(H, **hc)
         self.attn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
         self.attn = V4Attention(v4.attention, self.kind, rope["main" if self.kind == "sliding" else "compress"],
-                                device=device, dtype=dtype, linear=kernels.linear, kernels=kernels)
+                                device=device, dtype=dtype, linear=linear, kernels=kernels, side_linear=kernels.linear)
         self.ffn_norm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
         self.ffn = MoELayer(cfg.moe, shard, device=device, dtype=dtype, experts_backend=experts.backend,
                             routing=routing, hash_vocab=cfg.vocab_size if hash_moe else None, kernels=kernels,
-                            fp4_experts=experts.keep_fp4, linear=kernels.linear)
+                            fp4_experts=experts.keep_fp4, linear=linear)
 
     def ops(self) -> list:
         return [self.op_attention, self.op_kv_written, *self.ffn.ops(), self.op_residual]
@@ -109,10 +112,11 @@ class V4MTPBlock(V4DecoderLayer):
     """A V4 decoder layer with the MTP input projections e_proj / h_proj [H, H], their norms enorm / hnorm [H], and
     its own output head: hc_head (HyperHead) and norm [H]. `index` is L + k (the layer after the main stack)."""
 
-    def __init__(self, cfg, k: int, rope, shard, experts, routing, device=None, dtype=None, kernels=NATIVE):
+    def __init__(self, cfg, k: int, rope, shard, experts, routing, device=None, dtype=None, kernels=NATIVE,
+                 fp8_block=None):
         v4, H = cfg.v4, cfg.hidden_size
         super().__init__(cfg, cfg.num_hidden_layers + k, rope, shard, experts, routing, device=device, dtype=dtype,
-                         kind=v4.mtp_layer_kinds[k], hash_moe=False, kernels=kernels)
+                         kind=v4.mtp_layer_kinds[k], hash_moe=False, kernels=kernels, fp8_block=fp8_block)
         self.e_proj = kernels.linear(H, H, bias=False, device=device, dtype=dtype)
         self.h_proj = kernels.linear(H, H, bias=False, device=device, dtype=dtype)
         self.enorm = RMSNorm(H, cfg.rms_norm_eps, device=device, dtype=dtype, kernels=kernels)
@@ -131,12 +135,13 @@ class DeepseekV4Model(nn.Module):
     SwiGLU included; kernels: a table with that kernel), with keep_fp4 the FP4 weights as stored. kernels: the
     backend's table (layers/kernels.py: linears, norms, the head's matmul, the experts; route None).
     batched_decode: a decode step's attention runs as one batch (attention_v4/decode.py; False: one sequence at a
-    time, the reference)."""
+    time, the reference). fp8_block: the attention's and shared experts' projections keep FP8 weights (DeepSeek's
+    format: e4m3 in these blocks, a float32 scale each), read by kernels.fp8_linear (needs one)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  shard: ExpertShard | None = None, dispatcher=None, experts: ExpertsChoice | None = None,
                  num_mtp: int = 0, kernels: Kernels = NATIVE, placement=None, with_streams: bool = False,
-                 batched_decode: bool = True):
+                 batched_decode: bool = True, fp8_block: tuple[int, int] | None = None):
         """placement: the routed experts' (eplb.placement.Placement, [L, P]; None: the initial one), installed into
         the routing the decoder layers read; the MTP blocks take the initial placement. with_streams: forward's rows
         carry their residual streams after the hidden state (the MTP drafter's input)."""
@@ -153,6 +158,8 @@ class DeepseekV4Model(nn.Module):
         if experts.keep_fp4 and experts.backend != "cpu":
             raise ValueError(f"DeepSeek-V4's FP4 experts are read as stored by the cpu experts kernel only, not "
                              f"{experts.backend!r}")
+        if fp8_block is not None and kernels.fp8_linear is None:
+            raise ValueError("DeepSeek-V4 with FP8 projections needs a kernel table with fp8_linear (the cpu one)")
         if kernels.route is not None:
             raise ValueError("DeepSeek-V4's gates (sqrtsoftplus, hash) take no route kernel: pass a table without one")
         self.cfg, self.dtype, self.shard, self.dispatcher, self.kernels = cfg, dtype, shard, dispatcher, kernels
@@ -160,7 +167,8 @@ class DeepseekV4Model(nn.Module):
         self.routing = ExpertRouting(cfg.num_hidden_layers, list(sh.layout.slots(sh.ep_rank)))
         # the MTP blocks keep the initial placement (slot p holds expert p % E; eplb.Placement.initial), no EPLB
         self.mtp_routing = ExpertRouting(num_mtp, [p % cfg.moe.n_routed_experts for p in sh.layout.slots(sh.ep_rank)])
-        self.backends = {"experts": "cpu" if experts.backend == "cpu" else "torch", "fp8_weights": False,
+        self.backends = {"experts": "cpu" if experts.backend == "cpu" else "torch",
+                         "fp8_weights": fp8_block is not None,
                          "fp4_experts": experts.keep_fp4,
                          "attention": "batched_decode" if batched_decode else "torch", "kernels": kernels.name,
                          "decode": "batched" if batched_decode else "ops"}
@@ -171,13 +179,14 @@ class DeepseekV4Model(nn.Module):
         with torch.device("meta"), _skip_init():
             self.embed = nn.Embedding(cfg.vocab_size, H, dtype=dtype)
             self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, self.rope, shard, experts, self.routing.layers[i],
-                                                       dtype=dtype, kernels=kernels)
+                                                       dtype=dtype, kernels=kernels, fp8_block=fp8_block)
                                         for i in range(cfg.num_hidden_layers))
             self.hc_head = HyperHead(H, n, cfg.v4.hc_eps, cfg.rms_norm_eps, kernels=kernels)
             self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype=dtype)
             self.head = None if cfg.tie_word_embeddings else nn.Linear(H, cfg.vocab_size, bias=False, dtype=dtype)
             self.mtp = nn.ModuleList(V4MTPBlock(cfg, k, self.rope, shard, experts, self.mtp_routing.layers[k],
-                                                dtype=dtype, kernels=kernels) for k in range(num_mtp))
+                                                dtype=dtype, kernels=kernels, fp8_block=fp8_block)
+                                     for k in range(num_mtp))
         _materialize(self, device)
         for layer in [*self.layers, *self.mtp]:   # the router keeps fp32 whatever the model dtype
             layer.ffn.gate.float()
@@ -242,8 +251,10 @@ class DeepseekV4Model(nn.Module):
                 targets |= v4_expert_targets(layer.ffn.experts, prefix, e, slot)
         for prefix, _ in blocks:   # the shared expert: w1 / w3 / w2 as DeepSeek names them
             for ours, theirs in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
-                targets[f"{prefix}ffn.shared_experts.{theirs}.weight"] = targets.pop(
-                    f"{prefix}ffn.shared_experts.{ours}.weight")
+                for suffix in (".weight", ".weight_scale_inv"):   # (the scale: FP8 weights, fp8_block)
+                    t = targets.pop(f"{prefix}ffn.shared_experts.{ours}{suffix}", None)
+                    if t is not None:
+                        targets[f"{prefix}ffn.shared_experts.{theirs}{suffix}"] = t
         return targets
 
     def loaded(self, report) -> None:

@@ -107,3 +107,81 @@ def test_quantised_checkpoint_equals_transformers_on_its_weights(checkpoints):
     ours = model.logits(model(torch.tensor(ids), V4Meta.build([60], [model.new_streams()])))
     ref = hf(torch.tensor([ids])).logits[0]
     assert (ours.log_softmax(-1) - ref.log_softmax(-1)).abs().max().item() < 1e-4
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    return model.logits(model(torch.tensor(ids), V4Meta.build([len(ids)], [model.new_streams()])))
+
+
+@torch.no_grad()
+def test_fp8_projections_stay_fp8_on_the_cpu_kernels(checkpoints):
+    """quantization "auto" on the CPU kernels keeps the five attention projections and the shared expert FP8 as
+    stored (read by the fp8 GEMM: one byte a weight plus its scales); "none" and the torch reference dequantise
+    them; the logits agree."""
+    from wideep.cpu.build import unusable
+    if unusable() is not None:
+        pytest.skip(f"CPU kernels: {unusable()}")
+    from wideep.moe.fp8_linear import Fp8Linear
+    qdir, _ = checkpoints
+    kept = load_model(qdir, progress=False)
+    assert kept.backends["fp8_weights"] and not kept.backends["fp8_online"]
+    for layer in kept.layers:
+        for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            lin = getattr(layer.attn, name)
+            assert isinstance(lin, Fp8Linear) and lin.weight.dtype == torch.float8_e4m3fn, name
+        assert isinstance(layer.ffn.shared_experts.gate_proj, Fp8Linear)
+        if layer.attn.compressor is not None:   # the compressor's projections stay as stored (unquantised)
+            assert not isinstance(layer.attn.compressor.wkv, Fp8Linear)
+    ids = [(7 * i + 3) % 197 + 2 for i in range(40)]
+    for other in (load_model(qdir, progress=False, quantization="none"),
+                  load_model(qdir, progress=False, attention_backend="torch")):
+        assert not other.backends["fp8_weights"]
+        diff = (_logits(kept, ids).log_softmax(-1) - _logits(other, ids).log_softmax(-1)).abs().max().item()
+        assert diff < 1e-4, diff
+
+
+def _quantise_offline(src: str, dst: str) -> None:
+    """src's checkpoint with the projections DeepSeek stores in FP8 quantised as online FP8 does (moe/fp8.py
+    quantize_fp8_block, 128 x 128 tiles, float32 scales `X.scale`), in DeepSeek's names."""
+    from wideep.moe.fp8 import quantize_fp8_block
+    out = {}
+    for name, w in load_file(os.path.join(src, "model.safetensors")).items():
+        ds = name[len("model."):] if name.startswith("model.") else name
+        ds = TOP.get(ds, ds)
+        if FP8_LINEAR.search(ds):
+            out[ds], out[ds[:-len("weight")] + "scale"] = quantize_fp8_block(w.float(), (128, 128))
+        else:
+            out[ds] = w
+    save_file(out, os.path.join(dst, "model.safetensors"))
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    json.dump(dict(cfg, quantization_config=dict(QUANT, scale_fmt="float", expert_dtype="fp8")),
+              open(os.path.join(dst, "config.json"), "w"))
+
+
+@torch.no_grad()
+def test_online_fp8_equals_the_same_quantisation_offline(checkpoints, tmp_path):
+    """quantization "fp8" on the unquantised checkpoint: the FP8 projections quantised at load equal a checkpoint
+    quantised beforehand in the same format, bit for bit; everything else is the float32 checkpoint's."""
+    from wideep.cpu.build import unusable
+    if unusable() is not None:
+        pytest.skip(f"CPU kernels: {unusable()}")
+    _, ddir = checkpoints
+    offline = str(tmp_path)
+    _quantise_offline(ddir, offline)
+    online = load_model(ddir, progress=False, quantization="fp8")
+    stored = load_model(offline, progress=False)
+    assert online.backends["fp8_online"] and online.backends["fp8_weights"] and stored.backends["fp8_weights"]
+    for a, b in zip(online.layers, stored.layers):
+        for name in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b"):
+            assert torch.equal(getattr(a.attn, name).weight.view(torch.uint8), getattr(b.attn, name).weight.view(
+                torch.uint8)), name
+            assert torch.equal(getattr(a.attn, name).weight_scale_inv, getattr(b.attn, name).weight_scale_inv), name
+    ids = [(5 * i + 1) % 197 + 2 for i in range(30)]
+    assert torch.equal(_logits(online, ids), _logits(stored, ids))
+
+
+def test_fp8_without_the_cpu_kernels_is_refused(checkpoints):
+    _, ddir = checkpoints
+    with pytest.raises(ValueError, match=r"quantization 'fp8' keeps the FP8 projections on the cpu kernels' fp8 "
+                                         r"GEMM, but attention_backend 'torch' computes on dequantised weights"):
+        load_model(ddir, progress=False, quantization="fp8", attention_backend="torch")
