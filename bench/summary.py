@@ -219,10 +219,10 @@ def _shapes(r: dict) -> str:
 
 def _v4_decode(r: dict) -> str:
     s = r["steps"]
+    v3 = (f" vs V3's {n(r['v3_reference']['bytes_per_s'])}: **{n(r['v4_vs_v3'])}×**" if "v4_vs_v3" in r else "")
     return ("native / torch step " + ", ".join(f"**{n(x['ratio'])}** at {b} ({n(x['native_ms'])} vs "
                                                             f"{n(x['torch_ms'])} ms)" for b, x in s.items())
-            + f"; {n(s['1']['gb_per_s'])} GB/s of weights at 1 vs V3's {n(r['v3_reference']['bytes_per_s'])}: "
-            f"**{n(r['v4_vs_v3'])}×**")
+            + f"; {n(s['1']['gb_per_s'])} GB/s of weights at 1{v3}")
 
 
 ROWS = (
@@ -326,7 +326,10 @@ ROWS = (
         Run(name, "python bench/v4_decode.py --quick" + flag, _v4_decode,
             lambda r: [r["ratio_b1"] <= 0.35, r["ratio_b16"] <= 0.35, r["v4_vs_v3"] <= 1.3], tag=tag)
         for name, flag, tag in (("v4_decode_quick", "", "float32"),
-                                ("v4_decode_quick_bf16", " --dtype bfloat16", "bfloat16")))),
+                                ("v4_decode_quick_bf16", " --dtype bfloat16", "bfloat16"))) + (
+        Run("v4_decode_bf16_dir", "python bench/v4_decode.py --dir DIR --one-at-a-time --dtype bfloat16 --prompt 64 "
+                                  "--steps 6 --trials 2 (DIR: wideep make-shaped --like deepseek-v4-flash --layers 4)",
+            _v4_decode, lambda r: [r["ratio_b1"] <= 0.35, r["ratio_b16"] <= 0.35], tag="V4-Flash × 4 layers"),)),
     Row("EP scaling", "baseline", (
         Run("ep_scaling", "python bench/ep_scaling.py",
             lambda r: f"ep {' / '.join(r['ep'])}: {' / '.join(n(v['tok_s']) for v in r['ep'].values())} tok/s "
