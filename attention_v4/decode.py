@@ -57,23 +57,19 @@ class StepIndex:
         address (block [B], row [B]) is column W')."""
         if self._window is None:
             bs, Wr = self.bs, self.Wr
-            blocks = []
+            span = (Wr + bs - 1) // bs + 1   # logical blocks rows p - W' .. p can lie in
+            tab = []   # per sequence: the pool blocks of logical blocks first .. first + span - 1 (-1: none)
             for p, t in zip(self.p, self.tables):
-                row = []
-                for q in range(p - Wr, p + 1):
-                    if q < 0:
-                        row.append(0)
-                        continue
-                    b = t.window.get(q // bs)
-                    if b is None:
-                        if q == p:
-                            raise RuntimeError(f"window block {q // bs} of token {q} is not in the sequence's table "
-                                               f"{sorted(t.window)}")
-                        b = -1   # (never written here: read as nothing)
-                    row.append(b)
-                blocks.append(row)
-            blocks = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            pos = self.positions[:, None] + torch.arange(-Wr, 1, device=self.device)[None, :]
+                if p // bs not in t.window:
+                    raise RuntimeError(f"window block {p // bs} of token {p} is not in the sequence's table "
+                                       f"{sorted(t.window)}")
+                first = max(p - Wr, 0) // bs
+                tab.append([t.window.get(j, -1) for j in range(first, first + span)])
+            tab = torch.tensor(tab, dtype=torch.int64, device=self.device)
+            pos = self.positions[:, None] + torch.arange(-Wr, 1, device=self.device)[None, :]     # [B, W'+1]
+            first = (pos[:, :1].clamp(min=0) // bs)
+            blocks = tab.gather(1, (pos.clamp(min=0) // bs - first).clamp(max=span - 1))
+            blocks = blocks.masked_fill(pos < 0, -1)   # (rows before the sequence: never read)
             self._window = (blocks, pos % bs, pos, blocks >= 0)
         return self._window
 
@@ -84,18 +80,19 @@ class StepIndex:
         if got is None:
             E = self.geo.rows(stream)
             counts = [(p + 1) // m for p in self.p]
-            S = max(counts)
-            blocks = []
-            for c, t in zip(counts, self.tables):
+            S, nb = max(counts), [-(-c // E) for c in counts]
+            tab = []   # per sequence: its table's first blocks, as many as its entries fill (padded with block 0)
+            for c, n, t in zip(counts, nb, self.tables):
                 table = t.full[stream]
-                if -(-c // E) > len(table):
-                    raise RuntimeError(f"{stream} entries up to {c - 1} need {-(-c // E)} blocks, the sequence's "
-                                       f"table has {len(table)}")
-                blocks.append([table[e // E] for e in range(c)] + [0] * (S - c))
+                if n > len(table):
+                    raise RuntimeError(f"{stream} entries up to {c - 1} need {n} blocks, the sequence's table has "
+                                       f"{len(table)}")
+                tab.append(table[:n] + [0] * (max(nb) - n))
             e = torch.arange(S, device=self.device)
             seen = e[None, :] < torch.tensor(counts, device=self.device)[:, None]
-            got = (torch.tensor(blocks, dtype=torch.int64, device=self.device).view(len(counts), S),
-                   (e % E)[None, :].expand(len(counts), S), seen)
+            tab = torch.tensor(tab, dtype=torch.int64, device=self.device).view(len(counts), max(nb))
+            blocks = tab.gather(1, (e // E)[None, :].expand(len(counts), S)) if S else tab[:, :0]
+            got = (blocks, (e % E)[None, :].expand(len(counts), S), seen)
             self._entries[stream] = got
         return got
 
