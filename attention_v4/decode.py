@@ -104,16 +104,6 @@ def step_index(meta, view: PagedLayerStreams) -> StepIndex:
     return idx
 
 
-def _read(view: PagedLayerStreams, name: str, rows: torch.Tensor) -> torch.Tensor:
-    codec = view.codecs.get(name)
-    return rows if codec is None else codec.dequantize(rows, view.dtype)
-
-
-def _write(view: PagedLayerStreams, name: str, rows: torch.Tensor) -> torch.Tensor:
-    codec = view.codecs.get(name)
-    return rows if codec is None else codec.quantize(rows)
-
-
 def compress(comp, x: torch.Tensor, views: list, name: str, idx: StepIndex, rope) -> None:
     """The compressor `comp` (state `name`: "compressor" / "index_compressor") takes each sequence's token x [B, H]:
     open windows buffer it, closing ones write their entry to the stream's pool (see the module's legend)."""
@@ -151,11 +141,8 @@ def compress(comp, x: torch.Tensor, views: list, name: str, idx: StepIndex, rope
     cos, sin = rope.cos_sin(e * m, max_position=max(idx.p[b] for b in c.tolist()))
     entries = apply_rope_tail(entries, cos, sin, rope)
     pool_name = "compressed" if name == "compressor" else "index_keys"
-    stream = views[0].stream_of[pool_name]
-    E = views[0].geo.rows(stream)
-    blocks = torch.tensor([idx.tables[b].full[stream][int(n) // E] for b, n in zip(c.tolist(), e.tolist())],
-                          dtype=torch.int64, device=x.device)
-    t[pool_name][blocks, e % E] = _write(views[0], pool_name, entries)
+    blocks, rows, _ = idx.entries(views[0].stream_of[pool_name], m)   # (entry e of a closing token: its last seen)
+    t[pool_name][blocks[c, e], rows[c, e]] = views[0]._write(pool_name, entries)
 
 
 def attend(attn, x: torch.Tensor, q_lat: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, meta, layer: int, cos,
@@ -171,10 +158,10 @@ def attend(attn, x: torch.Tensor, q_lat: torch.Tensor, q: torch.Tensor, kv: torc
         keys, key_ok = kv[:, None].float(), torch.ones(B, 1, dtype=torch.bool, device=x.device)
     else:
         blocks, rows, pos, ok = idx.window()
-        pool[blocks[:, -1], rows[:, -1]] = _write(v0, "window", kv)
+        pool[blocks[:, -1], rows[:, -1]] = v0._write("window", kv)
         floors = torch.tensor([v.floor for v in views], device=x.device)
-        key_ok = ok & (pos >= floors[:, None]) & (pos >= 0)
-        keys = _read(v0, "window", pool[blocks.clamp(min=0), rows]).float()      # [B, W'+1, D]
+        key_ok = ok & (pos >= floors[:, None])
+        keys = v0._read("window", pool[blocks.clamp(min=0), rows]).float()      # [B, W'+1, D]
         keys = keys.masked_fill_(~key_ok[..., None], 0)   # (rows not read: whatever they hold weighs nothing)
     scale = cfg.head_dim ** -0.5
     qf = q.float()
@@ -184,12 +171,12 @@ def attend(attn, x: torch.Tensor, q_lat: torch.Tensor, q: torch.Tensor, kv: torc
         m = attn.compressor.ratio
         compress(attn.compressor, x, views, "compressor", idx, attn.rope)
         blocks, rows, seen = idx.entries(attn.kind, m)
-        entries = _read(v0, "compressed", t["compressed"][blocks, rows]).float()   # [B, S_max, D]
+        entries = v0._read("compressed", t["compressed"][blocks, rows]).float()   # [B, S_max, D]
         entries = entries.masked_fill_(~seen[..., None], 0)
         if attn.indexer is not None:
             ix = attn.indexer
             compress(ix.compressor, x, views, "index_compressor", idx, attn.rope)
-            top, valid = select(ix, x, q_lat, _read(v0, "index_keys", t["index_keys"][blocks, rows]), seen, cos, sin,
+            top, valid = select(ix, x, q_lat, v0._read("index_keys", t["index_keys"][blocks, rows]), seen, cos, sin,
                                 attn.rope)
             entries = entries.gather(1, top[..., None].expand(-1, -1, entries.shape[-1]))   # [B, k, D]
             seen = valid

@@ -6,7 +6,8 @@ compressors' state: engine/model/v4_cache.py), declared as a KV spec (attention_
 (engine/sched/block_manager.py) and the tiers (kvstore/store.py) work from it. On the CPU kernels (attention_backend
 "auto" / "cpu") its projections, norms, hyper-connections and head run on the C kernel table and a decode step's
 attention runs batched over its sequences (attention_v4/decode.py); "torch" is the reference. The routed experts run on
-torch or the cpu experts kernel (FP4 ones kept packed); its FP8 attention linears are dequantised at load.
+torch or the cpu experts kernel (FP4 ones kept packed); its FP8 projections stay FP8 on the CPU kernels, else are
+dequantised at load.
 """
 from __future__ import annotations
 
@@ -44,9 +45,7 @@ class V4Family(ModelFamily):
         if cfg.kv_cache_dtype not in V4_KV_CACHE_DTYPES:
             raise ValueError(f"{name} does not support kv_cache_dtype {cfg.kv_cache_dtype!r} (V4 streams are kept in "
                              f"the model dtype or fp8: 'auto', 'fp8') yet")
-        if cfg.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"{name} does not support attention_backend {cfg.attention_backend!r}: DeepSeek-V4 "
-                             f"attention runs on {' / '.join(ATTENTION_BACKENDS)}")
+        self._check_attention_backend(cfg.attention_backend)
         if cfg.experts_backend not in ("auto", "torch", "cpu"):
             raise ValueError(f"{name} does not support experts_backend {cfg.experts_backend!r}: DeepSeek-V4 experts "
                              f"(clamped SwiGLU) run on the torch or cpu backend")
@@ -116,14 +115,17 @@ class V4Family(ModelFamily):
         model.copy_local_replicas()
         return Loaded(model.eval(), model.mtp[0] if mtp else None)
 
+    def _check_attention_backend(self, attention_backend: str) -> None:
+        if attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"{self.model_name} does not support attention_backend {attention_backend!r}: "
+                             f"DeepSeek-V4 attention runs on {' / '.join(ATTENTION_BACKENDS)}")
+
     def _native(self, attention_backend: str, device, dtype) -> bool:
         """Whether the model runs on the CPU backend's kernels (attention_backend "cpu", or "auto" where they are
         usable): its projections, norms and head on the C kernels, its decode steps batched (attention_v4/decode.py).
         "torch" is the reference (every op on torch, a decode step one sequence at a time); "auto" elsewhere batches
         the decode steps on torch."""
-        if attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"{self.model_name} does not support attention_backend {attention_backend!r}: "
-                             f"DeepSeek-V4 attention runs on {' / '.join(ATTENTION_BACKENDS)}")
+        self._check_attention_backend(attention_backend)
         if attention_backend == "torch":
             return False
         from wideep.cpu.build import unusable_for
