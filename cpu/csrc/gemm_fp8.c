@@ -51,9 +51,14 @@ static inline v16 ld_e4m3_part(const uint8_t *p, int64_t n) {
     return ld_e4m3(t);
 }
 
+/* a few rows of x and more on AMX tiles where they are on and the shapes fit (gemm_fp8_amx.c) */
+#define FP8_TILES(...) \
+    if (M >= FP8_AMX_MIN_ROWS && amx_on() && linear_fp8_amx(__VA_ARGS__)) return
+
 #if WD_AVX2   /* 8-float vectors instead (gemm_fp8_avx2.c): 16-float ones spill without AVX-512 */
 void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
                 int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    FP8_TILES(x, ldx, w, ldw, s, lds, br, bk, y, ldy, M, N, K);
     linear_fp8_avx2(x, ldx, w, ldw, s, lds, br, bk, y, ldy, M, N, K);
 }
 #else
@@ -173,6 +178,7 @@ static inline float hsum(v16 v) {
    ([ceil(N/br), ceil(K/bk)], rows lds apart). bk % 16 == 0. */
 void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
                 int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+    FP8_TILES(x, ldx, w, ldw, s, lds, br, bk, y, ldy, M, N, K);
     int64_t n4 = N & ~(int64_t)3;
     if (M < 4) {
         v16 part[4][3];

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from wideep.cpu import gemm, layers
 from wideep.cpu.build import unusable
 from tests.cpu.kernels import paged_bf16
+from wideep.moe.fp8 import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
 
 if unusable() is not None:
     pytest.skip(f"CPU kernels unusable: {unusable()}", allow_module_level=True)
@@ -171,3 +172,52 @@ def test_the_environment_starts_the_library_off_the_tiles():
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == want
+
+
+@pytest.mark.parametrize("M", [4, 5, 16, 17, 33, 100, 256])
+@pytest.mark.parametrize("N,K,block", [(16, 32, (16, 32)), (48, 96, (16, 32)), (576, 1024, (128, 128)),
+                                       (256, 320, (128, 128)), (80, 224, (32, 96))])
+def test_fp8_linear_on_tiles(M, N, K, block):
+    """FP8 block-quantised weights (csrc/gemm_fp8_amx.c): each weight widened to bfloat16 exactly, x split into two
+    bfloat16 parts, each block's sums scaled in float32: within float32-grade error of the dequantised float64
+    reference, whatever the model's dtype (a last partial block of K, one tile of rows, blocks of 16 x 32 up)."""
+    torch.manual_seed(M * 31 + N + K)
+    x = torch.randn(M, K)
+    q, s = quantize_fp8_block(torch.randn(N, K) * 0.1, block)
+    before = gemm.amx_calls()
+    got = gemm.linear_fp8(x, q, s, block)
+    assert _ran("gemm", before) == 1
+    exact = (x.double() @ dequantize_fp8_block(q, s, block, torch.float64).t()).float()
+    torch.testing.assert_close(got, exact, atol=2e-5 * K ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("M,N,K,block", [(3, 48, 96, (16, 32)), (257, 48, 96, (16, 32)), (8, 40, 96, (16, 32)),
+                                         (8, 48, 100, (16, 32)), (8, 48, 96, (8, 32)), (8, 48, 96, (16, 16))])
+def test_fp8_shapes_off_the_tiles_run_as_before(M, N, K, block):
+    """Too few or too many rows, N not a multiple of 16, K not of 32, a block of fewer than 16 rows or 32 features:
+    linear_fp8's vector loops, not the tiles, with the same result."""
+    torch.manual_seed(M + N + K)
+    x = torch.randn(M, K)
+    q, s = quantize_fp8_block(torch.randn(N, K) * 0.1, block)
+    before = gemm.amx_calls()
+    got = gemm.linear_fp8(x, q, s, block)
+    assert _ran("gemm", before) == 0
+    torch.testing.assert_close(got, F.linear(x, dequantize_fp8_block(q, s, block)), atol=2e-5 * K ** 0.5, rtol=1e-5)
+
+
+def test_fp8_every_e4m3_value_on_tiles():
+    """Every byte (subnormals; the NaN bytes 0x7f / 0xff read as +-480, as the vector loops read them) through the
+    tiles' widening: one-hot rows of x pick out weights, exactly; the weight row holds every code."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    w = torch.stack([codes.roll(r) for r in range(16)]).view(FP8_DTYPE).contiguous()   # [16, 256]
+    s = torch.tensor([[0.75, 3.0]])                                                     # 16 x 128 blocks
+    x = torch.eye(256)
+    before = gemm.amx_calls()
+    got = gemm.linear_fp8(x[:200], w, s, (16, 128))                                    # y[m, n] = W[n, m]
+    got = torch.cat((got, gemm.linear_fp8(x[200:], w, s, (16, 128))))
+    assert _ran("gemm", before) == 2
+    gemm.amx(False)
+    assert torch.equal(got, gemm.linear_fp8(x, w, s, (16, 128)))                       # the vector loops' values
+    finite = (w.view(torch.uint8) & 0x7F) != 0x7F                                       # [16, 256]
+    want = dequantize_fp8_block(w, s, (16, 128))
+    assert torch.equal(got.t()[finite], want[finite])
