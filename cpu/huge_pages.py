@@ -16,28 +16,56 @@ import sys
 import torch
 
 HUGE = 1 << 21
+MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
+
+
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def _aligned(t: torch.Tensor, min_bytes: int) -> tuple[int, int] | None:
+    """The 2 MiB-aligned part [lo, hi) of a CPU tensor of at least min_bytes, or None."""
+    n = t.numel() * t.element_size()
+    if t.device.type != "cpu" or n < min_bytes:
+        return None
+    lo, hi = -(-t.data_ptr() // HUGE) * HUGE, (t.data_ptr() + n) // HUGE * HUGE
+    return (lo, hi) if hi > lo else None
+
+
+def advise(tensors, min_bytes: int = 2 * HUGE) -> int:
+    """Ask for 2 MiB pages (MADV_HUGEPAGE) over the aligned part of each fresh, not yet touched CPU tensor of at
+    least min_bytes, so that the loader's reads fault in huge pages from the start: collapse() afterwards then
+    finds them in place instead of copying every page (measured: a 5 GB checkpoint's load 19.8 s, 14 of them in
+    collapse, before). Where THP is "never" or the kernel refuses, nothing changes. -> bytes advised."""
+    libc, done = _libc(), 0
+    for t in tensors if libc is not None else ():
+        r = _aligned(t, min_bytes)
+        if r is not None and libc.madvise(r[0], r[1] - r[0], MADV_HUGEPAGE) == 0:
+            done += r[1] - r[0]
+    return done
 
 
 def collapse(tensors, min_bytes: int = 2 * HUGE) -> int:
     """Collapse the 2 MiB-aligned part of each CPU tensor of at least min_bytes. -> bytes collapsed."""
-    if not sys.platform.startswith("linux"):
+    libc = _libc()
+    if libc is None:
         return 0
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return 0
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     done, seen = 0, set()
     for t in tensors:
-        n = t.numel() * t.element_size()
-        if t.device.type != "cpu" or n < min_bytes or t.data_ptr() in seen:
+        r = _aligned(t, min_bytes)
+        if r is None or t.data_ptr() in seen:
             continue
         seen.add(t.data_ptr())
-        lo = -(-t.data_ptr() // HUGE) * HUGE
-        hi = (t.data_ptr() + n) // HUGE * HUGE
-        if hi > lo and libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
-            done += hi - lo
+        if libc.madvise(r[0], r[1] - r[0], MADV_COLLAPSE) == 0:
+            done += r[1] - r[0]
     return done
 
 

@@ -164,13 +164,30 @@ class SafetensorsFile:
         lo, hi = info["data_offsets"]
         dtype, shape = SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
         buf = torch.empty(hi - lo, dtype=torch.uint8)
+        self._pread(name, buf)
+        return buf.view(dtype).view(shape) if hi > lo else torch.empty(shape, dtype=dtype)
+
+    def read_into(self, name: str, out: torch.Tensor) -> bool:
+        """The stored bytes of `name` straight into `out` (no buffer of its own, no copy) where `out` is a contiguous
+        CPU tensor of the stored dtype and shape; False (nothing read) otherwise."""
+        info = self._header[name]
+        if (out.device.type != "cpu" or not out.is_contiguous() or out.dtype != SAFETENSORS_DTYPES[info["dtype"]]
+                or list(out.shape) != info["shape"]):
+            return False
+        lo, hi = info["data_offsets"]
+        if hi > lo:
+            self._pread(name, out.view(-1).view(torch.uint8))
+        return True
+
+    def _pread(self, name: str, buf: torch.Tensor) -> None:
+        """buf (uint8, contiguous) <- the tensor's bytes"""
+        lo, hi = self._header[name]["data_offsets"]
         view, done = memoryview(buf.numpy()), 0
         while done < hi - lo:   # pread may return less than asked: go on from there
             got = os.preadv(self._fd, [view[done:]], self._base + lo + done)
             if got <= 0:
                 raise CheckpointError(f"{self.path!r}: tensor {name!r} ends early (read {done} of {hi - lo} bytes)")
             done += got
-        return buf.view(dtype).view(shape) if hi > lo else torch.empty(shape, dtype=dtype)
 
 
 class _Slice:
@@ -281,6 +298,18 @@ class CheckpointReader:
         return scale_to_float(self._handle(self._file_of[scale_name]).get_tensor(self._stored.get(scale_name,
                                                                                                  scale_name)))
 
+    def read_into(self, name: str, dest: torch.Tensor) -> bool:
+        """`get(name, dest.dtype)` written into dest by the file read itself where that is a plain copy of the stored
+        bytes (same dtype and shape, dest contiguous; not a block scale, which get converts): the load's one pass
+        over the bytes instead of three (a buffer's first touch, the read, the copy). False: nothing done."""
+        if name.endswith(SCALE_SUFFIX):
+            return False
+        if dest.dtype == torch.uint8:   # FP4 pairs: get's bytes as stored (int8 or uint8), whatever their dtype name
+            if not self.is_fp4(name):
+                return False
+            dest = dest.view(SAFETENSORS_DTYPES[self._slice(name).get_dtype()])
+        return self._handle(self.file_of(name)).read_into(self._stored.get(name, name), dest)
+
     def get(self, name: str, dtype: torch.dtype, block_size: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor in `dtype`. An fp8 weight is dequantised with `<name>_scale_inv`; asking for
         `dtype=float8_e4m3fn` returns the stored fp8 values untouched (load the scale separately)."""
@@ -374,7 +403,8 @@ def load_weights(reader: CheckpointReader, targets: dict[str, torch.Tensor], *,
     with torch.no_grad():
         for name in tqdm(order, desc="loading weights", unit="tensor", disable=not progress):
             dest = targets[name]
-            dest.copy_(reader.get(name, dtype or dest.dtype))
+            if (dtype or dest.dtype) != dest.dtype or not reader.read_into(name, dest):
+                dest.copy_(reader.get(name, dtype or dest.dtype))
             nbytes += dest.numel() * dest.element_size()
     if reader.other:
         log.info("skipping %d tensors that are not the text model's (e.g. %s)", len(reader.other), reader.other[0])
@@ -425,6 +455,12 @@ class OnlineFp8Reader:
                                       f"{tuple(t.shape)}")
             self._last = (w, *quantize_fp8_block(t, self.block_size, scratch=True))   # t: a fresh tensor of ours
         return self._last[1], self._last[2]
+
+    def read_into(self, name: str, dest: torch.Tensor) -> bool:
+        """The wrapped reader's, except for the weights quantised here and their scales (get computes them)."""
+        if name in self._fp8 or self._weight(name) is not None:
+            return False
+        return self._r.read_into(name, dest)
 
     def get(self, name: str, dtype: torch.dtype, block_size: tuple[int, int] | None = None) -> torch.Tensor:
         w = self._weight(name)

@@ -67,12 +67,15 @@ def expert_targets(experts, layer: int, expert: int, slot: int) -> dict[str, tor
 def _materialize(module: nn.Module, device) -> None:
     """Give every meta parameter and buffer uninitialised storage on `device` (Module.to_empty, but
     through torch.empty with the shape: empty_like on meta imports sympy, ~0.7 s per process)."""
+    from wideep.cpu.huge_pages import advise
     for m in module.modules():
         for table in (m._parameters, m._buffers):
             for name, t in table.items():
                 if t is None or not t.is_meta:
                     continue
                 new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                if new.device.type == "cpu":   # before the loader first touches it: faults in 2 MiB pages
+                    advise([new])
                 table[name] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
 
 

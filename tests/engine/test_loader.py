@@ -123,12 +123,13 @@ def test_mtp_layers_skipped_and_never_read(tmp_path, monkeypatch, caplog):
                "model.layers.10.shared_head.head.weight": _rand(6, 4)}
     reader = CheckpointReader(_ckpt(tmp_path, tensors))
     read = []
-    real_get = reader.get
+    real_get, real_into = reader.get, reader.read_into
     monkeypatch.setattr(reader, "get", lambda name, *a, **k: read.append(name) or real_get(name, *a, **k))
+    monkeypatch.setattr(reader, "read_into", lambda name, *a: read.append(name) or real_into(name, *a))
     targets = {n: torch.empty(4) for n in tensors if n.startswith(("model.layers.0.", "model.layers.1."))}
     with caplog.at_level(logging.INFO, logger="wideep.loader"):
         report = load_weights(reader, targets, num_hidden_layers=2, progress=False)
-    assert sorted(read) == sorted(targets)
+    assert sorted(set(read)) == sorted(targets)
     assert report.skipped_mtp == 5 and report.loaded == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "wideep.loader"]
     assert len(lines) == 1 and "[2, 10]" in lines[0]
@@ -145,8 +146,9 @@ def test_expert_ignore_skips_other_ranks_experts(tmp_path, monkeypatch):
             tensors[f"model.layers.1.mlp.experts.{e}.{p}.weight_scale_inv"] = s
     reader = CheckpointReader(_ckpt(tmp_path, tensors))
     read = []
-    real_get = reader.get
+    real_get, real_into = reader.get, reader.read_into
     monkeypatch.setattr(reader, "get", lambda name, *a, **k: read.append(name) or real_get(name, *a, **k))
+    monkeypatch.setattr(reader, "read_into", lambda name, *a: read.append(name) or real_into(name, *a))
     mine = {2, 3}  # this rank owns experts 2 and 3 of layer 1
     targets = {f"model.layers.1.mlp.experts.{e}.{p}.weight": torch.empty(6, 6)
                for e in mine for p in ("gate_proj", "up_proj", "down_proj")}
@@ -217,6 +219,45 @@ def test_every_stored_dtype_reads_back_exactly_without_mapping_the_file(tmp_path
         assert f.get_slice(name).get_shape() == list(t.shape)
     maps = open("/proc/self/maps").read()
     assert path not in maps
+
+
+def test_read_into_fills_the_destination_in_place_where_it_is_a_plain_copy(tmp_path):
+    """load_weights reads a tensor straight into its destination (SafetensorsFile.read_into: no buffer, no copy)
+    where the stored dtype and shape are the destination's and it is contiguous: every dtype a checkpoint holds, a
+    contiguous row block of a stacked parameter, a scalar, an empty tensor. Elsewhere (another dtype, a strided
+    destination, a block scale) nothing is read and get + copy_ run: the same values either way."""
+    from wideep.engine.model.loader import SafetensorsFile
+    g = torch.Generator().manual_seed(7)
+    tensors = {"bf16": torch.randn(4, 7, generator=g).bfloat16(), "f32": torch.randn(3, 5, generator=g),
+               "fp8": torch.randn(6, 4, generator=g).to(torch.float8_e4m3fn), "i64": torch.arange(5),
+               "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4)}
+    path = str(tmp_path / "model.safetensors")
+    save_file(tensors, path, metadata=META)
+    f = SafetensorsFile(path)
+    for name, t in tensors.items():
+        out = torch.full_like(t, 3) if t.dtype != torch.float8_e4m3fn else torch.empty_like(t)
+        assert f.read_into(name, out), name
+        assert torch.equal(out.view(torch.uint8) if t.element_size() == 1 else out,
+                           t.view(torch.uint8) if t.element_size() == 1 else t), name
+    stacked = torch.zeros(3, 4, 7, dtype=torch.bfloat16)
+    assert f.read_into("bf16", stacked[1]) and torch.equal(stacked[1], tensors["bf16"]) and not stacked[0].any()
+    assert not f.read_into("bf16", torch.zeros(4, 7))                      # another dtype
+    assert not f.read_into("bf16", torch.zeros(7, 4, dtype=torch.bfloat16).t())   # strided
+    assert not f.read_into("bf16", torch.zeros(28, dtype=torch.bfloat16))  # another shape
+    # through load_weights: in place for the bf16 / fp8 destinations, converted for float32 ones, scales as before
+    w = _rand(40, 64)
+    q, sc = quantize_fp8_block(w, (16, 32))
+    ckpt = {"a.weight": tensors["bf16"], "b.weight": q, "b.weight_scale_inv": sc, "c.weight": tensors["bf16"].clone()}
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"quantization_config": {"weight_block_size": [16, 32]}}))
+    reader = CheckpointReader(_ckpt(d, ckpt))
+    targets = {"a.weight": torch.zeros(4, 7, dtype=torch.bfloat16), "b.weight": torch.empty(40, 64, dtype=FP8_DTYPE),
+               "b.weight_scale_inv": torch.zeros_like(sc), "c.weight": torch.zeros(4, 7)}
+    load_weights(reader, targets, progress=False)
+    assert torch.equal(targets["a.weight"], tensors["bf16"]) and torch.equal(targets["c.weight"], tensors["bf16"].float())
+    assert torch.equal(targets["b.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(targets["b.weight_scale_inv"], sc)
 
 
 def test_a_damaged_safetensors_file_is_named(tmp_path):
