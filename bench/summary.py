@@ -265,6 +265,12 @@ ROWS = (
         Run("vs_vllm", "python bench/vs_vllm.py", _vs_vllm, _vs_vllm_checks, tag="Intel Xeon with AMX tiles"),
         Run("vs_vllm_noamx", "python bench/vs_vllm.py --save-as vs_vllm_noamx", _vs_vllm, _vs_vllm_checks,
             tag="AMD EPYC, AVX512-BF16, no AMX"))),
+    Row("vs vLLM on a DeepSeek-V3-shaped checkpoint (its 3 dense layers, FP8), one core", "≥ 1.5× throughput / "
+        "TTFT p50 ≤ 0.8× (concurrency 16)", (
+        Run("vs_vllm_v3_shaped", "python bench/vs_vllm.py --dir DIR --one-at-a-time --concurrency 16 --dtypes bfloat16 "
+            "--input-len 256 --output-len 128 --prompts-per-slot 1 --rounds 2 --no-offline --save-as vs_vllm_v3_shaped",
+            _vs_vllm, lambda r: [r["targets"]["16"]["throughput_ge_1p5"], r["targets"]["16"]["ttft_le_0p8"]],
+            tag="Intel Xeon with AMX tiles"),)),
     Row("width, 1–32 ranks", "flat in width / 32 vs 8 start ≤ 4.5× / 8 ranks ≤ 20 s / slow front ≤ 1.1", (
         Run("scale", "python bench/scale.py", _scale, _scale_checks),)),
     Row("surviving a lost rank", "≤ 30 s at 16, 0 lost, outputs equal", (
