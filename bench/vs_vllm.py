@@ -26,7 +26,9 @@ concurrency 16 and 64: "admission" in the JSON.
 --dir DIR: serve that checkpoint instead (e.g. `wideep make-shaped --like deepseek-v3 --layers 3`: V3's published
 shapes, FP8 linears with 128x128 scales, which both engines keep in FP8 with bfloat16 activations). --one-at-a-time:
 one engine in memory at once (a published-shape checkpoint does not fit twice): every round starts each engine in
-turn (order alternating), runs every concurrency against it and stops it.
+turn (order alternating), runs every concurrency against it and stops it; with it, --engines wideep serves wideep
+alone under vLLM's client (no ratios), and --wideep-args passes more flags to `wideep serve` (e.g.
+`--quantization fp8`: a bf16 checkpoint quantised at load).
 
 vLLM starts in ~60-100 s here; the whole run takes ~25 minutes at 3 rounds. Not in CI. Last line (JSON): {"serve":
 {engine: {dtype: {concurrency: {output_tok_s, ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms, completed, rounds:
@@ -107,8 +109,8 @@ class Server:
     """One engine serving the checkpoint on core 0; stopped by its process group id."""
 
     def __init__(self, engine: str, dtype: str, model: str, vllm_py: str, workdir: str, max_seqs: int,
-                 budget: int | None = None):
-        """budget: the engine's max_num_batched_tokens (None: its default)."""
+                 budget: int | None = None, extra: tuple[str, ...] = ()):
+        """budget: the engine's max_num_batched_tokens (None: its default); extra: more flags for its server."""
         self.port = free_port()
         self.log = os.path.join(workdir, f"{engine}-{dtype}{'' if budget is None else f'-b{budget}'}.log")
         env = dict(os.environ)
@@ -124,6 +126,7 @@ class Server:
                    "--max-num-seqs", str(max_seqs), "--no-enable-prefix-caching", "--max-model-len", "2048"]
         if budget is not None:
             cmd += ["--max-num-batched-tokens", str(budget)]
+        cmd += list(extra)
         self.started = time.time()
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(["taskset", "-c", "0"] + cmd, stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -245,15 +248,19 @@ def offline(engine: str, dtype: str, model: str, vllm_py: str, prompts_path: str
     return json.loads(line[-1][len("RESULT "):])
 
 
+ENGINES = ("wideep", "vllm")
+
+
 def serve_in_turn(a, dtype: str, model: str, vllm_py: str, tmp: str, concs: list[int], result: dict) -> None:
     """--one-at-a-time: every round starts each engine alone (order alternating), runs every concurrency, stops it."""
     rounds: dict[str, dict[int, list]] = {}
     for r in range(a.rounds):
-        for e in (("wideep", "vllm") if r % 2 == 0 else ("vllm", "wideep")):
-            if "error" in result["serve"].get(e, {}).get(dtype, {}):
+        for e in (ENGINES if r % 2 == 0 else ENGINES[::-1]):
+            if e not in a.engines or "error" in result["serve"].get(e, {}).get(dtype, {}):
                 continue
             try:
-                srv = Server(e, dtype, model, vllm_py, tmp, max(concs))
+                srv = Server(e, dtype, model, vllm_py, tmp, max(concs),
+                             extra=tuple(a.wideep_args.split()) if e == "wideep" else ())
             except RuntimeError as err:
                 result["serve"].setdefault(e, {})[dtype] = {"error": last_error(str(err))}
                 print(e, dtype, "failed:", result["serve"][e][dtype]["error"], flush=True)
@@ -291,6 +298,10 @@ def main() -> None:
     ap.add_argument("--dir", default="", help="serve this checkpoint directory instead of the tiny V3")
     ap.add_argument("--one-at-a-time", action="store_true",
                     help="one engine in memory at once: each round starts and stops every engine in turn")
+    ap.add_argument("--engines", default="wideep,vllm",
+                    help="with --one-at-a-time: the engines served (wideep alone: its figures under vLLM's client)")
+    ap.add_argument("--wideep-args", default="", help="with --one-at-a-time: more flags for `wideep serve` "
+                    "(e.g. '--quantization fp8' for online FP8 of a bf16 checkpoint)")
     ap.add_argument("--save-as", default="vs_vllm",
                     help="the results file's name (bench/results/NAME.json): another machine's run beside this one's")
     a = ap.parse_args()
@@ -299,6 +310,11 @@ def main() -> None:
     if shutil.which("taskset") is None or (os.cpu_count() or 1) < 2:
         raise SystemExit("needs taskset and 2 cores (server on core 0, client on core 1)")
     concs = [int(c) for c in a.concurrency.split(",")]
+    a.engines = a.engines.split(",")
+    if set(a.engines) - set(ENGINES) or not a.engines:
+        raise SystemExit(f"--engines: a comma-separated subset of {','.join(ENGINES)}, got {','.join(a.engines)!r}")
+    if (a.engines != list(ENGINES) or a.wideep_args) and not a.one_at_a_time:
+        raise SystemExit("--engines and --wideep-args go with --one-at-a-time")
     dtypes = a.dtypes.split(",")
     vllm_py = ensure_vllm(a.vllm_venv)
     vllm_version = subprocess.run([vllm_py, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
@@ -393,7 +409,7 @@ def main() -> None:
     # wideep's best dtype against vLLM's best, per concurrency (best: the higher median output throughput); each
     # ratio from the rounds' pairs (the same round's runs of the two engines), their median and range
     ratios, targets = {}, {}
-    for c in concs:
+    for c in concs if set(ENGINES) <= set(result["serve"]) else ():
         ok = {e: [d for d in dtypes if "error" not in result["serve"][e][d]] for e in ("wideep", "vllm")}
         if not ok["wideep"] or not ok["vllm"]:
             continue
