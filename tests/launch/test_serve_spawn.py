@@ -21,9 +21,8 @@ from wideep.launch.cli.local import LAUNCHER_VARS
 from wideep.launch.cli.main import main
 from wideep.launch.cli.serve_local import RANKS_PER_CORE, local_layout
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-from tests.launch.runs import REPO
+from tests.launch.runs import REPO, alive, children
 from tests.launch.test_server import MAX_TOKENS, PROMPTS, complete, metrics, request
-from tests.launch.test_torchrun_stop import _alive, _children
 
 LINUX = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks' pids in /proc (Linux)")
 FLAGS = ["--port", "0", "--served-model-name", "tiny", "--dispatch-backend", "torch", "--max-model-len", "128",
@@ -55,7 +54,7 @@ class Spawned:
             if "http://127.0.0.1:" in line:
                 self.base = f"127.0.0.1:{int(line.split('http://127.0.0.1:')[1].split()[0])}"
                 break
-        assert sorted(_children(self.proc.pid)) == sorted(self.ranks), (self.ranks, self.output)
+        assert sorted(children(self.proc.pid)) == sorted(self.ranks), (self.ranks, self.output)
 
     def _drain(self, lines: queue.Queue) -> None:
         for line in self.proc.stdout:   # until every rank (they share the pipe) has closed it
@@ -88,9 +87,9 @@ class Spawned:
 
     def ranks_left(self, grace_s: float = 15.0) -> list[int]:
         deadline = time.monotonic() + grace_s
-        while any(_alive(p) for p in self.ranks) and time.monotonic() < deadline:
+        while any(alive(p) for p in self.ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-        return [p for p in self.ranks if _alive(p)]
+        return [p for p in self.ranks if alive(p)]
 
 
 @pytest.fixture(scope="module")
@@ -179,13 +178,13 @@ def test_continue_serves_on_after_a_rank_loss_and_a_killed_supervisor_leaves_no_
 def test_bad_layouts_fail_before_any_rank_starts(tiny, flags, match, capsys, monkeypatch):
     for k in LAUNCHER_VARS:
         monkeypatch.delenv(k, raising=False)
-    before = set(_children(os.getpid())) if os.path.isdir("/proc") else set()
+    before = set(children(os.getpid())) if os.path.isdir("/proc") else set()
     with pytest.raises(SystemExit) as e:
         main(["serve", tiny, *flags, "--port", "0"])
     assert e.value.code == 2
     assert re.search(match, capsys.readouterr().err)
     if os.path.isdir("/proc"):
-        assert set(_children(os.getpid())) <= before
+        assert set(children(os.getpid())) <= before
 
 
 def test_local_layout_only_without_a_launcher():
