@@ -34,14 +34,6 @@ EXIT_MARGIN_S = 10.0   # past the collective timeout, for the survivors of a dea
 _PR_SET_PDEATHSIG = 1
 
 
-def under_launcher(env=None) -> bool:
-    """True when torchrun (RANK and WORLD_SIZE) or mpirun (PMI_* / OMPI_*) started this process: it is one
-    of the ranks, not the one that starts them (the variables parallel/bootstrap.py reads)."""
-    env = os.environ if env is None else env
-    return ("RANK" in env and "WORLD_SIZE" in env) or any(
-        k in env for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
-
-
 def max_local_ranks(parallel: dict) -> tuple[int, str]:
     """-> (the most ranks this host may start, why): one GPU per rank with NCCL, else RANKS_PER_CORE per
     usable core."""
@@ -56,10 +48,11 @@ def max_local_ranks(parallel: dict) -> tuple[int, str]:
 
 
 def local_layout(cfg: dict, env=None):
-    """cfg: a validated run config (dp_size >= 1 is checked there). -> the ParallelConfig of the ranks `serve` must start itself, or None: under a launcher (every rank
+    """-> the ParallelConfig of the ranks `serve` must start itself, or None: under a launcher (every rank
     runs serve), for one rank, or for prefill/decode pools (started by a launcher: disagg/config.py sizes
-    them). Raises ValueError naming the numbers for a layout that cannot run here, before anything starts."""
-    from wideep.parallel.config import ParallelConfig
+    them). cfg: a validated run config (dp_size >= 1 was checked there). Raises ValueError naming the
+    numbers for a layout that cannot run here, before anything starts."""
+    from wideep.parallel import ParallelConfig, under_launcher
     if under_launcher(env) or "disagg" in cfg:
         return None
     par = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
@@ -83,15 +76,17 @@ def local_layout(cfg: dict, env=None):
     return layout
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the supervisor dies (for rank 0, a graceful stop; the workers
-    follow it). Off Linux there is no such signal; the supervisor's own handlers remain."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:   # the supervisor died before prctl: the signal would never come
-        os.kill(os.getpid(), signal.SIGTERM)
+def _die_with(supervisor: int):
+    """-> what a rank runs before exec: SIGTERM to itself when the supervisor dies (for rank 0, a graceful
+    stop; the workers follow it). Off Linux there is no such signal; the supervisor's handlers remain."""
+    def arm() -> None:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != supervisor:   # it died before prctl: the signal would never come
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
 
 
 def _kill_group(p: subprocess.Popen) -> None:
@@ -107,13 +102,13 @@ def _kill_group(p: subprocess.Popen) -> None:
 
 def serve_local_ranks(argv: list[str], nprocs: int, timeout_s: float, *, poll_s: float = 0.1) -> int:
     """Run `python -m wideep.launch <argv>` (a serve command) on nprocs local ranks until rank 0 exits;
-    timeout_s: the ranks' collective timeout ([parallel] timeout_s). -> rank 0's exit status (1 if a rank
-    had to be killed)."""
+    timeout_s: the ranks' collective timeout ([parallel] timeout_s). -> rank 0's exit status (128 + N if
+    signal N killed it; 1 if a rank had to be killed here)."""
     asked: list[int] = []
     previous = {s: signal.signal(s, lambda sig, _f: asked.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         procs = start_ranks([sys.executable, "-m", "wideep.launch", *argv], nprocs, start_new_session=True,
-                            preexec_fn=lambda r: _die_with_parent)
+                            preexec_fn=lambda r: _die_with(os.getpid()))
     except BaseException:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -152,7 +147,8 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float, asked: list[int]
     if left:
         print(f"wideep serve: rank(s) {left} still running {timeout_s + EXIT_MARGIN_S:.0f} s after rank 0 "
               f"exited: killed", file=sys.stderr, flush=True)
-    return procs[0].returncode or (1 if left else 0)
+    rc = procs[0].returncode
+    return (128 - rc if rc < 0 else rc) or (1 if left else 0)   # killed by signal N: 128 + N, as a shell says
 
 
 def _report_exits(procs: list[subprocess.Popen], reported: set[int]) -> None:

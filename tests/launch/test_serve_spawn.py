@@ -135,16 +135,21 @@ def test_dp2_serves_as_one_process_and_sigterm_stops_every_rank(tiny, reference)
 
 @LINUX
 @pytest.mark.multirank
-def test_a_killed_rank_ends_the_server_naming_it(tiny, tmp_path):
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_killed_rank_ends_the_server_naming_it(tiny, tmp_path, victim):
+    """on_rank_loss = "exit": a killed worker ends rank 0 (status 1), a killed rank 0 ends the worker; the
+    supervisor exits with rank 0's status (SIGKILL: 137) and every rank is gone."""
     s = Spawned(["--config", config(tmp_path, tiny, ""), tiny, *FLAGS])
     try:
-        os.kill(s.ranks[1], signal.SIGKILL)
+        os.kill(s.ranks[victim], signal.SIGKILL)
         rc = s.wait(60)
     finally:
         s.kill()
     out = "".join(s.output)
-    assert rc == 1, out
-    assert "rank 1 lost" in out and f"rank 1 (pid {s.ranks[1]}) exited (killed by signal 9)" in out
+    assert rc == (1 if victim else 128 + signal.SIGKILL), out
+    assert f"rank {victim} lost" in out
+    if victim:
+        assert f"rank 1 (pid {s.ranks[1]}) exited (killed by signal 9)" in out
     assert s.ranks_left() == []
 
 
@@ -190,7 +195,8 @@ def test_bad_layouts_fail_before_any_rank_starts(tiny, flags, match, capsys, mon
 def test_local_layout_only_without_a_launcher():
     cfg = {"parallel": {"dp_size": 2, "timeout_s": 7.0}}
     assert local_layout(cfg, env={}).dp_size == 2 and local_layout(cfg, env={}).timeout_s == 7.0
-    for launcher in ({"RANK": "0", "WORLD_SIZE": "1"}, {"OMPI_COMM_WORLD_RANK": "0"}, {"PMI_RANK": "0"}):
+    for launcher in ({"RANK": "0", "WORLD_SIZE": "1"}, {"OMPI_COMM_WORLD_RANK": "0"}, {"PMI_RANK": "0"},
+                     {"PMIX_RANK": "0"}):
         assert local_layout(cfg, env=launcher) is None
     assert local_layout({"parallel": {"dp_size": 1}}, env={}) is None
     assert local_layout({"parallel": {}}, env={}) is None
