@@ -138,14 +138,14 @@ def cmd_serve(a) -> None:
     """OpenAI-compatible HTTP server on rank 0 (launch/cli/serve.py); SPMD under torchrun/mpirun. Without a
     launcher and with dp_size > 1 this process starts the ranks and supervises them (launch/cli/serve_local.py)."""
     from .options import SERVE, resolve
-    from .serve_local import local_layout, serve_local_ranks
+    from .serve_local import local_ranks, serve_local_ranks
     try:
         from .serve import serve
     except ImportError as e:
         raise SystemExit(f"wideep serve needs aiohttp: pip install -e '.[serve]' ({e})") from None
     cfg = resolve(a, SERVE)
-    layout = local_layout(cfg)
-    rc = serve_local_ranks(a.argv, layout.dp_size, layout.timeout_s) if layout else serve(cfg)
+    spawn = local_ranks(cfg)
+    rc = serve_local_ranks(a.argv, spawn.count, spawn.timeout_s) if spawn else serve(cfg)
     if rc:
         raise SystemExit(rc)
 

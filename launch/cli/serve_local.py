@@ -1,5 +1,5 @@
-"""`wideep serve MODEL --dp-size N` without a launcher: start the N ranks on this host and supervise them
-(what vLLM's --data-parallel-size does on one node). The ranks are started by launch/cli/local.py's spawner
+"""`wideep serve MODEL --dp-size N` (or a run config's prefill/decode pools) without a launcher: start the
+ranks on this host and supervise them (what vLLM's --data-parallel-size does on one node). The ranks are started by launch/cli/local.py's spawner
 (torchrun's variables, as `wideep demo` uses), each runs `serve` exactly as under torchrun: rank 0 hosts
 the HTTP front, the others follow it.
 
@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from .local import start_ranks
 
@@ -47,16 +48,30 @@ def max_local_ranks(parallel: dict) -> tuple[int, str]:
     return RANKS_PER_CORE * cpus, f"{RANKS_PER_CORE} ranks per usable CPU core, {cpus} core(s)"
 
 
-def local_layout(cfg: dict, env=None):
-    """-> the ParallelConfig of the ranks `serve` must start itself, or None: under a launcher (every rank
-    runs serve), for one rank, or for prefill/decode pools (started by a launcher: disagg/config.py sizes
-    them). cfg: a validated run config (dp_size >= 1 was checked there). Raises ValueError naming the
-    numbers for a layout that cannot run here, before anything starts."""
+@dataclass(frozen=True)
+class LocalRanks:
+    """What `serve` starts itself: `count` ranks whose collectives time out after timeout_s."""
+    count: int
+    timeout_s: float
+
+
+def local_ranks(cfg: dict, env=None) -> LocalRanks | None:
+    """-> the ranks `serve` must start itself, or None: under a launcher (every rank runs serve) or for one
+    rank. The count is [parallel] dp_size, or with prefill/decode pools their ranks together
+    (disagg/config.py). cfg: a validated run config (sizes >= 1 were checked there). Raises ValueError
+    naming the numbers for a layout that cannot run here, before anything starts."""
+    from wideep.disagg.config import DisaggConfig
     from wideep.parallel import ParallelConfig, under_launcher
-    if under_launcher(env) or "disagg" in cfg:
+    if under_launcher(env):
         return None
     par = {k: v for k, v in cfg.get("parallel", {}).items() if v != "auto"}
     dp, ep = par.get("dp_size"), par.get("ep_size")
+    if "disagg" in cfg:   # sizes are per pool: [parallel] dp_size / ep_size are refused with pools
+        from wideep.disagg.engine import check_options
+        from .run_config import llm_kwargs
+        kwargs = llm_kwargs(cfg)
+        check_options(kwargs, kwargs["parallel"])
+        dp = ep = DisaggConfig.from_dict(cfg["disagg"]).world_size
     if dp is None:
         if ep not in (None, 1):
             raise ValueError(f"ep_size ({ep}) without dp_size: routed experts are spread over every rank and "
@@ -69,11 +84,12 @@ def local_layout(cfg: dict, env=None):
         return None
     most, why = max_local_ranks(par)
     if dp > most:
-        raise ValueError(f"dp_size ({dp}) is more ranks than this host can start: at most {most} ({why}); "
+        what = "the pools' dp_size" if "disagg" in cfg else "dp_size"
+        raise ValueError(f"{what} ({dp}) is more ranks than this host can start: at most {most} ({why}); "
                          f"start ranks on several hosts with torchrun or mpirun")
     layout = ParallelConfig.from_dict({**par, "dp_size": dp, "ep_size": dp})
     layout.validate(dp)   # the rest of [parallel] (ranks_per_node ...), as every rank would check it
-    return layout
+    return LocalRanks(dp, layout.timeout_s)
 
 
 def _die_with(supervisor: int):

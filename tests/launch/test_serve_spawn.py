@@ -19,7 +19,7 @@ import pytest
 from wideep.engine import LLM, SamplingParams
 from wideep.launch.cli.local import LAUNCHER_VARS
 from wideep.launch.cli.main import main
-from wideep.launch.cli.serve_local import RANKS_PER_CORE, local_layout
+from wideep.launch.cli.serve_local import RANKS_PER_CORE, LocalRanks, local_ranks
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.runs import REPO, alive, children
 from tests.launch.test_server import MAX_TOKENS, PROMPTS, complete, metrics, request
@@ -192,21 +192,49 @@ def test_bad_layouts_fail_before_any_rank_starts(tiny, flags, match, capsys, mon
         assert set(children(os.getpid())) <= before
 
 
-def test_local_layout_only_without_a_launcher():
+def test_local_ranks_only_without_a_launcher():
     cfg = {"parallel": {"dp_size": 2, "timeout_s": 7.0}}
-    assert local_layout(cfg, env={}).dp_size == 2 and local_layout(cfg, env={}).timeout_s == 7.0
+    assert local_ranks(cfg, env={}) == LocalRanks(2, 7.0)
     for launcher in ({"RANK": "0", "WORLD_SIZE": "1"}, {"OMPI_COMM_WORLD_RANK": "0"}, {"PMI_RANK": "0"},
                      {"PMIX_RANK": "0"}):
-        assert local_layout(cfg, env=launcher) is None
-    assert local_layout({"parallel": {"dp_size": 1}}, env={}) is None
-    assert local_layout({"parallel": {}}, env={}) is None
+        assert local_ranks(cfg, env=launcher) is None
+    assert local_ranks({"parallel": {"dp_size": 1}}, env={}) is None
+    assert local_ranks({"parallel": {}}, env={}) is None
+    pools = {"prefill": {"dp_size": 2}, "decode": {"dp_size": 1}}
+    assert local_ranks({"disagg": pools}, env={}) == LocalRanks(3, 60.0)
+    with pytest.raises(ValueError, match=r"dp_size is set per pool when disaggregated"):
+        local_ranks({"disagg": pools, "parallel": {"dp_size": 3}}, env={})
     with pytest.raises(ValueError, match=r"ranks_per_node \(3\) does not divide world_size \(2\)"):
-        local_layout({"parallel": {"dp_size": 2, "ranks_per_node": 3}}, env={})
+        local_ranks({"parallel": {"dp_size": 2, "ranks_per_node": 3}}, env={})
     most = RANKS_PER_CORE * len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     if most is not None:
-        assert local_layout({"parallel": {"dp_size": most, "backend": "gloo"}}, env={}).dp_size == most
+        assert local_ranks({"parallel": {"dp_size": most, "backend": "gloo"}}, env={}).count == most
         with pytest.raises(ValueError, match=rf"dp_size \({most + 1}\) is more ranks .* at most {most}"):
-            local_layout({"parallel": {"dp_size": most + 1, "backend": "gloo"}}, env={})
+            local_ranks({"parallel": {"dp_size": most + 1, "backend": "gloo"}}, env={})
+        big = {"parallel": {"backend": "gloo"}, "disagg": {"prefill": {"dp_size": most}, "decode": {"dp_size": 1}}}
+        with pytest.raises(ValueError, match=rf"the pools' dp_size \({most + 1}\) is more ranks"):
+            local_ranks(big, env={})
+
+
+@LINUX
+@pytest.mark.multirank
+def test_disaggregated_pools_are_started_too(tiny, reference, tmp_path):
+    """A [disagg] config (1 decode + 1 prefill rank) served plainly: both pools' ranks started here."""
+    path = tmp_path / "disagg.toml"
+    path.write_text(f'[model]\npath = "{tiny}"\nmax_model_len = 128\n[parallel]\ndispatch_backend = "torch"\n'
+                    f'[disagg.prefill]\nkv_cache_blocks = 64\n[disagg.decode]\nkv_cache_blocks = 64\n'
+                    f'[server]\nport = 0\nmodel_name = "tiny"\n')
+    s = Spawned(["--config", str(path)])
+    try:
+        assert len(s.ranks) == 2
+        assert [complete(s.base, PROMPTS[i], MAX_TOKENS[i], i % 2 == 1)["token_ids"] for i in (0, 1)] == reference[:2]
+        assert metrics(s.base)["wideep_kv_transfers_total"] == 2   # the prompts went through the prefill rank
+        s.proc.send_signal(signal.SIGINT)
+        rc = s.wait(60)
+    finally:
+        s.kill()
+    assert rc == 0, "".join(s.output)
+    assert s.ranks_left() == []
 
 
 def test_mismatch_under_a_launcher_says_how_to_fix_it():
