@@ -33,7 +33,8 @@ from .roles import build_roles
 _PER_POOL = ("dp_size", "ep_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_blocks")
 
 
-def _check_options(options: dict, par: dict) -> None:
+def check_options(options: dict, par: dict) -> None:
+    """Raise ValueError naming an option that cannot go with the pools (also before any rank starts: serve)."""
     for key in _PER_POOL:
         if options.get(key) is not None or (key in ("dp_size", "ep_size") and par.get(key) not in (None, "auto")):
             raise ValueError(f"{key} is set per pool when disaggregated: use [disagg.prefill] / [disagg.decode]")
@@ -54,7 +55,7 @@ def make_engine(model: str, disagg, parallel=None, **options) -> DisaggEngine:
     each the engine's own step loop with the role's hooks."""
     cfg = DisaggConfig.coerce(disagg)
     par = dict(parallel.to_dict() if isinstance(parallel, ParallelConfig) else (parallel or {}))
-    _check_options(options, par)
+    check_options(options, par)
     par = {k: v for k, v in par.items() if k not in ("dp_size", "ep_size")}
     mcfg = ModelConfig.from_dir(model)
     from wideep.engine.spec_decode import SpeculativeConfig

@@ -6,7 +6,7 @@ make_dispatcher(ctx, ...) moves MoE tokens over the EP group, one call at a time
 StepPlan (the step's agreed plan) asks for.
 """
 from .agreement import check_agreement, fingerprint
-from .bootstrap import bootstrap, launch_rank, launch_world_size, shutdown
+from .bootstrap import bootstrap, launch_rank, launch_world_size, shutdown, under_launcher
 from .config import ParallelConfig
 from .context import ParallelContext
 from .dispatch import Dispatched, Dispatcher, DispatchStats, LocalDispatcher, Pending, make_dispatcher
@@ -15,7 +15,7 @@ from .step_plan import StepPlan
 from .watchdog import RankLostError, Watchdog, guard_collective
 
 __all__ = [
-    "ParallelConfig", "ParallelContext", "bootstrap", "launch_world_size", "shutdown", "check_agreement", "fingerprint",
+    "ParallelConfig", "ParallelContext", "bootstrap", "launch_world_size", "shutdown", "under_launcher", "check_agreement", "fingerprint",
     "Dispatched", "Dispatcher", "DispatchStats", "LocalDispatcher", "Pending", "make_dispatcher",
     "ExpertLayout", "StepPlan", "RankLostError", "Watchdog", "guard_collective",
 ]

@@ -36,6 +36,8 @@ from .topology import Topology, mpi_topology, new_node_group
 from .watchdog import Watchdog
 
 STORE_PREFIX = "wideep/"
+# What mpirun sets (MPICH's hydra: PMI_*, Open MPI: OMPI_COMM_WORLD_*, PMIx): a rank of an MPI job.
+MPI_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
 
 
 @dataclass
@@ -79,7 +81,7 @@ def _detect(env: Mapping[str, str]) -> _Launch:
         return _Launch("torchrun", rank, world, local, local_world, topo, env["MASTER_ADDR"],
                        _env_int(env, "MASTER_PORT"),
                        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true")
-    if any(k in env for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")):
+    if any(k in env for k in MPI_VARS):
         try:
             from mpi4py import MPI
         except ImportError as e:
@@ -92,6 +94,13 @@ def _detect(env: Mapping[str, str]) -> _Launch:
         topo = mpi_topology(comm, rank, world)
         return _Launch("mpirun", rank, world, topo.local_rank, topo.ranks_per_node, topo, mpi_comm=comm)
     return _Launch("single")
+
+
+def under_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Whether torchrun (RANK and WORLD_SIZE) or mpirun (MPI_VARS) started this process: then it is one of
+    the ranks, never the one that starts them."""
+    env = os.environ if env is None else env
+    return ("RANK" in env and "WORLD_SIZE" in env) or any(k in env for k in MPI_VARS)
 
 
 def launch_rank(env: Mapping[str, str] | None = None) -> int:

@@ -92,7 +92,11 @@ class ParallelConfig:
             raise ValueError(f"attention tensor parallelism is not supported yet: tp_size ({self.tp_size}) must be 1")
         if self.dp_size * self.tp_size != world_size:
             if self.tp_size == 1:
-                raise ValueError(f"dp_size ({self.dp_size}) != world_size ({world_size})")
+                raise ValueError(
+                    f"dp_size ({self.dp_size}) != world_size ({world_size}): each rank is one data-parallel rank; "
+                    f"start {self.dp_size} ranks (torchrun --nproc-per-node {self.dp_size}, mpirun -n {self.dp_size}, "
+                    f"or `wideep serve` without a launcher, which starts them itself) or leave dp_size out to use "
+                    f"the {world_size} started")
             raise ValueError(f"dp_size ({self.dp_size}) * tp_size ({self.tp_size}) = "
                              f"{self.dp_size * self.tp_size} != world_size ({world_size})")
         if self.ranks_per_node and world_size % self.ranks_per_node:

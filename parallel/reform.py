@@ -112,7 +112,7 @@ def _connect(ctx: ParallelContext, store, survivors: list[int], epoch: int) -> P
     cpu_group = world if ctx.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     old = ctx.watchdog
     watchdog = None
-    if old is not None:
+    if old is not None and n > 1:   # a lone survivor has no peer to watch (a ring needs two)
         watchdog = Watchdog(lambda: dist.PrefixStore("watchdog/", store), me, n, heartbeat_s=old.heartbeat_s,
                             timeout_s=old.timeout_s, lost_after_s=old.lost_after_s,
                             store_host_rank=old.store_host_rank, on_lost=old.on_lost,

@@ -135,13 +135,17 @@ def cmd_run(a) -> None:
 
 
 def cmd_serve(a) -> None:
-    """OpenAI-compatible HTTP server on rank 0 (launch/cli/serve.py); SPMD under torchrun/mpirun."""
+    """OpenAI-compatible HTTP server on rank 0 (launch/cli/serve.py); SPMD under torchrun/mpirun. Without a
+    launcher and with dp_size > 1 this process starts the ranks and supervises them (launch/cli/serve_local.py)."""
     from .options import SERVE, resolve
+    from .serve_local import local_ranks, serve_local_ranks
     try:
         from .serve import serve
     except ImportError as e:
         raise SystemExit(f"wideep serve needs aiohttp: pip install -e '.[serve]' ({e})") from None
-    rc = serve(resolve(a, SERVE))
+    cfg = resolve(a, SERVE)
+    spawn = local_ranks(cfg)
+    rc = serve_local_ranks(a.argv, spawn.count, spawn.timeout_s) if spawn else serve(cfg)
     if rc:
         raise SystemExit(rc)
 
@@ -233,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = build_parser().parse_args(argv, argparse.Namespace(argv=argv))  # argv: what serve's own ranks re-run
     try:
         a.fn(a)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

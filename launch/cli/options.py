@@ -92,7 +92,8 @@ OPTIONS: tuple[Option, ...] = (
            "fp8; DeepSeek-V4's FP4 experts packed on the cpu backend) | fp8 | fp4 (V4's FP4 experts as stored) | "
            "none (dequantised at load)",
            spec={"choices": ["auto", "fp8", "fp4", "none"]}),   # = engine/model/build.py QUANTIZATION
-    Option("parallel.dp_size", "data-parallel ranks (default: the launcher's world size)", spec=INT),
+    Option("parallel.dp_size", "data-parallel ranks (default: the launcher's world size; `serve` started without a "
+           "launcher starts this many local ranks itself)", spec=INT),
     Option("parallel.ep_size", "expert-parallel ranks (default: the launcher's world size)", spec=INT),
     Option("parallel.dispatch_backend", "MoE all-to-all backend",
            spec={"choices": ["auto", "torch", "hierarchical", "allgather", "deepep"]}),   # = DISPATCH_BACKENDS

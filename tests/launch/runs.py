@@ -1,4 +1,5 @@
-"""`wideep run` once in one process and once on local ranks, for tests that compare the two."""
+"""`wideep run` once in one process and once on local ranks, for tests that compare the two; which
+processes a launcher started and whether they still run (from /proc, Linux)."""
 from __future__ import annotations
 
 import json
@@ -34,3 +35,27 @@ def run_single_and_ranks(single_argv: list[str], ranks_argv: list[str], nprocs: 
     multi = capfd.readouterr().out
     assert rc == 0
     return single.stdout, multi
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is pid (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """pid runs (exists and is not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

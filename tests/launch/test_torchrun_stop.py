@@ -20,32 +20,9 @@ import pytest
 
 from wideep.launch.cli.local import free_port
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-from tests.launch.runs import REPO
+from tests.launch.runs import REPO, alive, children
 
 pytestmark = pytest.mark.multirank
-
-
-def _children(pid: int) -> list[int]:
-    """Processes whose parent is pid (from /proc)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 class Torchrun:
@@ -75,7 +52,7 @@ class Torchrun:
             if "rank 0 is pid " in line:
                 self.rank0 = int(line.split("rank 0 is pid ")[1].split(")")[0])
                 break
-        self.ranks = _children(self.proc.pid)
+        self.ranks = children(self.proc.pid)
         assert self.rank0 in self.ranks and len(self.ranks) == 2, (self.ranks, self.output)
         assert f"kill -INT {self.rank0} stops every rank" in line
 
@@ -102,9 +79,9 @@ class Torchrun:
 
     def ranks_left(self, grace_s: float = 10.0) -> list[int]:
         deadline = time.monotonic() + grace_s
-        while any(_alive(p) for p in self.ranks) and time.monotonic() < deadline:
+        while any(alive(p) for p in self.ranks) and time.monotonic() < deadline:
             time.sleep(0.1)
-        return [p for p in self.ranks if _alive(p)]
+        return [p for p in self.ranks if alive(p)]
 
 
 @pytest.fixture(scope="module")
