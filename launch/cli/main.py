@@ -136,7 +136,9 @@ def cmd_run(a) -> None:
                    "dispatch_per_rank": [s.get("dispatch", {}) for s in stats]}
         if wire_bytes:  # per node: bytes its wire device sent and received during the generation
             summary["wire"] = {"dev": dev, "sent_per_node": [b.sent for b in wire_bytes],
-                               "received_per_node": [b.received for b in wire_bytes]}
+                               "received_per_node": [b.received for b in wire_bytes],
+                               "sent_frames_per_node": [b.sent_frames for b in wire_bytes],
+                               "sent_payload_per_node": [b.sent_payload for b in wire_bytes]}
         print(f"{n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s on {llm.ctx.world_size} rank(s); "
               f"tokens per DP rank {per_rank}", flush=True)
         print(json.dumps(summary), flush=True)

@@ -45,6 +45,7 @@ class WireWindow:
 
     def per_node(self) -> list[LinkBytes]:
         """Collective: every node's bytes, in node order ([] without a device)."""
-        mine = (self.bytes.sent, self.bytes.received) if self.bytes is not None else None
+        b = self.bytes
+        mine = (b.sent, b.received, b.sent_frames, b.received_frames) if b is not None else None
         got = gather_outputs(self.ctx, {self.ctx.rank: mine}, self.ctx.world_size)
         return [LinkBytes(*b) for b in got if b is not None]

@@ -16,17 +16,30 @@ from dataclasses import dataclass
 from . import netns
 
 
+# Ethernet (14) + IPv4 (20) + TCP with the timestamp option Linux sends by default (32): the bytes of
+# every frame that are not TCP payload (ARP frames, 42 bytes, are the only others on these wires).
+FRAME_HEADER_BYTES = 66
+
+
 @dataclass(frozen=True)
 class LinkBytes:
-    sent: int       # by the host (its device's tx)
-    received: int   # by the host (its device's rx)
+    sent: int                # bytes by the host (its device's tx), frame headers included
+    received: int            # by the host (its device's rx)
+    sent_frames: int = 0     # frames (a GSO super-frame counts once, as its header does)
+    received_frames: int = 0
 
     @property
     def total(self) -> int:
         return self.sent + self.received
 
+    @property
+    def sent_payload(self) -> int:
+        """TCP payload the host sent: its bytes less one header per frame (ACK-only frames are all header)."""
+        return self.sent - FRAME_HEADER_BYTES * self.sent_frames
+
     def __sub__(self, other: "LinkBytes") -> "LinkBytes":
-        return LinkBytes(self.sent - other.sent, self.received - other.received)
+        return LinkBytes(self.sent - other.sent, self.received - other.received,
+                         self.sent_frames - other.sent_frames, self.received_frames - other.received_frames)
 
     @classmethod
     def of_dev(cls, dev: str) -> "LinkBytes":
@@ -34,8 +47,11 @@ class LinkBytes:
         base = f"/sys/class/net/{dev}/statistics"
         if not os.path.isdir(base):
             raise ValueError(f"no network device {dev!r} here (no {base})")
-        with open(f"{base}/tx_bytes") as tx, open(f"{base}/rx_bytes") as rx:
-            return cls(int(tx.read()), int(rx.read()))
+        got = []
+        for name in ("tx_bytes", "rx_bytes", "tx_packets", "rx_packets"):
+            with open(f"{base}/{name}") as f:
+                got.append(int(f.read()))
+        return cls(*got)
 
     @classmethod
     def of_switch_port(cls, switch: str, port: str) -> "LinkBytes":
@@ -43,7 +59,7 @@ class LinkBytes:
         host sent."""
         out = json.loads(netns.run("ip", "-n", switch, "-s", "-j", "link", "show", "dev", port).stdout)
         st = out[0]["stats64"]
-        return cls(sent=st["rx"]["bytes"], received=st["tx"]["bytes"])
+        return cls(st["rx"]["bytes"], st["tx"]["bytes"], st["rx"]["packets"], st["tx"]["packets"])
 
 
 def wire_device() -> str | None:

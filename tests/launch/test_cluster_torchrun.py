@@ -41,11 +41,17 @@ max_tokens = 3
 # Long prompts, few new tokens: the prefill's all-to-alls carry most of the bytes, so the transport's
 # own bytes per message (headers, ACKs) and the per-step control messages are a small part of the wire.
 PROMPTS = [[(7 * i + 13 * j) % 250 + 2 for j in range(96 + 8 * i)] for i in range(8)]
-# What may cross the wire besides the dispatcher's payload and metadata, as a fraction of them:
-# Ethernet/IP/TCP headers (66 B per frame, one per up-to-64 KiB GSO frame), TCP ACKs, gloo's
-# per-message header, the step sync's all-reduce, the front's ZeroMQ messages to and from host 1,
-# the ring heartbeats and the window's two barriers. Measured on this workload: see docs/wide-ep.md.
-TOLERANCE = 0.25
+# The comparison, in two parts (docs/wide-ep.md has the measured breakdown):
+# - TCP payload on the wires (bytes less one 66-byte Ethernet/IP/TCP header per frame) over the
+#   dispatcher's inter-node payload + metadata: measured 1.08-1.11. The rest is traffic the dispatcher
+#   does not own: host 1's ZeroMQ reports to the front and its requests (~25 KB here), LLM.generate's
+#   broadcast of the results (~7 KB), gloo's 48-byte header per message (~360 messages), the step
+#   sync's all-reduces, the ring heartbeats and the window's two barriers.
+# - all bytes on the wires (headers and ACK frames too) over the same: measured 1.18-1.25.
+# Each bound is about twice the measured excess: the ACK count and the idle steps a rank reports
+# vary with how the 2 shared cores schedule the 4 ranks.
+TCP_TOLERANCE = 0.20
+WIRE_TOLERANCE = 0.45
 
 
 @pytest.fixture
@@ -104,7 +110,10 @@ def test_two_hosts_torchrun_equal_one_process_and_wire_bytes(tmp_path, cluster):
     wire = sum(summary["wire"]["sent_per_node"])
     assert summary["wire"]["sent_per_node"][0] <= summary["wire"]["received_per_node"][1] * 1.01
     ratio = wire / computed
-    print(f"wire {wire} B, dispatcher inter-node payload {payload} B + metadata {computed - payload} B: "
-          f"ratio {ratio:.3f}")
+    tcp = sum(summary["wire"]["sent_payload_per_node"])
+    print(f"wire {wire} B in {sum(summary['wire']['sent_frames_per_node'])} frames, TCP payload {tcp} B; "
+          f"dispatcher inter-node payload {payload} B + metadata {computed - payload} B: ratio {ratio:.3f}, "
+          f"TCP payload ratio {tcp / computed:.3f}")
     assert payload > 100_000, f"the workload moved only {payload} B between nodes: too little to compare"
-    assert 1.0 <= ratio <= 1.0 + TOLERANCE, (wire, computed, summary["wire"])
+    assert 1.0 <= tcp / computed <= 1.0 + TCP_TOLERANCE, (tcp, computed, summary["wire"])
+    assert ratio <= 1.0 + WIRE_TOLERANCE, (wire, computed, summary["wire"])
