@@ -26,7 +26,8 @@ class WireWindow:
         self.bytes: LinkBytes | None = None     # this node's, on its local rank 0
 
     def _barrier(self) -> None:
-        if not self.ctx.is_single:
+        # dev is None on every rank or on none (the same launch environment): no window, no collective
+        if self.dev is not None and not self.ctx.is_single:
             with guard_collective(self.ctx):
                 dist.barrier(group=self.ctx.cpu_group)
 
