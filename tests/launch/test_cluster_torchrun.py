@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from wideep.launch.cluster import Cluster, ClusterSpec, ClusterUnavailable
 from wideep.launch.cluster.torchrun import start_torchrun
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
+from tests.launch.clusters import cluster_up, wait_agents
 from tests.launch.runs import REPO, outputs
 
 pytestmark = pytest.mark.multirank
@@ -56,27 +54,8 @@ WIRE_TOLERANCE = 0.45
 
 @pytest.fixture
 def cluster():
-    try:
-        c = Cluster.up(ClusterSpec(nodes=2, rate="5gbit"), owner_pid=os.getpid())
-    except ClusterUnavailable as e:
-        pytest.skip(str(e))
-    try:
+    with cluster_up() as c:
         yield c
-    finally:
-        c.down()
-        assert c.leftovers() == [], c.leftovers()
-
-
-def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
-    """Each agent's exit status; agents still running at the deadline are killed with their ranks
-    (their process groups: each agent leads its own session)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-    return [p.wait() for p in procs]
 
 
 def test_two_hosts_torchrun_equal_one_process_and_wire_bytes(tmp_path, cluster):
@@ -92,7 +71,7 @@ def test_two_hosts_torchrun_equal_one_process_and_wire_bytes(tmp_path, cluster):
     procs = start_torchrun(cluster, ["-m", "wideep.launch", "run", "--config", str(cfg)], nproc_per_node=2,
                            extra_env={"PYTHONPATH": REPO}, cwd=REPO, stdout=lambda n: logs[n],
                            stderr=subprocess.STDOUT, text=True)
-    rcs = _wait_all(procs, timeout_s=90)
+    rcs = wait_agents(procs, timeout_s=90)
     text = []
     for f in logs:
         f.seek(0)
