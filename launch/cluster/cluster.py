@@ -87,7 +87,8 @@ class Cluster:
         with state.locked():
             recorded = state.all_states()
             prefix = spec.prefix or state.draw_prefix({s["prefix"] for s in recorded})
-            if any(s["prefix"] == prefix for s in recorded) or prefix + "-sw" in netns.namespaces():
+            if (any(s["prefix"] == prefix for s in recorded) or prefix + "-sw" in netns.namespaces()
+                    or (spec.root_link and netns.link_exists(prefix))):
                 raise ValueError(f"a cluster with prefix {prefix!r} exists already (wideep cluster down --prefix "
                                  f"{prefix})")
             x = _free_subnet({s["subnet"] for s in recorded})
@@ -134,6 +135,8 @@ class Cluster:
         if self.root_dev:
             run("ip", "link", "add", self.root_dev, "type", "veth", "peer", "name", SWITCH_PORT_ROOT, "netns", sw)
             run("ip", "-n", sw, "link", "set", SWITCH_PORT_ROOT, "master", "br0", "up")
+            # this link only: no IPv6 multicast from the machine's side flooded to every host's wire
+            run("sysctl", "-q", "-w", f"net.ipv6.conf.{self.root_dev}.disable_ipv6=1")
             run("ip", "addr", "add", f"{self.root_addr}/24", "dev", self.root_dev)
             run("ip", "link", "set", self.root_dev, "up")
 

@@ -45,6 +45,9 @@ def start_torchrun(cluster: Cluster, argv: list[str], nproc_per_node: int, rdzv_
                    extra_env: dict | None = None, **popen) -> list[subprocess.Popen]:
     """One torchrun agent per host, each in its own session (stop one with os.killpg(p.pid, ...));
     popen: subprocess.Popen keywords (a callable value is called with the node)."""
+    if len(cluster.hosts) > 9:  # 198.18.X.10 sorts before 198.18.X.2: host 9 would not be node 9
+        raise ValueError(f"start_torchrun numbers hosts by their addresses' order, which holds for up to 9 "
+                         f"hosts; this cluster has {len(cluster.hosts)}")
     procs = []
     for node in range(len(cluster.hosts)):
         kw = {k: (v(node) if callable(v) else v) for k, v in popen.items()}

@@ -93,8 +93,9 @@ def test_shaped_hosts_counters_and_down():
             server.kill()
             server.wait()
         d0, d1 = (b - a for a, b in zip(before, c.link_bytes()))
-        # every payload byte is on the wire once, plus one header per (GSO) frame and the ACKs
-        assert n <= d0.sent <= n * 1.02 and d0.sent == d1.received, (d0, d1)
+        # every payload byte is on the wire once, plus one header per (GSO) frame and the ACKs; host 1
+        # gets what host 0 sent (and at most an ARP broadcast or two from elsewhere on the bridge)
+        assert n <= d0.sent <= n * 1.02 and d0.sent <= d1.received <= d0.sent + 200, (d0, d1)
         assert d1.sent < n * 0.02, d1
         took = float(client.stdout)
         assert took >= 0.8 * n * 8 / 200e6, f"{n} bytes in {took:.3f} s: faster than the 200mbit link allows"
@@ -151,3 +152,12 @@ def test_two_clusters_at_once_get_their_own_names_and_subnets():
         a.down()
     _gone(a)
     _gone(b)
+
+
+def test_torchrun_refuses_more_hosts_than_address_order_numbers():
+    from wideep.launch.cluster import Host
+    from wideep.launch.cluster.torchrun import start_torchrun
+    c = Cluster("wdfake", [Host(i, f"wdfake-h{i}", f"198.18.9.{i + 1}") for i in range(10)], "wdfake-sw", None, None,
+                None)   # never made: start_torchrun refuses before starting anything
+    with pytest.raises(ValueError, match="up to 9 hosts; this cluster has 10"):
+        start_torchrun(c, ["-c", "pass"], nproc_per_node=1)

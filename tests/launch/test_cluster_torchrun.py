@@ -71,7 +71,7 @@ def test_two_hosts_torchrun_equal_one_process_and_wire_bytes(tmp_path, cluster):
     procs = start_torchrun(cluster, ["-m", "wideep.launch", "run", "--config", str(cfg)], nproc_per_node=2,
                            extra_env={"PYTHONPATH": REPO}, cwd=REPO, stdout=lambda n: logs[n],
                            stderr=subprocess.STDOUT, text=True)
-    rcs = wait_agents(procs, timeout_s=90)
+    rcs = wait_agents(procs, timeout_s=150)
     text = []
     for f in logs:
         f.seek(0)
