@@ -1,4 +1,4 @@
-"""`wideep …` (= `python -m wideep.launch …`): make-tiny, make-shaped, generate, demo, run, serve, env."""
+"""`wideep …` (= `python -m wideep.launch …`): make-tiny, make-shaped, generate, demo, run, serve, env, eplb, cluster."""
 from __future__ import annotations
 
 import argparse
@@ -107,10 +107,15 @@ def cmd_run(a) -> None:
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up, every rank
     if llm.model.dispatcher is not None:
         llm.model.dispatcher.stats.reset()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
-    dt = time.perf_counter() - t0
+    from ..cluster.wire import wire_device
+    from ..cluster.window import WireWindow
+    dev = wire_device()   # GLOO_SOCKET_IFNAME's device unless the loopback: each host's wire, counted
+    with WireWindow(llm.ctx, dev) as wire:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        dt = time.perf_counter() - t0
     stats = llm.all_stats()
+    wire_bytes = wire.per_node() if dev else []
     if llm.ctx.rank == 0:
         if not a.summary_only:
             for i, o in enumerate(outs):
@@ -127,7 +132,13 @@ def cmd_run(a) -> None:
                    "expert_bytes_per_rank": [s["param_bytes"]["experts"] for s in stats],
                    "dispatch_bytes_per_rank": [s.get("dispatch", {}).get("dispatch_bytes", 0) for s in stats],
                    "dispatch_bytes_remote_per_rank": [s.get("dispatch", {}).get("dispatch_bytes_remote", 0)
-                                                      for s in stats]}
+                                                      for s in stats],
+                   "dispatch_per_rank": [s.get("dispatch", {}) for s in stats]}
+        if wire_bytes:  # per node: bytes its wire device sent and received during the generation
+            summary["wire"] = {"dev": dev, "sent_per_node": [b.sent for b in wire_bytes],
+                               "received_per_node": [b.received for b in wire_bytes],
+                               "sent_frames_per_node": [b.sent_frames for b in wire_bytes],
+                               "sent_payload_per_node": [b.sent_payload for b in wire_bytes]}
         print(f"{n} tokens in {dt:.2f}s = {n / dt:.1f} tok/s on {llm.ctx.world_size} rank(s); "
               f"tokens per DP rank {per_rank}", flush=True)
         print(json.dumps(summary), flush=True)
@@ -233,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_env)
     from .eplb_cli import add_parsers
     add_parsers(sub)
+    from .cluster_cli import add_parsers as add_cluster_parsers
+    add_cluster_parsers(sub)
     return p
 
 

@@ -63,6 +63,7 @@ class DispatchStats:
     combine_bytes: int = 0
     combine_bytes_remote: int = 0
     meta_bytes: int = 0              # counts, expert ids, weights
+    meta_bytes_inter: int = 0        # the part of meta_bytes sent to ranks of other nodes
     # the *_remote bytes by tier: to other ranks of this rank's node / to ranks of other nodes
     dispatch_bytes_intra: int = 0
     dispatch_bytes_inter: int = 0
@@ -175,10 +176,11 @@ class Dispatcher:
         return pending
 
     def _count(self, op: str, nbytes: int = 0, intra_bytes: int = 0, inter_bytes: int = 0, meta_bytes: int = 0,
-               low_latency: bool = False) -> None:
+               low_latency: bool = False, meta_inter_bytes: int = 0) -> None:
         """Record one dispatch or combine (op) that put nbytes of hidden rows in send buffers,
         intra_bytes of them for other ranks of this node and inter_bytes for ranks of other nodes,
-        plus meta_bytes of counts/ids/weights."""
+        plus meta_bytes of counts/ids/weights, meta_inter_bytes of them for ranks of other nodes
+        (what, with inter_bytes, crosses the inter-node wire: launch/cluster compares the two)."""
         names = _COUNTERS.get(op)
         if names is None:
             raise ValueError(f"op must be 'dispatch' or 'combine', got {op!r}")
@@ -188,6 +190,7 @@ class Dispatcher:
         if op == "dispatch":
             st.low_latency_calls += low_latency
         st.meta_bytes += meta_bytes
+        st.meta_bytes_inter += meta_inter_bytes
 
     def _check_inputs(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> None:
         if x.dim() != 2 or x.shape[1] != self.hidden:

@@ -60,6 +60,7 @@ class _Stage1:
     row_bytes: int
     inter_bytes: int          # stage-1 bytes to other nodes
     meta_bytes: int           # counts + stage-1 metadata
+    meta_inter_bytes: int     # the part of meta_bytes sent to other nodes
     works: list
     deliver: Callable[[], None] | None
 
@@ -140,10 +141,14 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, ExchangeDispatcher):
                          torch.where(here, topk_weights.to(dev)[send_tok].float(), 0.0))   # [S1, 2k]
         row_bytes = H * x.element_size()
         inter = nodes.tier_bytes(send_splits, row_bytes)[1]
+        # Counts go to every rank (equal splits); stage-1 metadata goes with its rows.
+        count_bytes = counts.shape[1] * counts.element_size()
+        meta_inter = (nodes.tier_bytes([1] * ep, count_bytes)[1]
+                      + nodes.tier_bytes(send_splits, meta.shape[1] * meta.element_size())[1])
         (recv_x, recv_meta), works, deliver = self._stage("inter", [x[send_tok], meta], recv_splits, send_splits,
                                                           inter, blocking)
         return _Stage1(recv_x, recv_meta, send_tok, send_splits, recv_splits, fwd_recv_splits, T, row_bytes, inter,
-                       counts.numel() * counts.element_size() + meta.numel() * 4, works, deliver)
+                       counts.numel() * counts.element_size() + meta.numel() * 4, meta_inter, works, deliver)
 
     def _forward(self, st: _Stage1) -> Dispatched:
         """Stage 2, on the rank that received the stage-1 rows (after their works were waited)."""
@@ -169,7 +174,7 @@ class HierarchicalDispatcher(HierarchicalLowLatencyMixin, ExchangeDispatcher):
         (recv_x, recv_meta), _, _ = self._stage("intra", [st.recv_x[fwd_row], meta], st.fwd_recv_splits, fwd_splits,
                                                 intra, blocking=True)
         self._count("dispatch", (len(st.send_tok) + len(fwd_row)) * st.row_bytes, intra, st.inter_bytes,
-                    st.meta_bytes + meta.numel() * 4)
+                    st.meta_bytes + meta.numel() * 4, meta_inter_bytes=st.meta_inter_bytes)
         handle = HierarchicalHandle(st.send_tok, st.send_splits, st.recv_splits, fwd_row, fwd_splits,
                                     st.fwd_recv_splits, st.num_tokens)
         return Dispatched(recv_x, *unpack_meta(recv_meta, k), handle)

@@ -75,7 +75,7 @@ class HierarchicalLowLatencyMixin:
                                    (L - 1) * N * C * send.shape[1] * send.element_size(), blocking=True)
         row_bytes = H * x.element_size()
         self._count("dispatch", (N * C + L * N * C) * row_bytes, (L - 1) * N * C * row_bytes, (N - 1) * C * row_bytes,
-                    (N * C + L * N * C) * 2 * k * 4, low_latency=True)
+                    (N * C + L * N * C) * 2 * k * 4, low_latency=True, meta_inter_bytes=(N - 1) * C * 2 * k * 4)
         return Dispatched(*split_rows(out, H, k), HierarchicalLowLatencyHandle(to_node, here.any(-1).t(), C))
 
     def _hll_combine_start(self, y: Tensor, h: HierarchicalLowLatencyHandle) -> Pending:

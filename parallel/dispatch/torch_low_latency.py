@@ -54,7 +54,7 @@ class LowLatencyMixin:
                              torch.where(here, topk_weights.to(x.device).float()[None], 0.0), C)   # [ep, C, H + M]
         row_bytes = H * x.element_size()
         self._count("dispatch", ep * C * row_bytes, *self.nodes.block_bytes(C * row_bytes), ep * C * 2 * k * 4,
-                    low_latency=True)
+                    low_latency=True, meta_inter_bytes=self.nodes.block_bytes(C * 2 * k * 4)[1])
         return send, here.any(-1).t()
 
     def _ll_exchange(self, send: Tensor, tiers: tuple[int | None, int | None], blocking: bool):

@@ -103,7 +103,9 @@ class TorchDispatcher(LowLatencyMixin, ExchangeDispatcher):
         lay = _Layout(send_tok, send_counts, send_counts.tolist(), x[send_tok], meta, T,
                       self.hidden * x.element_size())
         self._count("dispatch", len(send_tok) * lay.row_bytes, *self.nodes.tier_bytes(lay.send_splits, lay.row_bytes),
-                    meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size())
+                    meta.numel() * meta.element_size() + send_counts.numel() * send_counts.element_size(),
+                    meta_inter_bytes=self.nodes.tier_bytes([1] * ep, send_counts.element_size())[1]
+                    + self.nodes.tier_bytes(lay.send_splits, meta.shape[1] * meta.element_size())[1])
         return lay
 
     def _exchange(self, lay: _Layout, blocking: bool):

@@ -91,6 +91,9 @@ def _battery(ep: int, layouts: tuple[int, ...]) -> dict:
                 st = flat.stats
                 assert (st.dispatch_bytes_inter, st.dispatch_bytes_intra) == (want["flat_inter"], want["flat_intra"])
                 assert st.dispatch_bytes_remote == st.dispatch_bytes_inter + st.dispatch_bytes_intra
+                meta_row = 2 * ids.shape[1] * 4   # a row's expert ids and weights (int32 each)
+                # to other nodes: one int64 count per rank there, a metadata row per payload row
+                assert st.meta_bytes_inter == 8 * (ep - L) + want["flat_inter"] // row * meta_row, st
                 flat_rows = got.x.shape[0]
                 for name, d in (("hier", hier), ("hier-stream", hier_stream)):
                     d.stats.reset()
@@ -110,6 +113,8 @@ def _battery(ep: int, layouts: tuple[int, ...]) -> dict:
                     assert (st.combine_bytes_inter, st.combine_bytes_intra) == (want["combine_inter"],
                                                                                 want["combine_intra"]), (st, want)
                     assert st.dispatch_calls == st.combine_calls == 1 and st.low_latency_calls == 0
+                    # to other nodes: two int64 counts per rank there, a metadata row per stage-1 row
+                    assert st.meta_bytes_inter == 16 * (ep - L) + want["inter"] // row * meta_row, (name, L, st)
                     # routing: how many nodes each of this rank's tokens touched
                     hist = [0] * (N + 1)
                     for row_ids in ids:
@@ -127,7 +132,7 @@ def _battery(ep: int, layouts: tuple[int, ...]) -> dict:
                     if C:
                         assert isinstance(got.handle, HierarchicalLowLatencyHandle) and got.x.shape == (ep * C, H)
                         st = d.stats
-                        assert st.low_latency_calls == 1
+                        assert st.low_latency_calls == 1 and st.meta_bytes_inter == (N - 1) * C * meta_row
                         assert (st.dispatch_bytes_inter, st.dispatch_bytes_intra) == ((N - 1) * C * row,
                                                                                       (L - 1) * N * C * row)
                         assert (st.combine_bytes_inter, st.combine_bytes_intra) == ((N - 1) * C * row,
