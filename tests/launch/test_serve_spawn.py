@@ -5,12 +5,9 @@ pids gone), a killed rank ends the server naming it (on_rank_loss = "exit") or l
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +18,7 @@ from wideep.launch.cli.local import LAUNCHER_VARS
 from wideep.launch.cli.main import main
 from wideep.launch.cli.serve_local import RANKS_PER_CORE, LocalRanks, local_ranks
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-from tests.launch.runs import REPO, alive, children
+from tests.launch.runs import Started, children
 from tests.launch.test_server import MAX_TOKENS, PROMPTS, complete, metrics, request
 
 LINUX = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks' pids in /proc (Linux)")
@@ -29,38 +26,22 @@ FLAGS = ["--port", "0", "--served-model-name", "tiny", "--dispatch-backend", "to
          "--kv-cache-blocks", "64"]
 
 
-class Spawned:
+class Spawned(Started):
     """`python -m wideep.launch serve <args>` run plainly (no launcher variables); waits for the line naming
     its ranks' pids and for rank 0's address."""
 
     def __init__(self, args: list[str], start_timeout_s: float = 120.0):
         env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS + ("WIDEEP_API_KEY",)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "wideep.launch", "serve", *args], cwd=REPO, env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self.output: list[str] = []
-        self.ranks: list[int] = []
-        self.drained = threading.Event()
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._drain, args=(lines,), daemon=True).start()
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                self.kill()
-                raise AssertionError(f"server did not start: {''.join(self.output)}") from None
-            if "local ranks (pids " in line:
-                self.ranks = [int(p) for p in line.split("(pids ")[1].split(";")[0].split(", ")]
-            if "http://127.0.0.1:" in line:
-                self.base = f"127.0.0.1:{int(line.split('http://127.0.0.1:')[1].split()[0])}"
-                break
+        super().__init__([sys.executable, "-m", "wideep.launch", "serve", *args], env, self._ready, start_timeout_s)
         assert sorted(children(self.proc.pid)) == sorted(self.ranks), (self.ranks, self.output)
 
-    def _drain(self, lines: queue.Queue) -> None:
-        for line in self.proc.stdout:   # until every rank (they share the pipe) has closed it
-            self.output.append(line)
-            lines.put(line)
-        self.drained.set()
+    def _ready(self, line: str) -> bool:
+        if "local ranks (pids " in line:
+            self.ranks = [int(p) for p in line.split("(pids ")[1].split(";")[0].split(", ")]
+        if "http://127.0.0.1:" in line:
+            self.base = f"127.0.0.1:{int(line.split('http://127.0.0.1:')[1].split()[0])}"
+            return True
+        return False
 
     def saw(self, text: str, timeout_s: float) -> bool:
         """Whether a line with text came within timeout_s."""
@@ -69,27 +50,8 @@ class Spawned:
             time.sleep(0.05)
         return any(text in line for line in self.output)
 
-    def wait(self, timeout_s: float) -> int | None:
-        """-> the supervisor's exit status; None (and everything killed) if it still runs after timeout_s."""
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-
-    def kill(self) -> None:
-        for pid in [*self.ranks, self.proc.pid]:   # by pid: only what this test started
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-
     def ranks_left(self, grace_s: float = 15.0) -> list[int]:
-        deadline = time.monotonic() + grace_s
-        while any(alive(p) for p in self.ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return [p for p in self.ranks if alive(p)]
+        return super().ranks_left(grace_s)
 
 
 @pytest.fixture(scope="module")

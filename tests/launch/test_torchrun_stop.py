@@ -9,23 +9,19 @@ Both are checked here, so the README stays true if either side changes.
 from __future__ import annotations
 
 import os
-import queue
 import signal
-import subprocess
 import sys
-import threading
-import time
 
 import pytest
 
 from wideep.launch.cli.local import free_port
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-from tests.launch.runs import REPO, alive, children
+from tests.launch.runs import REPO, Started, children
 
 pytestmark = pytest.mark.multirank
 
 
-class Torchrun:
+class Torchrun(Started):
     """torchrun --nproc-per-node 2 -m wideep.launch serve MODEL_DIR --port 0; waits for rank 0's first line."""
 
     def __init__(self, model: str, start_timeout_s: float = 180.0):
@@ -36,52 +32,23 @@ class Torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), "-m", "wideep.launch", "serve", model, "--port", "0",
                "--dispatch-backend", "torch", "--max-model-len", "64", "--kv-cache-blocks", "16"]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=self._drain, daemon=True).start()
-        self.ranks: list[int] = []
-        deadline = time.monotonic() + start_timeout_s
-        while True:
-            try:
-                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                self.kill()
-                raise AssertionError(f"server did not start: {''.join(self.output)}") from None
-            if "rank 0 is pid " in line:
-                self.rank0 = int(line.split("rank 0 is pid ")[1].split(")")[0])
-                break
+        super().__init__(cmd, env, self._ready, start_timeout_s)
         self.ranks = children(self.proc.pid)
         assert self.rank0 in self.ranks and len(self.ranks) == 2, (self.ranks, self.output)
-        assert f"kill -INT {self.rank0} stops every rank" in line
+        assert f"kill -INT {self.rank0} stops every rank" in self.first
 
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            self.output.append(line)
-            self.lines.put(line)
+    def _ready(self, line: str) -> bool:
+        if "rank 0 is pid " in line:
+            self.rank0 = int(line.split("rank 0 is pid ")[1].split(")")[0])
+            self.first = line
+            return True
+        return False
 
     def wait(self, timeout_s: float = 90.0) -> int | None:
-        """-> torchrun's exit status; None (and everything killed) if it is still running after timeout_s."""
-        try:
-            return self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            return None
-
-    def kill(self) -> None:
-        for pid in [*self.ranks, self.proc.pid]:   # by pid: only what this test started
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
+        return super().wait(timeout_s)
 
     def ranks_left(self, grace_s: float = 10.0) -> list[int]:
-        deadline = time.monotonic() + grace_s
-        while any(alive(p) for p in self.ranks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return [p for p in self.ranks if alive(p)]
+        return super().ranks_left(grace_s)
 
 
 @pytest.fixture(scope="module")
