@@ -13,13 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from wideep.engine import LLM, SamplingParams
 from wideep.launch.cli.local import LAUNCHER_VARS
 from wideep.launch.cli.main import main
 from wideep.launch.cli.serve_local import RANKS_PER_CORE, LocalRanks, local_ranks
-from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
 from tests.launch.runs import Started, children
 from tests.launch.test_server import MAX_TOKENS, PROMPTS, complete, metrics, request
+from tests.launch.test_server import reference, tiny  # noqa: F401  (test_server's fixtures: its checkpoint and tokens)
 
 LINUX = pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the ranks' pids in /proc (Linux)")
 FLAGS = ["--port", "0", "--served-model-name", "tiny", "--dispatch-backend", "torch", "--max-model-len", "128",
@@ -52,18 +51,6 @@ class Spawned(Started):
 
     def ranks_left(self, grace_s: float = 15.0) -> list[int]:
         return super().ranks_left(grace_s)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tiny")), arch="v3", seed=4)
-
-
-@pytest.fixture(scope="module")
-def reference(tiny):
-    llm = LLM(tiny, progress=False, max_model_len=128, kv_cache_blocks=64)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n)
-                                                                   for n in MAX_TOKENS])]
 
 
 def config(tmp_path, tiny: str, parallel: str) -> str:
