@@ -26,7 +26,9 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from . import netns, state
+# the modules, not the package: the package's __init__ imports this one
+import wideep.launch.cluster.netns as netns
+import wideep.launch.cluster.state as state
 from .wire import LinkBytes
 
 SWITCH_PORT_ROOT = "root"

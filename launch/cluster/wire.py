@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from . import netns
+from .netns import run as netns_run
 
 
 # Ethernet (14) + IPv4 (20) + TCP with the timestamp option Linux sends by default (32): the bytes of
@@ -57,7 +57,7 @@ class LinkBytes:
     def of_switch_port(cls, switch: str, port: str) -> "LinkBytes":
         """The host link whose switch end is `port` in namespace `switch`: what the port receives the
         host sent."""
-        out = json.loads(netns.run("ip", "-n", switch, "-s", "-j", "link", "show", "dev", port).stdout)
+        out = json.loads(netns_run("ip", "-n", switch, "-s", "-j", "link", "show", "dev", port).stdout)
         st = out[0]["stats64"]
         return cls(st["rx"]["bytes"], st["tx"]["bytes"], st["rx"]["packets"], st["tx"]["packets"])
 
