@@ -167,14 +167,15 @@ def bytes_of(summary: dict) -> dict:
     payload = sum(s.get("dispatch_bytes_inter", 0) + s.get("combine_bytes_inter", 0) for s in per_rank)
     meta = sum(s.get("meta_bytes_inter", 0) for s in per_rank)
     w = summary.get("wire") or {}
-    return {"wire_bytes": sum(w.get("sent_per_node", [0])), "wire_tcp_payload": sum(w.get("sent_payload_per_node", [0])),
-            "computed_payload": payload, "computed_meta": meta}
+    return {"wire_bytes": sum(w.get("sent_per_node", [0])),
+            "wire_tcp_payload": sum(w.get("sent_payload_per_node", [0])), "computed_payload": payload, "computed_meta": meta}
 
 
 def figures(summary: dict, phase: str, workload: tuple) -> dict:
     n, length, _ = workload
     tokens = (sum(length + 4 * i for i in range(n)) if phase == "prefill" else summary["generated_tokens"])
-    return {"elapsed_s": summary["elapsed_s"], "elapsed_runs_s": summary.get("elapsed_runs_s"), "tok_s": round(tokens / summary["elapsed_s"], 1), **bytes_of(summary)}
+    return {"elapsed_s": summary["elapsed_s"], "elapsed_runs_s": summary.get("elapsed_runs_s"),
+            "tok_s": round(tokens / summary["elapsed_s"], 1), **bytes_of(summary)}
 
 
 def ratio(parts: list[dict], key: str) -> float:
@@ -195,8 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
     from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
     work, reps = WORKLOADS[a.quick], REPS[a.quick]
     t_start = time.perf_counter()
-    out: dict = {"quick": a.quick, "rates": rates, "baseline": "1 host x 4 ranks: local ranks (launch/cli/local.py) on loopback",
-                 "reps": reps, "workloads": {k: {"prompts": v[0], "prompt_tokens": v[1], "max_tokens": v[2]} for k, v in work.items()}}
+    out: dict = {"quick": a.quick, "rates": rates, "reps": reps,
+                 "baseline": "1 host x 4 ranks: local ranks (launch/cli/local.py) on loopback",
+                 "workloads": {k: {"prompts": v[0], "prompt_tokens": v[1], "max_tokens": v[2]} for k, v in work.items()}}
     with tempfile.TemporaryDirectory() as d:
         ckpt = os.path.join(d, "m")
         make_tiny_checkpoint(ckpt, arch="v3", seed=4)
