@@ -168,7 +168,8 @@ def bytes_of(summary: dict) -> dict:
     meta = sum(s.get("meta_bytes_inter", 0) for s in per_rank)
     w = summary.get("wire") or {}
     return {"wire_bytes": sum(w.get("sent_per_node", [0])),
-            "wire_tcp_payload": sum(w.get("sent_payload_per_node", [0])), "computed_payload": payload, "computed_meta": meta}
+            "wire_tcp_payload": sum(w.get("sent_payload_per_node", [0])),
+            "computed_payload": payload, "computed_meta": meta}
 
 
 def figures(summary: dict, phase: str, workload: tuple) -> dict:
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
     t_start = time.perf_counter()
     out: dict = {"quick": a.quick, "rates": rates, "reps": reps,
                  "baseline": "1 host x 4 ranks: local ranks (launch/cli/local.py) on loopback",
-                 "workloads": {k: {"prompts": v[0], "prompt_tokens": v[1], "max_tokens": v[2]} for k, v in work.items()}}
+                 "workloads": {k: dict(zip(("prompts", "prompt_tokens", "max_tokens"), v)) for k, v in work.items()}}
     with tempfile.TemporaryDirectory() as d:
         ckpt = os.path.join(d, "m")
         make_tiny_checkpoint(ckpt, arch="v3", seed=4)
