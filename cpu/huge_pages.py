@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 
 import torch
@@ -20,7 +21,9 @@ MADV_HUGEPAGE = 14
 MADV_COLLAPSE = 25
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
+    """libc with madvise typed (looked up once: find_library runs ldconfig), or None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -43,8 +46,11 @@ def _aligned(t: torch.Tensor, min_bytes: int) -> tuple[int, int] | None:
 def advise(tensors, min_bytes: int = 2 * HUGE) -> int:
     """Ask for 2 MiB pages (MADV_HUGEPAGE) over the aligned part of each fresh, not yet touched CPU tensor of at
     least min_bytes, so that the loader's reads fault in huge pages from the start: collapse() afterwards then
-    finds them in place instead of copying every page (measured: a 5 GB checkpoint's load 19.8 s, 14 of them in
-    collapse, before). Where THP is "never" or the kernel refuses, nothing changes. -> bytes advised."""
+    finds them in place instead of copying every page (before, 14 s of a 19.8 s load of a 5 GB checkpoint were
+    collapse's copy). On this project's VM the first touch of fresh memory, which its host backs page by page,
+    then costs about what the copy did (the same load measured 5-30 s either way, docs/benchmarks.md); on a host
+    without that cost the copy is simply gone. Where THP is "never" or the kernel refuses, nothing changes.
+    -> bytes advised."""
     libc, done = _libc(), 0
     for t in tensors if libc is not None else ():
         r = _aligned(t, min_bytes)

@@ -236,7 +236,7 @@ WD_INTERNAL int linear_amx_rows(const void *x, int64_t xdt, int64_t ldx, const i
 WD_INTERNAL void linear_fp8(const float *x, int64_t ldx, const uint8_t *w, int64_t ldw, const float *s, int64_t lds,
                             int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K);
 /* gemm_fp8_amx.c: the same on AMX tiles for FP8_AMX_MIN_ROWS..FP8_AMX_MAX_ROWS rows of x (the weights widened to
-   bfloat16 once, x split into two bfloat16 parts: float32-grade sums); 0 (nothing done) where the shapes do not fit
+   bfloat16 once, x split into three bfloat16 parts: float32-grade sums); 0 (nothing done) where the shapes do not fit
    (K % 32, N % 16, br % 16, bk % 32), without the tiles or without scratch memory. linear_fp8 calls it where amx_on(). */
 #ifndef FP8_AMX_MIN_ROWS
 #define FP8_AMX_MIN_ROWS 4
