@@ -112,10 +112,15 @@ def _warm_page_cache(d: str) -> float:
     return time.perf_counter() - t0
 
 
+def _prompt(i: int) -> list[int]:
+    """Prompt i of the decode runs (in process and on ranks): 32 token ids."""
+    return [(97 * i + 13 * j) % 5000 + 10 for j in range(32)]
+
+
 def _decode(llm, meter: DecodeMeter, batch: int, new: int, x, y, xh) -> dict:
     from wideep.engine import SamplingParams
     meter.steps.clear()
-    prompts = [[(97 * b + 13 * j) % 5000 + 10 for j in range(32)] for b in range(batch)]
+    prompts = [_prompt(b) for b in range(batch)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     s = meter.summary(ceilings(x, y, xh), x.numel() * x.element_size())
     return {"batch": batch, "step_ms": s["decode_step_ms"], "tok_s": round(batch / s["decode_step_ms"] * 1e3, 2),
@@ -133,7 +138,7 @@ def _ranks(d: str, a, ranks: list[int], batches: list[int]) -> dict:
             argv = ["run", d, "--dtype", a.dtype, "--quantization", a.quantization, "--max-tokens", str(a.new),
                     "--no-enable-prefix-caching", "--max-num-seqs", str(b)]
             for i in range(b):
-                argv += ["--prompt-ids", ",".join(str((97 * i + 13 * j) % 5000 + 10) for j in range(32))]
+                argv += ["--prompt-ids", ",".join(map(str, _prompt(i)))]
             rc, text = run_local_ranks(argv, r, timeout_s=1800, capture=True)
             if rc:
                 raise RuntimeError(f"wideep run on {r} rank(s), batch {b}, failed ({rc}):\n{text[-3000:]}")
