@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -168,7 +169,6 @@ def cmd_env(a) -> None:
         torch.set_num_threads(a.threads)
     from wideep.cpu import build, tune
     if a.remeasure:
-        import os
         os.environ["WIDEEP_CPU_TUNE"] = "measure"
     why = build.unusable()
     got = tune.measure() if a.remeasure and why is None else tune.choices()
@@ -256,6 +256,14 @@ def main(argv: list[str] | None = None) -> None:
         a.fn(a)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"wideep: error: {e}", file=sys.stderr)
+        from wideep.parallel.lost import RankLostError
+        if isinstance(e, RankLostError):
+            # A peer is gone: this rank's process group is broken, and finalizing the interpreter would run
+            # its destructors (gloo's threads still joinable: "terminate called", SIGABRT) or block in them.
+            # Exit as the watchdog does, with the status that says why.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         raise SystemExit(2) from None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 
 from ..server import chat_http
 from ..server.app import DEFAULT_HOST, DEFAULT_PORT, serve_front
@@ -51,8 +52,16 @@ def serve(cfg: dict) -> int:
         engine.run_worker_loop()
         return 0
     s = cfg.get("server", {})
-    return asyncio.run(serve_front(engine, s.get("host", DEFAULT_HOST), s.get("port", DEFAULT_PORT),
-                                   s.get("model_name"), s.get("api_key"), s.get("protect_metrics", False),
-                                   under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
-                                   allowed_origins=tuple(s.get("allowed_origins") or ()),
-                                   chat={k: s[k] for k in chat_http.OPTIONS if k in s}))
+    rc = asyncio.run(serve_front(engine, s.get("host", DEFAULT_HOST), s.get("port", DEFAULT_PORT),
+                                 s.get("model_name"), s.get("api_key"), s.get("protect_metrics", False),
+                                 under_torchrun="TORCHELASTIC_RUN_ID" in os.environ,
+                                 allowed_origins=tuple(s.get("allowed_origins") or ()),
+                                 chat={k: s[k] for k in chat_http.OPTIONS if k in s}))
+    if rc and engine.job_ctx.world_size > 1:
+        # The step loop died (a lost rank, most often): the process group may be broken, and finalizing the
+        # interpreter would run its destructors (SIGABRT from a joinable gloo thread) or block in them. Leave
+        # as the watchdog does, with the status that says the server failed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc
