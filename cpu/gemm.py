@@ -86,7 +86,7 @@ def bf16_dot_supported() -> bool:
 
 class AmxArgs(ctypes.Structure):
     """wd_amx_args (csrc/wideep.h)."""
-    _fields_ = fields("want supported gemm_calls mla_calls", I)
+    _fields_ = fields("want supported gemm_calls mla_calls fp8_parts", I)
 
 
 _amx: bool | None = None   # the library's setting, as last set or asked (amx_on() reads it without a call)
@@ -115,10 +115,11 @@ def amx_supported() -> bool:
 
 
 def amx_calls() -> dict[str, int]:
-    """The calls that ran on the tiles since the library was loaded: {"gemm": GEMMs, "mla": paged decodes}."""
+    """The calls that ran on the tiles since the library was loaded: {"gemm": GEMMs, "mla": paged decodes,
+    "fp8_parts": the bfloat16 parts x was split into, summed over the FP8 GEMMs (1 each for bfloat16 activations)}."""
     a = AmxArgs(want=-1)
     library().wd_amx(a)
-    return {"gemm": a.gemm_calls, "mla": a.mla_calls}
+    return {"gemm": a.gemm_calls, "mla": a.mla_calls, "fp8_parts": a.fp8_parts}
 
 
 class BmmNtArgs(ctypes.Structure):

@@ -295,9 +295,10 @@ int amx_supported(void) { return 0; }
 #endif
 
 static int amx_state = -1;   /* -1: not decided yet (the first call decides: on where the CPU and the kernel allow) */
-static int64_t calls[2];
+static int64_t calls[3];
 
 void amx_count(int which) { __atomic_fetch_add(&calls[which], 1, __ATOMIC_RELAXED); }
+void amx_count_parts(int parts) { __atomic_fetch_add(&calls[2], parts, __ATOMIC_RELAXED); }
 
 int amx_on(void) {
     if (amx_state < 0) amx_state = amx_supported();
@@ -310,5 +311,6 @@ int64_t wd_amx(wd_amx_args *a) {
     else if (a->want == 1) amx_state = a->supported;
     a->gemm_calls = __atomic_load_n(&calls[0], __ATOMIC_RELAXED);
     a->mla_calls = __atomic_load_n(&calls[1], __ATOMIC_RELAXED);
+    a->fp8_parts = __atomic_load_n(&calls[2], __ATOMIC_RELAXED);
     return amx_on();
 }

@@ -7,7 +7,7 @@
    every row of x meets it there.
 
    Exact enough to stand in for linear_fp8 whatever the model's dtype: x is not just rounded to bfloat16. Each row
-   is split into SPLIT bfloat16 parts (the rounding of x, then of what is left, ...), every part is a row of the B
+   is split into up to SPLIT bfloat16 parts (the rounding of x, then of what is left, ...), every part is a row of the B
    tiles, and y is the sum of the parts' sums. The products are exact in float32; the block scales are applied in
    float32 to each block's sums (a scale per br x bk block: a tile's 16 weight rows and 32 features lie in one block
    when br % 16 == 0 and bk % 32 == 0). So the result is linear_fp8's up to float32 rounding of the sums.
@@ -15,7 +15,7 @@
    Loops: the weights 32 rows (two A tiles) at a time; per scale block of bk features, those rows are widened into
    scratch (bk/32 steps x 2 tiles x 1 KiB) while the next 32 rows' lines of the same features are asked into L2,
    then every 32 rows of x's parts pass over them: tiles zeroed, bk/32 steps, the 4 sums stored and added, scaled,
-   into float32 accumulators [32 weight rows][SPLIT * M rows]. At the end y = the parts' sums added.
+   into float32 accumulators [32 weight rows][P * M rows]. At the end y = the parts' sums added.
    Taken only where the shapes fit (otherwise linear_fp8 runs as before): K % 32 == 0, N % 16 == 0, br % 16 == 0,
    bk % 32 == 0 and FP8_AMX_MIN_ROWS <= M <= FP8_AMX_MAX_ROWS. */
 #include <stdlib.h>
@@ -25,8 +25,8 @@
 #if WD_AMX
 #include "amx.h"
 
-/* the bfloat16 parts x is split into: three leave |x - their sum| <= 2^-27 |x| (two leave 2^-18: visible at 1e-5
-   in a float32 model's MLP, tests/cpu/test_fused.py) */
+/* the most bfloat16 parts x is split into: three leave |x - their sum| <= 2^-27 |x| (two leave 2^-18: visible at
+   1e-5 in a float32 model's MLP, tests/cpu/test_fused.py) */
 #define SPLIT 3
 
 /* the e4m3 bytes p[0..31] as 32 bfloat16 with the same values: normals rebiased (exponent +120, mantissa << 4),
@@ -50,17 +50,38 @@ static inline AMXF __m512 bf_hi(__m512i v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1)), 16));
 }
 
-/* x [M, K] float32 -> xb: its SPLIT bfloat16 parts as rows p * M + m (part 0 the rounding of x, each next part the
+/* Fewer parts where fewer are exact: a bfloat16 model's activations are bfloat16 values, one part each (a third of
+   the tile work, the same sums). -> how many parts make x exactly (1..SPLIT): the first whose remainder is zero in
+   every element. */
+static AMXF int parts_needed(const float *x, int64_t ldx, int64_t M, int64_t K) {
+    __mmask16 left1 = 0, left2 = 0;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k += 32) {
+            const float *p = x + m * ldx + k;
+            __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+            __m512i part = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            a = _mm512_sub_ps(a, bf_lo(part));
+            b = _mm512_sub_ps(b, bf_hi(part));
+            left1 |= _mm512_cmpneq_ps_mask(a, _mm512_setzero_ps()) | _mm512_cmpneq_ps_mask(b, _mm512_setzero_ps());
+            part = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+            a = _mm512_sub_ps(a, bf_lo(part));
+            b = _mm512_sub_ps(b, bf_hi(part));
+            left2 |= _mm512_cmpneq_ps_mask(a, _mm512_setzero_ps()) | _mm512_cmpneq_ps_mask(b, _mm512_setzero_ps());
+        }
+    return left2 ? 3 : left1 ? 2 : 1;
+}
+
+/* x [M, K] float32 -> xb: its P bfloat16 parts as rows p * M + m (part 0 the rounding of x, each next part the
    rounding of what the earlier ones left), zero rows up to a multiple of 16; per 16 rows and 32 features one
    1 KiB B tile [16 pairs][16 rows][2] */
-static AMXF void pack_parts(const float *x, int64_t ldx, int64_t M, int64_t K, uint16_t *xb) {
-    int64_t MT = (SPLIT * M + 15) / 16, KB = K / 32;
+static AMXF void pack_parts(const float *x, int64_t ldx, int64_t M, int64_t K, int P, uint16_t *xb) {
+    int64_t MT = (P * M + 15) / 16, KB = K / 32;
     for (int64_t mt = 0; mt < MT; mt++)
         for (int64_t kb = 0; kb < KB; kb++) {
             __m512i r[16];
             for (int i = 0; i < 16; i++) {
                 int64_t m = mt * 16 + i;
-                if (m >= SPLIT * M) {
+                if (m >= P * M) {
                     r[i] = _mm512_setzero_si512();
                     continue;
                 }
@@ -95,7 +116,8 @@ AMXF int linear_fp8_amx(const float *x, int64_t ldx, const uint8_t *w, int64_t l
                         int64_t br, int64_t bk, float *y, int64_t ldy, int64_t M, int64_t N, int64_t K) {
     if (M < FP8_AMX_MIN_ROWS || M > FP8_AMX_MAX_ROWS || K % 32 || N % 16 || br % 16 || bk % 32 || !N || !K)
         return 0;
-    int64_t MT = (SPLIT * M + 15) / 16, KB = K / 32, SB = bk / 32, ldacc = MT * 16;
+    int P = parts_needed(x, ldx, M, K);
+    int64_t MT = (P * M + 15) / 16, KB = K / 32, SB = bk / 32, ldacc = MT * 16;
     /* scratch: x's B tiles, one scale block of 32 weight rows as A tiles, the accumulators */
     int64_t nxb = MT * KB * 512, nwa = SB * 2 * 512, nacc = 32 * ldacc * 2;   /* (uint16 units) */
     uint16_t *buf = amx_scratch(0, nxb + nwa + nacc);
@@ -103,7 +125,7 @@ AMXF int linear_fp8_amx(const float *x, int64_t ldx, const uint8_t *w, int64_t l
     uint16_t *xb = buf, *wa = buf + nxb;
     float *acc = (float *)(wa + nwa);
     float c[256] __attribute__((aligned(64)));
-    pack_parts(x, ldx, M, K, xb);
+    pack_parts(x, ldx, M, K, P, xb);
     tiles_on();
     for (int64_t n = 0; n < N; n += 32) {
         int two_a = n + 16 < N;
@@ -138,12 +160,13 @@ AMXF int linear_fp8_amx(const float *x, int64_t ldx, const uint8_t *w, int64_t l
             for (int64_t r = 0; r < rows; r++) {
                 const float *a = acc + r * ldacc + j;
                 float t = a[0];
-                for (int p = 1; p < SPLIT; p++) t += a[p * M];
+                for (int p = 1; p < P; p++) t += a[p * M];
                 y[j * ldy + n + r] = t;
             }
     }
     _tile_release();   /* the tiles back in their initial state (oneDNN configures its own) */
     amx_count(0);
+    amx_count_parts(P);
     return 1;
 }
 #else

@@ -110,7 +110,7 @@ static const wd_layout table[] = {
 
     SIZE(wd_amx_args)
     FIELD(wd_amx_args, want) FIELD(wd_amx_args, supported) FIELD(wd_amx_args, gemm_calls)
-    FIELD(wd_amx_args, mla_calls)
+    FIELD(wd_amx_args, mla_calls) FIELD(wd_amx_args, fp8_parts)
 
     SIZE(wd_route_args)
     FIELD(wd_route_args, x) FIELD(wd_route_args, w) FIELD(wd_route_args, bias) FIELD(wd_route_args, logits)

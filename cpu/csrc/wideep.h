@@ -215,6 +215,7 @@ WD_INTERNAL void linear_bf16dp(const float *x, int64_t ldx, const uint16_t *w, i
 WD_INTERNAL int amx_supported(void);
 WD_INTERNAL int amx_on(void);
 WD_INTERNAL void amx_count(int which);   /* 0: a GEMM ran on the tiles, 1: a paged decode did (wd_amx reports) */
+WD_INTERNAL void amx_count_parts(int parts);   /* an FP8 GEMM on the tiles split x into this many bfloat16 parts */
 /* the bfloat16 matrix w [rows, K] (rows ldw apart) the caller multiplies after its next GEMM call: that call asks its
    first rows into L2 while it finishes (a hint: no effect off the tiles) */
 WD_INTERNAL void amx_next(const void *w, int64_t ldw, int64_t rows, int64_t K);
@@ -386,7 +387,7 @@ int64_t wd_bf16_dot(wd_bf16_dot_args *a);
    with them): want 1 on (where the CPU and the kernel allow), 0 off, -1 unchanged. Returns whether they are on;
    gemm_calls, mla_calls: the GEMM and paged-decode calls that ran on the tiles since the library was loaded. */
 typedef struct {
-    int64_t want, supported, gemm_calls, mla_calls;
+    int64_t want, supported, gemm_calls, mla_calls, fp8_parts;   /* fp8_parts: bfloat16 parts of x, summed over FP8 GEMMs */
 } wd_amx_args;
 int64_t wd_amx(wd_amx_args *a);
 

@@ -178,8 +178,8 @@ def test_the_environment_starts_the_library_off_the_tiles():
 @pytest.mark.parametrize("N,K,block", [(16, 32, (16, 32)), (48, 96, (16, 32)), (576, 1024, (128, 128)),
                                        (256, 320, (128, 128)), (80, 224, (32, 96))])
 def test_fp8_linear_on_tiles(M, N, K, block):
-    """FP8 block-quantised weights (csrc/gemm_fp8_amx.c): each weight widened to bfloat16 exactly, x split into two
-    bfloat16 parts, each block's sums scaled in float32: within float32-grade error of the dequantised float64
+    """FP8 block-quantised weights (csrc/gemm_fp8_amx.c): each weight widened to bfloat16 exactly, x split into up to
+    three bfloat16 parts, each block's sums scaled in float32: within float32-grade error of the dequantised float64
     reference, whatever the model's dtype (a last partial block of K, one tile of rows, blocks of 16 x 32 up)."""
     torch.manual_seed(M * 31 + N + K)
     x = torch.randn(M, K)
@@ -189,6 +189,30 @@ def test_fp8_linear_on_tiles(M, N, K, block):
     assert _ran("gemm", before) == 1
     exact = (x.double() @ dequantize_fp8_block(q, s, block, torch.float64).t()).float()
     torch.testing.assert_close(got, exact, atol=2e-5 * K ** 0.5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("M", [4, 17, 40])
+@pytest.mark.parametrize("parts", ["bf16", "two", "one_element_three"])
+def test_fp8_linear_on_tiles_with_fewer_parts(M, parts):
+    """x whose values need fewer bfloat16 parts (a bfloat16 model's activations: one; a bfloat16 value plus a small
+    bfloat16 remainder: two; one element of a row that needs three among bfloat16 values): the tiles run as few parts
+    as make x exactly, with float32-grade sums, and a bfloat16 x gives the sums of the bfloat16 dot products."""
+    torch.manual_seed(M)
+    N, K, block = 96, 320, (32, 64)
+    x = torch.randn(M, K).bfloat16().float()
+    if parts == "two":
+        x = x + (torch.randn(M, K) * 2.0 ** -10).bfloat16().float()
+    elif parts == "one_element_three":
+        x[M // 2, K - 1] = 1.0 + 2.0 ** -9 + 2.0 ** -20
+    q, s = quantize_fp8_block(torch.randn(N, K) * 0.1, block)
+    before = gemm.amx_calls()
+    got = gemm.linear_fp8(x, q, s, block)
+    assert _ran("gemm", before) == 1
+    assert _ran("fp8_parts", before) == {"bf16": 1, "two": 2, "one_element_three": 3}[parts]
+    exact = (x.double() @ dequantize_fp8_block(q, s, block, torch.float64).t()).float()
+    torch.testing.assert_close(got, exact, atol=2e-5 * K ** 0.5, rtol=1e-5)
+    gemm.amx(False)
+    torch.testing.assert_close(got, gemm.linear_fp8(x, q, s, block), atol=2e-5 * K ** 0.5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("M,N,K,block", [(3, 48, 96, (16, 32)), (257, 48, 96, (16, 32)), (8, 40, 96, (16, 32)),
