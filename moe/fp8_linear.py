@@ -45,6 +45,8 @@ class Fp8Linear(nn.Module):
         """x [..., in] -> [..., out]."""
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.weight_scale_inv, self.block, self.bias)
+        if x.numel() == 0:   # a zero-token step (an idle EP rank's): no dequantised copy of the weight
+            return x.new_zeros(*x.shape[:-1], self.out_features)
         if self.backend == "triton":
             from .triton_linear import fp8_linear
             y = fp8_linear(x.reshape(-1, self.in_features).contiguous(), self.weight, self.weight_scale_inv,

@@ -87,6 +87,29 @@ def test_experts_fp8_against_the_dequantised_reference(T, k, H, I, block):
     torch.testing.assert_close(got, want, **_tol(H + I))
 
 
+@pytest.mark.parametrize("backend", ["kernel", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_zero_token_fp8_linear_reads_no_weight(backend, dtype, monkeypatch):
+    """An idle EP rank's step has no tokens but runs every layer (its experts serve the other ranks): an fp8 linear
+    of zero rows returns [..., 0 rows, N] without a dequantised copy of the weight, on the CPU kernel and on torch."""
+    from wideep.cpu.linear import small_linear_fp8
+    from wideep.moe import fp8_linear
+    from wideep.moe.fp8_linear import Fp8Linear
+
+    def never(*args, **kwargs):
+        raise AssertionError("a zero-token step dequantised an fp8 weight")
+    monkeypatch.setattr(gemm, "dequantize_fp8", never)
+    monkeypatch.setattr(fp8_linear, "dequantize_fp8_block", never)
+    q, s = quantize_fp8_block(torch.randn(96, 64), (32, 32))
+    lin = Fp8Linear(64, 96, bias=False, dtype=dtype, block=(32, 32), backend="torch",
+                    kernel=small_linear_fp8 if backend == "kernel" else None)
+    with torch.no_grad():
+        lin.weight.copy_(q), lin.weight_scale_inv.copy_(s)
+    for shape in ((0, 64), (1, 0, 64)):
+        y = lin(torch.randn(shape, dtype=dtype))
+        assert y.shape == (*shape[:-1], 96) and y.dtype == dtype
+
+
 def test_bad_fp8_inputs_are_clear_errors():
     q, s = quantize_fp8_block(torch.randn(40, 64), (32, 32))
     x = torch.randn(2, 64)
