@@ -253,6 +253,13 @@ class Engine:
         return dict(self.front.metrics(window_s), serving=int(h["serving"]), lost_ranks=h["lost_ranks"],
                     unreachable=h.get("unreachable", []))
 
+    def extra_stats(self) -> dict:
+        """What an engine built on this one adds to LLM.stats() (disaggregation: its KV transfers)."""
+        return {}
+
+    def reset_extra_stats(self) -> None:
+        """Zero what extra_stats() counts (`wideep run`: after its warm-up)."""
+
     def health(self) -> dict:
         """Rank 0, on the thread that steps the engine: whether the deployment serves and the ranks
         lost (engine/front/health.py)."""
