@@ -52,8 +52,11 @@ PROMPTS = [[(7 * i + 13 * j) % 250 + 2 for j in range(96 + 8 * i)] for i in rang
 # What host 1 sent on its wire (TCP payload: bytes less one header per frame) over what its prefill ranks'
 # KV transfer counted as sent (every KV row and pickled header/trailer, sizes included). The rest: gloo's
 # header per message, the prefill ranks' mailbox polls of the rendezvous store and their reports to the
-# front (ZeroMQ), the watchdog's heartbeats, the results broadcast and the window's barriers.
-TCP_TOLERANCE = 0.30
+# front (ZeroMQ), the watchdog's heartbeats, the results broadcast and the window's barriers. Measured over
+# 4 runs: TCP payload 1.024-1.030x, all bytes (headers and ACK frames too) 1.046-1.051x; each bound is about
+# twice the measured excess.
+TCP_TOLERANCE = 0.06
+WIRE_TOLERANCE = 0.10
 
 
 def test_disagg_prefill_on_host1_decode_on_host0_equal_one_process_and_kv_bytes(tmp_path):
@@ -94,3 +97,4 @@ def test_disagg_prefill_on_host1_decode_on_host0_equal_one_process_and_kv_bytes(
           f"{tcp / sent:.3f}, all bytes {wire['sent_per_node'][1] / sent:.3f}")
     assert wire["sent_per_node"][1] <= wire["received_per_node"][0] * 1.01
     assert 1.0 <= tcp / sent <= 1.0 + TCP_TOLERANCE, (tcp, sent, wire)
+    assert wire["sent_per_node"][1] / sent <= 1.0 + WIRE_TOLERANCE, (sent, wire)
