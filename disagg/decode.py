@@ -21,6 +21,7 @@ from wideep.engine.front.outputs import RequestState
 from wideep.engine.worker.rank_loop import RankHooks, delta_of
 from wideep.engine.sampling_params import SamplingParams
 
+from .kv_transfer import TransferStats
 from .receiver import KVReceiver
 
 
@@ -73,6 +74,14 @@ class DisaggEngine(Engine):
         super().__init__(model, ctx=roles.pool_ctx, job_ctx=roles.ctx, hooks=hooks, domains=domains, **options)
         self.loop.idle_sleep_s = cfg.idle_sleep_s
         self.prefill_blocks: tuple[int, int] | None = None   # (blocks, block_size) of the smallest prefill rank
+
+    def extra_stats(self) -> dict:
+        """This rank's KV-transfer counters (LLM.stats): bytes and messages sent and received over the
+        transfer group, KV rows and the pickled headers/trailers alike, per peer (global ranks)."""
+        return {"kv_transfer": dataclasses.asdict(self.roles.kv.stats)}
+
+    def reset_extra_stats(self) -> None:
+        self.roles.kv.stats = TransferStats()   # between generations: no transfer is in flight
 
     def know_prefill_capacity(self, blocks: int, block_size: int) -> None:
         """The smallest prefill rank's cache (make_engine learns it once the pools are up): prompts that could

@@ -274,6 +274,11 @@ class Ring:
                 heard.update({int(r): why for r, why in json.loads(line[2:]).items()})
         return heard
 
+    def silences(self) -> dict[int, float]:
+        """Seconds since each watched neighbour was last heard (any thread: it reads floats only)."""
+        now = time.monotonic()
+        return {link.rank: now - link.last_heard for link in list(self.links.values()) if link.watched}
+
     def _beat(self, now: float, dead: dict) -> None:
         for link in self.links.values():
             if link.sock is not None:

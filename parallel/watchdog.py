@@ -140,6 +140,14 @@ class Watchdog:
         with self._lock:
             return sorted(self._lost)
 
+    def silent_ranks(self, after_s: float) -> dict[int, float]:
+        """Ring neighbours not heard from for more than after_s and not declared lost (yet): {rank:
+        seconds}. A stopped watchdog hears nobody: {}."""
+        if self._stop.is_set():
+            return {}
+        lost = set(self.lost_ranks())
+        return {r: s for r, s in self._ring.silences().items() if s > after_s and r not in lost}
+
     def verdicts(self) -> list[dict]:
         """The verdict log read to its end: the same sequence on every rank."""
         self._read_log()

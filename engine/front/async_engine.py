@@ -153,6 +153,13 @@ class AsyncEngine:
         self._cmds.put(("metrics", fut))
         return await fut
 
+    async def health(self) -> dict:
+        """engine.health() (read on the engine thread, between steps): serving, status, lost ranks."""
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._cmds.put(("health", fut))
+        return await fut
+
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
@@ -220,9 +227,12 @@ class AsyncEngine:
                 self._streams[rid] = st
         elif kind == "abort":
             self._abort(cmd[1], cmd[2])
-        elif kind == "metrics":
+        elif kind in ("metrics", "health"):
             fut = cmd[1]
-            m = dict(self.engine.metrics(), **self.stats.snapshot(), active_requests=len(self._streams))
+            if kind == "health":
+                m = self.engine.health()
+            else:
+                m = dict(self.engine.metrics(), **self.stats.snapshot(), active_requests=len(self._streams))
             try:
                 fut.get_loop().call_soon_threadsafe(lambda: fut.done() or fut.set_result(m))
             except RuntimeError:

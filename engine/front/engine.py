@@ -25,6 +25,7 @@ from ..worker.core import EngineCore
 from ..worker.messages import END, SHUTDOWN, NewRequest
 from ..worker.rank_loop import RankHooks, RankLoop
 from .front import Domain, Front
+from .health import HealthView
 from .outputs import RequestState
 from .samples import SampleGroup, sample_id, sample_params
 
@@ -61,6 +62,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._thread_error: BaseException | None = None
         self._closed = False
+        self._health = HealthView()
 
     @property
     def ctx(self):
@@ -247,4 +249,19 @@ class Engine:
         self._front_only("metrics")
         if self._job.is_single and not self.front.rank_stats:
             self.front.rank_stats[0] = self.core.stats()
-        return self.front.metrics(window_s)
+        h = self.health()
+        return dict(self.front.metrics(window_s), serving=int(h["serving"]), lost_ranks=h["lost_ranks"],
+                    unreachable=h.get("unreachable", []))
+
+    def extra_stats(self) -> dict:
+        """What an engine built on this one adds to LLM.stats() (disaggregation: its KV transfers)."""
+        return {}
+
+    def reset_extra_stats(self) -> None:
+        """Zero what extra_stats() counts (`wideep run`: after its warm-up)."""
+
+    def health(self) -> dict:
+        """Rank 0, on the thread that steps the engine: whether the deployment serves and the ranks
+        lost (engine/front/health.py)."""
+        self._front_only("health")
+        return self._health.read(self)

@@ -98,6 +98,7 @@ class LLM:
         d = self.model.dispatcher
         if d is not None:
             out["dispatch"] = d.stats.as_dict()
+        out.update(self.engine.extra_stats())
         return out
 
     def all_stats(self) -> list[dict]:

@@ -1,7 +1,8 @@
-"""`wideep cluster up|down|list`: the local cluster of namespace hosts (launch/cluster/) from a shell.
+"""`wideep cluster up|down|list|link`: the local cluster of namespace hosts (launch/cluster/) from a shell.
 
     wideep cluster up --nodes 2 --rate 5gbit      # prints the prefix, each host's address and how to run in it
     wideep cluster down [--prefix P]              # P, or every cluster whose owner process is gone
+    wideep cluster link --prefix P --node 1 down  # a partition: host 1's cable pulled (`up` puts it back)
 """
 from __future__ import annotations
 
@@ -35,6 +36,13 @@ def cmd_down(a) -> None:
           f"(clusters whose owner process still runs are left alone; name one with --prefix)")
 
 
+def cmd_link(a) -> None:
+    from ..cluster import Cluster
+    c = Cluster.load(a.prefix)
+    c.set_link(a.node, a.state == "up")
+    print(f"cluster {a.prefix}: host {a.node}'s link is {a.state}")
+
+
 def cmd_list(a) -> None:
     from ..cluster import state
     for s in state.all_states():
@@ -57,5 +65,10 @@ def add_parsers(sub) -> None:
     down = cs.add_parser("down", help="remove a cluster (--prefix), or every one whose owner process is gone")
     down.add_argument("--prefix")
     down.set_defaults(fn=cmd_down)
+    link = cs.add_parser("link", help="set a host's link down (a partition: its ranks fall silent) or up again")
+    link.add_argument("--prefix", required=True)
+    link.add_argument("--node", type=int, required=True)
+    link.add_argument("state", choices=("down", "up"))
+    link.set_defaults(fn=cmd_link)
     ls = cs.add_parser("list", help="the recorded clusters")
     ls.set_defaults(fn=cmd_list)

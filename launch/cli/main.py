@@ -108,6 +108,7 @@ def cmd_run(a) -> None:
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=1))  # warm-up, every rank
     if llm.model.dispatcher is not None:
         llm.model.dispatcher.stats.reset()
+    llm.engine.reset_extra_stats()
     from ..cluster.wire import wire_device
     from ..cluster.window import WireWindow
     dev = wire_device()   # GLOO_SOCKET_IFNAME's device unless the loopback: each host's wire, counted
@@ -135,6 +136,8 @@ def cmd_run(a) -> None:
                    "dispatch_bytes_remote_per_rank": [s.get("dispatch", {}).get("dispatch_bytes_remote", 0)
                                                       for s in stats],
                    "dispatch_per_rank": [s.get("dispatch", {}) for s in stats]}
+        if any("kv_transfer" in s for s in stats):   # disaggregated: each rank's KV-transfer counters
+            summary["kv_transfer_per_rank"] = [s.get("kv_transfer", {}) for s in stats]
         if wire_bytes:  # per node: bytes its wire device sent and received during the generation
             summary["wire"] = {"dev": dev, "sent_per_node": [b.sent for b in wire_bytes],
                                "received_per_node": [b.received for b in wire_bytes],

@@ -3,6 +3,7 @@
     with Cluster.up(ClusterSpec(nodes=2, rate="5gbit")) as c:
         subprocess.run(c.hosts[1].argv(["torchrun", ...]))       # runs inside host 1
         c.link_bytes()                                           # [LinkBytes per host]
+        c.set_link(1, up=False)                                  # a partition: host 1's cable pulled
 
 Layout (prefix P, unique per cluster; X the cluster's /24 in 198.18.0.0/15):
   P-h{i}   host i: its loopback up (intra-host traffic), `eth0` at 198.18.X.{i+1}/24
@@ -21,6 +22,7 @@ from this kernel: rate only, no delay.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -168,6 +170,21 @@ class Cluster:
 
     def __exit__(self, *exc) -> None:
         self.down()
+
+    # -- faults -------------------------------------------------------------------------------------
+    def set_link(self, node: int, up: bool) -> None:
+        """Host `node`'s link up or down at its switch port, like a pulled cable: the host's eth0 loses
+        its carrier (its address and routes stay), what either side sends is dropped, and no
+        connection is closed or refused: the ranks across it fall silent. down() needs nothing more
+        (the port goes with the switch's namespace)."""
+        if not 0 <= node < len(self.hosts):
+            raise ValueError(f"no host {node} in this cluster of {len(self.hosts)}")
+        netns.run("ip", "-n", self.switch, "link", "set", "dev", self.hosts[node].port, "up" if up else "down")
+
+    def link_up(self, node: int) -> bool:
+        """Whether host `node`'s switch port is up."""
+        out = netns.run("ip", "-n", self.switch, "-j", "link", "show", "dev", self.hosts[node].port).stdout
+        return "UP" in json.loads(out)[0]["flags"]
 
     # -- reading ------------------------------------------------------------------------------------
     def link_bytes(self) -> list[LinkBytes]:

@@ -9,7 +9,9 @@ builds the engine on every rank).
     POST /tokenize         vLLM's: {"prompt", "add_special_tokens"} -> {"tokens", "count", "max_model_len"}
     POST /detokenize       vLLM's: {"tokens"} -> {"prompt"}
     GET  /version          {"version": wideep's version}
-    GET  /health           200 while the engine serves, 503 once it has stopped
+    GET  /health           200 while the engine serves ({"status": "ok"}; "degraded" with the lost ranks named
+                           once survivors of a loss serve), 503 naming the lost ranks while it cannot
+                           (a re-forming, a loss that ends the job) and once it has stopped
     GET  /metrics          Prometheus text (launch/server/prometheus.py)
 
 Every error is JSON {"error": {"message", "type", "code"}}: bad input 400 (404 an unknown model or
@@ -34,7 +36,9 @@ import traceback
 from aiohttp import web
 
 from wideep.engine.front.async_engine import AsyncEngine, EngineDeadError
+from wideep.engine.front.health import message as health_message
 from wideep.engine.generation_defaults import generation_defaults
+from wideep.parallel.reform import origin_of
 
 from . import chat_http, prometheus, tokenize_api
 from .api_key import ApiKey
@@ -44,6 +48,7 @@ from .openai_api import BadRequest, Completion, cached_tokens, parse_completion
 from .request_ids import RequestIds
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+HEALTH_TIMEOUT_S = 5.0   # the engine thread answers between steps (milliseconds); longer means it is stuck
 
 
 
@@ -132,9 +137,25 @@ class Server:
         return web.json_response({"version": __version__})
 
     async def health(self, request: web.Request) -> web.Response:
-        if self.aengine.is_running:
-            return web.json_response({"status": "ok"})
-        return _error(503, "engine is not running")
+        """200 {"status": "ok"} while every rank serves; 200 {"status": "degraded", "lost_ranks", ...} once
+        the survivors of a loss serve (on_rank_loss = "continue"); 503 naming the lost ranks while the
+        deployment cannot serve (engine/front/health.py), and 503 once the engine stopped."""
+        try:
+            if not self.aengine.is_running:
+                raise EngineDeadError("engine is not running")
+            h = await asyncio.wait_for(self.aengine.health(), HEALTH_TIMEOUT_S)
+        except EngineDeadError as e:
+            err = self.aengine.error
+            lost = getattr(err, "ranks", None)   # RankLostError: the job's ranks, origin-numbered below
+            body = {"status": "stopped", "serving": False}
+            if lost:
+                body["lost_ranks"] = sorted(origin_of(self.aengine.engine.job_ctx, r) for r in lost)
+            return _error(503, f"engine is not running: {err}" if err else str(e), extra=body)
+        except asyncio.TimeoutError:
+            return _error(503, f"the engine did not answer within {HEALTH_TIMEOUT_S:g} s", extra={"serving": False})
+        if not h["serving"]:
+            return _error(503, health_message(h), extra=h)
+        return web.json_response({"status": "ok"} if h["status"] == "ok" else h)
 
     async def models(self, request: web.Request) -> web.Response:
         """vLLM's model cards, one per served name (`vllm bench serve` reads root)."""

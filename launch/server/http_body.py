@@ -10,10 +10,11 @@ from .json_text import lone_surrogate, surrogate_message
 from .errors import BadRequest
 
 
-def _error(status: int, message: str, headers: dict | None = None) -> web.Response:
+def _error(status: int, message: str, headers: dict | None = None, extra: dict | None = None) -> web.Response:
+    """extra: fields beside "error" (/health's state, for a probe that reads more than the status)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status,
-                             headers=headers)
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}, **(extra or {})},
+                             status=status, headers=headers)
 
 
 def _no_json_constant(name: str):

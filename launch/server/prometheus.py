@@ -45,6 +45,8 @@ _SCALARS = [
      "Rank steps without drafts because more sequences ran than disable_by_batch_size."),
     ("wideep_spec_decode_started_paused_total", "spec_decode_started_paused", "counter",
      "New sequences that started backed off because their rank's recent drafts were rarely accepted."),
+    ("wideep_serving", "serving", "gauge",
+     "1 while the deployment serves (/health 200), 0 while ranks are lost and not re-formed out."),
     # surviving lost ranks (on_rank_loss = "continue")
     ("wideep_rank_losses_total", "rank_losses", "counter", "Ranks lost and survived (the ranks re-formed)."),
     ("wideep_requests_readmitted_total", "requests_readmitted", "counter",
@@ -177,6 +179,14 @@ def render(m: dict) -> str:
              "Requests routed to a DP rank, by reason (least_loaded|prefix|load|no_prefix).")
         lines.extend(f'wideep_routing_decisions_total{{reason="{r}"}} {n}'
                      for r, n in sorted(m["routing_decisions"].items()))
+    if m.get("lost_ranks"):
+        head("wideep_lost_rank", "gauge", "1 per rank lost (its rank at start-up), re-formed out or not yet.")
+        lines.extend(f'wideep_lost_rank{{rank="{r}"}} 1' for r in m["lost_ranks"])
+    if m.get("unreachable"):
+        head("wideep_unreachable_rank_silent_seconds", "gauge",
+             "Seconds a ring neighbour of rank 0 has been silent, while silent past 3 heartbeats and not yet lost.")
+        lines.extend(f'wideep_unreachable_rank_silent_seconds{{rank="{u["rank"]}"}} {_num(float(u["silent_s"]))}'
+                     for u in m["unreachable"])
     head("wideep_requests_finished_total", "counter", "Finished requests by finish reason (length|stop|abort).")
     for reason, n in sorted(m.get("requests_finished", {}).items()):
         lines.append(f'wideep_requests_finished_total{{finish_reason="{reason}"}} {n}')

@@ -1,11 +1,13 @@
 """What the cluster tests share: a fixture-style context that makes a namespace cluster (skipping
 with its one line where that is not permitted) and always removes it, checking nothing is left;
-and a wait on torchrun agents with a hard deadline."""
+a wait on torchrun agents with a hard deadline; a poller of the front's /health."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from contextlib import contextmanager
 
@@ -38,3 +40,64 @@ def wait_agents(procs: list[subprocess.Popen], timeout_s: float) -> list[int | N
         if is_late:
             os.killpg(p.pid, signal.SIGKILL)
     return [None if is_late else p.wait() for p, is_late in zip(procs, late)]
+
+
+class HealthProbe:
+    """GET /health every interval_s on a thread while the block runs: [(t, status, body)] (status
+    None where the front did not answer). mark() notes where the loss starts."""
+
+    def __init__(self, base: str, interval_s: float = 0.05):
+        from tests.launch.test_server import request
+        self.base, self.interval_s, self._request = base, interval_s, request
+        self.seen: list[tuple[float, int | None, dict]] = []
+        self.marked = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                status, raw = self._request(self.base, "GET", "/health", timeout_s=10)
+                self.seen.append((time.monotonic(), status, json.loads(raw)))
+            except OSError as e:
+                self.seen.append((time.monotonic(), None, {"error": repr(e)}))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "HealthProbe":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def mark(self) -> None:
+        self.marked = len(self.seen)
+
+    def sequence(self) -> list[str]:
+        """The states seen after mark(), repeats folded: e.g. ["ok", "503 reforming", "degraded"]."""
+        out: list[str] = []
+        for _, status, body in self.seen[self.marked:]:
+            name = body.get("status") if status == 200 else f"{status} {body.get('status')}"
+            if not out or out[-1] != name:
+                out.append(name)
+        return out
+
+    def check_loss_survived(self, lost: list[int], survivors: list[int], states: tuple[list[str], ...]) -> None:
+        """Before mark(): "ok" only. After: one of `states` (sequence()), every 503 "reforming"
+        naming some of `lost`, every 503 "unreachable" some of them as silent; the last answer 200
+        "degraded" naming all of them and the survivors."""
+        before, after = self.seen[:self.marked], self.seen[self.marked:]
+        assert before and all(st == 200 and b == {"status": "ok"} for _, st, b in before), before
+        seq = self.sequence()
+        assert seq in states, (seq, after)
+        for _, st, b in after:
+            if st == 503:
+                assert b["serving"] is False, b
+                if b["status"] == "unreachable":
+                    assert {u["rank"] for u in b["unreachable"]} <= set(lost) and "silent" in b["error"]["message"], b
+                else:
+                    assert b["lost_ranks"] and set(b["lost_ranks"]) <= set(lost), b
+                    assert "lost" in b["error"]["message"], b
+        last = after[-1][2]
+        assert last["lost_ranks"] == lost and last["serving_ranks"] == survivors and last["serving"], last

@@ -161,3 +161,43 @@ def test_torchrun_refuses_more_hosts_than_address_order_numbers():
                 None)   # never made: start_torchrun refuses before starting anything
     with pytest.raises(ValueError, match="up to 9 hosts; this cluster has 10"):
         start_torchrun(c, ["-c", "pass"], nproc_per_node=1)
+
+
+REACH = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=float(sys.argv[3])).close(); print("reached")
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+def test_link_down_is_a_silent_partition_and_up_restores_it(capsys):
+    """`wideep cluster link --node 1 down`: a connect from host 0 to a listener on host 1 times out (no
+    refusal: silence, as with a pulled cable), while host 1 still reaches itself; `up` restores it."""
+    c = _up(nodes=2, rate=None)
+    try:
+        h0, h1 = c.hosts
+        server = subprocess.Popen(h1.argv([sys.executable, "-c", "import socket, sys, time; s = socket.create_server("
+                                           "(sys.argv[1], 5002), backlog=8); print('ready', flush=True); time.sleep(60)",
+                                           h1.addr]), stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "ready"
+
+            def reach(host, timeout_s=1.0):
+                return subprocess.run(host.argv([sys.executable, "-c", REACH, h1.addr, "5002", str(timeout_s)]),
+                                      capture_output=True, text=True, timeout=30).stdout.strip()
+            assert reach(h0) == "reached" and c.link_up(1)
+            main(["cluster", "link", "--prefix", c.prefix, "--node", "1", "down"])
+            assert "host 1's link is down" in capsys.readouterr().out and not c.link_up(1) and c.link_up(0)
+            assert reach(h0) == "TimeoutError" and reach(h1) == "reached"
+            main(["cluster", "link", "--prefix", c.prefix, "--node", "1", "up"])
+            assert c.link_up(1) and reach(h0, 10.0) == "reached"
+            with pytest.raises(ValueError, match="no host 2 in this cluster of 2"):
+                c.set_link(2, up=False)
+        finally:
+            server.kill()
+            server.wait()
+    finally:
+        c.down()
+    _gone(c)

@@ -2,7 +2,9 @@
 machine's namespace streaming completions through the bridge; every process of host 1 (its agent
 and both ranks) is SIGKILLed by pid mid-generation.
 - on_rank_loss = "continue": host 0 finishes every accepted request with the tokens of one process
-  and serves on; host 0's agent then waits in torchrun's exit barrier (300 s, fixed by torch's
+  and serves on; /health, polled throughout, goes 200 "ok" -> 503 naming the lost ranks (the
+  survivors re-forming: tens of ms, which a poll may miss) -> 200 "degraded" naming them, and
+  /metrics names them; host 0's agent then waits in torchrun's exit barrier (300 s, fixed by torch's
   launcher) for the agent that died, so the test stops it by its process group once the ranks left.
 - the default ("exit"): both survivors exit, each naming the rank of host 1 whose loss it learnt
   first (the watchdog exits on the first verdict), and host 0's agent exits; nothing hangs.
@@ -24,7 +26,7 @@ from wideep.engine import LLM, SamplingParams
 from wideep.launch.cluster import netns
 from wideep.launch.cluster.torchrun import start_torchrun
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-from tests.launch.clusters import cluster_up, wait_agents
+from tests.launch.clusters import HealthProbe, cluster_up, wait_agents
 from tests.launch.runs import REPO
 from tests.launch.test_server import complete, metrics
 
@@ -119,18 +121,24 @@ def test_host_lost_continue_finishes_every_request(tiny, tmp_path):
     with cluster_up() as c:
         s = Serving(c, _config(tmp_path, tiny, c, 'on_rank_loss = "continue"'))
         try:
-            with ThreadPoolExecutor(len(PROMPTS)) as ex:
+            with ThreadPoolExecutor(len(PROMPTS)) as ex, HealthProbe(s.base) as probe:
                 futs = [ex.submit(complete, s.base, p, MAX_TOKENS, True, ignore_eos=True) for p in PROMPTS]
                 time.sleep(1.0)                           # the streams are under way on both hosts
                 t_lost = time.monotonic()
+                probe.mark()
                 assert len(_lose_host(c, 1)) == 3, s.text()  # host 1's agent and its 2 ranks
                 got = [f.result(timeout=4 * TIMEOUT_S) for f in futs]
                 took = time.monotonic() - t_lost
             assert [g["token_ids"] for g in got] == want, s.text()
             assert all(g["finish_reason"] == "length" for g in got)
             assert took <= 2 * TIMEOUT_S, f"service resumed only {took:.1f} s after the loss"
+            # The re-forming takes a few tens of ms here (the deaths show at once): a 50 ms poll may miss its 503.
+            probe.check_loss_survived([2, 3], [0, 1], states=(["ok", "503 reforming", "degraded"],
+                                                            ["503 reforming", "degraded"], ["ok", "degraded"],
+                                                            ["degraded"]))
             m = metrics(s.base)
             assert m["wideep_rank_losses_total"] >= 1, m
+            assert m["wideep_serving"] == 1 and m['wideep_lost_rank{rank="2"}'] == 1 == m['wideep_lost_rank{rank="3"}'], m
             assert complete(s.base, PROMPTS[0], MAX_TOKENS, True, ignore_eos=True)["token_ids"] == want[0]
             os.kill(s.rank0, signal.SIGTERM)              # stops host 0's ranks (rank 0 releases the others)
             deadline = time.monotonic() + 60
