@@ -80,7 +80,29 @@ def reform(ctx: ParallelContext, release=None) -> ParallelContext:
         os._exit(1)
     if wd is not None:
         wd.stop(done=True, linger=False)
-    new = _connect(ctx, store, survivors, epoch)
+    new = _connect(ctx, store, survivors, epoch, watch=wd)
+    new.recovery_s = time.monotonic() - t0
+    return new
+
+
+def regroup(ctx: ParallelContext, members: list[int], release=None) -> ParallelContext | None:
+    """A resize on request: every rank of ctx leaves its groups, and the ranks named in members (origin ranks,
+    in their new order; every one alive, so no agreement is needed) form new ones under the next epoch.
+    -> the new context, or None on a rank that is not a member (it leaves: its watchdog says goodbye, so
+    nobody takes its exit for a loss). release(): as for reform."""
+    t0 = time.monotonic()
+    epoch = ctx.epoch + 1
+    if release is not None:
+        release()
+    if ctx.watchdog is not None:
+        ctx.watchdog.stop(done=True, linger=False)
+    stayed = origin_of(ctx, ctx.rank) in members
+    ctx.ep_group = ctx.cpu_group = ctx.node_group = None
+    dist.destroy_process_group()
+    gc.collect()
+    if not stayed:
+        return None
+    new = _connect(ctx, dist.PrefixStore(f"{NAMESPACE}{epoch}/", ctx.store), members, epoch, watch=ctx.watchdog)
     new.recovery_s = time.monotonic() - t0
     return new
 
@@ -102,15 +124,16 @@ def _lead(ctx: ParallelContext, store, members: list[int]) -> list[int]:
         time.sleep(0.02)
 
 
-def _connect(ctx: ParallelContext, store, survivors: list[int], epoch: int) -> ParallelContext:
-    me = survivors.index(ctx.members[ctx.rank] if ctx.members is not None else ctx.rank)
+def _connect(ctx: ParallelContext, store, survivors: list[int], epoch: int, watch=None) -> ParallelContext:
+    """The new groups over survivors (origin ranks); watch: the old watchdog, whose settings the new one takes."""
+    me = survivors.index(origin_of(ctx, ctx.rank))
     n = len(survivors)
     timeout = timedelta(seconds=ctx.timeout_s)
     dist.init_process_group(ctx.backend, store=store, rank=me, world_size=n, timeout=timeout,
                             **({"device_id": ctx.device} if ctx.backend == "nccl" else {}))
     world = dist.group.WORLD
     cpu_group = world if ctx.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    old = ctx.watchdog
+    old = watch
     watchdog = None
     if old is not None and n > 1:   # a lone survivor has no peer to watch (a ring needs two)
         watchdog = Watchdog(lambda: dist.PrefixStore("watchdog/", store), me, n, heartbeat_s=old.heartbeat_s,

@@ -26,6 +26,7 @@ from ..worker.messages import END, SHUTDOWN, NewRequest
 from ..worker.rank_loop import RankHooks, RankLoop
 from .front import Domain, Front
 from .outputs import RequestState
+from .resize import check_size, plan_members
 from .samples import SampleGroup, sample_id, sample_params
 
 
@@ -158,10 +159,48 @@ class Engine:
                 self.loop.run_once()
             return self.front.poll(0)
         self._check_alive()
-        outs = self.front.poll(timeout_s if self.front.requests else 0)
+        outs = self.front.poll(timeout_s if self.front.requests or self.front.resizing else 0)
         if not outs:
             self._check_alive()
         return outs
+
+    # -- resizing on request (engine/front/resize.py, engine/worker/resize.py) -------------------------------
+    def start_resize(self, new_data_parallel_size) -> dict | None:
+        """Begin resizing to new_data_parallel_size ranks: a shrink drains the last ranks (their requests move to
+        the others, recomputed; they exit). -> None while it runs (step() drives it, resize_result() gives its
+        figures once the new shape serves); the figures at once when the size is today's. Requests keep being
+        accepted meanwhile. Raises ResizeError (a bad size, a deployment that cannot resize) or ResizeConflict
+        (one is running), changing nothing."""
+        self._front_only("start_resize")
+        self._check_alive()
+        current = list(self.front.domains[0].ranks)
+        n = check_size(new_data_parallel_size, len(current), self.front.resizing is not None, self._resize_refusal(),
+                       len(current), "this engine cannot start ranks: growing is not supported yet; restart the "
+                                     "deployment with the new --dp-size")
+        if n == len(current):
+            return {"old_data_parallel_size": n, "new_data_parallel_size": n, "members": current, "left": [],
+                    "resize_s": 0.0, "requests_moved": 0}
+        self._ensure_worker()
+        self.front.start_resize(plan_members(current, n))
+        return None
+
+    def resize_result(self) -> dict | None:
+        """-> the running resize's figures once the new shape serves (once), else None."""
+        self._front_only("resize_result")
+        return self.front.finish_resize()
+
+    @property
+    def resizing(self) -> bool:
+        return self.front is not None and self.front.resizing is not None
+
+    def _resize_refusal(self) -> str | None:
+        if self._job.is_single:
+            return ("this engine runs in one process: resizing needs data-parallel ranks (wideep serve --dp-size N, "
+                    "torchrun or mpirun)")
+        if self._job_ctx is not None or len(self.front.domains) > 1:
+            return ("a disaggregated deployment (prefill/decode pools) cannot be resized: its pools are fixed at "
+                    "start-up; restart it with the pool sizes you want")
+        return None
 
     def end_worker_loop(self) -> None:
         """Rank 0: every rank leaves its loop (in one step); run_worker_loop returns "end" elsewhere."""
@@ -191,12 +230,15 @@ class Engine:
 
     # -- workers ------------------------------------------------------------------------------------
     def run_worker_loop(self) -> str:
-        """Ranks other than 0: step until rank 0 ends the loop ("end") or shuts down ("shutdown")."""
+        """Ranks other than 0: step until rank 0 ends the loop ("end"), shuts down ("shutdown") or a resize
+        drops this rank ("left")."""
         if self.is_front:
             raise RuntimeError("run_worker_loop is for ranks other than 0")
         done = self.loop.run()
         if done == "shutdown":
             self.shutdown()
+        elif done == "left":   # a resize dropped this rank: it already left the process group
+            self.close()
         return done
 
     # -- rank 0's own loop --------------------------------------------------------------------------

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from wideep.kvstore.metrics import tier_totals
 
 from ..sampling_params import RequestOutput
-from ..worker.messages import Abort, Command, NewRequest, Report, Wake
+from ..worker.messages import RESIZE, Abort, Command, NewRequest, Report, Wake
 from .outputs import RequestState
+from .resize import Resizing
 from .samples import SampleGroup
 
 
@@ -64,6 +65,8 @@ class Front:
         self.lost: set[int] = set()       # ranks lost and survived (on_rank_loss = "continue")
         self.recoveries: list[dict] = []  # one per re-forming: who was lost, how long it took
         self.readmitted = 0
+        self.resizing: Resizing | None = None   # a resize on request in progress (engine/front/resize.py)
+        self.resizes: list[dict] = []           # the finished ones' figures
 
     # -- requests -----------------------------------------------------------------------------------
     def assign(self, domain: Domain, request_id: str, cost: int, until_first_token: bool = False,
@@ -73,8 +76,8 @@ class Front:
         prompt's ids: the rank whose cached prefix and load cost least; else the least-loaded."""
         if self.router is not None and ids is not None:
             rank, reason, _ = self.router.choose(domain.ranks, domain.load, ids)
-        else:
-            rank, reason = least_loaded(domain.load), "least_loaded"
+        else:   # among the domain's ranks: a rank leaving in a resize keeps its load entry until it has left
+            rank, reason = least_loaded({r: domain.load[r] for r in domain.ranks}), "least_loaded"
         self.routing[reason] += 1
         self.book(domain, request_id, rank, cost, until_first_token)
         return rank
@@ -151,6 +154,37 @@ class Front:
             self.channel.broadcast(d.ranks, Command(kind, self.commands))
             d.running = True
 
+    def start_resize(self, members: list[int]) -> None:
+        """RESIZE to every rank (one domain: colocated serving); from now on the leaving ranks take no new request."""
+        d = self.domains[0]
+        self.commands += 1
+        self.channel.broadcast(d.ranks, Command(RESIZE, self.commands, tuple(members)))
+        d.running = True
+        self.resizing = Resizing(list(d.ranks), list(members))
+        d.ranks = [r for r in d.ranks if r in members]
+
+    def finish_resize(self) -> dict | None:
+        """-> the figures of the resize once the new shape serves (then it is over), else None."""
+        if self.resizing is None or not self.resizing.done:
+            return None
+        result, self.resizing = self.resizing.result(), None
+        self.resizes.append(result)
+        return result
+
+    def _left(self, rank: int) -> None:
+        """A leaving rank's last report is in: its requests go to the ranks that stay, from the tokens so far."""
+        for st in list(self.requests.values()):
+            if st.dp_rank == rank:
+                self._readmit(st)
+                self.resizing.moved += 1
+        self.domains[0].load.pop(rank, None)
+        self.domain_of.pop(rank, None)
+        self.rank_stats.pop(rank, None)
+        if self.router is not None:
+            self.router.forget_rank(rank)
+        self.channel.drop(rank)
+        self.resizing.left.add(rank)
+
     # -- reports ------------------------------------------------------------------------------------
     def poll(self, timeout_s: float | None) -> list[RequestOutput]:
         """Reports that arrived (waiting up to timeout_s for the first) -> RequestOutputs."""
@@ -199,6 +233,10 @@ class Front:
                         outs.append(out)
                 if finished:
                     self._finished(st)
+            if rep.left and self.resizing is not None:
+                self._left(rep.rank)
+            if rep.resized is not None and self.resizing is not None:
+                self.resizing.add(rep.rank, rep.resized)
         self.generated += generated
         self.tokens_log.append((time.monotonic(), generated))
         self.reports += len(reports)
@@ -288,7 +326,7 @@ class Front:
                 "tokens_per_s": recent / span if span > 0 else 0.0,
                 "per_rank": st, "finished_requests": list(self.finished),
                 "rank_losses": len(self.lost), "recoveries": list(self.recoveries),
-                "requests_readmitted": self.readmitted,
+                "requests_readmitted": self.readmitted, "resizes": list(self.resizes),
                 "recovery_s_last": self.recoveries[-1]["recovery_s"] if self.recoveries else 0.0,
                 "expert_bytes_refetched_peer": sum(r.get("expert_bytes_peer", 0) for r in self.recoveries),
                 "expert_bytes_refetched_checkpoint": sum(r.get("expert_bytes_checkpoint", 0) for r in self.recoveries),

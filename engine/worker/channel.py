@@ -139,6 +139,12 @@ class FrontChannel:
     def recv(self, timeout_s: float | None) -> list:
         return _recv_all(self.zmq, self.pull, timeout_s)
 
+    def drop(self, rank: int) -> None:
+        """A rank that left (a resize): its inbox is closed for good."""
+        sock = self.push.pop(rank, None)
+        if sock is not None:
+            sock.close()
+
     def close(self) -> None:
         for s in self.push.values():
             s.close()
@@ -190,6 +196,9 @@ class _LocalEnd:
 
     def has_messages(self) -> bool:
         return bool(self._in)
+
+    def drop(self, rank: int) -> None:
+        pass   # one process: nobody leaves
 
     send = lambda self, rank, msg: self._put(msg)              # noqa: E731 (front end)
     broadcast = lambda self, ranks, msg: self._put(msg)        # noqa: E731 (front end)
