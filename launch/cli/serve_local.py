@@ -145,7 +145,7 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float, asked: list[int]
     reported: set[int] = set()
     stop_at = None       # when the stop was passed to rank 0
     while procs[0].poll() is None:
-        _report_exits(procs, reported)
+        _report_exits(procs, reported, serving=True)
         if asked and stop_at is None:
             procs[0].send_signal(asked[0])   # unreaped, so the pid is still rank 0's
             stop_at = time.monotonic()
@@ -167,11 +167,15 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float, asked: list[int]
     return (128 - rc if rc < 0 else rc) or (1 if left else 0)   # killed by signal N: 128 + N, as a shell says
 
 
-def _report_exits(procs: list[subprocess.Popen], reported: set[int]) -> None:
-    """Name each worker that exited with a failure, once (a clean exit after rank 0's release is not news)."""
+def _report_exits(procs: list[subprocess.Popen], reported: set[int], serving: bool = False) -> None:
+    """Name each worker that exited with a failure, once; and, while rank 0 serves, each that left cleanly (a
+    resize dropped it). A clean exit after rank 0's release is not news."""
     for rank, p in enumerate(procs[1:], 1):
         rc = p.poll()
-        if rc is not None and rc != 0 and rank not in reported:
+        if rc is not None and (rc != 0 or serving) and rank not in reported:
             reported.add(rank)
+            if rc == 0:
+                print(f"wideep serve: rank {rank} (pid {p.pid}) left the deployment (exit status 0)", flush=True)
+                continue
             how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
             print(f"wideep serve: rank {rank} (pid {p.pid}) exited ({how})", file=sys.stderr, flush=True)
