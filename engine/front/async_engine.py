@@ -27,6 +27,7 @@ from typing import AsyncIterator
 
 from ..sampling_params import RequestOutput, SamplingParams
 from .engine import EngineDeadError
+from .resize import ResizeFailed
 
 # Latency buckets (s) for TTFT, TPOT, queue time and end-to-end latency: 1 ms .. 2 min.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -192,7 +193,11 @@ class AsyncEngine:
                         or (idle and not woke and self.keepalive_s is not None)):
                     self._deliver(eng.step(timeout_s=0.005))
                 if self._resize is not None:
-                    self._resolve(self._resize, eng.resize_result())
+                    try:
+                        result = eng.resize_result()
+                    except ResizeFailed as e:   # a grow's new ranks could not join: the caller hears why
+                        result = e
+                    self._resolve(self._resize, result)
             for rid in list(self._streams):
                 self._abort(rid, None)
             while eng.has_unfinished_requests():  # the step that reports the aborts

@@ -15,11 +15,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from wideep.kvstore.metrics import tier_totals
+from wideep.parallel.join import readiness
 
 from ..sampling_params import RequestOutput
 from ..worker.messages import RESIZE, Abort, Command, NewRequest, Report, Wake
 from .outputs import RequestState
-from .resize import Resizing
+from .resize import Joining, ResizeFailed, Resizing
 from .samples import SampleGroup
 
 
@@ -66,7 +67,9 @@ class Front:
         self.recoveries: list[dict] = []  # one per re-forming: who was lost, how long it took
         self.readmitted = 0
         self.resizing: Resizing | None = None   # a resize on request in progress (engine/front/resize.py)
+        self.joining: Joining | None = None     # a grow waiting for its new ranks to load
         self.resizes: list[dict] = []           # the finished ones' figures
+        self.next_origin = max(self.domain_of) + 1   # a new rank's origin rank: never one used before
 
     # -- requests -----------------------------------------------------------------------------------
     def assign(self, domain: Domain, request_id: str, cost: int, until_first_token: bool = False,
@@ -163,13 +166,47 @@ class Front:
         self.resizing = Resizing(list(d.ranks), list(members))
         d.ranks = [r for r in d.ranks if r in members]
 
+    def await_joiners(self, ticket, joiners: list[int], deadline: float) -> None:
+        """A grow: the launcher started `joiners`; RESIZE goes out once every one of them loaded the model."""
+        self.next_origin += len(joiners)
+        self.joining = Joining(ticket, joiners, deadline)
+        self.resizing = Resizing(list(self.domains[0].ranks), list(ticket.members))
+
+    def check_joiners(self) -> None:
+        """While a grow waits: every new rank ready -> RESIZE to the running ranks; one that failed, or the
+        deadline -> the resize fails (nothing changed: the running ranks never left their groups)."""
+        j = self.joining
+        ready, error = readiness(self.channel.store, j.ticket, j.joiners)
+        if error or (not ready and time.monotonic() > j.deadline):
+            self.joining = None
+            self.resizing.error = error or f"the new ranks {j.joiners} did not load the model in time"
+        elif ready:
+            self.joining = None
+            started = self.resizing.started
+            self.start_resize(list(j.ticket.members))
+            self.resizing.started = started
+
     def finish_resize(self) -> dict | None:
-        """-> the figures of the resize once the new shape serves (then it is over), else None."""
-        if self.resizing is None or not self.resizing.done:
+        """-> the figures of the resize once the new shape serves (then it is over), else None. Raises
+        ResizeFailed (then it is over too) when it could not be done."""
+        if self.resizing is None:
+            return None
+        if self.resizing.error:
+            error, self.resizing = self.resizing.error, None
+            raise ResizeFailed(f"{error}; the deployment serves on unchanged")
+        if not self.resizing.done:
             return None
         result, self.resizing = self.resizing.result(), None
         self.resizes.append(result)
         return result
+
+    def _joined(self, rank: int) -> None:
+        """A new rank serves in the new shape: requests may go to it."""
+        d = self.domains[0]
+        self.channel.add([rank])
+        d.ranks.append(rank)
+        d.load[rank] = 0
+        self.domain_of[rank] = d
 
     def _left(self, rank: int) -> None:
         """A leaving rank's last report is in: its requests go to the ranks that stay, from the tokens so far."""
@@ -236,6 +273,8 @@ class Front:
             if rep.left and self.resizing is not None:
                 self._left(rep.rank)
             if rep.resized is not None and self.resizing is not None:
+                if rep.rank not in self.domain_of:
+                    self._joined(rep.rank)
                 self.resizing.add(rep.rank, rep.resized)
         self.generated += generated
         self.tokens_log.append((time.monotonic(), generated))

@@ -1,6 +1,8 @@
 """The front's side of a resize on request: vLLM's `POST /scale_elastic_ep {"new_data_parallel_size": N}`,
 Engine.start_resize(N), AsyncEngine.scale_elastic_ep(N).
 
+    front.await_joiners(...)      a grow: the launcher started the new ranks; they load the model while the
+                                  others serve, then say ready (parallel/join.py); then, as for a shrink:
     front.start_resize(members)   the RESIZE command to every rank; the leaving ranks take no new request
     (reports)                     a leaving rank's last report (Report.left): its requests move to the ranks that
                                   stay, from their prompt and the tokens so far (recompute); each member's
@@ -25,6 +27,21 @@ class ResizeConflict(RuntimeError):
     """A resize while another one is running (answered 409; nothing changed)."""
 
 
+class ResizeFailed(RuntimeError):
+    """A grow whose new ranks could not join (answered 503; the deployment serves on unchanged)."""
+
+
+JOIN_TIMEOUT_S = 300.0   # a grow's new ranks load the model meanwhile: the longest the front waits for them
+
+
+@dataclass
+class Joining:
+    """A grow before its RESIZE: the new ranks (origin ranks) load the model; ticket: parallel/join.py's."""
+    ticket: object
+    joiners: list[int]
+    deadline: float
+
+
 @dataclass
 class Resizing:
     """One resize as the front follows it; members are origin ranks."""
@@ -35,6 +52,7 @@ class Resizing:
     left: set[int] = field(default_factory=set)        # leaving ranks whose last report came
     moved: int = 0                                     # requests re-admitted on the ranks that stay
     figures: dict = field(default_factory=dict)        # the members' reports, summed / maxed
+    error: str = ""                                    # a grow that failed before RESIZE went out
 
     @property
     def leaving(self) -> list[int]:

@@ -227,9 +227,15 @@ class RankLoop:
         stats = resize(self.core, list(members))
         if stats is None:
             return "left"
-        self.running = True   # one sync tells whether the new shape has work
-        self._report(force=True, resized=stats)
+        self.joined(stats)
         return None
+
+    def joined(self, stats: dict) -> None:
+        """Every rank of a new shape (a rank that just joined it too): agree on the wave, whose count a new rank
+        does not know, and report the resize's part here; one sync then tells whether there is work."""
+        self.wave = self.core.sync.agree_max(self.wave)
+        self.running = True
+        self._report(force=True, resized=stats)
 
     def _receive_command(self, seq: int) -> None:
         """The step sync can bring command `seq` here before its message (another rank had it first): what the

@@ -3,6 +3,11 @@ in the RESIZE command form the new shape, the others leave.
 
     stats = resize(core, members)     # every rank of the old shape, in the same step (the step sync's command)
 
+Grow (today's ranks followed by new ones, which the launcher started and which loaded the model meanwhile:
+engine/worker/join.py): the new shape's group forms first (the running ranks regroup, the new ones join), the
+plans reach the new ranks from rank 0, and the experts move over the new group (settle): the new ranks get
+theirs from the ranks that hold them.
+
 Shrink (the members are a prefix of today's ranks): every old rank is alive, so nothing is lost and nothing
 comes from the checkpoint.
 1. EPLB's recorded load is summed over the old group (the new placement weighs it, as a rebalance would).
@@ -35,10 +40,11 @@ def resize(core, members: list[int]) -> dict | None:
     t0 = time.monotonic()
     old = core.ctx
     old_members = [origin_of(old, r) for r in range(old.world_size)]
-    unknown = [m for m in members if m not in old_members]
-    if unknown:   # the front only sends shrinks (engine/front/resize.py checks); a bug otherwise
-        raise RuntimeError(f"resize to members {members}: ranks {unknown} are not running (running: {old_members})")
-    stay = [old_members.index(m) for m in members]                 # new EP rank j -> its old EP rank
+    grow = members[:old.world_size] == old_members and len(members) > old.world_size
+    if not grow and any(m not in old_members for m in members):   # the front asks for nothing else: a bug
+        raise RuntimeError(f"resize to members {members}: neither a prefix of the running ranks {old_members} "
+                           f"nor those followed by new ones")
+    stay = [old_members.index(m) if m in old_members else None for m in members]   # new EP rank -> its old one
     groups = core.family.expert_groups(core.loaded)
     load = None
     if core.eplb is not None:   # every old rank is alive: sum the windows now, over the old group
@@ -47,13 +53,35 @@ def resize(core, members: list[int]) -> dict | None:
             dist.all_reduce(load, group=old.cpu_group)
     plans = [plan_resize(g.placement.phy2log, old.ep_size, stay, list(range(old.ep_size)), core.config.moe.n_group,
                          load if g.rebalanced else None) for g in groups]
-    moved, stats = relayout.move(core, old, groups, plans, stay) if groups else (None, {})
-    core.unwire()
-    ctx = regroup(old, members)
-    if ctx is None:
-        return None
-    if groups:
-        stats.update(relayout.install(core, ctx, groups, plans, moved))
-    core.rewire(ctx)
+    if grow:   # the new ranks hold nothing yet: form the new group first, then move over it
+        core.unwire()
+        ctx = regroup(old, members)
+        stats = settle(core, ctx, plans)
+    else:      # a leaving rank gives its experts over the old group, then goes
+        moved, stats = relayout.move(core, old, groups, plans, stay) if groups else (None, {})
+        core.unwire()
+        ctx = regroup(old, members)
+        if ctx is None:
+            return None
+        if groups:
+            stats.update(relayout.install(core, ctx, groups, plans, moved))
+        core.rewire(ctx)
     return dict(stats, members=list(members), epoch=ctx.epoch, regroup_s=ctx.recovery_s,
                 resize_s=time.monotonic() - t0)
+
+
+def settle(core, ctx, plans: list | None) -> dict:
+    """A grow, on every rank of the new shape once its group formed: rank 0's plans reach the new ranks (which
+    come with plans=None: they do not know the running placement), the experts move over the new group (old EP
+    ranks keep their numbers: the new ranks come last), and every rank wires over it (collective)."""
+    groups = core.family.expert_groups(core.loaded)
+    stats = {}
+    if groups:
+        box = [plans if ctx.rank == 0 else None]
+        with guard_collective(ctx):
+            dist.broadcast_object_list(box, src=0, group=ctx.cpu_group)
+        plans = box[0]
+        moved, stats = relayout.move(core, ctx, groups, plans, list(range(ctx.world_size)))
+        stats.update(relayout.install(core, ctx, groups, plans, moved))
+    core.rewire(ctx)
+    return stats

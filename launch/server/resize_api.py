@@ -4,7 +4,8 @@
         200 {"message": "Scaled to N data parallel engines", "new_data_parallel_size": N,
              "old_data_parallel_size": M, "resize_s": ..., "requests_moved": ..., ...} once the new shape serves
         400 a bad or missing size, or a deployment that cannot resize as asked (the message says what to run
-            instead); 409 a resize already running; 503 the engine stopped. Nothing changes on an error, and
+            instead); 409 a resize already running; 503 a grow whose new ranks could not join, or the engine
+            stopped. Nothing changes on an error, and
             requests keep being served throughout.
     GET  /is_scaling_elastic_ep  {"is_scaling_elastic_ep": true | false}
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from wideep.engine.front.async_engine import EngineDeadError
-from wideep.engine.front.resize import ResizeConflict, ResizeError
+from wideep.engine.front.resize import ResizeConflict, ResizeError, ResizeFailed
 
 from .http_body import _error, read_json
 from .errors import BadRequest
@@ -38,7 +39,7 @@ def routes(aengine) -> list:
             return _error(409, str(e))
         except ResizeError as e:
             return _error(400, str(e))
-        except EngineDeadError as e:
+        except (EngineDeadError, ResizeFailed) as e:
             return _error(503, str(e))
         n = result["new_data_parallel_size"]
         return web.json_response({"message": f"Scaled to {n} data parallel engines", **result})

@@ -101,3 +101,33 @@ def test_shrink_4_to_3_to_1_while_serving(tiny):
     assert "already running" in refused[3] and "already running" in refused[4]
     assert "cannot grow from 1 to 2 ranks" in refused[10] and "cannot grow from 1 to 8 ranks" in refused[11]
     assert front["free"] == front["total"], "KV blocks leaked"
+
+
+def _disagg(model_dir: str) -> dict:
+    """A prefill rank and a decode rank (rank 0, the front): a resize is refused, and serving goes on."""
+    from wideep.disagg import make_engine
+    from wideep.engine.front.resize import ResizeError
+    pools = {"prefill": {"dp_size": 1, "ep_size": 1}, "decode": {"dp_size": 1, "ep_size": 1}}
+    eng = make_engine(model_dir, pools, progress=False, parallel={"timeout_s": 30.0})
+    if not eng.is_front:
+        return {"how": eng.run_worker_loop()}
+    refused = []
+    for n in (1, 3):
+        try:
+            eng.start_resize(n)
+        except ResizeError as e:
+            refused.append(str(e))
+    eng.add_request("a", [5, 6, 7], greedy(6))
+    got = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            got = out.outputs[0].token_ids if out.finished else got
+    eng.shutdown()
+    return {"refused": refused, "got": got}
+
+
+@pytest.mark.multirank
+def test_disaggregated_deployments_refuse_a_resize_and_serve_on(tiny):
+    front, _ = spawn(_disagg, 2, args=(tiny,), timeout_s=120)
+    assert len(front["refused"]) == 2 and all("disaggregated deployment" in r for r in front["refused"]), front
+    assert len(front["got"]) == 6

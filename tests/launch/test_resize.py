@@ -86,7 +86,7 @@ def test_shrink_4_to_3_to_1_under_load(tiny, solo):
         assert "got 2.5" in refused[3][1]["error"]["message"]
         assert "at most" in refused[5][1]["error"]["message"] or "cannot grow" in refused[5][1]["error"]["message"]
         for rank in (1, 2, 3):   # the dropped ranks left with status 0, named by the supervisor
-            assert s.saw(f"rank {rank} (pid {s.ranks[rank]}) left the deployment (exit status 0)", 10), s.output
+            assert s.saw(f"rank {rank} (pid {s.ranks[rank]}) exited (exit status 0)", 10), s.output
             assert not alive(s.ranks[rank])
         assert request(s.base, "GET", "/is_scaling_elastic_ep") == (200, b'{"is_scaling_elastic_ep": false}')
         assert complete(s.base, [5, 6, 7], 4, True)["finish_reason"] == "length"   # rank 0 alone serves on
@@ -96,6 +96,54 @@ def test_shrink_4_to_3_to_1_under_load(tiny, solo):
         s.kill()
     assert rc == 0, "".join(s.output)
     assert "Traceback" not in "".join(s.output)
+
+
+@LINUX
+@pytest.mark.multirank
+def test_grow_4_to_6_then_shrink_to_3_under_load(tiny, solo):
+    """The issue's target: 4 -> 6 -> 3 ranks while the 64-request load runs; the supervisor starts the 2 new ranks,
+    they load the model while the others serve, join, and receive their experts from the ranks that hold them."""
+    s = Spawned([tiny, "--dp-size", "4", *FLAGS])
+    try:
+        got, answers, _ = serve_under_load(s, [6, 3])
+        assert [g["token_ids"] for g in got] == solo                   # none lost or failed, tokens unchanged
+        (st1, grow), (st2, shrink) = answers
+        assert st1 == 200 and st2 == 200, answers
+        assert (grow["old_data_parallel_size"], grow["new_data_parallel_size"], grow["members"]) == (4, 6, [0, 1, 2, 3, 4, 5])
+        assert grow["expert_bytes_peer"] > 0 and grow["expert_bytes_checkpoint"] == 0   # from the holders
+        assert (shrink["new_data_parallel_size"], shrink["members"], shrink["left"]) == (3, [0, 1, 2], [3, 4, 5])
+        print("resize times (4 -> 6, 6 -> 3):", grow["resize_s"], shrink["resize_s"])
+        assert grow["resize_s"] < RESIZE_LIMIT_S and shrink["resize_s"] < RESIZE_LIMIT_S
+        line = next(x for x in s.output if "started rank(s) 4, 5 (pids " in x)
+        pids = [s.ranks[3], *(int(p) for p in line.split("(pids ")[1].split(")")[0].split(", "))]
+        for rank, pid in zip((3, 4, 5), pids):   # the supervisor started 4 and 5; 3, 4, 5 left with status 0
+            assert s.saw(f"rank {rank} (pid {pid}) exited (exit status 0)", 10), s.output
+            assert not alive(pid)
+        assert complete(s.base, [5, 6, 7], 4, True)["finish_reason"] == "length"
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.wait(60)
+    finally:
+        s.kill()
+    assert rc == 0, "".join(s.output)
+    assert "Traceback" not in "".join(s.output)
+
+
+@pytest.mark.multirank
+def test_a_torchrun_deployment_cannot_grow_and_says_what_to_run(tiny, tmp_path):
+    """Ranks a launcher started (torchrun's variables, as launch/cli/local.py sets them): growing is a 400 that
+    names what to run instead, nothing changes, and the deployment serves on."""
+    from tests.launch.test_server import ServerProc, write_config
+    srv = ServerProc(write_config(tiny, tmp_path), ranks=2)
+    try:
+        status, body = scale(srv.base, {"new_data_parallel_size": 3})
+        assert status == 400, body
+        msg = body["error"]["message"]
+        assert "cannot grow from 2 to 3 ranks" in msg and "torchrun --nproc-per-node" in msg and "--dp-size" in msg
+        assert complete(srv.base, [5, 6, 7], 4, False)["finish_reason"] == "length"
+        assert request(srv.base, "GET", "/is_scaling_elastic_ep") == (200, b'{"is_scaling_elastic_ep": false}')
+    finally:
+        rcs = srv.stop(every_rank=False)
+    assert rcs == [0, 0], srv.output
 
 
 class _StubEngine:
