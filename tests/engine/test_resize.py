@@ -21,13 +21,23 @@ def requests(n: int = 32) -> list[dict]:
                  max_tokens=rng.randint(8, 24), arrival=i // 2) for i in range(n)]
 
 
+class _BrokenLauncher:
+    """A launcher that cannot start ranks (launch/cli/spawn_link.py Spawner's surface)."""
+    most = 4
+
+    def start(self, origins, world, env):
+        raise RuntimeError(f"no room for ranks {origins}")
+
+
 def _serve(model_dir: str, sizes: tuple[int, ...], resize_at: tuple[int, ...]) -> dict:
     """Every rank (one process without RANK). Rank 0 feeds requests(), asks for sizes[i] at step resize_at[i]."""
     import os
 
     from wideep.engine.front.engine import Engine
     from wideep.engine.front.resize import ResizeConflict, ResizeError
-    eng = Engine(model_dir, **dict(OPTS, parallel=PARALLEL if "RANK" in os.environ else {}))
+    multi = "RANK" in os.environ
+    eng = Engine(model_dir, **dict(OPTS, parallel=PARALLEL if multi else {}),
+                 spawner=_BrokenLauncher() if multi and os.environ["RANK"] == "0" else None)
     if not eng.is_front:
         how = eng.run_worker_loop()
         b = eng.core.blocks
@@ -59,7 +69,7 @@ def _serve(model_dir: str, sizes: tuple[int, ...], resize_at: tuple[int, ...]) -
             results.append(dict(res, world=eng.ctx.world_size))
         step += 1
         assert step < 20000
-    for bad in (2, 8):   # more ranks than run now: this engine cannot start any (one process: cannot resize)
+    for bad in (2, 8):   # more ranks than run now: its launcher cannot start any, or more than it may run
         try:
             eng.start_resize(bad)
         except ResizeError as e:
@@ -99,7 +109,8 @@ def test_shrink_4_to_3_to_1_while_serving(tiny):
     assert "must be >= 1, got 0" in refused[0] and "must be an integer >= 1, got '2'" in refused[1]
     assert "must be an integer >= 1, got True" in refused[2]
     assert "already running" in refused[3] and "already running" in refused[4]
-    assert "cannot grow from 1 to 2 ranks" in refused[10] and "cannot grow from 1 to 8 ranks" in refused[11]
+    assert "cannot grow from 1 to 2 ranks: the launcher could not start ranks: no room for ranks [4]" in refused[10]
+    assert "new_data_parallel_size (8) is more ranks than this deployment can run: at most 4" in refused[11]
     assert front["free"] == front["total"], "KV blocks leaked"
 
 

@@ -194,3 +194,27 @@ def test_scale_route_needs_the_api_key():
     from wideep.launch.server.api_key import ApiKey
     assert ApiKey("k").guards("/scale_elastic_ep") and not ApiKey("k").guards("/is_scaling_elastic_ep")
 
+
+
+def test_a_launcher_that_cannot_start_ranks_is_a_clear_error():
+    """The supervisor's end answers a refusal (or is gone): rank 0's Spawner raises SpawnError with the reason,
+    which the engine turns into a 400 naming it (Engine.start_resize: "the launcher could not start ranks")."""
+    import threading
+
+    from wideep.launch.cli.spawn_link import SpawnError, Spawner, SupervisorEnd
+    sup = SupervisorEnd(most=4)
+    w, r, most = (int(x) for x in sup.env()["WIDEEP_SPAWNER"].split(","))
+    spawner = Spawner(w, r, most)
+    assert most == 4 and Spawner.from_env({}) is None
+
+    def supervisor():
+        req = sup.poll(10)
+        sup.answer({"error": f"could not start a process: asked {req['start']} for world {req['world']}"})
+    t = threading.Thread(target=supervisor)
+    t.start()
+    with pytest.raises(SpawnError, match=r"could not start a process: asked \[2, 3\] for world 4"):
+        spawner.start([2, 3], 4, {"WIDEEP_JOIN": "x"})
+    t.join()
+    sup.close()   # the supervisor is gone: the next ask fails at once, naming it
+    with pytest.raises(SpawnError, match="the supervisor that started this deployment is gone"):
+        spawner.start([2], 3, {})
