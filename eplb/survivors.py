@@ -1,4 +1,5 @@
-"""Re-planning the experts over the ranks that survived a loss (pure: torch, no torch.distributed).
+"""Re-planning the experts over the ranks that survived a loss, or over a new number of ranks (a resize on
+request: plan_resize), pure: torch, no torch.distributed.
 
 Legend: L MoE layers, E logical experts, N EP ranks before, n survivors, k / k' slots per rank
 before / after, P = N*k, P' = n*k'. Old ranks are EP ranks before the loss; new ranks number the
@@ -26,7 +27,7 @@ LOCAL, PEER, CHECKPOINT = "local", "peer", "checkpoint"
 @dataclass(frozen=True)
 class Source:
     kind: str              # LOCAL | PEER | CHECKPOINT
-    rank: int = -1         # new rank holding the expert (LOCAL: this one; PEER: the sender)
+    rank: int = -1         # the rank holding the expert (LOCAL: the receiver itself; PEER: the sender)
     slot: int = -1         # its local slot there (old numbering of that rank's slots)
 
 
@@ -49,36 +50,52 @@ class SurvivorPlan:
 def plan_survivors(old_phy2log: torch.Tensor, old_ep: int, survivors: list[int], num_groups: int,
                    load: torch.Tensor | None = None) -> SurvivorPlan:
     """old_phy2log: [L, P] before the loss; survivors: old EP ranks left, ascending; load: [L, E]
-    (EPLB's window; None: uniform). -> the plan over len(survivors) ranks."""
+    (EPLB's window; None: uniform). -> the plan over len(survivors) ranks; sources name new ranks."""
+    plan = plan_resize(old_phy2log, old_ep, list(survivors), survivors, num_groups, load)
+    new_of = {r: i for i, r in enumerate(survivors)}
+    for row in plan.sources:
+        row[:] = [Source(s.kind, new_of[s.rank], s.slot) if s.kind != CHECKPOINT else s for s in row]
+    return plan
+
+
+def plan_resize(old_phy2log: torch.Tensor, old_ep: int, stay: list[int | None], holders: list[int], num_groups: int,
+                load: torch.Tensor | None = None) -> SurvivorPlan:
+    """The experts over n = len(stay) ranks. stay[j]: the old EP rank that becomes new rank j (None: a rank that
+    joins, holding nothing yet); holders: the old EP ranks whose experts can still be read (after a loss: the
+    survivors; a resize on request: every old rank, the leaving ones included, so nothing comes from the
+    checkpoint). load: [L, E] (None: uniform). -> the plan; sources name old EP ranks (LOCAL: stay[j] itself)."""
     L, P = old_phy2log.shape
     old = old_phy2log.to("cpu", torch.int64)
     E = int(old.max()) + 1 if load is None else load.shape[1]
-    n = len(survivors)
+    n = len(stay)
     if n == 0:
-        raise ValueError("no surviving rank to place the experts on")
+        raise ValueError("no rank to place the experts on")
     k = P // old_ep
     k_new = max(k, -(-E // n))
-    held = [old[:, r * k:(r + 1) * k] for r in survivors]                      # [L, k] each
-    today = torch.cat([torch.cat([h, h[:, torch.arange(k_new - k) % k]], 1) for h in held], 1)  # [L, n*k']
+    pad = torch.arange(k_new - k) % k
+    # A joining rank holds nothing: its "today" is any valid row (migration-awareness only keeps slots in place).
+    today = torch.cat([torch.cat([old[:, r * k:(r + 1) * k], old[:, r * k:(r + 1) * k][:, pad]], 1) if r is not None
+                       else (torch.arange(k_new) % E).expand(L, -1) for r in stay], 1)             # [L, n*k']
     weight = torch.ones(L, E) if load is None else load.to(torch.float64).clamp(min=0) + 1e-6
     groups = num_groups if E % num_groups == 0 else 1
     phy2log, _, _ = rebalance_experts(weight, n * k_new, groups, 1, n, current_phy2log=today)
-    new_l, held_l = phy2log.tolist(), [h.tolist() for h in held]
+    new_l, old_l = phy2log.tolist(), old.tolist()
     sources: list[list[Source]] = []
     for l in range(L):
-        holders: dict[int, list[tuple[int, int]]] = {}
-        for i in range(n):
-            for s, e in enumerate(held_l[i][l]):
-                if all(r != i for r, _ in holders.get(e, ())):
-                    holders.setdefault(e, []).append((i, s))
+        holding: dict[int, list[tuple[int, int]]] = {}        # logical expert -> [(old rank, its slot)], one per rank
+        for r in holders:
+            for s in range(k):
+                e = old_l[l][r * k + s]
+                if all(h != r for h, _ in holding.get(e, ())):
+                    holding.setdefault(e, []).append((r, s))
         row = []
         for p, e in enumerate(new_l[l]):
-            i = p // k_new
-            mine = next((s for r, s in holders.get(e, ()) if r == i), None)
+            j = p // k_new
+            mine = next((s for r, s in holding.get(e, ()) if r == stay[j]), None) if stay[j] is not None else None
             if mine is not None:
-                row.append(Source(LOCAL, i, mine))
-            elif e in holders:
-                r, s = holders[e][(i + l) % len(holders[e])]
+                row.append(Source(LOCAL, stay[j], mine))
+            elif e in holding:
+                r, s = holding[e][(j + l) % len(holding[e])]   # holders take turns
                 row.append(Source(PEER, r, s))
             else:
                 row.append(Source(CHECKPOINT))

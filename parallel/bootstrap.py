@@ -198,21 +198,27 @@ def bootstrap(cfg: ParallelConfig | None = None, *, env: Mapping[str, str] | Non
         # The process's own client: no connection of its own, so no burst of W connects at start-up.
         return dist.PrefixStore(prefix, store)
 
-    bind, advertise = _ring_address(addr, launch.topology.num_nodes > 1)
-    on_lost = _keep_running if cfg.on_rank_loss == "continue" else None
-    watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, heartbeat_s=cfg.heartbeat_s,
-                        timeout_s=cfg.timeout_s, lost_after_s=cfg.lost_after_s,
-                        store_host_rank=None if launch.agent_store else 0, store_addr=(addr, port),
-                        host=bind, advertise=advertise, on_lost=on_lost).start()
+    watch = watch_settings(cfg, None if launch.agent_store else 0, addr, port, launch.topology.num_nodes > 1)
+    watchdog = Watchdog(watchdog_store, launch.rank, launch.world_size, **watch).start()
     # Attention TP = 1: every rank is its own DP rank, and the one EP group is the world.
     ctx = ParallelContext(
         rank=launch.rank, world_size=launch.world_size, local_rank=topo.local_rank,
         local_world_size=topo.ranks_per_node, node_rank=topo.node_rank, num_nodes=topo.num_nodes,
         device=device, backend=backend, dp_rank=launch.rank, dp_size=cfg.dp_size, ep_rank=launch.rank,
         ep_size=cfg.ep_size, ep_group=world, cpu_group=cpu_group, node_group=node_group, store=store,
-        timeout_s=cfg.timeout_s, launcher=launch.kind, watchdog=watchdog, on_rank_loss=cfg.on_rank_loss)
+        timeout_s=cfg.timeout_s, launcher=launch.kind, watchdog=watchdog, on_rank_loss=cfg.on_rank_loss,
+        watch_settings=watch)
     check_agreement(ctx, json.dumps(cfg.to_dict(), sort_keys=True), "parallel config")
     return ctx
+
+
+def watch_settings(cfg: ParallelConfig, store_host_rank: int | None, addr: str, port: int,
+                   several_hosts: bool) -> dict:
+    """The Watchdog's keywords (all but the store) for ranks whose rendezvous store listens at addr:port."""
+    bind, advertise = _ring_address(addr, several_hosts)
+    return dict(heartbeat_s=cfg.heartbeat_s, timeout_s=cfg.timeout_s, lost_after_s=cfg.lost_after_s,
+                store_host_rank=store_host_rank, store_addr=(addr, port), host=bind, advertise=advertise,
+                on_lost=_keep_running if cfg.on_rank_loss == "continue" else None)
 
 
 def _keep_running(ranks: list[int], msg: str) -> None:

@@ -41,6 +41,9 @@ class ParallelContext:
     epoch: int = 0
     recovery_s: float = 0.0
     on_rank_loss: str = "exit"
+    # the lost-rank watchdog's settings (Watchdog's keywords but the store): a re-formed group starts its own
+    # watchdog from them, even where the group before had none (one rank alone has no peer to watch)
+    watch_settings: dict | None = None
 
     @property
     def origin_rank(self) -> int:

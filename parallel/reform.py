@@ -80,7 +80,29 @@ def reform(ctx: ParallelContext, release=None) -> ParallelContext:
         os._exit(1)
     if wd is not None:
         wd.stop(done=True, linger=False)
-    new = _connect(ctx, store, survivors, epoch)
+    new = _connect(ctx, store, survivors, epoch, watch=wd)
+    new.recovery_s = time.monotonic() - t0
+    return new
+
+
+def regroup(ctx: ParallelContext, members: list[int], release=None) -> ParallelContext | None:
+    """A resize on request: every rank of ctx leaves its groups, and the ranks named in members (origin ranks,
+    in their new order; every one alive, so no agreement is needed) form new ones under the next epoch.
+    -> the new context, or None on a rank that is not a member (it leaves: its watchdog says goodbye, so
+    nobody takes its exit for a loss). release(): as for reform."""
+    t0 = time.monotonic()
+    epoch = ctx.epoch + 1
+    if release is not None:
+        release()
+    if ctx.watchdog is not None:
+        ctx.watchdog.stop(done=True, linger=False)
+    stayed = origin_of(ctx, ctx.rank) in members
+    ctx.ep_group = ctx.cpu_group = ctx.node_group = None
+    dist.destroy_process_group()
+    gc.collect()
+    if not stayed:
+        return None
+    new = _connect(ctx, dist.PrefixStore(f"{NAMESPACE}{epoch}/", ctx.store), members, epoch, watch=ctx.watchdog)
     new.recovery_s = time.monotonic() - t0
     return new
 
@@ -102,23 +124,27 @@ def _lead(ctx: ParallelContext, store, members: list[int]) -> list[int]:
         time.sleep(0.02)
 
 
-def _connect(ctx: ParallelContext, store, survivors: list[int], epoch: int) -> ParallelContext:
-    me = survivors.index(ctx.members[ctx.rank] if ctx.members is not None else ctx.rank)
+def _connect(ctx: ParallelContext, store, survivors: list[int], epoch: int, watch=None,
+             origin: int | None = None) -> ParallelContext:
+    """The new groups over survivors (origin ranks); watch: the old watchdog (its settings, where ctx has none);
+    origin: this rank's origin rank (default: its own in ctx)."""
+    me = survivors.index(origin_of(ctx, ctx.rank) if origin is None else origin)
     n = len(survivors)
     timeout = timedelta(seconds=ctx.timeout_s)
     dist.init_process_group(ctx.backend, store=store, rank=me, world_size=n, timeout=timeout,
                             **({"device_id": ctx.device} if ctx.backend == "nccl" else {}))
     world = dist.group.WORLD
     cpu_group = world if ctx.backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-    old = ctx.watchdog
+    settings = ctx.watch_settings
+    if settings is None and watch is not None:   # a context built before watch_settings existed (tests)
+        settings = dict(heartbeat_s=watch.heartbeat_s, timeout_s=watch.timeout_s, lost_after_s=watch.lost_after_s,
+                        store_host_rank=watch.store_host_rank, on_lost=watch.on_lost, store_addr=watch.store_addr,
+                        host=watch.host, advertise=watch.advertise)
     watchdog = None
-    if old is not None and n > 1:   # a lone survivor has no peer to watch (a ring needs two)
-        watchdog = Watchdog(lambda: dist.PrefixStore("watchdog/", store), me, n, heartbeat_s=old.heartbeat_s,
-                            timeout_s=old.timeout_s, lost_after_s=old.lost_after_s,
-                            store_host_rank=old.store_host_rank, on_lost=old.on_lost,
-                            store_addr=old.store_addr, host=old.host, advertise=old.advertise).start()
+    if settings is not None and n > 1:   # a lone rank has no peer to watch (a ring needs two)
+        watchdog = Watchdog(lambda: dist.PrefixStore("watchdog/", store), me, n, **settings).start()
     # After a loss the nodes are no longer equal: the survivors run as one flat node.
     return dataclasses.replace(
         ctx, rank=me, world_size=n, local_rank=me, local_world_size=n, node_rank=0, num_nodes=1,
         dp_rank=me, dp_size=n, ep_rank=me, ep_size=n, ep_group=world, cpu_group=cpu_group, node_group=world,
-        watchdog=watchdog, members=tuple(survivors), epoch=epoch)
+        watchdog=watchdog, members=tuple(survivors), epoch=epoch, watch_settings=settings)

@@ -27,6 +27,7 @@ from typing import AsyncIterator
 
 from ..sampling_params import RequestOutput, SamplingParams
 from .engine import EngineDeadError
+from .resize import ResizeFailed
 
 # Latency buckets (s) for TTFT, TPOT, queue time and end-to-end latency: 1 ms .. 2 min.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -101,6 +102,7 @@ class AsyncEngine:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}       # engine thread only
         self._stopping = False
+        self._resize: asyncio.Future | None = None   # the running resize's caller
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="wideep-engine", daemon=True)
         self._thread.start()
@@ -160,6 +162,19 @@ class AsyncEngine:
         self._cmds.put(("health", fut))
         return await fut
 
+    async def scale_elastic_ep(self, new_data_parallel_size) -> dict:
+        """Resize to new_data_parallel_size ranks (Engine.start_resize; vLLM's AsyncLLM method of this name);
+        returns the resize's figures once the new shape serves. Requests keep flowing meanwhile. Raises
+        ResizeError / ResizeConflict (engine/front/resize.py) before anything changes."""
+        self._check_alive()
+        fut = asyncio.get_running_loop().create_future()
+        self._cmds.put(("resize", new_data_parallel_size, fut))
+        return await fut
+
+    @property
+    def is_resizing(self) -> bool:
+        return self._resize is not None
+
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
 
@@ -179,10 +194,17 @@ class AsyncEngine:
         eng = self.engine
         try:
             while not self._stopping:
-                idle = not eng.has_unfinished_requests()
+                idle = not eng.has_unfinished_requests() and self._resize is None
                 woke = self._handle_commands(block=idle)
-                if eng.has_unfinished_requests() or (idle and not woke and self.keepalive_s is not None):
+                if (eng.has_unfinished_requests() or self._resize is not None
+                        or (idle and not woke and self.keepalive_s is not None)):
                     self._deliver(eng.step(timeout_s=0.005))
+                if self._resize is not None:
+                    try:
+                        result = eng.resize_result()
+                    except ResizeFailed as e:   # a grow's new ranks could not join: the caller hears why
+                        result = e
+                    self._resolve(self._resize, result)
             for rid in list(self._streams):
                 self._abort(rid, None)
             while eng.has_unfinished_requests():  # the step that reports the aborts
@@ -199,6 +221,8 @@ class AsyncEngine:
             for st in self._streams.values():
                 self._post(st.loop, [(st, EngineDeadError(f"engine stopped: {err!r}"))])
             self._streams.clear()
+            if self._resize is not None:
+                self._resolve(self._resize, EngineDeadError(f"engine stopped during the resize: {err!r}"))
 
     def _handle_commands(self, block: bool) -> bool:
         """Run queued commands; when block, wait for one first (up to keepalive_s). -> got any."""
@@ -237,8 +261,34 @@ class AsyncEngine:
                 fut.get_loop().call_soon_threadsafe(lambda: fut.done() or fut.set_result(m))
             except RuntimeError:
                 pass  # the asking loop is closed
+        elif kind == "resize":
+            fut = cmd[2]
+            try:
+                done = self.engine.start_resize(cmd[1])
+            except Exception as e:
+                self._resolve(fut, e)
+                return
+            if done is None:
+                self._resize = fut
+            else:
+                self._resolve(fut, done)
         elif kind == "stop":
             self._stopping = True
+
+    def _resolve(self, fut: asyncio.Future, value) -> None:
+        """Answer a resize's caller (value: its figures, or the exception); None: not done yet."""
+        if value is None:
+            return
+        if fut is self._resize:
+            self._resize = None
+
+        def answer():
+            if not fut.done():
+                fut.set_exception(value) if isinstance(value, BaseException) else fut.set_result(value)
+        try:
+            fut.get_loop().call_soon_threadsafe(answer)
+        except RuntimeError:
+            pass  # the asking loop is closed
 
     def _abort(self, rid: str, st: _Stream | None) -> None:
         live = self._streams.get(rid)

@@ -15,8 +15,11 @@ lockstep through one small all-reduce per step; requests and outputs travel asyn
 from __future__ import annotations
 
 import threading
+import time
+import uuid
 
 from wideep.kvstore.router import PrefixRouter
+from wideep.parallel.join import JOIN_ENV, Ticket
 from wideep.parallel.watchdog import RankLostError, raise_if_lost
 
 from ..sampling_params import RequestOutput, SamplingParams
@@ -27,6 +30,7 @@ from ..worker.rank_loop import RankHooks, RankLoop
 from .front import Domain, Front
 from .health import HealthView
 from .outputs import RequestState
+from .resize import JOIN_TIMEOUT_S, ResizeError, check_size, plan_members
 from .samples import SampleGroup, sample_id, sample_params
 
 
@@ -40,22 +44,29 @@ class Engine:
     ParallelContext already bootstrapped: this engine then runs on its ranks)."""
 
     def __init__(self, model: str, *, ctx=None, progress: bool = True, job_ctx=None, hooks: RankHooks | None = None,
-                 domains: list[Domain] | None = None, **options):
+                 domains: list[Domain] | None = None, spawner=None, joined=None, **options):
         """job_ctx, hooks, domains: for engines that run on part of a job (disaggregation's pools):
         ctx is then this engine's own ranks (a pool), job_ctx the whole job (channels, the front on
-        its rank 0), domains the job's lockstep groups in global ranks (default: one, every rank)."""
-        self.core = EngineCore.from_options(model, ctx=ctx, progress=progress, **options)
+        its rank 0), domains the job's lockstep groups in global ranks (default: one, every rank).
+        spawner (rank 0): what starts ranks for a resize that grows the deployment (launch/cli/spawn_link.py
+        Spawner: .most, .start(origins, world, env)); None: it cannot grow. joined: a rank that joined a
+        running deployment (engine/worker/join.py); the options are then the ones it was built with."""
+        self.core = joined.core if joined is not None else EngineCore.from_options(model, ctx=ctx, progress=progress,
+                                                                                    **options)
         self._job_ctx = job_ctx          # None: the engine's own (core.ctx, which a loss may re-form)
+        self._spawner = spawner
         job = self._job
         domains = domains or [Domain(list(range(job.world_size)))]
         if job.is_single:
             front_end, rank_end = local_pair()
         else:
-            name = agree_name(job)
+            self._channel_name = name = joined.channel if joined is not None else agree_name(job)
             rank_end = RankChannel(job, name)
             front_end = FrontChannel(job, list(range(job.world_size)), name) if job.rank == 0 else None
         leader = any(d.ranks[0] == job.rank for d in domains)
-        self.loop = RankLoop(self.core, rank_end, job.rank, leader, hooks=hooks)
+        self.loop = RankLoop(self.core, rank_end, job.origin_rank, leader, hooks=hooks)
+        if joined is not None:
+            self.loop.joined(joined.stats)
         router = PrefixRouter.from_config(self.core.cfg.kv_cache, self.core.cfg.block_size,
                                           self.core.cfg.enable_prefix_caching)
         self.front = Front(front_end, domains, self.core.tokenizer, router=router) if job.rank == 0 else None
@@ -160,10 +171,75 @@ class Engine:
                 self.loop.run_once()
             return self.front.poll(0)
         self._check_alive()
-        outs = self.front.poll(timeout_s if self.front.requests else 0)
+        if self.front.joining is not None:   # a grow waits for its new ranks to load (the others serve on)
+            self.front.check_joiners()
+        outs = self.front.poll(timeout_s if self.front.requests or self.front.resizing else 0)
         if not outs:
             self._check_alive()
         return outs
+
+    # -- resizing on request (engine/front/resize.py, engine/worker/resize.py) -------------------------------
+    def start_resize(self, new_data_parallel_size) -> dict | None:
+        """Begin resizing to new_data_parallel_size ranks: a shrink drains the last ranks (their requests move to
+        the others, recomputed; they exit). -> None while it runs (step() drives it, resize_result() gives its
+        figures once the new shape serves); the figures at once when the size is today's. Requests keep being
+        accepted meanwhile. Raises ResizeError (a bad size, a deployment that cannot resize) or ResizeConflict
+        (one is running), changing nothing."""
+        self._front_only("start_resize")
+        self._check_alive()
+        current = list(self.front.domains[0].ranks)
+        sp = self._spawner
+        n = check_size(new_data_parallel_size, len(current), self.front.resizing is not None, self._resize_refusal(),
+                       sp.most if sp is not None else len(current), self._grow_refusal())
+        if n == len(current):
+            return {"old_data_parallel_size": n, "new_data_parallel_size": n, "members": current, "left": [],
+                    "resize_s": 0.0, "requests_moved": 0}
+        self._ensure_worker()
+        if n < len(current):
+            self.front.start_resize(plan_members(current, n))
+            return None
+        joiners = list(range(self.front.next_origin, self.front.next_origin + n - len(current)))
+        ctx = self.core.ctx
+        ticket = Ticket(uuid.uuid4().hex, tuple(current + joiners), ctx.epoch + 1, self._channel_name,
+                        self.core.cfg.parallel.dp_size)
+        ticket.publish(ctx.store)
+        try:
+            sp.start(joiners, n, {JOIN_ENV: ticket.name})
+        except Exception as e:   # SpawnError, or the link broke: nothing started, nothing changed
+            raise ResizeError(f"cannot grow from {len(current)} to {n} ranks: the launcher could not start ranks: "
+                              f"{e}") from None
+        self.front.await_joiners(ticket, joiners, time.monotonic() + JOIN_TIMEOUT_S)
+        return None
+
+    def resize_result(self) -> dict | None:
+        """-> the running resize's figures once the new shape serves (once), else None. Raises ResizeFailed when
+        a grow's new ranks could not join (the deployment serves on unchanged)."""
+        self._front_only("resize_result")
+        return self.front.finish_resize()
+
+    @property
+    def resizing(self) -> bool:
+        return self.front is not None and self.front.resizing is not None
+
+    def _grow_refusal(self) -> str | None:
+        """Why this deployment cannot start ranks (None: its launcher can)."""
+        if self._spawner is not None:
+            return None
+        how = {"mpirun": "mpirun -n", "torchrun": "torchrun --nproc-per-node"}.get(self._job.launcher)
+        if how is None:
+            return "this engine's ranks were not started by a launcher that can add ranks"
+        return (f"{self._job.launcher} started this deployment and cannot add ranks to a running job; restart it "
+                f"with more ranks ({how} M ... wideep serve ...), or start it without a launcher (`wideep serve "
+                f"MODEL --dp-size N`), whose supervisor starts ranks on request")
+
+    def _resize_refusal(self) -> str | None:
+        if self._job.is_single:
+            return ("this engine runs in one process: resizing needs data-parallel ranks (wideep serve --dp-size N, "
+                    "torchrun or mpirun)")
+        if self._job_ctx is not None or len(self.front.domains) > 1:
+            return ("a disaggregated deployment (prefill/decode pools) cannot be resized: its pools are fixed at "
+                    "start-up; restart it with the pool sizes you want")
+        return None
 
     def end_worker_loop(self) -> None:
         """Rank 0: every rank leaves its loop (in one step); run_worker_loop returns "end" elsewhere."""
@@ -193,12 +269,15 @@ class Engine:
 
     # -- workers ------------------------------------------------------------------------------------
     def run_worker_loop(self) -> str:
-        """Ranks other than 0: step until rank 0 ends the loop ("end") or shuts down ("shutdown")."""
+        """Ranks other than 0: step until rank 0 ends the loop ("end"), shuts down ("shutdown") or a resize
+        drops this rank ("left")."""
         if self.is_front:
             raise RuntimeError("run_worker_loop is for ranks other than 0")
         done = self.loop.run()
         if done == "shutdown":
             self.shutdown()
+        elif done == "left":   # a resize dropped this rank: it already left the process group
+            self.close()
         return done
 
     # -- rank 0's own loop --------------------------------------------------------------------------

@@ -15,10 +15,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from wideep.kvstore.metrics import tier_totals
+from wideep.parallel.join import readiness
 
 from ..sampling_params import RequestOutput
-from ..worker.messages import Abort, Command, NewRequest, Report, Wake
+from ..worker.messages import RESIZE, Abort, Command, NewRequest, Report, Wake
 from .outputs import RequestState
+from .resize import Joining, ResizeFailed, Resizing
 from .samples import SampleGroup
 
 
@@ -64,6 +66,10 @@ class Front:
         self.lost: set[int] = set()       # ranks lost and survived (on_rank_loss = "continue")
         self.recoveries: list[dict] = []  # one per re-forming: who was lost, how long it took
         self.readmitted = 0
+        self.resizing: Resizing | None = None   # a resize on request in progress (engine/front/resize.py)
+        self.joining: Joining | None = None     # a grow waiting for its new ranks to load
+        self.resizes: list[dict] = []           # the finished ones' figures
+        self.next_origin = max(self.domain_of) + 1   # a new rank's origin rank: never one used before
 
     # -- requests -----------------------------------------------------------------------------------
     def assign(self, domain: Domain, request_id: str, cost: int, until_first_token: bool = False,
@@ -73,8 +79,8 @@ class Front:
         prompt's ids: the rank whose cached prefix and load cost least; else the least-loaded."""
         if self.router is not None and ids is not None:
             rank, reason, _ = self.router.choose(domain.ranks, domain.load, ids)
-        else:
-            rank, reason = least_loaded(domain.load), "least_loaded"
+        else:   # among the domain's ranks: a rank leaving in a resize keeps its load entry until it has left
+            rank, reason = least_loaded({r: domain.load[r] for r in domain.ranks}), "least_loaded"
         self.routing[reason] += 1
         self.book(domain, request_id, rank, cost, until_first_token)
         return rank
@@ -151,6 +157,71 @@ class Front:
             self.channel.broadcast(d.ranks, Command(kind, self.commands))
             d.running = True
 
+    def start_resize(self, members: list[int]) -> None:
+        """RESIZE to every rank (one domain: colocated serving); from now on the leaving ranks take no new request."""
+        d = self.domains[0]
+        self.commands += 1
+        self.channel.broadcast(d.ranks, Command(RESIZE, self.commands, tuple(members)))
+        d.running = True
+        self.resizing = Resizing(list(d.ranks), list(members))
+        d.ranks = [r for r in d.ranks if r in members]
+
+    def await_joiners(self, ticket, joiners: list[int], deadline: float) -> None:
+        """A grow: the launcher started `joiners`; RESIZE goes out once every one of them loaded the model."""
+        self.next_origin += len(joiners)
+        self.joining = Joining(ticket, joiners, deadline)
+        self.resizing = Resizing(list(self.domains[0].ranks), list(ticket.members))
+
+    def check_joiners(self) -> None:
+        """While a grow waits: every new rank ready -> RESIZE to the running ranks; one that failed, or the
+        deadline -> the resize fails (nothing changed: the running ranks never left their groups)."""
+        j = self.joining
+        ready, error = readiness(self.channel.store, j.ticket, j.joiners)
+        if error or (not ready and time.monotonic() > j.deadline):
+            self.joining = None
+            self.resizing.error = error or f"the new ranks {j.joiners} did not load the model in time"
+        elif ready:
+            self.joining = None
+            started = self.resizing.started
+            self.start_resize(list(j.ticket.members))
+            self.resizing.started = started
+
+    def finish_resize(self) -> dict | None:
+        """-> the figures of the resize once the new shape serves (then it is over), else None. Raises
+        ResizeFailed (then it is over too) when it could not be done."""
+        if self.resizing is None:
+            return None
+        if self.resizing.error:
+            error, self.resizing = self.resizing.error, None
+            raise ResizeFailed(f"{error}; the deployment serves on unchanged")
+        if not self.resizing.done:
+            return None
+        result, self.resizing = self.resizing.result(), None
+        self.resizes.append(result)
+        return result
+
+    def _joined(self, rank: int) -> None:
+        """A new rank serves in the new shape: requests may go to it."""
+        d = self.domains[0]
+        self.channel.add([rank])
+        d.ranks.append(rank)
+        d.load[rank] = 0
+        self.domain_of[rank] = d
+
+    def _left(self, rank: int) -> None:
+        """A leaving rank's last report is in: its requests go to the ranks that stay, from the tokens so far."""
+        for st in list(self.requests.values()):
+            if st.dp_rank == rank:
+                self._readmit(st)
+                self.resizing.moved += 1
+        self.domains[0].load.pop(rank, None)
+        self.domain_of.pop(rank, None)
+        self.rank_stats.pop(rank, None)
+        if self.router is not None:
+            self.router.forget_rank(rank)
+        self.channel.drop(rank)
+        self.resizing.left.add(rank)
+
     # -- reports ------------------------------------------------------------------------------------
     def poll(self, timeout_s: float | None) -> list[RequestOutput]:
         """Reports that arrived (waiting up to timeout_s for the first) -> RequestOutputs."""
@@ -199,6 +270,12 @@ class Front:
                         outs.append(out)
                 if finished:
                     self._finished(st)
+            if rep.left and self.resizing is not None:
+                self._left(rep.rank)
+            if rep.resized is not None and self.resizing is not None:
+                if rep.rank not in self.domain_of:
+                    self._joined(rep.rank)
+                self.resizing.add(rep.rank, rep.resized)
         self.generated += generated
         self.tokens_log.append((time.monotonic(), generated))
         self.reports += len(reports)
@@ -288,7 +365,7 @@ class Front:
                 "tokens_per_s": recent / span if span > 0 else 0.0,
                 "per_rank": st, "finished_requests": list(self.finished),
                 "rank_losses": len(self.lost), "recoveries": list(self.recoveries),
-                "requests_readmitted": self.readmitted,
+                "requests_readmitted": self.readmitted, "resizes": list(self.resizes),
                 "recovery_s_last": self.recoveries[-1]["recovery_s"] if self.recoveries else 0.0,
                 "expert_bytes_refetched_peer": sum(r.get("expert_bytes_peer", 0) for r in self.recoveries),
                 "expert_bytes_refetched_checkpoint": sum(r.get("expert_bytes_checkpoint", 0) for r in self.recoveries),

@@ -124,6 +124,12 @@ class FrontChannel:
         addrs = ep.lookup([f"inbox/{r}" for r in ranks])
         self.push = {r: _connect_push(zmq, self.zctx, a) for r, a in zip(ranks, addrs)}
         self.sent_bytes = 0
+        self._ep = ep
+
+    @property
+    def store(self):
+        """The rendezvous store (a grow's front reads its new ranks' readiness there)."""
+        return self._ep.store
 
     def send(self, rank: int, msg) -> None:
         data = pickle.dumps(msg)
@@ -139,6 +145,18 @@ class FrontChannel:
     def recv(self, timeout_s: float | None) -> list:
         return _recv_all(self.zmq, self.pull, timeout_s)
 
+    def add(self, ranks: list[int]) -> None:
+        """Ranks that joined (a resize that grows): connect to their inboxes (published before they reported)."""
+        addrs = self._ep.lookup([f"inbox/{r}" for r in ranks])
+        for r, a in zip(ranks, addrs):
+            self.push[r] = _connect_push(self.zmq, self.zctx, a)
+
+    def drop(self, rank: int) -> None:
+        """A rank that left (a resize): its inbox is closed for good."""
+        sock = self.push.pop(rank, None)
+        if sock is not None:
+            sock.close()
+
     def close(self) -> None:
         for s in self.push.values():
             s.close()
@@ -151,7 +169,7 @@ class RankChannel:
         self.zctx = zmq.Context.instance()
         ep = _Endpoints(ctx, name)
         self.pull, addr = _bind_pull(zmq, self.zctx, ep.ip)
-        ep.publish(f"inbox/{ctx.rank}", addr)
+        ep.publish(f"inbox/{ctx.origin_rank}", addr)   # the front addresses ranks by origin rank
         self._ep = ep
         self._push = None
         self.sent_bytes = 0
@@ -190,6 +208,9 @@ class _LocalEnd:
 
     def has_messages(self) -> bool:
         return bool(self._in)
+
+    def drop(self, rank: int) -> None:
+        pass   # one process: nobody leaves
 
     send = lambda self, rank, msg: self._put(msg)              # noqa: E731 (front end)
     broadcast = lambda self, ranks, msg: self._put(msg)        # noqa: E731 (front end)

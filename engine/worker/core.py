@@ -78,7 +78,10 @@ def _is_decode(num_tokens: list[int]) -> bool:
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True):
+    def __init__(self, cfg: EngineConfig, ctx: ParallelContext | None = None, progress: bool = True,
+                 wire: bool = True):
+        """wire=False: a rank joining a running deployment (engine/worker/join.py) loads and allocates before its
+        groups exist; the resize wires it (rewire) together with the running ranks."""
         self.cfg = cfg
         mcfg = self.config = ModelConfig.from_dir(cfg.model)
         self.family = family_of(mcfg)
@@ -97,7 +100,10 @@ class EngineCore:
         self.load(progress)
         self.size_kv()
         self.allocate()
-        self.wire()
+        if wire:
+            self.wire()
+        else:
+            self.runner = self.sync = self.eplb = None
         self.warm_up()
 
     # -- the named steps ---------------------------------------------------------------------------------
@@ -163,7 +169,8 @@ class EngineCore:
         self._nodes_seen = self._nodes_step = None   # routing histograms (cumulative, last step) of these dispatchers
 
     def unwire(self) -> None:
-        """Drop everything wire built (their references keep the old process groups alive): before re-forming."""
+        """Drop everything wire built (their references keep the old process groups alive): before re-forming
+        (after a loss, or a resize on request)."""
         self.model.use_dispatcher(None)
         if self.runner.overlap is not None:
             self.runner.overlap.close()
@@ -172,7 +179,7 @@ class EngineCore:
         self.runner = self.sync = self.eplb = None
 
     def rewire(self, ctx: ParallelContext) -> None:
-        """wire over a re-formed context (recovery after a lost rank): the survivors' groups and numbering."""
+        """wire over a re-formed context (recovery after a lost rank, a resize): the new groups and numbering."""
         self.ctx = ctx
         self.wire()
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..sampling_params import SamplingParams
 
-END, SHUTDOWN = 1, 2   # Command kinds, also the step sync's command flag (larger wins)
+END, SHUTDOWN, RESIZE = 1, 2, 3   # Command kinds, also the step sync's command flag (seq * 4 + kind)
 
 
 @dataclass
@@ -41,8 +41,9 @@ class Wake:
 
 @dataclass
 class Command:
-    kind: int                   # END (leave the worker loop) | SHUTDOWN
+    kind: int                   # END (leave the worker loop) | SHUTDOWN | RESIZE
     seq: int                    # the front's count of commands: a rank obeys each number once
+    members: tuple[int, ...] | None = None   # RESIZE: the ranks of the new shape (origin ranks, in order)
 
 
 @dataclass(slots=True)
@@ -72,4 +73,6 @@ class Report:
     start_wave: int | None = None             # a request came for a finished wave: start this one
     error: str | None = None                  # the rank's loop failed (the text of the exception)
     recovered: dict | None = None             # the ranks re-formed after a loss (engine/worker/recovery.py)
+    resized: dict | None = None               # the ranks re-formed on request (engine/worker/resize.py)
+    left: bool = False                        # a resize dropped this rank: its last report (its requests move)
     kv_events: Any = None                     # kvstore.KVEvents: blocks it started / stopped holding

@@ -10,7 +10,7 @@ empty all-reduces. The front wakes the domain with Wake(n) before it sends work,
 request with the wave it believes is running. A rank that finds work in a wave that already ended
 (a request sent before the front learnt of the idle step) asks the front to start the next wave
 (Report.start_wave); a Wake that arrives while a rank is still finishing the previous wave is kept
-(woken_for) and honoured at the idle step. Commands (END, SHUTDOWN) also go through the sync, so
+(woken_for) and honoured at the idle step. Commands (END, SHUTDOWN, RESIZE) also go through the sync, so
 every rank leaves in the same step; each carries a sequence number so a rank never acts twice on one.
 
 Hooks (RankHooks) are the seams for what runs around the steps; disaggregation's prefill and
@@ -22,7 +22,7 @@ import time
 
 from wideep.parallel.watchdog import RankLostError, raise_if_lost
 
-from .messages import END, SHUTDOWN, Abort, Command, Delta, NewRequest, Report, Wake
+from .messages import END, RESIZE, SHUTDOWN, Abort, Command, Delta, NewRequest, Report, Wake
 
 COMMAND_WAIT_S = 10.0   # the longest a rank waits for a command's message once the step sync brought it
 
@@ -68,6 +68,7 @@ class RankLoop:
         self.stats_interval_s, self.idle_sleep_s, self.poll_s = stats_interval_s, idle_sleep_s, poll_s
         self.wave, self.running, self.woken_for = 0, False, -1
         self.command, self.command_seq, self.done_seq = 0, 0, 0     # pending command, its number, last obeyed
+        self._members: dict[int, tuple[int, ...]] = {}              # RESIZE commands' new members, by number
         self._deltas: list[Delta] = []
         self._start_wave: int | None = None
         self._generated = 0
@@ -81,7 +82,7 @@ class RankLoop:
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> str:
-        """Until a command ends the loop: -> "end" | "shutdown". With on_rank_loss = "continue" a
+        """Until a command ends the loop: -> "end" | "shutdown" | "left" (a resize dropped this rank). With on_rank_loss = "continue" a
         lost rank is survived: the ranks re-form and the loop goes on."""
         while True:
             lost = False
@@ -195,6 +196,8 @@ class RankLoop:
         elif isinstance(m, Command):
             if m.seq > self.done_seq and m.seq > self.command_seq:
                 self.command, self.command_seq = m.kind, m.seq
+                if m.kind == RESIZE:
+                    self._members[m.seq] = m.members
                 self.running = True      # leave through the sync, in step with every other rank
         elif not self.hooks.handle(m):
             raise TypeError(f"rank {self.rank}: unknown control message {m!r}")
@@ -202,15 +205,37 @@ class RankLoop:
     def _command_code(self) -> int:
         return self.command_seq * 4 + self.command if self.command else 0
 
-    def _obey(self, kind: int, seq: int) -> str:
+    def _obey(self, kind: int, seq: int) -> str | None:
         self._receive_command(seq)
         self.done_seq = max(self.done_seq, seq)
         if self.command_seq <= self.done_seq:
             self.command, self.command_seq = 0, 0
+        if kind == RESIZE:
+            return self._resize(self._members.pop(seq))
         self.wave += 1                   # a command ends the wave too: every rank leaves here
         self.running = False
         self._report(force=True, idle=True)
         return "shutdown" if kind == SHUTDOWN else "end"
+
+    def _resize(self, members: tuple[int, ...]) -> str | None:
+        """Every rank in the same step (engine/worker/resize.py). A rank left out reports first — its requests'
+        tokens so far, flagged as its last report, so the front moves them to the ranks that stay (recompute) —,
+        then gives its experts and leaves: -> "left". The others go on stepping in the new shape."""
+        from .resize import resize
+        if self.ctx.origin_rank not in members:
+            self._report(force=True, left=True)
+        stats = resize(self.core, list(members))
+        if stats is None:
+            return "left"
+        self.joined(stats)
+        return None
+
+    def joined(self, stats: dict) -> None:
+        """Every rank of a new shape (a rank that just joined it too): agree on the wave, whose count a new rank
+        does not know, and report the resize's part here; one sync then tells whether there is work."""
+        self.wave = self.core.sync.agree_max(self.wave)
+        self.running = True
+        self._report(force=True, resized=stats)
 
     def _receive_command(self, seq: int) -> None:
         """The step sync can bring command `seq` here before its message (another rank had it first): what the
@@ -233,14 +258,15 @@ class RankLoop:
         self._report(force=True, idle=True)
 
     # -- reports --------------------------------------------------------------------------------------
-    def _report(self, force: bool = False, idle: bool = False, recovered: dict | None = None) -> None:
+    def _report(self, force: bool = False, idle: bool = False, recovered: dict | None = None,
+                resized: dict | None = None, left: bool = False) -> None:
         now = time.monotonic()
         stale = now - self._last_stats >= self.stats_interval_s
         if not (self._deltas or force or stale or self._start_wave is not None or self.core.has_kv_events()):
             return
         rep = Report(self.rank, self._deltas, generated=self._generated, start_wave=self._start_wave,
-                     idle_wave=self.wave if idle and self.leader else None, recovered=recovered,
-                     kv_events=self.core.take_kv_events())
+                     idle_wave=self.wave if idle and self.leader else None, recovered=recovered, resized=resized,
+                     left=left, kv_events=self.core.take_kv_events())
         if stale or force or self._deltas:
             rep.stats = dict(self.core.stats(), **self.hooks.stats())
             self._last_stats = now

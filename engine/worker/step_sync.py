@@ -54,6 +54,15 @@ class StepSync:
         return SyncResult(bool(any_work), plan, code % 4, code // 4)
 
 
+    def agree_max(self, value: int) -> int:
+        """The largest of every rank's value (collective; once per resize, never per step): e.g. the wave a
+        rank that just joined takes from the running ranks."""
+        t = torch.tensor([value], dtype=torch.int64)
+        with guard_collective(self.ctx):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t)
+
+
 def gather_outputs(ctx: ParallelContext, local: dict[int, object], n: int) -> list:
     """Every rank's {input index: output} -> all outputs in input order, on every rank (SPMD API
     only: LLM.all_stats; never in a step)."""

@@ -37,15 +37,19 @@ def rank_env(rank: int, nprocs: int, port: int, base: dict | None = None) -> dic
     return env
 
 
-def start_ranks(cmd: list[str], nprocs: int, base: dict | None = None, **popen) -> list[subprocess.Popen]:
-    """Start `cmd` as nprocs local ranks sharing one rendezvous port; popen: subprocess.Popen keywords
-    (a callable value is called with the rank, e.g. stdout=lambda r: files[r])."""
-    port = free_port()
-    procs = []
-    for rank in range(nprocs):
-        kw = {k: (v(rank) if callable(v) else v) for k, v in popen.items()}
-        procs.append(subprocess.Popen(cmd, env=rank_env(rank, nprocs, port, base), **kw))
-    return procs
+def start_ranks(cmd: list[str], nprocs: int, base: dict | None = None, port: int | None = None,
+                **popen) -> list[subprocess.Popen]:
+    """Start `cmd` as nprocs local ranks sharing one rendezvous port (default: a free one); popen:
+    subprocess.Popen keywords (a callable value is called with the rank, e.g. stdout=lambda r: files[r])."""
+    port = port or free_port()
+    return [start_rank(cmd, rank, nprocs, port, base, **popen) for rank in range(nprocs)]
+
+
+def start_rank(cmd: list[str], rank: int, nprocs: int, port: int, base: dict | None = None,
+               **popen) -> subprocess.Popen:
+    """One local rank of nprocs (also one more for a running deployment: a resize that grows it)."""
+    kw = {k: (v(rank) if callable(v) else v) for k, v in popen.items()}
+    return subprocess.Popen(cmd, env=rank_env(rank, nprocs, port, base), **kw)
 
 
 def run_local_ranks(argv: list[str], nprocs: int, timeout_s: float = 600.0, *, cmd: list[str] | None = None,

@@ -160,7 +160,7 @@ def cmd_serve(a) -> None:
         raise SystemExit(f"wideep serve needs aiohttp: pip install -e '.[serve]' ({e})") from None
     cfg = resolve(a, SERVE)
     spawn = local_ranks(cfg)
-    rc = serve_local_ranks(a.argv, spawn.count, spawn.timeout_s) if spawn else serve(cfg)
+    rc = serve_local_ranks(a.argv, spawn.count, spawn.timeout_s, most=spawn.most) if spawn else serve(cfg)
     if rc:
         raise SystemExit(rc)
 

@@ -10,7 +10,10 @@ import sys
 
 from ..server import chat_http
 from ..server.app import DEFAULT_HOST, DEFAULT_PORT, serve_front
+from wideep.parallel.join import JOIN_ENV
+
 from . import run_config
+from .spawn_link import Spawner
 
 
 # serve's chunked-prefill budget on CPU when the run config sets none (the library's LLM / Engine keep 8192, as
@@ -46,8 +49,11 @@ def serve(cfg: dict) -> int:
     if kwargs.get("disagg") is not None:  # prefill/decode pools: rank 0 (the front) is a decode rank
         from wideep.disagg import make_engine
         engine = make_engine(**kwargs)
-    else:
-        engine = Engine(**kwargs)
+    elif JOIN_ENV in os.environ:          # started by the supervisor for a resize that grows the deployment
+        from wideep.engine.worker.join import join
+        engine = Engine(kwargs["model"], joined=join(os.environ, **kwargs))
+    else:                                 # rank 0 of `wideep serve --dp-size N` may ask its supervisor for ranks
+        engine = Engine(**kwargs, spawner=Spawner.from_env(os.environ) if launch_rank() == 0 else None)
     if not engine.is_front:
         engine.run_worker_loop()
         return 0

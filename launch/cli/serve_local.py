@@ -23,9 +23,10 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .local import start_ranks
+from .local import LAUNCHER_VARS, free_port, start_rank, start_ranks
+from .spawn_link import SupervisorEnd
 
 # More local ranks than this per usable core is refused: every rank loads the model and beats the lost-rank
 # watchdog's heartbeat; squeezed further, a rank's share of a core cannot keep those beats on time.
@@ -50,9 +51,11 @@ def max_local_ranks(parallel: dict) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class LocalRanks:
-    """What `serve` starts itself: `count` ranks whose collectives time out after timeout_s."""
+    """What `serve` starts itself: `count` ranks whose collectives time out after timeout_s; a resize may grow
+    them to `most` (this host's limit; 0: no growing, e.g. prefill/decode pools)."""
     count: int
     timeout_s: float
+    most: int = field(default=0, compare=False)
 
 
 def local_ranks(cfg: dict, env=None) -> LocalRanks | None:
@@ -89,7 +92,7 @@ def local_ranks(cfg: dict, env=None) -> LocalRanks | None:
                          f"start ranks on several hosts with torchrun or mpirun")
     layout = ParallelConfig.from_dict({**par, "dp_size": dp, "ep_size": dp})
     layout.validate(dp)   # the rest of [parallel] (ranks_per_node ...), as every rank would check it
-    return LocalRanks(dp, layout.timeout_s)
+    return LocalRanks(dp, layout.timeout_s, 0 if "disagg" in cfg else most)
 
 
 def _die_with(supervisor: int):
@@ -116,36 +119,65 @@ def _kill_group(p: subprocess.Popen) -> None:
         p.wait()
 
 
-def serve_local_ranks(argv: list[str], nprocs: int, timeout_s: float, *, poll_s: float = 0.1) -> int:
+def serve_local_ranks(argv: list[str], nprocs: int, timeout_s: float, *, most: int = 0, poll_s: float = 0.1) -> int:
     """Run `python -m wideep.launch <argv>` (a serve command) on nprocs local ranks until rank 0 exits;
-    timeout_s: the ranks' collective timeout ([parallel] timeout_s). -> rank 0's exit status (128 + N if
-    signal N killed it; 1 if a rank had to be killed here)."""
+    timeout_s: the ranks' collective timeout ([parallel] timeout_s); most > 0: rank 0 may ask for more ranks,
+    up to `most` running (a resize that grows the deployment: launch/cli/spawn_link.py). -> rank 0's exit
+    status (128 + N if signal N killed it; 1 if a rank had to be killed here)."""
     asked: list[int] = []
     previous = {s: signal.signal(s, lambda sig, _f: asked.append(sig)) for s in (signal.SIGINT, signal.SIGTERM)}
+    link = SupervisorEnd(most) if most else None
+    cmd = [sys.executable, "-m", "wideep.launch", *argv]
+    base = dict({k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}, **(link.env() if link else {}))
+    port, me = free_port(), os.getpid()
+    popen = dict(start_new_session=True, preexec_fn=lambda r: _die_with(me))
     try:
-        procs = start_ranks([sys.executable, "-m", "wideep.launch", *argv], nprocs, start_new_session=True,
-                            preexec_fn=lambda r: _die_with(os.getpid()))
+        procs = start_ranks(cmd, nprocs, base, port, pass_fds=lambda r: link.rank0_fds() if link and r == 0 else (),
+                            **popen)
     except BaseException:
         for s, h in previous.items():
             signal.signal(s, h)
+        if link:
+            link.close()
         raise
     pids = ", ".join(str(p.pid) for p in procs)
     print(f"wideep serve: started {nprocs} local ranks (pids {pids}; supervisor pid {os.getpid()}); "
           f"Ctrl-C or kill -TERM {os.getpid()} stops them all", flush=True)
+
+    def grow(req: dict) -> dict:
+        """Rank 0 asks for new ranks (a resize): start them as this deployment's ranks, appended to procs."""
+        origins, world = req["start"], req["world"]
+        if origins != list(range(len(procs), len(procs) + len(origins))):
+            return {"error": f"asked for ranks {origins}; the next new rank here is {len(procs)}"}
+        running = sum(p.poll() is None for p in procs)
+        if running + len(origins) > most:
+            return {"error": f"{running} ranks run and {len(origins)} more would pass this host's limit of {most}"}
+        try:
+            new = [start_rank(cmd, o, world, port, dict(base, **req["env"]), **popen) for o in origins]
+        except OSError as e:
+            return {"error": f"could not start a process: {e}"}
+        procs.extend(new)
+        print(f"wideep serve: started rank(s) {', '.join(map(str, origins))} (pids "
+              f"{', '.join(str(p.pid) for p in new)}) to grow the deployment to {world} ranks", flush=True)
+        return {"pids": [p.pid for p in new]}
+
     try:
-        return _supervise(procs, timeout_s, asked, poll_s)
+        return _supervise(procs, timeout_s, asked, poll_s, link, grow)
     finally:
         for p in procs:     # whatever went wrong here, no rank outlives the supervisor
             _kill_group(p)
         for s, h in previous.items():
             signal.signal(s, h)
+        if link:
+            link.close()
 
 
-def _supervise(procs: list[subprocess.Popen], timeout_s: float, asked: list[int], poll_s: float) -> int:
+def _supervise(procs: list[subprocess.Popen], timeout_s: float, asked: list[int], poll_s: float,
+               link: SupervisorEnd | None = None, grow=None) -> int:
     reported: set[int] = set()
     stop_at = None       # when the stop was passed to rank 0
     while procs[0].poll() is None:
-        _report_exits(procs, reported)
+        _report_exits(procs, reported, serving=True)
         if asked and stop_at is None:
             procs[0].send_signal(asked[0])   # unreaped, so the pid is still rank 0's
             stop_at = time.monotonic()
@@ -153,7 +185,9 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float, asked: list[int]
             print(f"wideep serve: rank 0 did not stop within {STOP_GRACE_S:.0f} s: killing every rank",
                   file=sys.stderr, flush=True)
             return 1
-        time.sleep(poll_s)
+        req = link.poll(poll_s) if link is not None else time.sleep(poll_s)
+        if req is not None:
+            link.answer(grow(req))
     # Rank 0 is gone: the workers leave once it released them, or once their watchdogs see it dead.
     deadline = time.monotonic() + timeout_s + EXIT_MARGIN_S
     while any(p.poll() is None for p in procs[1:]) and time.monotonic() < deadline:
@@ -167,11 +201,15 @@ def _supervise(procs: list[subprocess.Popen], timeout_s: float, asked: list[int]
     return (128 - rc if rc < 0 else rc) or (1 if left else 0)   # killed by signal N: 128 + N, as a shell says
 
 
-def _report_exits(procs: list[subprocess.Popen], reported: set[int]) -> None:
-    """Name each worker that exited with a failure, once (a clean exit after rank 0's release is not news)."""
+def _report_exits(procs: list[subprocess.Popen], reported: set[int], serving: bool = False) -> None:
+    """Name each worker that exited with a failure, once; and, while rank 0 runs, each that exited cleanly (a
+    resize dropped it, or rank 0 is stopping). A clean exit after rank 0's is not news."""
     for rank, p in enumerate(procs[1:], 1):
         rc = p.poll()
-        if rc is not None and rc != 0 and rank not in reported:
+        if rc is not None and (rc != 0 or serving) and rank not in reported:
             reported.add(rank)
+            if rc == 0:
+                print(f"wideep serve: rank {rank} (pid {p.pid}) exited (exit status 0)", flush=True)
+                continue
             how = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
             print(f"wideep serve: rank {rank} (pid {p.pid}) exited ({how})", file=sys.stderr, flush=True)

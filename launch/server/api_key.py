@@ -16,7 +16,8 @@ class ApiKey:
         self.protect_metrics = protect_metrics
 
     def guards(self, path: str) -> bool:
-        return path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
+        return (path.startswith("/v1/") or path == "/scale_elastic_ep"   # it changes the deployment
+                or (self.protect_metrics and path == "/metrics"))
 
     def refusal(self, request: web.Request) -> web.Response | None:
         """-> the 401 to answer, or None: the request may pass."""

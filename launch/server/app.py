@@ -13,6 +13,8 @@ builds the engine on every rank).
                            once survivors of a loss serve), 503 naming the lost ranks while it cannot
                            (a re-forming, a loss that ends the job) and once it has stopped
     GET  /metrics          Prometheus text (launch/server/prometheus.py)
+    POST /scale_elastic_ep vLLM's: {"new_data_parallel_size": N} resizes the running deployment
+                           (launch/server/resize_api.py); GET /is_scaling_elastic_ep
 
 Every error is JSON {"error": {"message", "type", "code"}}: bad input 400 (404 an unknown model or
 path, 405 a wrong method, 413 a body over 1 MiB, 415 a non-JSON Content-Type), and the server goes on
@@ -40,7 +42,7 @@ from wideep.engine.front.health import message as health_message
 from wideep.engine.generation_defaults import generation_defaults
 from wideep.parallel.reform import origin_of
 
-from . import chat_http, prometheus, tokenize_api
+from . import chat_http, prometheus, resize_api, tokenize_api
 from .api_key import ApiKey
 from .cors import Cors
 from .http_body import _error, _sse, read_json
@@ -103,7 +105,8 @@ class Server:
         app.add_routes([web.post("/v1/completions", self.completions), web.get("/v1/models", self.models),
                         web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                         web.get("/version", self.version), web.post("/v1/chat/completions", self.chat),
-                        web.get("/health", self.health), web.get("/metrics", self.metrics)])
+                        web.get("/health", self.health), web.get("/metrics", self.metrics),
+                        *resize_api.routes(self.aengine)])
         app.on_response_prepare.append(self.request_ids.echo)
         if self.cors:
             app.on_response_prepare.append(self.cors.on_prepare)
