@@ -7,7 +7,8 @@ and both ranks) is SIGKILLed by pid mid-generation.
   /metrics names them; host 0's agent then waits in torchrun's exit barrier (300 s, fixed by torch's
   launcher) for the agent that died, so the test stops it by its process group once the ranks left.
 - the default ("exit"): both survivors exit, each naming the rank of host 1 whose loss it learnt
-  first (the watchdog exits on the first verdict), and host 0's agent exits; nothing hangs.
+  first (the watchdog exits on the first verdict), and host 0's agent exits; nothing hangs; /health
+  never says "degraded": 503 naming the lost ranks until the front is gone.
 Skips with one line where network namespaces cannot be made."""
 from __future__ import annotations
 
@@ -153,9 +154,10 @@ def test_host_lost_default_policy_every_survivor_exits_naming_it(tiny, tmp_path)
     with cluster_up() as c:
         s = Serving(c, _config(tmp_path, tiny, c, ""))
         try:
-            with ThreadPoolExecutor(len(PROMPTS)) as ex:
+            with ThreadPoolExecutor(len(PROMPTS)) as ex, HealthProbe(s.base) as probe:
                 futs = [ex.submit(complete, s.base, p, MAX_TOKENS, True, ignore_eos=True) for p in PROMPTS]
                 time.sleep(1.0)
+                probe.mark()
                 _lose_host(c, 1)
                 rcs = wait_agents(s.procs[:1], 3 * TIMEOUT_S)
                 for f in futs:
@@ -173,5 +175,11 @@ def test_host_lost_default_policy_every_survivor_exits_naming_it(tiny, tmp_path)
                 assert re.search(rf"rank\s*: {rank} \(local_rank: {rank}\)\s*\n\s*exitcode\s*: [1-9]", out), s.text()
             named = re.findall(r"wideep: (?:error: )?ranks? [23](?:, [23])? lost \(", out)
             assert len(named) >= 2, s.text()
+            # /health: never "degraded" under this policy; until the front is gone, 503 naming ranks of host 1
+            # (the engine "lost" them, or has "stopped" over their loss), then no answer
+            assert set(probe.sequence()) <= {"ok", "503 lost", "503 stopped", "None None"}, probe.sequence()
+            assert probe.sequence()[-1] == "None None", probe.sequence()
+            for _, st, b in probe.seen[probe.marked:]:
+                assert st != 503 or (b["lost_ranks"] and set(b["lost_ranks"]) <= {2, 3}), b
         finally:
             wait_agents(s.procs, 0)
