@@ -225,6 +225,18 @@ def _v4_decode(r: dict) -> str:
             + f"; {n(s['1']['gb_per_s'])} GB/s of weights at 1{v3}")
 
 
+def _multinode(r: dict) -> str:
+    rates = r["per_rate"]
+    slow = r["dbo"]["rate"]
+    return (f"2 namespace hosts × 2 ranks vs 1 host × 4, prefill / decode: "
+            + ", ".join(f"{n(v['prefill']['x_vs_1x4'])}× / {n(v['decode']['x_vs_1x4'])}× at {k}"
+                        for k, v in rates.items())
+            + "; wire ÷ computed (TCP payload): "
+            + ", ".join(f"**{n(v['tcp_payload'])}** at {k}" for k, v in r["wire_over_computed"].items())
+            + f"; DBO prefill on ÷ off at {slow}: **{n(r['dbo_prefill_ratio'])}**; outputs equal: "
+            + ("yes" if r["outputs_equal"] else "NO"))
+
+
 ROWS = (
     Row("decode vs transformers", "roofline ≥ 0.7 / 0 prefix-cache hits", (
         Run("decode_vs_hf", "python bench/decode_vs_hf.py --trials 3", _decode,
@@ -336,6 +348,11 @@ ROWS = (
         Run("v4_decode_bf16_dir", "python bench/v4_decode.py --dir DIR --one-at-a-time --dtype bfloat16 --prompt 64 "
                                   "--steps 6 --trials 2 (DIR: wideep make-shaped --like deepseek-v4-flash --layers 4)",
             _v4_decode, lambda r: [r["ratio_b1"] <= 0.35, r["ratio_b16"] <= 0.35], tag="V4-Flash × 4 layers"),)),
+    Row("many nodes: network-namespace hosts, shaped links",
+        "wire ≤ 1.05× computed / DBO prefill ≤ 0.75× at 1 Gbit/s", (
+        Run("multinode_quick", "python bench/multinode.py --quick", _multinode,
+            lambda r: [max(v["tcp_payload"] for v in r["wire_over_computed"].values()) <= 1.05,
+                       r["dbo_prefill_ratio"] <= 0.75]),)),
     Row("EP scaling", "baseline", (
         Run("ep_scaling", "python bench/ep_scaling.py",
             lambda r: f"ep {' / '.join(r['ep'])}: {' / '.join(n(v['tok_s']) for v in r['ep'].values())} tok/s "
