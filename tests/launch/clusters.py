@@ -42,6 +42,36 @@ def wait_agents(procs: list[subprocess.Popen], timeout_s: float) -> list[int | N
     return [None if is_late else p.wait() for p, is_late in zip(procs, late)]
 
 
+def run_one_process(cfg) -> subprocess.CompletedProcess:
+    """`wideep run --config cfg` in one process (what the hosts' ranks must equal): its completed process."""
+    import sys
+    from tests.launch.runs import REPO
+    single = subprocess.run([sys.executable, "-m", "wideep.launch", "run", "--config", str(cfg)], cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr[-3000:]
+    return single
+
+
+def run_torchrun(cluster, cfg, log_dir, timeout_s: float = 150) -> list[str]:
+    """`wideep run --config cfg` under torchrun on every host of the cluster, 2 ranks each: each host's output;
+    asserts every agent exited 0 (the tails of both outputs otherwise)."""
+    from wideep.launch.cluster.torchrun import start_torchrun
+    from tests.launch.runs import REPO
+    logs = [open(f"{log_dir}/host{n}.log", "w+") for n in range(len(cluster.hosts))]
+    procs = start_torchrun(cluster, ["-m", "wideep.launch", "run", "--config", str(cfg)], nproc_per_node=2,
+                           extra_env={"PYTHONPATH": REPO}, cwd=REPO, stdout=lambda n: logs[n],
+                           stderr=subprocess.STDOUT, text=True)
+    rcs = wait_agents(procs, timeout_s=timeout_s)
+    text = []
+    for f in logs:
+        f.seek(0)
+        text.append(f.read())
+        f.close()
+    assert rcs == [0] * len(procs), (f"exit statuses {rcs}\n"
+                                     + "\n".join(f"--- host {n} ---\n{t[-4000:]}" for n, t in enumerate(text)))
+    return text
+
+
 class HealthProbe:
     """GET /health every interval_s on a thread while the block runs: [(t, status, body)] (status
     None where the front did not answer). mark() notes where the loss starts."""

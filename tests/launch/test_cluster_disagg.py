@@ -9,16 +9,12 @@ Skips with one line where network namespaces cannot be made."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from wideep.launch.cluster.torchrun import start_torchrun
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-from tests.launch.clusters import cluster_up, wait_agents
-from tests.launch.runs import REPO, outputs
+from tests.launch.clusters import cluster_up, run_one_process, run_torchrun
+from tests.launch.runs import outputs
 
 pytestmark = pytest.mark.multirank
 
@@ -64,22 +60,9 @@ def test_disagg_prefill_on_host1_decode_on_host0_equal_one_process_and_kv_bytes(
     single_cfg, cfg = tmp_path / "single.toml", tmp_path / "disagg.toml"
     single_cfg.write_text(BASE.format(path=d, prompts=json.dumps(PROMPTS)))
     cfg.write_text(BASE.format(path=d, prompts=json.dumps(PROMPTS)) + DISAGG)
-    single = subprocess.run([sys.executable, "-m", "wideep.launch", "run", "--config", str(single_cfg)], cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=REPO), capture_output=True, text=True, timeout=120)
-    assert single.returncode == 0, single.stderr[-3000:]
-
+    single = run_one_process(single_cfg)
     with cluster_up() as c:
-        logs = [open(tmp_path / f"host{n}.log", "w+") for n in range(2)]
-        procs = start_torchrun(c, ["-m", "wideep.launch", "run", "--config", str(cfg)], nproc_per_node=2,
-                               extra_env={"PYTHONPATH": REPO}, cwd=REPO, stdout=lambda n: logs[n],
-                               stderr=subprocess.STDOUT, text=True)
-        rcs = wait_agents(procs, timeout_s=150)
-        text = []
-        for f in logs:
-            f.seek(0)
-            text.append(f.read())
-            f.close()
-    assert rcs == [0, 0], f"exit statuses {rcs}\n--- host 0 ---\n{text[0][-4000:]}\n--- host 1 ---\n{text[1][-4000:]}"
+        text = run_torchrun(c, cfg, tmp_path)
     assert outputs(text[0]) == outputs(single.stdout) and len(outputs(text[0])) == len(PROMPTS)
 
     summary = json.loads([line for line in text[0].splitlines() if line.startswith('{"ranks"')][0])

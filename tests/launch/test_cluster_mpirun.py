@@ -9,16 +9,14 @@ namespaces cannot be made (not root, no iproute2, a container without the capabi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
 from wideep.launch.cluster import Cluster, Host
 from wideep.launch.cluster.mpirun import find_mpirun, netns_ssh_script, start_mpirun
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-from tests.launch.clusters import cluster_up, wait_agents
+from tests.launch.clusters import cluster_up, run_one_process, wait_agents
 from tests.launch.runs import REPO, outputs
 from tests.launch.test_cluster_torchrun import CONFIG, PROMPTS, TCP_TOLERANCE, WIRE_TOLERANCE
 
@@ -42,10 +40,7 @@ def test_two_hosts_one_mpirun_equal_one_process(tmp_path, mpi, cluster):
     d = make_tiny_checkpoint(str(tmp_path / "m"), arch="v3", seed=4)
     cfg = tmp_path / "run.toml"
     cfg.write_text(CONFIG.format(path=d, prompts=json.dumps(PROMPTS)))
-    env = dict(os.environ, PYTHONPATH=REPO)
-    single = subprocess.run([sys.executable, "-m", "wideep.launch", "run", "--config", str(cfg)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert single.returncode == 0, single.stderr[-3000:]
+    single = run_one_process(cfg)
 
     with open(tmp_path / "mpirun.log", "w+") as log:
         p = start_mpirun(cluster, ["-m", "wideep.launch", "run", "--config", str(cfg)], nproc_per_node=2,

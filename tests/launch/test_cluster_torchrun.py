@@ -8,16 +8,12 @@ without the capability)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from wideep.launch.cluster.torchrun import start_torchrun
 from wideep.launch.tiny.checkpoint import make_tiny_checkpoint
-from tests.launch.clusters import cluster_up, wait_agents
-from tests.launch.runs import REPO, outputs
+from tests.launch.clusters import cluster_up, run_one_process, run_torchrun
+from tests.launch.runs import outputs
 
 pytestmark = pytest.mark.multirank
 
@@ -62,22 +58,8 @@ def test_two_hosts_torchrun_equal_one_process_and_wire_bytes(tmp_path, cluster):
     d = make_tiny_checkpoint(str(tmp_path / "m"), arch="v3", seed=4)
     cfg = tmp_path / "run.toml"
     cfg.write_text(CONFIG.format(path=d, prompts=json.dumps(PROMPTS)))
-    env = dict(os.environ, PYTHONPATH=REPO)
-    single = subprocess.run([sys.executable, "-m", "wideep.launch", "run", "--config", str(cfg)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=120)
-    assert single.returncode == 0, single.stderr[-3000:]
-
-    logs = [open(tmp_path / f"host{n}.log", "w+") for n in range(2)]
-    procs = start_torchrun(cluster, ["-m", "wideep.launch", "run", "--config", str(cfg)], nproc_per_node=2,
-                           extra_env={"PYTHONPATH": REPO}, cwd=REPO, stdout=lambda n: logs[n],
-                           stderr=subprocess.STDOUT, text=True)
-    rcs = wait_agents(procs, timeout_s=150)
-    text = []
-    for f in logs:
-        f.seek(0)
-        text.append(f.read())
-        f.close()
-    assert rcs == [0, 0], f"exit statuses {rcs}\n--- host 0 ---\n{text[0][-4000:]}\n--- host 1 ---\n{text[1][-4000:]}"
+    single = run_one_process(cfg)
+    text = run_torchrun(cluster, cfg, tmp_path)
     assert outputs(text[0]) == outputs(single.stdout) and len(outputs(text[0])) == len(PROMPTS)
 
     summary = json.loads([line for line in text[0].splitlines() if line.startswith('{"ranks"')][0])
