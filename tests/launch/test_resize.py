@@ -49,18 +49,26 @@ def scale(base: str, body) -> tuple[int, dict]:
 
 
 def serve_under_load(s: Spawned, sizes: list[int], bad: list = ()) -> tuple[list, list, list]:
-    """The 64-request load (half streamed) on s; once it runs, each size in turn through the route, and each bad
-    body. -> (the load's results in order, the route's answers, the bad bodies' answers)."""
+    """The 64-request load (half streamed) on s, in len(sizes) + 1 waves: the first, then each size through the
+    route with the next wave sent while that resize runs; then each bad body. -> (the load's results in order,
+    the route's answers, the bad bodies' answers)."""
     reqs = load()
-    with ThreadPoolExecutor(len(reqs)) as ex:
-        jobs = [ex.submit(complete, s.base, p, n, i % 2 == 0) for i, (p, n) in enumerate(reqs)]
+    waves = [range(len(reqs))[i::len(sizes) + 1] for i in range(len(sizes) + 1)]
+    jobs: dict[int, object] = {}
+    with ThreadPoolExecutor(len(reqs) + 1) as ex:
+        def send(wave):
+            for i in wave:
+                jobs[i] = ex.submit(complete, s.base, *reqs[i], i % 2 == 0)
+        send(waves[0])
         time.sleep(1.0)   # the load is in flight
-        answers, refused = [], []
-        for n in sizes:
-            answers.append(scale(s.base, {"new_data_parallel_size": n}))
-            refused += [scale(s.base, b) for b in bad]
-            bad = ()
-        got = [j.result(timeout=120) for j in jobs]
+        answers = []
+        for n, wave in zip(sizes, waves[1:]):
+            asked = ex.submit(scale, s.base, {"new_data_parallel_size": n})
+            time.sleep(0.02)
+            send(wave)        # accepted while the resize runs
+            answers.append(asked.result(timeout=120))
+        refused = [scale(s.base, b) for b in bad]
+        got = [jobs[i].result(timeout=120) for i in range(len(reqs))]
     return got, answers, refused
 
 
@@ -80,6 +88,7 @@ def test_shrink_4_to_3_to_1_under_load(tiny, solo):
             assert 0 < body["resize_s"] < RESIZE_LIMIT_S
         print("resize times:", [b["resize_s"] for _, b in answers])
         assert answers[0][1]["left"] == [3] and answers[1][1]["left"] == [1, 2]
+        assert answers[0][1]["requests_moved"] + answers[1][1]["requests_moved"] > 0   # drained ranks had work
         assert [st for st, _ in refused] == [400] * 6, refused
         assert "new_data_parallel_size" in refused[0][1]["error"]["message"]
         assert "got '3'" in refused[1][1]["error"]["message"] and "got 0" in refused[2][1]["error"]["message"]
