@@ -134,6 +134,7 @@ class ResizingFront:
         d = self.domains[0]
         self.channel.add([rank])
         d.ranks.append(rank)
+        d.ranks.sort(key=self.resizing.new.index)   # the new shape's order: its EP ranks, and the next resize's
         d.load[rank] = 0
         self.domain_of[rank] = d
 

@@ -111,17 +111,19 @@ def test_shrink_4_to_3_to_1_under_load(tiny, solo):
 @pytest.mark.multirank
 def test_grow_4_to_6_then_shrink_to_3_under_load(tiny, solo):
     """The issue's target: 4 -> 6 -> 3 ranks while the 64-request load runs; the supervisor starts the 2 new ranks,
-    they load the model while the others serve, join, and receive their experts from the ranks that hold them."""
+    they load the model while the others serve, join, and receive their experts from the ranks that hold them.
+    Then 3 -> 4: the new rank gets an origin rank never used before (6)."""
     s = Spawned([tiny, "--dp-size", "4", *FLAGS])
     try:
-        got, answers, _ = serve_under_load(s, [6, 3])
+        got, answers, _ = serve_under_load(s, [6, 3, 4])
         assert [g["token_ids"] for g in got] == solo                   # none lost or failed, tokens unchanged
-        (st1, grow), (st2, shrink) = answers
-        assert st1 == 200 and st2 == 200, answers
+        (st1, grow), (st2, shrink), (st3, again) = answers
+        assert st1 == 200 and st2 == 200 and st3 == 200, answers
+        assert again["members"] == [0, 1, 2, 6] and again["resize_s"] < RESIZE_LIMIT_S
         assert (grow["old_data_parallel_size"], grow["new_data_parallel_size"], grow["members"]) == (4, 6, [0, 1, 2, 3, 4, 5])
         assert grow["expert_bytes_peer"] > 0 and grow["expert_bytes_checkpoint"] == 0   # from the holders
         assert (shrink["new_data_parallel_size"], shrink["members"], shrink["left"]) == (3, [0, 1, 2], [3, 4, 5])
-        print("resize times (4 -> 6, 6 -> 3):", grow["resize_s"], shrink["resize_s"])
+        print("resize times (4 -> 6, 6 -> 3, 3 -> 4):", grow["resize_s"], shrink["resize_s"], again["resize_s"])
         assert grow["resize_s"] < RESIZE_LIMIT_S and shrink["resize_s"] < RESIZE_LIMIT_S
         line = next(x for x in s.output if "started rank(s) 4, 5 (pids " in x)
         pids = [s.ranks[3], *(int(p) for p in line.split("(pids ")[1].split(")")[0].split(", "))]
