@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .bootstrap import watch_settings
 from .config import ParallelConfig
 from .context import ParallelContext
-from .reform import NAMESPACE, _connect
+from .reform import _connect, resize_store
 
 JOIN_ENV = "WIDEEP_JOIN"           # set by the launcher on a rank it starts for a resize: the ticket's name
 TICKETS = "wideep/join/"
@@ -85,7 +85,7 @@ def readiness(store, ticket: Ticket, joiners: list[int]) -> tuple[bool, str]:
 def join_group(pre: ParallelContext, ticket: Ticket) -> ParallelContext:
     """Form the new shape's groups with the running ranks (they come once the front sends RESIZE)."""
     t0 = time.monotonic()
-    store = dist.PrefixStore(f"{NAMESPACE}{ticket.epoch}/", pre.store)
-    ctx = _connect(pre, store, list(ticket.members), ticket.epoch, origin=ticket.origin)
+    ctx = _connect(pre, resize_store(pre.store, ticket.epoch, ticket.name), list(ticket.members), ticket.epoch,
+                   origin=ticket.origin)
     ctx.recovery_s = time.monotonic() - t0
     return ctx

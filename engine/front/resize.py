@@ -86,11 +86,11 @@ class ResizingFront:
     """The front's resize steps (engine/front/front.py Front has them): what it sends, and what it does with the
     ranks' resize reports."""
 
-    def start_resize(self, members: list[int]) -> None:
+    def start_resize(self, members: list[int], tag: str = "") -> None:
         """RESIZE to every rank (one domain: colocated serving); from now on the leaving ranks take no new request."""
         d = self.domains[0]
         self.commands += 1
-        self.channel.broadcast(d.ranks, Command(RESIZE, self.commands, tuple(members)))
+        self.channel.broadcast(d.ranks, Command(RESIZE, self.commands, tuple(members), tag or f"shrink-{self.commands}"))
         d.running = True
         self.resizing = Resizing(list(d.ranks), list(members))
         d.ranks = [r for r in d.ranks if r in members]
@@ -112,7 +112,7 @@ class ResizingFront:
         elif ready:
             self.joining = None
             started = self.resizing.started
-            self.start_resize(list(j.ticket.members))
+            self.start_resize(list(j.ticket.members), j.ticket.name)
             self.resizing.started = started
 
     def finish_resize(self) -> dict | None:

@@ -139,6 +139,36 @@ def test_grow_4_to_6_then_shrink_to_3_under_load(tiny, solo):
     assert "Traceback" not in "".join(s.output)
 
 
+@LINUX
+@pytest.mark.multirank
+def test_a_grow_whose_new_rank_cannot_load_is_a_503_and_changes_nothing(tiny, tmp_path):
+    """The checkpoint's weights vanish after start-up (the running ranks hold theirs): the new rank cannot load
+    the model, says why, and the front fails the resize at once (503 naming it); the deployment serves on with its
+    2 ranks and can still be resized."""
+    import shutil
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny, d)
+    s = Spawned([str(d), "--dp-size", "2", *FLAGS])
+    try:
+        before = complete(s.base, [5, 6, 7], 6, False)["token_ids"]
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+        status, body = scale(s.base, {"new_data_parallel_size": 3})
+        assert status == 503, body
+        msg = body["error"]["message"]
+        assert "rank 2 could not load the model" in msg and "serves on unchanged" in msg, msg
+        assert complete(s.base, [5, 6, 7], 6, False)["token_ids"] == before
+        assert s.saw("rank 2 (pid ", 10)    # the supervisor names the new rank's failed exit
+        status, body = scale(s.base, {"new_data_parallel_size": 1})   # the 2 ranks it has still resize
+        assert status == 200 and body["old_data_parallel_size"] == 2, body
+        assert complete(s.base, [5, 6, 7], 6, False)["token_ids"] == before
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.wait(60)
+    finally:
+        s.kill()
+    assert rc == 0, "".join(s.output)
+
+
 @pytest.mark.multirank
 def test_a_torchrun_deployment_cannot_grow_and_says_what_to_run(tiny, tmp_path):
     """Ranks a launcher started (torchrun's variables, as launch/cli/local.py sets them): growing is a 400 that
