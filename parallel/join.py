@@ -61,7 +61,8 @@ def read_ticket(store, env: Mapping[str, str]) -> Ticket:
     return Ticket(name, tuple(d["members"]), d["epoch"], d["channel"], d["start_world"], int(env["RANK"]))
 
 
-def loading_context(cfg: ParallelConfig, store, backend: str, device: torch.device, env: Mapping[str, str]) -> ParallelContext:
+def loading_context(cfg: ParallelConfig, store, backend: str, device: torch.device,
+                    env: Mapping[str, str]) -> ParallelContext:
     """A context to load the model with before the new groups exist: one process (no collective can run) laid
     out as EP rank 0 of the start-up layout, so that the model builds with one rank's share of expert slots
     (the resize then fills them with this rank's placement); it carries the store and the watchdog settings."""

@@ -90,7 +90,8 @@ class ResizingFront:
         """RESIZE to every rank (one domain: colocated serving); from now on the leaving ranks take no new request."""
         d = self.domains[0]
         self.commands += 1
-        self.channel.broadcast(d.ranks, Command(RESIZE, self.commands, tuple(members), tag or f"shrink-{self.commands}"))
+        tag = tag or f"shrink-{self.commands}"
+        self.channel.broadcast(d.ranks, Command(RESIZE, self.commands, tuple(members), tag))
         d.running = True
         self.resizing = Resizing(list(d.ranks), list(members))
         d.ranks = [r for r in d.ranks if r in members]
@@ -114,6 +115,7 @@ class ResizingFront:
             started = self.resizing.started
             self.start_resize(list(j.ticket.members), j.ticket.name)
             self.resizing.started = started
+            self.resizing.figures["new_ranks_ready_s"] = round(time.monotonic() - started, 3)   # their load
 
     def finish_resize(self) -> dict | None:
         """-> the figures of the resize once the new shape serves (then it is over), else None. Raises

@@ -82,8 +82,8 @@ class RankLoop:
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> str:
-        """Until a command ends the loop: -> "end" | "shutdown" | "left" (a resize dropped this rank). With on_rank_loss = "continue" a
-        lost rank is survived: the ranks re-form and the loop goes on."""
+        """Until a command ends the loop: -> "end" | "shutdown" | "left" (a resize dropped this rank). With
+        on_rank_loss = "continue" a lost rank is survived: the ranks re-form and the loop goes on."""
         while True:
             lost = False
             try:

@@ -120,7 +120,8 @@ def test_grow_4_to_6_then_shrink_to_3_under_load(tiny, solo):
         (st1, grow), (st2, shrink), (st3, again) = answers
         assert st1 == 200 and st2 == 200 and st3 == 200, answers
         assert again["members"] == [0, 1, 2, 6] and again["resize_s"] < RESIZE_LIMIT_S
-        assert (grow["old_data_parallel_size"], grow["new_data_parallel_size"], grow["members"]) == (4, 6, [0, 1, 2, 3, 4, 5])
+        assert (grow["old_data_parallel_size"], grow["new_data_parallel_size"]) == (4, 6)
+        assert grow["members"] == [0, 1, 2, 3, 4, 5] and grow["new_ranks_ready_s"] <= grow["resize_s"]
         assert grow["expert_bytes_peer"] > 0 and grow["expert_bytes_checkpoint"] == 0   # from the holders
         assert (shrink["new_data_parallel_size"], shrink["members"], shrink["left"]) == (3, [0, 1, 2], [3, 4, 5])
         print("resize times (4 -> 6, 6 -> 3, 3 -> 4):", grow["resize_s"], shrink["resize_s"], again["resize_s"])
