@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .bootstrap import watch_settings
 from .config import ParallelConfig
 from .context import ParallelContext
-from .reform import NAMESPACE, _connect
+from .reform import _connect, resize_store
 
 JOIN_ENV = "WIDEEP_JOIN"           # set by the launcher on a rank it starts for a resize: the ticket's name
 TICKETS = "wideep/join/"
@@ -61,7 +61,8 @@ def read_ticket(store, env: Mapping[str, str]) -> Ticket:
     return Ticket(name, tuple(d["members"]), d["epoch"], d["channel"], d["start_world"], int(env["RANK"]))
 
 
-def loading_context(cfg: ParallelConfig, store, backend: str, device: torch.device, env: Mapping[str, str]) -> ParallelContext:
+def loading_context(cfg: ParallelConfig, store, backend: str, device: torch.device,
+                    env: Mapping[str, str]) -> ParallelContext:
     """A context to load the model with before the new groups exist: one process (no collective can run) laid
     out as EP rank 0 of the start-up layout, so that the model builds with one rank's share of expert slots
     (the resize then fills them with this rank's placement); it carries the store and the watchdog settings."""
@@ -85,7 +86,7 @@ def readiness(store, ticket: Ticket, joiners: list[int]) -> tuple[bool, str]:
 def join_group(pre: ParallelContext, ticket: Ticket) -> ParallelContext:
     """Form the new shape's groups with the running ranks (they come once the front sends RESIZE)."""
     t0 = time.monotonic()
-    store = dist.PrefixStore(f"{NAMESPACE}{ticket.epoch}/", pre.store)
-    ctx = _connect(pre, store, list(ticket.members), ticket.epoch, origin=ticket.origin)
+    ctx = _connect(pre, resize_store(pre.store, ticket.epoch, ticket.name), list(ticket.members), ticket.epoch,
+                   origin=ticket.origin)
     ctx.recovery_s = time.monotonic() - t0
     return ctx

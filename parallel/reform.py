@@ -85,11 +85,13 @@ def reform(ctx: ParallelContext, release=None) -> ParallelContext:
     return new
 
 
-def regroup(ctx: ParallelContext, members: list[int], release=None) -> ParallelContext | None:
+def regroup(ctx: ParallelContext, members: list[int], tag: str, release=None) -> ParallelContext | None:
     """A resize on request: every rank of ctx leaves its groups, and the ranks named in members (origin ranks,
     in their new order; every one alive, so no agreement is needed) form new ones under the next epoch.
     -> the new context, or None on a rank that is not a member (it leaves: its watchdog says goodbye, so
-    nobody takes its exit for a loss). release(): as for reform."""
+    nobody takes its exit for a loss). tag: the resize's name; the new groups rendezvous under the epoch and
+    it, so a new rank still waiting from a grow that failed can never meet a later resize. release(): as for
+    reform."""
     t0 = time.monotonic()
     epoch = ctx.epoch + 1
     if release is not None:
@@ -102,9 +104,14 @@ def regroup(ctx: ParallelContext, members: list[int], release=None) -> ParallelC
     gc.collect()
     if not stayed:
         return None
-    new = _connect(ctx, dist.PrefixStore(f"{NAMESPACE}{epoch}/", ctx.store), members, epoch, watch=ctx.watchdog)
+    new = _connect(ctx, resize_store(ctx.store, epoch, tag), members, epoch, watch=ctx.watchdog)
     new.recovery_s = time.monotonic() - t0
     return new
+
+
+def resize_store(store, epoch: int, tag: str):
+    """Where a resize's new groups rendezvous: under the epoch, then the resize's own name."""
+    return dist.PrefixStore(f"{NAMESPACE}{epoch}/{tag}/", store)
 
 
 def _lead(ctx: ParallelContext, store, members: list[int]) -> list[int]:

@@ -15,12 +15,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from wideep.kvstore.metrics import tier_totals
-from wideep.parallel.join import readiness
 
 from ..sampling_params import RequestOutput
-from ..worker.messages import RESIZE, Abort, Command, NewRequest, Report, Wake
+from ..worker.messages import Abort, Command, NewRequest, Report, Wake
 from .outputs import RequestState
-from .resize import Joining, ResizeFailed, Resizing
+from .resize import Joining, Resizing, ResizingFront
 from .samples import SampleGroup
 
 
@@ -42,7 +41,7 @@ class Domain:
         self.load = {r: 0 for r in self.ranks}
 
 
-class Front:
+class Front(ResizingFront):
     """channel: the front's end (FrontChannel or the local pair's); domains: the lockstep groups;
     tokenizer: for output text (None: no text)."""
 
@@ -156,71 +155,6 @@ class Front:
         for d in self.domains:
             self.channel.broadcast(d.ranks, Command(kind, self.commands))
             d.running = True
-
-    def start_resize(self, members: list[int]) -> None:
-        """RESIZE to every rank (one domain: colocated serving); from now on the leaving ranks take no new request."""
-        d = self.domains[0]
-        self.commands += 1
-        self.channel.broadcast(d.ranks, Command(RESIZE, self.commands, tuple(members)))
-        d.running = True
-        self.resizing = Resizing(list(d.ranks), list(members))
-        d.ranks = [r for r in d.ranks if r in members]
-
-    def await_joiners(self, ticket, joiners: list[int], deadline: float) -> None:
-        """A grow: the launcher started `joiners`; RESIZE goes out once every one of them loaded the model."""
-        self.next_origin += len(joiners)
-        self.joining = Joining(ticket, joiners, deadline)
-        self.resizing = Resizing(list(self.domains[0].ranks), list(ticket.members))
-
-    def check_joiners(self) -> None:
-        """While a grow waits: every new rank ready -> RESIZE to the running ranks; one that failed, or the
-        deadline -> the resize fails (nothing changed: the running ranks never left their groups)."""
-        j = self.joining
-        ready, error = readiness(self.channel.store, j.ticket, j.joiners)
-        if error or (not ready and time.monotonic() > j.deadline):
-            self.joining = None
-            self.resizing.error = error or f"the new ranks {j.joiners} did not load the model in time"
-        elif ready:
-            self.joining = None
-            started = self.resizing.started
-            self.start_resize(list(j.ticket.members))
-            self.resizing.started = started
-
-    def finish_resize(self) -> dict | None:
-        """-> the figures of the resize once the new shape serves (then it is over), else None. Raises
-        ResizeFailed (then it is over too) when it could not be done."""
-        if self.resizing is None:
-            return None
-        if self.resizing.error:
-            error, self.resizing = self.resizing.error, None
-            raise ResizeFailed(f"{error}; the deployment serves on unchanged")
-        if not self.resizing.done:
-            return None
-        result, self.resizing = self.resizing.result(), None
-        self.resizes.append(result)
-        return result
-
-    def _joined(self, rank: int) -> None:
-        """A new rank serves in the new shape: requests may go to it."""
-        d = self.domains[0]
-        self.channel.add([rank])
-        d.ranks.append(rank)
-        d.load[rank] = 0
-        self.domain_of[rank] = d
-
-    def _left(self, rank: int) -> None:
-        """A leaving rank's last report is in: its requests go to the ranks that stay, from the tokens so far."""
-        for st in list(self.requests.values()):
-            if st.dp_rank == rank:
-                self._readmit(st)
-                self.resizing.moved += 1
-        self.domains[0].load.pop(rank, None)
-        self.domain_of.pop(rank, None)
-        self.rank_stats.pop(rank, None)
-        if self.router is not None:
-            self.router.forget_rank(rank)
-        self.channel.drop(rank)
-        self.resizing.left.add(rank)
 
     # -- reports ------------------------------------------------------------------------------------
     def poll(self, timeout_s: float | None) -> list[RequestOutput]:

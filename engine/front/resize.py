@@ -18,6 +18,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from wideep.parallel.join import readiness
+
+from ..worker.messages import RESIZE, Command
+
 
 class ResizeError(ValueError):
     """A resize that cannot be done as asked (answered 400; nothing changed)."""
@@ -76,6 +80,79 @@ class Resizing:
         return {"old_data_parallel_size": len(self.old), "new_data_parallel_size": len(self.new),
                 "members": list(self.new), "left": self.leaving, "resize_s": round(time.monotonic() - self.started, 3),
                 "requests_moved": self.moved, **self.figures}
+
+
+class ResizingFront:
+    """The front's resize steps (engine/front/front.py Front has them): what it sends, and what it does with the
+    ranks' resize reports."""
+
+    def start_resize(self, members: list[int], tag: str = "") -> None:
+        """RESIZE to every rank (one domain: colocated serving); from now on the leaving ranks take no new request."""
+        d = self.domains[0]
+        self.commands += 1
+        tag = tag or f"shrink-{self.commands}"
+        self.channel.broadcast(d.ranks, Command(RESIZE, self.commands, tuple(members), tag))
+        d.running = True
+        self.resizing = Resizing(list(d.ranks), list(members))
+        d.ranks = [r for r in d.ranks if r in members]
+
+    def await_joiners(self, ticket, joiners: list[int], deadline: float) -> None:
+        """A grow: the launcher started `joiners`; RESIZE goes out once every one of them loaded the model."""
+        self.next_origin += len(joiners)
+        self.joining = Joining(ticket, joiners, deadline)
+        self.resizing = Resizing(list(self.domains[0].ranks), list(ticket.members))
+
+    def check_joiners(self) -> None:
+        """While a grow waits: every new rank ready -> RESIZE to the running ranks; one that failed, or the
+        deadline -> the resize fails (nothing changed: the running ranks never left their groups)."""
+        j = self.joining
+        ready, error = readiness(self.channel.store, j.ticket, j.joiners)
+        if error or (not ready and time.monotonic() > j.deadline):
+            self.joining = None
+            self.resizing.error = error or f"the new ranks {j.joiners} did not load the model in time"
+        elif ready:
+            self.joining = None
+            started = self.resizing.started
+            self.start_resize(list(j.ticket.members), j.ticket.name)
+            self.resizing.started = started
+            self.resizing.figures["new_ranks_ready_s"] = round(time.monotonic() - started, 3)   # their load
+
+    def finish_resize(self) -> dict | None:
+        """-> the figures of the resize once the new shape serves (then it is over), else None. Raises
+        ResizeFailed (then it is over too) when it could not be done."""
+        if self.resizing is None:
+            return None
+        if self.resizing.error:
+            error, self.resizing = self.resizing.error, None
+            raise ResizeFailed(f"{error}; the deployment serves on unchanged")
+        if not self.resizing.done:
+            return None
+        result, self.resizing = self.resizing.result(), None
+        self.resizes.append(result)
+        return result
+
+    def _joined(self, rank: int) -> None:
+        """A new rank serves in the new shape: requests may go to it."""
+        d = self.domains[0]
+        self.channel.add([rank])
+        d.ranks.append(rank)
+        d.ranks.sort(key=self.resizing.new.index)   # the new shape's order: its EP ranks, and the next resize's
+        d.load[rank] = 0
+        self.domain_of[rank] = d
+
+    def _left(self, rank: int) -> None:
+        """A leaving rank's last report is in: its requests go to the ranks that stay, from the tokens so far."""
+        for st in list(self.requests.values()):
+            if st.dp_rank == rank:
+                self._readmit(st)
+                self.resizing.moved += 1
+        self.domains[0].load.pop(rank, None)
+        self.domain_of.pop(rank, None)
+        self.rank_stats.pop(rank, None)
+        if self.router is not None:
+            self.router.forget_rank(rank)
+        self.channel.drop(rank)
+        self.resizing.left.add(rank)
 
 
 def plan_members(current: list[int], new_size: int) -> list[int]:

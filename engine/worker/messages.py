@@ -44,6 +44,7 @@ class Command:
     kind: int                   # END (leave the worker loop) | SHUTDOWN | RESIZE
     seq: int                    # the front's count of commands: a rank obeys each number once
     members: tuple[int, ...] | None = None   # RESIZE: the ranks of the new shape (origin ranks, in order)
+    tag: str = ""               # RESIZE: names this resize's rendezvous (a grow's new ranks know it too)
 
 
 @dataclass(slots=True)

@@ -68,7 +68,7 @@ class RankLoop:
         self.stats_interval_s, self.idle_sleep_s, self.poll_s = stats_interval_s, idle_sleep_s, poll_s
         self.wave, self.running, self.woken_for = 0, False, -1
         self.command, self.command_seq, self.done_seq = 0, 0, 0     # pending command, its number, last obeyed
-        self._members: dict[int, tuple[int, ...]] = {}              # RESIZE commands' new members, by number
+        self._members: dict[int, Command] = {}                      # RESIZE commands, by number
         self._deltas: list[Delta] = []
         self._start_wave: int | None = None
         self._generated = 0
@@ -82,8 +82,8 @@ class RankLoop:
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> str:
-        """Until a command ends the loop: -> "end" | "shutdown" | "left" (a resize dropped this rank). With on_rank_loss = "continue" a
-        lost rank is survived: the ranks re-form and the loop goes on."""
+        """Until a command ends the loop: -> "end" | "shutdown" | "left" (a resize dropped this rank). With
+        on_rank_loss = "continue" a lost rank is survived: the ranks re-form and the loop goes on."""
         while True:
             lost = False
             try:
@@ -197,7 +197,7 @@ class RankLoop:
             if m.seq > self.done_seq and m.seq > self.command_seq:
                 self.command, self.command_seq = m.kind, m.seq
                 if m.kind == RESIZE:
-                    self._members[m.seq] = m.members
+                    self._members[m.seq] = m
                 self.running = True      # leave through the sync, in step with every other rank
         elif not self.hooks.handle(m):
             raise TypeError(f"rank {self.rank}: unknown control message {m!r}")
@@ -211,20 +211,21 @@ class RankLoop:
         if self.command_seq <= self.done_seq:
             self.command, self.command_seq = 0, 0
         if kind == RESIZE:
-            return self._resize(self._members.pop(seq))
+            cmd = self._members.pop(seq)
+            return self._resize(cmd.members, cmd.tag)
         self.wave += 1                   # a command ends the wave too: every rank leaves here
         self.running = False
         self._report(force=True, idle=True)
         return "shutdown" if kind == SHUTDOWN else "end"
 
-    def _resize(self, members: tuple[int, ...]) -> str | None:
+    def _resize(self, members: tuple[int, ...], tag: str) -> str | None:
         """Every rank in the same step (engine/worker/resize.py). A rank left out reports first — its requests'
         tokens so far, flagged as its last report, so the front moves them to the ranks that stay (recompute) —,
         then gives its experts and leaves: -> "left". The others go on stepping in the new shape."""
         from .resize import resize
         if self.ctx.origin_rank not in members:
             self._report(force=True, left=True)
-        stats = resize(self.core, list(members))
+        stats = resize(self.core, list(members), tag)
         if stats is None:
             return "left"
         self.joined(stats)

@@ -8,7 +8,8 @@
    layers', by EPLB's recorded load; the MTP layers', uniformly) over the survivors (eplb/survivors.py: every
    logical expert keeps a replica, what a survivor holds stays) and fill the new slots: a local copy, else a peer
    copy from a surviving holder (point-to-point over the new group), else the checkpoint files, which every rank
-   can read. If an expert can be had from nowhere, every survivor raises the same error.
+   can read (engine/worker/relayout.py, shared with a resize on request). If an expert can be had from nowhere,
+   every survivor raises the same error.
 3. Wire again over the survivors' context (EngineCore.rewire: the step that built the dispatcher, DBO, the step sync,
    EPLB and the runner at start-up).
 
@@ -28,7 +29,6 @@ from wideep.parallel.reform import reform
 from wideep.parallel.watchdog import guard_collective
 
 from . import relayout
-from .relayout import ExpertsUnavailable  # noqa: F401 (re-exported: where callers found it first)
 
 
 def recover(core) -> dict:

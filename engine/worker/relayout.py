@@ -30,7 +30,8 @@ class ExpertsUnavailable(RuntimeError):
 
 def move(core, xctx, groups: list, plans: list, dest: list[int]) -> tuple[list | None, dict]:
     """Every group's new slots filled on the ranks of the new shape. -> (per group, the new experts of each of its
-    layers — None on a rank that is not in dest —, figures: bytes received from peers and read from the checkpoint)."""
+    layers — None on a rank that is not in dest —, figures: bytes received from peers and read from the
+    checkpoint)."""
     me = xctx.rank
     j = dest.index(me) if me in dest else None
     peer_bytes = ckpt_bytes = from_ckpt = 0

@@ -1,7 +1,7 @@
 """One rank's part of a resize on request (`POST /scale_elastic_ep`, Engine.start_resize): the ranks named
 in the RESIZE command form the new shape, the others leave.
 
-    stats = resize(core, members)     # every rank of the old shape, in the same step (the step sync's command)
+    stats = resize(core, members, tag)   # every rank of the old shape, in the same step (the step sync's command)
 
 Grow (today's ranks followed by new ones, which the launcher started and which loaded the model meanwhile:
 engine/worker/join.py): the new shape's group forms first (the running ranks regroup, the new ones join), the
@@ -35,8 +35,9 @@ from wideep.parallel.watchdog import guard_collective
 from . import relayout
 
 
-def resize(core, members: list[int]) -> dict | None:
-    """-> figures for the front (members, epoch, seconds, expert bytes moved), or None on a rank that left."""
+def resize(core, members: list[int], tag: str) -> dict | None:
+    """-> figures for the front (members, epoch, seconds, expert bytes moved), or None on a rank that left.
+    tag: the resize's name, under which the new groups rendezvous (parallel/reform.py regroup)."""
     t0 = time.monotonic()
     old = core.ctx
     old_members = [origin_of(old, r) for r in range(old.world_size)]
@@ -55,12 +56,12 @@ def resize(core, members: list[int]) -> dict | None:
                          load if g.rebalanced else None) for g in groups]
     if grow:   # the new ranks hold nothing yet: form the new group first, then move over it
         core.unwire()
-        ctx = regroup(old, members)
+        ctx = regroup(old, members, tag)
         stats = settle(core, ctx, plans)
     else:      # a leaving rank gives its experts over the old group, then goes
         moved, stats = relayout.move(core, old, groups, plans, stay) if groups else (None, {})
         core.unwire()
-        ctx = regroup(old, members)
+        ctx = regroup(old, members, tag)
         if ctx is None:
             return None
         if groups:

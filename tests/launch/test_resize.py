@@ -49,18 +49,26 @@ def scale(base: str, body) -> tuple[int, dict]:
 
 
 def serve_under_load(s: Spawned, sizes: list[int], bad: list = ()) -> tuple[list, list, list]:
-    """The 64-request load (half streamed) on s; once it runs, each size in turn through the route, and each bad
-    body. -> (the load's results in order, the route's answers, the bad bodies' answers)."""
+    """The 64-request load (half streamed) on s, in len(sizes) + 1 waves: the first, then each size through the
+    route with the next wave sent while that resize runs; then each bad body. -> (the load's results in order,
+    the route's answers, the bad bodies' answers)."""
     reqs = load()
-    with ThreadPoolExecutor(len(reqs)) as ex:
-        jobs = [ex.submit(complete, s.base, p, n, i % 2 == 0) for i, (p, n) in enumerate(reqs)]
+    waves = [range(len(reqs))[i::len(sizes) + 1] for i in range(len(sizes) + 1)]
+    jobs: dict[int, object] = {}
+    with ThreadPoolExecutor(len(reqs) + 1) as ex:
+        def send(wave):
+            for i in wave:
+                jobs[i] = ex.submit(complete, s.base, *reqs[i], i % 2 == 0)
+        send(waves[0])
         time.sleep(1.0)   # the load is in flight
-        answers, refused = [], []
-        for n in sizes:
-            answers.append(scale(s.base, {"new_data_parallel_size": n}))
-            refused += [scale(s.base, b) for b in bad]
-            bad = ()
-        got = [j.result(timeout=120) for j in jobs]
+        answers = []
+        for n, wave in zip(sizes, waves[1:]):
+            asked = ex.submit(scale, s.base, {"new_data_parallel_size": n})
+            time.sleep(0.02)
+            send(wave)        # accepted while the resize runs
+            answers.append(asked.result(timeout=120))
+        refused = [scale(s.base, b) for b in bad]
+        got = [jobs[i].result(timeout=120) for i in range(len(reqs))]
     return got, answers, refused
 
 
@@ -80,6 +88,7 @@ def test_shrink_4_to_3_to_1_under_load(tiny, solo):
             assert 0 < body["resize_s"] < RESIZE_LIMIT_S
         print("resize times:", [b["resize_s"] for _, b in answers])
         assert answers[0][1]["left"] == [3] and answers[1][1]["left"] == [1, 2]
+        assert answers[0][1]["requests_moved"] + answers[1][1]["requests_moved"] > 0   # drained ranks had work
         assert [st for st, _ in refused] == [400] * 6, refused
         assert "new_data_parallel_size" in refused[0][1]["error"]["message"]
         assert "got '3'" in refused[1][1]["error"]["message"] and "got 0" in refused[2][1]["error"]["message"]
@@ -102,17 +111,20 @@ def test_shrink_4_to_3_to_1_under_load(tiny, solo):
 @pytest.mark.multirank
 def test_grow_4_to_6_then_shrink_to_3_under_load(tiny, solo):
     """The issue's target: 4 -> 6 -> 3 ranks while the 64-request load runs; the supervisor starts the 2 new ranks,
-    they load the model while the others serve, join, and receive their experts from the ranks that hold them."""
+    they load the model while the others serve, join, and receive their experts from the ranks that hold them.
+    Then 3 -> 4: the new rank gets an origin rank never used before (6)."""
     s = Spawned([tiny, "--dp-size", "4", *FLAGS])
     try:
-        got, answers, _ = serve_under_load(s, [6, 3])
+        got, answers, _ = serve_under_load(s, [6, 3, 4])
         assert [g["token_ids"] for g in got] == solo                   # none lost or failed, tokens unchanged
-        (st1, grow), (st2, shrink) = answers
-        assert st1 == 200 and st2 == 200, answers
-        assert (grow["old_data_parallel_size"], grow["new_data_parallel_size"], grow["members"]) == (4, 6, [0, 1, 2, 3, 4, 5])
+        (st1, grow), (st2, shrink), (st3, again) = answers
+        assert st1 == 200 and st2 == 200 and st3 == 200, answers
+        assert again["members"] == [0, 1, 2, 6] and again["resize_s"] < RESIZE_LIMIT_S
+        assert (grow["old_data_parallel_size"], grow["new_data_parallel_size"]) == (4, 6)
+        assert grow["members"] == [0, 1, 2, 3, 4, 5] and grow["new_ranks_ready_s"] <= grow["resize_s"]
         assert grow["expert_bytes_peer"] > 0 and grow["expert_bytes_checkpoint"] == 0   # from the holders
         assert (shrink["new_data_parallel_size"], shrink["members"], shrink["left"]) == (3, [0, 1, 2], [3, 4, 5])
-        print("resize times (4 -> 6, 6 -> 3):", grow["resize_s"], shrink["resize_s"])
+        print("resize times (4 -> 6, 6 -> 3, 3 -> 4):", grow["resize_s"], shrink["resize_s"], again["resize_s"])
         assert grow["resize_s"] < RESIZE_LIMIT_S and shrink["resize_s"] < RESIZE_LIMIT_S
         line = next(x for x in s.output if "started rank(s) 4, 5 (pids " in x)
         pids = [s.ranks[3], *(int(p) for p in line.split("(pids ")[1].split(")")[0].split(", "))]
@@ -126,6 +138,36 @@ def test_grow_4_to_6_then_shrink_to_3_under_load(tiny, solo):
         s.kill()
     assert rc == 0, "".join(s.output)
     assert "Traceback" not in "".join(s.output)
+
+
+@LINUX
+@pytest.mark.multirank
+def test_a_grow_whose_new_rank_cannot_load_is_a_503_and_changes_nothing(tiny, tmp_path):
+    """The checkpoint's weights vanish after start-up (the running ranks hold theirs): the new rank cannot load
+    the model, says why, and the front fails the resize at once (503 naming it); the deployment serves on with its
+    2 ranks and can still be resized."""
+    import shutil
+    d = tmp_path / "ckpt"
+    shutil.copytree(tiny, d)
+    s = Spawned([str(d), "--dp-size", "2", *FLAGS])
+    try:
+        before = complete(s.base, [5, 6, 7], 6, False)["token_ids"]
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+        status, body = scale(s.base, {"new_data_parallel_size": 3})
+        assert status == 503, body
+        msg = body["error"]["message"]
+        assert "rank 2 could not load the model" in msg and "serves on unchanged" in msg, msg
+        assert complete(s.base, [5, 6, 7], 6, False)["token_ids"] == before
+        assert s.saw("rank 2 (pid ", 10)    # the supervisor names the new rank's failed exit
+        status, body = scale(s.base, {"new_data_parallel_size": 1})   # the 2 ranks it has still resize
+        assert status == 200 and body["old_data_parallel_size"] == 2, body
+        assert complete(s.base, [5, 6, 7], 6, False)["token_ids"] == before
+        s.proc.send_signal(signal.SIGTERM)
+        rc = s.wait(60)
+    finally:
+        s.kill()
+    assert rc == 0, "".join(s.output)
 
 
 @pytest.mark.multirank
