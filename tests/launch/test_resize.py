@@ -48,6 +48,17 @@ def scale(base: str, body) -> tuple[int, dict]:
     return status, json.loads(raw)
 
 
+def left_and_serves_on(s: Spawned, left: dict[int, int]) -> int | None:
+    """The ranks a shrink dropped ({rank: pid}) exited with status 0, named by the supervisor, and are gone; the
+    deployment still completes a request; then SIGTERM stops it: its exit status."""
+    for rank, pid in left.items():
+        assert s.saw(f"rank {rank} (pid {pid}) exited (exit status 0)", 10), s.output
+        assert not alive(pid)
+    assert complete(s.base, [5, 6, 7], 4, True)["finish_reason"] == "length"
+    s.proc.send_signal(signal.SIGTERM)
+    return s.wait(60)
+
+
 def serve_under_load(s: Spawned, sizes: list[int], bad: list = ()) -> tuple[list, list, list]:
     """The 64-request load (half streamed) on s, in len(sizes) + 1 waves: the first, then each size through the
     route with the next wave sent while that resize runs; then each bad body. -> (the load's results in order,
@@ -94,13 +105,8 @@ def test_shrink_4_to_3_to_1_under_load(tiny, solo):
         assert "got '3'" in refused[1][1]["error"]["message"] and "got 0" in refused[2][1]["error"]["message"]
         assert "got 2.5" in refused[3][1]["error"]["message"]
         assert "at most" in refused[5][1]["error"]["message"] or "cannot grow" in refused[5][1]["error"]["message"]
-        for rank in (1, 2, 3):   # the dropped ranks left with status 0, named by the supervisor
-            assert s.saw(f"rank {rank} (pid {s.ranks[rank]}) exited (exit status 0)", 10), s.output
-            assert not alive(s.ranks[rank])
         assert request(s.base, "GET", "/is_scaling_elastic_ep") == (200, b'{"is_scaling_elastic_ep": false}')
-        assert complete(s.base, [5, 6, 7], 4, True)["finish_reason"] == "length"   # rank 0 alone serves on
-        s.proc.send_signal(signal.SIGTERM)
-        rc = s.wait(60)
+        rc = left_and_serves_on(s, {rank: s.ranks[rank] for rank in (1, 2, 3)})   # rank 0 alone serves on
     finally:
         s.kill()
     assert rc == 0, "".join(s.output)
@@ -128,12 +134,7 @@ def test_grow_4_to_6_then_shrink_to_3_under_load(tiny, solo):
         assert grow["resize_s"] < RESIZE_LIMIT_S and shrink["resize_s"] < RESIZE_LIMIT_S
         line = next(x for x in s.output if "started rank(s) 4, 5 (pids " in x)
         pids = [s.ranks[3], *(int(p) for p in line.split("(pids ")[1].split(")")[0].split(", "))]
-        for rank, pid in zip((3, 4, 5), pids):   # the supervisor started 4 and 5; 3, 4, 5 left with status 0
-            assert s.saw(f"rank {rank} (pid {pid}) exited (exit status 0)", 10), s.output
-            assert not alive(pid)
-        assert complete(s.base, [5, 6, 7], 4, True)["finish_reason"] == "length"
-        s.proc.send_signal(signal.SIGTERM)
-        rc = s.wait(60)
+        rc = left_and_serves_on(s, dict(zip((3, 4, 5), pids)))   # the supervisor started 4 and 5
     finally:
         s.kill()
     assert rc == 0, "".join(s.output)
