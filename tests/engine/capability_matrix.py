@@ -24,6 +24,8 @@ CAPABILITIES = {
     "dbo": ("dual-batch overlap", "2 EP ranks, every step with 2+ tokens split"),
     "eplb": ("online EPLB rebalancing", "2 EP ranks, 2 redundant slots, a rebalance every 3 steps"),
     "rank_loss": ("a rank killed (on_rank_loss continue)", "4 EP ranks, rank 2 SIGKILLed mid-generation"),
+    "resize": ("resize on request (Engine.start_resize)", "4 EP ranks shrunk to 3, then to 1, while requests "
+                                                          "arrive (tests/engine/test_resize.py's load)"),
     "disagg": ("prefill/decode disaggregation", "1 prefill + 1 decode rank"),
     "kv_tiers": ("host/disk KV tiers + KV-aware routing", "2 EP ranks, host and disk tiers, kv_aware routing"),
     "fp8_kv": ("FP8 KV cache", "2 EP ranks, kv_cache_dtype fp8 (against one process with fp8)"),

@@ -223,7 +223,7 @@ def check_cell(family: str, cap: str, per_rank: list, alone: dict, lost: int | N
     assert exercised.get(cap, True), f"{where}: the capability did not run ({ran})"
 
 
-TWO_RANK_CAPS = [c for c in CAPABILITIES if c not in ("rank_loss", "disagg", "ep4")]
+TWO_RANK_CAPS = [c for c in CAPABILITIES if c not in ("rank_loss", "disagg", "ep4", "resize")]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -275,6 +275,24 @@ def test_prefill_decode_disaggregation(family):
     for o in outs:
         assert o.ok, f"{FAMILIES[fam]}: rank {o.rank} failed:\n{o.stderr[-4000:]}"
     check_cell(fam, "disagg", [o.value for o in outs], refs["plain"])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+def test_resize_while_serving(family):
+    """The resize cell: tests/engine/test_resize.py's serving loop (its own requests, arriving while 4 ranks shrink
+    to 3 and then to 1) on this family's checkpoint, token for token equal to one process."""
+    from tests.engine.test_resize import _serve
+    fam, d, _, _ = family
+    assert expected(fam, "resize") == "equal"
+    alone = _serve(d, (), ())["got"]
+    outs = run(_serve, 4, args=(d, (3, 1), (6, 14)), timeout_s=300)
+    for o in outs:
+        assert o.ok, f"{FAMILIES[fam]}: rank {o.rank} failed:\n{o.stderr[-4000:]}"
+    front = outs[0].value
+    assert front["got"] == alone, f"{FAMILIES[fam]} x resize: tokens differ from one process"
+    assert [r["new_data_parallel_size"] for r in front["results"]] == [3, 1]
+    assert [o.value["how"] for o in outs[1:]] == ["left", "left", "left"]
 
 
 def test_the_docs_table_is_the_matrix():
